@@ -1,0 +1,1 @@
+"""Workload generator and benchmark suites."""

@@ -1,0 +1,3 @@
+"""Layout model, scalar reference, packing, KeyIndex and LookupEngine.
+
+Never imports triton at module import time."""

@@ -1,0 +1,47 @@
+"""Shared test set-up.
+
+Triton kernels run under the numpy interpreter when no CUDA device is present;
+the variable must be set before triton decorates any kernel, hence here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile("dev", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """The device the backend under test runs on: CUDA when present, else CPU."""
+    return "cuda" if _HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
