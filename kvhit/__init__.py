@@ -26,7 +26,20 @@ _EXPORTS: dict[str, str] = {
     "LookupResult": "kvhit.coordinator.engine",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CacheLayout",
+    "ChunkedLocal",
+    "FullAttention",
+    "Group",
+    "HashBatch",
+    "KeyIndex",
+    "LookupEngine",
+    "LookupResult",
+    "Mamba",
+    "ReferenceCoordinator",
+    "SlidingWindow",
+    "SpecGroup",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvhit.coordinator.engine import LookupEngine, LookupResult

@@ -1,0 +1,377 @@
+"""The cache-layout model: KV-cache group specs, groups and the merged layout.
+
+Mirrors how vLLM 0.33.0's ``MooncakeStoreCoordinator`` sees a model's KV cache:
+groups with equal (coverage) specs merge into one :class:`SpecGroup`, which hits
+only where every member group holds the hash; full-attention SpecGroups come
+first; the EAGLE bit of any member promotes the whole SpecGroup. Everything the
+lookup needs is derived once, at construction, and every layout vLLM would
+``assert`` on at lookup time is refused here with a ``ValueError`` that names the
+group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+SpecKind = Literal["full", "sliding_window", "mamba", "chunked_local"]
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Full attention (MHA, MLA, ...): a hit is a contiguous run from token 0.
+
+    ``tag`` keeps otherwise equal specs apart (vLLM does not merge e.g. an MLA
+    group with an MHA group of the same block size).
+    """
+
+    block_size: int
+    tag: Hashable = None
+
+    kind: SpecKind = field(default="full", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Sliding-window attention over the last ``sliding_window`` tokens.
+
+    ``extra_retained_tokens`` widens the window that an external hit must
+    restore (the multi-module MTP re-prefill tail below the window).
+    """
+
+    block_size: int
+    sliding_window: int
+    extra_retained_tokens: int = 0
+    tag: Hashable = None
+
+    kind: SpecKind = field(default="sliding_window", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Mamba:
+    """A recurrent (Mamba/linear-attention) state: block ``p`` is the state
+    after ``(p + 1) * block_size`` tokens."""
+
+    block_size: int
+    tag: Hashable = None
+
+    kind: SpecKind = field(default="mamba", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ChunkedLocal:
+    """Chunked local attention over ``attention_chunk_size``-token chunks."""
+
+    block_size: int
+    attention_chunk_size: int
+    tag: Hashable = None
+
+    kind: SpecKind = field(default="chunked_local", init=False, repr=False)
+
+
+Spec = FullAttention | SlidingWindow | Mamba | ChunkedLocal
+_SPEC_TYPES = (FullAttention, SlidingWindow, Mamba, ChunkedLocal)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV-cache group: a spec, whether it holds EAGLE/MTP draft layers, and
+    whether it takes part in prefix caching (scratch groups do not)."""
+
+    spec: Spec
+    eagle: bool = False
+    prefix_cacheable: bool = True
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class SpecGroup:
+    """Groups sharing one coverage spec, looked up jointly.
+
+    ``spec`` is the coverage spec (a sliding window already widened by
+    ``extra_retained_tokens``); ``group_ids`` index ``CacheLayout.groups``;
+    ``use_eagle`` is True when any member (or the layout-wide ``use_eagle``
+    fallback) makes the whole SpecGroup drop its last hit block.
+    """
+
+    spec: Spec
+    group_ids: tuple[int, ...]
+    use_eagle: bool
+
+    @property
+    def kind(self) -> SpecKind:
+        return self.spec.kind
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def supports_fine_grained(self) -> bool:
+        """Whether vLLM's manager for this spec probes hash-unit boundaries
+        inside a block when partial hash hits are on (full attention, Mamba)."""
+        return self.spec.kind in ("full", "mamba")
+
+
+def coverage_spec(spec: Spec) -> Spec:
+    """The spec whose window covers every block an external hit restores: a
+    sliding window widened by ``extra_retained_tokens`` (vLLM's
+    ``_coverage_spec``). Equal coverage specs merge."""
+    if isinstance(spec, SlidingWindow) and spec.extra_retained_tokens:
+        return replace(
+            spec,
+            sliding_window=spec.sliding_window + spec.extra_retained_tokens,
+            extra_retained_tokens=0,
+        )
+    return spec
+
+
+def eagle_proof_margin(
+    block_size: int, hash_block_size: int, fine_grained_lookup: bool
+) -> int:
+    """Tokens an EAGLE group matches past a cache hit before dropping them:
+    one hash unit for fine-grained lookups, else one cache block."""
+    if fine_grained_lookup and block_size > hash_block_size:
+        return hash_block_size
+    return block_size
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _group_label(idx: int, group: Group) -> str:
+    name = f" ({group.name!r})" if group.name else ""
+    return f"group {idx}{name} [{type(group.spec).__name__}]"
+
+
+class CacheLayout:
+    """A model's KV-cache groups and the store's hashing parameters.
+
+    Args:
+        groups: the KV-cache groups, in vLLM's group order (group ids are
+            positions in this list).
+        scheduler_block_size: the scheduler's token alignment (vLLM's LCM block
+            size); hits are multiples of it unless ``partial_hash_hits``.
+        hash_block_size: tokens per block hash.
+        use_eagle: speculative decoding with EAGLE/MTP; with no group flagged,
+            every group drops its last hit block.
+        retention_interval: vLLM's ``prefix_cache_retention_interval`` (sparse
+            SWA tails / Mamba states in store masks); ``None`` is dense.
+        partial_hash_hits: hits may land on any hash unit, not only on
+            ``scheduler_block_size`` boundaries.
+
+    Raises:
+        ValueError: naming the group and the rule, for every layout vLLM 0.33.0
+            would refuse or assert on at lookup time.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Group],
+        scheduler_block_size: int,
+        hash_block_size: int,
+        use_eagle: bool = False,
+        retention_interval: int | None = None,
+        partial_hash_hits: bool = False,
+    ) -> None:
+        groups = tuple(groups)
+        self.groups: tuple[Group, ...] = groups
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.use_eagle = bool(use_eagle)
+        self.retention_interval = retention_interval
+        self.partial_hash_hits = bool(partial_hash_hits)
+        self._validate()
+
+        self.coverage_specs: tuple[Spec, ...] = tuple(
+            coverage_spec(g.spec) for g in groups
+        )
+        self.spec_groups: tuple[SpecGroup, ...] = self._merge()
+        self.eagle_group_ids: frozenset[int] = frozenset(
+            gid for sg in self.spec_groups if sg.use_eagle for gid in sg.group_ids
+        )
+        # The alignment every hit length and lookup/store length is a multiple of.
+        self.alignment: int = (
+            hash_block_size if self.partial_hash_hits else scheduler_block_size
+        )
+        self.proof_margins: dict[int, int] = {
+            gid: eagle_proof_margin(
+                sg.block_size,
+                hash_block_size,
+                self.partial_hash_hits and sg.supports_fine_grained,
+            )
+            for sg in self.spec_groups
+            if sg.use_eagle and sg.kind != "mamba"
+            for gid in sg.group_ids
+        }
+        self.mamba_group_ids: frozenset[int] = frozenset(
+            i for i, g in enumerate(groups) if isinstance(g.spec, Mamba)
+        )
+        self.is_simple_hybrid: bool = (
+            len(self.spec_groups) == 2 and self.spec_groups[0].kind == "full"
+        )
+        self._validate_merged()
+
+    # -- construction -----------------------------------------------------
+
+    def _validate(self) -> None:
+        hbs, sbs = self.hash_block_size, self.scheduler_block_size
+        if not _is_positive_int(hbs):
+            raise ValueError(f"hash_block_size must be a positive int, got {hbs!r}")
+        if not _is_positive_int(sbs):
+            raise ValueError(
+                f"scheduler_block_size must be a positive int, got {sbs!r}"
+            )
+        if sbs % hbs:
+            raise ValueError(
+                f"scheduler_block_size ({sbs}) must be a multiple of "
+                f"hash_block_size ({hbs})"
+            )
+        ri = self.retention_interval
+        if ri is not None and (
+            not isinstance(ri, int) or isinstance(ri, bool) or ri < 0 or ri % sbs
+        ):
+            raise ValueError(
+                f"retention_interval ({ri!r}) must be None or a non-negative "
+                f"multiple of scheduler_block_size ({sbs})"
+            )
+        if not self.groups:
+            raise ValueError("a CacheLayout needs at least one group, got none")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, Group):
+                raise TypeError(f"groups[{i}] must be a Group, got {type(g).__name__}")
+            label = _group_label(i, g)
+            spec = g.spec
+            if not isinstance(spec, _SPEC_TYPES):
+                raise TypeError(
+                    f"{label}: spec must be one of FullAttention, SlidingWindow, "
+                    f"Mamba, ChunkedLocal; got {type(spec).__name__}"
+                )
+            try:
+                hash(spec)
+            except TypeError as exc:
+                raise ValueError(f"{label}: spec tag must be hashable") from exc
+            if not _is_positive_int(spec.block_size):
+                raise ValueError(
+                    f"{label}: block_size must be a positive int, "
+                    f"got {spec.block_size!r}"
+                )
+            if isinstance(spec, SlidingWindow):
+                if not _is_positive_int(spec.sliding_window):
+                    raise ValueError(
+                        f"{label}: sliding_window must be a positive int, "
+                        f"got {spec.sliding_window!r}"
+                    )
+                ert = spec.extra_retained_tokens
+                if not isinstance(ert, int) or isinstance(ert, bool) or ert < 0:
+                    raise ValueError(
+                        f"{label}: extra_retained_tokens must be a non-negative "
+                        f"int, got {ert!r}"
+                    )
+            if isinstance(spec, ChunkedLocal) and not _is_positive_int(
+                spec.attention_chunk_size
+            ):
+                raise ValueError(
+                    f"{label}: attention_chunk_size must be a positive int, "
+                    f"got {spec.attention_chunk_size!r}"
+                )
+            if not g.prefix_cacheable:
+                # Never probed for hits, so vLLM does not constrain its size.
+                continue
+            if spec.block_size % hbs:
+                raise ValueError(
+                    f"{label}: block_size ({spec.block_size}) must be a multiple "
+                    f"of hash_block_size ({hbs})"
+                )
+            if sbs % spec.block_size:
+                raise ValueError(
+                    f"{label}: scheduler_block_size ({sbs}) must be a multiple "
+                    f"of the group's block_size ({spec.block_size})"
+                )
+        if not any(g.prefix_cacheable for g in self.groups):
+            raise ValueError(
+                "a CacheLayout needs at least one prefix-cacheable group; "
+                "every group has prefix_cacheable=False"
+            )
+
+    def _merge(self) -> tuple[SpecGroup, ...]:
+        merged: list[tuple[Spec, list[int], list[bool]]] = []
+        for i, g in enumerate(self.groups):
+            if not g.prefix_cacheable:
+                continue
+            spec = self.coverage_specs[i]
+            for m_spec, m_ids, m_eagle in merged:
+                if m_spec == spec:
+                    m_ids.append(i)
+                    m_eagle[0] = m_eagle[0] or bool(g.eagle)
+                    break
+            else:
+                merged.append((spec, [i], [bool(g.eagle)]))
+        # Stable: full attention first, the rest in group order.
+        merged.sort(key=lambda e: not isinstance(e[0], FullAttention))
+        all_eagle = self.use_eagle and not any(e[2][0] for e in merged)
+        return tuple(
+            SpecGroup(s, tuple(ids), all_eagle or eagle[0]) for s, ids, eagle in merged
+        )
+
+    def _validate_merged(self) -> None:
+        for sg in self.spec_groups:
+            if sg.kind != "chunked_local":
+                continue
+            label = _group_label(sg.group_ids[0], self.groups[sg.group_ids[0]])
+            if sg.use_eagle:
+                raise ValueError(
+                    f"{label}: chunked local attention cannot be an EAGLE group "
+                    "(vLLM does not support eagle + chunked local attention); "
+                    "flag another group as the EAGLE group or turn use_eagle off"
+                )
+            if sg.block_size != self.alignment:
+                raise ValueError(
+                    f"{label}: chunked local attention needs block_size "
+                    f"({sg.block_size}) equal to the hit alignment "
+                    f"({self.alignment}: "
+                    + (
+                        "hash_block_size, partial hash hits are on)"
+                        if self.partial_hash_hits
+                        else "scheduler_block_size)"
+                    )
+                )
+
+    # -- conveniences -----------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def align(self, length: int) -> int:
+        """``length`` rounded down to the hit alignment."""
+        return length // self.alignment * self.alignment
+
+    def __repr__(self) -> str:
+        return (
+            f"CacheLayout(groups={list(self.groups)!r}, "
+            f"scheduler_block_size={self.scheduler_block_size}, "
+            f"hash_block_size={self.hash_block_size}, use_eagle={self.use_eagle}, "
+            f"retention_interval={self.retention_interval}, "
+            f"partial_hash_hits={self.partial_hash_hits})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheLayout):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (
+            self.groups,
+            self.scheduler_block_size,
+            self.hash_block_size,
+            self.use_eagle,
+            self.retention_interval,
+            self.partial_hash_hits,
+        )
