@@ -1,0 +1,207 @@
+"""The benchmark workload generator: deterministic, valid, realistic enough."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvhit.bench.workloads import (
+    PRESETS,
+    TrafficConfig,
+    Workload,
+    generate,
+    make_layout,
+)
+from kvhit.coordinator.reference import ReferenceCoordinator
+from kvhit.coordinator.specs import CacheLayout, Mamba
+
+SMALL = TrafficConfig(num_requests=96, min_tokens=64, max_tokens=2048, seed=7)
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def workload(request: pytest.FixtureRequest) -> Workload:
+    return generate(request.param, SMALL)
+
+
+def test_presets_are_valid_layouts() -> None:
+    for name in PRESETS:
+        layout = make_layout(name)
+        assert isinstance(layout, CacheLayout)
+        assert layout.spec_groups
+    dsv4 = make_layout("dsv4-flash")
+    assert dsv4.hash_block_size == 4 and dsv4.scheduler_block_size == 256
+    assert dsv4.use_eagle and dsv4.eagle_group_ids == frozenset({1, 2})
+    qwen = make_layout("qwen3-next")
+    assert qwen.partial_hash_hits and qwen.mamba_group_ids == frozenset({1})
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_layout("nope")
+
+
+def test_dsv4_seed_regression_3_holds_on_the_preset() -> None:
+    # DESIGN.md seed regression 3, built from the preset: guards the preset.
+    layout = make_layout("dsv4-flash")
+    ref = ReferenceCoordinator(layout)
+    hashes = [i.to_bytes(8, "little") for i in range(768 // 4)]
+    store = set()
+    for gid, mask in enumerate(ref.store_mask(768)):
+        bs = layout.groups[gid].spec.block_size
+        for c in range(768 // bs):
+            if mask is None or mask[c]:
+                store.add((gid, hashes[(c + 1) * bs // 4 - 1]))
+    _, hit = ref.find_longest_cache_hit(hashes, 768, store)
+    assert hit == 512
+
+
+def test_deterministic_for_a_seed() -> None:
+    a = generate("dsv4-flash", SMALL)
+    b = generate("dsv4-flash", SMALL)
+    assert a.hash_lists == b.hash_lists
+    assert a.num_tokens == b.num_tokens
+    assert a.store_keys == b.store_keys
+    c = generate("dsv4-flash", TrafficConfig(**{**SMALL.__dict__, "seed": 8}))
+    assert c.hash_lists != a.hash_lists
+
+
+def test_deterministic_across_hash_seeds() -> None:
+    # Set iteration order depends on PYTHONHASHSEED; the workload must not.
+    code = (
+        "from kvhit.bench.workloads import generate, TrafficConfig;"
+        "import hashlib;"
+        "w = generate('gemma3', TrafficConfig(num_requests=32, max_tokens=1024));"
+        "print(hashlib.sha256(repr((w.hash_lists, w.num_tokens, "
+        "sorted(w.store_keys))).encode()).hexdigest())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
+
+
+def test_shapes_and_widths(workload: Workload) -> None:
+    hbs = workload.layout.hash_block_size
+    assert len(workload) == SMALL.num_requests
+    for hashes, n in zip(workload.hash_lists, workload.num_tokens, strict=True):
+        assert SMALL.min_tokens <= n <= SMALL.max_tokens
+        assert len(hashes) == n // hbs
+        assert all(len(h) == SMALL.hash_bytes for h in hashes)
+    groups = range(workload.layout.num_groups)
+    assert all(
+        g in groups and len(h) == SMALL.hash_bytes for g, h in workload.store_keys
+    )
+
+
+@pytest.mark.parametrize("hash_bytes", [8, 16, 32])
+def test_hash_width_is_configurable(hash_bytes: int) -> None:
+    cfg = TrafficConfig(num_requests=8, max_tokens=512, hash_bytes=hash_bytes)
+    w = generate("llama", cfg)
+    assert {len(h) for hs in w.hash_lists for h in hs} == {hash_bytes}
+
+
+def test_store_is_non_empty_and_has_holes(workload: Workload) -> None:
+    st = workload.stats
+    assert workload.store_keys
+    assert st.keys_suffix_evicted > 0 and st.keys_random_evicted > 0
+    assert len(workload.store_keys) < st.keys_stored
+    # Holes are visible to lookups: some hits shrink once evictions happen.
+    full = generate(
+        workload.preset,
+        TrafficConfig(
+            **{**SMALL.__dict__, "suffix_evict_prob": 0.0, "random_evict_fraction": 0.0}
+        ),
+    )
+    assert full.hash_lists == workload.hash_lists
+    assert workload.store_keys < full.store_keys
+    holed = workload.reference_lookup()
+    intact = full.reference_lookup()
+    assert all(h <= i for h, i in zip(holed, intact, strict=True))
+    assert sum(holed) < sum(intact)
+    assert any(intact)
+
+
+def test_shared_prefixes_share_hashes(workload: Workload) -> None:
+    hl = workload.hash_lists
+    # Some pairs of requests share a first hash (same system prompt) ...
+    firsts = [h[0] for h in hl if h]
+    assert len(set(firsts)) < len(firsts)
+    # ... and a shared hash at position i implies the whole prefix is shared
+    # (chained hashes), while prefixes diverge forever after a difference.
+    by_first: dict[bytes, list[bytes]] = {}
+    for h in hl:
+        if not h:
+            continue
+        other = by_first.setdefault(h[0], h)
+        n = min(len(h), len(other))
+        common = next((i for i in range(n) if h[i] != other[i]), n)
+        assert set(h[common:n]).isdisjoint(other[common:n])
+
+
+def test_multi_turn_extends_earlier_prompts(workload: Workload) -> None:
+    hl = sorted((h for h in workload.hash_lists if h), key=len)
+    prefixes = {tuple(h) for h in hl}
+    extended = sum(
+        1
+        for h in hl
+        if any(tuple(h[:k]) in prefixes for k in range(1, len(h)) if k > len(h) // 2)
+    )
+    assert extended > 0
+
+
+def test_mamba_states_are_stored() -> None:
+    w = generate("qwen3-next", SMALL)
+    mamba = next(iter(w.layout.mamba_group_ids))
+    assert any(g == mamba for g, _ in w.store_keys)
+    hits = w.reference_lookup()
+    assert any(h % w.layout.scheduler_block_size for h in hits), "partial hits"
+
+
+def test_progress_callback_and_take() -> None:
+    seen: list[tuple[str, int, int]] = []
+    w = generate(
+        "llama",
+        TrafficConfig(num_requests=50, max_tokens=512),
+        progress=lambda *a: seen.append(a),
+    )
+    stages = {s for s, _, _ in seen}
+    assert stages == {"traffic", "store"}
+    assert ("traffic", 100, 100) in seen
+    sub = w.take(10)
+    assert len(sub) == 10 and sub.store_keys is w.store_keys
+    with pytest.raises(ValueError):
+        w.take(51)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="hash_bytes"):
+        TrafficConfig(hash_bytes=12)
+    with pytest.raises(ValueError, match="min_tokens"):
+        TrafficConfig(min_tokens=10, max_tokens=5)
+
+
+def test_mamba_excluded_from_store_masks_but_present() -> None:
+    layout = make_layout("qwen3-next")
+    ref = ReferenceCoordinator(layout)
+    masks = ref.store_mask(256, num_prompt_tokens=256)
+    mamba = next(iter(layout.mamba_group_ids))
+    assert isinstance(layout.groups[mamba].spec, Mamba)
+    assert masks[mamba] is not None and not any(masks[mamba])
+
+
+def test_engine_views_build() -> None:
+    pytest.importorskip("kvhit.coordinator.packing", reason="packing not landed")
+    w = generate("llama", TrafficConfig(num_requests=8, max_tokens=512))
+    batch = w.hash_batch("cpu")
+    assert len(batch) == 8 and batch.total == w.total_hashes
+    assert batch.to_bytes() == [list(h) for h in w.hash_lists]
+    assert w.num_tokens_tensor().tolist() == list(w.num_tokens)
+    pytest.importorskip("kvhit.coordinator.key_index", reason="KeyIndex not landed")
+    index = w.key_index("cpu")
+    assert len(index) == len(w.store_keys)
