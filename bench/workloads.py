@@ -625,3 +625,45 @@ def generate(
             seconds=time.perf_counter() - t0,
         ),
     )
+
+
+def environment_info() -> dict[str, str]:
+    """Machine, Python, torch, triton and GPU versions, for benchmark reports."""
+    import os
+    import platform
+
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next(
+                (
+                    ln.split(":", 1)[1].strip()
+                    for ln in fh
+                    if ln.startswith("model name")
+                ),
+                None,
+            )
+        if model:
+            info["machine"] = f"{model} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = str(torch.version.cuda)
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        info["torch"] = "missing"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "missing"
+    return info
