@@ -1,0 +1,171 @@
+"""HashBatch / pack_hashes / unpack_hashes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhit.coordinator.packing import (
+    HashBatch,
+    num_words,
+    pack_hashes,
+    padding_mask,
+    unpack_hashes,
+)
+
+WIDTHS = [1, 8, 12, 16, 31, 32, 33]
+
+
+def _words_le(h: bytes) -> list[int]:
+    """Reference packing, one hash at a time, with Python ints."""
+    w = num_words(len(h))
+    padded = h + bytes(8 * w - len(h))
+    return [
+        int.from_bytes(padded[8 * j : 8 * j + 8], "little", signed=True)
+        for j in range(w)
+    ]
+
+
+@pytest.mark.parametrize("hash_bytes", WIDTHS)
+def test_pack_matches_scalar_reference_and_round_trips(hash_bytes: int) -> None:
+    rng = np.random.default_rng(hash_bytes)
+    hashes = [rng.bytes(hash_bytes) for _ in range(50)]
+    hashes += [b"\xff" * hash_bytes, b"\x00" * hash_bytes, b"\x80" * hash_bytes]
+    packed = pack_hashes(hashes, hash_bytes)
+    assert packed.dtype == torch.int64
+    assert packed.shape == (len(hashes), num_words(hash_bytes))
+    assert packed.tolist() == [_words_le(h) for h in hashes]
+    assert unpack_hashes(packed, hash_bytes) == hashes
+
+
+def test_little_endian_word_order() -> None:
+    packed = pack_hashes([bytes(range(1, 13))], 12)
+    assert packed.tolist() == [[0x0807060504030201, 0x0C0B0A09]]
+
+
+def test_padding_mask() -> None:
+    assert padding_mask(8) == 0 and padding_mask(32) == 0
+    assert padding_mask(12) == -(1 << 32)  # high 4 bytes of the last word
+    assert padding_mask(1) == -256
+    assert pack_hashes([b"\xff" * 12], 12)[0, 1].item() & padding_mask(12) == 0
+
+
+@settings(max_examples=40)
+@given(
+    hash_bytes=st.sampled_from(WIDTHS),
+    lengths=st.lists(st.integers(0, 6), max_size=6),
+    data=st.data(),
+)
+def test_from_bytes_round_trip(hash_bytes: int, lengths: list[int], data) -> None:
+    reqs = [
+        [
+            data.draw(st.binary(min_size=hash_bytes, max_size=hash_bytes))
+            for _ in range(n)
+        ]
+        for n in lengths
+    ]
+    batch = HashBatch.from_bytes(reqs, hash_bytes)
+    assert len(batch) == len(reqs)
+    assert batch.W == num_words(hash_bytes)
+    assert batch.hash_bytes == hash_bytes
+    assert batch.offsets.dtype == torch.int64 and batch.hashes.dtype == torch.int64
+    assert batch.offsets.tolist() == [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
+    assert batch.lengths.tolist() == lengths
+    assert [batch.num_hashes(i) for i in range(len(reqs))] == lengths
+    assert batch.to_bytes() == reqs
+    for i, req in enumerate(reqs):
+        assert unpack_hashes(batch.request(i), hash_bytes) == req
+
+
+def test_empty_batches() -> None:
+    b = HashBatch.from_bytes([], 32)
+    assert len(b) == 0 and b.hashes.shape == (0, 4) and b.offsets.tolist() == [0]
+    b = HashBatch.from_bytes([[], []], 16)
+    assert len(b) == 2 and b.hashes.shape == (0, 2) and b.offsets.tolist() == [0, 0, 0]
+    assert b.to_bytes() == [[], []]
+    assert pack_hashes([], 12).shape == (0, 2)
+    assert unpack_hashes(torch.empty(0, 2, dtype=torch.int64), 12) == []
+
+
+def test_wrong_width_names_request_and_position() -> None:
+    good = b"x" * 16
+    with pytest.raises(ValueError, match=r"request 2, position 1: hash has 15 bytes"):
+        HashBatch.from_bytes([[good], [], [good, b"y" * 15, good]], 16)
+    with pytest.raises(ValueError, match=r"position 0: hash has 17 bytes"):
+        pack_hashes([b"z" * 17], 16)
+    # Compensating errors (15 + 17 bytes) are still caught.
+    with pytest.raises(ValueError, match="request 0, position 0"):
+        HashBatch.from_bytes([[b"a" * 15, b"b" * 17]], 16)
+    with pytest.raises(TypeError, match="request 0, position 1: expected bytes"):
+        HashBatch.from_bytes([[good, "not bytes" * 2]], 16)
+    with pytest.raises(TypeError):
+        HashBatch.from_bytes([[good, "s" * 16]], 16)  # right length, wrong type
+    with pytest.raises(TypeError):
+        HashBatch.from_bytes([good], 16)  # a request must be a list of hashes
+    with pytest.raises(ValueError, match="hash_bytes"):
+        HashBatch.from_bytes([[good]], 0)
+
+
+def test_constructor_validates() -> None:
+    h = pack_hashes([b"a" * 8, b"b" * 8, b"c" * 8], 8)
+    offs = torch.tensor([0, 1, 3])
+    b = HashBatch(h, offs, 8)
+    assert b.lengths.tolist() == [1, 2] and b.total == 3
+    with pytest.raises(TypeError, match="hashes"):
+        HashBatch(h.to(torch.int32), offs, 8)
+    with pytest.raises(TypeError, match="offsets"):
+        HashBatch(h, offs.to(torch.int32), 8)
+    with pytest.raises(ValueError, match="hashes"):
+        HashBatch(h, offs, 16)  # W mismatch
+    with pytest.raises(ValueError, match="offsets"):
+        HashBatch(h, torch.tensor([0, 2, 1, 3]), 8)  # decreasing
+    with pytest.raises(ValueError, match="offsets"):
+        HashBatch(h, torch.tensor([0, 1, 2]), 8)  # does not end at total
+    with pytest.raises(ValueError, match="offsets"):
+        HashBatch(h, torch.tensor([1, 3]), 8)
+    bad_pad = pack_hashes([b"a" * 12], 12)
+    bad_pad[0, 1] |= 1 << 40
+    with pytest.raises(ValueError, match="padding"):
+        HashBatch(bad_pad, torch.tensor([0, 1]), 12)
+    with pytest.raises(IndexError):
+        b.num_hashes(2)
+    assert b.num_hashes(-1) == 2
+
+
+def test_non_contiguous_hashes_are_made_contiguous() -> None:
+    h = pack_hashes([bytes([i]) * 16 for i in range(4)], 16)
+    view = torch.cat([h, h], 1)[:, :2]  # row stride 4, not contiguous
+    assert not view.is_contiguous()
+    b = HashBatch(view, torch.tensor([0, 4]), 16)
+    assert b.hashes.is_contiguous()
+    assert torch.equal(b.hashes, h)
+
+
+def test_to_device(device: str) -> None:
+    b = HashBatch.from_bytes([[b"q" * 32]], 32)
+    assert b.to("cpu") is b
+    moved = b.to(device)
+    assert moved.device.type == torch.device(device).type
+    assert moved.to_bytes() == b.to_bytes()
+    on_dev = HashBatch.from_bytes([[b"q" * 32]], 32, device=device)
+    assert on_dev.offsets.device == on_dev.hashes.device == moved.device
+
+
+def test_packing_large_batch_is_fast() -> None:
+    # 1024 requests x 4000 32-byte hashes: must not go through per-hash ints.
+    blob = os.urandom(4000 * 32)
+    one = [blob[i : i + 32] for i in range(0, len(blob), 32)]
+    reqs = [one] * 1024
+    t0 = time.perf_counter()
+    b = HashBatch.from_bytes(reqs, 32)
+    elapsed = time.perf_counter() - t0
+    assert b.total == 1024 * 4000
+    assert torch.equal(b.hashes[:4000], b.hashes[-4000:])
+    assert unpack_hashes(b.hashes[4000 * 7 + 5 : 4000 * 7 + 6], 32) == [one[5]]
+    assert elapsed < 5.0, f"packing took {elapsed:.2f} s"
