@@ -377,7 +377,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             check = (
                 list(range(b))
                 if b <= args.reference_cap
-                else sorted(rng.sample(range(b), args.sample))
+                else sorted(rng.sample(range(b), min(args.sample, b)))
             )
             want = dict(zip(check, wl.reference_lookup(check, ref=ref), strict=True))
             row: dict[str, Any] = {}
