@@ -1,0 +1,464 @@
+"""The torch backend: the reference's hit rules, vectorised over the batch.
+
+No Python loop runs over requests. Each scan works on the set of requests still
+undecided and probes only what the scalar rule would need, in rounds whose
+windows grow geometrically, so a batch costs a bounded number of tensor ops
+(logarithmic in the prompt length) however large it is:
+
+* leading runs (full attention, chunked local, the short-run fallback of a
+  sliding window) probe ``[pos, pos + K)`` blocks per round until a miss;
+* rightmost searches (sliding-window runs ending on an aligned block, Mamba
+  states, the fine-grained tail of full attention) probe the next ``K``
+  candidate boundaries below the bound per round, highest first.
+
+A hash that lies past a request's hashes counts as a miss (the reference raises
+there, as vLLM would with an ``IndexError``). See :mod:`kvhit.coordinator.plan`
+for the closed forms these scans implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvhit.coordinator.plan import (
+    KIND_FULL,
+    KIND_MAMBA,
+    KIND_SWA,
+    ScanPlan,
+    SpecGroupPlan,
+)
+
+# probe(group_ids int64 [N], rows int64 [N]) -> bool [N]: is (group, hashes[row])
+# in the store?
+Prober = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_FIRST_WINDOW = 8
+_GROWTH = 4
+_MAX_WINDOW = 4096
+
+
+@dataclass
+class _Batch:
+    """The batch as the scans see it (all int64 on one device).
+
+    ``offsets [B]`` first hash row of each request, ``lens [B]`` its number of
+    hash units, ``token_len [B]`` the store worker's lookup length when the
+    probe set is restricted to the worker's candidates (``None`` otherwise).
+    """
+
+    hashes: torch.Tensor
+    offsets: torch.Tensor
+    lens: torch.Tensor
+    token_len: torch.Tensor | None
+
+
+class TorchScanner:
+    """Runs a :class:`ScanPlan` over a batch with a prober."""
+
+    def __init__(self, plan: ScanPlan, probe: Prober) -> None:
+        self.plan = plan
+        self.probe = probe
+
+    # -- probing ----------------------------------------------------------
+
+    def _is_candidate(
+        self, batch: _Batch, gid: int, req: torch.Tensor, unit: torch.Tensor
+    ) -> torch.Tensor:
+        """Whether the store worker asks about hash unit ``unit`` of request
+        ``req`` for group ``gid`` (positions only; see ``_dup_candidate``)."""
+        plan = self.plan
+        assert batch.token_len is not None
+        tl = batch.token_len[req]
+        lens = batch.lens[req]
+        if plan.partial:
+            return unit < torch.minimum(lens, tl // plan.hash_block_size)
+        cp = plan.candidates[gid]
+        s, bs = cp.scale, cp.block_size
+        on_block = (unit + 1) % s == 0
+        c = (unit + 1) // s - 1
+        ok = on_block & (c >= 0)
+        ok &= c < torch.minimum(lens // s, -((-tl) // bs))
+        if cp.sparse:
+            p = cp.per_segment
+            ok &= c < tl // bs
+            ok &= c >= cp.shift
+            ok &= torch.remainder(c - cp.shift, p) >= p - cp.need
+        return ok
+
+    def _dup_candidate(
+        self,
+        batch: _Batch,
+        gid: torch.Tensor,
+        req: torch.Tensor,
+        unit: torch.Tensor,
+    ) -> torch.Tensor:
+        """For probes at positions the worker does not ask about: whether the
+        same hash value stands at a position it does ask about (the worker's
+        exists set holds hash values, not positions). Rare: only duplicated
+        hashes inside one request make it True."""
+        n = req.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.bool, device=req.device)
+        lens = batch.lens[req]
+        owner = torch.repeat_interleave(torch.arange(n, device=req.device), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        v = torch.arange(owner.numel(), device=req.device) - starts[owner]
+        rows_v = batch.offsets[req][owner] + v
+        rows_u = batch.offsets[req][owner] + unit[owner]
+        same = (batch.hashes[rows_v] == batch.hashes[rows_u]).all(dim=1)
+        cand = torch.zeros_like(same)
+        for g in gid.unique().tolist():
+            sel = gid[owner] == g
+            cand[sel] = self._is_candidate(batch, g, req[owner][sel], v[sel])
+        found = torch.zeros(n, dtype=torch.bool, device=req.device)
+        found[owner[same & cand]] = True
+        return found
+
+    def _probe_units(
+        self, batch: _Batch, sg: SpecGroupPlan, req: torch.Tensor, unit: torch.Tensor
+    ) -> torch.Tensor:
+        """bool [N]: is hash unit ``unit`` of request ``req`` present for every
+        member group of ``sg``?"""
+        n = req.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.bool, device=req.device)
+        valid = (unit >= 0) & (unit < batch.lens[req])
+        req_v, unit_v = req[valid], unit[valid]
+        rows = batch.offsets[req_v] + unit_v
+        m = len(sg.group_ids)
+        gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=req.device)
+        g_all = gids.repeat_interleave(rows.numel())
+        r_all = rows.repeat(m)
+        present = self.probe(g_all, r_all)
+        if batch.token_len is not None and present.any():
+            req_all, unit_all = req_v.repeat(m), unit_v.repeat(m)
+            cand = torch.zeros_like(present)
+            for k, g in enumerate(sg.group_ids):
+                sl = slice(k * rows.numel(), (k + 1) * rows.numel())
+                cand[sl] = self._is_candidate(batch, g, req_v, unit_v)
+            odd = present & ~cand
+            if odd.any():
+                idx = odd.nonzero().squeeze(1)
+                dup = self._dup_candidate(
+                    batch, g_all[idx], req_all[idx], unit_all[idx]
+                )
+                cand[idx] = dup
+            present &= cand
+        hit = present.view(m, -1).all(dim=0)
+        out = torch.zeros(n, dtype=torch.bool, device=req.device)
+        out[valid] = hit
+        return out
+
+    def _probe_blocks(
+        self,
+        batch: _Batch,
+        sg: SpecGroupPlan,
+        req: torch.Tensor,
+        blk: torch.Tensor,
+        scale: int,
+    ) -> torch.Tensor:
+        """bool [N]: block ``blk`` (``scale`` hash units each) of ``req`` hits."""
+        return self._probe_units(batch, sg, req, (blk + 1) * scale - 1)
+
+    # -- scan primitives ----------------------------------------------------
+
+    def _leading_run(
+        self,
+        batch: _Batch,
+        sg: SpecGroupPlan,
+        req: torch.Tensor,
+        start: torch.Tensor,
+        end: torch.Tensor,
+        scale: int,
+    ) -> torch.Tensor:
+        """int64 [R]: how many consecutive blocks from ``start`` (below ``end``)
+        hit."""
+        count = torch.zeros_like(start)
+        pending = (end > start).nonzero().squeeze(1)
+        window = _FIRST_WINDOW
+        while pending.numel():
+            r = req[pending]
+            pos = start[pending] + count[pending]
+            offs = torch.arange(window, device=req.device)
+            blk = pos[:, None] + offs[None, :]
+            inside = blk < end[pending][:, None]
+            hit = torch.zeros_like(inside)
+            flat = inside.nonzero()
+            hit[flat[:, 0], flat[:, 1]] = self._probe_blocks(
+                batch, sg, r[flat[:, 0]], blk[flat[:, 0], flat[:, 1]], scale
+            )
+            stop = ~hit
+            any_stop = stop.any(dim=1)
+            lead = torch.where(
+                any_stop,
+                stop.to(torch.int8).argmax(dim=1),
+                torch.full_like(pos, window),
+            )
+            count[pending] += lead
+            # A window with no miss and no end inside it goes on.
+            pending = pending[~any_stop]
+            window = min(window * _GROWTH, _MAX_WINDOW)
+        return count
+
+    def _rightmost(
+        self,
+        batch: _Batch,
+        sg: SpecGroupPlan,
+        req: torch.Tensor,
+        top: torch.Tensor,
+        low: torch.Tensor,
+        q: int,
+        resid: torch.Tensor,
+        need: torch.Tensor,
+        scale: int,
+    ) -> torch.Tensor:
+        """int64 [R]: the largest block ``j <= top`` with ``j >= low``,
+        ``j % q == resid`` and ``need`` hit blocks ending at ``j`` (-1: none)."""
+        found = torch.full_like(top, -1)
+        # The highest candidate at or below top.
+        first = top - torch.remainder(top - resid, q)
+        low = torch.maximum(low, need - 1)
+        k0 = torch.zeros_like(top)
+        pending = (first >= low).nonzero().squeeze(1)
+        n_cand = _FIRST_WINDOW // 8 or 1
+        max_need = int(need.max().item()) if need.numel() else 1
+        while pending.numel():
+            r = req[pending]
+            jj = (
+                first[pending][:, None]
+                - (
+                    k0[pending][:, None]
+                    + torch.arange(n_cand, device=req.device)[None, :]
+                )
+                * q
+            )
+            live = jj >= low[pending][:, None]
+            d = torch.arange(max_need, device=req.device)
+            blk = jj[:, :, None] - d[None, None, :]
+            use = live[:, :, None] & (d[None, None, :] < need[pending][:, None, None])
+            flat = use.nonzero()
+            hit = torch.zeros_like(use)
+            if flat.numel():
+                hit[flat[:, 0], flat[:, 1], flat[:, 2]] = self._probe_blocks(
+                    batch,
+                    sg,
+                    r[flat[:, 0]],
+                    blk[flat[:, 0], flat[:, 1], flat[:, 2]],
+                    scale,
+                )
+            ok = (hit | ~use).all(dim=2) & live
+            any_ok = ok.any(dim=1)
+            first_ok = ok.to(torch.int8).argmax(dim=1)
+            sel = any_ok.nonzero().squeeze(1)
+            found[pending[sel]] = jj[sel, first_ok[sel]]
+            exhausted = ~live[:, -1]
+            k0[pending] += n_cand
+            pending = pending[~any_ok & ~exhausted]
+            n_cand = min(n_cand * _GROWTH, _MAX_WINDOW)
+        return found
+
+    # -- per-kind scans -----------------------------------------------------
+
+    def scan(
+        self,
+        batch: _Batch,
+        sg: SpecGroupPlan,
+        req: torch.Tensor,
+        bound: torch.Tensor,
+        drop: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scan SpecGroup ``sg`` for requests ``req`` up to ``bound`` tokens.
+
+        Returns ``(hit, length, lo, hi)``, each int64 [R]: the hit length in
+        tokens and the load-mask triple of every member group.
+        """
+        if sg.kind == KIND_FULL:
+            return self._scan_full(batch, sg, req, bound, drop)
+        if sg.kind == KIND_SWA:
+            return self._scan_swa(batch, sg, req, bound, drop)
+        if sg.kind == KIND_MAMBA:
+            return self._scan_mamba(batch, sg, req, bound)
+        return self._scan_chunked(batch, sg, req, bound)
+
+    def _scan_full(self, batch, sg, req, bound, drop):
+        bs, align = sg.block_size, self.plan.alignment
+        lens = batch.lens[req]
+        if sg.fine:
+            scale = bs // align
+            n_view = lens // scale
+        else:
+            scale = sg.scale
+            n_view = lens // scale
+        end = torch.minimum(bound // bs, n_view)
+        n = self._leading_run(batch, sg, req, torch.zeros_like(end), end, scale)
+        blocks = n.clone()
+        hit = n * bs
+        if sg.fine:
+            first = n * scale
+            max_partial = torch.minimum(
+                torch.minimum(first + scale - 1, bound // align), lens
+            )
+            top = max_partial - 1
+            ones = torch.ones_like(top)
+            u = self._rightmost(
+                batch, sg, req, top, first, 1, torch.zeros_like(top), ones, 1
+            )
+            got = u >= 0
+            blocks = blocks + got.to(blocks.dtype)
+            hit = torch.where(got, (u + 1) * align, hit)
+        hit = torch.where(drop & (hit > 0), hit - min(align, bs), hit)
+        hit = hit - torch.remainder(hit, align)
+        blocks = torch.minimum(blocks, -((-hit) // bs))
+        return hit, blocks, torch.zeros_like(blocks), blocks
+
+    def _scan_swa(self, batch, sg, req, bound, drop):
+        bs, q = sg.block_size, sg.q
+        m = bound // bs
+        need = sg.need + drop.to(torch.int64)
+        need_eff = torch.clamp(need, min=1)
+        resid = torch.where(drop, torch.zeros_like(m), torch.full_like(m, q - 1))
+        j = self._rightmost(
+            batch, sg, req, m - 1, torch.zeros_like(m), q, resid, need_eff, sg.scale
+        )
+        matched = j >= 0
+        length = torch.where(drop, j, j + 1)
+        lo = j - need_eff + 1
+        hi = length.clone()
+        # No run of `need` blocks: the leading run (shorter than need - 1
+        # blocks) still hits, re-aligned, then EAGLE-popped.
+        miss = (~matched).nonzero().squeeze(1)
+        if miss.numel():
+            cap = torch.minimum(m[miss], need_eff[miss] - 1)
+            p = self._leading_run(
+                batch, sg, req[miss], torch.zeros_like(cap), cap, sg.scale
+            )
+            r = resid[miss]
+            j0 = (p - 1) - torch.remainder(p - 1 - r, q)
+            run = torch.where(j0 >= 0, j0 + 1, torch.zeros_like(j0))
+            run = run - torch.remainder(run, q)
+            d = drop[miss] & (run > 0)
+            run = torch.where(d, run - 1, run)
+            run = run - torch.remainder(run, q)
+            length[miss] = run
+            lo[miss] = 0
+            hi[miss] = run
+        return length * bs, length, lo, hi
+
+    def _scan_mamba(self, batch, sg, req, bound):
+        bs = sg.block_size
+        if sg.fine:
+            align = self.plan.alignment
+            scale = bs // align
+            top = torch.minimum(bound // align, batch.lens[req]) - 1
+            ones = torch.ones_like(top)
+            u = self._rightmost(
+                batch, sg, req, top, torch.zeros_like(top), 1,
+                torch.zeros_like(top), ones, 1,
+            )  # fmt: skip
+            got = u >= 0
+            length = torch.where(got, u // scale + 1, torch.zeros_like(u))
+            hit = torch.where(got, (u + 1) * align, torch.zeros_like(u))
+            return hit, length, length - got.to(length.dtype), length
+        q = sg.q
+        top = bound // bs - 1
+        ones = torch.ones_like(top)
+        i = self._rightmost(
+            batch, sg, req, top, torch.zeros_like(top), q,
+            torch.full_like(top, q - 1), ones, sg.scale,
+        )  # fmt: skip
+        got = i >= 0
+        length = torch.where(got, i + 1, torch.zeros_like(i))
+        return length * bs, length, length - got.to(length.dtype), length
+
+    def _scan_chunked(self, batch, sg, req, bound):
+        bs, chunk = sg.block_size, sg.chunk
+        start_tok = torch.where(
+            bound > 0, bound // chunk * chunk, torch.zeros_like(bound)
+        )
+        sb = start_tok // bs
+        m = bound // bs
+        run = self._leading_run(batch, sg, req, sb, torch.maximum(m, sb), sg.scale)
+        length = sb + run
+        return length * bs, length, sb, length
+
+    # -- the coordinator ------------------------------------------------------
+
+    def find(
+        self,
+        batch: _Batch,
+        max_lengths: torch.Tensor,
+        apply_eagle: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(hit int64 [B], tri int64 [B, G, 3])``: the hit lengths and
+        each group's load-mask triple ``(length, lo, hi)`` (zeros for groups
+        outside every SpecGroup)."""
+        plan = self.plan
+        dev = max_lengths.device
+        n_req = max_lengths.numel()
+        sgs = plan.spec_groups
+        tri = torch.zeros(n_req, plan.num_groups, 3, dtype=torch.int64, device=dev)
+        all_req = torch.arange(n_req, device=dev)
+        hbs = plan.hash_block_size
+
+        def record(sg, req, length, lo, hi):
+            for gid in sg.group_ids:
+                tri[req, gid, 0] = length
+                tri[req, gid, 1] = lo
+                tri[req, gid, 2] = hi
+
+        if len(sgs) == 1:
+            sg = sgs[0]
+            drop = torch.full((n_req,), apply_eagle and sg.use_eagle, device=dev)
+            hit, length, lo, hi = self.scan(batch, sg, all_req, max_lengths, drop)
+            record(sg, all_req, length, lo, hi)
+            return hit, tri
+
+        n_sg = len(sgs)
+        hit_length = max_lengths.clone()
+        len_by_sg = torch.zeros(n_req, n_sg, dtype=torch.int64, device=dev)
+        verified = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
+        full_done = False
+        active = all_req
+        while active.numel():
+            curr = hit_length[active]
+            for idx, sg in enumerate(sgs):
+                if sg.kind == KIND_FULL and full_done:
+                    curr = torch.minimum(curr, len_by_sg[active, idx])
+                    continue
+                if apply_eagle and sg.use_eagle:
+                    drop = ~verified[active, idx]
+                else:
+                    drop = torch.zeros_like(active, dtype=torch.bool)
+                bound = curr
+                if sg.margin:
+                    # EAGLE peeks one proof margin past the hit, then drops it.
+                    peek = torch.minimum(curr + sg.margin, batch.lens[active] * hbs)
+                    bound = torch.where(drop, peek, curr)
+                new_len, length, lo, hi = self.scan(batch, sg, active, bound, drop)
+                shrunk = ~drop & (new_len < curr)
+                v = verified[active]
+                v[:, idx] |= drop
+                v[shrunk] = False
+                verified[active] = v
+                curr = new_len
+                len_by_sg[active, idx] = new_len
+                record(sg, active, length, lo, hi)
+            full_done = True
+            going = curr < hit_length[active]
+            hit_length[active[going]] = curr[going]
+            if plan.simple_hybrid:
+                break
+            active = active[going]
+
+        for sg in sgs:
+            if sg.kind != KIND_FULL:
+                continue
+            cap = -((-hit_length) // sg.block_size)
+            for gid in sg.group_ids:
+                n = torch.minimum(tri[:, gid, 0], cap)
+                tri[:, gid, 0] = n
+                tri[:, gid, 2] = n
+        return hit_length, tri
