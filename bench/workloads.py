@@ -16,7 +16,7 @@ workload bit for bit, independent of ``PYTHONHASHSEED``):
 
 Tokens are never materialised: every ``hash_block_size`` tokens of a stream are
 one *chunk id* (an int naming their content), and block hash ``i`` is
-``blake2b(hash[i-1] || chunk_id[i])``, so equal prefixes give equal hashes and
+``sha256(hash[i-1] || chunk_id[i])`` truncated to ``hash_bytes``, so equal prefixes give equal hashes and
 any difference changes every later hash, as with vLLM's chained hashes.
 
 The store is filled from the first ``history`` requests of the stream ("served
@@ -365,29 +365,38 @@ class Workload:
 
 
 class _Hasher:
-    """Chained block hashes over chunk ids (see the module docstring)."""
+    """Chained block hashes over chunk ids (see the module docstring).
 
-    __slots__ = ("digest_size", "root", "_pack")
+    sha256, as vLLM's default block hash (and the fastest digest in CPython on
+    CPUs with SHA extensions), truncated to ``hash_bytes``.
+    """
+
+    __slots__ = ("digest_size", "root", "next_id")
 
     def __init__(self, hash_bytes: int, seed: int) -> None:
         self.digest_size = hash_bytes
         # A seed-specific root: different seeds never share a hash.
-        self.root = hashlib.blake2b(
-            f"kvhit-root-{seed}".encode(), digest_size=hash_bytes
-        ).digest()
-        self._pack = struct.Struct("<Q").pack
+        self.root = hashlib.sha256(f"kvhit-root-{seed}".encode()).digest()[:hash_bytes]
+        self.next_id = 0  # chunk ids are handed out in order: deterministic
 
-    def extend(self, hashes: list[bytes], chunk_ids: Sequence[int]) -> None:
+    def extend(self, hashes: list[bytes], count: int) -> None:
+        """Appends ``count`` hashes of fresh (never seen) chunks."""
         prev = hashes[-1] if hashes else self.root
-        blake, pack, ds, append = (
-            hashlib.blake2b,
-            self._pack,
-            self.digest_size,
-            hashes.append,
-        )
-        for cid in chunk_ids:
-            prev = blake(prev + pack(cid), digest_size=ds).digest()
-            append(prev)
+        first = self.next_id
+        self.next_id += count
+        sha, pack, append = hashlib.sha256, _PACK_ID, hashes.append
+        if self.digest_size == 32:
+            for cid in range(first, first + count):
+                prev = sha(prev + pack(cid)).digest()
+                append(prev)
+        else:
+            ds = self.digest_size
+            for cid in range(first, first + count):
+                prev = sha(prev + pack(cid)).digest()[:ds]
+                append(prev)
+
+
+_PACK_ID = struct.Struct("<Q").pack
 
 
 class _Stream:
@@ -397,19 +406,16 @@ class _Stream:
     very same hash objects) and continues with fresh chunk ids.
     """
 
-    __slots__ = ("hashes", "ids", "hasher")
+    __slots__ = ("hashes", "hasher")
 
-    def __init__(
-        self, hasher: _Hasher, ids: itertools.count, prefix: list[bytes] | None = None
-    ) -> None:
+    def __init__(self, hasher: _Hasher, prefix: list[bytes] | None = None) -> None:
         self.hasher = hasher
-        self.ids = ids
         self.hashes: list[bytes] = list(prefix) if prefix else []
 
     def ensure(self, units: int) -> list[bytes]:
         missing = units - len(self.hashes)
         if missing > 0:
-            self.hasher.extend(self.hashes, [next(self.ids) for _ in range(missing)])
+            self.hasher.extend(self.hashes, missing)
         return self.hashes
 
 
@@ -529,7 +535,6 @@ def generate(
     hbs = layout.hash_block_size
     rng = random.Random(cfg.seed)
     hasher = _Hasher(cfg.hash_bytes, cfg.seed)
-    ids = itertools.count()
 
     # System prompts, lengths log-uniform, never more than half a long prompt.
     sys_hi = max(1, min(cfg.system_tokens[1], cfg.max_tokens // 2))
@@ -538,7 +543,7 @@ def generate(
         _draw_length(rng, sys_lo, sys_hi, "log-uniform")
         for _ in range(cfg.num_system_prompts)
     ]
-    sys_streams = [_Stream(hasher, ids) for _ in sys_tokens]
+    sys_streams = [_Stream(hasher) for _ in sys_tokens]
     zipf_cum = list(
         itertools.accumulate(
             1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_system_prompts)
@@ -568,7 +573,7 @@ def generate(
             # too, so only whole system units are shared.
             prefix = sys_streams[k].ensure(s_units)[:s_units]
             length = _draw_length(rng, cfg.min_tokens, cfg.max_tokens, cfg.length_dist)
-            conv = _Conversation(_Stream(hasher, ids, prefix), length)
+            conv = _Conversation(_Stream(hasher, prefix), length)
             open_convs.append(conv)
             if len(open_convs) > cfg.open_conversations:
                 open_convs.pop(0)
