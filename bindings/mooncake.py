@@ -1,0 +1,662 @@
+"""A real Mooncake store behind the KeyIndex: one existence RPC per scheduler step.
+
+vLLM 0.33.0's Mooncake store worker answers ``lookup(num_tokens, block_hashes)``
+one request at a time: it builds the store keys of the ``(group, hash)`` pairs
+its lookup masks can probe, expands each over the group's rank namespaces, asks
+``store.batch_is_exist`` once *per request*, and runs the hit rule over the
+pairs present under every namespace.
+
+Here the same keys are collected for a whole batch, deduplicated across
+requests (requests sharing a prefix share keys), asked in **one**
+``batch_is_exist`` call, and written into a :class:`KeyIndex` (present keys
+added, absent keys removed); the batched :class:`LookupEngine` then resolves
+every request against the index. After a refresh the index agrees with the
+store on every key the worker rule can read for that batch, so the hits equal
+the worker's (``ReferenceCoordinator.lookup`` over the store's key set).
+
+Error contract: a failed existence call -- an exception from the store, a
+negative status for any key, an answer of the wrong length or type -- raises
+:class:`StoreError` and leaves the index untouched. It is never turned into a
+hit. ``BatchedLookup.lookup`` propagates it; ``BatchedLookup.lookup_one``
+(the drop-in for the worker's ``lookup``) returns 0 like vLLM's worker does,
+and keeps the error in ``last_error``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvhit.coordinator.packing import HashBatch
+from kvhit.coordinator.reference import ReferenceCoordinator
+from kvhit.coordinator.specs import CacheLayout
+
+__all__ = [
+    "BatchedLookup",
+    "MooncakeKeys",
+    "RankNamespace",
+    "RefreshStats",
+    "StoreError",
+    "StoreSync",
+    "candidate_rows",
+    "model_name_for_vllm",
+    "rank_namespaces_for_vllm",
+]
+
+# (tp_rank, pcp_rank, dcp_rank, pp_rank), vLLM's ``RankNamespace``.
+RankNamespace = tuple[int, int, int, int]
+
+
+class ExistenceStore(Protocol):
+    """What StoreSync needs of a store: ``MooncakeDistributedStore`` fits."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+
+class StoreError(RuntimeError):
+    """The store's existence check failed; the index was left unchanged.
+
+    Attributes:
+        num_keys: keys in the failed call.
+        codes: the distinct non-0/1 statuses the store returned, if any.
+    """
+
+    def __init__(
+        self, message: str, num_keys: int = 0, codes: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.num_keys = num_keys
+        self.codes = codes
+
+
+# -- keys ------------------------------------------------------------------------
+
+
+def model_name_for_vllm(model: str) -> str:
+    """The ``model_name`` vLLM's worker puts in keys: the last path component
+    of ``model_config.model``."""
+    return model.rstrip("/").split("/")[-1]
+
+
+def rank_namespaces_for_vllm(
+    tp_size: int = 1,
+    pcp_size: int = 1,
+    dcp_size: int = 1,
+    pp_size: int = 1,
+    tp_replication_factor: int = 1,
+) -> tuple[RankNamespace, ...]:
+    """The namespaces vLLM's worker checks for one group with the rank-local
+    store layout (``_init_lookup_key_prefixes``): every rank whose shard a load
+    needs. ``tp_replication_factor`` is the group's count of TP ranks holding
+    identical KV (1 for sharded groups)."""
+    if dcp_size > 1:
+        # DCP is a TP subdivision: dcp_rank == tp_rank % dcp_size.
+        return tuple(
+            (tp, pcp, tp % dcp_size, pp)
+            for pcp in range(pcp_size)
+            for tp in range(tp_size)
+            for pp in range(pp_size)
+        )
+    return tuple(
+        (shard, pcp, 0, pp)
+        for pcp in range(pcp_size)
+        for shard in range(tp_size // tp_replication_factor)
+        for pp in range(pp_size)
+    )
+
+
+def _check_namespace(ns: Any, where: str) -> RankNamespace:
+    if (
+        not isinstance(ns, tuple | list)
+        or len(ns) != 4
+        or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ns
+        )
+    ):
+        raise ValueError(
+            f"{where}: a rank namespace is (tp_rank, pcp_rank, dcp_rank, "
+            f"pp_rank) of non-negative ints, got {ns!r}"
+        )
+    return tuple(ns)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class MooncakeKeys:
+    """vLLM's Mooncake store key strings (rank-local layout, ``PoolKey``)::
+
+        [cache_prefix@]model_name+store_namespace@tp_rank:T@pcpP@dcpD
+            @pp_rank:R@group:G@<hash hex>
+
+    Args:
+        model_name: see :func:`model_name_for_vllm`.
+        rank_namespaces: per layout group, the namespaces a load needs (see
+            :func:`rank_namespaces_for_vllm`); a ``(group, hash)`` counts as
+            present only when its key exists under every one of them. Groups
+            that are not prefix cacheable may have none.
+        cache_prefix: vLLM's ``kv_connector_extra_config["cache_prefix"]``.
+        store_namespace: the worker's store namespace ("" for the historical
+            rank-local format).
+        key_group_ids: per layout group, the ``G`` in its keys (default: the
+            group's position). vLLM numbers groups among the prefix-cacheable
+            ones; ``bindings.vllm.vllm_key_group_ids(layout)`` gives that.
+    """
+
+    model_name: str
+    rank_namespaces: tuple[tuple[RankNamespace, ...], ...]
+    cache_prefix: str = ""
+    store_namespace: str = ""
+    key_group_ids: tuple[int | None, ...] | None = None
+    _prefixes: tuple[tuple[str, ...], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("model_name", "cache_prefix", "store_namespace"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str")
+        if isinstance(self.rank_namespaces, str | bytes) or not isinstance(
+            self.rank_namespaces, Sequence
+        ):
+            raise TypeError("rank_namespaces must be a sequence (one per group)")
+        per_group = tuple(
+            tuple(_check_namespace(ns, f"rank_namespaces[{g}]") for ns in group)
+            for g, group in enumerate(self.rank_namespaces)
+        )
+        for g, group in enumerate(per_group):
+            if len(set(group)) != len(group):
+                raise ValueError(f"rank_namespaces[{g}] has duplicate namespaces")
+        object.__setattr__(self, "rank_namespaces", per_group)
+        if self.key_group_ids is None:
+            kg: tuple[int | None, ...] = tuple(range(len(per_group)))
+        else:
+            kg = tuple(self.key_group_ids)
+            if len(kg) != len(per_group):
+                raise ValueError(
+                    f"key_group_ids has {len(kg)} entries, rank_namespaces "
+                    f"{len(per_group)}"
+                )
+        object.__setattr__(self, "key_group_ids", kg)
+        head = f"{self.cache_prefix}@" if self.cache_prefix else ""
+        head += f"{self.model_name}{self.store_namespace}"
+        object.__setattr__(
+            self,
+            "_prefixes",
+            tuple(
+                ()
+                if kg[g] is None
+                else tuple(
+                    f"{head}@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{r}@group:{kg[g]}"
+                    for t, p, d, r in per_group[g]
+                )
+                for g in range(len(per_group))
+            ),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.rank_namespaces)
+
+    def prefixes(self, group: int) -> tuple[str, ...]:
+        """Key prefixes of layout group ``group``, one per namespace, in
+        ``rank_namespaces`` order (vLLM's ``build_prefix``)."""
+        return self._prefixes[group]
+
+    def keys(self, group: int, block_hash: bytes) -> list[str]:
+        """Every namespace's key for ``(group, block_hash)``."""
+        hx = bytes(block_hash).hex()
+        return [f"{p}@{hx}" for p in self._prefixes[group]]
+
+    def key(self, group: int, block_hash: bytes, namespace: int = 0) -> str:
+        """The key of ``(group, block_hash)`` under one namespace."""
+        return f"{self._prefixes[group][namespace]}@{bytes(block_hash).hex()}"
+
+
+# -- candidates --------------------------------------------------------------------
+
+
+class _ChunkTables:
+    """Per ``token_len``, per layout group, ``(scale, chunks)``: the chunk ids
+    the worker's lookup mask keeps (``None`` for a group never probed). They
+    depend only on ``token_len``, so they are computed once per length."""
+
+    def __init__(self, ref: ReferenceCoordinator) -> None:
+        self.ref = ref
+        self._cache: dict[int, tuple[tuple[int, np.ndarray] | None, ...]] = {}
+
+    def __call__(self, token_len: int) -> tuple[tuple[int, np.ndarray] | None, ...]:
+        hit = self._cache.get(token_len)
+        if hit is not None:
+            return hit
+        layout = self.ref.layout
+        hbs = layout.hash_block_size
+        masks = self.ref.lookup_mask(token_len)
+        out: list[tuple[int, np.ndarray] | None] = []
+        for g, grp in enumerate(layout.groups):
+            if not grp.prefix_cacheable:
+                out.append(None)
+                continue
+            bs = grp.spec.block_size
+            limit = -(token_len // -bs)
+            mask = masks[g]
+            if mask is None:
+                chunks = np.arange(limit, dtype=np.int64)
+            else:
+                m = np.asarray(mask[:limit], dtype=bool)
+                chunks = np.flatnonzero(m).astype(np.int64)
+            out.append((bs // hbs, chunks))
+        if len(self._cache) >= 4096:  # bound memory on adversarial lengths
+            self._cache.clear()
+        self._cache[token_len] = result = tuple(out)
+        return result
+
+
+def candidate_rows(
+    layout: CacheLayout,
+    offsets: torch.Tensor | Sequence[int],
+    num_tokens: torch.Tensor | Sequence[int],
+    tables: _ChunkTables | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys the store worker asks for each request, as rows of a batch.
+
+    Mirrors ``ReferenceCoordinator.lookup_candidates`` (the worker's loop over
+    lookup masks, or over every hash unit with partial hash hits), for a whole
+    batch at once.
+
+    Args:
+        layout: the cache layout.
+        offsets: CSR offsets of the batch, int64 ``[B + 1]``.
+        num_tokens: prompt length per request, ``[B]``.
+        tables: cached lookup-mask tables for ``layout`` (built if omitted;
+            pass one to reuse it across steps).
+
+    Returns:
+        ``(group_ids, rows, request)``, each int64 ``[K]`` on the CPU:
+        layout group, row into ``batch.hashes``, and the request it came from;
+        duplicates across requests are kept.
+    """
+    if tables is None:
+        tables = _ChunkTables(ReferenceCoordinator(layout))
+    offs = torch.as_tensor(offsets, dtype=torch.int64).cpu().numpy()
+    ntok = torch.as_tensor(num_tokens, dtype=torch.int64).cpu().numpy()
+    lengths = offs[1:] - offs[:-1]
+    align = layout.alignment
+    hbs = layout.hash_block_size
+    gs: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    reqs: list[np.ndarray] = []
+    cacheable = [g for g, grp in enumerate(layout.groups) if grp.prefix_cacheable]
+    for i in range(len(lengths)):
+        n_hashes = int(lengths[i])
+        token_len = int(ntok[i]) // align * align
+        if n_hashes == 0 or token_len <= 0:
+            continue
+        base = int(offs[i])
+        if layout.partial_hash_hits:
+            units = np.arange(min(n_hashes, token_len // hbs), dtype=np.int64)
+            for g in cacheable:
+                gs.append(np.full(units.shape[0], g, dtype=np.int64))
+                rows.append(base + units)
+                reqs.append(np.full(units.shape[0], i, dtype=np.int64))
+            continue
+        for g, table in enumerate(tables(token_len)):
+            if table is None:
+                continue
+            scale, chunks = table
+            c = chunks[chunks < n_hashes // scale]
+            gs.append(np.full(c.shape[0], g, dtype=np.int64))
+            rows.append(base + (c + 1) * scale - 1)
+            reqs.append(np.full(c.shape[0], i, dtype=np.int64))
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty.clone(), empty.clone()
+    return (
+        torch.from_numpy(np.concatenate(gs)),
+        torch.from_numpy(np.concatenate(rows)),
+        torch.from_numpy(np.concatenate(reqs)),
+    )
+
+
+# -- refresh ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefreshStats:
+    """What one :meth:`StoreSync.refresh` did.
+
+    Attributes:
+        num_requests: requests in the batch.
+        num_candidates: ``(group, hash)`` pairs the worker rule probes, summed
+            over requests (duplicates across requests kept).
+        num_unique: distinct pairs among them.
+        num_keys_asked: key strings in the single ``batch_is_exist`` call
+            (distinct pairs x their group's namespaces).
+        num_per_request_keys: keys vLLM's per-request path would ask for the
+            same batch (``num_candidates`` x namespaces, one RPC per request).
+        num_present: distinct pairs present under every namespace.
+        num_added: keys newly added to the index.
+        num_removed: keys removed from the index.
+        num_rpcs: existence calls made (0 when there was nothing to ask, else 1).
+        rpc_seconds: wall time of the existence call.
+        total_seconds: wall time of the whole refresh.
+    """
+
+    num_requests: int
+    num_candidates: int
+    num_unique: int
+    num_keys_asked: int
+    num_per_request_keys: int
+    num_present: int
+    num_added: int
+    num_removed: int
+    num_rpcs: int
+    rpc_seconds: float
+    total_seconds: float
+
+
+def _as_num_tokens(num_tokens: Any, batch: HashBatch) -> torch.Tensor:
+    """``num_tokens`` as int64 ``[B]`` on the CPU, validated."""
+    if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+        raise TypeError("num_tokens must have one entry per request, not an int")
+    t = torch.as_tensor(num_tokens).cpu()
+    if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"num_tokens must be integers, got {t.dtype}")
+    t = t.to(torch.int64)
+    if t.dim() != 1 or t.shape[0] != len(batch):
+        raise ValueError(
+            f"num_tokens must have shape [{len(batch)}] (one per request), "
+            f"got {list(t.shape)}"
+        )
+    if t.shape[0] and bool((t < 0).any()):
+        raise ValueError("num_tokens must be >= 0")
+    return t
+
+
+def _hexes(words: np.ndarray, hash_bytes: int) -> list[str]:
+    """Hex strings of packed hashes (int64 ``[N, W]``), via one ``bytes.hex``."""
+    n = words.shape[0]
+    raw = np.ascontiguousarray(words.astype("<i8", copy=False)).view(np.uint8)
+    blob = np.ascontiguousarray(raw.reshape(n, -1)[:, :hash_bytes]).tobytes().hex()
+    step = 2 * hash_bytes
+    return [blob[i : i + step] for i in range(0, n * step, step)]
+
+
+class StoreSync:
+    """Keeps a :class:`KeyIndex` in step with a Mooncake store for a batch.
+
+    Args:
+        store: anything with ``batch_is_exist(list[str]) -> list[int]``
+            (1 present, 0 absent, negative: error), e.g.
+            ``mooncake.store.MooncakeDistributedStore``.
+        keys: the key format and each group's namespaces.
+        index: the ``KeyIndex`` to update (its ``hash_bytes`` fixes the width
+            every batch must have).
+        layout: the cache layout whose worker rule picks the keys.
+
+    Raises:
+        ValueError: ``keys`` does not describe exactly the layout's groups, or
+            a prefix-cacheable group has no namespace or no key group id.
+    """
+
+    def __init__(
+        self,
+        store: ExistenceStore,
+        keys: MooncakeKeys,
+        index: Any,
+        layout: CacheLayout,
+    ) -> None:
+        if not callable(getattr(store, "batch_is_exist", None)):
+            raise TypeError("store must have a batch_is_exist(list[str]) method")
+        if keys.num_groups != layout.num_groups:
+            raise ValueError(
+                f"keys has rank namespaces for {keys.num_groups} groups, the "
+                f"layout has {layout.num_groups} groups"
+            )
+        seen: dict[int, int] = {}
+        for g, grp in enumerate(layout.groups):
+            if not grp.prefix_cacheable:
+                continue
+            kg = keys.key_group_ids[g]  # type: ignore[index]
+            if kg is None:
+                raise ValueError(
+                    f"group {g} is prefix cacheable but has no key group id"
+                )
+            if kg in seen:
+                raise ValueError(
+                    f"groups {seen[kg]} and {g} share the key group id {kg}"
+                )
+            seen[kg] = g
+            if not keys.rank_namespaces[g]:
+                raise ValueError(
+                    f"group {g} is prefix cacheable but has no rank namespace"
+                )
+        self.store = store
+        self.keys = keys
+        self.index = index
+        self.layout = layout
+        self.hash_bytes: int = index.hash_bytes
+        self._tables = _ChunkTables(ReferenceCoordinator(layout))
+        self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
+
+    def _check_batch(self, batch: HashBatch) -> None:
+        if not isinstance(batch, HashBatch):
+            raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
+        if batch.hash_bytes != self.hash_bytes:
+            raise ValueError(
+                f"batch has hash_bytes={batch.hash_bytes}, the index holds "
+                f"hash_bytes={self.hash_bytes}"
+            )
+
+    def candidates(
+        self, batch: HashBatch, num_tokens: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``candidate_rows`` for this batch: (group_ids, rows, request),
+        int64 ``[K]`` on the CPU."""
+        self._check_batch(batch)
+        nt = _as_num_tokens(num_tokens, batch)
+        return candidate_rows(self.layout, batch.offsets, nt, self._tables)
+
+    def refresh(self, batch: HashBatch, num_tokens: Any) -> RefreshStats:
+        """Ask the store about every key ``batch`` can probe, in one call, and
+        make the index agree with the answer on those keys.
+
+        Args:
+            batch: the requests' hashes; ``hash_bytes`` must match the index.
+            num_tokens: prompt length per request, ``[B]`` (ints or a tensor).
+
+        Raises:
+            StoreError: the existence call failed (index unchanged).
+            ValueError, TypeError: bad arguments (index unchanged).
+        """
+        t0 = time.perf_counter()
+        gids, rows, _ = self.candidates(batch, num_tokens)
+        num_candidates = int(gids.shape[0])
+        num_per_request = int(self._num_ns[gids.numpy()].sum()) if num_candidates else 0
+        if num_candidates == 0:
+            return RefreshStats(
+                len(batch), 0, 0, 0, 0, 0, 0, 0, 0, 0.0, time.perf_counter() - t0
+            )
+        # Dedup on the CPU: the key strings are built there anyway.
+        hashes = batch.hashes.index_select(0, rows.to(batch.device)).cpu()
+        pairs = torch.unique(torch.cat([gids[:, None], hashes], 1), dim=0)
+        u_g = pairs[:, 0].contiguous()
+        u_h = pairs[:, 1:].contiguous()
+        hexes = _hexes(u_h.numpy(), self.hash_bytes)
+        g_np = u_g.numpy()
+        # Keys namespace-minor, as vLLM lays them out: pair p owns
+        # key_start[p] : key_start[p] + n_ns[g_p].
+        key_list: list[str] = []
+        for g, hx in zip(g_np.tolist(), hexes, strict=True):
+            key_list.extend([f"{p}@{hx}" for p in self.keys.prefixes(g)])
+        n_keys = len(key_list)
+
+        t_rpc = time.perf_counter()
+        try:
+            answer = self.store.batch_is_exist(key_list)
+        except Exception as exc:
+            raise StoreError(
+                f"batch_is_exist failed for {n_keys} keys: {exc!r}", n_keys
+            ) from exc
+        rpc_seconds = time.perf_counter() - t_rpc
+        codes = self._check_answer(answer, n_keys)
+
+        # A pair is present only when every namespace of its group has it.
+        n_ns = self._num_ns[g_np]
+        starts = np.zeros(len(g_np), dtype=np.int64)
+        np.cumsum(n_ns[:-1], out=starts[1:])
+        present_np = np.minimum.reduceat(codes, starts) == 1
+        present = torch.from_numpy(present_np)
+        dev = self.index.device
+        added = self.index.add(u_g[present].to(dev), u_h[present].to(dev))
+        removed = self.index.remove(u_g[~present].to(dev), u_h[~present].to(dev))
+        return RefreshStats(
+            num_requests=len(batch),
+            num_candidates=num_candidates,
+            num_unique=int(pairs.shape[0]),
+            num_keys_asked=n_keys,
+            num_per_request_keys=num_per_request,
+            num_present=int(present_np.sum()),
+            num_added=int(added),
+            num_removed=int(removed),
+            num_rpcs=1,
+            rpc_seconds=rpc_seconds,
+            total_seconds=time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _check_answer(answer: Any, n_keys: int) -> np.ndarray:
+        """The answer as int64 ``[n_keys]`` of 0/1, or StoreError."""
+        try:
+            codes = np.asarray(answer, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StoreError(
+                f"batch_is_exist returned {type(answer).__name__}, not a list "
+                f"of ints: {exc}",
+                n_keys,
+            ) from exc
+        if codes.shape != (n_keys,):
+            raise StoreError(
+                f"batch_is_exist returned {codes.size if codes.ndim else 'a scalar'}"
+                f" answers for {n_keys} keys",
+                n_keys,
+            )
+        bad = (codes != 0) & (codes != 1)
+        if bad.any():
+            uniq = tuple(int(c) for c in np.unique(codes[bad])[:8])
+            raise StoreError(
+                f"batch_is_exist returned error status {uniq} for "
+                f"{int(bad.sum())} of {n_keys} keys",
+                n_keys,
+                uniq,
+            )
+        return codes
+
+
+# -- the scheduler API ------------------------------------------------------------
+
+
+class BatchedLookup:
+    """The per-step scheduler API: one store RPC, then the batched hit rule.
+
+    Args:
+        layout: the cache layout.
+        store: the store (see :class:`StoreSync`).
+        keys: key format and namespaces.
+        device: where the index and the engine work.
+        backend: ``LookupEngine``/``KeyIndex`` backend ("auto", "torch",
+            "triton"; "reference" runs the scalar reference over the index).
+        hash_bytes: block-hash width (32 for vLLM's sha256, 16 for xxhash128).
+        index: an existing ``KeyIndex`` to keep in step (e.g. one also fed by
+            KV-cache events); a new one of ``capacity`` slots otherwise.
+    """
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        store: ExistenceStore,
+        keys: MooncakeKeys,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+        hash_bytes: int = 32,
+        index: Any = None,
+        capacity: int = 1 << 16,
+    ) -> None:
+        from kvhit.coordinator.key_index import KeyIndex
+
+        self.layout = layout
+        self.device = torch.device(device)
+        if index is None:
+            index_backend = backend if backend in ("torch", "triton") else "auto"
+            index = KeyIndex(hash_bytes, capacity, self.device, index_backend)
+        self.index = index
+        self.hash_bytes: int = index.hash_bytes
+        self.sync = StoreSync(store, keys, index, layout)
+        self._ref = ReferenceCoordinator(layout)
+        self.engine: Any = None
+        if backend != "reference":
+            try:
+                from kvhit.coordinator.engine import LookupEngine
+            except ImportError:  # the batched engine is optional here
+                LookupEngine = None  # noqa: N806
+            if LookupEngine is not None:
+                self.engine = LookupEngine(layout, backend=backend, device=self.device)
+        self.last_stats: RefreshStats | None = None
+        self.last_error: StoreError | None = None
+
+    def lookup(self, batch: HashBatch, num_tokens: Any) -> torch.Tensor:
+        """Tokens of each prompt to load from the store: int64 ``[B]`` on
+        ``batch.device`` (the worker's ``lookup`` for every request).
+
+        Raises:
+            StoreError: the store could not answer; the index is unchanged and
+                no hit is computed from it.
+        """
+        stats = self.sync.refresh(batch, num_tokens)
+        self.last_stats = stats
+        nt = _as_num_tokens(num_tokens, batch)
+        if self.engine is not None:
+            batch_dev = batch.to(self.device)
+            hits = self.engine.lookup(batch_dev, nt.to(self.device), self.index)
+            return hits.to(batch.device)
+        return self._reference_lookup(batch, nt).to(batch.device)
+
+    def _reference_lookup(self, batch: HashBatch, nt: torch.Tensor) -> torch.Tensor:
+        """The scalar rule over the index (no batched engine available)."""
+        gids, rows, req = self.sync.candidates(batch, nt)
+        out = torch.zeros(len(batch), dtype=torch.int64)
+        if gids.shape[0] == 0:
+            return out
+        dev = self.index.device
+        hashes = batch.hashes.index_select(0, rows.to(batch.device)).to(dev)
+        found = self.index.contains(gids.to(dev), hashes).cpu()
+        requests = batch.to_bytes()
+        present: list[set[tuple[int, bytes]]] = [set() for _ in range(len(batch))]
+        flat = [h for r in requests for h in r]
+        for g, row, i in zip(
+            gids[found].tolist(), rows[found].tolist(), req[found].tolist(), strict=True
+        ):
+            present[i].add((g, flat[row]))
+        for i, hs in enumerate(requests):
+            out[i] = self._ref.lookup(int(nt[i]), hs, present[i])
+        return out
+
+    def lookup_one(self, num_tokens: int, block_hashes: Sequence[bytes]) -> int:
+        """Drop-in for the store worker's ``lookup(num_tokens, block_hashes)``
+        (its ``hit_length``). On a store error it returns 0, as vLLM's worker
+        does, and keeps the error in ``last_error``.
+
+        Raises:
+            ValueError: a hash of the wrong width (nothing was asked).
+        """
+        batch = HashBatch.from_bytes([list(block_hashes)], self.hash_bytes, "cpu")
+        try:
+            hits = self.lookup(batch, [num_tokens])
+        except StoreError as exc:
+            self.last_error = exc
+            return 0
+        self.last_error = None
+        return int(hits[0])

@@ -1,0 +1,517 @@
+"""Mooncake store binding (bindings/mooncake.py).
+
+The first half uses an in-memory fake store (key format, candidate parity with
+the reference, one-RPC refresh, the error contract). The second half starts a
+real ``mooncake_master`` on 127.0.0.1 (tests/mooncake_fixture.py), stores keys
+the way a saving worker would, and checks ``BatchedLookup`` against the
+reference over what is really in the store, through removals and a master
+that dies mid-run. It skips only where the Mooncake package is unavailable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+
+import pytest
+import torch
+from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
+
+from kvhit.bindings.mooncake import (
+    BatchedLookup,
+    MooncakeKeys,
+    StoreError,
+    StoreSync,
+    candidate_rows,
+    model_name_for_vllm,
+    rank_namespaces_for_vllm,
+)
+from kvhit.coordinator.key_index import KeyIndex
+from kvhit.coordinator.packing import HashBatch
+from kvhit.coordinator.reference import ReferenceCoordinator
+from kvhit.coordinator.specs import (
+    CacheLayout,
+    ChunkedLocal,
+    FullAttention,
+    Group,
+    Mamba,
+    SlidingWindow,
+)
+
+HB = 32  # sha256-wide hashes, as vLLM's default
+
+
+def dsv4_layout() -> CacheLayout:
+    return CacheLayout(
+        [
+            Group(FullAttention(256)),
+            Group(SlidingWindow(64, 128)),
+            Group(SlidingWindow(64, 128), eagle=True),
+            Group(SlidingWindow(4, 8)),
+            Group(SlidingWindow(8, 128)),
+        ],
+        scheduler_block_size=256,
+        hash_block_size=4,
+        use_eagle=True,
+    )
+
+
+LAYOUTS = {
+    "dsv4": dsv4_layout,
+    "hybrid_mamba_partial": lambda: CacheLayout(
+        [Group(FullAttention(16)), Group(Mamba(16)), Group(SlidingWindow(8, 16))],
+        scheduler_block_size=16,
+        hash_block_size=4,
+        use_eagle=True,
+        partial_hash_hits=True,
+    ),
+    "chunked_retention": lambda: CacheLayout(
+        [
+            Group(FullAttention(32)),
+            Group(ChunkedLocal(32, 64)),
+            Group(SlidingWindow(16, 32, extra_retained_tokens=8)),
+            Group(FullAttention(16), prefix_cacheable=False),
+        ],
+        scheduler_block_size=32,
+        hash_block_size=8,
+        retention_interval=64,
+    ),
+}
+
+
+def chain(seed: bytes, n: int, width: int = HB) -> list[bytes]:
+    """Chained block hashes (each folds in the previous one), like vLLM's."""
+    out, prev = [], seed
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()[:width]
+        out.append(prev)
+    return out
+
+
+def workload(rng: random.Random, layout: CacheLayout, n_req: int, max_blocks: int):
+    """Requests sharing prefixes: a few system prompts, each request extends
+    one with its own tail; prompts up to ``max_blocks`` scheduler blocks.
+    Returns (hash lists, num_tokens)."""
+    hbs = layout.hash_block_size
+    max_units = max_blocks * layout.scheduler_block_size // hbs
+    systems = [chain(b"sys%d" % s, rng.randint(1, max_units // 2)) for s in range(3)]
+    reqs, ntoks = [], []
+    for r in range(n_req):
+        base = systems[rng.randrange(len(systems))]
+        tail = chain(b"req%d" % r + base[-1], rng.randint(0, max_units // 2))
+        hashes = base + tail
+        # Some prompts end exactly on the hashes, some inside the last unit.
+        n = len(hashes) * hbs - rng.choice([0, 0, 1, hbs - 1])
+        reqs.append(hashes)
+        ntoks.append(max(n, 0))
+    return reqs, ntoks
+
+
+def saved_pairs(layout: CacheLayout, hashes: list[bytes], token_len: int):
+    """The (group, hash) pairs a saving worker writes for ``token_len`` tokens:
+    ``store_mask`` over whole chunks, keyed by each chunk's last hash. Mamba
+    states (never in store masks) arrive through vLLM's boundary puts; here
+    every block-aligned state is put."""
+    ref = ReferenceCoordinator(layout)
+    token_len = token_len // layout.alignment * layout.alignment
+    hbs = layout.hash_block_size
+    masks = ref.store_mask(token_len)
+    out = set()
+    for g, grp in enumerate(layout.groups):
+        if not grp.prefix_cacheable:
+            continue
+        bs = grp.spec.block_size
+        mask = None if isinstance(grp.spec, Mamba) else masks[g]
+        for c in range(token_len // bs):
+            if mask is None or (c < len(mask) and mask[c]):
+                out.add((g, hashes[(c + 1) * (bs // hbs) - 1]))
+    return out
+
+
+def namespaces(layout: CacheLayout, tp: int = 2):
+    """Sharded groups (even ids) need every TP rank; replicated ones one."""
+    return [
+        rank_namespaces_for_vllm(
+            tp_size=tp, tp_replication_factor=1 if g % 2 == 0 else tp
+        )
+        for g in range(layout.num_groups)
+    ]
+
+
+class FakeStore:
+    """An in-memory store of key strings recording every existence call."""
+
+    def __init__(self, keys=()):
+        self.keys = set(keys)
+        self.calls: list[int] = []
+        self.fail: Exception | None = None
+        self.answer: object | None = None
+
+    def batch_is_exist(self, keys):
+        self.calls.append(len(keys))
+        if self.fail is not None:
+            raise self.fail
+        if self.answer is not None:
+            return self.answer
+        return [1 if k in self.keys else 0 for k in keys]
+
+
+def put_pairs(keys: MooncakeKeys, pairs, store_keys: set, skip_ns=()):
+    for g, h in pairs:
+        for j, k in enumerate(keys.keys(g, h)):
+            if (g, h, j) not in skip_ns:
+                store_keys.add(k)
+
+
+def store_set(keys: MooncakeKeys, layout: CacheLayout, pairs, present_keys) -> set:
+    """Pairs present under every namespace of their group."""
+    return {
+        (g, h)
+        for g, h in pairs
+        if layout.groups[g].prefix_cacheable
+        and all(k in present_keys for k in keys.keys(g, h))
+    }
+
+
+# -- keys -----------------------------------------------------------------------
+
+
+def test_key_strings_match_vllm_format():
+    keys = MooncakeKeys(
+        "DeepSeek-V4-Flash",
+        [[(0, 0, 0, 0), (1, 0, 0, 0)], [(0, 0, 0, 1)]],
+        cache_prefix="tenant7",
+        store_namespace="@ns",
+    )
+    h = bytes(range(16))
+    assert keys.keys(0, h) == [
+        "tenant7@DeepSeek-V4-Flash@ns@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + h.hex(),
+        "tenant7@DeepSeek-V4-Flash@ns@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0@" + h.hex(),
+    ]
+    plain = MooncakeKeys("m", [[(3, 1, 2, 4)]])
+    assert plain.key(0, h) == f"m@tp_rank:3@pcp1@dcp2@pp_rank:4@group:0@{h.hex()}"
+    assert model_name_for_vllm("/models/deepseek-ai/DeepSeek-V4-Flash/") == (
+        "DeepSeek-V4-Flash"
+    )
+    assert rank_namespaces_for_vllm(tp_size=4, dcp_size=2) == (
+        (0, 0, 0, 0),
+        (1, 0, 1, 0),
+        (2, 0, 0, 0),
+        (3, 0, 1, 0),
+    )
+    assert rank_namespaces_for_vllm(tp_size=4, tp_replication_factor=2, pp_size=2) == (
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (1, 0, 0, 0),
+        (1, 0, 0, 1),
+    )
+
+
+def test_key_strings_match_real_vllm():
+    data = pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data",
+        reason="vLLM is not importable here",
+    )
+    md = data.KeyMetadata(
+        model_name="M", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0, group_id=3,
+        cache_prefix="p", store_namespace="@s",
+    )  # fmt: skip
+    layout = data.RankLocalStoreLayout(md, 16, 4)
+    ns = [(0, 0, 0, 0), (1, 0, 1, 2)]
+    h = bytes(range(32))
+    want = [
+        data.PoolKey.build_key_string(p, h.hex())
+        for p in layout.lookup_key_prefixes(ns)
+    ]
+    keys = MooncakeKeys("M", [[]] * 3 + [ns], "p", "@s")
+    assert keys.keys(3, h) == want
+
+
+def test_bad_keys_and_layout_mismatch():
+    layout = dsv4_layout()
+    with pytest.raises(ValueError, match="rank namespace"):
+        MooncakeKeys("m", [[(0, 0, 0)]])
+    with pytest.raises(ValueError, match="duplicate"):
+        MooncakeKeys("m", [[(0, 0, 0, 0), (0, 0, 0, 0)]])
+    idx = KeyIndex(HB)
+    with pytest.raises(ValueError, match="5 groups"):
+        StoreSync(FakeStore(), MooncakeKeys("m", [[(0, 0, 0, 0)]] * 4), idx, layout)
+    with pytest.raises(ValueError, match="no rank namespace"):
+        StoreSync(
+            FakeStore(), MooncakeKeys("m", [[(0, 0, 0, 0)]] * 4 + [[]]), idx, layout
+        )
+    with pytest.raises(ValueError, match="share the key group id"):
+        StoreSync(
+            FakeStore(),
+            MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5, key_group_ids=(0, 1, 2, 3, 3)),
+            idx,
+            layout,
+        )
+    with pytest.raises(TypeError, match="batch_is_exist"):
+        StoreSync(object(), MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5), idx, layout)
+
+
+# -- candidates -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_candidate_rows_match_reference(name):
+    layout = LAYOUTS[name]()
+    ref = ReferenceCoordinator(layout)
+    rng = random.Random(1)
+    reqs, ntoks = workload(rng, layout, 24, 10)
+    ntoks[0] = 0
+    reqs[1] = []
+    # Prompts longer than the hashes given, too.
+    ntoks[2] += 5 * layout.scheduler_block_size
+    batch = HashBatch.from_bytes(reqs, HB)
+    gids, rows, req = candidate_rows(layout, batch.offsets, ntoks)
+    flat = [h for r in reqs for h in r]
+    got = [[] for _ in reqs]
+    for g, row, i in zip(gids.tolist(), rows.tolist(), req.tolist(), strict=True):
+        got[i].append((g, flat[row]))
+    for i, r in enumerate(reqs):
+        assert sorted(got[i]) == sorted(ref.lookup_candidates(ntoks[i], r)), i
+
+
+# -- refresh and lookup over a fake store ------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_lookup_matches_reference_over_fake_store(name):
+    layout = LAYOUTS[name]()
+    ref = ReferenceCoordinator(layout)
+    rng = random.Random(7)
+    reqs, ntoks = workload(rng, layout, 32, 10)
+    keys = MooncakeKeys("model", namespaces(layout))
+    pairs = set()
+    for r, n in zip(reqs[:20], ntoks[:20], strict=True):
+        pairs |= saved_pairs(layout, r, n)
+    pairs = sorted(pairs)
+    # Eviction holes, and some pairs stored by only one of two ranks.
+    holes = set(rng.sample(pairs, len(pairs) // 40))
+    kept = [p for p in pairs if p not in holes]
+    skip = {(g, h, 1) for g, h in rng.sample(kept, len(kept) // 40)}
+    store_keys: set = set()
+    put_pairs(keys, kept, store_keys, skip)
+    store = FakeStore(store_keys)
+    exists = store_set(keys, layout, pairs, store_keys)
+
+    bl = BatchedLookup(layout, store, keys, hash_bytes=HB, capacity=64)
+    batch = HashBatch.from_bytes(reqs, HB)
+    hits = bl.lookup(batch, ntoks)
+    assert hits.dtype == torch.int64 and hits.shape == (len(reqs),)
+    want = [ref.lookup(n, r, exists) for r, n in zip(reqs, ntoks, strict=True)]
+    assert hits.tolist() == want
+    assert any(want)
+    assert store.calls == [bl.last_stats.num_keys_asked]  # one RPC
+    st = bl.last_stats
+    assert st.num_rpcs == 1 and st.num_unique <= st.num_candidates
+    assert st.num_keys_asked <= st.num_per_request_keys
+    # Sharing prefixes: the batch asks for fewer keys than per-request would.
+    assert st.num_keys_asked < st.num_per_request_keys
+    # The drop-in agrees request by request.
+    for r, n, w in list(zip(reqs, ntoks, want, strict=True))[:6]:
+        assert bl.lookup_one(n, r) == w
+
+
+def test_refresh_adds_and_removes_exactly_the_candidates():
+    layout = dsv4_layout()
+    rng = random.Random(3)
+    reqs, ntoks = workload(rng, layout, 8, 8)
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    pairs = set()
+    for r, n in zip(reqs, ntoks, strict=True):
+        pairs |= saved_pairs(layout, r, n)
+    store_keys: set = set()
+    put_pairs(keys, pairs, store_keys)
+    store = FakeStore(store_keys)
+    idx = KeyIndex(HB, capacity=16)
+    sync = StoreSync(store, keys, idx, layout)
+    # A stale key outside this batch's candidates must survive a refresh.
+    stale = (4, b"\xee" * HB)
+    idx.add([stale[0]], [stale[1]])
+    batch = HashBatch.from_bytes(reqs, HB)
+    st = sync.refresh(batch, ntoks)
+    assert st.num_present == st.num_added == len(idx) - 1
+    assert stale in idx
+    # Drop half the store: the next refresh removes exactly those.
+    gone = set(rng.sample(sorted(pairs), len(pairs) // 2))
+    store.keys -= {k for g, h in gone for k in keys.keys(g, h)}
+    st2 = sync.refresh(batch, ntoks)
+    assert st2.num_removed == len(gone & _asked(sync, batch, ntoks))
+    assert st2.num_added == 0 and stale in idx
+    for g, h in gone:
+        assert (g, h) not in idx
+
+
+def _asked(sync: StoreSync, batch: HashBatch, ntoks) -> set:
+    gids, rows, _ = sync.candidates(batch, ntoks)
+    flat = [h for r in batch.to_bytes() for h in r]
+    return {(g, flat[r]) for g, r in zip(gids.tolist(), rows.tolist(), strict=True)}
+
+
+def _snapshot(idx: KeyIndex):
+    g, h = idx.keys()
+    rows = torch.cat([g[:, None], h], 1)
+    return sorted(map(tuple, rows.tolist()))
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (RuntimeError("connection refused"), "batch_is_exist failed"),
+        ("short", "answers for"),
+        ("negative", "error status"),
+        ("none", "not a list of ints"),
+    ],
+)
+def test_store_errors_leave_index_unchanged(answer, match):
+    layout = dsv4_layout()
+    reqs, ntoks = workload(random.Random(5), layout, 6, 8)
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    pairs = set()
+    for r, n in zip(reqs, ntoks, strict=True):
+        pairs |= saved_pairs(layout, r, n)
+    store_keys: set = set()
+    put_pairs(keys, pairs, store_keys)
+    store = FakeStore(store_keys)
+    bl = BatchedLookup(layout, store, keys, hash_bytes=HB)
+    batch = HashBatch.from_bytes(reqs, HB)
+    good = bl.lookup(batch, ntoks)
+    assert good.any()
+    before = _snapshot(bl.index)
+    # The store loses everything, then breaks: nothing may change, no hits.
+    store.keys.clear()
+    n_keys = bl.last_stats.num_keys_asked
+    if isinstance(answer, Exception):
+        store.fail = answer
+    elif answer == "short":
+        store.answer = [0] * (n_keys - 1)
+    elif answer == "negative":
+        store.answer = [0] * (n_keys - 1) + [-900]
+    else:
+        store.answer = None
+        store.batch_is_exist = lambda keys: None  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match=match):
+        bl.lookup(batch, ntoks)
+    assert _snapshot(bl.index) == before
+    assert bl.lookup_one(ntoks[0], reqs[0]) == 0
+    assert isinstance(bl.last_error, StoreError)
+
+
+def test_bad_input_leaves_index_unchanged():
+    layout = dsv4_layout()
+    reqs, ntoks = workload(random.Random(9), layout, 4, 8)
+    store = FakeStore()
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    bl = BatchedLookup(layout, store, keys, hash_bytes=HB)
+    bl.index.add([0], [b"\x01" * HB])
+    before = _snapshot(bl.index)
+    with pytest.raises(ValueError, match="hash_bytes"):
+        bl.lookup(_narrow(reqs), ntoks)
+    with pytest.raises(ValueError, match="one per request"):
+        bl.lookup(HashBatch.from_bytes(reqs, HB), ntoks[:-1])
+    with pytest.raises(ValueError, match="bytes"):
+        bl.lookup_one(ntoks[0], [h[:16] for h in reqs[0]])
+    with pytest.raises(TypeError):
+        bl.lookup(HashBatch.from_bytes(reqs, HB), [1.5] * len(reqs))
+    assert store.calls == [] and _snapshot(bl.index) == before
+
+
+def _narrow(reqs):
+    return HashBatch.from_bytes([[h[:16] for h in r] for r in reqs], 16)
+
+
+# -- a real Mooncake store --------------------------------------------------------
+
+
+def _bounded(fn, timeout: float = 15.0):
+    """Run ``fn`` in a daemon thread; fail (never hang) past ``timeout``."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        pytest.fail(f"call did not return within {timeout}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _put(store, keys: list[str]) -> None:
+    rc = store.put_batch(keys, [b"kv" * 8] * len(keys))
+    assert rc == 0, f"put_batch returned {rc}"
+
+
+def test_real_mooncake_store_end_to_end():
+    reason = mooncake_unavailable()
+    if reason:
+        pytest.skip(reason)
+    layout = dsv4_layout()
+    ref = ReferenceCoordinator(layout)
+    rng = random.Random(11)
+    reqs, ntoks = workload(rng, layout, 24, 10)
+    keys = MooncakeKeys("DeepSeek-V4-Flash", namespaces(layout))
+
+    with MooncakeMaster() as master:
+        store = connect_client(master)
+        try:
+            # A saving worker per rank writes what its store masks keep, for
+            # the first 16 requests; one rank misses a few of its keys.
+            pairs = set()
+            for r, n in zip(reqs[:16], ntoks[:16], strict=True):
+                pairs |= saved_pairs(layout, r, n)
+            pairs = sorted(pairs)
+            skip = {(g, h, 1) for g, h in rng.sample(pairs, 20) if g % 2 == 0}
+            written: set = set()
+            put_pairs(keys, pairs, written, skip)
+            _put(store, sorted(written))
+            exists = store_set(keys, layout, pairs, written)
+
+            bl = BatchedLookup(layout, store, keys, hash_bytes=HB)
+            batch = HashBatch.from_bytes(reqs, HB)
+            hits = _bounded(lambda: bl.lookup(batch, ntoks))
+            want = [ref.lookup(n, r, exists) for r, n in zip(reqs, ntoks, strict=True)]
+            assert hits.tolist() == want
+            assert sum(want) > 0
+            st = bl.last_stats
+            assert st.num_rpcs == 1 and st.num_keys_asked < st.num_per_request_keys
+
+            # Evict some keys: after a refresh the hits drop accordingly.
+            victims = rng.sample(sorted(exists), len(exists) // 3)
+            gone = [k for g, h in victims for k in keys.keys(g, h) if k in written]
+            codes = store.batch_remove(gone, True)
+            assert all(c == 0 for c in codes), set(codes)
+            written -= set(gone)
+            exists2 = store_set(keys, layout, pairs, written)
+            hits2 = _bounded(lambda: bl.lookup(batch, ntoks))
+            want2 = [
+                ref.lookup(n, r, exists2) for r, n in zip(reqs, ntoks, strict=True)
+            ]
+            assert hits2.tolist() == want2
+            assert sum(want2) < sum(want)
+            assert bl.last_stats.num_removed > 0
+
+            # The master dies mid-run: a clear error, index untouched, no hits.
+            before = _snapshot(bl.index)
+            master.stop()
+            t0 = time.perf_counter()
+            with pytest.raises(StoreError):
+                _bounded(lambda: bl.lookup(batch, ntoks))
+            assert time.perf_counter() - t0 < 15
+            assert _snapshot(bl.index) == before
+            assert _bounded(lambda: bl.lookup_one(ntoks[0], reqs[0])) == 0
+            assert isinstance(bl.last_error, StoreError)
+        finally:
+            master.stop()
+            _bounded(store.close, 15)
