@@ -229,6 +229,7 @@ def _traffic_config(args: argparse.Namespace, num_requests: int) -> Any:
         min_tokens=args.min_tokens,
         max_tokens=args.max_tokens,
         hash_bytes=args.hash_bytes,
+        history=args.history,
         seed=args.seed,
     )
 
@@ -487,17 +488,21 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def _probe_rate(wl: Any, device: str, repeats: int) -> dict[str, Any]:
-    """KeyIndex.contains throughput over every (group, batch hash) pair: the
-    probe set of a naive lookup, a realistic mix of hits and misses."""
+def key_probe(wl: Any, device: str) -> tuple[Callable[[], Any], int]:
+    """A timed ``KeyIndex.contains`` over every (group, batch hash) pair (the
+    probe set of a naive lookup: a realistic mix of hits and misses) and the
+    number of probes. Building the index and the probes is not timed."""
     import torch
 
     batch = wl.hash_batch(device)
     index = wl.key_index(device)
-    groups = [g for g, grp in enumerate(wl.layout.groups) if grp.prefix_cacheable]
+    groups = torch.tensor(
+        [g for g, grp in enumerate(wl.layout.groups) if grp.prefix_cacheable],
+        dtype=torch.int64,
+        device=device,
+    )
     n = batch.total
-    gids = torch.arange(len(groups), device=device).repeat_interleave(n)
-    gids = torch.tensor(groups, device=device)[gids]
+    gids = groups.repeat_interleave(n)
     hashes = batch.hashes.repeat(len(groups), 1)
     cuda = str(device).startswith("cuda")
 
@@ -507,15 +512,20 @@ def _probe_rate(wl: Any, device: str, repeats: int) -> dict[str, Any]:
             torch.cuda.synchronize()
         return r
 
+    return probe, int(gids.numel())
+
+
+def _probe_rate(wl: Any, device: str, repeats: int) -> dict[str, Any]:
+    probe, n = key_probe(wl, device)
     hit_fraction = float(probe().float().mean()) if n else 0.0
     times = time_runs(probe, repeats)
     med = statistics.median(times)
     return {
         "preset": wl.preset,
         "hash_bytes": wl.hash_bytes,
-        "probes": int(gids.numel()),
+        "probes": n,
         "median_s": med,
-        "probes_per_s": gids.numel() / med,
+        "probes_per_s": n / med,
         "hit_fraction": hit_fraction,
     }
 
@@ -609,6 +619,13 @@ def _add_workload_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         help="block hash width in bytes (default 32, as sha256)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--history",
+        type=float,
+        default=1.0,
+        help="requests served (stored) before the batch, as a multiple of the "
+        "batch size (default 1.0; lower it for huge prompts)",
+    )
     p.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: cuda if present)"
     )

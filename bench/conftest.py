@@ -1,0 +1,106 @@
+"""Shared set-up of the benchmark suites (``pytest bench --benchmark-only``).
+
+Knobs (environment variables; defaults suit this repo's 2-core CPU box):
+
+``KVHIT_BENCH_MAX_TOKENS``  longest prompt (default 16384 on CPU, 131072 on CUDA)
+``KVHIT_BENCH_B4096``       ``1`` adds B=4096 (always on with CUDA)
+``KVHIT_BENCH_BATCH_SIZES`` comma-separated override of the batch sizes
+``KVHIT_BENCH_PRESETS``     comma-separated subset of the presets
+``KVHIT_BENCH_REF_CAP``     largest B the reference loop is timed at (1024)
+``KVHIT_BENCH_HISTORY``     served requests per batch request (default 1.0)
+
+Workloads are generated once per session and preset, at the largest batch
+size, and sliced for the smaller ones (same store, same first requests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvhit.bench.workloads import PRESETS, TrafficConfig, Workload, generate
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _csv_env(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name, "")
+    return [x.strip() for x in raw.split(",") if x.strip()] or default
+
+
+MAX_TOKENS = int(
+    os.environ.get("KVHIT_BENCH_MAX_TOKENS", 131072 if HAS_CUDA else 16384)
+)
+BATCH_SIZES = [
+    int(b)
+    for b in _csv_env(
+        "KVHIT_BENCH_BATCH_SIZES",
+        ["1", "64", "1024"]
+        + (["4096"] if HAS_CUDA or os.environ.get("KVHIT_BENCH_B4096") == "1" else []),
+    )
+]
+PRESET_NAMES = _csv_env("KVHIT_BENCH_PRESETS", list(PRESETS))
+REF_CAP = int(os.environ.get("KVHIT_BENCH_REF_CAP", 1024))
+HISTORY = float(os.environ.get("KVHIT_BENCH_HISTORY", 1.0))
+#: above REF_CAP, parity is checked on this many sampled requests
+PARITY_SAMPLE = 256
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector):
+    # The suites are named bench_*.py so that `make test` (testpaths = tests)
+    # never runs them; collect them here.
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.fixture(scope="session")
+def bench_device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(scope="session")
+def env_info() -> dict[str, str]:
+    """Machine, torch, triton (and GPU) versions for ``benchmark.extra_info``."""
+    from kvhit.bench.workloads import environment_info
+
+    return environment_info()
+
+
+@pytest.fixture(scope="session")
+def workloads() -> Callable[[str, int], Workload]:
+    """``get(preset, batch_size)``: cached workloads, sliced from one per preset."""
+    cache: dict[str, Workload] = {}
+    largest = max(BATCH_SIZES)
+
+    def get(preset: str, batch_size: int) -> Workload:
+        if preset not in cache:
+            cfg = TrafficConfig(
+                num_requests=largest, max_tokens=MAX_TOKENS, history=HISTORY
+            )
+            cache[preset] = generate(preset, cfg)
+        return cache[preset].take(batch_size)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_hits() -> Callable[[Workload, list[int]], dict[int, int]]:
+    """``get(workload, indices)``: reference hits, computed once per request
+    (requests are shared between batch sizes)."""
+    cache: dict[tuple[str, int], int] = {}
+    refs: dict[str, object] = {}
+
+    def get(wl: Workload, indices: list[int]) -> dict[int, int]:
+        ref = refs.setdefault(wl.preset, wl.reference())
+        todo = [i for i in indices if (wl.preset, i) not in cache]
+        for i, h in zip(todo, wl.reference_lookup(todo, ref=ref), strict=True):
+            cache[(wl.preset, i)] = h
+        return {i: cache[(wl.preset, i)] for i in indices}
+
+    return get
