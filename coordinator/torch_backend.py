@@ -88,33 +88,54 @@ class TorchScanner:
             ok &= torch.remainder(c - cp.shift, p) >= p - cp.need
         return ok
 
+    def _candidate_units(
+        self, batch: _Batch, gid: int, req: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every hash unit the worker asks about for group ``gid`` in requests
+        ``req`` (int64 [n]): ``(owner, unit)``, each int64 [M], ``owner``
+        indexing ``req``."""
+        plan = self.plan
+        assert batch.token_len is not None
+        tl, lens = batch.token_len[req], batch.lens[req]
+        dev = req.device
+        if plan.partial:
+            count, scale, cp = torch.minimum(lens, tl // plan.hash_block_size), 1, None
+        else:
+            cp = plan.candidates[gid]
+            scale = cp.scale
+            count = torch.minimum(lens // scale, -((-tl) // cp.block_size))
+            if cp.sparse:
+                count = torch.minimum(count, tl // cp.block_size)
+        count = torch.clamp(count, min=0)
+        owner = torch.repeat_interleave(torch.arange(req.numel(), device=dev), count)
+        c = (
+            torch.arange(owner.numel(), device=dev)
+            - (torch.cumsum(count, 0) - count)[owner]
+        )
+        if cp is not None and cp.sparse:
+            p = cp.per_segment
+            keep = (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
+            owner, c = owner[keep], c[keep]
+        return owner, (c + 1) * scale - 1
+
     def _dup_candidate(
-        self,
-        batch: _Batch,
-        gid: torch.Tensor,
-        req: torch.Tensor,
-        unit: torch.Tensor,
+        self, batch: _Batch, gid: int, req: torch.Tensor, unit: torch.Tensor
     ) -> torch.Tensor:
         """For probes at positions the worker does not ask about: whether the
         same hash value stands at a position it does ask about (the worker's
-        exists set holds hash values, not positions). Rare: only duplicated
-        hashes inside one request make it True."""
+        exists set holds hash values, not positions). Only duplicated hashes
+        inside one request make it True."""
         n = req.numel()
-        if n == 0:
-            return torch.zeros(0, dtype=torch.bool, device=req.device)
-        lens = batch.lens[req]
-        owner = torch.repeat_interleave(torch.arange(n, device=req.device), lens)
-        starts = torch.cumsum(lens, 0) - lens
-        v = torch.arange(owner.numel(), device=req.device) - starts[owner]
-        rows_v = batch.offsets[req][owner] + v
-        rows_u = batch.offsets[req][owner] + unit[owner]
-        same = (batch.hashes[rows_v] == batch.hashes[rows_u]).all(dim=1)
-        cand = torch.zeros_like(same)
-        for g in gid.unique().tolist():
-            sel = gid[owner] == g
-            cand[sel] = self._is_candidate(batch, g, req[owner][sel], v[sel])
         found = torch.zeros(n, dtype=torch.bool, device=req.device)
-        found[owner[same & cand]] = True
+        if n == 0:
+            return found
+        owner, v = self._candidate_units(batch, gid, req)
+        base = batch.offsets[req]
+        probe_rows = base + unit
+        same = (batch.hashes[base[owner] + v] == batch.hashes[probe_rows[owner]]).all(
+            dim=1
+        )
+        found[owner[same]] = True
         return found
 
     def _probe_units(
@@ -123,33 +144,26 @@ class TorchScanner:
         """bool [N]: is hash unit ``unit`` of request ``req`` present for every
         member group of ``sg``?"""
         n = req.numel()
+        dev = req.device
         if n == 0:
-            return torch.zeros(0, dtype=torch.bool, device=req.device)
-        valid = (unit >= 0) & (unit < batch.lens[req])
-        req_v, unit_v = req[valid], unit[valid]
-        rows = batch.offsets[req_v] + unit_v
-        m = len(sg.group_ids)
-        gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=req.device)
-        g_all = gids.repeat_interleave(rows.numel())
-        r_all = rows.repeat(m)
-        present = self.probe(g_all, r_all)
-        if batch.token_len is not None and present.any():
-            req_all, unit_all = req_v.repeat(m), unit_v.repeat(m)
-            cand = torch.zeros_like(present)
-            for k, g in enumerate(sg.group_ids):
-                sl = slice(k * rows.numel(), (k + 1) * rows.numel())
-                cand[sl] = self._is_candidate(batch, g, req_v, unit_v)
-            odd = present & ~cand
-            if odd.any():
-                idx = odd.nonzero().squeeze(1)
-                dup = self._dup_candidate(
-                    batch, g_all[idx], req_all[idx], unit_all[idx]
-                )
-                cand[idx] = dup
-            present &= cand
-        hit = present.view(m, -1).all(dim=0)
-        out = torch.zeros(n, dtype=torch.bool, device=req.device)
-        out[valid] = hit
+            return torch.zeros(0, dtype=torch.bool, device=dev)
+        # Positions still possibly present, narrowed member by member.
+        live = ((unit >= 0) & (unit < batch.lens[req])).nonzero().squeeze(1)
+        for g in sg.group_ids:
+            if live.numel() == 0:
+                break
+            r, u = req[live], unit[live]
+            rows = batch.offsets[r] + u
+            present = self.probe(torch.full_like(rows, g), rows)
+            live, r, u = live[present], r[present], u[present]
+            if batch.token_len is not None and live.numel():
+                cand = self._is_candidate(batch, g, r, u)
+                if not bool(cand.all()):
+                    odd = (~cand).nonzero().squeeze(1)
+                    cand[odd] = self._dup_candidate(batch, g, r[odd], u[odd])
+                    live = live[cand]
+        out = torch.zeros(n, dtype=torch.bool, device=dev)
+        out[live] = True
         return out
 
     def _probe_blocks(
