@@ -1,0 +1,289 @@
+"""LookupEngine parity with the reference, and its input contract.
+
+Every batched backend must equal :class:`ReferenceCoordinator` exactly: hit
+lengths, per-group load masks, the store worker's lookup, store/lookup masks
+and the worker's candidate keys. The triton backend has its own parity file
+(``test_scan_triton.py``); here the torch and reference backends are checked.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import (
+    case,
+    chained_hashes,
+    layouts,
+    saved_keys,
+    store_from_masks,
+)
+
+from kvhit import (
+    CacheLayout,
+    FullAttention,
+    Group,
+    HashBatch,
+    KeyIndex,
+    LookupEngine,
+    Mamba,
+    ReferenceCoordinator,
+    SlidingWindow,
+)
+
+BACKENDS = ["torch", "reference"]
+
+
+def _index(keys, width: int = 8) -> KeyIndex:
+    index = KeyIndex(width, capacity=16)
+    keys = list(keys)
+    if keys:
+        index.add([g for g, _ in keys], [h for _, h in keys])
+    return index
+
+
+def _check_find(layout, requests, exists, lens, backend, apply_eagle):
+    ref = ReferenceCoordinator(layout)
+    engine = LookupEngine(layout, backend=backend)
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    res = engine.find_longest_cache_hit(
+        batch, lens, _index(exists), apply_eagle=apply_eagle, with_masks=True
+    )
+    got_masks = res.mask_lists()
+    for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
+        masks, hit = ref.find_longest_cache_hit(hl, n, exists, apply_eagle)
+        assert int(res.hit_lengths[b]) == hit, (b, n, layout)
+        assert list(got_masks[b]) == list(masks), (b, n, layout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=150)
+@given(data=case(), apply_eagle=st.booleans())
+def test_find_parity(backend, data, apply_eagle):
+    layout, requests, exists, lens = data
+    _check_find(layout, requests, exists, lens, backend, apply_eagle)
+
+
+@settings(max_examples=150)
+@given(data=case())
+def test_lookup_parity(data):
+    layout, requests, exists, lens = data
+    ref = ReferenceCoordinator(layout)
+    engine = LookupEngine(layout, backend="torch")
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    got = engine.lookup(batch, lens, _index(exists)).tolist()
+    want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
+    assert got == want
+
+
+@settings(max_examples=100)
+@given(data=case())
+def test_load_masks_and_candidates_parity(data):
+    layout, requests, _, lens = data
+    ref = ReferenceCoordinator(layout)
+    engine = LookupEngine(layout, backend="torch")
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    res = engine.load_masks(batch, lens)
+    got = res.mask_lists()
+    for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
+        assert list(got[b]) == list(ref.load_mask(hl, n))
+    gids, rows = engine.lookup_candidates(batch, lens)
+    flat = [h for hl in requests for h in hl]
+    got_keys = sorted(zip(gids.tolist(), (flat[r] for r in rows.tolist()), strict=True))
+    want_keys = sorted(
+        k
+        for hl, n in zip(requests, lens, strict=True)
+        for k in ref.lookup_candidates(n, hl)
+    )
+    assert got_keys == want_keys
+
+
+@settings(max_examples=150)
+@given(layout=layouts(), data=st.data())
+def test_store_and_lookup_masks_parity(layout, data):
+    ref = ReferenceCoordinator(layout)
+    engine = LookupEngine(layout, backend="torch")
+    n = data.draw(st.integers(0, 4))
+    units = st.integers(0, 12)
+    aligned = [data.draw(units) * layout.alignment for _ in range(n)]
+    starts = [data.draw(st.integers(0, a + 3)) for a in aligned]
+    prompts = [a + data.draw(st.integers(-min(a, 2), 40)) for a in aligned]
+    if n and all(p > 0 for p in prompts):
+        got = engine.store_masks(aligned, starts, prompts).mask_lists()
+        assert got == [
+            ref.store_mask(a, s, p)
+            for a, s, p in zip(aligned, starts, prompts, strict=True)
+        ]
+    got = engine.store_masks(aligned, starts).mask_lists()
+    assert got == [ref.store_mask(a, s) for a, s in zip(aligned, starts, strict=True)]
+    got = engine.lookup_masks(aligned).mask_lists()
+    assert got == [ref.lookup_mask(a) for a in aligned]
+
+
+# -- the seed regressions of DESIGN.md, through every backend ------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_full_mamba_eagle(backend):
+    layout = CacheLayout(
+        [Group(FullAttention(16)), Group(Mamba(16))], 16, 16, use_eagle=True
+    )
+    hashes = chained_hashes(1, 4)
+    exists = {(g, h) for g in (0, 1) for h in hashes}
+    engine = LookupEngine(layout, backend=backend)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    res = engine.find_longest_cache_hit(batch, [64], _index(exists))
+    assert res.hit_lengths.tolist() == [48]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_merged_swa_eagle(backend):
+    layout = CacheLayout(
+        [
+            Group(FullAttention(64)),
+            Group(SlidingWindow(16, 32)),
+            Group(SlidingWindow(16, 32), eagle=True),
+        ],
+        64,
+        16,
+        use_eagle=True,
+    )
+    assert layout.eagle_group_ids == {1, 2}
+    engine = LookupEngine(layout, backend=backend)
+    masks = engine.store_masks([128], num_prompt_tokens=[130]).mask_lists()[0]
+    assert masks[1] == masks[2]
+    hashes = chained_hashes(2, 130 // 16)
+    exists = store_from_masks(layout, hashes, 128, masks)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    res = engine.find_longest_cache_hit(batch, [128], _index(exists))
+    assert res.hit_lengths.tolist() == [64]
+
+
+def _dsv4() -> CacheLayout:
+    return CacheLayout(
+        [
+            Group(FullAttention(256)),
+            Group(SlidingWindow(64, 128)),
+            Group(SlidingWindow(64, 128), eagle=True),
+            Group(SlidingWindow(4, 8)),
+            Group(SlidingWindow(8, 128)),
+        ],
+        256,
+        4,
+        use_eagle=True,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_dsv4_flash(backend):
+    layout = _dsv4()
+    engine = LookupEngine(layout, backend=backend)
+    masks = engine.store_masks([768]).mask_lists()[0]
+    hashes = chained_hashes(3, 768 // 4)
+    exists = store_from_masks(layout, hashes, 768, masks)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    res = engine.find_longest_cache_hit(batch, [768], _index(exists))
+    assert res.hit_lengths.tolist() == [512]
+
+
+# -- batches -----------------------------------------------------------------
+
+
+def test_mixed_batch_and_order_independence():
+    """Empty, tiny and long requests in one batch; a permuted batch gives the
+    permuted answers."""
+    layout = _dsv4()
+    ref = ReferenceCoordinator(layout)
+    rng = random.Random(7)
+    requests = [[], chained_hashes(10, 1), chained_hashes(11, 3)]
+    exists: set = set()
+    for seed, n in [(12, 600), (13, 257), (14, 1100), (15, 64)]:
+        hl = chained_hashes(seed, n)
+        requests.append(hl)
+        exists |= saved_keys(layout, hl, n * 4)
+    # Extensions of stored prompts, and eviction holes.
+    requests.append(requests[3] + chained_hashes(16, 300, prefix=requests[3])[600:])
+    for key in rng.sample(sorted(exists), 3):
+        exists.discard(key)
+    num_tokens = [len(h) * 4 + rng.choice([0, 1, 3]) for h in requests]
+    engine = LookupEngine(layout, backend="torch")
+    index = _index(exists)
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    got = engine.lookup(batch, num_tokens, index).tolist()
+    want = [
+        ref.lookup(n, hl, exists) for hl, n in zip(requests, num_tokens, strict=True)
+    ]
+    assert got == want
+    assert any(w > 0 for w in want) and got[0] == 0
+    perm = list(range(len(requests)))
+    rng.shuffle(perm)
+    batch_p = HashBatch.from_bytes([requests[i] for i in perm], 8, "cpu")
+    got_p = engine.lookup(batch_p, [num_tokens[i] for i in perm], index).tolist()
+    assert got_p == [got[i] for i in perm]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_zero_lengths(backend):
+    engine = LookupEngine(_dsv4(), backend=backend)
+    index = _index({(0, b"\x01" * 8)})
+    empty = HashBatch.from_bytes([], 8, "cpu")
+    assert engine.lookup(empty, [], index).shape == (0,)
+    assert engine.find_longest_cache_hit(empty, [], index).hit_lengths.shape == (0,)
+    batch = HashBatch.from_bytes([[], [b"\x01" * 8]], 8, "cpu")
+    assert engine.lookup(batch, [0, 0], index).tolist() == [0, 0]
+    out = engine.find_longest_cache_hit(batch, torch.tensor([0, 0]), index)
+    assert out.hit_lengths.dtype == torch.int64
+    assert out.hit_lengths.tolist() == [0, 0]
+
+
+def test_all_hit_and_all_miss_stores():
+    layout = _dsv4()
+    hashes = chained_hashes(20, 300)
+    everything = {(g, h) for g in range(5) for h in hashes}
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    engine = LookupEngine(layout, backend="torch")
+    ref = ReferenceCoordinator(layout)
+    assert (
+        engine.lookup(batch, [1200], _index(everything)).tolist()
+        == [ref.lookup(1200, hashes, everything)]
+        != [0]
+    )
+    other = {(g, h) for g in range(5) for h in chained_hashes(21, 300)}
+    assert engine.lookup(batch, [1200], _index(other)).tolist() == [0]
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_argument():
+    layout = _dsv4()
+    engine = LookupEngine(layout, backend="torch")
+    index = _index({(0, b"\x01" * 8)})
+    batch = HashBatch.from_bytes([[b"\x01" * 8], []], 8, "cpu")
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.find_longest_cache_hit(batch, [1], index)
+    with pytest.raises(TypeError, match="max_lengths"):
+        engine.find_longest_cache_hit(batch, torch.tensor([1.0, 2.0]), index)
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.find_longest_cache_hit(batch, torch.tensor([[1, 2]]), index)
+    with pytest.raises(ValueError, match="num_tokens"):
+        engine.lookup(batch, [5, -1], index)
+    with pytest.raises(TypeError, match="num_tokens"):
+        engine.lookup(batch, 5, index)
+    wide = KeyIndex(16, capacity=16)
+    with pytest.raises(ValueError, match="hash width"):
+        engine.lookup(batch, [4, 4], wide)
+    with pytest.raises(TypeError, match="index"):
+        engine.lookup(batch, [4, 4], {(0, b"\x01" * 8)})
+    with pytest.raises(TypeError, match="batch"):
+        engine.lookup([[b"\x01" * 8]], [4], index)
+    with pytest.raises(ValueError, match="aligned_lens"):
+        engine.store_masks([100])
+    with pytest.raises(ValueError, match="backend"):
+        LookupEngine(layout, backend="cuda-magic")
+    meta = LookupEngine(layout, backend="torch", device="meta")
+    with pytest.raises(ValueError, match="batch is on"):
+        meta.lookup(batch, [4, 4], index)
