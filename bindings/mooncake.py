@@ -396,6 +396,9 @@ class StoreSync:
         index: the ``KeyIndex`` to update (its ``hash_bytes`` fixes the width
             every batch must have).
         layout: the cache layout whose worker rule picks the keys.
+        engine: a ``LookupEngine`` for ``layout`` whose vectorised
+            ``lookup_candidates`` picks the keys; without one,
+            :func:`candidate_rows` (numpy, a loop over requests) does.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -408,6 +411,7 @@ class StoreSync:
         keys: MooncakeKeys,
         index: Any,
         layout: CacheLayout,
+        engine: Any = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -438,6 +442,7 @@ class StoreSync:
         self.keys = keys
         self.index = index
         self.layout = layout
+        self.engine = engine
         self.hash_bytes: int = index.hash_bytes
         self._tables = _ChunkTables(ReferenceCoordinator(layout))
         self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
@@ -453,12 +458,18 @@ class StoreSync:
 
     def candidates(
         self, batch: HashBatch, num_tokens: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``candidate_rows`` for this batch: (group_ids, rows, request),
-        int64 ``[K]`` on the CPU."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(group, hash)`` pairs the worker rule probes for ``batch``:
+        ``(group_ids, rows)``, int64 ``[K]`` on the CPU, ``rows`` indexing
+        ``batch.hashes``; duplicates across requests kept."""
         self._check_batch(batch)
         nt = _as_num_tokens(num_tokens, batch)
-        return candidate_rows(self.layout, batch.offsets, nt, self._tables)
+        if self.engine is not None:
+            dev = self.engine.device
+            gids, rows = self.engine.lookup_candidates(batch.to(dev), nt.to(dev))
+            return gids.cpu(), rows.cpu()
+        gids, rows, _ = candidate_rows(self.layout, batch.offsets, nt, self._tables)
+        return gids, rows
 
     def refresh(self, batch: HashBatch, num_tokens: Any) -> RefreshStats:
         """Ask the store about every key ``batch`` can probe, in one call, and
@@ -473,7 +484,7 @@ class StoreSync:
             ValueError, TypeError: bad arguments (index unchanged).
         """
         t0 = time.perf_counter()
-        gids, rows, _ = self.candidates(batch, num_tokens)
+        gids, rows = self.candidates(batch, num_tokens)
         num_candidates = int(gids.shape[0])
         num_per_request = int(self._num_ns[gids.numpy()].sum()) if num_candidates else 0
         if num_candidates == 0:
@@ -567,8 +578,8 @@ class BatchedLookup:
         store: the store (see :class:`StoreSync`).
         keys: key format and namespaces.
         device: where the index and the engine work.
-        backend: ``LookupEngine``/``KeyIndex`` backend ("auto", "torch",
-            "triton"; "reference" runs the scalar reference over the index).
+        backend: ``LookupEngine`` backend ("auto", "torch", "triton",
+            "reference"); the index uses the same, or "auto" for "reference".
         hash_bytes: block-hash width (32 for vLLM's sha256, 16 for xxhash128).
         index: an existing ``KeyIndex`` to keep in step (e.g. one also fed by
             KV-cache events); a new one of ``capacity`` slots otherwise.
@@ -585,6 +596,7 @@ class BatchedLookup:
         index: Any = None,
         capacity: int = 1 << 16,
     ) -> None:
+        from kvhit.coordinator.engine import LookupEngine
         from kvhit.coordinator.key_index import KeyIndex
 
         self.layout = layout
@@ -594,16 +606,8 @@ class BatchedLookup:
             index = KeyIndex(hash_bytes, capacity, self.device, index_backend)
         self.index = index
         self.hash_bytes: int = index.hash_bytes
-        self.sync = StoreSync(store, keys, index, layout)
-        self._ref = ReferenceCoordinator(layout)
-        self.engine: Any = None
-        if backend != "reference":
-            try:
-                from kvhit.coordinator.engine import LookupEngine
-            except ImportError:  # the batched engine is optional here
-                LookupEngine = None  # noqa: N806
-            if LookupEngine is not None:
-                self.engine = LookupEngine(layout, backend=backend, device=self.device)
+        self.engine = LookupEngine(layout, backend=backend, device=self.device)
+        self.sync = StoreSync(store, keys, index, layout, engine=self.engine)
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None
 
@@ -611,38 +615,20 @@ class BatchedLookup:
         """Tokens of each prompt to load from the store: int64 ``[B]`` on
         ``batch.device`` (the worker's ``lookup`` for every request).
 
+        Args:
+            batch: the requests' block hashes (any device).
+            num_tokens: prompt length per request, ``[B]``.
+
         Raises:
             StoreError: the store could not answer; the index is unchanged and
                 no hit is computed from it.
+            ValueError, TypeError: bad arguments (nothing asked or changed).
         """
         stats = self.sync.refresh(batch, num_tokens)
         self.last_stats = stats
-        nt = _as_num_tokens(num_tokens, batch)
-        if self.engine is not None:
-            batch_dev = batch.to(self.device)
-            hits = self.engine.lookup(batch_dev, nt.to(self.device), self.index)
-            return hits.to(batch.device)
-        return self._reference_lookup(batch, nt).to(batch.device)
-
-    def _reference_lookup(self, batch: HashBatch, nt: torch.Tensor) -> torch.Tensor:
-        """The scalar rule over the index (no batched engine available)."""
-        gids, rows, req = self.sync.candidates(batch, nt)
-        out = torch.zeros(len(batch), dtype=torch.int64)
-        if gids.shape[0] == 0:
-            return out
-        dev = self.index.device
-        hashes = batch.hashes.index_select(0, rows.to(batch.device)).to(dev)
-        found = self.index.contains(gids.to(dev), hashes).cpu()
-        requests = batch.to_bytes()
-        present: list[set[tuple[int, bytes]]] = [set() for _ in range(len(batch))]
-        flat = [h for r in requests for h in r]
-        for g, row, i in zip(
-            gids[found].tolist(), rows[found].tolist(), req[found].tolist(), strict=True
-        ):
-            present[i].add((g, flat[row]))
-        for i, hs in enumerate(requests):
-            out[i] = self._ref.lookup(int(nt[i]), hs, present[i])
-        return out
+        nt = _as_num_tokens(num_tokens, batch).to(self.device)
+        hits = self.engine.lookup(batch.to(self.device), nt, self.index)
+        return hits.to(batch.device)
 
     def lookup_one(self, num_tokens: int, block_hashes: Sequence[bytes]) -> int:
         """Drop-in for the store worker's ``lookup(num_tokens, block_hashes)``

@@ -28,6 +28,7 @@ from kvhit.bindings.mooncake import (
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
+from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.reference import ReferenceCoordinator
@@ -274,13 +275,18 @@ def test_candidate_rows_match_reference(name):
         got[i].append((g, flat[row]))
     for i, r in enumerate(reqs):
         assert sorted(got[i]) == sorted(ref.lookup_candidates(ntoks[i], r)), i
+    # The engine's vectorised candidates are the same multiset of rows.
+    e_g, e_r = LookupEngine(layout, backend="torch").lookup_candidates(batch, ntoks)
+    ours = sorted(zip(gids.tolist(), rows.tolist(), strict=True))
+    assert sorted(zip(e_g.tolist(), e_r.tolist(), strict=True)) == ours
 
 
 # -- refresh and lookup over a fake store ------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_lookup_matches_reference_over_fake_store(name):
+def test_lookup_matches_reference_over_fake_store(name, backend):
     layout = LAYOUTS[name]()
     ref = ReferenceCoordinator(layout)
     rng = random.Random(7)
@@ -299,7 +305,7 @@ def test_lookup_matches_reference_over_fake_store(name):
     store = FakeStore(store_keys)
     exists = store_set(keys, layout, pairs, store_keys)
 
-    bl = BatchedLookup(layout, store, keys, hash_bytes=HB, capacity=64)
+    bl = BatchedLookup(layout, store, keys, hash_bytes=HB, capacity=64, backend=backend)
     batch = HashBatch.from_bytes(reqs, HB)
     hits = bl.lookup(batch, ntoks)
     assert hits.dtype == torch.int64 and hits.shape == (len(reqs),)
@@ -348,7 +354,7 @@ def test_refresh_adds_and_removes_exactly_the_candidates():
 
 
 def _asked(sync: StoreSync, batch: HashBatch, ntoks) -> set:
-    gids, rows, _ = sync.candidates(batch, ntoks)
+    gids, rows = sync.candidates(batch, ntoks)
     flat = [h for r in batch.to_bytes() for h in r]
     return {(g, flat[r]) for g, r in zip(gids.tolist(), rows.tolist(), strict=True)}
 
@@ -428,7 +434,7 @@ def _narrow(reqs):
 # -- a real Mooncake store --------------------------------------------------------
 
 
-def _bounded(fn, timeout: float = 15.0):
+def _bounded(fn, timeout: float = 15.0, what: str = "call"):
     """Run ``fn`` in a daemon thread; fail (never hang) past ``timeout``."""
     box: dict = {}
 
@@ -442,7 +448,7 @@ def _bounded(fn, timeout: float = 15.0):
     t.start()
     t.join(timeout)
     if t.is_alive():
-        pytest.fail(f"call did not return within {timeout}s")
+        pytest.fail(f"{what} did not return within {timeout}s")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -512,6 +518,16 @@ def test_real_mooncake_store_end_to_end():
             assert _snapshot(bl.index) == before
             assert _bounded(lambda: bl.lookup_one(ntoks[0], reqs[0])) == 0
             assert isinstance(bl.last_error, StoreError)
+
+            # It comes back empty on the same ports: the client reconnects and
+            # the next refresh drops every key (a client closing against a
+            # dead master would also spend many seconds retrying).
+            master.start()
+            hits3 = _bounded(lambda: bl.lookup(batch, ntoks))
+            assert hits3.tolist() == [0] * len(reqs)
+            assert bl.last_stats.num_present == 0
+            assert bl.last_stats.num_removed == len(before)
         finally:
             master.stop()
-            _bounded(store.close, 15)
+            # Not under test, but bounded: closing retries against the master.
+            _bounded(store.close, 30, "MooncakeDistributedStore.close")
