@@ -1,0 +1,637 @@
+"""KV-cache events: vLLM 0.33.0's wire format -> KeyIndex (bindings/events.py).
+
+The fixtures under tests/data/ were produced by vLLM's own ZmqEventPublisher
+(tests/make_event_fixtures.py), so decoding them proves the format is vLLM's.
+Socket tests run a publisher speaking the same format on 127.0.0.1 (random
+ports); every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import deque
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+msgspec = pytest.importorskip(
+    "msgspec", reason="needs msgspec (pip install kvhit[events])", exc_type=ImportError
+)
+
+from kvhit.bindings import events as ev  # noqa: E402
+from kvhit.coordinator.key_index import KeyIndex  # noqa: E402
+from kvhit.coordinator.packing import unpack_hashes  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+PREFIX = "kv_events_vllm_0_33_0"
+WAIT_S = 10.0  # upper bound for any wait; passing runs take milliseconds
+
+
+def _load(name: str) -> Any:
+    return msgspec.msgpack.decode((DATA / f"{PREFIX}.{name}.msgpack").read_bytes())
+
+
+LIVE: list[list[bytes]] = _load("live")
+REPLAY: list[list[bytes]] = _load("replay")
+EXPECTED: dict[str, Any] = json.loads((DATA / f"{PREFIX}.expected.json").read_text())
+TOPIC = EXPECTED["topic"]
+PAYLOADS = [frames[2] for frames in LIVE]
+
+
+@pytest.fixture
+def zmq():
+    return pytest.importorskip(
+        "zmq", reason="needs pyzmq (pip install kvhit[events])", exc_type=ImportError
+    )
+
+
+# --- helpers
+
+
+def _unhex(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"hex"}:
+        return bytes.fromhex(value["hex"])
+    if isinstance(value, list):
+        return [_unhex(v) for v in value]
+    return value
+
+
+def _event_dict(event: ev.KVCacheEvent) -> dict[str, Any]:
+    """Our decoded struct in the shape the generator wrote vLLM's objects."""
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        out[name] = json.loads(json.dumps(value, default=lambda b: {"hex": b.hex()}))
+    return out
+
+
+def _set_replay(
+    batches: list[list[dict[str, Any]]],
+    medium: str | None = None,
+    honor_clears: bool = True,
+    hash_bytes: int = 32,
+) -> set[tuple[int, bytes]]:
+    """Oracle: the events applied one by one to a Python set."""
+    keys: set[tuple[int, bytes]] = set()
+    for events in batches:
+        for e in events:
+            if e["type"] == "AllBlocksCleared":
+                if honor_clears:
+                    keys.clear()
+                continue
+            if medium is not None and e["medium"] != medium:
+                continue
+            gid = e.get("group_idx") or 0
+            for h in _unhex(e["block_hashes"]):
+                key = (gid, ev.hash_to_bytes(h, hash_bytes))
+                (keys.add if e["type"] == "BlockStored" else keys.discard)(key)
+    return keys
+
+
+def _contents(index: KeyIndex) -> set[tuple[int, bytes]]:
+    gids, words = index.keys()
+    return set(zip(gids.tolist(), unpack_hashes(words, index.hash_bytes), strict=True))
+
+
+def _expected_events(upto: int) -> list[list[dict[str, Any]]]:
+    return [b["events"] for b in EXPECTED["batches"][:upto]]
+
+
+class _CountingIndex(KeyIndex):
+    """The real KeyIndex, counting calls, to check the batching claim."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    def add(self, group_ids: Any, hashes: Any) -> int:
+        self.calls.append(("add", len(hashes)))
+        return super().add(group_ids, hashes)
+
+    def remove(self, group_ids: Any, hashes: Any) -> int:
+        self.calls.append(("remove", len(hashes)))
+        return super().remove(group_ids, hashes)
+
+    def clear(self) -> None:
+        self.calls.append(("clear", 0))
+        super().clear()
+
+
+def _stored(hashes: list[Any], gid: int | None = 0, medium: str | None = "cpu"):
+    return ev.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=gid,
+    )
+
+
+def _removed(hashes: list[Any], gid: int | None = 0, medium: str | None = "cpu"):
+    return ev.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=gid)
+
+
+# --- decoding vLLM's bytes
+
+
+def test_fixtures_decode_exactly_as_vllm_wrote_them():
+    assert len(PAYLOADS) == len(EXPECTED["batches"]) == 5
+    for frames, want in zip(LIVE, EXPECTED["batches"], strict=True):
+        topic, seq, payload = frames
+        assert topic == TOPIC.encode()
+        assert int.from_bytes(seq, "big") == want["seq"]
+        batch = ev.decode_batch(payload)
+        assert batch.ts == want["ts"]
+        assert batch.data_parallel_rank == want["data_parallel_rank"]
+        assert [_event_dict(e) for e in batch.events] == want["events"]
+        # Same fields, order and options as vLLM: re-encoding is byte-exact.
+        assert ev.encode_batch(batch) == payload
+
+
+def test_replay_fixture_protocol():
+    assert bytes.fromhex(EXPECTED["end_seq_hex"]) == ev.END_SEQ
+    *batches, end = REPLAY
+    assert end == [b"", b"", ev.END_SEQ, b""]
+    # vLLM replays every buffered batch with seq >= the requested start (1).
+    assert [int.from_bytes(f[2], "big") for f in batches] == [1, 2, 3, 4]
+    for frames in batches:
+        assert frames[0] == b"" and frames[1] == TOPIC.encode()
+        assert frames[3] == PAYLOADS[int.from_bytes(frames[2], "big")]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\x00", b"garbage", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]])],
+)
+def test_malformed_payload_raises(payload):
+    with pytest.raises(ev.MalformedPayload):
+        ev.decode_batch(payload)
+
+
+def test_int_hashes_follow_vllm_conversion():
+    # vLLM: int.from_bytes(hash, "big") & (2**64 - 1) -- the last 8 bytes.
+    h32 = sha256(b"x").digest()
+    as_int = int.from_bytes(h32, "big") & ((1 << 64) - 1)
+    assert ev.hash_to_bytes(as_int, 8) == h32[-8:]
+    assert ev.hash_to_bytes(as_int & 0xFFFF, 2) == h32[-2:]
+    for bad in ((as_int, 16), (as_int, 32), (1 << 40, 4), (-1, 8), (b"\x00" * 7, 8)):
+        with pytest.raises(ValueError):
+            ev.hash_to_bytes(*bad)
+    with pytest.raises(ValueError, match="VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"):
+        ev.hash_to_bytes(as_int, 32)
+
+
+# --- apply()
+
+
+def test_apply_fixture_batches_match_set_replay():
+    batches = [ev.decode_batch(p) for p in PAYLOADS[:3]]
+    for medium, honor in ((None, True), ("cpu", True), ("GPU", False), ("CPU", True)):
+        index = KeyIndex(hash_bytes=32, capacity=64)
+        for b in batches:
+            ev.apply(index, b, medium=medium, honor_clears=honor)
+        assert _contents(index) == _set_replay(_expected_events(3), medium, honor)
+    # A sanity anchor independent of the oracle: GPU tier, clears ignored.
+    h = [sha256(f"block{i}".encode()).digest() for i in range(8)]
+    index = KeyIndex(hash_bytes=32, capacity=64)
+    for b in batches:
+        ev.apply(index, b, medium="GPU", honor_clears=False)
+    assert _contents(index) == {(2, h[2]), (2, h[4])}
+
+
+def test_apply_int_hash_batch():
+    batch = ev.decode_batch(PAYLOADS[3])  # int hashes, as stock vLLM publishes
+    wide = KeyIndex(hash_bytes=32, capacity=64)
+    wide.add([9], [b"\x01" * 32])
+    with pytest.raises(ValueError, match="cannot be widened"):
+        ev.apply(wide, batch)
+    assert _contents(wide) == {(9, b"\x01" * 32)}  # untouched: all-or-nothing
+    narrow = KeyIndex(hash_bytes=8, capacity=64)
+    stats = ev.apply(narrow, batch)
+    short = [sha256(f"short{i}".encode()).digest()[:8] for i in range(3)]
+    block7 = sha256(b"block7").digest()
+    assert _contents(narrow) == {(0, block7[-8:]), (3, short[0]), (3, short[2])}
+    assert (stats.events, stats.keys_added, stats.keys_removed) == (3, 3, 1)
+
+
+def test_apply_order_semantics_and_few_calls():
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    index = _CountingIndex(hash_bytes=16, capacity=64)
+    index.add([0, 0], [b, c])
+    index.calls.clear()
+    events = [
+        _stored([a]),
+        _removed([a]),  # add then remove: ends removed
+        _removed([b]),
+        _stored([b]),  # remove then add: ends present
+        _stored([c], gid=1),  # other group: a different key
+        _removed([c]),
+        _stored([a], medium="GPU"),  # filtered out below
+    ]
+    stats = ev.apply(index, events, medium="cpu")
+    assert _contents(index) == {(0, b), (1, c)}
+    assert stats.events == 6 and stats.skipped == 1
+    assert [name for name, _ in index.calls] == ["remove", "add"]
+    # A clear drops everything before it, in the same single pass.
+    index.calls.clear()
+    ev.apply(index, [_stored([a]), ev.AllBlocksCleared(), _stored([c], gid=None)])
+    assert _contents(index) == {(0, c)}
+    assert [name for name, _ in index.calls] == ["clear", "add"]
+
+
+def test_apply_random_sequences_match_sequential_set():
+    rng = random.Random(7)
+    pool = [(rng.randrange(3), rng.randbytes(16)) for _ in range(40)]
+    for _ in range(30):
+        index = KeyIndex(hash_bytes=16, capacity=16)
+        oracle: set[tuple[int, bytes]] = set()
+        for _ in range(4):
+            events: list[Any] = []
+            for _ in range(rng.randrange(60)):
+                r = rng.random()
+                if r < 0.03:
+                    events.append(ev.AllBlocksCleared())
+                    oracle.clear()
+                    continue
+                keys = rng.sample(pool, rng.randint(1, 3))
+                gid = keys[0][0]
+                hashes = [h for _, h in keys]
+                if r < 0.6:
+                    events.append(_stored(hashes, gid))
+                    oracle.update((gid, h) for h in hashes)
+                else:
+                    events.append(_removed(hashes, gid))
+                    oracle.difference_update((gid, h) for h in hashes)
+            ev.apply(
+                index, ev.decode_batch(ev.encode_batch(ev.KVEventBatch(0.0, events)))
+            )
+            assert _contents(index) == oracle
+
+
+# --- sockets
+
+
+class _Publisher:
+    """vLLM's ZmqEventPublisher wire format, driven step by step by a test.
+
+    XPUB instead of PUB only so the test can wait for the subscription (no
+    slow-joiner sleeps); subscribers see the same messages. The ROUTER answers
+    replays exactly like ``ZmqEventPublisher._service_replay``.
+    """
+
+    def __init__(self, zmq: Any, topic: str = TOPIC, buffer_steps: int = 10_000):
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.topic = topic.encode()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_endpoint = f"tcp://127.0.0.1:{port}"
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.replay_requests: list[list[bytes]] = []
+        self.recorded_replay: list[list[bytes]] | None = None  # answer verbatim
+        self.seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def wait_subscriber(self, timeout_s: float = WAIT_S) -> None:
+        assert self.pub.poll(int(timeout_s * 1000)), "no subscriber"
+        assert self.pub.recv() == b"\x01" + self.topic
+
+    def publish(self, payload: bytes, drop: bool = False, keep: bool = True) -> int:
+        """Publish the next seq; ``drop``: not sent live; ``keep``: replayable."""
+        seq, self.seq = self.seq, self.seq + 1
+        if keep:
+            with self._lock:
+                self.buffer.append((seq, payload))
+        if not drop:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            frame = self.router.recv_multipart()
+            self.replay_requests.append(frame)
+            if len(frame) != 3:
+                continue
+            client, _, start_b = frame
+            start = int.from_bytes(start_b, "big")
+            if self.recorded_replay is not None:
+                for frames in self.recorded_replay:
+                    self.router.send_multipart([client, *frames])
+                continue
+            with self._lock:
+                buffered = list(self.buffer)
+            for seq, buf in buffered:
+                if seq >= start:
+                    self.router.send_multipart(
+                        [client, b"", self.topic, seq.to_bytes(8, "big"), buf]
+                    )
+            self.router.send_multipart([client, b"", b"", ev.END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT_S)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def publisher(zmq):
+    pub = _Publisher(zmq)
+    yield pub
+    pub.close()
+
+
+def _follower(pub: _Publisher, index: Any, **kw: Any) -> ev.EventFollower:
+    kw.setdefault("replay_timeout_s", 2.0)
+    f = ev.EventFollower(pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, **kw)
+    f.start()
+    pub.wait_subscriber()
+    if kw.get("start_seq", 0) is not None:
+        assert f.wait_for_seq(-1, WAIT_S)  # the start-up catch-up replay is done
+    return f
+
+
+def test_ordered_delivery_of_vllm_payloads(publisher):
+    index = KeyIndex(hash_bytes=32, capacity=64)
+    with _follower(publisher, index) as f:
+        for payload in PAYLOADS[:3]:
+            publisher.publish(payload)
+        assert f.wait_for_seq(2, WAIT_S)
+        with f.lock:
+            assert _contents(index) == _set_replay(_expected_events(3))
+        assert f.batches_applied == 3 and f.events_applied == 8
+        assert f.gaps_detected == 0 and not f.stale and f.malformed == 0
+    assert not f.running
+
+
+def test_dropped_batch_recovered_through_vllm_replay_bytes(publisher):
+    """Seq 1 is lost live; the ROUTER answers with vLLM's recorded replay."""
+    index = KeyIndex(hash_bytes=32, capacity=64)
+    with _follower(publisher, index, medium="GPU", honor_clears=False) as f:
+        publisher.recorded_replay = REPLAY  # batches 1..4 + END, as vLLM sent them
+        for seq, payload in enumerate(PAYLOADS):
+            publisher.publish(payload, drop=seq == 1)
+        assert f.wait_for_seq(4, WAIT_S)
+        h = [sha256(f"block{i}".encode()).digest() for i in range(8)]
+        with f.lock:
+            assert _contents(index) == {(2, h[2]), (2, h[4])}
+        assert (f.gaps_detected, f.gaps_recovered, f.gaps_unrecovered) == (1, 1, 0)
+        assert f.batches_applied == 5 and not f.stale
+    # The follower asked from the first missing batch, as vLLM expects:
+    # [identity, b"", start(8 bytes big-endian)] at the ROUTER.
+    gap_requests = [r for r in publisher.replay_requests if r[2] != bytes(8)]
+    assert [r[1:] for r in gap_requests] == [[b"", (1).to_bytes(8, "big")]]
+
+
+def test_dropped_batches_recovered_from_buffer(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    with _follower(publisher, index) as f:
+        for i, k in enumerate(keys):
+            payload = ev.encode_batch(ev.KVEventBatch(float(i), [_stored([k])]))
+            publisher.publish(payload, drop=i in (2, 3))
+        assert f.wait_for_seq(5, WAIT_S)
+        assert _contents(index) == {(0, k) for k in keys}
+        assert f.gaps_recovered == 1 and f.batches_applied == 6 and not f.stale
+
+
+def test_unrecoverable_gap_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    with _follower(publisher, index) as f:
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([a])])))
+        # Seq 1 (would remove a) is lost and already out of the replay buffer.
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(1.0, [_removed([a])])),
+            drop=True,
+            keep=False,
+        )
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [_stored([b])])))
+        assert f.wait_for_seq(2, WAIT_S)
+        assert f.stale and f.gaps_unrecovered == 1 and f.gaps_recovered == 0
+        assert "not covered" in f.last_error
+        # The follower goes on with newer batches.
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(3.0, [_stored([c])])))
+        assert f.wait_for_seq(3, WAIT_S)
+        assert _contents(index) == {(0, a), (0, b), (0, c)}
+        f.clear_stale()
+        assert not f.stale
+
+
+def test_unreachable_replay_marks_stale(zmq, publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:
+        port = silent.bind_to_random_port("tcp://127.0.0.1")  # never answers
+        f = ev.EventFollower(
+            publisher.endpoint,
+            f"tcp://127.0.0.1:{port}",
+            index,
+            topic=TOPIC,
+            start_seq=None,
+            replay_timeout_s=0.3,
+        )
+        with f:
+            publisher.wait_subscriber()
+            for i in range(3):
+                batch = ev.KVEventBatch(0.0, [_stored([bytes([i]) * 16])])
+                publisher.publish(ev.encode_batch(batch), drop=i == 1)
+            assert f.wait_for_seq(2, WAIT_S)
+            assert f.stale and f.gaps_unrecovered == 1
+            assert len(index) == 2 and "timed out" in f.last_error
+        silent.close(linger=0)
+
+
+def test_catch_up_and_idle_probe(publisher):
+    """Batches published before the follower starts, and a lost last batch."""
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys[:3]:  # nobody subscribed yet: only the replay buffer has them
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([k])])))
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index, idle_probe_s=0.1) as f:
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[3]])])))
+        # The newest batch is lost live: no later batch reveals the gap.
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[4]])])), drop=True
+        )
+        assert f.wait_for_seq(4, WAIT_S)
+        assert _contents(index) == {(0, k) for k in keys}
+        assert not f.stale and f.gaps_unrecovered == 0
+
+
+def test_malformed_payloads_counted_follower_continues(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    topic = TOPIC.encode()
+    with _follower(publisher, index) as f:
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[0]])])))
+        # Unattributable junk: no sequence number, so nothing is known lost.
+        publisher.send_raw([topic, b"short", b"x"])
+        publisher.send_raw([topic, b"only two frames"])
+        publisher.send_raw([topic + b"-other", (7).to_bytes(8, "big"), b"x"])
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(1.0, [_stored([keys[1]])])))
+        assert f.wait_for_seq(1, WAIT_S)
+        assert f.malformed == 2 and f.ignored_topic == 1 and not f.stale
+        # A numbered batch that does not decode is lost for good: stale.
+        publisher.publish(b"\xc1 not msgpack")
+        publisher.publish(msgspec.msgpack.encode([1.0, [{"type": "BlockMoved"}]]))
+        # Decodes, but an int hash cannot key a 16-byte index: apply error.
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [_stored([5])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(3.0, [_stored([keys[2]])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(4.0, [_stored([keys[3]])])))
+        assert f.wait_for_seq(6, WAIT_S)
+        assert f.malformed == 4 and f.apply_errors == 1 and f.stale
+        assert _contents(index) == {(0, k) for k in keys}
+        assert f.running and f.batches_applied == 4
+
+
+def test_publisher_restart_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        for _ in range(3):
+            publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [])))
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.seq = 0  # a new publisher process counts from 0 again
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([b"r" * 16])])))
+        deadline = time.monotonic() + WAIT_S
+        while f.publisher_restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert f.publisher_restarts == 1 and f.stale
+        assert f.wait_for_seq(0, WAIT_S) and (0, b"r" * 16) in index
+
+
+def test_readers_holding_the_lock_see_no_commit(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        with f.lock:
+            publisher.publish(
+                ev.encode_batch(ev.KVEventBatch(0.0, [_stored([b"k" * 16])]))
+            )
+            assert not f.wait_for_seq(0, 0.2)  # decoded, but waiting for the lock
+            assert len(index) == 0
+        assert f.wait_for_seq(0, WAIT_S) and len(index) == 1
+
+
+def test_stop_is_bounded_and_restartable(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    f = ev.EventFollower(publisher.endpoint, publisher.replay_endpoint, index)
+    for _ in range(2):
+        f.start()
+        assert f.running
+        t0 = time.monotonic()
+        f.stop(timeout_s=WAIT_S)
+        assert not f.running and time.monotonic() - t0 < 2.0
+    f.stop()  # idempotent
+
+
+def _random_batches(
+    rng: random.Random, n_events: int, per_batch: int, hash_bytes: int
+) -> tuple[list[bytes], list[list[Any]]]:
+    """Mooncake-like traffic: stores, evictions, rare clears, a key pool."""
+    pool = [(rng.randrange(4), rng.randbytes(hash_bytes)) for _ in range(20_000)]
+    batches: list[list[Any]] = []
+    for start in range(0, n_events, per_batch):
+        events: list[Any] = []
+        for _ in range(min(per_batch, n_events - start)):
+            r = rng.random()
+            gid, h = pool[rng.randrange(len(pool))]
+            if r < 0.0001:
+                events.append(ev.AllBlocksCleared())
+            elif r < 0.62:
+                events.append(_stored([h], gid))
+            elif r < 0.64:  # block-pool style: several hashes in one event
+                extra = [pool[rng.randrange(len(pool))][1] for _ in range(3)]
+                events.append(_stored([h, *extra], gid))
+            elif r < 0.99:
+                events.append(_removed([h], gid))
+            else:
+                events.append(_removed([h], gid, medium="GPU"))  # filtered out
+        batches.append(events)
+    payloads = [
+        ev.encode_batch(ev.KVEventBatch(float(i), b)) for i, b in enumerate(batches)
+    ]
+    return payloads, batches
+
+
+def _oracle(batches: list[list[Any]]) -> set[tuple[int, bytes]]:
+    keys: set[tuple[int, bytes]] = set()
+    for events in batches:
+        for e in events:
+            if isinstance(e, ev.AllBlocksCleared):
+                keys.clear()
+            elif e.medium == "cpu":
+                op = keys.add if isinstance(e, ev.BlockStored) else keys.discard
+                for h in e.block_hashes:
+                    op((e.group_idx, h))
+    return keys
+
+
+def test_100k_events_through_sockets_match_set_replay(publisher):
+    rng = random.Random(2024)
+    n_events = 100_000
+    payloads, batches = _random_batches(rng, n_events, 500, 16)
+    want = _oracle(batches)
+
+    # apply() alone (decode + plan + KeyIndex), the follower's inner loop.
+    index = KeyIndex(hash_bytes=16, capacity=1 << 15)
+    t0 = time.perf_counter()
+    for p in payloads:
+        ev.apply(index, ev.decode_batch(p), medium="cpu")
+    apply_s = time.perf_counter() - t0
+    assert _contents(index) == want
+
+    # End to end: PUB -> follower thread -> KeyIndex, ~1 in 50 batches lost.
+    index = KeyIndex(hash_bytes=16, capacity=1 << 15)
+    with _follower(publisher, index, medium="cpu") as f:
+        t0 = time.perf_counter()
+        for i, p in enumerate(payloads):
+            publisher.publish(p, drop=i % 50 == 7)
+        assert f.wait_for_seq(len(payloads) - 1, 4 * WAIT_S)
+        e2e_s = time.perf_counter() - t0
+        with f.lock:
+            assert _contents(index) == want
+            # Membership through the lookup path, over every key ever named.
+            touched = sorted(
+                {
+                    (e.group_idx, h)
+                    for events in batches
+                    for e in events
+                    if not isinstance(e, ev.AllBlocksCleared)
+                    for h in e.block_hashes
+                }
+            )
+            gids = torch.tensor([g for g, _ in touched])
+            hit = index.contains(gids, [h for _, h in touched]).tolist()
+            assert {k for k, x in zip(touched, hit, strict=True) if x} == want
+        assert not f.stale and f.gaps_recovered == f.gaps_detected > 0
+        assert f.batches_applied == len(payloads)
+        assert f.commits < len(payloads)  # drained batches share commits
+    print(
+        f"\nevents/s: apply {n_events / apply_s:,.0f}; "
+        f"end-to-end {n_events / e2e_s:,.0f} ({f.commits} commits, "
+        f"{f.gaps_recovered} gaps replayed)"
+    )
