@@ -558,8 +558,10 @@ def _print_bench_table(
                 continue
             mark = "~" if r["reference_estimated"] else ""
             ratio = r["speedup_vs_reference"]
+            # Only the reference's own time is estimated; engines are measured.
+            tmark = mark if backend == "reference" else ""
             line += (
-                f"  {mark + fmt_time(r['median_s']):>17} "
+                f"  {tmark + fmt_time(r['median_s']):>17} "
                 f"{fmt_count(r['lookups_per_s']):>9} "
                 f"{(f'{mark}{ratio:.1f}x' if ratio else '-'):>7}"
             )
