@@ -250,7 +250,15 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         progress=progress_printer(err, args.quiet),
     )
     err.write(f"  packing the batch and the store for {backend} on {device}...\n")
-    runner = make_runner(wl, backend, device)
+    try:
+        runner = make_runner(wl, backend, device)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        if args.backend != "auto" or backend != "triton":
+            raise
+        # auto: a CUDA machine whose triton backend cannot start still has torch.
+        err.write(f"  triton backend unavailable ({exc}); falling back to torch\n")
+        runner = make_runner(wl, "torch", device)
+        runner.label = "torch (fallback: triton unavailable)"
     timed = runner.timed or runner.run
 
     # Results first (one untimed run doubles as the warm-up), then timing.
