@@ -376,6 +376,38 @@ def _as_num_tokens(num_tokens: Any, batch: HashBatch) -> torch.Tensor:
     return t
 
 
+_FP_MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
+
+
+def _unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """Indices of one occurrence of each distinct ``(gids[i], words[i])``.
+
+    gids: int64 ``[K]``; words: int64 ``[K, W]``. Sorts a 1-D fingerprint
+    (far cheaper than a lexicographic sort of ``[K, W + 1]`` rows), then checks
+    every row against the first of its fingerprint run, all words and the
+    group: keys merge only when they are equal, never on a fingerprint alone.
+    Should two distinct keys share a fingerprint, the exact row sort decides.
+    """
+    n = gids.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        fp = words[:, 0] ^ (gids * _FP_MIX)
+        if words.shape[1] > 1:
+            fp = fp ^ (words[:, 1] * _FP_MIX)
+    order = np.argsort(fp)
+    sfp = fp[order]
+    start = np.ones(n, dtype=bool)
+    start[1:] = sfp[1:] != sfp[:-1]
+    head = order[np.maximum.accumulate(np.where(start, np.arange(n), 0))]
+    same = (gids[order] == gids[head]) & (words[order] == words[head]).all(1)
+    if bool(same.all()):
+        return order[start]
+    rows = np.column_stack([gids, words])
+    _, idx = np.unique(rows, axis=0, return_index=True)
+    return idx.astype(np.int64)
+
+
 def _hexes(words: np.ndarray, hash_bytes: int) -> list[str]:
     """Hex strings of packed hashes (int64 ``[N, W]``), via one ``bytes.hex``."""
     n = words.shape[0]
@@ -396,9 +428,6 @@ class StoreSync:
         index: the ``KeyIndex`` to update (its ``hash_bytes`` fixes the width
             every batch must have).
         layout: the cache layout whose worker rule picks the keys.
-        engine: a ``LookupEngine`` for ``layout`` whose vectorised
-            ``lookup_candidates`` picks the keys; without one,
-            :func:`candidate_rows` (numpy, a loop over requests) does.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -411,7 +440,6 @@ class StoreSync:
         keys: MooncakeKeys,
         index: Any,
         layout: CacheLayout,
-        engine: Any = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -442,7 +470,6 @@ class StoreSync:
         self.keys = keys
         self.index = index
         self.layout = layout
-        self.engine = engine
         self.hash_bytes: int = index.hash_bytes
         self._tables = _ChunkTables(ReferenceCoordinator(layout))
         self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
@@ -464,10 +491,6 @@ class StoreSync:
         ``batch.hashes``; duplicates across requests kept."""
         self._check_batch(batch)
         nt = _as_num_tokens(num_tokens, batch)
-        if self.engine is not None:
-            dev = self.engine.device
-            gids, rows = self.engine.lookup_candidates(batch.to(dev), nt.to(dev))
-            return gids.cpu(), rows.cpu()
         gids, rows, _ = candidate_rows(self.layout, batch.offsets, nt, self._tables)
         return gids, rows
 
@@ -492,17 +515,26 @@ class StoreSync:
                 len(batch), 0, 0, 0, 0, 0, 0, 0, 0, 0.0, time.perf_counter() - t0
             )
         # Dedup on the CPU: the key strings are built there anyway.
-        hashes = batch.hashes.index_select(0, rows.to(batch.device)).cpu()
-        pairs = torch.unique(torch.cat([gids[:, None], hashes], 1), dim=0)
-        u_g = pairs[:, 0].contiguous()
-        u_h = pairs[:, 1:].contiguous()
-        hexes = _hexes(u_h.numpy(), self.hash_bytes)
-        g_np = u_g.numpy()
-        # Keys namespace-minor, as vLLM lays them out: pair p owns
-        # key_start[p] : key_start[p] + n_ns[g_p].
+        hashes = batch.hashes.index_select(0, rows.to(batch.device)).cpu().numpy()
+        g_all = gids.numpy()
+        first = _unique_pairs(g_all, hashes)
+        # Group-major, so each group's keys come from one comprehension; within
+        # a pair, namespaces in rank_namespaces order (as vLLM lays them out).
+        first = first[np.argsort(g_all[first], kind="stable")]
+        u_g, u_h = g_all[first], hashes[first]
+        hexes = _hexes(u_h, self.hash_bytes)
+        bounds = np.searchsorted(u_g, np.arange(self.layout.num_groups + 1))
         key_list: list[str] = []
-        for g, hx in zip(g_np.tolist(), hexes, strict=True):
-            key_list.extend([f"{p}@{hx}" for p in self.keys.prefixes(g)])
+        for g in range(self.layout.num_groups):
+            lo, hi = int(bounds[g]), int(bounds[g + 1])
+            if lo == hi:
+                continue
+            heads = [f"{p}@" for p in self.keys.prefixes(g)]
+            if len(heads) == 1:
+                head = heads[0]
+                key_list.extend([head + hx for hx in hexes[lo:hi]])
+            else:
+                key_list.extend([hd + hx for hx in hexes[lo:hi] for hd in heads])
         n_keys = len(key_list)
 
         t_rpc = time.perf_counter()
@@ -516,18 +548,29 @@ class StoreSync:
         codes = self._check_answer(answer, n_keys)
 
         # A pair is present only when every namespace of its group has it.
-        n_ns = self._num_ns[g_np]
-        starts = np.zeros(len(g_np), dtype=np.int64)
-        np.cumsum(n_ns[:-1], out=starts[1:])
-        present_np = np.minimum.reduceat(codes, starts) == 1
-        present = torch.from_numpy(present_np)
+        present_np = np.zeros(len(u_g), dtype=bool)
+        pos = 0
+        for g in range(self.layout.num_groups):
+            lo, hi = int(bounds[g]), int(bounds[g + 1])
+            k = int(self._num_ns[g]) * (hi - lo)
+            if k:
+                block = codes[pos : pos + k].reshape(hi - lo, -1)
+                present_np[lo:hi] = (block == 1).all(1)
+            pos += k
         dev = self.index.device
-        added = self.index.add(u_g[present].to(dev), u_h[present].to(dev))
-        removed = self.index.remove(u_g[~present].to(dev), u_h[~present].to(dev))
+        tg = torch.from_numpy(u_g).to(dev)
+        th = torch.from_numpy(np.ascontiguousarray(u_h)).to(dev)
+        keep = torch.from_numpy(present_np).to(dev)
+        # One probe, then touch only what changed: in a steady state most
+        # answers agree with the index already.
+        inside = self.index.contains(tg, th)
+        new, stale = keep & ~inside, ~keep & inside
+        added = self.index.add(tg[new], th[new]) if bool(new.any()) else 0
+        removed = self.index.remove(tg[stale], th[stale]) if bool(stale.any()) else 0
         return RefreshStats(
             num_requests=len(batch),
             num_candidates=num_candidates,
-            num_unique=int(pairs.shape[0]),
+            num_unique=len(u_g),
             num_keys_asked=n_keys,
             num_per_request_keys=num_per_request,
             num_present=int(present_np.sum()),
@@ -607,7 +650,7 @@ class BatchedLookup:
         self.index = index
         self.hash_bytes: int = index.hash_bytes
         self.engine = LookupEngine(layout, backend=backend, device=self.device)
-        self.sync = StoreSync(store, keys, index, layout, engine=self.engine)
+        self.sync = StoreSync(store, keys, index, layout)
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None
 

@@ -531,3 +531,98 @@ def test_real_mooncake_store_end_to_end():
             master.stop()
             # Not under test, but bounded: closing retries against the master.
             _bounded(store.close, 30, "MooncakeDistributedStore.close")
+
+
+@pytest.mark.slow
+def test_dsv4_1024_step_figures(capsys):
+    """Figures for a 1024-request DeepSeek-V4-Flash-like step against a real
+    local store: keys asked and time, kvhit (one deduplicated RPC + the
+    batched engine) vs vLLM's per-request path (one RPC per request + the
+    scalar rule, here the reference, which mirrors vLLM's coordinator).
+    Run with ``pytest -m slow -s tests/test_mooncake.py -k figures``."""
+    reason = mooncake_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from kvhit.bench.workloads import TrafficConfig, generate
+
+    w = generate("dsv4-flash", TrafficConfig(num_requests=1024, seed=0))
+    layout, ref = w.layout, ReferenceCoordinator(w.layout)
+    keys = MooncakeKeys("DeepSeek-V4-Flash", [[(0, 0, 0, 0)]] * layout.num_groups)
+    lines = []
+    with MooncakeMaster() as master:
+        store = connect_client(master, global_segment_size=512 << 20)
+        try:
+            t0 = time.perf_counter()
+            all_keys = [k for g, h in sorted(w.store_keys) for k in keys.keys(g, h)]
+            for i in range(0, len(all_keys), 20000):
+                _put(store, all_keys[i : i + 20000])
+            lines.append(
+                f"store: {len(all_keys)} keys put in {time.perf_counter() - t0:.1f}s; "
+                f"batch: {len(w)} requests, {w.total_hashes} hashes, "
+                f"mean prompt {sum(w.num_tokens) / len(w):.0f} tokens"
+            )
+            batch = w.hash_batch()
+            bl = BatchedLookup(layout, store, keys, hash_bytes=w.hash_bytes)
+            bl.lookup(batch, w.num_tokens)  # warm-up: fills the index
+            steps = []
+            for _ in range(3):
+                t = time.perf_counter()
+                hits = bl.lookup(batch, w.num_tokens)
+                steps.append((time.perf_counter() - t, bl.last_stats))
+            step_s, st = sorted(steps, key=lambda s: s[0])[1]  # median
+            lines.append(
+                f"kvhit: 1 RPC, {st.num_keys_asked} keys asked "
+                f"({st.num_candidates} candidates, {st.num_unique} unique, "
+                f"{st.num_present} present); step {step_s * 1e3:.0f} ms "
+                f"(RPC {st.rpc_seconds * 1e3:.1f} ms, refresh "
+                f"{st.total_seconds * 1e3:.0f} ms, engine "
+                f"{(step_s - st.total_seconds) * 1e3:.0f} ms)"
+            )
+
+            # vLLM's worker: per request, its keys, one RPC, the scalar rule.
+            t = time.perf_counter()
+            rpc_s, asked, want = 0.0, 0, []
+            for hl, n in zip(w.hash_lists, w.num_tokens, strict=True):
+                cands = ref.lookup_candidates(n, hl)
+                ks = [k for g, h in cands for k in keys.keys(g, h)]
+                asked += len(ks)
+                if not ks:
+                    want.append(0)
+                    continue
+                tr = time.perf_counter()
+                res = store.batch_is_exist(ks)
+                rpc_s += time.perf_counter() - tr
+                present = {c for c, r in zip(cands, res, strict=True) if r == 1}
+                want.append(ref.lookup(n, hl, present))
+            per_req_s = time.perf_counter() - t
+            lines.append(
+                f"vLLM per-request: {len(w)} RPCs, {asked} keys asked; step "
+                f"{per_req_s * 1e3:.0f} ms (RPCs {rpc_s * 1e3:.0f} ms)"
+            )
+            lines.append(
+                f"ratio: keys {asked / max(st.num_keys_asked, 1):.1f}x fewer, "
+                f"step {per_req_s / step_s:.1f}x faster"
+            )
+            assert asked == st.num_per_request_keys
+            assert hits.tolist() == want
+        finally:
+            master.stop()
+            _bounded(store.close, 30, "MooncakeDistributedStore.close")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_dedup_is_exact_under_fingerprint_collisions():
+    from kvhit.bindings.mooncake import _FP_MIX, _unique_pairs
+
+    np = pytest.importorskip("numpy")
+    x = np.int64(0x1234)
+    # (0, x) and (1, x ^ MIX) share a fingerprint but are different keys.
+    gids = np.array([0, 1, 0, 1, 2], dtype=np.int64)
+    words = np.array([[x], [x ^ _FP_MIX], [x], [x ^ _FP_MIX], [x]], dtype=np.int64)
+    idx = _unique_pairs(gids, words)
+    got = sorted((int(gids[i]), int(words[i, 0])) for i in idx)
+    assert got == sorted(
+        {(int(g), int(w[0])) for g, w in zip(gids, words, strict=True)}
+    )
+    assert len(idx) == 3
