@@ -1,0 +1,369 @@
+"""Triton kernels for the KeyIndex open-addressing hash table.
+
+The table layout, sentinels, slot hash and probe sequence are specified in
+``kvhit.coordinator.key_index`` (module docstring); this file implements them
+for Triton and must stay bit-identical with the torch implementation there
+(``tests/test_key_index.py`` checks it). This module imports nothing from
+coordinator/, hence the constants are repeated here.
+
+Summary of the contract:
+
+* ``table``: int64 ``[capacity, W + 1]``, contiguous, ``capacity`` a power of
+  two. Column 0 is the group id (>= 0) of a live key, or ``EMPTY`` (-1),
+  ``TOMBSTONE`` (-2, erased; probes continue past it) or ``BUSY`` (-3, being
+  written by an insert; probes continue past it). Columns 1..W are the hash
+  words. Words of EMPTY slots are 0.
+* slot of key ``(gid, w[0..W-1])``: ``hash_finish(fold(hash_mix,
+  hash_init(gid), w)) & (capacity - 1)``; probe ``slot, slot + 1, ...``
+  (mod capacity) until the key or an EMPTY slot.
+
+Device functions for other kernels (e.g. the LookupEngine):
+
+* ``hash_init(gid)``, ``hash_mix(h, w)``, ``hash_finish(h)``: the slot hash in
+  three steps, for keys already held in registers; int64 tensors of any shape.
+* ``slot_hash(gids, key_ptr, rows, mask, W)``: the full 64-bit hash of keys
+  read from a row-major int64 ``[*, W]`` tensor.
+* ``probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, mask, W) -> int1``:
+  membership of a block of keys (vectorised; a block of 1 is the scalar case).
+* ``find_slots(...) -> int64``: like ``probe_keys`` but returns the slot (or -1).
+
+Launchers (``probe``, ``insert``, ``erase``) take torch tensors and validate
+shape, dtype, contiguity and device, naming the offending argument.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "BUSY",
+    "EMPTY",
+    "TOMBSTONE",
+    "erase",
+    "find_slots",
+    "hash_finish",
+    "hash_init",
+    "hash_mix",
+    "insert",
+    "probe",
+    "probe_keys",
+    "slot_hash",
+]
+
+# Column-0 sentinels; group ids are >= 0. Keep in sync with coordinator/key_index.py.
+EMPTY = -1
+TOMBSTONE = -2
+BUSY = -3
+# Compare value no slot ever holds: a CAS against it is a pure atomic read.
+_NEVER = -4
+
+# Slot hash constants, as signed int64 (splitmix64 / golden-ratio multipliers).
+# Keep in sync with coordinator/key_index.py (_HASH_CONSTANTS).
+_SEED: tl.constexpr = tl.constexpr(0x2545F4914F6CDD1D)
+_M1: tl.constexpr = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15
+_M2: tl.constexpr = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
+_M3: tl.constexpr = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
+# Masks after >> make the arithmetic shift of int64 a logical one. They are
+# wider than 32 bits so that Triton types them int64 (a 0xFFFFFFFF literal would
+# be uint32).
+_LOW33: tl.constexpr = tl.constexpr((1 << 33) - 1)
+_LOW35: tl.constexpr = tl.constexpr((1 << 35) - 1)
+_EMPTY: tl.constexpr = tl.constexpr(EMPTY)
+_TOMBSTONE: tl.constexpr = tl.constexpr(TOMBSTONE)
+_BUSY: tl.constexpr = tl.constexpr(BUSY)
+_NEVER_C: tl.constexpr = tl.constexpr(_NEVER)
+
+HASH_CONSTANTS = {
+    "SEED": 0x2545F4914F6CDD1D,
+    "M1": -7046029254386353131,
+    "M2": -4658895280553007687,
+    "M3": -7723592293110705685,
+    "LOW33": (1 << 33) - 1,
+    "LOW35": (1 << 35) - 1,
+}
+
+
+@triton.jit
+def hash_init(gid):
+    """Start the slot hash from group ids (int64 tensor, any shape)."""
+    return (gid ^ _SEED) * _M1
+
+
+@triton.jit
+def hash_mix(h, w):
+    """Fold one int64 hash word ``w`` into the running hash ``h`` (int64)."""
+    x = (h ^ w) * _M2
+    return x ^ ((x >> 31) & _LOW33)
+
+
+@triton.jit
+def hash_finish(h):
+    """Final avalanche; the slot is ``hash_finish(h) & cap_mask``."""
+    x = h ^ ((h >> 29) & _LOW35)
+    x = x * _M3
+    return x ^ ((x >> 31) & _LOW33)
+
+
+@triton.jit
+def slot_hash(gids, key_ptr, rows, mask, W: tl.constexpr):
+    """64-bit slot hash of a block of keys.
+
+    gids: int64 [BLOCK] group ids; key_ptr: pointer to a row-major int64
+    ``[*, W]`` tensor; rows: int64 [BLOCK] row indices into it; mask: int1
+    [BLOCK] (masked lanes hash word 0). Returns int64 [BLOCK].
+    """
+    h = hash_init(gids)
+    for j in tl.static_range(W):
+        w = tl.load(key_ptr + rows * W + j, mask=mask, other=0)
+        h = hash_mix(h, w)
+    return hash_finish(h)
+
+
+@triton.jit
+def find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
+    """Slot holding each key of a block, or -1 when absent.
+
+    table_ptr: the KeyIndex table (int64 ``[cap_mask + 1, W + 1]``, contiguous);
+    cap_mask: capacity - 1 (int); gids: int64 [BLOCK]; key_ptr/rows: keys as in
+    :func:`slot_hash`; mask: int1 [BLOCK], lanes to look up. Returns int64
+    [BLOCK] (-1 for masked lanes).
+
+    Column 0 is read with acquire semantics, pairing with the inserter's
+    release-publish of the group id, so a lane that sees a group id also sees
+    that slot's words. BUSY slots are passed over: the key being written there
+    is not in the table yet, and no other key can sit behind a slot that was
+    EMPTY until that insert claimed it.
+    """
+    pos = slot_hash(gids, key_ptr, rows, mask, W) & cap_mask
+    slot = tl.zeros_like(gids) - 1
+    active = mask
+    # A vector, not a scalar: the interpreter mistypes scalar-vs-vector masks.
+    steps = tl.zeros_like(gids)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        row = table_ptr + pos * (W + 1)
+        g = tl.atomic_load(row, mask=active, sem="acquire")
+        hit = active & (g == gids)
+        for j in tl.static_range(W):
+            t = tl.load(row + 1 + j, mask=hit, other=0)
+            k = tl.load(key_ptr + rows * W + j, mask=hit, other=0)
+            hit = hit & (t == k)
+        slot = tl.where(hit, pos, slot)
+        steps += 1
+        # The step bound only matters for a corrupt table with no EMPTY slot.
+        active = active & ~hit & (g != _EMPTY) & (steps <= cap_mask)
+        pos = (pos + 1) & cap_mask
+    return slot
+
+
+@triton.jit
+def probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
+    """Membership of a block of keys: int1 [BLOCK]. Arguments as find_slots."""
+    return find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W) >= 0
+
+
+@triton.jit
+def _probe_kernel(
+    table_ptr,
+    cap_mask,
+    gid_ptr,
+    key_ptr,
+    out_ptr,
+    n,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def _insert_kernel(
+    table_ptr,
+    cap_mask,
+    gid_ptr,
+    key_ptr,
+    out_ptr,
+    n,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # out: 1 = inserted here, 0 = already present, -1 = no free slot (corrupt
+    # or over-full table; the launcher raises).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    pos = slot_hash(gids, key_ptr, rows, valid, W) & cap_mask
+    empty_v = tl.full([BLOCK], _EMPTY, tl.int64)
+    never_v = tl.full([BLOCK], _NEVER_C, tl.int64)
+    busy_v = tl.full([BLOCK], _BUSY, tl.int64)
+    active = valid
+    inserted = rows < 0
+    probes = tl.zeros([BLOCK], tl.int64)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        row = table_ptr + pos * (W + 1)
+        # One CAS per step is both the read (acquire) and the claim; lanes that
+        # must not claim compare against a value no slot holds. Only EMPTY
+        # slots are claimed, never tombstones: a tombstone may sit in front of
+        # this very key, so reusing it could store the key twice.
+        old = tl.atomic_cas(row, tl.where(active, empty_v, never_v), busy_v)
+        claimed = active & (old == _EMPTY)
+        for j in tl.static_range(W):
+            k = tl.load(key_ptr + rows * W + j, mask=claimed, other=0)
+            tl.store(row + 1 + j, k, mask=claimed)
+        # Words first, group id last: a reader that sees the group id (acquire)
+        # sees the words; before that it sees BUSY and passes over the slot.
+        tl.debug_barrier()
+        tl.atomic_xchg(row, gids, mask=claimed, sem="release")
+        # Re-check keys we pass: the same key may have been published here by
+        # another program (or lane) since our hash was computed.
+        same = active & (old == gids)
+        for j in tl.static_range(W):
+            t = tl.load(row + 1 + j, mask=same, other=0)
+            k = tl.load(key_ptr + rows * W + j, mask=same, other=0)
+            same = same & (t == k)
+        # A BUSY slot may be receiving this very key: wait on it (retry the
+        # same slot) instead of passing over it, or the key could land twice.
+        wait = active & (old == _BUSY)
+        done = claimed | same
+        inserted = inserted | claimed
+        advance = active & ~done & ~wait
+        probes = tl.where(advance, probes + 1, probes)
+        pos = tl.where(advance, (pos + 1) & cap_mask, pos)
+        failed = active & (probes > cap_mask)
+        active = active & ~done & ~failed
+        tl.store(out_ptr + rows, tl.full([BLOCK], -1, tl.int8), mask=failed)
+    tl.store(
+        out_ptr + rows,
+        inserted.to(tl.int8),
+        mask=valid & (inserted | (probes <= cap_mask)),
+    )
+
+
+@triton.jit
+def _erase_kernel(
+    table_ptr,
+    cap_mask,
+    gid_ptr,
+    key_ptr,
+    out_ptr,
+    n,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    found = slot >= 0
+    # CAS group id -> TOMBSTONE: when one key appears twice in the batch only
+    # one lane wins, so the count of removed keys is exact.
+    ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
+    cmp = tl.where(found, gids, tl.full([BLOCK], _NEVER_C, tl.int64))
+    old = tl.atomic_cas(ptr, cmp, tl.full([BLOCK], _TOMBSTONE, tl.int64))
+    removed = found & (old == gids)
+    tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _block() -> int:
+    # The interpreter runs each program as numpy code: fewer, wider programs
+    # amortise its per-op overhead.
+    return 1024 if _interpreting() else 128
+
+
+def _check_args(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> int:
+    """Validate launcher arguments; return capacity - 1."""
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"W must be a positive int, got {W!r}")
+    for name, t in (("table", table), ("group_ids", group_ids), ("hashes", hashes)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != table.device:
+            raise ValueError(f"{name} is on {t.device} but table is on {table.device}")
+    if table.dim() != 2 or table.shape[1] != W + 1:
+        raise ValueError(
+            f"table must have shape [capacity, {W + 1}], got {list(table.shape)}"
+        )
+    cap = table.shape[0]
+    if cap < 1 or cap & (cap - 1):
+        raise ValueError(f"table capacity must be a power of two, got {cap}")
+    if group_ids.dim() != 1:
+        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
+    if hashes.dim() != 2 or hashes.shape[1] != W:
+        raise ValueError(f"hashes must have shape [N, {W}], got {list(hashes.shape)}")
+    if hashes.shape[0] != group_ids.shape[0]:
+        raise ValueError(
+            f"group_ids has {group_ids.shape[0]} entries but hashes has "
+            f"{hashes.shape[0]} rows"
+        )
+    if table.device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            "table is on the CPU: the Triton kernels need a GPU, or "
+            "TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return cap - 1
+
+
+def _launch(kernel, table, W, group_ids, hashes) -> torch.Tensor:
+    cap_mask = _check_args(table, W, group_ids, hashes)
+    n = group_ids.shape[0]
+    out = torch.zeros(n, dtype=torch.int8, device=table.device)
+    if n:
+        block = _block()
+        grid = (triton.cdiv(n, block),)
+        kernel[grid](table, cap_mask, group_ids, hashes, out, n, W=W, BLOCK=block)
+    return out
+
+
+def probe(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Membership of keys: bool [N].
+
+    table: int64 [capacity, W + 1]; group_ids: int64 [N]; hashes: int64 [N, W];
+    all contiguous, on one device.
+    """
+    return _launch(_probe_kernel, table, W, group_ids, hashes).bool()
+
+
+def insert(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Insert keys into ``table`` in place; returns bool [N], True where the key
+    was new and this lane stored it.
+
+    Keys already present and repeats inside the batch are not stored again (a
+    key ends in exactly one slot, even from concurrent lanes), so the number of
+    new keys is ``result.sum()``. The caller must leave room: the table needs
+    an EMPTY slot on every probe path (KeyIndex keeps load <= max_load < 1).
+    Arguments as :func:`probe`. Raises RuntimeError if a key found no free slot.
+    """
+    out = _launch(_insert_kernel, table, W, group_ids, hashes)
+    if out.numel() and bool((out < 0).any()):
+        raise RuntimeError("insert: the table has no free slot for some keys")
+    return out > 0
+
+
+def erase(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Replace keys by tombstones; returns bool [N], True where this lane removed
+    the key (absent keys and repeats are False). Arguments as :func:`probe`.
+    """
+    return _launch(_erase_kernel, table, W, group_ids, hashes) > 0
