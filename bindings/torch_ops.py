@@ -1,0 +1,454 @@
+"""kvhit as torch custom ops: key probes and batched lookups inside compiled code.
+
+Importing this module registers two operators in the ``kvhit`` namespace
+(``torch.library.custom_op``, with fake implementations for tracing)::
+
+    kvhit::probe(Tensor table, Tensor group_ids, Tensor hashes) -> Tensor
+    kvhit::lookup(Tensor hashes, Tensor offsets, Tensor num_tokens,
+                  Tensor table, int hash_bytes, str layout_key) -> Tensor
+
+Both are functional (they mutate no input and return a fresh tensor), so
+``torch.compile`` (``fullgraph=True``) treats them as opaque nodes with known
+output shapes, and they run under any backend (``aot_eager``, ``inductor``).
+
+* ``probe``: membership of keys in a :class:`KeyIndex` table, bool ``[N]``.
+  Dispatch is by device: the Triton probe kernel on CUDA, the vectorised torch
+  probe (:func:`~kvhit.coordinator.key_index.probe_table`) elsewhere. The CUDA
+  path has no host synchronisation, so it can be captured in a CUDA graph.
+* ``lookup``: :meth:`LookupEngine.lookup` (the store worker's rule), int64
+  ``[B]``. Custom ops take only tensors and primitives, so the layout travels
+  as a string key naming an engine registered beforehand with
+  :func:`register_layout`. With a Triton engine the op runs a host-sync-free
+  version of the worker rule (two kernel launches), so it can be captured in a
+  CUDA graph; with the torch backend (the CPU default) it cannot: that backend
+  sizes its rounds with ``nonzero``/``.item()``.
+
+The ops trust their inputs' values (a CSR ``offsets`` that really is one,
+hashes with zero padding bits, a table honouring the KeyIndex contract):
+validating values costs host syncs. Shapes, dtypes and devices are checked.
+The Python wrappers :func:`probe` and :func:`lookup` take kvhit objects
+(:class:`KeyIndex`, :class:`HashBatch`, :class:`LookupEngine`) and do the full
+validation once, outside the op.
+
+A rehash (``KeyIndex.add`` growing the table) replaces ``index.table``: code
+that captured the old tensor (a CUDA graph, a compiled graph's guard on the
+tensor) must read ``index.table`` again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvhit.coordinator.engine import LookupEngine
+from kvhit.coordinator.key_index import KeyIndex, probe_table
+from kvhit.coordinator.packing import HashBatch, num_words
+from kvhit.coordinator.specs import CacheLayout
+
+__all__ = [
+    "layout_engine",
+    "lookup",
+    "probe",
+    "register_layout",
+    "registered_layouts",
+    "unregister_layout",
+]
+
+
+# --------------------------------------------------------------------------
+# Layout registry: the string a lookup op carries -> LookupEngines.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    layout: CacheLayout
+    # The backend asked for ("auto", "torch", "triton", "reference"); engines
+    # for new devices are built with it.
+    backend: str
+    engines: dict[torch.device, LookupEngine] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+# Ops may run from several threads (a scheduler thread and a compile worker).
+_LOCK = threading.Lock()
+
+
+def _default_key(layout: CacheLayout, backend: str) -> str:
+    # Deterministic across processes (repr of frozen specs, not id()), so a
+    # compiled graph that baked the key in finds the same layout after a
+    # restart that registered it again.
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
+    return f"layout-{digest}" if backend == "auto" else f"layout-{digest}-{backend}"
+
+
+def register_layout(
+    layout: CacheLayout | LookupEngine,
+    key: str | None = None,
+    *,
+    backend: str | None = None,
+) -> str:
+    """Make a layout callable by ``kvhit::lookup``; returns its key.
+
+    Args:
+        layout: a :class:`CacheLayout`, or a :class:`LookupEngine` (then that
+            very engine serves lookups on its device, and its backend is used
+            for engines built for other devices).
+        key: the name to register under; by default one derived from the
+            layout (and the backend, unless "auto"), equal across processes.
+        backend: the LookupEngine backend; default ``"auto"`` for a layout,
+            the engine's own for an engine.
+
+    Registering an equal layout with an equal backend under the same key again
+    is a no-op (an engine passed then replaces the one for its device).
+
+    Raises:
+        TypeError: ``layout`` is neither a CacheLayout nor a LookupEngine.
+        ValueError: ``key`` is taken by a different layout or backend.
+    """
+    engine: LookupEngine | None = None
+    if isinstance(layout, LookupEngine):
+        engine = layout
+        layout = engine.layout
+        if backend is None:
+            backend = engine.backend
+        elif backend not in ("auto", engine.backend):
+            raise ValueError(
+                f"backend={backend!r} differs from the engine's ({engine.backend!r})"
+            )
+    elif not isinstance(layout, CacheLayout):
+        raise TypeError(
+            f"layout must be a CacheLayout or a LookupEngine, got "
+            f"{type(layout).__name__}"
+        )
+    backend = "auto" if backend is None else backend
+    if key is None:
+        key = _default_key(layout, backend)
+    elif not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty str, got {key!r}")
+    with _LOCK:
+        entry = _REGISTRY.get(key)
+        if entry is None:
+            entry = _Entry(layout, backend)
+            _REGISTRY[key] = entry
+        elif entry.layout != layout or entry.backend != backend:
+            raise ValueError(
+                f"layout key {key!r} is already registered for another layout or "
+                f"backend ({entry.backend!r})"
+            )
+        if engine is not None:
+            entry.engines[engine.device] = engine
+    return key
+
+
+def unregister_layout(key: str) -> None:
+    """Forget ``key`` (a missing key is ignored)."""
+    with _LOCK:
+        _REGISTRY.pop(key, None)
+
+
+def registered_layouts() -> dict[str, CacheLayout]:
+    """The registered keys and their layouts (a copy)."""
+    with _LOCK:
+        return {k: e.layout for k, e in _REGISTRY.items()}
+
+
+def layout_engine(key: str, device: torch.device | str) -> LookupEngine:
+    """The engine serving ``key`` on ``device`` (built on first use).
+
+    Raises:
+        KeyError: ``key`` was not registered.
+    """
+    device = torch.device(device)
+    with _LOCK:
+        entry = _REGISTRY.get(key)
+        if entry is None:
+            raise KeyError(
+                f"layout key {key!r} is not registered: call "
+                "kvhit.bindings.torch_ops.register_layout(layout) first"
+            )
+        engine = entry.engines.get(device)
+        if engine is None:
+            engine = LookupEngine(entry.layout, backend=entry.backend, device=device)
+            entry.engines[device] = engine
+        return engine
+
+
+# --------------------------------------------------------------------------
+# Argument checks inside the ops (no host syncs: metadata only).
+# --------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: torch.Tensor, dim: int, device: torch.device) -> None:
+    if t.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the table on {device}")
+
+
+def _check_probe(table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor):
+    dev = table.device
+    _check_tensor("table", table, 2, dev)
+    _check_tensor("group_ids", group_ids, 1, dev)
+    _check_tensor("hashes", hashes, 2, dev)
+    W = hashes.shape[1]
+    if table.shape[1] != W + 1:
+        raise ValueError(
+            f"table must have shape [capacity, {W + 1}] for hashes of {W} words, "
+            f"got {list(table.shape)}"
+        )
+    if group_ids.shape[0] != hashes.shape[0]:
+        raise ValueError(
+            f"group_ids has {group_ids.shape[0]} entries but hashes has "
+            f"{hashes.shape[0]} rows"
+        )
+
+
+def _check_lookup(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: torch.Tensor,
+    table: torch.Tensor,
+    hash_bytes: int,
+) -> None:
+    dev = table.device
+    _check_tensor("table", table, 2, dev)
+    _check_tensor("hashes", hashes, 2, dev)
+    _check_tensor("offsets", offsets, 1, dev)
+    _check_tensor("num_tokens", num_tokens, 1, dev)
+    W = num_words(hash_bytes)
+    if hashes.shape[1] != W or table.shape[1] != W + 1:
+        raise ValueError(
+            f"hash_bytes={hash_bytes} needs hashes [total, {W}] and table "
+            f"[capacity, {W + 1}], got {list(hashes.shape)} and {list(table.shape)}"
+        )
+    if offsets.shape[0] != num_tokens.shape[0] + 1:
+        raise ValueError(
+            f"offsets must have shape [B + 1] for num_tokens [B], got "
+            f"{list(offsets.shape)} and {list(num_tokens.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------
+# kvhit::probe
+# --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvhit::probe", mutates_args=())
+def _probe_op(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Membership of keys: bool ``[N]``.
+
+    table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
+    ``[N]`` (>= 0); hashes: int64 ``[N, W]``; all on one device.
+    """
+    _check_probe(table, group_ids, hashes)
+    W = hashes.shape[1]
+    group_ids = group_ids.contiguous()
+    hashes = hashes.contiguous()
+    if table.device.type == "cuda":
+        # Imported on first use: importing triton is slow and CPU users of
+        # this module never need it.
+        from kvhit.kernels import hash_index
+
+        return hash_index.probe(table.contiguous(), W, group_ids, hashes)
+    return probe_table(table.contiguous(), W, group_ids, hashes)
+
+
+@_probe_op.register_fake
+def _probe_fake(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    _check_probe(table, group_ids, hashes)
+    return group_ids.new_empty(group_ids.shape[0], dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------
+# kvhit::lookup
+# --------------------------------------------------------------------------
+
+
+class _TableView(KeyIndex):
+    """A KeyIndex over a given table tensor, for the engine inside the op.
+
+    The engine reads only ``table``, ``W``, ``hash_bytes`` and ``device`` (the
+    table layout contract of ``coordinator/key_index.py``); no bookkeeping is
+    known here, so ``len()`` counts live slots and mutation is refused.
+    """
+
+    def __init__(self, table: torch.Tensor, hash_bytes: int) -> None:
+        # Deliberately not KeyIndex.__init__: that would allocate a table.
+        self.hash_bytes = hash_bytes
+        self.W = num_words(hash_bytes)
+        self.max_load = 0.5
+        self._backend = "auto"
+        self.table = table
+        self._size = -1
+        self._tombstones = -1
+
+    def __len__(self) -> int:
+        return int((self.table[:, 0] >= 0).sum().item())
+
+    def add(self, group_ids: Any, hashes: Any) -> int:
+        raise TypeError("a table view inside kvhit::lookup is read-only")
+
+    def remove(self, group_ids: Any, hashes: Any) -> int:
+        raise TypeError("a table view inside kvhit::lookup is read-only")
+
+
+def _lookup_sync_free(
+    engine: LookupEngine,
+    batch: HashBatch,
+    num_tokens: torch.Tensor,
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """:meth:`LookupEngine.lookup` for a Triton engine without host syncs.
+
+    The engine first selects the requests that have candidates (``nonzero``)
+    and re-runs those whose hit covers the whole prompt; here both passes run
+    over the whole batch with ``max_lengths`` zeroed where a request is not
+    taking part, and ``torch.where`` picks the answers. The kernel runs one
+    program per request, so a request's answer does not depend on which
+    others share the launch: the results equal the engine's.
+    """
+    from kvhit.coordinator.torch_backend import _Batch
+    from kvhit.coordinator.triton_backend import find_hits
+
+    zero = torch.zeros_like(num_tokens)
+    if len(batch) == 0:
+        return zero
+    token_len = engine.align(num_tokens)
+    internal = engine._internal(batch, token_len)
+    ok = (
+        (internal.lens > 0)
+        & (token_len > 0)
+        & engine._has_candidates(internal, token_len)
+    )
+    view = _TableView(table, batch.hash_bytes)
+    full = _Batch(
+        hashes=batch.hashes,
+        offsets=internal.offsets,
+        lens=internal.lens,
+        token_len=token_len,
+    )
+    first, _ = find_hits(
+        engine.plan, full, torch.where(ok, token_len, zero), view, True
+    )
+    first = torch.where(ok, first, zero)
+    # The worker re-derives a hit covering the whole prompt at num_tokens - 1
+    # (the last token must be recomputed); the candidate restriction stays at
+    # the original token_len, as in the engine.
+    redo = ok & (first >= num_tokens)
+    usable = engine.align(num_tokens - 1)
+    again = redo & (usable > 0)
+    second, _ = find_hits(
+        engine.plan, full, torch.where(again, usable, zero), view, True
+    )
+    return torch.where(redo, torch.where(again, second, zero), first)
+
+
+@torch.library.custom_op("kvhit::lookup", mutates_args=())
+def _lookup_op(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: torch.Tensor,
+    table: torch.Tensor,
+    hash_bytes: int,
+    layout_key: str,
+) -> torch.Tensor:
+    """Tokens of each prompt the store worker would load: int64 ``[B]``.
+
+    hashes: int64 ``[total, W]``, offsets: int64 ``[B + 1]`` (a HashBatch);
+    num_tokens: int64 ``[B]``; table: int64 ``[capacity, W + 1]`` (a KeyIndex
+    table); hash_bytes: the hash width; layout_key: from
+    :func:`register_layout`. Equal to ``LookupEngine.lookup``.
+    """
+    _check_lookup(hashes, offsets, num_tokens, table, hash_bytes)
+    engine = layout_engine(layout_key, table.device)
+    batch = HashBatch._trusted(hashes.contiguous(), offsets.contiguous(), hash_bytes)
+    table = table.contiguous()
+    if engine.backend == "triton":
+        return _lookup_sync_free(engine, batch, num_tokens.contiguous(), table)
+    out = engine.lookup(batch, num_tokens, _TableView(table, hash_bytes))
+    # The op contract forbids returning an input (the engine never does, but
+    # an alias would silently break functionalization).
+    return out.clone() if out is num_tokens else out
+
+
+@_lookup_op.register_fake
+def _lookup_fake(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    num_tokens: torch.Tensor,
+    table: torch.Tensor,
+    hash_bytes: int,
+    layout_key: str,
+) -> torch.Tensor:
+    _check_lookup(hashes, offsets, num_tokens, table, hash_bytes)
+    return num_tokens.new_empty(num_tokens.shape[0])
+
+
+# --------------------------------------------------------------------------
+# Python wrappers taking kvhit objects
+# --------------------------------------------------------------------------
+
+
+def probe(index: KeyIndex, group_ids: Any, hashes: Any) -> torch.Tensor:
+    """``index.contains(group_ids, hashes)`` through ``kvhit::probe``.
+
+    Arguments as :meth:`KeyIndex.contains` (validated the same way); returns
+    bool ``[N]`` on the index's device.
+    """
+    if not isinstance(index, KeyIndex):
+        raise TypeError(f"index must be a KeyIndex, got {type(index).__name__}")
+    g, h = index._keys(group_ids, hashes)
+    return torch.ops.kvhit.probe(index.table, g, h)
+
+
+def lookup(
+    engine_or_key: LookupEngine | CacheLayout | str,
+    batch: HashBatch,
+    num_tokens: torch.Tensor,
+    index: KeyIndex,
+) -> torch.Tensor:
+    """``LookupEngine.lookup(batch, num_tokens, index)`` through ``kvhit::lookup``.
+
+    Args:
+        engine_or_key: a registered key, or a LookupEngine / CacheLayout
+            (registered here under its default key).
+        batch: ``B`` prompts' block hashes.
+        num_tokens: int64 ``[B]``, on the batch's device.
+        index: the store's keys, on the batch's device.
+
+    Returns:
+        int64 ``[B]``.
+    """
+    if isinstance(engine_or_key, str):
+        key = engine_or_key
+    else:
+        key = register_layout(engine_or_key)
+    if not isinstance(batch, HashBatch):
+        raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
+    if not isinstance(index, KeyIndex):
+        raise TypeError(f"index must be a KeyIndex, got {type(index).__name__}")
+    if not isinstance(num_tokens, torch.Tensor):
+        raise TypeError(
+            f"num_tokens must be an int64 tensor, got {type(num_tokens).__name__}"
+        )
+    if index.hash_bytes != batch.hash_bytes:
+        raise ValueError(
+            f"batch hash width ({batch.hash_bytes} bytes) differs from the "
+            f"index's ({index.hash_bytes} bytes)"
+        )
+    if batch.device != index.device:
+        raise ValueError(f"batch is on {batch.device}, the index on {index.device}")
+    return torch.ops.kvhit.lookup(
+        batch.hashes, batch.offsets, num_tokens, index.table, batch.hash_bytes, key
+    )
