@@ -29,7 +29,7 @@ from kvhit.coordinator.packing import HashBatch, unpack_hashes
 from kvhit.coordinator.plan import ScanPlan, cdiv
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout, Mamba, SlidingWindow
-from kvhit.coordinator.torch_backend import TorchScanner, _Batch
+from kvhit.coordinator.torch_backend import TorchScanner, _Batch, candidate_units
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -477,44 +477,24 @@ class LookupEngine:
         ``batch.hashes``. Not deduplicated; grouped by group, then request."""
         self._check_batch(batch, None)
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
-        plan = self.plan
-        dev = self.device
         if len(batch) == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, empty
+        with self._threads():
+            return self._lookup_candidates(batch, num_tokens)
+
+    def _lookup_candidates(
+        self, batch: HashBatch, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         internal = self._internal(batch, self.align(num_tokens))
-        tl = internal.token_len
-        assert tl is not None
-        live = (internal.lens > 0) & (tl > 0)
+        every = torch.arange(len(batch), device=self.device)
         gids, rows = [], []
-        for cp in plan.candidates:
+        for cp in self.plan.candidates:
             if not cp.cacheable:
                 continue
-            if plan.partial:
-                count = torch.minimum(internal.lens, tl // plan.hash_block_size)
-                scale = 1
-            else:
-                count = torch.minimum(
-                    internal.lens // cp.scale, -((-tl) // cp.block_size)
-                )
-                if cp.sparse:
-                    count = torch.minimum(count, tl // cp.block_size)
-                scale = cp.scale
-            count = torch.where(live, count, torch.zeros_like(count))
-            owner = torch.repeat_interleave(torch.arange(len(batch), device=dev), count)
-            starts = torch.cumsum(count, 0) - count
-            c = torch.arange(owner.numel(), device=dev) - starts[owner]
-            if cp.sparse and not plan.partial:
-                p = cp.per_segment
-                keep = (c >= cp.shift) & (
-                    torch.remainder(c - cp.shift, p) >= p - cp.need
-                )
-                owner, c = owner[keep], c[keep]
-            rows.append(internal.offsets[owner] + (c + 1) * scale - 1)
+            owner, unit = candidate_units(self.plan, internal, cp.group_id, every)
+            rows.append(internal.offsets[owner] + unit)
             gids.append(torch.full_like(owner, cp.group_id))
-        if not rows:
-            empty = torch.zeros(0, dtype=torch.int64, device=dev)
-            return empty, empty
         return torch.cat(gids), torch.cat(rows)
 
     def store_masks(

@@ -55,6 +55,37 @@ class _Batch:
     token_len: torch.Tensor | None
 
 
+def candidate_units(
+    plan: ScanPlan, batch: _Batch, gid: int, req: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every hash unit the store worker asks about for group ``gid`` in the
+    requests ``req`` (int64 [n]), at ``batch.token_len``: ``(owner, unit)``,
+    each int64 [M], ``owner`` indexing ``req``, ``unit`` a hash position."""
+    assert batch.token_len is not None
+    tl, lens = batch.token_len[req], batch.lens[req]
+    dev = req.device
+    cp = None
+    if plan.partial:
+        count, scale = torch.minimum(lens, tl // plan.hash_block_size), 1
+    else:
+        cp = plan.candidates[gid]
+        scale = cp.scale
+        count = torch.minimum(lens // scale, -((-tl) // cp.block_size))
+        if cp.sparse:
+            count = torch.minimum(count, tl // cp.block_size)
+    count = torch.clamp(count, min=0)
+    owner = torch.repeat_interleave(torch.arange(req.numel(), device=dev), count)
+    c = (
+        torch.arange(owner.numel(), device=dev)
+        - (torch.cumsum(count, 0) - count)[owner]
+    )
+    if cp is not None and cp.sparse:
+        p = cp.per_segment
+        keep = (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
+        owner, c = owner[keep], c[keep]
+    return owner, (c + 1) * scale - 1
+
+
 class TorchScanner:
     """Runs a :class:`ScanPlan` over a batch with a prober."""
 
@@ -88,36 +119,6 @@ class TorchScanner:
             ok &= torch.remainder(c - cp.shift, p) >= p - cp.need
         return ok
 
-    def _candidate_units(
-        self, batch: _Batch, gid: int, req: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every hash unit the worker asks about for group ``gid`` in requests
-        ``req`` (int64 [n]): ``(owner, unit)``, each int64 [M], ``owner``
-        indexing ``req``."""
-        plan = self.plan
-        assert batch.token_len is not None
-        tl, lens = batch.token_len[req], batch.lens[req]
-        dev = req.device
-        if plan.partial:
-            count, scale, cp = torch.minimum(lens, tl // plan.hash_block_size), 1, None
-        else:
-            cp = plan.candidates[gid]
-            scale = cp.scale
-            count = torch.minimum(lens // scale, -((-tl) // cp.block_size))
-            if cp.sparse:
-                count = torch.minimum(count, tl // cp.block_size)
-        count = torch.clamp(count, min=0)
-        owner = torch.repeat_interleave(torch.arange(req.numel(), device=dev), count)
-        c = (
-            torch.arange(owner.numel(), device=dev)
-            - (torch.cumsum(count, 0) - count)[owner]
-        )
-        if cp is not None and cp.sparse:
-            p = cp.per_segment
-            keep = (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
-            owner, c = owner[keep], c[keep]
-        return owner, (c + 1) * scale - 1
-
     def _dup_candidate(
         self, batch: _Batch, gid: int, req: torch.Tensor, unit: torch.Tensor
     ) -> torch.Tensor:
@@ -129,7 +130,7 @@ class TorchScanner:
         found = torch.zeros(n, dtype=torch.bool, device=req.device)
         if n == 0:
             return found
-        owner, v = self._candidate_units(batch, gid, req)
+        owner, v = candidate_units(self.plan, batch, gid, req)
         base = batch.offsets[req]
         probe_rows = base + unit
         same = (batch.hashes[base[owner] + v] == batch.hashes[probe_rows[owner]]).all(
