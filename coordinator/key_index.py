@@ -67,9 +67,11 @@ so ``(W + 1) * 8 / load`` bytes per key.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
@@ -423,7 +425,10 @@ class KeyIndex:
 
         if isinstance(group_ids, bool):
             raise TypeError("group_ids must be int64, not bool")
-        if isinstance(group_ids, int):
+        if isinstance(group_ids, numbers.Integral) and not isinstance(
+            group_ids, np.bool_
+        ):
+            group_ids = int(group_ids)
             if group_ids < 0:
                 raise ValueError(f"group_ids must be >= 0, got {group_ids}")
             if group_ids >= 1 << 63:
@@ -442,11 +447,12 @@ class KeyIndex:
                 group_ids = group_ids.expand(n)
         elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
             if not all(
-                isinstance(g, int) and not isinstance(g, bool) for g in group_ids
+                isinstance(g, numbers.Integral) and not isinstance(g, bool | np.bool_)
+                for g in group_ids
             ):
                 raise TypeError("group_ids must be a sequence of ints")
             try:
-                group_ids = torch.tensor(list(group_ids), dtype=torch.int64)
+                group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
             except RuntimeError as exc:  # out of int64 range
                 raise ValueError(f"group_ids must fit in int64 ({exc})") from None
             group_ids = group_ids.to(dev)

@@ -415,6 +415,11 @@ def test_argument_forms_agree(device: str) -> None:
     g, h = _split(keys, 12, device)
     for idx in (a, b, c):
         assert idx.contains(g, h).all() and len(idx) == 10
+    d = KeyIndex(12, device=device)
+    d.add(np.int64(2), [k[1] for k in keys])  # numpy integers are ints too
+    d.add([np.int32(k[0]) for k in keys], [k[1] for k in keys])
+    assert len(d) == 10 + sum(k[0] != 2 for k in keys)
+    assert d.contains(*_split(keys, 12, device)).all()
     assert keys[0] in a and (keys[0][0] + 1, keys[0][1]) not in a
     assert a.contains(torch.tensor(keys[0][0], device=device), [keys[0][1]]).item()
 
