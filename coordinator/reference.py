@@ -616,6 +616,11 @@ class ReferenceCoordinator:
         The worker only learns about the keys it asks (``lookup_candidates``),
         so the hit is computed over those; a hit covering the whole prompt is
         re-derived at ``num_tokens - 1`` so the last token is recomputed.
+
+        Raises:
+            ValueError: where vLLM's worker raises ``IndexError``: a scan that
+                reaches past the hashes, or a hit whose boundary hash is past
+                them.
         """
         token_len = self.align_lookup_length(num_tokens)
         if not block_hashes or token_len <= 0:
@@ -633,4 +638,12 @@ class ReferenceCoordinator:
             if usable <= 0:
                 return 0
             _, hit = self.find_longest_cache_hit(block_hashes, usable, present)
+        if hit > 0 and hit // self.hash_block_size > len(block_hashes):
+            # The worker then reads the hash at the hit boundary to name each
+            # group's tail key: vLLM raises IndexError (chunked local attention
+            # counts blocks before its window as hit without reading a hash).
+            raise ValueError(
+                f"the hit ({hit} tokens) reaches past the {len(block_hashes)} block "
+                f"hashes given; vLLM's store worker fails here"
+            )
         return hit
