@@ -156,34 +156,51 @@ def find_slots(
     still searching.
     """
     n = group_ids.shape[0]
-    out = torch.full((n,), -1, dtype=torch.int64, device=table.device)
+    dev = table.device
+    out = torch.full((n,), -1, dtype=torch.int64, device=dev)
     if n == 0:
         return out
-    cap_mask = table.shape[0] - 1
+    cap = table.shape[0]
+    cap_mask = cap - 1
+    gcol = table[:, 0]
     pos = slot_hash(group_ids, hashes) & cap_mask
-    idx = torch.arange(n, device=table.device)
+    idx = torch.arange(n, device=dev)
     gid, key = group_ids, hashes
-    for _ in range(table.shape[0]):
-        g = table[:, 0].index_select(0, pos)
-        # Words are gathered only for slots whose group matches: most probe
-        # steps of a miss end on a group mismatch or an EMPTY slot.
-        cand = (g == gid).nonzero().squeeze(1)
+    # Windows of consecutive slots per round: most keys resolve in the first
+    # few slots, and for small batches a round costs the same handful of
+    # tensor ops whatever its width, so wide windows cut the rounds a long
+    # probe chain needs. Large batches start one slot wide, where gathering
+    # the extra slots costs more than the rounds it saves (measured on CPU).
+    window = 1 if n > 8192 else 4
+    scanned = 0
+    while scanned < cap:
+        width = min(window, cap - scanned)
+        offs = torch.arange(width, device=dev)
+        slots = (pos[:, None] + offs[None, :]) & cap_mask
+        g = gcol[slots]
+        # Words are compared only where the group matches.
+        cand = (g == gid[:, None]).nonzero()
+        full = torch.zeros_like(g, dtype=torch.bool)
         if cand.numel():
-            words = table.index_select(0, pos.index_select(0, cand))[:, 1:]
-            ok = (words == key.index_select(0, cand)).all(dim=1)
-            hit_i = cand[ok]
-            out.index_copy_(0, idx.index_select(0, hit_i), pos.index_select(0, hit_i))
-            cont = g != EMPTY
-            cont.index_fill_(0, hit_i, False)
-        else:
-            cont = g != EMPTY
-        keep = cont.nonzero().squeeze(1)
+            ci, ck = cand[:, 0], cand[:, 1]
+            cs = slots[ci, ck]
+            ok = (table.index_select(0, cs)[:, 1:] == key.index_select(0, ci)).all(1)
+            full[ci[ok], ck[ok]] = True
+        stop = full | (g == EMPTY)
+        any_stop = stop.any(dim=1)
+        first = stop.to(torch.int8).argmax(dim=1)
+        rows = torch.arange(idx.numel(), device=dev)
+        hit = any_stop & full[rows, first]
+        out[idx[hit]] = slots[rows[hit], first[hit]]
+        keep = (~any_stop).nonzero().squeeze(1)
         if keep.numel() == 0:
             break
         idx = idx.index_select(0, keep)
         gid = gid.index_select(0, keep)
         key = key.index_select(0, keep)
-        pos = (pos.index_select(0, keep) + 1) & cap_mask
+        pos = (pos.index_select(0, keep) + width) & cap_mask
+        scanned += width
+        window *= 2
     return out
 
 
