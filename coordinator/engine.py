@@ -226,7 +226,7 @@ class LookupEngine:
         def probe(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             if rows.numel() == 0:
                 return torch.zeros(0, dtype=torch.bool, device=rows.device)
-            return probe_table(table, W, g, hashes[rows])
+            return probe_table(table, W, g, hashes.index_select(0, rows))
 
         return probe
 

@@ -150,19 +150,20 @@ class TorchScanner:
             return torch.zeros(0, dtype=torch.bool, device=dev)
         # Positions still possibly present, narrowed member by member.
         live = ((unit >= 0) & (unit < batch.lens[req])).nonzero().squeeze(1)
+        r, u = req.index_select(0, live), unit.index_select(0, live)
         for g in sg.group_ids:
             if live.numel() == 0:
                 break
-            r, u = req[live], unit[live]
-            rows = batch.offsets[r] + u
-            present = self.probe(torch.full_like(rows, g), rows)
-            live, r, u = live[present], r[present], u[present]
+            rows = batch.offsets.index_select(0, r) + u
+            keep = self.probe(torch.full_like(rows, g), rows).nonzero().squeeze(1)
+            live, r, u = live[keep], r[keep], u[keep]
             if batch.token_len is not None and live.numel():
                 cand = self._is_candidate(batch, g, r, u)
                 if not bool(cand.all()):
                     odd = (~cand).nonzero().squeeze(1)
                     cand[odd] = self._dup_candidate(batch, g, r[odd], u[odd])
-                    live = live[cand]
+                    keep = cand.nonzero().squeeze(1)
+                    live, r, u = live[keep], r[keep], u[keep]
         out = torch.zeros(n, dtype=torch.bool, device=dev)
         out[live] = True
         return out
@@ -200,11 +201,12 @@ class TorchScanner:
             offs = torch.arange(window, device=req.device)
             blk = pos[:, None] + offs[None, :]
             inside = blk < end[pending][:, None]
-            hit = torch.zeros_like(inside)
-            flat = inside.nonzero()
-            hit[flat[:, 0], flat[:, 1]] = self._probe_blocks(
-                batch, sg, r[flat[:, 0]], blk[flat[:, 0], flat[:, 1]], scale
+            flat = inside.view(-1).nonzero().squeeze(1)
+            hit = torch.zeros(inside.numel(), dtype=torch.bool, device=req.device)
+            hit[flat] = self._probe_blocks(
+                batch, sg, r[flat // window], blk.view(-1)[flat], scale
             )
+            hit = hit.view_as(inside)
             stop = ~hit
             any_stop = stop.any(dim=1)
             lead = torch.where(
@@ -254,16 +256,17 @@ class TorchScanner:
             d = torch.arange(max_need, device=req.device)
             blk = jj[:, :, None] - d[None, None, :]
             use = live[:, :, None] & (d[None, None, :] < need[pending][:, None, None])
-            flat = use.nonzero()
-            hit = torch.zeros_like(use)
+            flat = use.view(-1).nonzero().squeeze(1)
+            hit = torch.zeros(use.numel(), dtype=torch.bool, device=req.device)
             if flat.numel():
-                hit[flat[:, 0], flat[:, 1], flat[:, 2]] = self._probe_blocks(
+                hit[flat] = self._probe_blocks(
                     batch,
                     sg,
-                    r[flat[:, 0]],
-                    blk[flat[:, 0], flat[:, 1], flat[:, 2]],
+                    r[flat // (n_cand * max_need)],
+                    blk.reshape(-1)[flat],
                     scale,
                 )
+            hit = hit.view_as(use)
             ok = (hit | ~use).all(dim=2) & live
             any_ok = ok.any(dim=1)
             first_ok = ok.to(torch.int8).argmax(dim=1)
@@ -419,10 +422,9 @@ class TorchScanner:
         hbs = plan.hash_block_size
 
         def record(sg, req, length, lo, hi):
-            for gid in sg.group_ids:
-                tri[req, gid, 0] = length
-                tri[req, gid, 1] = lo
-                tri[req, gid, 2] = hi
+            gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=dev)
+            vals = torch.stack([length, lo, hi], dim=1)[:, None, :]
+            tri[req[:, None], gids[None, :]] = vals.expand(-1, gids.numel(), -1)
 
         if len(sgs) == 1:
             sg = sgs[0]
@@ -435,6 +437,12 @@ class TorchScanner:
         hit_length = max_lengths.clone()
         len_by_sg = torch.zeros(n_req, n_sg, dtype=torch.int64, device=dev)
         verified = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
+        # Whether a SpecGroup's last scan of a request ran without the EAGLE
+        # drop: a sliding-window or Mamba scan without the drop gives the same
+        # answer under any smaller bound that still covers its hit (the best
+        # aligned run, or state, below the old bound is also the best below
+        # the new one), so the confirming rounds of the loop reuse it.
+        plain = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
         full_done = False
         active = all_req
         while active.numel():
@@ -452,15 +460,28 @@ class TorchScanner:
                     # EAGLE peeks one proof margin past the hit, then drops it.
                     peek = torch.minimum(curr + sg.margin, batch.lens[active] * hbs)
                     bound = torch.where(drop, peek, curr)
-                new_len, length, lo, hi = self.scan(batch, sg, active, bound, drop)
+                new_len = len_by_sg[active, idx]
+                if full_done and sg.kind in (KIND_SWA, KIND_MAMBA):
+                    redo = drop | ~plain[active, idx] | (new_len > bound)
+                else:
+                    redo = torch.ones_like(drop)
+                sel = redo.nonzero().squeeze(1)
+                if sel.numel():
+                    req = active[sel]
+                    got, length, lo, hi = self.scan(
+                        batch, sg, req, bound[sel], drop[sel]
+                    )
+                    new_len = new_len.clone()
+                    new_len[sel] = got
+                    len_by_sg[req, idx] = got
+                    plain[req, idx] = ~drop[sel]
+                    record(sg, req, length, lo, hi)
                 shrunk = ~drop & (new_len < curr)
                 v = verified[active]
                 v[:, idx] |= drop
                 v[shrunk] = False
                 verified[active] = v
                 curr = new_len
-                len_by_sg[active, idx] = new_len
-                record(sg, active, length, lo, hi)
             full_done = True
             going = curr < hit_length[active]
             hit_length[active[going]] = curr[going]
