@@ -6,10 +6,8 @@ per-kind scans (full attention, sliding window, Mamba, chunked local), the
 multi-SpecGroup convergence loop with its ``eagle_verified`` bookkeeping, the
 EAGLE proof margin (never for Mamba), the simple-hybrid early exit and the final
 full-attention truncation. Key membership is decided inside the kernel by
-probing the KeyIndex table (``_table_has``: the layout contract of
-``coordinator/key_index.py``, with the slot hash of
-``kvhit.kernels.hash_index``), so a batch
-costs one launch and no host round trip however many requests it has.
+probing the KeyIndex table, so a batch costs one launch and no host round trip
+however many requests it has.
 
 This module imports nothing from ``coordinator/``; the layout arrives as two
 small int64 tables built by ``coordinator/triton_backend.py`` from a
@@ -45,11 +43,21 @@ Design (why it looks like this):
   worker's candidate restriction, ``apply_eagle``, ``BLOCK`` and the table
   widths, so the compile count per layout is bounded (a handful of variants),
   while kinds and sizes are uniform scalar branches within a program.
+* **Own table probe.** ``_table_has`` follows the layout contract of
+  ``coordinator/key_index.py`` with the slot hash of
+  ``kvhit.kernels.hash_index`` (``hash_init``/``hash_mix``/``hash_finish``),
+  but reads column 0 with plain loads instead of ``find_slots``' acquire
+  loads: a scan is stream-ordered after the inserts it must see, and an
+  acquire per probe step would sit on the latency-bound critical path. Lanes
+  of later SpecGroup members probe only where earlier members hit (an AND).
 * **The store worker's candidate restriction** (``token_len``): a present key
   counts only at a position the worker asks about, or when the same hash value
   stands at such a position in the request (the worker's set holds values).
-  The second check is a loop over the request's hashes, entered only for lanes
-  that are present but not candidates (duplicated hashes inside a request).
+  The position test is closed-form; the value test (``_dup_candidate``) runs
+  only for lanes present but not at a candidate, and enumerates the group's
+  candidate positions directly rather than the whole prompt, because an EAGLE
+  peek past the lookup length often lands on such a key (a longer prompt with
+  the same prefix was stored before).
 * **Interpreter quirk.** Under ``TRITON_INTERPRET=1`` a bool scalar combined
   with a bool vector by ``&`` / ``|`` comes out int64 (not a valid mask);
   scalars are broadcast (``zeros + x``) before they meet vectors.
@@ -199,24 +207,64 @@ def _dup_candidate(
 ):
     """int1 [BLOCK]: for lanes ``odd`` (present, not a candidate position),
     whether the same hash value stands at a candidate position of the request.
-    A loop over the request's hashes, ``BLOCK`` at a time; rare (duplicated
-    hashes inside one request)."""
+
+    Only entered when some lane is odd. That is rare for duplicates but not
+    for the probe itself: an EAGLE peek past the lookup length lands on a
+    stored key the worker did not ask about (multi-turn prefixes), so this
+    must not walk the whole prompt. It enumerates the group's candidate
+    positions directly (the SWA lookup mask keeps ``need`` chunks per
+    segment: ``c = shift + m * per + per - need + t``), ``4 * BLOCK`` per step,
+    one odd lane at a time, comparing against the lane's words as scalars.
+    """
     lane = tl.arange(0, BLOCK)
+    kl = tl.arange(0, 4 * BLOCK).to(tl.int64)
+    row = cand_ptr + gid * CAND_W
+    bs = tl.load(row + 1)
+    s = tl.load(row + 2)
+    sparse = tl.load(row + 3) != 0
+    per = tl.load(row + 4)
+    need = tl.load(row + 5)
+    shift = tl.load(row + 6)
+    zero = lens * 0
+    is_partial = partial != 0
+    sp = ~is_partial & sparse
+    # Candidates are the chunks c < limit (hash units, with partial hits) that
+    # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...
+    limit = tl.minimum(lens // s, (tok_len + bs - 1) // bs)
+    limit = tl.where(sparse, tl.minimum(limit, tok_len // bs), limit)
+    limit = tl.where(is_partial, tl.minimum(lens, tok_len // hbs), limit)
+    limit = tl.where(sp & (need <= 0), zero, limit)
+    nd = tl.maximum(need, 1)
+    scale = tl.where(is_partial, zero + 1, s)
+    first_c = tl.where(sp, shift + per - nd, zero)
+
     found = lane < 0
-    u_rows = off + tl.where(odd, units, 0)
-    v0 = lens * 0
-    while v0 < lens:
-        v = v0 + lane
-        vmask = v < lens
-        eq = odd[:, None] & vmask[None, :]
-        for j in tl.static_range(W):
-            a = tl.load(hashes_ptr + u_rows * W + j, mask=odd, other=0)
-            b = tl.load(hashes_ptr + (off + v) * W + j, mask=vmask, other=0)
-            eq = eq & (a[:, None] == b[None, :])
-        cv = _is_candidate(v, lens, tok_len, gid, cand_ptr, partial, hbs, CAND_W)
-        hit_any = tl.max((eq & (cv & vmask)[None, :]).to(tl.int32), axis=1)
-        found = found | (hit_any > 0)
-        v0 += BLOCK
+    todo = odd
+    i = tl.min(tl.where(todo, lane, BLOCK), axis=0)
+    while i < BLOCK:
+        u = tl.sum(tl.where(lane == i, units, 0), axis=0)
+        k0 = zero
+        hit = zero > 0
+        going = first_c < limit
+        while going:
+            k = k0 + kl
+            c = tl.where(sp, shift + (k // nd) * per + (per - nd) + k % nd, k)
+            valid = c < limit
+            eq = valid
+            for j in tl.static_range(W):
+                a = tl.load(hashes_ptr + (off + u) * W + j)
+                v = off + (c + 1) * scale - 1
+                b = tl.load(hashes_ptr + v * W + j, mask=valid, other=0)
+                eq = eq & (b == a)
+            hit = tl.max(eq.to(tl.int32), axis=0) > 0
+            k0 += 4 * BLOCK
+            c_next = tl.where(sp, shift + (k0 // nd) * per + (per - nd) + k0 % nd, k0)
+            going = ~hit & (c_next < limit)
+        # Broadcast before mixing with vectors (interpreter quirk, see above).
+        hit_v = (tl.zeros([BLOCK], tl.int32) + hit.to(tl.int32)) != 0
+        found = found | ((lane == i) & hit_v)
+        todo = todo & (lane != i)
+        i = tl.min(tl.where(todo, lane, BLOCK), axis=0)
     return found
 
 
