@@ -1,5 +1,5 @@
 PY ?= .venv/bin/python
-.PHONY: venv lint test bench demo
+.PHONY: venv lint test bench demo gpu-check
 
 venv:
 	bash .ci/setup-venv
@@ -16,3 +16,6 @@ bench: venv
 
 demo: venv
 	$(PY) -m kvhit demo
+
+gpu-check:
+	bash bench/gpu_check.sh

@@ -55,6 +55,9 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     # The suites are named bench_*.py so that `make test` (testpaths = tests)
     # never runs them; collect them here.
     if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        # A file named on the command line is collected by pytest itself.
+        if parent.session.isinitpath(file_path):
+            return None
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
