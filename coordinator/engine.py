@@ -416,6 +416,12 @@ class LookupEngine:
                 dtype=torch.int64,
                 device=self.device,
             )
+        with self._threads():
+            return self._lookup(batch, num_tokens, index)
+
+    def _lookup(
+        self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
         out = torch.zeros_like(num_tokens)
         if len(batch) == 0:
             return out
@@ -429,17 +435,24 @@ class LookupEngine:
         first = ok.nonzero().squeeze(1)
         if first.numel() == 0:
             return out
-        hit = self._sub_find(batch, first, token_len[first], token_len, index)
+        # Both searches see the same keys; the torch backend remembers probes.
+        probe = (
+            None
+            if self.backend == "triton"
+            else self._index_prober(index, batch.hashes)
+        )
+        hit = self._sub_find(batch, first, token_len[first], token_len, index, probe)
         out[first] = hit
-        redo_mask = hit >= num_tokens[first]
-        redo = first[redo_mask]
+        redo = first[hit >= num_tokens[first]]
         if redo.numel():
             usable = self.align(num_tokens[redo] - 1)
             out[redo] = 0
             pos = usable > 0
             again = redo[pos]
             if again.numel():
-                out[again] = self._sub_find(batch, again, usable[pos], token_len, index)
+                out[again] = self._sub_find(
+                    batch, again, usable[pos], token_len, index, probe
+                )
         return out
 
     def _sub_find(
@@ -449,6 +462,7 @@ class LookupEngine:
         max_lengths: torch.Tensor,
         token_len: torch.Tensor,
         index: KeyIndex,
+        probe,
     ) -> torch.Tensor:
         """Hits of the requests ``req`` (int64 [R]) with the worker's candidate
         restriction at ``token_len`` (int64 [B])."""
@@ -464,9 +478,7 @@ class LookupEngine:
 
             hit, _ = find_hits(self.plan, internal, max_lengths, index, True)
             return hit
-        probe = self._index_prober(index, batch.hashes)
-        with self._threads():
-            hit, _ = TorchScanner(self.plan, probe).find(internal, max_lengths, True)
+        hit, _ = TorchScanner(self.plan, probe).find(internal, max_lengths, True)
         return hit
 
     def lookup_candidates(
