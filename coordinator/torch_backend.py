@@ -36,6 +36,8 @@ from kvhit.coordinator.plan import (
 Prober = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _FIRST_WINDOW = 8
+# A bound down to which no scan answer is known to hold.
+_NEVER = 1 << 62
 _GROWTH = 4
 _MAX_WINDOW = 4096
 
@@ -287,11 +289,13 @@ class TorchScanner:
         req: torch.Tensor,
         bound: torch.Tensor,
         drop: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """Scan SpecGroup ``sg`` for requests ``req`` up to ``bound`` tokens.
 
-        Returns ``(hit, length, lo, hi)``, each int64 [R]: the hit length in
-        tokens and the load-mask triple of every member group.
+        Returns ``(hit, length, lo, hi, keep)``, each int64 [R]: the hit length
+        in tokens, the load-mask triple of every member group, and the least
+        bound under which a scan with the same EAGLE drop is known to give the
+        same answer (any bound in ``[keep, bound]``; ``_NEVER`` when unknown).
         """
         if sg.kind == KIND_FULL:
             return self._scan_full(batch, sg, req, bound, drop)
@@ -330,7 +334,8 @@ class TorchScanner:
         hit = torch.where(drop & (hit > 0), hit - min(align, bs), hit)
         hit = hit - torch.remainder(hit, align)
         blocks = torch.minimum(blocks, -((-hit) // bs))
-        return hit, blocks, torch.zeros_like(blocks), blocks
+        never = torch.full_like(hit, _NEVER)
+        return hit, blocks, torch.zeros_like(blocks), blocks, never
 
     def _scan_swa(self, batch, sg, req, bound, drop):
         bs, q = sg.block_size, sg.q
@@ -345,6 +350,9 @@ class TorchScanner:
         length = torch.where(drop, j, j + 1)
         lo = j - need_eff + 1
         hi = length.clone()
+        # A matched run ending at block j stays the best under any bound that
+        # keeps j below it; so does a short run from token 0 without the drop.
+        keep = (j + 1) * bs
         # No run of `need` blocks: the leading run (shorter than need - 1
         # blocks) still hits, re-aligned, then EAGLE-popped.
         miss = (~matched).nonzero().squeeze(1)
@@ -363,7 +371,8 @@ class TorchScanner:
             length[miss] = run
             lo[miss] = 0
             hi[miss] = run
-        return length * bs, length, lo, hi
+            keep[miss] = torch.where(drop[miss], _NEVER, run * bs)
+        return length * bs, length, lo, hi, keep
 
     def _scan_mamba(self, batch, sg, req, bound):
         bs = sg.block_size
@@ -379,7 +388,8 @@ class TorchScanner:
             got = u >= 0
             length = torch.where(got, u // scale + 1, torch.zeros_like(u))
             hit = torch.where(got, (u + 1) * align, torch.zeros_like(u))
-            return hit, length, length - got.to(length.dtype), length
+            # The rightmost stored state below the bound stays the rightmost.
+            return hit, length, length - got.to(length.dtype), length, hit
         q = sg.q
         top = bound // bs - 1
         ones = torch.ones_like(top)
@@ -389,7 +399,8 @@ class TorchScanner:
         )  # fmt: skip
         got = i >= 0
         length = torch.where(got, i + 1, torch.zeros_like(i))
-        return length * bs, length, length - got.to(length.dtype), length
+        hit = length * bs
+        return hit, length, length - got.to(length.dtype), length, hit
 
     def _scan_chunked(self, batch, sg, req, bound):
         bs, chunk = sg.block_size, sg.chunk
@@ -400,7 +411,8 @@ class TorchScanner:
         m = bound // bs
         run = self._leading_run(batch, sg, req, sb, torch.maximum(m, sb), sg.scale)
         length = sb + run
-        return length * bs, length, sb, length
+        hit = length * bs
+        return hit, length, sb, length, torch.full_like(hit, _NEVER)
 
     # -- the coordinator ------------------------------------------------------
 
@@ -429,7 +441,7 @@ class TorchScanner:
         if len(sgs) == 1:
             sg = sgs[0]
             drop = torch.full((n_req,), apply_eagle and sg.use_eagle, device=dev)
-            hit, length, lo, hi = self.scan(batch, sg, all_req, max_lengths, drop)
+            hit, length, lo, hi, _ = self.scan(batch, sg, all_req, max_lengths, drop)
             record(sg, all_req, length, lo, hi)
             return hit, tri
 
@@ -437,12 +449,11 @@ class TorchScanner:
         hit_length = max_lengths.clone()
         len_by_sg = torch.zeros(n_req, n_sg, dtype=torch.int64, device=dev)
         verified = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
-        # Whether a SpecGroup's last scan of a request ran without the EAGLE
-        # drop: a sliding-window or Mamba scan without the drop gives the same
-        # answer under any smaller bound that still covers its hit (the best
-        # aligned run, or state, below the old bound is also the best below
-        # the new one), so the confirming rounds of the loop reuse it.
-        plain = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
+        # A SpecGroup's last scan of each request: with which EAGLE drop, and
+        # down to which bound its answer holds. Bounds only shrink as the loop
+        # goes on, so the confirming rounds rescan only what can change.
+        last_drop = torch.zeros(n_req, n_sg, dtype=torch.bool, device=dev)
+        keep_above = torch.full((n_req, n_sg), _NEVER, dtype=torch.int64, device=dev)
         full_done = False
         active = all_req
         while active.numel():
@@ -462,19 +473,22 @@ class TorchScanner:
                     bound = torch.where(drop, peek, curr)
                 new_len = len_by_sg[active, idx]
                 if full_done and sg.kind in (KIND_SWA, KIND_MAMBA):
-                    redo = drop | ~plain[active, idx] | (new_len > bound)
+                    redo = (drop != last_drop[active, idx]) | (
+                        bound < keep_above[active, idx]
+                    )
                 else:
                     redo = torch.ones_like(drop)
                 sel = redo.nonzero().squeeze(1)
                 if sel.numel():
                     req = active[sel]
-                    got, length, lo, hi = self.scan(
+                    got, length, lo, hi, keep = self.scan(
                         batch, sg, req, bound[sel], drop[sel]
                     )
                     new_len = new_len.clone()
                     new_len[sel] = got
                     len_by_sg[req, idx] = got
-                    plain[req, idx] = ~drop[sel]
+                    last_drop[req, idx] = drop[sel]
+                    keep_above[req, idx] = keep
                     record(sg, req, length, lo, hi)
                 shrunk = ~drop & (new_len < curr)
                 v = verified[active]
