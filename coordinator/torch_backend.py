@@ -150,24 +150,25 @@ class TorchScanner:
         dev = req.device
         if n == 0:
             return torch.zeros(0, dtype=torch.bool, device=dev)
-        # Positions still possibly present, narrowed member by member.
         live = ((unit >= 0) & (unit < batch.lens[req])).nonzero().squeeze(1)
         r, u = req.index_select(0, live), unit.index_select(0, live)
-        for g in sg.group_ids:
-            if live.numel() == 0:
-                break
-            rows = batch.offsets.index_select(0, r) + u
-            keep = self.probe(torch.full_like(rows, g), rows).nonzero().squeeze(1)
-            live, r, u = live[keep], r[keep], u[keep]
-            if batch.token_len is not None and live.numel():
-                cand = self._is_candidate(batch, g, r, u)
+        rows = batch.offsets.index_select(0, r) + u
+        m, k = len(sg.group_ids), live.numel()
+        # Every member group in one probe call: calls, not keys, dominate.
+        gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=dev)
+        present = self.probe(gids.repeat_interleave(k), rows.repeat(m)).view(m, k)
+        if batch.token_len is not None and k:
+            for i, g in enumerate(sg.group_ids):
+                at = present[i].nonzero().squeeze(1)
+                if at.numel() == 0:
+                    continue
+                cand = self._is_candidate(batch, g, r[at], u[at])
                 if not bool(cand.all()):
-                    odd = (~cand).nonzero().squeeze(1)
-                    cand[odd] = self._dup_candidate(batch, g, r[odd], u[odd])
-                    keep = cand.nonzero().squeeze(1)
-                    live, r, u = live[keep], r[keep], u[keep]
+                    odd = at[~cand]
+                    cand[~cand] = self._dup_candidate(batch, g, r[odd], u[odd])
+                    present[i, at] = cand
         out = torch.zeros(n, dtype=torch.bool, device=dev)
-        out[live] = True
+        out[live] = present.all(dim=0)
         return out
 
     def _probe_blocks(
