@@ -474,9 +474,21 @@ class TorchScanner:
                     bound = torch.where(drop, peek, curr)
                 new_len = len_by_sg[active, idx]
                 if full_done and sg.kind in (KIND_SWA, KIND_MAMBA):
-                    redo = (drop != last_drop[active, idx]) | (
-                        bound < keep_above[active, idx]
+                    was_drop, keep = last_drop[active, idx], keep_above[active, idx]
+                    same = (drop == was_drop) & (bound >= keep)
+                    # An EAGLE run ending at j (hit j*bs) once verified: the
+                    # plain scan under a bound in [j*bs, (j+1)*bs) finds the run
+                    # ending at j - 1, inside it: the same hit and, when the
+                    # plain run is not empty (need >= 1), the same mask.
+                    verified_run = (
+                        torch.full_like(drop, sg.kind == KIND_SWA and sg.need >= 1)
+                        & ~drop
+                        & was_drop
+                        & (keep != _NEVER)
+                        & (bound >= keep - sg.block_size)
+                        & (bound < keep)
                     )
+                    redo = ~(same | verified_run)
                 else:
                     redo = torch.ones_like(drop)
                 sel = redo.nonzero().squeeze(1)
