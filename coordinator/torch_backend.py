@@ -38,7 +38,7 @@ Prober = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _FIRST_WINDOW = 8
 # A bound down to which no scan answer is known to hold.
 _NEVER = 1 << 62
-_GROWTH = 4
+_GROWTH = 2
 _MAX_WINDOW = 4096
 
 
