@@ -303,57 +303,6 @@ class _TableView(KeyIndex):
         raise TypeError("a table view inside kvhit::lookup is read-only")
 
 
-def _lookup_sync_free(
-    engine: LookupEngine,
-    batch: HashBatch,
-    num_tokens: torch.Tensor,
-    table: torch.Tensor,
-) -> torch.Tensor:
-    """:meth:`LookupEngine.lookup` for a Triton engine without host syncs.
-
-    The engine first selects the requests that have candidates (``nonzero``)
-    and re-runs those whose hit covers the whole prompt; here both passes run
-    over the whole batch with ``max_lengths`` zeroed where a request is not
-    taking part, and ``torch.where`` picks the answers. The kernel runs one
-    program per request, so a request's answer does not depend on which
-    others share the launch: the results equal the engine's.
-    """
-    from kvhit.coordinator.torch_backend import _Batch
-    from kvhit.coordinator.triton_backend import find_hits
-
-    zero = torch.zeros_like(num_tokens)
-    if len(batch) == 0:
-        return zero
-    token_len = engine.align(num_tokens)
-    internal = engine._internal(batch, token_len)
-    ok = (
-        (internal.lens > 0)
-        & (token_len > 0)
-        & engine._has_candidates(internal, token_len)
-    )
-    view = _TableView(table, batch.hash_bytes)
-    full = _Batch(
-        hashes=batch.hashes,
-        offsets=internal.offsets,
-        lens=internal.lens,
-        token_len=token_len,
-    )
-    first, _ = find_hits(
-        engine.plan, full, torch.where(ok, token_len, zero), view, True
-    )
-    first = torch.where(ok, first, zero)
-    # The worker re-derives a hit covering the whole prompt at num_tokens - 1
-    # (the last token must be recomputed); the candidate restriction stays at
-    # the original token_len, as in the engine.
-    redo = ok & (first >= num_tokens)
-    usable = engine.align(num_tokens - 1)
-    again = redo & (usable > 0)
-    second, _ = find_hits(
-        engine.plan, full, torch.where(again, usable, zero), view, True
-    )
-    return torch.where(redo, torch.where(again, second, zero), first)
-
-
 @torch.library.custom_op("kvhit::lookup", mutates_args=())
 def _lookup_op(
     hashes: torch.Tensor,
@@ -374,9 +323,11 @@ def _lookup_op(
     engine = layout_engine(layout_key, table.device)
     batch = HashBatch._trusted(hashes.contiguous(), offsets.contiguous(), hash_bytes)
     table = table.contiguous()
+    view = _TableView(table, hash_bytes)
     if engine.backend == "triton":
-        return _lookup_sync_free(engine, batch, num_tokens.contiguous(), table)
-    out = engine.lookup(batch, num_tokens, _TableView(table, hash_bytes))
+        # No validation or host sync inside the op (capturable in a graph).
+        return engine.lookup_unchecked(batch, num_tokens.contiguous(), view)
+    out = engine.lookup(batch, num_tokens, view)
     # The op contract forbids returning an input (the engine never does, but
     # an alias would silently break functionalization).
     return out.clone() if out is num_tokens else out

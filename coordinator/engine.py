@@ -441,15 +441,12 @@ class LookupEngine:
             & (token_len > 0)
             & self._has_candidates(internal, token_len)
         )
+        if self.backend == "triton":
+            return self._lookup_whole_batch(internal, num_tokens, ok, index)
         first = ok.nonzero().squeeze(1)
         if first.numel() == 0:
             return out
-        # Both searches see the same keys; the torch backend remembers probes.
-        probe = (
-            None
-            if self.backend == "triton"
-            else self._index_prober(index, batch.hashes)
-        )
+        probe = self._index_prober(index, batch.hashes)
         hit = self._sub_find(batch, first, token_len[first], token_len, index, probe)
         out[first] = hit
         redo = first[hit >= num_tokens[first]]
@@ -463,6 +460,47 @@ class LookupEngine:
                     batch, again, usable[pos], token_len, index, probe
                 )
         return out
+
+    def _lookup_whole_batch(
+        self,
+        internal: _Batch,
+        num_tokens: torch.Tensor,
+        ok: torch.Tensor,
+        index: KeyIndex,
+    ) -> torch.Tensor:
+        """The worker's two searches over the whole batch, with no host sync
+        (so a CUDA graph can capture them): requests not taking part get a
+        zero bound and ``torch.where`` picks the answers. The kernel runs one
+        program per request, so an answer does not depend on the others."""
+        from kvhit.coordinator.triton_backend import find_hits
+
+        zero = torch.zeros_like(num_tokens)
+        token_len = internal.token_len
+        assert token_len is not None
+        first, _ = find_hits(
+            self.plan, internal, torch.where(ok, token_len, zero), index, True
+        )
+        first = torch.where(ok, first, zero)
+        # A hit covering the whole prompt is re-derived at num_tokens - 1 with
+        # the candidate restriction still at the original token_len.
+        redo = ok & (first >= num_tokens)
+        usable = self.align(num_tokens - 1)
+        again = redo & (usable > 0)
+        second, _ = find_hits(
+            self.plan, internal, torch.where(again, usable, zero), index, True
+        )
+        return torch.where(redo, torch.where(again, second, zero), first)
+
+    def lookup_unchecked(
+        self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
+        """:meth:`lookup` without input validation, for callers that have
+        checked their inputs and must not sync with the host (torch custom
+        ops, captured CUDA graphs). On the triton backend it makes no host
+        sync; the torch backend sizes its rounds from the data and syncs."""
+        with self._threads():
+            out = self._lookup(batch, num_tokens, index)
+        return out.clone()
 
     def _sub_find(
         self,
@@ -482,11 +520,6 @@ class LookupEngine:
             lens=(offsets[1:] - offsets[:-1])[req],
             token_len=token_len[req],
         )
-        if self.backend == "triton":
-            from kvhit.coordinator.triton_backend import find_hits
-
-            hit, _ = find_hits(self.plan, internal, max_lengths, index, True)
-            return hit
         hit, _ = TorchScanner(self.plan, probe).find(internal, max_lengths, True)
         return hit
 
