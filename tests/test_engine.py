@@ -33,6 +33,7 @@ from kvhit import (
     ReferenceCoordinator,
     SlidingWindow,
 )
+from kvhit.bench.workloads import make_layout
 
 BACKENDS = ["torch", "reference"]
 
@@ -125,22 +126,41 @@ def test_store_and_lookup_masks_parity(layout, data):
 
 # -- the seed regressions of DESIGN.md, through every backend ------------------
 
+SEED_BACKENDS = ["torch", "reference", "triton"]
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_seed_full_mamba_eagle(backend):
+
+def _dsv4() -> CacheLayout:
+    return make_layout("dsv4-flash")
+
+
+def _engine(layout: CacheLayout, backend: str, device: str) -> LookupEngine:
+    # The triton backend runs on CUDA, or under the interpreter on the CPU.
+    dev = device if backend == "triton" else "cpu"
+    return LookupEngine(layout, backend=backend, device=dev)
+
+
+def _dev_index(keys, engine: LookupEngine) -> KeyIndex:
+    return _index(keys).to(engine.device)
+
+
+@pytest.mark.parametrize("backend", SEED_BACKENDS)
+def test_seed_full_mamba_eagle(backend, device):
     layout = CacheLayout(
         [Group(FullAttention(16)), Group(Mamba(16))], 16, 16, use_eagle=True
     )
     hashes = chained_hashes(1, 4)
     exists = {(g, h) for g in (0, 1) for h in hashes}
-    engine = LookupEngine(layout, backend=backend)
-    batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    res = engine.find_longest_cache_hit(batch, [64], _index(exists))
+    engine = _engine(layout, backend, device)
+    batch = HashBatch.from_bytes([hashes], 8, engine.device)
+    res = engine.find_longest_cache_hit(
+        batch, [64], _dev_index(exists, engine), with_masks=True
+    )
     assert res.hit_lengths.tolist() == [48]
+    assert res.mask_lists() == [([True] * 3, [False, False, True])]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_seed_merged_swa_eagle(backend):
+@pytest.mark.parametrize("backend", SEED_BACKENDS)
+def test_seed_merged_swa_eagle(backend, device):
     layout = CacheLayout(
         [
             Group(FullAttention(64)),
@@ -152,41 +172,31 @@ def test_seed_merged_swa_eagle(backend):
         use_eagle=True,
     )
     assert layout.eagle_group_ids == {1, 2}
-    engine = LookupEngine(layout, backend=backend)
+    engine = _engine(layout, backend, device)
     masks = engine.store_masks([128], num_prompt_tokens=[130]).mask_lists()[0]
     assert masks[1] == masks[2]
     hashes = chained_hashes(2, 130 // 16)
     exists = store_from_masks(layout, hashes, 128, masks)
-    batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    res = engine.find_longest_cache_hit(batch, [128], _index(exists))
+    batch = HashBatch.from_bytes([hashes], 8, engine.device)
+    index = _dev_index(exists, engine)
+    res = engine.find_longest_cache_hit(batch, [128], index)
     assert res.hit_lengths.tolist() == [64]
+    assert engine.lookup(batch, [128], index).tolist() == [64]
 
 
-def _dsv4() -> CacheLayout:
-    return CacheLayout(
-        [
-            Group(FullAttention(256)),
-            Group(SlidingWindow(64, 128)),
-            Group(SlidingWindow(64, 128), eagle=True),
-            Group(SlidingWindow(4, 8)),
-            Group(SlidingWindow(8, 128)),
-        ],
-        256,
-        4,
-        use_eagle=True,
-    )
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_seed_dsv4_flash(backend):
+@pytest.mark.parametrize("backend", SEED_BACKENDS)
+def test_seed_dsv4_flash(backend, device):
     layout = _dsv4()
-    engine = LookupEngine(layout, backend=backend)
+    engine = _engine(layout, backend, device)
     masks = engine.store_masks([768]).mask_lists()[0]
     hashes = chained_hashes(3, 768 // 4)
     exists = store_from_masks(layout, hashes, 768, masks)
-    batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    res = engine.find_longest_cache_hit(batch, [768], _index(exists))
+    batch = HashBatch.from_bytes([hashes], 8, engine.device)
+    index = _dev_index(exists, engine)
+    res = engine.find_longest_cache_hit(batch, [768], index)
     assert res.hit_lengths.tolist() == [512]
+    want = ReferenceCoordinator(layout).lookup(768, hashes, exists)
+    assert engine.lookup(batch, [768], index).tolist() == [want]
 
 
 # -- batches -----------------------------------------------------------------

@@ -25,7 +25,6 @@ from strategies import (
     chained_hashes,
     layouts,
     saved_keys,
-    store_from_masks,
 )
 
 from kvhit import (
@@ -40,6 +39,7 @@ from kvhit import (
     ReferenceCoordinator,
     SlidingWindow,
 )
+from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.torch_backend import TorchScanner, _Batch
 from kvhit.coordinator.triton_backend import find_hits, plan_tensors
@@ -168,78 +168,7 @@ def test_small_block_matches_torch_scanner(device, data, apply_eagle, restrict):
 # ---------------------------------------------------------------------------
 
 
-def test_seed1_full_mamba_eagle(device):
-    layout = CacheLayout(
-        [Group(FullAttention(16)), Group(Mamba(16))], 16, 16, use_eagle=True
-    )
-    hashes = chained_hashes(1, 4)
-    exists = {(g, h) for g in (0, 1) for h in hashes}
-    engine = LookupEngine(layout, backend="triton", device=device)
-    batch = HashBatch.from_bytes([hashes], 8, device)
-    res = engine.find_longest_cache_hit(
-        batch, [64], _index(exists, device), with_masks=True
-    )
-    assert res.hit_lengths.tolist() == [48]
-    assert res.mask_lists() == [([True] * 3, [False, False, True])]
-
-
-def test_seed2_merged_swa_eagle_store_then_lookup(device):
-    layout = CacheLayout(
-        [
-            Group(FullAttention(64)),
-            Group(SlidingWindow(16, 32)),
-            Group(SlidingWindow(16, 32), eagle=True),
-        ],
-        64,
-        16,
-        use_eagle=True,
-    )
-    assert layout.eagle_group_ids == {1, 2}
-    engine = LookupEngine(layout, backend="triton", device=device)
-    masks = engine.store_masks([128], num_prompt_tokens=[130]).mask_lists()[0]
-    assert masks[1] == masks[2]
-    hashes = chained_hashes(2, 130 // 16)
-    exists = store_from_masks(layout, hashes, 128, masks)
-    batch = HashBatch.from_bytes([hashes], 8, device)
-    index = _index(exists, device)
-    assert engine.find_longest_cache_hit(batch, [128], index).hit_lengths.tolist() == [
-        64
-    ]
-    assert engine.lookup(batch, [128], index).tolist() == [64]
-
-
-def _dsv4() -> CacheLayout:
-    return CacheLayout(
-        [
-            Group(FullAttention(256)),
-            Group(SlidingWindow(64, 128)),
-            Group(SlidingWindow(64, 128), eagle=True),
-            Group(SlidingWindow(4, 8)),
-            Group(SlidingWindow(8, 128)),
-        ],
-        256,
-        4,
-        use_eagle=True,
-    )
-
-
-def test_seed3_deepseek_v4_flash(device):
-    layout = _dsv4()
-    engine = LookupEngine(layout, backend="triton", device=device)
-    masks = engine.store_masks([768]).mask_lists()[0]
-    hashes = chained_hashes(3, 768 // 4)
-    exists = store_from_masks(layout, hashes, 768, masks)
-    batch = HashBatch.from_bytes([hashes], 8, device)
-    index = _index(exists, device)
-    assert engine.find_longest_cache_hit(batch, [768], index).hit_lengths.tolist() == [
-        512
-    ]
-    assert engine.lookup(batch, [768], index).tolist() == [512]
-
-
-# ---------------------------------------------------------------------------
-# Batches, stores and lengths at the edges
-# ---------------------------------------------------------------------------
+# The DESIGN.md seed regressions run through every backend in test_engine.py.
 
 
 def _edge_layouts() -> list[CacheLayout]:
@@ -372,7 +301,7 @@ def test_one_launch_per_batch(device, monkeypatch):
             return kernel[grid]
 
     monkeypatch.setattr(scan, "_scan_kernel", Counting())
-    layout = _dsv4()
+    layout = make_layout("dsv4-flash")
     engine = LookupEngine(layout, backend="triton", device=device)
     hl = chained_hashes(4, 130)
     exists = saved_keys(layout, hl, 512)
