@@ -32,6 +32,28 @@ settings.register_profile("dev", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def compile_outside_interpreter(script: str) -> str:
+    """Run ``script`` in a fresh Python without ``TRITON_INTERPRET``, so Triton
+    really compiles (for sm_90, with its bundled ptxas; no GPU needed); fail
+    on a non-zero exit and return its stdout. Skips where triton has no NVIDIA
+    backend. Catches what the interpreter does not check (loop-carried type
+    changes, memory-ordering lowering)."""
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:  # pragma: no cover
+        pytest.skip("triton has no NVIDIA backend here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     """The device the backend under test runs on: CUDA when present, else CPU."""

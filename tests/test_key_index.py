@@ -6,7 +6,6 @@ triton cases stay at a few hundred keys and few hypothesis examples.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import compile_outside_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -678,20 +678,8 @@ for kern in (k._probe_kernel, k._insert_kernel, k._erase_kernel):
 def test_kernels_compile_for_gpu_with_memory_ordering() -> None:
     # No GPU needed: compile to PTX/cubin for sm_90 with triton's bundled ptxas,
     # outside the interpreter, and check the ordering the protocol relies on.
-    try:
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:  # pragma: no cover
-        pytest.skip("triton has no NVIDIA backend here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_GPU],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    ops = dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
+    stdout = compile_outside_interpreter(_COMPILE_FOR_GPU)
+    ops = dict(line.split(" ", 1) for line in stdout.strip().splitlines())
     # Probe: acquire on the group column pairs with the inserter's release.
     assert "fence.acquire.gpu" in ops["_probe_kernel"]
     # Insert: CAS claim (acq_rel) and release publish of the group id.

@@ -10,13 +10,13 @@ times on these short prompts.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import compile_outside_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -413,17 +413,5 @@ def test_kernel_compiles_for_gpu():
     """Outside the interpreter, the kernel lowers to sm_90 code (with
     triton's bundled ptxas; no GPU needed): catches what the interpreter does
     not check, such as loop-carried type changes."""
-    try:
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:  # pragma: no cover
-        pytest.skip("triton has no NVIDIA backend here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_GPU],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("ok") == 4
+    stdout = compile_outside_interpreter(_COMPILE_FOR_GPU)
+    assert stdout.count("ok") == 4
