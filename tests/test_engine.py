@@ -8,6 +8,7 @@ and the worker's candidate keys. The triton backend has its own parity file
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -37,6 +38,9 @@ from kvhit.bench.workloads import make_layout
 
 BACKENDS = ["torch", "reference"]
 
+# KVHIT_PARITY_EXAMPLES=N runs N examples per parity test (a large random run).
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
+
 
 def _index(keys, width: int = 8) -> KeyIndex:
     index = KeyIndex(width, capacity=16)
@@ -61,14 +65,14 @@ def _check_find(layout, requests, exists, lens, backend, apply_eagle):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=150)
+@settings(max_examples=EXAMPLES)
 @given(data=case(), apply_eagle=st.booleans())
 def test_find_parity(backend, data, apply_eagle):
     layout, requests, exists, lens = data
     _check_find(layout, requests, exists, lens, backend, apply_eagle)
 
 
-@settings(max_examples=150)
+@settings(max_examples=EXAMPLES)
 @given(data=case())
 def test_lookup_parity(data):
     layout, requests, exists, lens = data
@@ -80,7 +84,7 @@ def test_lookup_parity(data):
     assert got == want
 
 
-@settings(max_examples=100)
+@settings(max_examples=max(EXAMPLES * 2 // 3, 1))
 @given(data=case())
 def test_load_masks_and_candidates_parity(data):
     layout, requests, _, lens = data
@@ -102,7 +106,7 @@ def test_load_masks_and_candidates_parity(data):
     assert got_keys == want_keys
 
 
-@settings(max_examples=150)
+@settings(max_examples=EXAMPLES)
 @given(layout=layouts(), data=st.data())
 def test_store_and_lookup_masks_parity(layout, data):
     ref = ReferenceCoordinator(layout)

@@ -10,6 +10,7 @@ times on these short prompts.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -129,7 +130,7 @@ def _all_present(g, rows):
 # ---------------------------------------------------------------------------
 
 
-@settings(max_examples=50)
+@settings(max_examples=int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150")) // 3)
 @given(data=case(max_hashes=MAX_HASHES, max_requests=5), apply_eagle=st.booleans())
 def test_random_parity(device, data, apply_eagle):
     layout, requests, exists, lens = data
