@@ -26,7 +26,14 @@ set -u -o pipefail
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-PY="${PYTHON:-$(command -v python3 || command -v python)}"
+# $PYTHON, else the project's .venv when there is one, else the machine's python3.
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then
+    PY=.venv/bin/python
+else
+    PY="$(command -v python3 || command -v python)"
+fi
 OUTDIR="${OUT:-gpu_check_out}"
 mkdir -p "$OUTDIR"
 START=$(date +%s)
