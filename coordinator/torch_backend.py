@@ -309,13 +309,10 @@ class TorchScanner:
     def _scan_full(self, batch, sg, req, bound, drop):
         bs, align = sg.block_size, self.plan.alignment
         lens = batch.lens[req]
-        if sg.fine:
-            scale = bs // align
-            n_view = lens // scale
-        else:
-            scale = sg.scale
-            n_view = lens // scale
-        end = torch.minimum(bound // bs, n_view)
+        # Fine-grained scans run with the hash unit as alignment, so a block
+        # is `scale` alignment units either way.
+        scale = sg.scale
+        end = torch.minimum(bound // bs, lens // scale)
         n = self._leading_run(batch, sg, req, torch.zeros_like(end), end, scale)
         blocks = n.clone()
         hit = n * bs
