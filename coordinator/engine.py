@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvhit.coordinator.key_index import KeyIndex, probe_table
@@ -194,6 +195,15 @@ class LookupEngine:
                     f"{list(value.shape)}"
                 )
             t = value
+        elif isinstance(value, np.ndarray):
+            if value.dtype.kind not in "iu":
+                raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+            if value.ndim != 1 or value.shape[0] != n:
+                raise ValueError(
+                    f"{name} must have shape [{n}] (one per request), got "
+                    f"{list(value.shape)}"
+                )
+            t = torch.from_numpy(value.astype(np.int64)).to(self.device)
         else:
             if isinstance(value, int | bool) or not isinstance(value, Sequence):
                 raise TypeError(

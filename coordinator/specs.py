@@ -85,6 +85,23 @@ class Group:
     name: str | None = None
 
 
+class GroupIds(tuple):
+    """Group ids of a SpecGroup: a tuple that also equals the list with the
+    same ids (vLLM keeps them in a list; both spellings compare equal)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return list(self) == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
 @dataclass(frozen=True)
 class SpecGroup:
     """Groups sharing one coverage spec, looked up jointly.
@@ -313,7 +330,8 @@ class CacheLayout:
         merged.sort(key=lambda e: not isinstance(e[0], FullAttention))
         all_eagle = self.use_eagle and not any(e[2][0] for e in merged)
         return tuple(
-            SpecGroup(s, tuple(ids), all_eagle or eagle[0]) for s, ids, eagle in merged
+            SpecGroup(s, GroupIds(ids), all_eagle or eagle[0])
+            for s, ids, eagle in merged
         )
 
     def _validate_merged(self) -> None:

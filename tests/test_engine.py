@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -287,6 +288,9 @@ def test_bad_inputs_name_the_argument():
         engine.lookup(batch, [5, -1], index)
     with pytest.raises(TypeError, match="num_tokens"):
         engine.lookup(batch, 5, index)
+    with pytest.raises(TypeError, match="num_tokens"):
+        engine.lookup(batch, np.array([4.0, 4.0]), index)
+    assert engine.lookup(batch, np.array([4, 4]), index).tolist() == [0, 0]
     wide = KeyIndex(16, capacity=16)
     with pytest.raises(ValueError, match="hash width"):
         engine.lookup(batch, [4, 4], wide)

@@ -350,3 +350,22 @@ def test_strategy_layouts_are_valid_and_varied(layout: CacheLayout):
     for sg in layout.spec_groups:
         member = any(layout.groups[g].eagle for g in sg.group_ids)
         assert sg.use_eagle == (member or (layout.use_eagle and not flagged))
+
+
+def test_spec_group_ids_compare_equal_to_lists_and_tuples():
+    """vLLM keeps a SpecGroup's group ids in a list; either spelling matches."""
+    layout = CacheLayout(
+        [
+            Group(FullAttention(64)),
+            Group(SlidingWindow(16, 32)),
+            Group(SlidingWindow(16, 32), eagle=True),
+        ],
+        64,
+        16,
+        use_eagle=True,
+    )
+    ids = [sg.group_ids for sg in layout.spec_groups]
+    assert ids == [[0], [1, 2]]
+    assert ids == [(0,), (1, 2)]
+    assert ids != [[0], [2, 1]]
+    assert {layout.spec_groups[1].group_ids} == {(1, 2)}
