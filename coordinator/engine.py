@@ -18,6 +18,7 @@ backends agree wherever the reference answers.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,16 @@ def _expand_tri(
     return tuple(masks), tuple(lengths)
 
 
+def _canonical_device(device: torch.device | str) -> torch.device:
+    """The device tensors made on ``device`` report: ``"cuda"`` becomes
+    ``cuda:<current>``, ``"cpu:0"`` becomes ``cpu``, so that comparing it with
+    a tensor's device is exact."""
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device {device!r} is not available here ({exc})") from None
+
+
 class LookupEngine:
     """Batched longest-prefix lookup over a :class:`KeyIndex`.
 
@@ -131,7 +142,7 @@ class LookupEngine:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.layout = layout
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = _canonical_device(device if device is not None else "cpu")
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = backend
@@ -163,12 +174,16 @@ class LookupEngine:
 
     # -- validation ---------------------------------------------------------
 
-    def _check_batch(self, batch: Any, index: KeyIndex | None) -> None:
+    def _check_batch(
+        self, batch: Any, index: KeyIndex | None, need_index: bool = True
+    ) -> None:
         if not isinstance(batch, HashBatch):
             raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
         if batch.device != self.device:
             raise ValueError(f"batch is on {batch.device}, the engine on {self.device}")
         if index is None:
+            if need_index:
+                raise TypeError("index must be a KeyIndex, got None")
             return
         if not isinstance(index, KeyIndex):
             raise TypeError(f"index must be a KeyIndex, got {type(index).__name__}")
@@ -213,9 +228,13 @@ class LookupEngine:
             if len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} requests")
             for v in value:
-                if isinstance(v, bool) or not isinstance(v, int):
+                if isinstance(v, bool | np.bool_) or not isinstance(
+                    v, numbers.Integral
+                ):
                     raise TypeError(f"{name} must hold ints, got {type(v).__name__}")
-            t = torch.tensor(list(value), dtype=torch.int64, device=self.device)
+            t = torch.tensor(
+                [int(v) for v in value], dtype=torch.int64, device=self.device
+            )
         if t.numel() and int(t.min().item()) < 0:
             raise ValueError(f"{name} must be >= 0, got {int(t.min().item())}")
         return t
@@ -366,14 +385,19 @@ class LookupEngine:
     ) -> LookupResult:
         """Per-group load masks at ``token_lens`` (int64 ``[B]``, already
         EAGLE-pruned hit lengths): a store holding every key, no EAGLE drop."""
-        self._check_batch(batch, None)
+        self._check_batch(batch, None, need_index=False)
         token_lens = self._lengths(token_lens, "token_lens", len(batch))
         if self.backend == "reference":
-            all_masks = [
-                self.reference.load_mask(hl, t)
+            # The load mask is a lookup over a store holding every key, without
+            # the EAGLE drop; its hit is reported as the batched backends do.
+            found = [
+                self.reference.find_longest_cache_hit(hl, t, None, apply_eagle=False)
                 for hl, t in zip(batch.to_bytes(), token_lens.tolist(), strict=True)
             ]
-            return LookupResult(token_lens.clone(), *self._lists_to_masks(all_masks))
+            hits = torch.tensor(
+                [h for _, h in found], dtype=torch.int64, device=self.device
+            )
+            return LookupResult(hits, *self._lists_to_masks([m for m, _ in found]))
         hit, tri = self._run(batch, token_lens, None, False, None)
         masks, lengths = _expand_tri(tri)
         return LookupResult(hit, masks, lengths)
@@ -539,7 +563,7 @@ class LookupEngine:
         """The ``(group, hash)`` keys the store worker asks about, for the whole
         batch: ``(group_ids int64 [K], rows int64 [K])`` with ``rows`` indexing
         ``batch.hashes``. Not deduplicated; grouped by group, then request."""
-        self._check_batch(batch, None)
+        self._check_batch(batch, None, need_index=False)
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
         if len(batch) == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)

@@ -451,6 +451,18 @@ class KeyIndex:
             if group_ids >= 1 << 63:
                 raise ValueError(f"group_ids must fit in int64, got {group_ids}")
             return torch.full((n,), group_ids, dtype=torch.int64, device=dev), hashes
+        if isinstance(group_ids, np.ndarray):
+            if group_ids.dtype.kind not in "iu":
+                raise TypeError(
+                    f"group_ids must hold integers, got dtype {group_ids.dtype}"
+                )
+            if (
+                group_ids.dtype == np.uint64
+                and group_ids.size
+                and (int(group_ids.max()) >= 1 << 63)
+            ):
+                raise ValueError("group_ids must fit in int64")
+            group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(dev)
         if isinstance(group_ids, torch.Tensor):
             if group_ids.dtype != torch.int64:
                 raise TypeError(
@@ -470,7 +482,8 @@ class KeyIndex:
                 raise TypeError("group_ids must be a sequence of ints")
             try:
                 group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
-            except RuntimeError as exc:  # out of int64 range
+            except (RuntimeError, ValueError, OverflowError) as exc:
+                # Out of int64 range.
                 raise ValueError(f"group_ids must fit in int64 ({exc})") from None
             group_ids = group_ids.to(dev)
         else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,6 +77,20 @@ def _check_widths(hashes: Sequence[_BytesLike], hash_bytes: int, where: str) -> 
                 )
 
 
+def _join(items: Sequence[_BytesLike], where: Any) -> bytearray:
+    """Concatenate ``items``; on a non-bytes item, raise TypeError naming it
+    (``where(k)`` describes flat item ``k``). The scan only runs on error."""
+    try:
+        return bytearray().join(items)
+    except TypeError:
+        for k, h in enumerate(items):
+            if not isinstance(h, _BytesLike):
+                raise TypeError(
+                    f"{where(k)}: expected bytes, got {type(h).__name__}"
+                ) from None
+        raise
+
+
 def _pack_joined(joined: bytearray, n: int, hash_bytes: int) -> np.ndarray:
     """Pack ``n`` concatenated hashes into a native int64 array ``[n, W]``.
 
@@ -107,7 +122,8 @@ def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
     _check_widths(hashes, hash_bytes, "hashes")
     if not hashes:
         return torch.empty((0, w), dtype=torch.int64)
-    arr = _pack_joined(bytearray().join(hashes), len(hashes), hash_bytes)
+    joined = _join(hashes, lambda k: f"hashes, position {k}")
+    arr = _pack_joined(joined, len(hashes), hash_bytes)
     return torch.from_numpy(arr)
 
 
@@ -224,7 +240,12 @@ class HashBatch:
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
         if total:
-            joined = bytearray().join(flat)
+
+            def where(k: int) -> str:
+                i = int(np.searchsorted(offsets, k, side="right")) - 1
+                return f"request {i}, position {k - int(offsets[i])}"
+
+            joined = _join(flat, where)
             words = torch.from_numpy(_pack_joined(joined, total, hash_bytes))
         else:
             words = torch.empty((0, w), dtype=torch.int64)

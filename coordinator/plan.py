@@ -44,6 +44,7 @@ _KIND_CODE = {
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints (``b > 0``)."""
     return -(a // -b)
 
 
@@ -106,6 +107,8 @@ class ScanPlan:
 
     @staticmethod
     def from_layout(layout: CacheLayout) -> ScanPlan:
+        """Flatten ``layout`` (its SpecGroups, in order, and every group's
+        lookup-candidate rule)."""
         hbs, align = layout.hash_block_size, layout.alignment
         sgs = []
         for sg in layout.spec_groups:

@@ -35,6 +35,7 @@ OptMasks = tuple["list[bool] | None", ...]
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints (``b > 0``), as vLLM's ``cdiv``."""
     return -(a // -b)
 
 

@@ -118,10 +118,12 @@ class SpecGroup:
 
     @property
     def kind(self) -> SpecKind:
+        """The spec's kind: "full", "sliding_window", "mamba", "chunked_local"."""
         return self.spec.kind
 
     @property
     def block_size(self) -> int:
+        """Tokens per block of the member groups."""
         return self.spec.block_size
 
     @property
@@ -361,6 +363,7 @@ class CacheLayout:
 
     @property
     def num_groups(self) -> int:
+        """How many KV-cache groups the layout has (prefix cacheable or not)."""
         return len(self.groups)
 
     def align(self, length: int) -> int:

@@ -96,6 +96,8 @@ def test_load_masks_and_candidates_parity(data):
     got = res.mask_lists()
     for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
         assert list(got[b]) == list(ref.load_mask(hl, n))
+    via_ref = LookupEngine(layout, backend="reference").load_masks(batch, lens)
+    assert via_ref.hit_lengths.tolist() == res.hit_lengths.tolist()
     gids, rows = engine.lookup_candidates(batch, lens)
     flat = [h for hl in requests for h in hl]
     got_keys = sorted(zip(gids.tolist(), (flat[r] for r in rows.tolist()), strict=True))
@@ -305,3 +307,21 @@ def test_bad_inputs_name_the_argument():
     meta = LookupEngine(layout, backend="torch", device="meta")
     with pytest.raises(ValueError, match="batch is on"):
         meta.lookup(batch, [4, 4], index)
+
+
+def test_devices_compare_as_tensors_report_them():
+    """An engine made with "cpu:0" (or "cuda") serves tensors made on that
+    device, which report "cpu" (or "cuda:0")."""
+    layout = CacheLayout([Group(FullAttention(16))], 16, 16)
+    engine = LookupEngine(layout, backend="torch", device="cpu:0")
+    hashes = chained_hashes(5, 2)
+    index = KeyIndex(8, capacity=16, device="cpu:0")
+    index.add(0, hashes)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu:0")
+    assert engine.find_longest_cache_hit(batch, [32], index).hit_lengths.tolist() == [
+        32
+    ]
+    with pytest.raises(TypeError, match="index"):
+        engine.find_longest_cache_hit(batch, [32], None)
+    with pytest.raises(ValueError, match="device"):
+        LookupEngine(layout, device="no-such-device")

@@ -728,3 +728,20 @@ def test_concurrent_inserts_of_one_key(device: str) -> None:
     stored = k.insert(table, 4, g, h)
     assert int(stored.sum()) == len(set(keys))
     assert int((table[:, 0] >= 0).sum()) == 4 + len(set(keys))
+
+
+def test_group_ids_out_of_range_and_numpy_arrays():
+    import numpy as np
+
+    index = KeyIndex(8, capacity=16)
+    with pytest.raises(ValueError, match="group_ids"):
+        index.add([1 << 63], [b"a" * 8])
+    with pytest.raises(TypeError, match="group_ids"):
+        index.add(np.array([0.5]), [b"a" * 8])
+    assert len(index) == 0
+    index.add(np.array([0, 1], dtype=np.int32), [b"a" * 8, b"b" * 8])
+    assert index.contains([0, 1, 1], [b"a" * 8, b"b" * 8, b"a" * 8]).tolist() == [
+        True,
+        True,
+        False,
+    ]

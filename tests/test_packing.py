@@ -169,3 +169,10 @@ def test_packing_large_batch_is_fast() -> None:
     assert torch.equal(b.hashes[:4000], b.hashes[-4000:])
     assert unpack_hashes(b.hashes[4000 * 7 + 5 : 4000 * 7 + 6], 32) == [one[5]]
     assert elapsed < 5.0, f"packing took {elapsed:.2f} s"
+
+
+def test_non_bytes_hash_is_named_by_request_and_position():
+    with pytest.raises(TypeError, match="request 1, position 1"):
+        HashBatch.from_bytes([[b"a" * 8], [b"b" * 8, "c" * 8]], 8)
+    with pytest.raises(TypeError, match="hashes, position 0"):
+        pack_hashes(["x" * 8], 8)
