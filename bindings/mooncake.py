@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.packing import HashBatch
-from kvhit.coordinator.reference import ReferenceCoordinator
+from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
+from kvhit.coordinator.torch_backend import worker_candidates
 
 __all__ = [
     "BatchedLookup",
@@ -219,106 +220,36 @@ class MooncakeKeys:
 # -- candidates --------------------------------------------------------------------
 
 
-class _ChunkTables:
-    """Per ``token_len``, per layout group, ``(scale, chunks)``: the chunk ids
-    the worker's lookup mask keeps (``None`` for a group never probed). They
-    depend only on ``token_len``, so they are computed once per length."""
-
-    def __init__(self, ref: ReferenceCoordinator) -> None:
-        self.ref = ref
-        self._cache: dict[int, tuple[tuple[int, np.ndarray] | None, ...]] = {}
-
-    def __call__(self, token_len: int) -> tuple[tuple[int, np.ndarray] | None, ...]:
-        hit = self._cache.get(token_len)
-        if hit is not None:
-            return hit
-        layout = self.ref.layout
-        hbs = layout.hash_block_size
-        masks = self.ref.lookup_mask(token_len)
-        out: list[tuple[int, np.ndarray] | None] = []
-        for g, grp in enumerate(layout.groups):
-            if not grp.prefix_cacheable:
-                out.append(None)
-                continue
-            bs = grp.spec.block_size
-            limit = -(token_len // -bs)
-            mask = masks[g]
-            if mask is None:
-                chunks = np.arange(limit, dtype=np.int64)
-            else:
-                m = np.asarray(mask[:limit], dtype=bool)
-                chunks = np.flatnonzero(m).astype(np.int64)
-            out.append((bs // hbs, chunks))
-        if len(self._cache) >= 4096:  # bound memory on adversarial lengths
-            self._cache.clear()
-        self._cache[token_len] = result = tuple(out)
-        return result
-
-
 def candidate_rows(
     layout: CacheLayout,
     offsets: torch.Tensor | Sequence[int],
     num_tokens: torch.Tensor | Sequence[int],
-    tables: _ChunkTables | None = None,
+    plan: ScanPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys the store worker asks for each request, as rows of a batch.
 
-    Mirrors ``ReferenceCoordinator.lookup_candidates`` (the worker's loop over
-    lookup masks, or over every hash unit with partial hash hits), for a whole
-    batch at once.
+    The worker's loop over lookup masks (or over every hash unit with partial
+    hash hits), for a whole batch at once: the engine's
+    :func:`~kvhit.coordinator.torch_backend.worker_candidates`, on the CPU.
 
     Args:
         layout: the cache layout.
         offsets: CSR offsets of the batch, int64 ``[B + 1]``.
         num_tokens: prompt length per request, ``[B]``.
-        tables: cached lookup-mask tables for ``layout`` (built if omitted;
-            pass one to reuse it across steps).
+        plan: ``ScanPlan.from_layout(layout)``, to reuse across steps.
 
     Returns:
         ``(group_ids, rows, request)``, each int64 ``[K]`` on the CPU:
         layout group, row into ``batch.hashes``, and the request it came from;
         duplicates across requests are kept.
     """
-    if tables is None:
-        tables = _ChunkTables(ReferenceCoordinator(layout))
-    offs = torch.as_tensor(offsets, dtype=torch.int64).cpu().numpy()
-    ntok = torch.as_tensor(num_tokens, dtype=torch.int64).cpu().numpy()
-    lengths = offs[1:] - offs[:-1]
-    align = layout.alignment
-    hbs = layout.hash_block_size
-    gs: list[np.ndarray] = []
-    rows: list[np.ndarray] = []
-    reqs: list[np.ndarray] = []
-    cacheable = [g for g, grp in enumerate(layout.groups) if grp.prefix_cacheable]
-    for i in range(len(lengths)):
-        n_hashes = int(lengths[i])
-        token_len = int(ntok[i]) // align * align
-        if n_hashes == 0 or token_len <= 0:
-            continue
-        base = int(offs[i])
-        if layout.partial_hash_hits:
-            units = np.arange(min(n_hashes, token_len // hbs), dtype=np.int64)
-            for g in cacheable:
-                gs.append(np.full(units.shape[0], g, dtype=np.int64))
-                rows.append(base + units)
-                reqs.append(np.full(units.shape[0], i, dtype=np.int64))
-            continue
-        for g, table in enumerate(tables(token_len)):
-            if table is None:
-                continue
-            scale, chunks = table
-            c = chunks[chunks < n_hashes // scale]
-            gs.append(np.full(c.shape[0], g, dtype=np.int64))
-            rows.append(base + (c + 1) * scale - 1)
-            reqs.append(np.full(c.shape[0], i, dtype=np.int64))
-    if not rows:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty.clone(), empty.clone()
-    return (
-        torch.from_numpy(np.concatenate(gs)),
-        torch.from_numpy(np.concatenate(rows)),
-        torch.from_numpy(np.concatenate(reqs)),
-    )
+    plan = plan or ScanPlan.from_layout(layout)
+    offs = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+    ntok = torch.as_tensor(num_tokens, dtype=torch.int64).cpu()
+    with torch.inference_mode():
+        gids, rows = worker_candidates(plan, offs, ntok)
+        request = torch.searchsorted(offs, rows, right=True) - 1
+    return gids.clone(), rows.clone(), request.clone()
 
 
 # -- refresh ---------------------------------------------------------------------
@@ -471,7 +402,7 @@ class StoreSync:
         self.index = index
         self.layout = layout
         self.hash_bytes: int = index.hash_bytes
-        self._tables = _ChunkTables(ReferenceCoordinator(layout))
+        self._plan = ScanPlan.from_layout(layout)
         self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
 
     def _check_batch(self, batch: HashBatch) -> None:
@@ -491,7 +422,7 @@ class StoreSync:
         ``batch.hashes``; duplicates across requests kept."""
         self._check_batch(batch)
         nt = _as_num_tokens(num_tokens, batch)
-        gids, rows, _ = candidate_rows(self.layout, batch.offsets, nt, self._tables)
+        gids, rows, _ = candidate_rows(self.layout, batch.offsets, nt, self._plan)
         return gids, rows
 
     def refresh(self, batch: HashBatch, num_tokens: Any) -> RefreshStats:

@@ -31,7 +31,11 @@ from kvhit.coordinator.packing import HashBatch, unpack_hashes
 from kvhit.coordinator.plan import ScanPlan, cdiv
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout, Mamba, SlidingWindow
-from kvhit.coordinator.torch_backend import TorchScanner, _Batch, candidate_units
+from kvhit.coordinator.torch_backend import (
+    TorchScanner,
+    _Batch,
+    worker_candidates,
+)
 
 BACKENDS = ("auto", "torch", "triton", "reference")
 
@@ -569,22 +573,8 @@ class LookupEngine:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, empty
         with self._threads():
-            gids, rows = self._lookup_candidates(batch, num_tokens)
+            gids, rows = worker_candidates(self.plan, batch.offsets, num_tokens)
         return gids.clone(), rows.clone()
-
-    def _lookup_candidates(
-        self, batch: HashBatch, num_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        internal = self._internal(batch, self.align(num_tokens))
-        every = torch.arange(len(batch), device=self.device)
-        gids, rows = [], []
-        for cp in self.plan.candidates:
-            if not cp.cacheable:
-                continue
-            owner, unit = candidate_units(self.plan, internal, cp.group_id, every)
-            rows.append(internal.offsets[owner] + unit)
-            gids.append(torch.full_like(owner, cp.group_id))
-        return torch.cat(gids), torch.cat(rows)
 
     def store_masks(
         self,

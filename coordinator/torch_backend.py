@@ -88,6 +88,31 @@ def candidate_units(
     return owner, (c + 1) * scale - 1
 
 
+def worker_candidates(
+    plan: ScanPlan, offsets: torch.Tensor, num_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ``(group, hash row)`` the store worker asks the store about for a
+    batch: ``(group_ids, rows)``, each int64 [K], grouped by group, then
+    request; duplicates kept. ``offsets`` int64 [B + 1] (CSR), ``num_tokens``
+    int64 [B]. Needs only the offsets, not the hashes."""
+    align = plan.alignment
+    batch = _Batch(
+        hashes=offsets.new_empty(0, 1),
+        offsets=offsets[:-1],
+        lens=offsets[1:] - offsets[:-1],
+        token_len=torch.div(num_tokens, align, rounding_mode="floor") * align,
+    )
+    every = torch.arange(num_tokens.numel(), device=offsets.device)
+    gids, rows = [], []
+    for cp in plan.candidates:
+        if not cp.cacheable:
+            continue
+        owner, unit = candidate_units(plan, batch, cp.group_id, every)
+        rows.append(batch.offsets[owner] + unit)
+        gids.append(torch.full_like(owner, cp.group_id))
+    return torch.cat(gids), torch.cat(rows)
+
+
 class TorchScanner:
     """Runs a :class:`ScanPlan` over a batch with a prober."""
 
