@@ -34,6 +34,7 @@ from kvhit.coordinator.specs import CacheLayout, Mamba, SlidingWindow
 from kvhit.coordinator.torch_backend import (
     TorchScanner,
     _Batch,
+    asked_chunks,
     worker_candidates,
 )
 
@@ -414,22 +415,16 @@ class LookupEngine:
     def _has_candidates(self, batch: _Batch, token_len: torch.Tensor) -> torch.Tensor:
         """bool [B]: whether the store worker asks about any key at all."""
         plan = self.plan
-        if plan.partial:
-            return torch.minimum(batch.lens, token_len // plan.hash_block_size) > 0
         anyc = torch.zeros_like(token_len, dtype=torch.bool)
         for cp in plan.candidates:
             if not cp.cacheable:
                 continue
-            lim = torch.minimum(
-                batch.lens // cp.scale, -((-token_len) // cp.block_size)
-            )
-            if cp.sparse:
-                lim = torch.minimum(lim, token_len // cp.block_size)
-                if cp.need <= 0:
-                    continue
-                anyc |= lim > cp.shift + cp.per_segment - cp.need
-            else:
-                anyc |= lim > 0
+            asked = asked_chunks(plan, cp, batch.lens, token_len)
+            if plan.partial or not cp.sparse:
+                anyc |= asked > 0
+            elif cp.need > 0:
+                # The lowest chunk in a sparse lookup mask.
+                anyc |= asked > cp.shift + cp.per_segment - cp.need
         return anyc
 
     def lookup(

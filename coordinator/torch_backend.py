@@ -27,6 +27,7 @@ from kvhit.coordinator.plan import (
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
+    CandidatePlan,
     ScanPlan,
     SpecGroupPlan,
 )
@@ -57,6 +58,29 @@ class _Batch:
     token_len: torch.Tensor | None
 
 
+def asked_chunks(
+    plan: ScanPlan, cp: CandidatePlan, lens: torch.Tensor, tl: torch.Tensor
+) -> torch.Tensor:
+    """int64 [R]: how many leading chunks of group ``cp`` (with partial hash
+    hits: hash units) the store worker's loop walks, for requests of ``lens``
+    hashes looked up at ``tl`` tokens; sparse groups ask only the chunks
+    :func:`in_lookup_mask` keeps among them."""
+    if plan.partial:
+        return torch.minimum(lens, tl // plan.hash_block_size)
+    lim = torch.minimum(lens // cp.scale, -((-tl) // cp.block_size))
+    if cp.sparse:
+        lim = torch.minimum(lim, tl // cp.block_size)
+    return lim
+
+
+def in_lookup_mask(cp: CandidatePlan, c: torch.Tensor) -> torch.Tensor:
+    """bool: whether chunk ``c`` of a sparse (sliding-window) group is in its
+    lookup mask: the ``need`` blocks before each scheduler boundary, shifted
+    by one block for EAGLE."""
+    p = cp.per_segment
+    return (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
+
+
 def candidate_units(
     plan: ScanPlan, batch: _Batch, gid: int, req: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,28 +88,22 @@ def candidate_units(
     requests ``req`` (int64 [n]), at ``batch.token_len``: ``(owner, unit)``,
     each int64 [M], ``owner`` indexing ``req``, ``unit`` a hash position."""
     assert batch.token_len is not None
-    tl, lens = batch.token_len[req], batch.lens[req]
+    cp = plan.candidates[gid]
     dev = req.device
-    cp = None
-    if plan.partial:
-        count, scale = torch.minimum(lens, tl // plan.hash_block_size), 1
-    else:
-        cp = plan.candidates[gid]
-        scale = cp.scale
-        count = torch.minimum(lens // scale, -((-tl) // cp.block_size))
-        if cp.sparse:
-            count = torch.minimum(count, tl // cp.block_size)
-    count = torch.clamp(count, min=0)
+    count = torch.clamp(
+        asked_chunks(plan, cp, batch.lens[req], batch.token_len[req]), min=0
+    )
     owner = torch.repeat_interleave(torch.arange(req.numel(), device=dev), count)
     c = (
         torch.arange(owner.numel(), device=dev)
         - (torch.cumsum(count, 0) - count)[owner]
     )
-    if cp is not None and cp.sparse:
-        p = cp.per_segment
-        keep = (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
+    if plan.partial:
+        return owner, c
+    if cp.sparse:
+        keep = in_lookup_mask(cp, c)
         owner, c = owner[keep], c[keep]
-    return owner, (c + 1) * scale - 1
+    return owner, (c + 1) * cp.scale - 1
 
 
 def worker_candidates(
@@ -129,21 +147,15 @@ class TorchScanner:
         ``req`` for group ``gid`` (positions only; see ``_dup_candidate``)."""
         plan = self.plan
         assert batch.token_len is not None
-        tl = batch.token_len[req]
-        lens = batch.lens[req]
-        if plan.partial:
-            return unit < torch.minimum(lens, tl // plan.hash_block_size)
         cp = plan.candidates[gid]
-        s, bs = cp.scale, cp.block_size
-        on_block = (unit + 1) % s == 0
+        asked = asked_chunks(plan, cp, batch.lens[req], batch.token_len[req])
+        if plan.partial:
+            return unit < asked
+        s = cp.scale
         c = (unit + 1) // s - 1
-        ok = on_block & (c >= 0)
-        ok &= c < torch.minimum(lens // s, -((-tl) // bs))
+        ok = ((unit + 1) % s == 0) & (c >= 0) & (c < asked)
         if cp.sparse:
-            p = cp.per_segment
-            ok &= c < tl // bs
-            ok &= c >= cp.shift
-            ok &= torch.remainder(c - cp.shift, p) >= p - cp.need
+            ok &= in_lookup_mask(cp, c)
         return ok
 
     def _dup_candidate(
