@@ -93,20 +93,24 @@ def test_demo_falls_back_to_reference_without_engine(
     assert "reference (fallback: engine not importable)" in out
 
 
-def test_demo_mismatch_exits_non_zero(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _corrupt_runners(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every runner's answer off by one token for every request, so a
+    mismatch shows whatever sample the CLI checks."""
     real = cli.make_runner
 
     def corrupted(workload, backend, device):
         runner = real(workload, backend, device)
         good = runner.run
-
-        # Every request off by one token: whatever the sample, it must show.
         runner.run = lambda: [int(h) + 1 for h in good()]
         return runner
 
     monkeypatch.setattr(cli, "make_runner", corrupted)
+
+
+def test_demo_mismatch_exits_non_zero(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _corrupt_runners(monkeypatch)
     assert cli.main(TINY_DEMO) == cli.EXIT_MISMATCH
     err = capsys.readouterr().err
     assert "MISMATCH" in err and "reference=" in err
@@ -134,15 +138,7 @@ def test_bench_mismatch_exits_non_zero(
 ) -> None:
     if cli.engine_available() is not None:
         pytest.skip("needs the engine: the reference cannot disagree with itself")
-    real = cli.make_runner
-
-    def corrupted(workload, backend, device):
-        runner = real(workload, backend, device)
-        good = runner.run
-        runner.run = lambda: [int(h) + 1 for h in good()]
-        return runner
-
-    monkeypatch.setattr(cli, "make_runner", corrupted)
+    _corrupt_runners(monkeypatch)
     assert cli.main(TINY_BENCH) == cli.EXIT_MISMATCH
     assert "MISMATCH" in capsys.readouterr().err
 
