@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "HashBatch",
+    "RaggedView",
     "num_words",
     "pack_hashes",
     "padding_mask",
@@ -147,6 +148,49 @@ def unpack_hashes(hashes: torch.Tensor, hash_bytes: int) -> list[bytes]:
 
 
 @dataclass(frozen=True, eq=False)
+class RaggedView:
+    """A batch of requests' hashes as the backends read it; built in one
+    place, :meth:`HashBatch.view`, and not validated again.
+
+    Attributes:
+        rows: int64 ``[T, W]``, every request's hashes concatenated (contiguous).
+        offsets: int64 ``[R]``, the first row of each request.
+        lengths: int64 ``[R]``, each request's number of hashes.
+        token_lens: None, or int64 ``[R]``: the store worker's lookup length,
+            when only the keys the worker asks about count as present.
+
+    All on one device. A subset of a batch's requests is a view too
+    (:meth:`select`); rows are shared, never copied.
+    """
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    token_lens: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of every tensor of the view."""
+        return self.rows.device
+
+    def select(self, requests: torch.Tensor) -> RaggedView:
+        """The requests ``requests`` (int64 ``[R']`` indices) as a view."""
+        return RaggedView(
+            rows=self.rows,
+            offsets=self.offsets[requests],
+            lengths=self.lengths[requests],
+            token_lens=None if self.token_lens is None else self.token_lens[requests],
+        )
+
+    def with_token_lens(self, token_lens: torch.Tensor | None) -> RaggedView:
+        """The same requests with another worker restriction (int64 ``[R]``)."""
+        return RaggedView(self.rows, self.offsets, self.lengths, token_lens)
+
+
+@dataclass(frozen=True, eq=False)
 class HashBatch:
     """A ragged batch of requests' block hashes, packed on one device.
 
@@ -263,6 +307,22 @@ class HashBatch:
         object.__setattr__(obj, "offsets", offsets)
         object.__setattr__(obj, "hash_bytes", hash_bytes)
         return obj
+
+    def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
+        """The batch as every backend reads it (see :class:`RaggedView`).
+
+        Args:
+            token_lens: None, or int64 ``[B]`` on the batch's device: the store
+                worker's lookup length per request (restricts the keys that
+                count as present to those the worker asks about).
+        """
+        o = self.offsets
+        return RaggedView(
+            rows=self.hashes,
+            offsets=o[:-1].contiguous(),
+            lengths=(o[1:] - o[:-1]).contiguous(),
+            token_lens=token_lens,
+        )
 
     @property
     def W(self) -> int:

@@ -1,0 +1,183 @@
+"""The kernel contract: every number both kernel families (Triton on CUDA,
+numba on the CPU) and the Python side that feeds them agree on.
+
+This module imports neither triton nor numba (nor torch), so the coordinator,
+the bindings and the tests read it freely, and a kernel module reads named
+constants from it instead of spelling numbers out (``row + SG_NEED``, never
+``row + 5``).
+
+What lives here:
+
+* the KeyIndex table layout: the column-0 sentinels (``EMPTY``, ``TOMBSTONE``,
+  ``BUSY``) and the slot-hash constants (``SEED``, ``M1``..``M3``, the shift
+  masks); ``coordinator/key_index.py`` documents the layout and the probe
+  sequence in words, :func:`slot_hash` is the hash in plain Python (the
+  definition every implementation is tested against);
+* the spec-kind codes (``KIND_*``);
+* the columns of a SpecGroup row (``SG_*``, then the member group ids from
+  ``SG_MEMBERS``) and of a per-group candidate row (``CAND_*``), as
+  ``coordinator/plan.py`` builds them;
+* :func:`cdiv`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUSY",
+    "CAND_BLOCK_SIZE",
+    "CAND_CACHEABLE",
+    "CAND_COLS",
+    "CAND_GROUP_ID",
+    "CAND_NEED",
+    "CAND_PER_SEGMENT",
+    "CAND_SCALE",
+    "CAND_SHIFT",
+    "CAND_SPARSE",
+    "CAND_WIDTH",
+    "EMPTY",
+    "HASH_CONSTANTS",
+    "KIND_CHUNKED",
+    "KIND_FULL",
+    "KIND_MAMBA",
+    "KIND_SWA",
+    "LOW33",
+    "LOW35",
+    "M1",
+    "M2",
+    "M3",
+    "NEVER",
+    "SEED",
+    "SG_BLOCK_SIZE",
+    "SG_CHUNK",
+    "SG_COLS",
+    "SG_FINE",
+    "SG_KIND",
+    "SG_MARGIN",
+    "SG_MEMBERS",
+    "SG_NEED",
+    "SG_N_MEMBERS",
+    "SG_Q",
+    "SG_SCALE",
+    "SG_USE_EAGLE",
+    "TOMBSTONE",
+    "cdiv",
+    "slot_hash",
+]
+
+# -- KeyIndex table ----------------------------------------------------------
+# Column 0 of a slot: a group id (>= 0) of a live key, or one of these.
+EMPTY = -1  # never used since the last clear/rehash; ends a probe chain
+TOMBSTONE = -2  # a removed key; probes pass over it, inserts never reuse it
+BUSY = -3  # an insert has claimed the slot and is writing the words
+# A compare value no slot ever holds: a CAS against it is a pure atomic read.
+NEVER = -4
+
+# Slot hash (splitmix64 / golden-ratio multipliers), as signed int64.
+SEED = 0x2545F4914F6CDD1D
+M1 = 0x9E3779B97F4A7C15 - (1 << 64)
+M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+M3 = 0x94D049BB133111EB - (1 << 64)
+# Masks applied after ``>>`` turn the arithmetic shift of int64 into a logical
+# one. Wider than 32 bits, so Triton types them int64 (0xFFFFFFFF is uint32).
+LOW33 = (1 << 33) - 1
+LOW35 = (1 << 35) - 1
+HASH_CONSTANTS = {
+    "SEED": SEED,
+    "M1": M1,
+    "M2": M2,
+    "M3": M3,
+    "LOW33": LOW33,
+    "LOW35": LOW35,
+}
+
+_MASK64 = (1 << 64) - 1
+
+
+def _wrap(x: int) -> int:
+    """``x`` wrapped to a signed int64, as the kernels' arithmetic wraps."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def slot_hash(group_id: int, words: tuple[int, ...] | list[int]) -> int:
+    """The 64-bit slot hash of key ``(group_id, words)`` (signed int64 words).
+
+    ``hash_init``: ``(gid ^ SEED) * M1``; ``hash_mix`` per word ``w``:
+    ``x = (h ^ w) * M2; x ^ (x >>> 31)``; ``hash_finish``:
+    ``x = h ^ (h >>> 29); x *= M3; x ^ (x >>> 31)`` (``>>>`` logical). The slot
+    is ``slot_hash(...) & (capacity - 1)``. Plain Python, the definition the
+    torch, Triton and numba implementations are tested against.
+    """
+    h = _wrap((group_id ^ SEED) * M1)
+    for w in words:
+        x = _wrap((h ^ w) * M2)
+        h = x ^ ((x >> 31) & LOW33)
+    x = h ^ ((h >> 29) & LOW35)
+    x = _wrap(x * M3)
+    return x ^ ((x >> 31) & LOW33)
+
+
+# -- spec kinds -----------------------------------------------------------------
+KIND_FULL = 0
+KIND_SWA = 1
+KIND_MAMBA = 2
+KIND_CHUNKED = 3
+
+# -- a SpecGroup row (ScanPlan.as_rows()) -------------------------------------------
+SG_COLS = (
+    "kind",
+    "block_size",
+    "scale",
+    "use_eagle",
+    "margin",
+    "need",
+    "q",
+    "fine",
+    "chunk",
+    "n_members",
+)
+SG_KIND = 0
+SG_BLOCK_SIZE = 1
+SG_SCALE = 2
+SG_USE_EAGLE = 3
+SG_MARGIN = 4
+SG_NEED = 5
+SG_Q = 6
+SG_FINE = 7
+SG_CHUNK = 8
+SG_N_MEMBERS = 9
+# Member group ids start here, padded with -1 to the widest SpecGroup.
+SG_MEMBERS = len(SG_COLS)
+
+# -- a per-group candidate row (ScanPlan.candidates, in group order) ----------------
+CAND_COLS = (
+    "cacheable",
+    "block_size",
+    "scale",
+    "sparse",
+    "per_segment",
+    "need",
+    "shift",
+    "group_id",
+)
+CAND_CACHEABLE = 0
+CAND_BLOCK_SIZE = 1
+CAND_SCALE = 2
+CAND_SPARSE = 3
+CAND_PER_SEGMENT = 4
+CAND_NEED = 5
+CAND_SHIFT = 6
+CAND_GROUP_ID = 7
+CAND_WIDTH = len(CAND_COLS)
+
+for _i, _name in enumerate(SG_COLS):
+    assert globals()["SG_" + _name.upper()] == _i, _name
+for _i, _name in enumerate(CAND_COLS):
+    assert globals()["CAND_" + _name.upper()] == _i, _name
+del _i, _name
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (``b > 0``), as vLLM's ``cdiv``; works on ints and on
+    integer tensors alike (``//`` floors on both)."""
+    return -(a // -b)
