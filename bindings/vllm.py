@@ -23,50 +23,30 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-    Spec,
-)
+from kvhit.coordinator.kinds import KINDS, KINDS_BY_NAME, SpecKind
+from kvhit.coordinator.specs import CacheLayout, FullAttention, Group, Spec
 
 __all__ = ["layout_from_vllm", "spec_kind", "spec_tag", "vllm_key_group_ids"]
 
 # vLLM 0.33.0's KVCacheSpecRegistry (register_all_kvcache_specs), by class name:
 # the manager each registered spec class is looked up with, as a kvhit kind.
+# The modelled classes come from the spec-kind registry (SpecKind.vllm_names).
 # ``None``: registered with a manager kvhit does not model (R-SWA, attention
 # sinks, cross attention, HiSparse, ring buffers), or not registered at all
 # (encoder-only) -- vLLM's store coordinator cannot serve it as a prefix-cache
 # group either.
-_KIND_BY_CLASS_NAME: dict[str, str | None] = {
-    "FullAttentionSpec": "full",
-    "MLAAttentionSpec": "full",
-    "HiddenStateCacheSpec": "full",
-    "SlidingWindowSpec": "sliding_window",
-    "SlidingWindowMLASpec": "sliding_window",
-    "MambaSpec": "mamba",
-    "ChunkedLocalAttentionSpec": "chunked_local",
-    "RSWASpec": None,
-    "SinkFullAttentionSpec": None,
-    "CrossAttentionSpec": None,
-    "EncoderOnlyAttentionSpec": None,
-    "CircularBufferSpec": None,
-    "HiSparseHotSpec": None,
-    "HiSparseResidentSpec": None,
-}
-
-# Fields of the vLLM spec that become kvhit spec fields; everything else that
-# takes part in vLLM's dataclass equality goes into the tag.
-_MAPPED_FIELDS: dict[str, frozenset[str]] = {
-    "full": frozenset({"block_size"}),
-    "sliding_window": frozenset(
-        {"block_size", "sliding_window", "extra_retained_tokens"}
-    ),
-    "mamba": frozenset({"block_size"}),
-    "chunked_local": frozenset({"block_size", "attention_chunk_size"}),
+UNMODELLED_VLLM_SPECS: tuple[str, ...] = (
+    "RSWASpec",
+    "SinkFullAttentionSpec",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "CircularBufferSpec",
+    "HiSparseHotSpec",
+    "HiSparseResidentSpec",
+)
+_KIND_BY_CLASS_NAME: dict[str, SpecKind | None] = {
+    **{name: kind for kind in KINDS for name in kind.vllm_names},
+    **dict.fromkeys(UNMODELLED_VLLM_SPECS),
 }
 _UNIFORM = "UniformTypeKVCacheSpecs"
 
@@ -86,12 +66,10 @@ def unwrap_spec(spec: Any) -> Any:
     return spec
 
 
-def spec_kind(spec: Any) -> str | None:
-    """The kvhit kind of an (unwrapped) vLLM spec, found the way vLLM's
-    registry finds a manager: the most derived registered class in the MRO.
-
-    Returns ``"full"``, ``"sliding_window"``, ``"mamba"``, ``"chunked_local"``,
-    or ``None`` for a class vLLM knows but kvhit does not model.
+def _registry_kind(spec: Any) -> SpecKind | None:
+    """The registry entry for an (unwrapped) vLLM spec, found the way vLLM's
+    registry finds a manager: the most derived registered class in the MRO;
+    ``None`` for a class vLLM knows but kvhit does not model.
 
     Raises:
         ValueError: no class in the MRO is a vLLM spec class kvhit knows of.
@@ -104,6 +82,21 @@ def spec_kind(spec: Any) -> str | None:
         f"(MRO: {', '.join(_mro_names(spec))}); kvhit maps only "
         f"{', '.join(k for k, v in _KIND_BY_CLASS_NAME.items() if v)}"
     )
+
+
+def spec_kind(spec: Any) -> str | None:
+    """The kvhit kind of an (unwrapped) vLLM spec, found the way vLLM's
+    registry finds a manager: the most derived registered class in the MRO.
+
+    Returns ``"full"``, ``"sliding_window"``, ``"mamba"``, ``"chunked_local"``
+    (a ``SpecKind.name``), or ``None`` for a class vLLM knows but kvhit does
+    not model.
+
+    Raises:
+        ValueError: no class in the MRO is a vLLM spec class kvhit knows of.
+    """
+    kind = _registry_kind(spec)
+    return None if kind is None else kind.name
 
 
 def _freeze(value: Any) -> Hashable:
@@ -147,7 +140,8 @@ def spec_tag(spec: Any, kind: str | None = None) -> Hashable:
     """
     if kind is None:
         kind = spec_kind(spec)
-    mapped = _MAPPED_FIELDS.get(kind or "", frozenset({"block_size"}))
+    registered = KINDS_BY_NAME.get(kind or "")
+    mapped = registered.spec_fields if registered else frozenset({"block_size"})
     cls = type(spec)
     return (
         f"{cls.__module__}.{cls.__qualname__}",
@@ -165,25 +159,21 @@ def _positive_int(value: Any, what: str, label: str) -> int:
     return value
 
 
-def _to_kvhit_spec(spec: Any, kind: str, label: str) -> Spec:
-    tag = spec_tag(spec, kind)
+def _to_kvhit_spec(spec: Any, kind: SpecKind, label: str) -> Spec:
+    """The kvhit spec of ``kind`` built from the vLLM ``spec``: each of the
+    kind's own fields read from the attribute of the same name (its default,
+    or ``None`` for the spec to refuse, when the attribute is missing), the
+    rest in the tag."""
+    tag = spec_tag(spec, kind.name)
     block_size = _positive_int(getattr(spec, "block_size", None), "block_size", label)
-    if kind == "full":
-        return FullAttention(block_size=block_size, tag=tag)
-    if kind == "sliding_window":
-        return SlidingWindow(
-            block_size=block_size,
-            sliding_window=getattr(spec, "sliding_window", None),
-            extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0),
-            tag=tag,
+    sizes = {
+        f.name: getattr(
+            spec, f.name, None if f.default is dataclasses.MISSING else f.default
         )
-    if kind == "mamba":
-        return Mamba(block_size=block_size, tag=tag)
-    return ChunkedLocal(
-        block_size=block_size,
-        attention_chunk_size=getattr(spec, "attention_chunk_size", None),
-        tag=tag,
-    )
+        for f in dataclasses.fields(kind.spec_type)
+        if f.name in kind.spec_fields and f.name != "block_size"
+    }
+    return kind.spec_type(block_size=block_size, tag=tag, **sizes)
 
 
 def _group_name(group: Any, spec: Any) -> str:
@@ -264,7 +254,7 @@ def layout_from_vllm(
                 )
             )
             continue
-        kind = spec_kind(spec)
+        kind = _registry_kind(spec)
         if kind is None:
             raise ValueError(
                 f"{label}: spec class {type(spec).__name__!r} is prefix cacheable "

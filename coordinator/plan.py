@@ -4,24 +4,30 @@ The torch backend and the Triton kernels both work from a :class:`ScanPlan`:
 small integer tables, one row per SpecGroup and one per KV-cache group, derived
 once from a :class:`CacheLayout`. Every rule of the scalar reference that the
 backends need is expressed here in closed form (see the per-kind notes below),
-so the two backends cannot drift apart in how they read the layout.
+so the two backends cannot drift apart in how they read the layout. What is
+particular to a kind (its code, its own fields) comes from the spec-kind
+registry, :mod:`kvhit.coordinator.kinds`; the mask and limit formulas from
+:mod:`kvhit.coordinator.masks`.
 
 Per-kind scan rules, with ``bs`` the block size, ``A`` the hit alignment and
-``q = A / gcd(bs, A)`` (a block count ``L`` is aligned iff ``L % q == 0``):
+``period = A / gcd(bs, A)`` (a block count ``L`` is aligned iff
+``L % period == 0``):
 
 * full: the leading run of hit blocks, then (fine-grained, ``A < bs``) the
   highest hit hash unit inside the next block; EAGLE drops ``min(A, bs)`` tokens.
 * sliding window: the largest block ``j`` below the bound with ``j + 1`` (``j``
-  under EAGLE) a multiple of ``q`` and ``need`` hit blocks ending at ``j``
-  (``need = cdiv(window - 1, bs)``, +1 under EAGLE, at least 1); failing that,
-  the leading run below ``need - 1`` blocks, re-aligned and EAGLE-popped.
-* mamba: the rightmost hit block ``i`` with ``i + 1`` a multiple of ``q``
+  under EAGLE) a multiple of ``period`` and ``need`` hit blocks ending at ``j``
+  (``need = masks.sliding_window_need(window, bs, eagle)``, at least 1);
+  failing that, the leading run below ``need - 1`` blocks, re-aligned and
+  EAGLE-popped.
+* mamba: the rightmost hit block ``i`` with ``i + 1`` a multiple of ``period``
   (fine-grained: the rightmost hit hash unit); never an EAGLE margin.
 * chunked local: null blocks up to the start of the last attention chunk, then
   the leading run of hit blocks.
 
-A group's load mask is described by three numbers ``(length, lo, hi)``: the
-mask has ``length`` entries and ``mask[c]`` is True iff ``lo <= c < hi``.
+A group's load mask is described by its *mask span*, three numbers
+``(length, lo, hi)``: the mask has ``length`` entries and ``mask[c]`` is True
+iff ``lo <= c < hi``.
 """
 
 from __future__ import annotations
@@ -29,33 +35,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from kvhit.coordinator.specs import CacheLayout, ChunkedLocal, SlidingWindow
+from kvhit.coordinator.kinds import kind_of
+from kvhit.coordinator.masks import asked_chunks
+from kvhit.coordinator.specs import CacheLayout, SpecGroup
+from kvhit.kernels.contract import (
+    CAND_COLS,
+    KIND_CHUNKED,
+    KIND_FULL,
+    KIND_MAMBA,
+    KIND_SWA,
+    cdiv,
+)
 
-KIND_FULL = 0
-KIND_SWA = 1
-KIND_MAMBA = 2
-KIND_CHUNKED = 3
-_KIND_CODE = {
-    "full": KIND_FULL,
-    "sliding_window": KIND_SWA,
-    "mamba": KIND_MAMBA,
-    "chunked_local": KIND_CHUNKED,
-}
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of ints (``b > 0``)."""
-    return -(a // -b)
+__all__ = [
+    "KIND_CHUNKED",
+    "KIND_FULL",
+    "KIND_MAMBA",
+    "KIND_SWA",
+    "CandidatePlan",
+    "ScanPlan",
+    "SpecGroupPlan",
+    "cdiv",
+]
 
 
 @dataclass(frozen=True)
 class SpecGroupPlan:
     """One SpecGroup, as numbers.
 
-    ``need`` is the sliding-window run without EAGLE (``cdiv(window - 1, bs)``);
-    ``margin`` the EAGLE proof margin in tokens (0 for Mamba or non-EAGLE);
-    ``q`` the alignment period in blocks; ``fine`` whether the scan probes
-    hash units inside a block (full attention and Mamba with ``A < bs``).
+    ``kind`` is the kind's code (``SpecKind.code``); ``scale`` the hash units
+    per block; ``need`` the sliding-window run without EAGLE
+    (``masks.sliding_window_need``); ``margin`` the EAGLE proof margin in
+    tokens (0 for Mamba or non-EAGLE); ``period`` the hit-alignment period in
+    blocks (a block count ``L`` is aligned iff ``L % period == 0``; also
+    readable as ``q``, the name of its ``as_rows()`` column); ``fine`` whether
+    the scan probes hash units inside a block (full attention and Mamba with
+    ``A < bs``); ``chunk`` the chunked-local attention chunk in tokens.
     """
 
     kind: int
@@ -65,9 +80,14 @@ class SpecGroupPlan:
     use_eagle: bool
     margin: int
     need: int
-    q: int
+    period: int
     fine: bool
     chunk: int
+
+    @property
+    def q(self) -> int:
+        """``period`` under its ``as_rows()`` column name (``SG_Q``)."""
+        return self.period
 
 
 @dataclass(frozen=True)
@@ -75,11 +95,10 @@ class CandidatePlan:
     """Which chunks of a group the store worker asks about in ``lookup``.
 
     Without partial hash hits, chunk ``c`` of the group is asked iff
-    ``c < min(n_chunks, cdiv(token_len, bs))`` and, when ``sparse``, also
-    ``c < token_len // bs``, ``c >= shift`` and
-    ``(c - shift) % per_segment >= per_segment - need`` (the SWA lookup mask).
-    With partial hash hits every hash unit below ``token_len // hash_block_size``
-    is asked for every prefix-cacheable group.
+    ``c < masks.asked_chunks(...)`` (:meth:`ScanPlan.asked_chunks`) and, when
+    ``sparse``, ``masks.sparse_window_mask(c, per_segment, need, shift)`` (the
+    SWA lookup mask). With partial hash hits every hash unit below
+    ``token_len // hash_block_size`` is asked for every prefix-cacheable group.
     """
 
     group_id: int
@@ -90,6 +109,54 @@ class CandidatePlan:
     per_segment: int
     need: int
     shift: int
+
+    def as_row(self) -> list[int]:
+        """The row kernels read, in ``CAND_COLS`` order (kernels/contract.py)."""
+        return [int(getattr(self, col)) for col in CAND_COLS]
+
+
+def _spec_group_plan(layout: CacheLayout, sg: SpecGroup) -> SpecGroupPlan:
+    """One SpecGroup flattened: the fields every kind derives alike, then the
+    kind's own (``SpecKind.plan_fields``)."""
+    kind = kind_of(sg.spec)
+    block_size = sg.block_size
+    hit_alignment = layout.alignment
+    own = {"need": 0, "chunk": 0, **kind.plan_fields(sg.spec)}
+    return SpecGroupPlan(
+        kind=kind.code,
+        block_size=block_size,
+        scale=block_size // layout.hash_block_size,
+        group_ids=sg.group_ids,
+        use_eagle=sg.use_eagle,
+        # Only EAGLE SpecGroups of kinds that take a margin have one.
+        margin=layout.proof_margins.get(sg.group_ids[0], 0),
+        period=hit_alignment // gcd(block_size, hit_alignment),
+        fine=kind.fine_grained and hit_alignment < block_size,
+        **own,
+    )
+
+
+def _candidate_plan(layout: CacheLayout, group_id: int) -> CandidatePlan:
+    """Group ``group_id``'s lookup-candidate rule: dense unless its kind says
+    otherwise (``SpecKind.candidate_fields``)."""
+    spec = layout.coverage_specs[group_id]
+    block_size = spec.block_size
+    own = {
+        "sparse": False,
+        "per_segment": 0,
+        "need": 0,
+        "shift": 0,
+        **kind_of(spec).candidate_fields(
+            spec, layout.scheduler_block_size, group_id in layout.eagle_group_ids
+        ),
+    }
+    return CandidatePlan(
+        group_id=group_id,
+        cacheable=layout.groups[group_id].prefix_cacheable,
+        block_size=block_size,
+        scale=max(block_size // layout.hash_block_size, 1),
+        **own,
+    )
 
 
 @dataclass(frozen=True)
@@ -109,70 +176,17 @@ class ScanPlan:
     def from_layout(layout: CacheLayout) -> ScanPlan:
         """Flatten ``layout`` (its SpecGroups, in order, and every group's
         lookup-candidate rule)."""
-        hbs, align = layout.hash_block_size, layout.alignment
-        sgs = []
-        for sg in layout.spec_groups:
-            spec = sg.spec
-            bs = spec.block_size
-            kind = _KIND_CODE[sg.kind]
-            need = (
-                cdiv(spec.sliding_window - 1, bs)
-                if isinstance(spec, SlidingWindow)
-                else 0
-            )
-            margin = (
-                layout.proof_margins[sg.group_ids[0]]
-                if sg.use_eagle and kind != KIND_MAMBA
-                else 0
-            )
-            sgs.append(
-                SpecGroupPlan(
-                    kind=kind,
-                    block_size=bs,
-                    scale=bs // hbs,
-                    group_ids=sg.group_ids,
-                    use_eagle=sg.use_eagle,
-                    margin=margin,
-                    need=need,
-                    q=align // gcd(bs, align),
-                    fine=kind in (KIND_FULL, KIND_MAMBA) and align < bs,
-                    chunk=spec.attention_chunk_size
-                    if isinstance(spec, ChunkedLocal)
-                    else 0,
-                )
-            )
-        cands = []
-        sched = layout.scheduler_block_size
-        for gid, g in enumerate(layout.groups):
-            spec = layout.coverage_specs[gid]
-            bs = spec.block_size
-            sparse = False
-            per_segment = need = shift = 0
-            if isinstance(spec, SlidingWindow) and sched % bs == 0:
-                eagle = gid in layout.eagle_group_ids
-                need = cdiv(spec.sliding_window - 1, bs) + (1 if eagle else 0)
-                per_segment = sched // bs
-                shift = 1 if eagle else 0
-                sparse = need < per_segment
-            cands.append(
-                CandidatePlan(
-                    group_id=gid,
-                    cacheable=g.prefix_cacheable,
-                    block_size=bs,
-                    scale=max(bs // hbs, 1),
-                    sparse=sparse,
-                    per_segment=per_segment,
-                    need=need,
-                    shift=shift,
-                )
-            )
         return ScanPlan(
             layout=layout,
-            spec_groups=tuple(sgs),
-            candidates=tuple(cands),
+            spec_groups=tuple(
+                _spec_group_plan(layout, sg) for sg in layout.spec_groups
+            ),
+            candidates=tuple(
+                _candidate_plan(layout, gid) for gid in range(layout.num_groups)
+            ),
             num_groups=layout.num_groups,
-            hash_block_size=hbs,
-            alignment=align,
+            hash_block_size=layout.hash_block_size,
+            alignment=layout.alignment,
             partial=layout.partial_hash_hits,
             simple_hybrid=layout.is_simple_hybrid,
         )
@@ -193,7 +207,7 @@ class ScanPlan:
                     int(sg.use_eagle),
                     sg.margin,
                     sg.need,
-                    sg.q,
+                    sg.period,
                     int(sg.fine),
                     sg.chunk,
                     len(sg.group_ids),
@@ -201,3 +215,19 @@ class ScanPlan:
                 ]
             )
         return rows
+
+    def candidate_rows(self) -> list[list[int]]:
+        """One int row per group for kernels (``CandidatePlan.as_row``):
+        cacheable, block_size, scale, sparse, per_segment, need, shift,
+        group_id."""
+        return [cp.as_row() for cp in self.candidates]
+
+    def asked_chunks(self, cp: CandidatePlan, num_hashes, token_len):
+        """How many leading chunks of group ``cp`` (with partial hash hits:
+        hash units) the store worker's loop walks for prompts of
+        ``num_hashes`` hashes looked up at ``token_len`` tokens (ints, or int64
+        tensors of one shape): :func:`kvhit.coordinator.masks.asked_chunks`
+        with this plan's numbers."""
+        if self.partial:
+            return asked_chunks(num_hashes, token_len, self.hash_block_size, 1, False)
+        return asked_chunks(num_hashes, token_len, cp.block_size, cp.scale, cp.sparse)

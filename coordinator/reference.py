@@ -7,6 +7,12 @@ the per-manager ``find_longest_cache_hit`` / ``reachable_block_mask`` classmetho
 ``BlockHashListWithBlockSize``, ``eagle_proof_margin``, ``replay_boundaries`` and
 the Mooncake store worker's ``lookup``. It needs neither torch nor vLLM.
 
+The per-manager functions below are the per-kind entries of
+:mod:`kvhit.coordinator.kinds` (the registry says which kind uses which);
+:class:`ReferenceCoordinator` looks them up there and never branches on a spec
+type. The mask formulas they share with the batched backends are in
+:mod:`kvhit.coordinator.masks`.
+
 A loaded block is represented by ``True`` and vLLM's null block by ``False``, so
 a group's load mask is exactly its list of hit blocks.
 
@@ -18,7 +24,17 @@ reference raises ``ValueError`` instead of returning a number vLLM never would.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
+from kvhit.coordinator.masks import (
+    asked_chunks,
+    mamba_replay_mask,
+    mamba_segment_mask,
+    sliding_window_need,
+    sparse_window_mask,
+    swa_replay_mask,
+    swa_segment_chunks,
+)
 from kvhit.coordinator.specs import (
     CacheLayout,
     ChunkedLocal,
@@ -26,25 +42,48 @@ from kvhit.coordinator.specs import (
     Mamba,
     SlidingWindow,
     Spec,
-    SpecGroup,
 )
+from kvhit.kernels.contract import cdiv
+
+if TYPE_CHECKING:
+    from kvhit.coordinator.kinds import SpecKind
+
+__all__ = [
+    "BlockHash",
+    "HashesTooShort",
+    "Masks",
+    "OptMasks",
+    "ReferenceCoordinator",
+    "StorePool",
+    "cdiv",
+    "chunked_local_hit",
+    "every_block_reachable",
+    "full_attention_hit",
+    "mamba_hit",
+    "mamba_reachable_mask",
+    "no_block_stored",
+    "replay_boundaries",
+    "sliding_window_hit",
+    "sliding_window_reachable_mask",
+]
 
 BlockHash = bytes
 Masks = tuple[list[bool], ...]
 OptMasks = tuple["list[bool] | None", ...]
+# (blocks of each member group, hit length in tokens).
+ScanResult = tuple[list[list[bool]], int]
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of ints (``b > 0``), as vLLM's ``cdiv``."""
-    return -(a // -b)
+class HashesTooShort(Exception):
+    """A scan indexed past the end of the block hashes (vLLM: ``IndexError``).
+    :meth:`ReferenceCoordinator.find_longest_cache_hit` turns it into a
+    ``ValueError`` naming the lengths."""
 
 
-class _HashesTooShort(Exception):
-    """A scan indexed past the end of the block hashes (vLLM: IndexError)."""
-
-
-class _Pool:
-    """The store's contents as vLLM's ``ExternalCachedBlockPool`` sees them."""
+class StorePool:
+    """The store's contents as vLLM's ``ExternalCachedBlockPool`` sees them:
+    ``exists`` holds ``(group_id, hash)`` keys, or is ``None`` for a store
+    holding every key."""
 
     __slots__ = ("exists",)
 
@@ -52,7 +91,8 @@ class _Pool:
         self.exists = exists
 
     def hit(self, block_hash: BlockHash, group_ids: Sequence[int]) -> bool:
-        # A merged SpecGroup hits only when every member group holds the hash.
+        """Whether every member group holds ``block_hash`` (a merged SpecGroup
+        hits only then)."""
         if self.exists is None:
             return True
         h = bytes(block_hash)
@@ -60,28 +100,29 @@ class _Pool:
 
 
 class _View:
-    """``block_hashes`` seen at ``scale`` hash units per block: block ``i`` is
-    keyed by the last hash unit inside it (``BlockHashListWithBlockSize``)."""
+    """``block_hashes`` seen at ``hashes_per_block`` hash units per block: block
+    ``i`` is keyed by the last hash unit inside it
+    (``BlockHashListWithBlockSize``)."""
 
-    __slots__ = ("raw", "scale")
+    __slots__ = ("raw", "hashes_per_block")
 
-    def __init__(self, raw: Sequence[BlockHash], scale: int) -> None:
+    def __init__(self, raw: Sequence[BlockHash], hashes_per_block: int) -> None:
         self.raw = raw
-        self.scale = scale
+        self.hashes_per_block = hashes_per_block
 
     def __len__(self) -> int:
-        return len(self.raw) // self.scale
+        return len(self.raw) // self.hashes_per_block
 
     def __getitem__(self, idx: int) -> BlockHash:
-        j = (idx + 1) * self.scale - 1
+        j = (idx + 1) * self.hashes_per_block - 1
         if j >= len(self.raw):
-            raise _HashesTooShort
+            raise HashesTooShort
         return self.raw[j]
 
 
 def _raw_get(raw: Sequence[BlockHash], idx: int) -> BlockHash:
     if idx >= len(raw):
-        raise _HashesTooShort
+        raise HashesTooShort
     return raw[idx]
 
 
@@ -90,13 +131,17 @@ def _resolve(
     hash_block_size: int,
     block_size: int,
     fine_grained_ok: bool,
-    alignment: int,
+    hit_alignment: int,
 ) -> Sequence[BlockHash] | _View:
     """vLLM's ``resolve_block_hashes``: raw hashes when the sizes agree or when
     the manager probes hash-unit boundaries, else the per-block view."""
     if block_size == hash_block_size:
         return raw
-    if fine_grained_ok and alignment < block_size and block_size % alignment == 0:
+    if (
+        fine_grained_ok
+        and hit_alignment < block_size
+        and block_size % hit_alignment == 0
+    ):
         return raw
     return _View(raw, block_size // hash_block_size)
 
@@ -108,30 +153,32 @@ def _get(view: Sequence[BlockHash] | _View, idx: int) -> BlockHash:
 
 
 # ---------------------------------------------------------------------------
-# Per-manager scans. Each returns (blocks per member group, hit length).
+# Per-manager scans (the registry's ``scan``): vLLM's ``find_longest_cache_hit``
+# classmethods. All take the same arguments and return (blocks per member
+# group, hit length); ``hit_alignment`` is the layout's hit alignment.
 # ---------------------------------------------------------------------------
 
 
-def _full_hit(
+def full_attention_hit(
     raw: Sequence[BlockHash],
     max_length: int,
     group_ids: Sequence[int],
-    pool: _Pool,
-    block_size: int,
+    pool: StorePool,
+    spec: FullAttention,
     hash_block_size: int,
     drop_eagle: bool,
-    alignment: int,
-) -> tuple[list[list[bool]], int]:
-    fine_grained = alignment < block_size and block_size % alignment == 0
-    view = _resolve(raw, hash_block_size, block_size, True, alignment)
-    if fine_grained:
-        full = _View(raw, block_size // alignment)
-    else:
-        full = view
-    n_full = len(full)
+    hit_alignment: int,
+) -> ScanResult:
+    """``FullAttentionManager.find_longest_cache_hit``: the leading run of hit
+    blocks, then (fine-grained) the longest hit hash boundary inside the next
+    block; EAGLE drops one hit-alignment unit (at most a block)."""
+    block_size = spec.block_size
+    fine_grained = hit_alignment < block_size and block_size % hit_alignment == 0
+    view = _resolve(raw, hash_block_size, block_size, True, hit_alignment)
+    full = _View(raw, block_size // hit_alignment) if fine_grained else view
     n = 0
     # Phase 1: chained hashes, so the first miss ends the run.
-    for i in range(min(max_length // block_size, n_full)):
+    for i in range(min(max_length // block_size, len(full))):
         if not pool.hit(_get(full, i), group_ids):
             break
         n += 1
@@ -139,50 +186,55 @@ def _full_hit(
     hit_length = n * block_size
     # Phase 2: the first non-full block's interior hash boundaries, longest first.
     if fine_grained:
-        scale = block_size // alignment
-        first = n * scale
-        max_partial = min(first + scale - 1, max_length // alignment, len(raw))
+        units_per_block = block_size // hit_alignment
+        first = n * units_per_block
+        max_partial = min(
+            first + units_per_block - 1, max_length // hit_alignment, len(raw)
+        )
         for fine_idx in range(max_partial - 1, first - 1, -1):
             if not pool.hit(raw[fine_idx], group_ids):
                 continue
             blocks += 1
-            hit_length = (fine_idx + 1) * alignment
+            hit_length = (fine_idx + 1) * hit_alignment
             break
     if drop_eagle and hit_length > 0:
-        hit_length -= min(alignment, block_size)
-    hit_length -= hit_length % alignment
+        hit_length -= min(hit_alignment, block_size)
+    hit_length -= hit_length % hit_alignment
     blocks = min(blocks, cdiv(hit_length, block_size))
     return [[True] * blocks for _ in group_ids], hit_length
 
 
-def _swa_contiguous_blocks(window: int, block_size: int, use_eagle: bool) -> int:
-    # EAGLE: one more block is matched, then dropped.
-    return cdiv(window - 1, block_size) + (1 if use_eagle else 0)
+def _drop_unaligned_tail(computed: list[bool], block_size: int, hit_alignment: int):
+    # vLLM pops blocks until the hit is a multiple of the alignment.
+    while block_size != hit_alignment and len(computed) * block_size % hit_alignment:
+        computed.pop()
 
 
-def _swa_hit(
+def sliding_window_hit(
     raw: Sequence[BlockHash],
     max_length: int,
     group_ids: Sequence[int],
-    pool: _Pool,
+    pool: StorePool,
     spec: SlidingWindow,
     hash_block_size: int,
     drop_eagle: bool,
-    alignment: int,
-) -> tuple[list[list[bool]], int]:
+    hit_alignment: int,
+) -> ScanResult:
+    """``SlidingWindowManager.find_longest_cache_hit``: right to left, the
+    first run of ``need`` hit blocks ending on an aligned block wins; else a
+    run reaching token 0; EAGLE then pops the last block."""
     block_size = spec.block_size
-    view = _resolve(raw, hash_block_size, block_size, False, alignment)
-    need = _swa_contiguous_blocks(spec.sliding_window, block_size, drop_eagle)
+    view = _resolve(raw, hash_block_size, block_size, False, hit_alignment)
+    need = sliding_window_need(spec.sliding_window, block_size, drop_eagle)
     max_num_blocks = max_length // block_size
     computed = [False] * max_num_blocks
     run = 0
     match_found = False
-    # Right to left; the first run of `need` blocks wins.
     for i in range(max_num_blocks - 1, -1, -1):
         if pool.hit(_get(view, i), group_ids):
-            if run == 0 and block_size != alignment:
+            if run == 0 and block_size != hit_alignment:
                 post_pop = i if drop_eagle else i + 1
-                if (post_pop * block_size) % alignment != 0:
+                if (post_pop * block_size) % hit_alignment != 0:
                     continue
             computed[i] = True
             run += 1
@@ -195,54 +247,64 @@ def _swa_hit(
     if not match_found:
         # A run reaching token 0 is a hit even when shorter than the window.
         del computed[run:]
-        while block_size != alignment and len(computed) * block_size % alignment:
-            computed.pop()
+        _drop_unaligned_tail(computed, block_size, hit_alignment)
     if drop_eagle and computed:
         computed.pop()
-        while block_size != alignment and len(computed) * block_size % alignment:
-            computed.pop()
+        _drop_unaligned_tail(computed, block_size, hit_alignment)
     hit_length = len(computed) * block_size
     return [list(computed) for _ in group_ids], hit_length
 
 
-def _mamba_hit(
+def mamba_hit(
     raw: Sequence[BlockHash],
     max_length: int,
     group_ids: Sequence[int],
-    pool: _Pool,
-    block_size: int,
+    pool: StorePool,
+    spec: Mamba,
     hash_block_size: int,
-    alignment: int,
-) -> tuple[list[list[bool]], int]:
-    view = _resolve(raw, hash_block_size, block_size, True, alignment)
-    if alignment < block_size and block_size % alignment == 0:
+    drop_eagle: bool,
+    hit_alignment: int,
+) -> ScanResult:
+    """``MambaManager.find_longest_cache_hit``: the rightmost stored state on
+    an aligned block (fine-grained: hash unit). It never drops a block, EAGLE
+    or not, so ``drop_eagle`` is ignored."""
+    block_size = spec.block_size
+    view = _resolve(raw, hash_block_size, block_size, True, hit_alignment)
+    if hit_alignment < block_size and block_size % hit_alignment == 0:
         # Fine-grained: the rightmost hash unit whose state is stored.
-        scale = block_size // alignment
-        for fine_idx in range(min(max_length // alignment, len(raw)) - 1, -1, -1):
+        units_per_block = block_size // hit_alignment
+        top = min(max_length // hit_alignment, len(raw))
+        for fine_idx in range(top - 1, -1, -1):
             if pool.hit(raw[fine_idx], group_ids):
-                mask = [False] * (fine_idx // scale) + [True]
-                return [list(mask) for _ in group_ids], (fine_idx + 1) * alignment
+                mask = [False] * (fine_idx // units_per_block) + [True]
+                hit_length = (fine_idx + 1) * hit_alignment
+                return [list(mask) for _ in group_ids], hit_length
         return [[] for _ in group_ids], 0
     for i in range(max_length // block_size - 1, -1, -1):
         if pool.hit(_get(view, i), group_ids):
-            if block_size != alignment and (i + 1) * block_size % alignment:
+            if block_size != hit_alignment and (i + 1) * block_size % hit_alignment:
                 continue
             mask = [False] * i + [True]
             return [list(mask) for _ in group_ids], (i + 1) * block_size
     return [[] for _ in group_ids], 0
 
 
-def _chunked_local_hit(
+def chunked_local_hit(
     raw: Sequence[BlockHash],
     max_length: int,
     group_ids: Sequence[int],
-    pool: _Pool,
+    pool: StorePool,
     spec: ChunkedLocal,
     hash_block_size: int,
-    alignment: int,
-) -> tuple[list[list[bool]], int]:
+    drop_eagle: bool,
+    hit_alignment: int,
+) -> ScanResult:
+    """``ChunkedLocalAttentionManager.find_longest_cache_hit``: null blocks up
+    to the start of the last attention chunk, then the leading run of hit
+    blocks. EAGLE is refused for this kind when the layout is built, so
+    ``drop_eagle`` is never set."""
     block_size = spec.block_size
-    view = _resolve(raw, hash_block_size, block_size, False, alignment)
+    view = _resolve(raw, hash_block_size, block_size, False, hit_alignment)
     max_num_blocks = max_length // block_size
     chunk = spec.attention_chunk_size
     start_idx = max_length // chunk * chunk if max_length > 0 else 0
@@ -258,7 +320,9 @@ def _chunked_local_hit(
 
 
 # ---------------------------------------------------------------------------
-# Store/lookup masks (``reachable_block_mask``).
+# Store/lookup masks (the registry's ``reachable_mask`` / ``store_mask``):
+# vLLM's ``reachable_block_mask``. All take the same arguments and return the
+# mask of chunks ``[start_block, end_block)``, or ``None`` for all of them.
 # ---------------------------------------------------------------------------
 
 
@@ -275,67 +339,120 @@ def replay_boundaries(
     return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
-def _swa_reachable_mask(
+def every_block_reachable(
+    spec: Spec,
     start_block: int,
     end_block: int,
-    alignment: int,
+    scheduler_block_size: int,
+    use_eagle: bool,
+    retention_interval: int | None,
+    boundaries: Sequence[int],
+) -> None:
+    """Full and chunked-local attention: every block is reachable (``None``)."""
+    return None
+
+
+def no_block_stored(
+    spec: Spec,
+    start_block: int,
+    end_block: int,
+    scheduler_block_size: int,
+    use_eagle: bool,
+    retention_interval: int | None,
+    boundaries: Sequence[int],
+) -> list[bool]:
+    """Mamba store masks: the store worker never writes Mamba states."""
+    return [False] * (end_block - start_block)
+
+
+def sliding_window_reachable_mask(
     spec: SlidingWindow,
+    start_block: int,
+    end_block: int,
+    scheduler_block_size: int,
     use_eagle: bool,
     retention_interval: int | None,
     boundaries: Sequence[int],
 ) -> list[bool] | None:
+    """``SlidingWindowManager.reachable_block_mask``: the ``need`` blocks
+    before each segment end (:func:`~kvhit.coordinator.masks.sparse_window_mask`)
+    and, with a retention interval, before each replay boundary; ``None`` when
+    that keeps every block."""
     block_size = spec.block_size
-    if alignment % block_size != 0:
+    if scheduler_block_size % block_size != 0:
         return None
-    need = _swa_contiguous_blocks(spec.sliding_window, block_size, use_eagle)
+    need = sliding_window_need(spec.sliding_window, block_size, use_eagle)
     shift = 1 if use_eagle else 0
-    mask = [False] * (end_block - start_block)
-    if retention_interval is None:
-        segment_tokens: int | None = alignment
-    elif retention_interval == 0:
-        segment_tokens = None
+    per_segment = swa_segment_chunks(
+        retention_interval, scheduler_block_size, block_size
+    )
+    if per_segment is not None and need >= per_segment:
+        return None
+    chunks = range(start_block, end_block)
+    if per_segment is None:
+        mask = [False] * len(chunks)
     else:
-        segment_tokens = retention_interval
-    if segment_tokens is not None:
-        per_segment = segment_tokens // block_size
-        if need >= per_segment:
-            return None
-        for i in range(start_block, end_block):
-            if i >= shift and (i - shift) % per_segment >= per_segment - need:
-                mask[i - start_block] = True
+        mask = [sparse_window_mask(c, per_segment, need, shift) for c in chunks]
     if retention_interval is not None:
         for boundary in boundaries:
-            aligned = boundary // alignment * alignment
-            end = aligned // block_size + shift
-            for j in range(max(start_block, end - need), min(end_block, end)):
-                mask[j - start_block] = True
+            mask = [
+                kept
+                | swa_replay_mask(
+                    c, boundary, scheduler_block_size, block_size, need, shift
+                )
+                for kept, c in zip(mask, chunks, strict=True)
+            ]
     return mask
 
 
-def _mamba_reachable_mask(
+def mamba_reachable_mask(
+    spec: Mamba,
     start_block: int,
     end_block: int,
-    alignment: int,
-    block_size: int,
+    scheduler_block_size: int,
+    use_eagle: bool,
     retention_interval: int | None,
     boundaries: Sequence[int],
 ) -> list[bool] | None:
+    """``MambaManager.reachable_block_mask``: with a retention interval, the
+    last state of each interval and the state at each replay boundary;
+    ``None`` (every state) without one."""
     if retention_interval is None:
         return None
-    mask = [False] * (end_block - start_block)
-    if retention_interval != 0:
+    block_size = spec.block_size
+    chunks = range(start_block, end_block)
+    if retention_interval == 0:
+        mask = [False] * len(chunks)
+    else:
         per_segment = retention_interval // block_size
         if per_segment <= 1:
             return None
-        first = (start_block + per_segment) // per_segment * per_segment - 1
-        for i in range(first - start_block, len(mask), per_segment):
-            mask[i] = True
+        mask = [mamba_segment_mask(c, per_segment) for c in chunks]
     for boundary in boundaries:
-        aligned = boundary // alignment * alignment
-        boundary_block = aligned // block_size - 1
-        if start_block <= boundary_block < end_block:
-            mask[boundary_block - start_block] = True
+        mask = [
+            kept | mamba_replay_mask(c, boundary, scheduler_block_size, block_size)
+            for kept, c in zip(mask, chunks, strict=True)
+        ]
     return mask
+
+
+class _Convergence:
+    """What the multi-group convergence loop carries from round to round."""
+
+    __slots__ = ("blocks_by_group", "length_by_group", "eagle_verified")
+
+    def __init__(self, num_groups: int) -> None:
+        self.blocks_by_group: list[list[bool] | None] = [None] * num_groups
+        self.length_by_group = [0] * num_groups
+        # SpecGroups whose EAGLE drop has been applied at the current hit.
+        self.eagle_verified: set[int] = set()
+
+    def record(
+        self, group_ids: Sequence[int], blocks: list[list[bool]], length: int
+    ) -> None:
+        for gid, blk in zip(group_ids, blocks, strict=True):
+            self.blocks_by_group[gid] = blk
+            self.length_by_group[gid] = length
 
 
 class ReferenceCoordinator:
@@ -348,10 +465,21 @@ class ReferenceCoordinator:
     """
 
     def __init__(self, layout: CacheLayout) -> None:
+        # kinds imports this module (the registry points at its functions).
+        from kvhit.coordinator.kinds import kind_of
+
         self.layout = layout
         self.hash_block_size = layout.hash_block_size
+        self.scheduler_block_size = layout.scheduler_block_size
+        #: vLLM's name for the scheduler block size (kept for callers).
         self.lcm_block_size = layout.scheduler_block_size
         self.alignment = layout.alignment
+        self._sg_kinds: tuple[SpecKind, ...] = tuple(
+            kind_of(sg.spec) for sg in layout.spec_groups
+        )
+        self._group_kinds: tuple[SpecKind, ...] = tuple(
+            kind_of(spec) for spec in layout.coverage_specs
+        )
 
     # -- hit search -------------------------------------------------------
 
@@ -381,9 +509,9 @@ class ReferenceCoordinator:
             raise ValueError(f"max_length must be >= 0, got {max_length}")
         try:
             return self._find(
-                list(block_hashes), max_length, _Pool(exists), apply_eagle
+                list(block_hashes), max_length, StorePool(exists), apply_eagle
             )
-        except _HashesTooShort:
+        except HashesTooShort:
             raise ValueError(
                 f"max_length ({max_length}) needs more block hashes than the "
                 f"{len(block_hashes)} given (hash_block_size "
@@ -392,93 +520,107 @@ class ReferenceCoordinator:
 
     def _scan(
         self,
-        sg: SpecGroup,
+        idx: int,
         raw: list[BlockHash],
         max_length: int,
-        pool: _Pool,
+        pool: StorePool,
         drop_eagle: bool,
-    ) -> tuple[list[list[bool]], int]:
-        spec: Spec = sg.spec
-        hbs, align = self.hash_block_size, self.alignment
-        if isinstance(spec, FullAttention):
-            return _full_hit(
-                raw, max_length, sg.group_ids, pool, spec.block_size, hbs,
-                drop_eagle, align,
-            )  # fmt: skip
-        if isinstance(spec, SlidingWindow):
-            return _swa_hit(
-                raw, max_length, sg.group_ids, pool, spec, hbs, drop_eagle, align
-            )
-        if isinstance(spec, Mamba):
-            # The Mamba finder never drops a block, EAGLE or not.
-            return _mamba_hit(
-                raw, max_length, sg.group_ids, pool, spec.block_size, hbs, align
-            )
-        return _chunked_local_hit(raw, max_length, sg.group_ids, pool, spec, hbs, align)
+    ) -> ScanResult:
+        """SpecGroup ``idx``'s manager scan, as its kind's registry entry says."""
+        sg = self.layout.spec_groups[idx]
+        return self._sg_kinds[idx].scan(
+            raw, max_length, sg.group_ids, pool, sg.spec, self.hash_block_size,
+            drop_eagle, self.alignment,
+        )  # fmt: skip
 
     def _find(
         self,
         raw: list[BlockHash],
         max_length: int,
-        pool: _Pool,
+        pool: StorePool,
         apply_eagle: bool,
     ) -> tuple[Masks, int]:
         layout = self.layout
-        num_groups = layout.num_groups
-        spec_groups = layout.spec_groups
-        if len(spec_groups) == 1:
-            sg = spec_groups[0]
+        if len(layout.spec_groups) == 1:
+            sg = layout.spec_groups[0]
             blocks, hit_length = self._scan(
-                sg, raw, max_length, pool, apply_eagle and sg.use_eagle
+                0, raw, max_length, pool, apply_eagle and sg.use_eagle
             )
-            out: list[list[bool]] = [[] for _ in range(num_groups)]
+            out: list[list[bool]] = [[] for _ in range(layout.num_groups)]
             for gid, blk in zip(sg.group_ids, blocks, strict=True):
                 out[gid] = blk
             return tuple(out), hit_length
+        state, hit_length = self._converge(raw, max_length, pool, apply_eagle)
+        self._trim_full_attention(state, hit_length)
+        blocks_by_group = state.blocks_by_group
+        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
 
+    def _converge(
+        self,
+        raw: list[BlockHash],
+        max_length: int,
+        pool: StorePool,
+        apply_eagle: bool,
+    ) -> tuple[_Convergence, int]:
+        """vLLM's multi-group loop: rounds over every SpecGroup until the
+        common hit stops shrinking (one round for a simple hybrid)."""
+        state = _Convergence(self.layout.num_groups)
         hit_length = max_length
-        blocks_by_group: list[list[bool] | None] = [None] * num_groups
-        length_by_group = [0] * num_groups
-        eagle_verified: set[int] = set()
         while True:
-            curr = hit_length
-            for idx, sg in enumerate(spec_groups):
-                first = sg.group_ids[0]
-                if sg.kind == "full" and blocks_by_group[first] is not None:
-                    # Full attention is scanned once; later rounds only clip it.
-                    curr = min(curr, length_by_group[first])
-                    continue
-                drop_eagle = apply_eagle and sg.use_eagle and idx not in eagle_verified
-                bound = curr
-                # EAGLE may peek one proof margin past the hit and drop back;
-                # never a Mamba group, whose state there would be unverified.
-                if drop_eagle and sg.kind != "mamba":
-                    margin = layout.proof_margins[first]
-                    bound = min(curr + margin, len(raw) * self.hash_block_size)
-                blocks, new_len = self._scan(sg, raw, bound, pool, drop_eagle)
-                if drop_eagle:
-                    eagle_verified.add(idx)
-                elif new_len < curr:
-                    eagle_verified.clear()
-                curr = new_len
-                for gid, blk in zip(sg.group_ids, blocks, strict=True):
-                    blocks_by_group[gid] = blk
-                    length_by_group[gid] = new_len
+            curr = self._round(state, raw, hit_length, pool, apply_eagle)
             if curr >= hit_length:
                 break
             hit_length = curr
-            if layout.is_simple_hybrid:
+            if self.layout.is_simple_hybrid:
                 break
+        return state, hit_length
 
-        for sg in spec_groups:
-            if sg.kind != "full":
+    def _round(
+        self,
+        state: _Convergence,
+        raw: list[BlockHash],
+        curr: int,
+        pool: StorePool,
+        apply_eagle: bool,
+    ) -> int:
+        """One pass over the SpecGroups, each shrinking the hit ``curr``."""
+        layout = self.layout
+        for idx, sg in enumerate(layout.spec_groups):
+            kind = self._sg_kinds[idx]
+            first = sg.group_ids[0]
+            if kind.is_full_attention and state.blocks_by_group[first] is not None:
+                # Full attention is scanned once; later rounds only clip it.
+                curr = min(curr, state.length_by_group[first])
+                continue
+            drop_eagle = (
+                apply_eagle and sg.use_eagle and idx not in state.eagle_verified
+            )
+            bound = curr
+            # EAGLE may peek one proof margin past the hit and drop back;
+            # never a Mamba group, whose state there would be unverified.
+            if drop_eagle and kind.takes_proof_margin:
+                margin = layout.proof_margins[first]
+                bound = min(curr + margin, len(raw) * self.hash_block_size)
+            blocks, new_len = self._scan(idx, raw, bound, pool, drop_eagle)
+            if drop_eagle:
+                state.eagle_verified.add(idx)
+            elif new_len < curr:
+                state.eagle_verified.clear()
+            curr = new_len
+            state.record(sg.group_ids, blocks, new_len)
+        return curr
+
+    def _trim_full_attention(self, state: _Convergence, hit_length: int) -> None:
+        """Full-attention masks end at the final hit (scanned once, they may
+        hold blocks past it)."""
+        for idx, sg in enumerate(self.layout.spec_groups):
+            if not self._sg_kinds[idx].is_full_attention:
                 continue
             num_blocks = cdiv(hit_length, sg.block_size)
             for gid in sg.group_ids:
-                blk = blocks_by_group[gid]
+                blk = state.blocks_by_group[gid]
                 assert blk is not None
                 del blk[num_blocks:]
-        return tuple(b if b is not None else [] for b in blocks_by_group), hit_length
 
     def load_mask(self, block_hashes: Sequence[BlockHash], token_len: int) -> Masks:
         """Per-group load masks at ``token_len`` (an already EAGLE-pruned hit
@@ -504,7 +646,7 @@ class ReferenceCoordinator:
             start_token,
             retention_interval=self.layout.retention_interval,
             num_prompt_tokens=num_prompt_tokens,
-            exclude_mamba=True,
+            store=True,
         )
 
     def lookup_mask(self, aligned_len: int) -> OptMasks:
@@ -521,7 +663,7 @@ class ReferenceCoordinator:
         *,
         retention_interval: int | None,
         num_prompt_tokens: int | None,
-        exclude_mamba: bool = False,
+        store: bool = False,
     ) -> OptMasks:
         layout = self.layout
         if aligned_len % self.alignment:
@@ -534,42 +676,27 @@ class ReferenceCoordinator:
             if num_prompt_tokens is None
             else replay_boundaries(
                 num_prompt_tokens,
-                self.lcm_block_size,
+                self.scheduler_block_size,
                 use_eagle=bool(layout.eagle_group_ids),
             )
         )
         masks: list[list[bool] | None] = []
         for g_idx, spec in enumerate(layout.coverage_specs):
+            kind = self._group_kinds[g_idx]
             end_chunk = aligned_len // spec.block_size
             start_chunk = min(end_chunk, max(0, cdiv(start_token, spec.block_size)))
-            if isinstance(spec, Mamba):
-                if exclude_mamba:
-                    masks.append([False] * (end_chunk - start_chunk))
-                    continue
-                masks.append(
-                    _mamba_reachable_mask(
-                        start_chunk,
-                        end_chunk,
-                        self.lcm_block_size,
-                        spec.block_size,
-                        retention_interval,
-                        boundaries,
-                    )  # fmt: skip
-                )
-            elif isinstance(spec, SlidingWindow):
-                masks.append(
-                    _swa_reachable_mask(
-                        start_chunk,
-                        end_chunk,
-                        self.lcm_block_size,
-                        spec,
-                        g_idx in layout.eagle_group_ids,
-                        retention_interval,
-                        boundaries,
-                    )  # fmt: skip
-                )
-            else:
-                masks.append(None)
+            mask_fn = kind.store_mask if store else kind.reachable_mask
+            masks.append(
+                mask_fn(
+                    spec,
+                    start_chunk,
+                    end_chunk,
+                    self.scheduler_block_size,
+                    g_idx in layout.eagle_group_ids,
+                    retention_interval,
+                    boundaries,
+                )  # fmt: skip
+            )
         return tuple(masks)
 
     # -- the store worker's rule -------------------------------------------
@@ -584,9 +711,10 @@ class ReferenceCoordinator:
             return []
         layout = self.layout
         hbs = self.hash_block_size
+        n_hashes = len(block_hashes)
         out: list[tuple[int, bytes]] = []
         if layout.partial_hash_hits:
-            units = min(len(block_hashes), token_len // hbs)
+            units = asked_chunks(n_hashes, token_len, hbs, 1, sparse=False)
             for g_idx, g in enumerate(layout.groups):
                 if g.prefix_cacheable:
                     out.extend((g_idx, bytes(block_hashes[u])) for u in range(units))
@@ -596,13 +724,15 @@ class ReferenceCoordinator:
             if not g.prefix_cacheable:
                 continue
             block_size = g.spec.block_size
-            scale = block_size // hbs
-            max_chunks = min(len(block_hashes) // scale, cdiv(token_len, block_size))
+            hashes_per_block = block_size // hbs
             mask = masks[g_idx]
-            limit = max_chunks if mask is None else min(max_chunks, len(mask))
+            limit = asked_chunks(
+                n_hashes, token_len, block_size, hashes_per_block, mask is not None
+            )
             for c in range(limit):
                 if mask is None or mask[c]:
-                    out.append((g_idx, bytes(block_hashes[(c + 1) * scale - 1])))
+                    key = bytes(block_hashes[(c + 1) * hashes_per_block - 1])
+                    out.append((g_idx, key))
         return out
 
     def lookup(

@@ -12,14 +12,35 @@ group.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-SpecKind = Literal["full", "sliding_window", "mamba", "chunked_local"]
+if TYPE_CHECKING:
+    from kvhit.coordinator.kinds import SpecKind
+
+
+def _registry_entry(spec: object) -> SpecKind:
+    # The registry (coordinator/kinds.py) imports this module for the spec
+    # classes, so it is looked up when first needed.
+    from kvhit.coordinator.kinds import kind_of
+
+    return kind_of(spec)
+
+
+class _RegisteredKind:
+    """A spec's ``kind``: its name in the spec-kind registry."""
+
+    __slots__ = ()
+
+    @property
+    def kind(self) -> str:
+        """``"full"``, ``"sliding_window"``, ``"mamba"`` or ``"chunked_local"``
+        (``coordinator/kinds.py``)."""
+        return _registry_entry(self).name
 
 
 @dataclass(frozen=True)
-class FullAttention:
+class FullAttention(_RegisteredKind):
     """Full attention (MHA, MLA, ...): a hit is a contiguous run from token 0.
 
     ``tag`` keeps otherwise equal specs apart (vLLM does not merge e.g. an MLA
@@ -29,11 +50,9 @@ class FullAttention:
     block_size: int
     tag: Hashable = None
 
-    kind: SpecKind = field(default="full", init=False, repr=False)
-
 
 @dataclass(frozen=True)
-class SlidingWindow:
+class SlidingWindow(_RegisteredKind):
     """Sliding-window attention over the last ``sliding_window`` tokens.
 
     ``extra_retained_tokens`` widens the window that an external hit must
@@ -45,29 +64,23 @@ class SlidingWindow:
     extra_retained_tokens: int = 0
     tag: Hashable = None
 
-    kind: SpecKind = field(default="sliding_window", init=False, repr=False)
-
 
 @dataclass(frozen=True)
-class Mamba:
+class Mamba(_RegisteredKind):
     """A recurrent (Mamba/linear-attention) state: block ``p`` is the state
     after ``(p + 1) * block_size`` tokens."""
 
     block_size: int
     tag: Hashable = None
 
-    kind: SpecKind = field(default="mamba", init=False, repr=False)
-
 
 @dataclass(frozen=True)
-class ChunkedLocal:
+class ChunkedLocal(_RegisteredKind):
     """Chunked local attention over ``attention_chunk_size``-token chunks."""
 
     block_size: int
     attention_chunk_size: int
     tag: Hashable = None
-
-    kind: SpecKind = field(default="chunked_local", init=False, repr=False)
 
 
 Spec = FullAttention | SlidingWindow | Mamba | ChunkedLocal
@@ -117,9 +130,14 @@ class SpecGroup:
     use_eagle: bool
 
     @property
-    def kind(self) -> SpecKind:
+    def kind(self) -> str:
         """The spec's kind: "full", "sliding_window", "mamba", "chunked_local"."""
         return self.spec.kind
+
+    @property
+    def spec_kind(self) -> SpecKind:
+        """The spec's entry in the spec-kind registry (``coordinator/kinds.py``)."""
+        return _registry_entry(self.spec)
 
     @property
     def block_size(self) -> int:
@@ -130,7 +148,7 @@ class SpecGroup:
     def supports_fine_grained(self) -> bool:
         """Whether vLLM's manager for this spec probes hash-unit boundaries
         inside a block when partial hash hits are on (full attention, Mamba)."""
-        return self.spec.kind in ("full", "mamba")
+        return _registry_entry(self.spec).fine_grained
 
 
 def coverage_spec(spec: Spec) -> Spec:
@@ -222,14 +240,15 @@ class CacheLayout:
                 self.partial_hash_hits and sg.supports_fine_grained,
             )
             for sg in self.spec_groups
-            if sg.use_eagle and sg.kind != "mamba"
+            if sg.use_eagle and sg.spec_kind.takes_proof_margin
             for gid in sg.group_ids
         }
         self.mamba_group_ids: frozenset[int] = frozenset(
             i for i, g in enumerate(groups) if isinstance(g.spec, Mamba)
         )
         self.is_simple_hybrid: bool = (
-            len(self.spec_groups) == 2 and self.spec_groups[0].kind == "full"
+            len(self.spec_groups) == 2
+            and self.spec_groups[0].spec_kind.is_full_attention
         )
         self._validate_merged()
 
@@ -329,7 +348,7 @@ class CacheLayout:
             else:
                 merged.append((spec, [i], [bool(g.eagle)]))
         # Stable: full attention first, the rest in group order.
-        merged.sort(key=lambda e: not isinstance(e[0], FullAttention))
+        merged.sort(key=lambda e: not _registry_entry(e[0]).is_full_attention)
         all_eagle = self.use_eagle and not any(e[2][0] for e in merged)
         return tuple(
             SpecGroup(s, GroupIds(ids), all_eagle or eagle[0])
@@ -338,7 +357,7 @@ class CacheLayout:
 
     def _validate_merged(self) -> None:
         for sg in self.spec_groups:
-            if sg.kind != "chunked_local":
+            if not isinstance(sg.spec, ChunkedLocal):
                 continue
             label = _group_label(sg.group_ids[0], self.groups[sg.group_ids[0]])
             if sg.use_eagle:

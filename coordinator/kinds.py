@@ -1,0 +1,235 @@
+"""The spec-kind registry: every KV-cache manager kind kvhit models, declared once.
+
+vLLM dispatches each merged group to the manager registered for its spec class
+(``single_type_kv_cache_manager.spec_manager_map``); kvhit does the same with
+this table. A :class:`SpecKind` says everything the rest of kvhit needs to know
+about one kind: its name (``spec.kind``), its kernel code (``KIND_*`` of
+:mod:`kvhit.kernels.contract`), its spec class, the vLLM spec classes that map
+to it, its reference scan and masks (functions of
+:mod:`kvhit.coordinator.reference`, the oracle), the kind-specific numbers
+:class:`~kvhit.coordinator.plan.ScanPlan` derives for it, and the few flags
+vLLM's coordinator branches on. The reference, the plan and the vLLM binding
+look kinds up here (:func:`kind_of`, :data:`KINDS_BY_NAME`) and never branch on
+a spec type.
+
+The vectorised scans (the torch backend and the Triton/numba kernels) branch
+on ``SpecKind.code``; a new kind needs its closed form there too (see
+CONTRIBUTING.md, "Adding a spec type").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from kvhit.coordinator import reference as ref
+from kvhit.coordinator.masks import sliding_window_need, swa_segment_chunks
+from kvhit.coordinator.specs import (
+    ChunkedLocal,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
+    Spec,
+)
+from kvhit.kernels.contract import KIND_CHUNKED, KIND_FULL, KIND_MAMBA, KIND_SWA
+
+__all__ = [
+    "KINDS",
+    "KINDS_BY_NAME",
+    "MaskFn",
+    "ScanFn",
+    "SpecKind",
+    "kind_of",
+]
+
+#: ``scan(raw, max_length, group_ids, pool, spec, hash_block_size, drop_eagle,
+#: hit_alignment) -> (blocks per member group, hit length)``: the kind's
+#: ``find_longest_cache_hit`` port (see :func:`reference.full_attention_hit`).
+ScanFn = Callable[..., ref.ScanResult]
+#: ``mask(spec, start_block, end_block, scheduler_block_size, use_eagle,
+#: retention_interval, boundaries) -> list[bool] | None`` (``None``: every
+#: block): the kind's ``reachable_block_mask`` port.
+MaskFn = Callable[..., "list[bool] | None"]
+#: ``plan_fields(spec) -> {field: value}``: the kind's own ``SpecGroupPlan``
+#: fields (``need``, ``chunk``); the rest are derived alike for every kind.
+PlanFieldsFn = Callable[[Spec], Mapping[str, int]]
+#: ``candidate_fields(spec, scheduler_block_size, eagle) -> {field: value}``:
+#: the kind's own ``CandidatePlan`` fields (``sparse``, ``per_segment``,
+#: ``need``, ``shift``: a sparse lookup mask); empty for a dense one.
+CandidateFieldsFn = Callable[[Spec, int, bool], Mapping[str, int | bool]]
+
+
+@dataclass(frozen=True)
+class SpecKind:
+    """One KV-cache manager kind.
+
+    Attributes:
+        name: ``spec.kind`` / ``SpecGroup.kind`` (``"full"``, ...).
+        code: the ``KIND_*`` code kernels read in ``ScanPlan.as_rows()``.
+        spec_type: the kvhit spec class.
+        vllm_names: vLLM 0.33.0 spec class names whose manager this kind
+            reproduces (``bindings/vllm.py`` maps them).
+        scan: the reference ``find_longest_cache_hit`` (:data:`ScanFn`).
+        reachable_mask: the reference lookup/reachable mask (:data:`MaskFn`).
+        store_mask: the reference store mask (:data:`MaskFn`).
+        plan_fields: its ``SpecGroupPlan`` fields (:data:`PlanFieldsFn`).
+        candidate_fields: its ``CandidatePlan`` fields
+            (:data:`CandidateFieldsFn`).
+        fine_grained: vLLM's manager probes hash-unit boundaries inside a block
+            when partial hash hits are on (``resolve_block_hashes``).
+        is_full_attention: vLLM's coordinator orders these SpecGroups first,
+            scans them once in the convergence loop (later rounds only clip
+            them) and trims their masks to the final hit; one of them plus one
+            other SpecGroup is a "simple hybrid" (one round).
+        takes_proof_margin: an EAGLE SpecGroup of this kind may look one proof
+            margin past the current hit (Mamba may not: its state there would
+            be unverified).
+    """
+
+    name: str
+    code: int
+    spec_type: type
+    vllm_names: tuple[str, ...]
+    scan: ScanFn
+    reachable_mask: MaskFn
+    store_mask: MaskFn
+    plan_fields: PlanFieldsFn
+    candidate_fields: CandidateFieldsFn
+    fine_grained: bool
+    is_full_attention: bool
+    takes_proof_margin: bool
+
+    @property
+    def spec_fields(self) -> frozenset[str]:
+        """The spec class's own fields (``block_size`` and the kind's sizes),
+        without ``tag``: what a vLLM spec maps onto."""
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(self.spec_type)
+            if f.init and f.name != "tag"
+        )
+
+
+def _no_fields(spec: Spec, *_: object) -> Mapping[str, int]:
+    return {}
+
+
+def _swa_plan_fields(spec: SlidingWindow) -> Mapping[str, int]:
+    # The run without EAGLE; the scans add the per-request EAGLE drop.
+    return {"need": sliding_window_need(spec.sliding_window, spec.block_size)}
+
+
+def _chunked_plan_fields(spec: ChunkedLocal) -> Mapping[str, int]:
+    return {"chunk": spec.attention_chunk_size}
+
+
+def _swa_candidate_fields(
+    spec: SlidingWindow, scheduler_block_size: int, eagle: bool
+) -> Mapping[str, int | bool]:
+    """The sliding window's lookup mask (``reference.
+    sliding_window_reachable_mask`` without retention) as numbers."""
+    block_size = spec.block_size
+    if scheduler_block_size % block_size:
+        return {}
+    need = sliding_window_need(spec.sliding_window, block_size, eagle)
+    per_segment = swa_segment_chunks(None, scheduler_block_size, block_size)
+    return {
+        "sparse": need < per_segment,
+        "per_segment": per_segment,
+        "need": need,
+        "shift": 1 if eagle else 0,
+    }
+
+
+#: Every kind, in code order.
+KINDS: tuple[SpecKind, ...] = (
+    SpecKind(
+        name="full",
+        code=KIND_FULL,
+        spec_type=FullAttention,
+        vllm_names=("FullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"),
+        scan=ref.full_attention_hit,
+        reachable_mask=ref.every_block_reachable,
+        store_mask=ref.every_block_reachable,
+        plan_fields=_no_fields,
+        candidate_fields=_no_fields,
+        fine_grained=True,
+        is_full_attention=True,
+        takes_proof_margin=True,
+    ),
+    SpecKind(
+        name="sliding_window",
+        code=KIND_SWA,
+        spec_type=SlidingWindow,
+        vllm_names=("SlidingWindowSpec", "SlidingWindowMLASpec"),
+        scan=ref.sliding_window_hit,
+        reachable_mask=ref.sliding_window_reachable_mask,
+        store_mask=ref.sliding_window_reachable_mask,
+        plan_fields=_swa_plan_fields,
+        candidate_fields=_swa_candidate_fields,
+        fine_grained=False,
+        is_full_attention=False,
+        takes_proof_margin=True,
+    ),
+    SpecKind(
+        name="mamba",
+        code=KIND_MAMBA,
+        spec_type=Mamba,
+        vllm_names=("MambaSpec",),
+        scan=ref.mamba_hit,
+        reachable_mask=ref.mamba_reachable_mask,
+        store_mask=ref.no_block_stored,
+        plan_fields=_no_fields,
+        candidate_fields=_no_fields,
+        fine_grained=True,
+        is_full_attention=False,
+        takes_proof_margin=False,
+    ),
+    SpecKind(
+        name="chunked_local",
+        code=KIND_CHUNKED,
+        spec_type=ChunkedLocal,
+        vllm_names=("ChunkedLocalAttentionSpec",),
+        scan=ref.chunked_local_hit,
+        reachable_mask=ref.every_block_reachable,
+        store_mask=ref.every_block_reachable,
+        plan_fields=_chunked_plan_fields,
+        candidate_fields=_no_fields,
+        fine_grained=False,
+        is_full_attention=False,
+        takes_proof_margin=True,
+    ),
+)
+
+#: ``name -> SpecKind``.
+KINDS_BY_NAME: Mapping[str, SpecKind] = MappingProxyType({k.name: k for k in KINDS})
+_BY_TYPE: dict[type, SpecKind] = {k.spec_type: k for k in KINDS}
+
+
+def _check_table(kinds: Sequence[SpecKind]) -> None:
+    names = [k.name for k in kinds]
+    codes = [k.code for k in kinds]
+    vllm = [n for k in kinds for n in k.vllm_names]
+    for what, values in (("name", names), ("code", codes), ("vLLM name", vllm)):
+        if len(set(values)) != len(values):
+            raise AssertionError(f"duplicate spec-kind {what} in {values}")
+
+
+_check_table(KINDS)
+
+
+def kind_of(spec: Spec) -> SpecKind:
+    """The registry entry of ``spec`` (a kvhit spec instance, or a subclass of
+    one: the most derived registered class in its MRO wins).
+
+    Raises:
+        TypeError: ``spec`` is not a kvhit spec.
+    """
+    for cls in type(spec).__mro__:
+        kind = _BY_TYPE.get(cls)
+        if kind is not None:
+            return kind
+    known = ", ".join(k.spec_type.__name__ for k in KINDS)
+    raise TypeError(f"spec must be one of {known}; got {type(spec).__name__}")
