@@ -369,3 +369,31 @@ def test_spec_group_ids_compare_equal_to_lists_and_tuples():
     assert ids == [(0,), (1, 2)]
     assert ids != [[0], [2, 1]]
     assert {layout.spec_groups[1].group_ids} == {(1, 2)}
+
+
+def test_spec_group_kind_comes_from_the_registry():
+    from kvhit.coordinator.kinds import KINDS_BY_NAME
+
+    layout = make(
+        [
+            Group(Mamba(16)),
+            Group(SlidingWindow(4, 8), eagle=True),
+            Group(FullAttention(16)),
+            Group(ChunkedLocal(4, 32)),
+        ],
+        hbs=4,
+        partial_hash_hits=True,
+        use_eagle=True,
+    )
+    for sg in layout.spec_groups:
+        assert sg.spec_kind is KINDS_BY_NAME[sg.kind]
+        assert sg.supports_fine_grained == sg.spec_kind.fine_grained
+    # Full attention first (is_full_attention), then group order.
+    assert [sg.kind for sg in layout.spec_groups] == [
+        "full",
+        "mamba",
+        "sliding_window",
+        "chunked_local",
+    ]
+    # Mamba takes no proof margin even in an EAGLE layout.
+    assert 0 not in layout.proof_margins and 1 in layout.proof_margins
