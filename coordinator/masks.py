@@ -25,6 +25,7 @@ from typing import Any
 from kvhit.kernels.contract import cdiv
 
 __all__ = [
+    "IntLike",
     "asked_chunks",
     "cdiv",
     "mamba_replay_mask",

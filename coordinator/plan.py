@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from math import gcd
 
 from kvhit.coordinator.kinds import kind_of
-from kvhit.coordinator.masks import asked_chunks
+from kvhit.coordinator.masks import IntLike, asked_chunks
 from kvhit.coordinator.specs import CacheLayout, SpecGroup
 from kvhit.kernels.contract import (
     CAND_COLS,
@@ -222,7 +222,9 @@ class ScanPlan:
         group_id."""
         return [cp.as_row() for cp in self.candidates]
 
-    def asked_chunks(self, cp: CandidatePlan, num_hashes, token_len):
+    def asked_chunks(
+        self, cp: CandidatePlan, num_hashes: IntLike, token_len: IntLike
+    ) -> IntLike:
         """How many leading chunks of group ``cp`` (with partial hash hits:
         hash units) the store worker's loop walks for prompts of
         ``num_hashes`` hashes looked up at ``token_len`` tokens (ints, or int64

@@ -189,8 +189,8 @@ class CacheLayout:
     Args:
         groups: the KV-cache groups, in vLLM's group order (group ids are
             positions in this list).
-        scheduler_block_size: the scheduler's token alignment (vLLM's LCM block
-            size); hits are multiples of it unless ``partial_hash_hits``.
+        scheduler_block_size: the scheduler's block size in tokens (vLLM's LCM
+            block size); hits are multiples of it unless ``partial_hash_hits``.
         hash_block_size: tokens per block hash.
         use_eagle: speculative decoding with EAGLE/MTP; with no group flagged,
             every group drops its last hit block.
@@ -351,8 +351,8 @@ class CacheLayout:
         merged.sort(key=lambda e: not _registry_entry(e[0]).is_full_attention)
         all_eagle = self.use_eagle and not any(e[2][0] for e in merged)
         return tuple(
-            SpecGroup(s, GroupIds(ids), all_eagle or eagle[0])
-            for s, ids, eagle in merged
+            SpecGroup(spec, GroupIds(ids), all_eagle or eagle[0])
+            for spec, ids, eagle in merged
         )
 
     def _validate_merged(self) -> None:
