@@ -183,6 +183,50 @@ def _group_name(group: Any, spec: Any) -> str:
     return f"{type(spec).__name__}{first}{more}"
 
 
+def _to_kvhit_group(i: int, group: Any) -> Group:
+    """kvhit group ``i`` from vLLM's ``KVCacheGroupSpec`` ``group``."""
+    raw = getattr(group, "kv_cache_spec", None)
+    if raw is None:
+        raise ValueError(
+            f"kv_cache_groups[{i}] ({type(group).__name__}) has no kv_cache_spec"
+        )
+    spec = unwrap_spec(raw)
+    label = f"kv_cache_groups[{i}] ({type(raw).__name__})"
+    eagle = bool(getattr(group, "is_eagle_group", False))
+    name = _group_name(group, spec)
+    # vLLM reads prefix_cacheable from the group's own spec (a uniform wrapper
+    # is cacheable only if every inner spec is).
+    cacheable = bool(getattr(raw, "prefix_cacheable", True)) and bool(
+        getattr(group, "enable_kv_transfer", True)
+    )
+    if not cacheable:
+        return _scratch_group(i, spec, label, eagle, name)
+    kind = _registry_kind(spec)
+    if kind is None:
+        raise ValueError(
+            f"{label}: spec class {type(spec).__name__!r} is prefix cacheable "
+            "but vLLM serves it with a manager kvhit does not model (kvhit "
+            f"models {', '.join(k.name for k in KINDS)})"
+        )
+    return Group(_to_kvhit_spec(spec, kind, label), eagle=eagle, name=name)
+
+
+def _scratch_group(i: int, spec: Any, label: str, eagle: bool, name: str) -> Group:
+    """A group vLLM never probes, stores or merges: its spec only has to carry
+    a block size and keep the group apart from every other one."""
+    try:
+        kind = spec_kind(spec)
+    except ValueError:
+        kind = None
+    block_size = _positive_int(getattr(spec, "block_size", None), "block_size", label)
+    return Group(
+        FullAttention(block_size, tag=("not_prefix_cacheable", i)),
+        eagle=eagle,
+        prefix_cacheable=False,
+        name=name if kind is None else f"{name} [{kind}]",
+    )
+
+
 def layout_from_vllm(
     kv_cache_groups: Sequence[Any],
     scheduler_block_size: int,
@@ -219,50 +263,7 @@ def layout_from_vllm(
             whose vLLM manager kvhit does not model, or any layout
             :class:`CacheLayout` refuses.
     """
-    groups: list[Group] = []
-    for i, g in enumerate(kv_cache_groups):
-        raw = getattr(g, "kv_cache_spec", None)
-        if raw is None:
-            raise ValueError(
-                f"kv_cache_groups[{i}] ({type(g).__name__}) has no kv_cache_spec"
-            )
-        spec = unwrap_spec(raw)
-        label = f"kv_cache_groups[{i}] ({type(raw).__name__})"
-        eagle = bool(getattr(g, "is_eagle_group", False))
-        name = _group_name(g, spec)
-        # vLLM reads prefix_cacheable from the group's own spec (a uniform
-        # wrapper is cacheable only if every inner spec is).
-        cacheable = bool(getattr(raw, "prefix_cacheable", True)) and bool(
-            getattr(g, "enable_kv_transfer", True)
-        )
-        if not cacheable:
-            # Never probed, stored or merged: the spec only has to carry a
-            # block size and keep the group apart from every other one.
-            try:
-                kind = spec_kind(spec)
-            except ValueError:
-                kind = None
-            block_size = _positive_int(
-                getattr(spec, "block_size", None), "block_size", label
-            )
-            groups.append(
-                Group(
-                    FullAttention(block_size, tag=("not_prefix_cacheable", i)),
-                    eagle=eagle,
-                    prefix_cacheable=False,
-                    name=name if kind is None else f"{name} [{kind}]",
-                )
-            )
-            continue
-        kind = _registry_kind(spec)
-        if kind is None:
-            raise ValueError(
-                f"{label}: spec class {type(spec).__name__!r} is prefix cacheable "
-                "but vLLM serves it with a manager kvhit does not model "
-                "(only full attention, sliding window, Mamba and chunked local "
-                "attention)"
-            )
-        groups.append(Group(_to_kvhit_spec(spec, kind, label), eagle=eagle, name=name))
+    groups = [_to_kvhit_group(i, g) for i, g in enumerate(kv_cache_groups)]
     return CacheLayout(
         groups,
         scheduler_block_size=scheduler_block_size,
