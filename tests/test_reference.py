@@ -741,3 +741,28 @@ def test_round_trip_counterexample_short_prompt_under_eagle():
     exists = saved_keys(layout, hashes, 512, num_prompt_tokens=512)
     assert exists == keys(0, 64, range(5), hbs=16, hashes=hashes)
     assert ReferenceCoordinator(layout).lookup(512, hashes, exists) == 0
+
+
+def test_scans_are_dispatched_through_the_registry():
+    """The coordinator finds each SpecGroup's scan in the spec-kind registry
+    (kinds.kind_of walks the MRO), so a spec subclass scans as its base."""
+    from dataclasses import dataclass
+
+    from kvhit.coordinator import kinds
+
+    @dataclass(frozen=True)
+    class Window(SlidingWindow):
+        pass
+
+    base = make([Group(FullAttention(4)), Group(SlidingWindow(4, 8))], sbs=4)
+    sub = make([Group(FullAttention(4)), Group(Window(4, 8))], sbs=4)
+    assert (
+        kinds.kind_of(sub.groups[1].spec).scan
+        is kinds.KINDS_BY_NAME["sliding_window"].scan
+    )
+    exists = keys(0, 4, range(6)) | keys(1, 4, [0, 1, 4, 5])
+    for n in range(0, 28, 4):
+        want = ReferenceCoordinator(base).find_longest_cache_hit(H[:7], n, exists)
+        got = ReferenceCoordinator(sub).find_longest_cache_hit(H[:7], n, exists)
+        assert got == want
+    assert ReferenceCoordinator(base).find_longest_cache_hit(H[:7], 24, exists)[1] == 24
