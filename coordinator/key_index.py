@@ -68,6 +68,7 @@ so ``(W + 1) * 8 / load`` bytes per key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -518,6 +519,7 @@ def _check_count(value: Any, name: str) -> int:
     return int(value)
 
 
+@functools.cache
 def _numba_available() -> bool:
     # find_spec does not import numba: a GPU machine with only torch and
     # triton, or a CPU user of the torch backend, never pays for it.
@@ -881,6 +883,20 @@ class KeyIndex:
             )
         return cap
 
+    def _distinct(
+        self, g: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first occurrence of each key, in batch order: the batch is
+        inserted into a scratch table, whose insert reports exactly one row
+        per distinct key (several times faster than ``torch.unique(dim=0)``
+        on rows)."""
+        scratch = new_table(_next_pow2(2 * g.shape[0] + 1), self.W, self.device)
+        if self.backend == "torch":
+            first = insert_table(scratch, self.W, g, h)
+        else:
+            first = self._kernels().insert(scratch, self.W, g, h)
+        return g[first].contiguous(), h[first].contiguous()
+
     def _rebuilt(self, capacity: int) -> torch.Tensor:
         """A new table of ``capacity`` slots holding every live key; the live
         table is only read."""
@@ -962,8 +978,11 @@ class KeyIndex:
         ``grown`` must come from this index's :meth:`grown_for`, with this
         index unchanged since (else ValueError: keys added or removed in
         between would be lost). Afterwards ``self`` holds ``grown``'s table
-        and counts (``index.table`` names a new tensor) and ``grown`` must not
-        be used. Refused (CapacityError) on a fixed-capacity index.
+        and counts (``index.table`` names a new tensor), and ``grown`` becomes
+        a read-only view of the old table: the old table is freed when the
+        caller drops ``grown``, so a caller holding a lock frees it after
+        releasing the lock (freeing a large table takes milliseconds).
+        Refused (CapacityError) on a fixed-capacity index.
         """
         if not isinstance(grown, KeyIndex):
             raise TypeError(f"grown must be a KeyIndex, got {type(grown).__name__}")
@@ -980,11 +999,14 @@ class KeyIndex:
                 f"KeyIndex has fixed capacity {self.capacity} (growable=False): "
                 "its table cannot be replaced"
             )
+        old = self.table
         self.table = grown.table
         self._size = len(grown)
         self._tombstones = grown.tombstones
         self._version += 1
-        grown._grown_from = None
+        grown._init(
+            self.hash_bytes, old, self._backend, self.max_load, False, None, None, True
+        )
 
     # -- operations ---------------------------------------------------------
 
@@ -1003,11 +1025,10 @@ class KeyIndex:
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
             absent = ~self._find(self.table, g, h)
-            g, h = g[absent], h[absent]
+            g, h = g[absent].contiguous(), h[absent].contiguous()
             if g.shape[0] == 0:
                 return 0
-            rows = torch.unique(torch.cat([g[:, None], h], 1), dim=0)
-            g, h = rows[:, 0].contiguous(), rows[:, 1:].contiguous()
+            g, h = self._distinct(g, h)
             if not self.has_room_for(g.shape[0]):
                 self._rehash(self._capacity_for(g.shape[0]))
         added = self._insert(self.table, g, h)

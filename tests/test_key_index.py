@@ -34,7 +34,12 @@ from kvhit.coordinator.key_index import (
     probe_table,
     slot_hash,
 )
-from kvhit.coordinator.packing import num_words, pack_hashes, unpack_hashes
+from kvhit.coordinator.packing import (
+    HashBatch,
+    num_words,
+    pack_hashes,
+    unpack_hashes,
+)
 from kvhit.kernels import (
     contract,
     hash_index,  # tests may import triton; coordinator/ may not
@@ -728,6 +733,19 @@ def _bad_inputs(device: str):
             ("group_ids", TypeError, lambda: (True, h)),
             ("group_ids", TypeError, lambda: ([0, 1.5], h)),
             ("group_ids", ValueError, lambda: (g[:, None], h)),
+            ("group_ids", TypeError, lambda: ([0, "1"], h)),
+            ("group_ids", TypeError, lambda: (None, h)),
+            ("group_ids", ValueError, lambda: ([0, 1 << 63], h)),
+            ("group_ids", ValueError, lambda: (g.to("meta"), h)),
+            ("hashes", TypeError, lambda: (g, None)),
+            ("hashes", TypeError, lambda: (g, h.cpu().numpy().astype(np.int32))),
+            ("hashes", ValueError, lambda: (g, h.cpu().numpy().reshape(-1))),
+            ("hashes", ValueError, lambda: (g, h.to("meta"))),
+            (
+                "hashes",
+                ValueError,
+                lambda: (g, HashBatch.from_bytes([[b"a" * 8]], hash_bytes=8)),
+            ),
         ],
         pad,
     )
@@ -1111,9 +1129,14 @@ def test_grown_for_then_adopt(backend: str, device: str) -> None:
     assert grown.capacity == 1024 and grown.tombstones == 0 and len(grown) == 6
     assert grown.has_room_for(292)
     _check_against(grown, keys, set(keys[2:8]))
+    new_table_ = grown.table
+    old_tensor = index.table
     index.adopt(grown)  # O(1): the tensor is taken over, not copied
-    assert index.table is grown.table and index.capacity == 1024
+    assert index.table is new_table_ and index.capacity == 1024
     assert len(index) == 6 and index.tombstones == 0
+    # The old table is handed back (read-only) so it is freed when the
+    # caller drops it, outside any lock.
+    assert grown.read_only and grown.table is old_tensor
     cap = index.capacity
     index.add(*_split(keys[8:], 32, device))
     assert index.capacity == cap  # no rehash under the caller's lock
@@ -1281,7 +1304,7 @@ def test_erase_of_absent_keys_leaves_slot_0_untouched(
 
 def test_numba_torch_parity_many_keys() -> None:
     # Thousands of keys through growth from capacity 1, removes and re-adds;
-    # the two tables are identical slot for slot (same sequential semantics).
+    # both tables hold the same keys and answer through each other.
     gen = torch.Generator().manual_seed(49)
     n = 20_000
     g = torch.randint(0, 3, (n,), generator=gen)
