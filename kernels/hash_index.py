@@ -376,7 +376,11 @@ def probe(
 
 
 def insert(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    busy_wait_limit: int = BUSY_WAIT_LIMIT,
 ) -> torch.Tensor:
     """Insert keys into ``table`` in place; returns bool [N], True where the key
     was new and this lane stored it.
@@ -385,14 +389,22 @@ def insert(
     key ends in exactly one slot, even from concurrent lanes), so the number of
     new keys is ``result.sum()``. The caller must leave room: the table needs
     an EMPTY slot on every probe path (KeyIndex keeps load <= max_load < 1).
-    Arguments as :func:`probe`. Raises RuntimeError if a key found no free slot
-    or waited on a BUSY slot past ``BUSY_WAIT_LIMIT`` rounds (a stuck slot).
+    Arguments as :func:`probe`; ``busy_wait_limit``: rounds a key may wait on
+    BUSY slots in all (a compile-time constant of the kernel). Raises
+    RuntimeError if a key found no free slot or waited past the limit (a slot
+    left BUSY by a crashed writer).
     """
-    out = _launch(_insert_kernel, table, W, group_ids, hashes, WAITS=BUSY_WAIT_LIMIT)
+    if isinstance(busy_wait_limit, bool) or not isinstance(busy_wait_limit, int):
+        raise TypeError(
+            f"busy_wait_limit must be an int, got {type(busy_wait_limit).__name__}"
+        )
+    if busy_wait_limit < 1:
+        raise ValueError(f"busy_wait_limit must be >= 1, got {busy_wait_limit}")
+    out = _launch(_insert_kernel, table, W, group_ids, hashes, WAITS=busy_wait_limit)
     if out.numel() and bool((out < 0).any()):
         raise RuntimeError(
             "insert: some keys found no free slot (the table is full, or a slot "
-            f"stayed BUSY for {BUSY_WAIT_LIMIT} rounds: a crashed or concurrent "
+            f"stayed BUSY for {busy_wait_limit} rounds: a crashed or concurrent "
             "writer)"
         )
     return out > 0

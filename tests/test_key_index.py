@@ -958,7 +958,9 @@ def test_numba_kernels_are_compiled() -> None:
 
     assert not numba.config.DISABLE_JIT
     table = new_table(16, 1, "cpu")
-    hnb.insert(table, 1, torch.zeros(1, dtype=torch.int64), torch.ones(1, 1).long())
+    g, h = torch.zeros(1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.int64)
+    hnb.insert(table, 1, g, h)
+    assert hnb.probe(table, 1, g, h).all()
     for kern in (hnb._insert_kernel, hnb._probe_kernel):
         assert kern.signatures, kern  # dispatched to machine code
 
@@ -1260,8 +1262,8 @@ def test_insert_behind_a_stuck_busy_slot_terminates(device: str) -> None:
     g, h = _split(keys[1:2] + other, 32, device)
     # Waiting on BUSY counts toward the probe bound: the kernel gives up
     # (after BUSY_WAIT_LIMIT rounds) instead of spinning forever.
-    with pytest.raises(RuntimeError, match="BUSY"):
-        hash_index.insert(table, 4, g, h)
+    with pytest.raises(RuntimeError, match="BUSY for 8 rounds"):
+        hash_index.insert(table, 4, g, h, busy_wait_limit=8)
     changed = (table != before).any(1).nonzero().squeeze(1).tolist()
     assert len(changed) <= 1  # at most the other key landed past the chain
 
@@ -1272,8 +1274,10 @@ def test_insert_into_a_table_of_busy_slots_terminates(device: str) -> None:
     g = torch.zeros(3, dtype=torch.int64, device=device)
     h = torch.arange(3, device=device)[:, None]
     with pytest.raises(RuntimeError, match="free slot"):
-        hash_index.insert(table, 1, g, h)
+        hash_index.insert(table, 1, g, h, busy_wait_limit=8)
     assert bool((table[:, 0] == BUSY).all())
+    with pytest.raises(ValueError, match="busy_wait_limit"):
+        hash_index.insert(table, 1, g, h, busy_wait_limit=0)
     assert not hash_index.probe(table, 1, g, h).any()
 
 
