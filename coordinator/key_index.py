@@ -610,9 +610,10 @@ class KeyIndex:
     **Streams and threads.** Lookups and mutations must be ordered on one
     CUDA stream (or synchronized by the caller): a lookup on another stream
     may see a half-inserted batch, and after a growth read a table the caching
-    allocator has reused. Mutations must come from one thread at a time
-    (readers may run meanwhile on the CPU backends, see :meth:`grown_for` for
-    growth that keeps readers going).
+    allocator has reused. On the CPU, too, a mutation must not overlap any
+    other call on the same index (hold one lock around mutations and lookups,
+    as ``bindings/events.EventFollower`` does); :meth:`grown_for` builds the
+    slow part of a growth outside that lock, reading the index only.
 
     **Growth outside a lock.** ``new = index.grown_for(n)`` builds a grown,
     rehashed copy without touching ``index``; ``index.adopt(new)`` swaps it in
@@ -953,12 +954,17 @@ class KeyIndex:
             with lock:
                 index.add(...)              # n new keys at most: no rehash
 
-        Raises CapacityError on a fixed-capacity index that would need to
-        grow, ValueError past MAX_CAPACITY.
+        Raises CapacityError on a fixed-capacity index (its table is never
+        replaced), ValueError past MAX_CAPACITY.
         """
         extra_keys = _check_count(extra_keys, "extra_keys")
         self._check_writable("grown_for")
         cap = self._capacity_for(extra_keys)
+        if not self._growable:
+            raise CapacityError(
+                f"KeyIndex has fixed capacity {self.capacity} (growable=False): "
+                "its table cannot be replaced, so there is nothing to adopt"
+            )
         new = KeyIndex.__new__(KeyIndex)
         new._init(
             self.hash_bytes,
