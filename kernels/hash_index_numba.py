@@ -24,6 +24,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.probe_numba import key_slot_hash, table_find
@@ -32,17 +36,64 @@ __all__ = ["erase", "find", "insert", "probe", "rehash"]
 
 _EMPTY = np.int64(EMPTY)
 _TOMBSTONE = np.int64(TOMBSTONE)
+# Keys ahead of the current one whose home slot is prefetched. A probe is one
+# cache miss into a table far larger than the caches; with the next few
+# misses in flight a 10^6-key batch probes ~1.7x faster (measured: 16 and 8
+# were alike, 4 lost a third of the gain).
+_AHEAD = 8
+
+
+@intrinsic
+def _prefetch_row(typingctx, table, slot):
+    """Hint the CPU to start loading ``table[slot, 0]`` (a read, kept in all
+    cache levels); no effect on results."""
+    sig = types.void(table, slot)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aty, ary, [args[1], zero], wraparound=False
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=read, locality=3 (keep), cache=data)
+        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
+        builder.call(fn, [*args, ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _prefetch_home(table, gids, keys, r):
+    """Prefetch the home slot of key ``r`` when there is such a key."""
+    if r < gids.shape[0]:
+        _prefetch_row(table, key_slot_hash(gids[r], keys, r) & (table.shape[0] - 1))
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _prefetch_first(table, gids, keys):
+    for r in range(min(_AHEAD, gids.shape[0])):
+        _prefetch_home(table, gids, keys, r)
 
 
 @numba.njit(cache=True, nogil=True)
 def _find_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
         out[r] = table_find(table, gids[r], keys, r)
 
 
 @numba.njit(cache=True, nogil=True)
 def _probe_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
         out[r] = table_find(table, gids[r], keys, r) >= 0
 
 
@@ -54,7 +105,9 @@ def _insert_kernel(table, gids, keys, out):
     cap = table.shape[0]
     mask = cap - 1
     W = keys.shape[1]
+    _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
         gid = gids[r]
         slot = key_slot_hash(gid, keys, r) & mask
         placed = False
@@ -87,7 +140,9 @@ def _insert_kernel(table, gids, keys, out):
 
 @numba.njit(cache=True, nogil=True)
 def _erase_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
         slot = table_find(table, gids[r], keys, r)
         if slot >= 0:
             table[slot, 0] = _TOMBSTONE
@@ -108,6 +163,9 @@ def _rehash_kernel(old, new):
     words = old[:, 1:]
     n = 0
     for s in range(old.shape[0]):
+        ahead = s + _AHEAD
+        if ahead < old.shape[0] and old[ahead, 0] >= 0:
+            _prefetch_row(new, key_slot_hash(old[ahead, 0], words, ahead) & mask)
         gid = old[s, 0]
         if gid < 0:
             continue
