@@ -108,6 +108,7 @@ __all__ = [
     "new_table",
     "normalize_keys",
     "probe_table",
+    "resolve_backend",
     "slot_hash",
 ]
 
@@ -526,10 +527,15 @@ def _numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs on ``device``: "auto" is numba on the CPU (torch
-    where numba is not installed), triton on CUDA, torch elsewhere (MPS, XPU:
-    no kernel family of ours runs there)."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
+    :data:`BACKENDS`): "auto" is numba on the CPU (torch where numba is not
+    installed), triton on CUDA, torch elsewhere (MPS, XPU: no kernel family of
+    ours runs there, and triton must never be picked for them). An explicit
+    backend is returned as is, or ValueError where it cannot run (numba off
+    the CPU, triton off CUDA and the CPU interpreter)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cpu":
             return "numba" if _numba_available() else "torch"
@@ -646,7 +652,7 @@ class KeyIndex:
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
         dev = _resolve_device(device)
-        _resolve_backend(backend, dev)
+        resolve_backend(backend, dev)
         self._init(
             hash_bytes,
             new_table(_next_pow2(int(capacity)), W, dev),
@@ -720,7 +726,7 @@ class KeyIndex:
         max_load = _check_max_load(max_load)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        _resolve_backend(backend, table.device)
+        resolve_backend(backend, table.device)
         obj = cls.__new__(cls)
         if read_only:
             obj._init(hash_bytes, table, backend, max_load, False, None, None, True)
@@ -751,7 +757,7 @@ class KeyIndex:
     def backend(self) -> str:
         """The backend in use on the current device: "numba", "torch" or
         "triton"."""
-        return _resolve_backend(self._backend, self.device)
+        return resolve_backend(self._backend, self.device)
 
     @property
     def growable(self) -> bool:
@@ -1097,7 +1103,7 @@ class KeyIndex:
                 f"KeyIndex has a fixed table (growable=False): cannot move it "
                 f"from {self.device} to {dev}"
             )
-        _resolve_backend(self._backend, dev)
+        resolve_backend(self._backend, dev)
         self.table = self.table.to(dev)
         self._version += 1
         return self
@@ -1160,7 +1166,7 @@ class KeyIndex:
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
         dev = _resolve_device(device if device is not None else table.device)
-        _resolve_backend(backend, dev)
+        resolve_backend(backend, dev)
         if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(
                 "state: checksum mismatch: the table or its counts were changed "

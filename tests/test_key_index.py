@@ -32,6 +32,7 @@ from kvhit.coordinator.key_index import (
     new_table,
     normalize_keys,
     probe_table,
+    resolve_backend,
     slot_hash,
 )
 from kvhit.coordinator.packing import (
@@ -969,15 +970,13 @@ def test_auto_backend_by_device() -> None:
     assert KeyIndex(8).backend == "numba"
     assert KeyIndex(8, backend="torch").backend == "torch"
     # Devices that no kernel family serves get torch, never triton (issue 12).
-    from kvhit.coordinator import key_index as ki
-
     for dev, expect in (("cpu", "numba"), ("cuda", "triton"), ("mps", "torch")):
-        assert ki._resolve_backend("auto", torch.device(dev)) == expect
-    assert ki._resolve_backend("auto", torch.device("xpu")) == "torch"
+        assert resolve_backend("auto", torch.device(dev)) == expect
+    assert resolve_backend("auto", torch.device("xpu")) == "torch"
     with pytest.raises(ValueError, match="numba"):
-        ki._resolve_backend("numba", torch.device("cuda"))
+        resolve_backend("numba", torch.device("cuda"))
     with pytest.raises(ValueError, match="triton"):
-        ki._resolve_backend("triton", torch.device("mps"))
+        resolve_backend("triton", torch.device("mps"))
 
 
 def test_devices_that_cannot_hold_a_table() -> None:
