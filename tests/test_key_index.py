@@ -964,6 +964,17 @@ def test_numba_kernels_are_compiled() -> None:
     assert hnb.probe(table, 1, g, h).all()
     for kern in (hnb._insert_kernel, hnb._probe_kernel):
         assert kern.signatures, kern  # dispatched to machine code
+    for kern in (
+        hnb._find_kernel,
+        hnb._probe_kernel,
+        hnb._insert_kernel,
+        hnb._erase_kernel,
+        hnb._rehash_kernel,
+    ):
+        # nogil: an event follower and the scheduler keep running meanwhile;
+        # cache: only the first process on a machine compiles.
+        assert kern.targetoptions.get("nogil") is True, kern
+        assert kern._cache.__class__.__name__ != "NullCache", kern
 
 
 def test_auto_backend_by_device() -> None:
