@@ -3,8 +3,10 @@
 TABLE LAYOUT CONTRACT
 =====================
 
-Other code (the LookupEngine, from torch and from its own Triton kernels)
-probes the table directly; this is the contract it relies on.
+Other code (the LookupEngine's backends: torch, Triton and numba kernels)
+probes the table directly; this is the contract it relies on. The numbers
+(sentinels, slot-hash constants) are defined once, in
+:mod:`kvhit.kernels.contract`; this docstring says what they mean.
 
 * ``index.table``: one contiguous int64 tensor ``[capacity, W + 1]`` on
   ``index.device``; ``index.capacity`` is a power of two, ``index.W =
@@ -19,14 +21,8 @@ probes the table directly; this is the contract it relies on.
     (little-endian int64 words, last word zero-padded). They are 0 in EMPTY
     slots and keep the removed key's words in TOMBSTONE slots.
 
-* Slot hash (int64 arithmetic, wrapping; ``>>`` on int64 is arithmetic in torch
-  and Triton, so every shift is masked to make it logical)::
-
-      SEED  = 0x2545F4914F6CDD1D
-      M1    = 0x9E3779B97F4A7C15 - 2**64   # as signed int64
-      M2    = 0xBF58476D1CE4E5B9 - 2**64
-      M3    = 0x94D049BB133111EB - 2**64
-      LOW33 = 2**33 - 1;  LOW35 = 2**35 - 1
+* Slot hash (int64 arithmetic, wrapping; ``>>`` on int64 is arithmetic in torch,
+  Triton and numba, so every shift is masked to make it logical)::
 
       hash_init(g)   = (g ^ SEED) * M1
       hash_mix(h, w) = x = (h ^ w) * M2;  x ^ ((x >> 31) & LOW33)
@@ -37,28 +33,34 @@ probes the table directly; this is the contract it relies on.
       for j in 0..W-1: h = hash_mix(h, word[j])
       home = hash_finish(h) & (capacity - 1)
 
-  Every word and the group id feed the hash, but the hash only picks the
-  starting slot: membership is decided by comparing all W words and the group
-  id exactly, so keys equal in every bit the hash uses, or differing only in
-  the group or in the last byte, are told apart.
+  with the constants of :mod:`kvhit.kernels.contract` (its ``slot_hash`` is
+  the plain-Python definition). Every word and the group id feed the hash,
+  but the hash only picks the starting slot: membership is decided by
+  comparing all W words and the group id exactly, so keys equal in every bit
+  the hash uses, or differing only in the group or in the last byte, are told
+  apart.
 
 * Probe sequence: linear, ``home, home + 1, ...`` modulo capacity. A probe for
   key ``K`` stops with a hit at the slot whose column 0 equals K's group id and
   whose words equal K's words, and with a miss at the first EMPTY slot.
   TOMBSTONE and BUSY slots are passed over. There is always an EMPTY slot:
   KeyIndex keeps ``live + tombstones <= max_load * capacity`` with
-  ``max_load < 1``.
+  ``max_load <= 0.95``.
 
 * Inserts only ever claim EMPTY slots (never tombstones), so a key sits at the
   first EMPTY-at-the-time slot of its probe sequence and, while the table is
   not rehashed, a slot never goes back to EMPTY. Rehashing (on growth, or to
   purge tombstones) builds a new tensor: ``index.table`` then names a new
-  object, so holders of the old tensor must re-read ``index.table``.
+  object, so holders of the old tensor must re-read ``index.table``. A
+  fixed-capacity index (``growable=False``) never replaces its tensor: it
+  purges tombstones by copying the rebuilt table into the same storage.
 
-* The Triton side (``kvhit.kernels.hash_index``) exports ``hash_init``,
-  ``hash_mix``, ``hash_finish``, ``slot_hash``, ``find_slots`` and
-  ``probe_keys`` as ``@triton.jit`` device functions; this module exports the
-  torch mirror: :func:`slot_hash` and :func:`probe_table`.
+* Implementations: ``kvhit.kernels.hash_index`` (Triton device functions
+  ``hash_init``, ``hash_mix``, ``hash_finish``, ``slot_hash``, ``find_slots``,
+  ``probe_keys`` and launchers), ``kvhit.kernels.probe_numba`` /
+  ``kvhit.kernels.hash_index_numba`` (numba, CPU), and this module's torch
+  mirror: :func:`slot_hash`, :func:`find_slots`, :func:`probe_table`,
+  :func:`insert_table`, :func:`erase_table`.
 
 Memory: the table is the only per-slot state, ``(W + 1) * 8`` bytes per slot,
 so ``(W + 1) * 8 / load`` bytes per key.
@@ -66,6 +68,9 @@ so ``(W + 1) * 8 / load`` bytes per key.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -75,44 +80,61 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
+from kvhit.kernels.contract import (
+    BUSY,
+    EMPTY,
+    LOW33,
+    LOW35,
+    M1,
+    M2,
+    M3,
+    SEED,
+    TOMBSTONE,
+)
 
 __all__ = [
+    "BACKENDS",
     "BUSY",
     "EMPTY",
+    "MAX_CAPACITY",
+    "MAX_LOAD_RANGE",
     "TOMBSTONE",
+    "CapacityError",
     "KeyIndex",
+    "ReadOnlyIndexError",
+    "erase_table",
     "find_slots",
     "insert_table",
     "new_table",
+    "normalize_keys",
     "probe_table",
+    "resolve_backend",
     "slot_hash",
 ]
 
-EMPTY = -1
-TOMBSTONE = -2
-BUSY = -3
-# Transient claim markers of the torch insert are <= _MARKER0; never persisted.
-_MARKER0 = -4
+# Transient claim markers of the torch insert are <= _MARKER0, below every
+# sentinel; they never outlive one insert_table call.
+_MARKER0 = BUSY - 1
 
-# Must equal kvhit.kernels.hash_index.HASH_CONSTANTS (a test checks it); the
-# kernels module cannot be imported here without importing triton.
-_HASH_CONSTANTS = {
-    "SEED": 0x2545F4914F6CDD1D,
-    "M1": 0x9E3779B97F4A7C15 - (1 << 64),
-    "M2": 0xBF58476D1CE4E5B9 - (1 << 64),
-    "M3": 0x94D049BB133111EB - (1 << 64),
-    "LOW33": (1 << 33) - 1,
-    "LOW35": (1 << 35) - 1,
-}
-_SEED = _HASH_CONSTANTS["SEED"]
-_M1 = _HASH_CONSTANTS["M1"]
-_M2 = _HASH_CONSTANTS["M2"]
-_M3 = _HASH_CONSTANTS["M3"]
-_LOW33 = _HASH_CONSTANTS["LOW33"]
-_LOW35 = _HASH_CONSTANTS["LOW35"]
+#: Backends a KeyIndex accepts.
+BACKENDS = ("auto", "numba", "torch", "triton")
+#: Bounds of ``max_load``: below 0.05 a table is mostly air (1e-9 would ask
+#: for 43 GB on the first add); above 0.95 linear probing chains explode and
+#: an EMPTY slot must always remain.
+MAX_LOAD_RANGE = (0.05, 0.95)
+#: The most slots a table may have (2**34: 640 GiB at 32-byte keys); growth
+#: past it is refused with ValueError instead of attempting the allocation.
+MAX_CAPACITY = 1 << 34
+_STATE_VERSION = 2
 
-_BACKENDS = ("auto", "torch", "triton")
-_STATE_VERSION = 1
+
+class CapacityError(RuntimeError):
+    """A fixed-capacity KeyIndex (``growable=False``) was asked to hold more
+    keys than its table can; the index is unchanged."""
+
+
+class ReadOnlyIndexError(TypeError):
+    """A mutator was called on a read-only KeyIndex (:meth:`KeyIndex.from_table`)."""
 
 
 # --------------------------------------------------------------------------
@@ -132,15 +154,16 @@ def slot_hash(group_ids: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
     """The 64-bit slot hash of keys (mask with ``capacity - 1`` for the slot).
 
     group_ids: int64 ``[N]``; hashes: int64 ``[N, W]``. Returns int64 ``[N]``.
-    Bit-identical with ``kvhit.kernels.hash_index.slot_hash``.
+    Bit-identical with :func:`kvhit.kernels.contract.slot_hash` and the
+    Triton and numba kernels.
     """
-    h = (group_ids ^ _SEED) * _M1
+    h = (group_ids ^ SEED) * M1
     for j in range(hashes.shape[1]):
-        x = (h ^ hashes[:, j]) * _M2
-        h = x ^ ((x >> 31) & _LOW33)
-    x = h ^ ((h >> 29) & _LOW35)
-    x = x * _M3
-    return x ^ ((x >> 31) & _LOW33)
+        x = (h ^ hashes[:, j]) * M2
+        h = x ^ ((x >> 31) & LOW33)
+    x = h ^ ((h >> 29) & LOW35)
+    x = x * M3
+    return x ^ ((x >> 31) & LOW33)
 
 
 def find_slots(
@@ -302,8 +325,261 @@ def erase_table(
 # --------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------
+# Arguments: devices and keys
+# --------------------------------------------------------------------------
+
+
+def _resolve_device(device: Any, name: str = "device") -> torch.device:
+    """``device`` as tensors made there report it (``"cuda"`` -> ``cuda:<n>``),
+    or ValueError naming ``name`` for a device that holds no data (meta) or is
+    not available here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
+    if dev.type == "meta":
+        raise ValueError(
+            f"{name} {device!r}: meta tensors hold no data; a KeyIndex needs a "
+            "real device (cpu, cuda, ...)"
+        )
+    try:
+        return torch.empty(0, device=dev).device
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device {device!r} is not available here ({exc})") from None
+
+
+def _normalize_hashes(
+    hashes: Any, hash_bytes: int, device: torch.device
+) -> torch.Tensor:
+    """``hashes`` as a contiguous int64 ``[N, W]`` tensor on ``device``."""
+    W = num_words(hash_bytes)
+    if isinstance(hashes, HashBatch):
+        if hashes.hash_bytes != hash_bytes:
+            raise ValueError(
+                f"hashes: HashBatch has hash_bytes={hashes.hash_bytes}, "
+                f"index has hash_bytes={hash_bytes}"
+            )
+        hashes = hashes.hashes
+    if isinstance(hashes, np.ndarray):
+        # Words are bit patterns: uint64 is the same data as int64.
+        if hashes.dtype not in (np.int64, np.uint64):
+            raise TypeError(
+                f"hashes: a numpy array must be int64 [N, {W}] words, got dtype "
+                f"{hashes.dtype} (pass bytes as a sequence of bytes objects)"
+            )
+        if hashes.ndim != 2 or hashes.shape[1] != W:
+            raise ValueError(
+                f"hashes must have shape [N, {W}] for hash_bytes={hash_bytes}, "
+                f"got numpy shape {list(hashes.shape)}"
+            )
+        words = np.ascontiguousarray(hashes).view(np.int64)
+        hashes = torch.from_numpy(words.copy()).to(device)
+    if isinstance(hashes, torch.Tensor):
+        if hashes.dtype != torch.int64:
+            raise TypeError(f"hashes must be an int64 tensor, got {hashes.dtype}")
+        if hashes.dim() != 2 or hashes.shape[1] != W:
+            raise ValueError(
+                f"hashes must have shape [N, {W}] for hash_bytes={hash_bytes}, "
+                f"got {list(hashes.shape)}"
+            )
+        if hashes.device != device:
+            raise ValueError(f"hashes is on {hashes.device}, index is on {device}")
+        pad = padding_mask(hash_bytes)
+        if pad and hashes.shape[0] and bool(((hashes[:, -1] & pad) != 0).any()):
+            raise ValueError(
+                f"hashes: padding bits past hash_bytes={hash_bytes} in the last "
+                "word must be zero"
+            )
+        return hashes.contiguous()
+    if isinstance(hashes, bytes | bytearray | memoryview | str):
+        raise TypeError(
+            "hashes must be an int64 tensor [N, W] or a sequence of bytes, "
+            f"not a single {type(hashes).__name__}"
+        )
+    if isinstance(hashes, Sequence):
+        return pack_hashes(hashes, hash_bytes).to(device)
+    raise TypeError(
+        "hashes must be an int64 tensor [N, W], a HashBatch or a sequence of "
+        f"bytes, got {type(hashes).__name__}"
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
+
+
+def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.Tensor:
+    """``group_ids`` for ``n`` keys as a contiguous int64 ``[n]`` tensor on
+    ``device``, every id in ``[0, 2**63)``."""
+    if isinstance(group_ids, bool | np.bool_):
+        raise TypeError("group_ids must be int64, not bool")
+    if _is_int(group_ids):
+        gid = int(group_ids)
+        if gid < 0:
+            raise ValueError(f"group_ids must be >= 0, got {gid}")
+        if gid >= 1 << 63:
+            raise ValueError(f"group_ids must fit in int64, got {gid}")
+        return torch.full((n,), gid, dtype=torch.int64, device=device)
+    if isinstance(group_ids, np.ndarray):
+        if group_ids.dtype.kind not in "iu":
+            raise TypeError(
+                f"group_ids must hold integers, got dtype {group_ids.dtype}"
+            )
+        if group_ids.dtype == np.uint64 and group_ids.size:
+            if int(group_ids.max()) >= 1 << 63:
+                raise ValueError("group_ids must fit in int64")
+        group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(device)
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.dtype != torch.int64:
+            raise TypeError(f"group_ids must be an int64 tensor, got {group_ids.dtype}")
+        if group_ids.device != device:
+            raise ValueError(
+                f"group_ids is on {group_ids.device}, index is on {device}"
+            )
+        if group_ids.dim() == 0:
+            group_ids = group_ids.expand(n)
+    elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
+        bad = next((i for i, g in enumerate(group_ids) if not _is_int(g)), None)
+        if bad is not None:
+            raise TypeError(
+                f"group_ids must be a sequence of ints, got "
+                f"{type(group_ids[bad]).__name__} at position {bad}"
+            )
+        try:
+            group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"group_ids must fit in int64 ({exc})") from None
+        group_ids = group_ids.to(device)
+    else:
+        raise TypeError(
+            "group_ids must be an int, a sequence of ints or an int64 tensor, "
+            f"got {type(group_ids).__name__}"
+        )
+    if group_ids.dim() != 1:
+        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
+    if group_ids.shape[0] != n:
+        raise ValueError(
+            f"group_ids has {group_ids.shape[0]} entries but hashes has {n} keys"
+        )
+    if n and bool((group_ids < 0).any()):
+        raise ValueError("group_ids must be >= 0 (negative values are sentinels)")
+    return group_ids.contiguous()
+
+
+def normalize_keys(
+    group_ids: Any,
+    hashes: Any,
+    hash_bytes: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate keys and bring them to the form every table kernel reads.
+
+    Args:
+        group_ids: the keys' group ids: an int (broadcast to every key), a
+            sequence of ints, an integer numpy array ``[N]`` or an int64 tensor
+            ``[N]`` (or 0-d, broadcast) on ``device``; each in ``[0, 2**63)``.
+        hashes: the keys' block hashes: an int64 tensor ``[N, W]`` on
+            ``device`` (words packed as in ``coordinator/packing.py``, padding
+            bits zero), an int64/uint64 numpy array ``[N, W]``, a
+            :class:`HashBatch` of width ``hash_bytes``, or a sequence of
+            ``bytes`` of width ``hash_bytes``.
+        hash_bytes: the hash width in bytes; ``W = ceil(hash_bytes / 8)``.
+        device: the device of the table the keys are for.
+
+    Returns:
+        ``(gids, words)``: int64 ``[N]`` and int64 ``[N, W]``, contiguous, on
+        ``device``.
+
+    Raises TypeError/ValueError naming the argument; reads nothing but its
+    arguments and changes nothing.
+    """
+    dev = _resolve_device(device)
+    words = _normalize_hashes(hashes, hash_bytes, dev)
+    return _normalize_group_ids(group_ids, words.shape[0], dev), words
+
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _check_max_load(max_load: Any) -> float:
+    if isinstance(max_load, bool) or not isinstance(max_load, numbers.Real):
+        raise TypeError(f"max_load must be a float, got {type(max_load).__name__}")
+    lo, hi = MAX_LOAD_RANGE
+    if not lo <= max_load <= hi:  # also rejects NaN
+        raise ValueError(f"max_load must be in [{lo}, {hi}], got {max_load}")
+    return float(max_load)
+
+
+def _check_count(value: Any, name: str) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+@functools.cache
+def _numba_available() -> bool:
+    # find_spec does not import numba: a GPU machine with only torch and
+    # triton, or a CPU user of the torch backend, never pays for it.
+    return importlib.util.find_spec("numba") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
+    :data:`BACKENDS`): "auto" is numba on the CPU (torch where numba is not
+    installed), triton on CUDA, torch elsewhere (MPS, XPU: no kernel family of
+    ours runs there, and triton must never be picked for them). An explicit
+    backend is returned as is, or ValueError where it cannot run (numba off
+    the CPU, triton off CUDA and the CPU interpreter)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type == "cpu":
+            return "numba" if _numba_available() else "torch"
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError(f"backend 'numba' runs on the CPU only, device is {device}")
+    if backend == "triton" and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"backend 'triton' needs a CUDA device, device is {device}")
+    return backend
+
+
+def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int) -> str:
+    """blake2b of the table bytes and the counts (hex); what state_dict signs."""
+    data = table.detach().to("cpu").contiguous().numpy()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(
+        f"kvhit.KeyIndex/{_STATE_VERSION}/{hash_bytes}/{list(data.shape)}/{size}/"
+        f"{tombs}/".encode()
+    )
+    h.update(memoryview(data).cast("B"))
+    return h.hexdigest()
+
+
+def _check_table_tensor(table: Any, W: int, name: str) -> int:
+    """Structure of a table tensor (no values read); returns its capacity."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(table).__name__}")
+    if table.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {table.dtype}")
+    if table.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it holds no data")
+    cap = table.shape[0] if table.dim() == 2 else 0
+    if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
+        raise ValueError(
+            f"{name} must have shape [2**k, {W + 1}], got {list(table.shape)}"
+        )
+    if cap > MAX_CAPACITY:
+        raise ValueError(f"{name} has {cap} slots, more than MAX_CAPACITY")
+    return cap
+
+
+# --------------------------------------------------------------------------
+# KeyIndex
+# --------------------------------------------------------------------------
 
 
 class KeyIndex:
@@ -311,20 +587,45 @@ class KeyIndex:
 
     Args:
         hash_bytes: width of every block hash in bytes (W = ceil(hash_bytes/8)).
-        capacity: initial number of slots, rounded up to a power of two. The
-            table grows (doubling, with a rehash) before ``live + tombstones``
-            would exceed ``max_load * capacity``; no key is ever dropped.
+        capacity: initial number of slots, rounded up to a power of two (at
+            most :data:`MAX_CAPACITY`). The table grows (doubling, with a
+            rehash) before ``live + tombstones`` would exceed ``max_load *
+            capacity``; no key is ever dropped.
         device: device of the table; all tensor arguments must be there.
-        backend: "torch", "triton", or "auto" (triton off the CPU, torch on
-            it). Both use the same table, so either answers for the other.
-        max_load: the load factor bound, in (0, 1).
+        backend: "numba" (CPU), "triton" (CUDA; the CPU only under
+            ``TRITON_INTERPRET=1``), "torch" (any device), or "auto": numba on
+            the CPU, triton on CUDA, torch on other devices (MPS, XPU). All
+            read and write the same table, so any answers for any other.
+        max_load: the load factor bound, in :data:`MAX_LOAD_RANGE`.
+        growable: False fixes the capacity (see below).
 
-    Keys are given as ``group_ids`` (int64 tensor ``[N]``, a Python int
-    broadcast to all N keys, or a sequence of ints; each >= 0) and ``hashes``
-    (int64 tensor ``[N, W]`` packed as in ``coordinator/packing.py``, a
-    :class:`HashBatch`, or a sequence of ``bytes`` of width ``hash_bytes``).
-    Bad arguments raise ValueError/TypeError naming them and leave the index
-    unchanged. See the module docstring for the table layout.
+    Keys are given as in :func:`normalize_keys`. Every public method validates
+    all of its arguments before it changes anything: a bad argument raises
+    ValueError/TypeError naming it, and the index is then exactly as before.
+
+    **Fixed capacity and CUDA graphs.** With ``growable=False`` (or after
+    :meth:`freeze`) the table tensor is never freed, replaced or moved: an add
+    that would need more slots raises :class:`CapacityError` (naming the
+    capacity and the size needed) and changes nothing, tombstones are purged
+    by rebuilding into the same storage, and :meth:`to` to another device is
+    refused. That is what a captured CUDA graph holding ``index.table``'s
+    pointer needs; size the index first (``capacity=`` or :meth:`reserve`).
+    A growable index frees its old table on growth: a graph captured before
+    would then read freed memory.
+
+    **Streams and threads.** Lookups and mutations must be ordered on one
+    CUDA stream (or synchronized by the caller): a lookup on another stream
+    may see a half-inserted batch, and after a growth read a table the caching
+    allocator has reused. On the CPU, too, a mutation must not overlap any
+    other call on the same index (hold one lock around mutations and lookups,
+    as ``bindings/events.EventFollower`` does); :meth:`grown_for` builds the
+    slow part of a growth outside that lock, reading the index only.
+
+    **Growth outside a lock.** ``new = index.grown_for(n)`` builds a grown,
+    rehashed copy without touching ``index``; ``index.adopt(new)`` swaps it in
+    in O(1). See :meth:`grown_for`.
+
+    See the module docstring for the table layout.
     """
 
     def __init__(
@@ -334,24 +635,111 @@ class KeyIndex:
         device: torch.device | str = "cpu",
         backend: str = "auto",
         max_load: float = 0.5,
+        growable: bool = True,
     ) -> None:
-        self.hash_bytes = hash_bytes
-        self.W = num_words(hash_bytes)
-        if isinstance(capacity, bool) or not isinstance(capacity, int):
+        W = num_words(hash_bytes)
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if isinstance(max_load, bool) or not isinstance(max_load, int | float):
-            raise TypeError(f"max_load must be a float, got {type(max_load).__name__}")
-        if not 0.0 < max_load < 1.0:
-            raise ValueError(f"max_load must be in (0, 1), got {max_load}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        self.max_load = float(max_load)
+        if capacity > MAX_CAPACITY:
+            raise ValueError(
+                f"capacity must be <= MAX_CAPACITY = 2**34, got {capacity}"
+            )
+        max_load = _check_max_load(max_load)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(growable, bool):
+            raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
+        dev = _resolve_device(device)
+        resolve_backend(backend, dev)
+        self._init(
+            hash_bytes,
+            new_table(_next_pow2(int(capacity)), W, dev),
+            backend,
+            max_load,
+            growable,
+            size=0,
+            tombstones=0,
+        )
+
+    def _init(
+        self,
+        hash_bytes: int,
+        table: torch.Tensor,
+        backend: str,
+        max_load: float,
+        growable: bool,
+        size: int | None,
+        tombstones: int | None,
+        read_only: bool = False,
+    ) -> None:
+        """Set every attribute (the one place that lists them)."""
+        self.hash_bytes = hash_bytes
+        self.W = num_words(hash_bytes)
+        self.max_load = max_load
         self._backend = backend
-        self.table = new_table(_next_pow2(capacity), self.W, device)
-        self._size = 0
-        self._tombstones = 0
+        self.table = table
+        # None for a read-only view over a table whose counts are not known.
+        self._size = size
+        self._tombstones = tombstones
+        self._growable = growable
+        self._read_only = read_only
+        # Bumped by every change of the table's contents or identity, so that
+        # adopt() can tell a grown copy built from the current state.
+        self._version = 0
+        self._grown_from: tuple[int, int] | None = None
+
+    @classmethod
+    def from_table(
+        cls,
+        table: torch.Tensor,
+        hash_bytes: int,
+        read_only: bool = True,
+        backend: str = "auto",
+        max_load: float = 0.5,
+        growable: bool = True,
+    ) -> KeyIndex:
+        """A KeyIndex over an existing table tensor, without copying it.
+
+        table: int64 ``[2**k, W + 1]`` honouring the layout contract (module
+        docstring), ``W = ceil(hash_bytes / 8)``; it becomes ``index.table``.
+
+        With ``read_only=True`` (the default) only the tensor's metadata is
+        checked (no value is read, no host sync: usable inside a custom op or
+        a CUDA graph capture); ``contains``/``keys``/``len`` work (``len``
+        counts live slots), and every mutator (``add``, ``remove``, ``clear``,
+        ``reserve``, ``adopt``, ``to`` another device) raises
+        :class:`ReadOnlyIndexError`. With ``read_only=False`` the table is
+        read once to count keys and tombstones and check its sentinels, and
+        the index then owns it (writes go into this tensor; growth replaces
+        it unless ``growable=False``).
+        """
+        W = num_words(hash_bytes)
+        _check_table_tensor(table, W, "table")
+        if not table.is_contiguous():
+            raise ValueError("table must be contiguous")
+        if not isinstance(read_only, bool):
+            raise TypeError(f"read_only must be a bool, got {type(read_only).__name__}")
+        if not isinstance(growable, bool):
+            raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
+        max_load = _check_max_load(max_load)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        resolve_backend(backend, table.device)
+        obj = cls.__new__(cls)
+        if read_only:
+            obj._init(hash_bytes, table, backend, max_load, False, None, None, True)
+            return obj
+        col = table[:, 0]
+        if bool((col < TOMBSTONE).any()):
+            raise ValueError("table holds BUSY or unknown sentinels")
+        size = int((col >= 0).sum().item())
+        tombs = int((col == TOMBSTONE).sum().item())
+        if size + tombs >= table.shape[0]:
+            raise ValueError("table has no EMPTY slot")
+        obj._init(hash_bytes, table, backend, max_load, growable, size, tombs)
+        return obj
 
     # -- properties ---------------------------------------------------------
 
@@ -367,22 +755,35 @@ class KeyIndex:
 
     @property
     def backend(self) -> str:
-        """The backend in use on the current device: "torch" or "triton"."""
-        if self._backend == "auto":
-            return "torch" if self.device.type == "cpu" else "triton"
-        return self._backend
+        """The backend in use on the current device: "numba", "torch" or
+        "triton"."""
+        return resolve_backend(self._backend, self.device)
+
+    @property
+    def growable(self) -> bool:
+        """False when the capacity is fixed (see the class docstring)."""
+        return self._growable
+
+    @property
+    def read_only(self) -> bool:
+        """True for a view made by ``from_table(..., read_only=True)``."""
+        return self._read_only
 
     @property
     def tombstones(self) -> int:
         """Number of TOMBSTONE slots (purged by the next rehash)."""
+        if self._tombstones is None:
+            return int((self.table[:, 0] == TOMBSTONE).sum().item())
         return self._tombstones
 
     @property
     def load(self) -> float:
         """Live keys per slot."""
-        return self._size / self.capacity
+        return len(self) / self.capacity
 
     def __len__(self) -> int:
+        if self._size is None:
+            return int((self.table[:, 0] >= 0).sum().item())
         return self._size
 
     def memory_bytes(self) -> int:
@@ -390,200 +791,280 @@ class KeyIndex:
         return self.table.numel() * self.table.element_size()
 
     def __repr__(self) -> str:
+        extra = "" if self._growable else ", growable=False"
+        extra += ", read_only=True" if self._read_only else ""
         return (
-            f"KeyIndex(hash_bytes={self.hash_bytes}, len={self._size}, "
+            f"KeyIndex(hash_bytes={self.hash_bytes}, len={len(self)}, "
             f"capacity={self.capacity}, device={self.device}, "
-            f"backend={self.backend!r}, max_load={self.max_load})"
+            f"backend={self.backend!r}, max_load={self.max_load}{extra})"
         )
 
     # -- argument handling ----------------------------------------------------
 
-    def _keys(self, group_ids: Any, hashes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate and normalise arguments: (int64 [N], int64 [N, W]), both
-        contiguous on the table's device. Mutates nothing."""
+    def normalize_keys(
+        self, group_ids: Any, hashes: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`normalize_keys` for this index's ``hash_bytes`` and device:
+        ``(int64 [N], int64 [N, W])``, contiguous, on ``self.device``."""
         dev = self.device
-        if isinstance(hashes, HashBatch):
-            if hashes.hash_bytes != self.hash_bytes:
-                raise ValueError(
-                    f"hashes: HashBatch has hash_bytes={hashes.hash_bytes}, "
-                    f"index has hash_bytes={self.hash_bytes}"
-                )
-            hashes = hashes.hashes
-        if isinstance(hashes, torch.Tensor):
-            if hashes.dtype != torch.int64:
-                raise TypeError(f"hashes must be an int64 tensor, got {hashes.dtype}")
-            if hashes.dim() != 2 or hashes.shape[1] != self.W:
-                raise ValueError(
-                    f"hashes must have shape [N, {self.W}] for hash_bytes="
-                    f"{self.hash_bytes}, got {list(hashes.shape)}"
-                )
-            if hashes.device != dev:
-                raise ValueError(f"hashes is on {hashes.device}, index is on {dev}")
-            pad = padding_mask(self.hash_bytes)
-            if pad and hashes.shape[0] and bool(((hashes[:, -1] & pad) != 0).any()):
-                raise ValueError(
-                    f"hashes: padding bits past hash_bytes={self.hash_bytes} in the "
-                    "last word must be zero"
-                )
-            hashes = hashes.contiguous()
-        elif isinstance(hashes, bytes | bytearray | memoryview | str):
-            raise TypeError(
-                "hashes must be an int64 tensor [N, W] or a sequence of bytes, "
-                f"not a single {type(hashes).__name__}"
-            )
-        elif isinstance(hashes, Sequence):
-            hashes = pack_hashes(hashes, self.hash_bytes).to(dev)
-        else:
-            raise TypeError(
-                "hashes must be an int64 tensor [N, W] or a sequence of bytes, "
-                f"got {type(hashes).__name__}"
-            )
-        n = hashes.shape[0]
+        words = _normalize_hashes(hashes, self.hash_bytes, dev)
+        return _normalize_group_ids(group_ids, words.shape[0], dev), words
 
-        if isinstance(group_ids, bool):
-            raise TypeError("group_ids must be int64, not bool")
-        if isinstance(group_ids, numbers.Integral) and not isinstance(
-            group_ids, np.bool_
-        ):
-            group_ids = int(group_ids)
-            if group_ids < 0:
-                raise ValueError(f"group_ids must be >= 0, got {group_ids}")
-            if group_ids >= 1 << 63:
-                raise ValueError(f"group_ids must fit in int64, got {group_ids}")
-            return torch.full((n,), group_ids, dtype=torch.int64, device=dev), hashes
-        if isinstance(group_ids, np.ndarray):
-            if group_ids.dtype.kind not in "iu":
-                raise TypeError(
-                    f"group_ids must hold integers, got dtype {group_ids.dtype}"
-                )
-            if (
-                group_ids.dtype == np.uint64
-                and group_ids.size
-                and (int(group_ids.max()) >= 1 << 63)
-            ):
-                raise ValueError("group_ids must fit in int64")
-            group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(dev)
-        if isinstance(group_ids, torch.Tensor):
-            if group_ids.dtype != torch.int64:
-                raise TypeError(
-                    f"group_ids must be an int64 tensor, got {group_ids.dtype}"
-                )
-            if group_ids.device != dev:
-                raise ValueError(
-                    f"group_ids is on {group_ids.device}, index is on {dev}"
-                )
-            if group_ids.dim() == 0:
-                group_ids = group_ids.expand(n)
-        elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
-            if not all(
-                isinstance(g, numbers.Integral) and not isinstance(g, bool | np.bool_)
-                for g in group_ids
-            ):
-                raise TypeError("group_ids must be a sequence of ints")
-            try:
-                group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
-            except (RuntimeError, ValueError, OverflowError) as exc:
-                # Out of int64 range.
-                raise ValueError(f"group_ids must fit in int64 ({exc})") from None
-            group_ids = group_ids.to(dev)
-        else:
-            raise TypeError(
-                "group_ids must be an int, a sequence of ints or an int64 tensor, "
-                f"got {type(group_ids).__name__}"
+    # Kept for bindings/torch_ops.py until it calls normalize_keys.
+    _keys = normalize_keys
+
+    def _check_writable(self, what: str) -> None:
+        if self._read_only:
+            raise ReadOnlyIndexError(
+                f"{what}: this KeyIndex is a read-only view over a table "
+                "(KeyIndex.from_table(..., read_only=True))"
             )
-        if group_ids.dim() != 1:
-            raise ValueError(
-                f"group_ids must have shape [N], got {list(group_ids.shape)}"
-            )
-        if group_ids.shape[0] != n:
-            raise ValueError(
-                f"group_ids has {group_ids.shape[0]} entries but hashes has {n} keys"
-            )
-        if n and bool((group_ids < 0).any()):
-            raise ValueError("group_ids must be >= 0 (negative values are sentinels)")
-        return group_ids.contiguous(), hashes
 
     # -- backend dispatch ---------------------------------------------------
 
     def _kernels(self):
         # Imported here, never at module import: coordinator/ must not pull
-        # in triton unless the triton backend is actually used.
+        # in triton or numba unless that backend actually runs.
+        if self.backend == "numba":
+            from kvhit.kernels import hash_index_numba
+
+            return hash_index_numba
         from kvhit.kernels import hash_index
 
         return hash_index
 
+    def _find_slots(
+        self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor
+    ) -> torch.Tensor:
+        if self.backend == "torch":
+            return find_slots(table, self.W, g, h)
+        return self._kernels().find(table, self.W, g, h)
+
     def _find(
         self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor
     ) -> torch.Tensor:
-        if self.backend == "triton":
-            return self._kernels().probe(table, self.W, g, h)
-        return probe_table(table, self.W, g, h)
+        if self.backend == "torch":
+            return probe_table(table, self.W, g, h)
+        return self._kernels().probe(table, self.W, g, h)
 
     def _insert(self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> int:
-        if self.backend == "triton":
-            stored = self._kernels().insert(table, self.W, g, h)
-        else:
+        if self.backend == "torch":
             stored = insert_table(table, self.W, g, h)
+        else:
+            stored = self._kernels().insert(table, self.W, g, h)
         return int(stored.sum().item())
 
     def _erase(self, g: torch.Tensor, h: torch.Tensor) -> int:
-        if self.backend == "triton":
-            return int(self._kernels().erase(self.table, self.W, g, h).sum().item())
-        return erase_table(self.table, self.W, g, h)
+        if self.backend == "torch":
+            return erase_table(self.table, self.W, g, h)
+        return int(self._kernels().erase(self.table, self.W, g, h).sum().item())
 
-    # -- operations ---------------------------------------------------------
+    # -- sizing ----------------------------------------------------------------
 
     def _limit(self, capacity: int) -> int:
         return math.floor(self.max_load * capacity)
 
-    def _rehash(self, capacity: int) -> None:
-        """Rebuild into a new table of ``capacity`` slots, dropping tombstones."""
-        live = self.table[self.table[:, 0] >= 0]
+    def has_room_for(self, extra_keys: int) -> bool:
+        """Whether ``extra_keys`` new keys can be added without a rehash (no
+        growth and no tombstone purge)."""
+        extra_keys = _check_count(extra_keys, "extra_keys")
+        return len(self) + self.tombstones + extra_keys <= self._limit(self.capacity)
+
+    def _capacity_for(self, n_new: int) -> int:
+        """Capacity a rehash needs for ``len + n_new`` keys (tombstones purged),
+        checked against MAX_CAPACITY and the fixed-capacity mode."""
+        need = len(self) + n_new
+        cap = self.capacity
+        while need > self._limit(cap):
+            cap *= 2
+            if cap > MAX_CAPACITY:
+                raise ValueError(
+                    f"{need} keys at max_load={self.max_load} need more than "
+                    f"MAX_CAPACITY = {MAX_CAPACITY} slots"
+                )
+        if cap != self.capacity and not self._growable:
+            raise CapacityError(
+                f"KeyIndex has fixed capacity {self.capacity} (growable=False, "
+                f"at most {self._limit(self.capacity)} keys at max_load="
+                f"{self.max_load}); {need} keys need capacity {cap}"
+            )
+        return cap
+
+    def _distinct(
+        self, g: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first occurrence of each key, in batch order: the batch is
+        inserted into a scratch table, whose insert reports exactly one row
+        per distinct key (several times faster than ``torch.unique(dim=0)``
+        on rows)."""
+        scratch = new_table(_next_pow2(2 * g.shape[0] + 1), self.W, self.device)
+        if self.backend == "torch":
+            first = insert_table(scratch, self.W, g, h)
+        else:
+            first = self._kernels().insert(scratch, self.W, g, h)
+        return g[first].contiguous(), h[first].contiguous()
+
+    def _rebuilt(self, capacity: int) -> torch.Tensor:
+        """A new table of ``capacity`` slots holding every live key; the live
+        table is only read."""
         table = new_table(capacity, self.W, self.device)
-        stored = self._insert(table, live[:, 0].contiguous(), live[:, 1:].contiguous())
-        if stored != self._size:  # pragma: no cover - would be a bug
-            raise RuntimeError(f"rehash stored {stored} keys, expected {self._size}")
-        self.table = table
+        if self.backend == "numba":
+            stored = self._kernels().rehash(self.table, self.W, table)
+        else:
+            live = self.table[self.table[:, 0] >= 0]
+            stored = self._insert(
+                table, live[:, 0].contiguous(), live[:, 1:].contiguous()
+            )
+        if stored != len(self):  # pragma: no cover - would be a bug
+            raise RuntimeError(f"rehash stored {stored} keys, expected {len(self)}")
+        return table
+
+    def _rehash(self, capacity: int) -> None:
+        """Rebuild into ``capacity`` slots, dropping tombstones."""
+        table = self._rebuilt(capacity)
+        if capacity == self.capacity and not self._growable:
+            self.table.copy_(table)  # same storage: captured pointers stay valid
+        else:
+            self.table = table
         self._tombstones = 0
+        self._version += 1
+
+    def reserve(self, extra_keys: int) -> None:
+        """Make room now for ``extra_keys`` more new keys, so that adding them
+        never rehashes (e.g. before :meth:`freeze`). A no-op when they fit."""
+        extra_keys = _check_count(extra_keys, "extra_keys")
+        self._check_writable("reserve")
+        if not self.has_room_for(extra_keys):
+            self._rehash(self._capacity_for(extra_keys))
+
+    def freeze(self) -> KeyIndex:
+        """Fix the capacity from now on (``growable=False``); returns self."""
+        self._check_writable("freeze")
+        self._growable = False
+        return self
+
+    def grown_for(self, extra_keys: int) -> KeyIndex:
+        """A rehashed copy of this index with room for ``extra_keys`` more new
+        keys (and tombstones purged); this index is only read.
+
+        The copy has the capacity :meth:`add` would grow to (at least the
+        current one) and the same ``hash_bytes``, ``max_load``, backend and
+        device. It is an ordinary KeyIndex: the caller may add to it or remove
+        from it before :meth:`adopt`. The pattern for a writer that holds a
+        lock readers also take::
+
+            if not index.has_room_for(n):
+                grown = index.grown_for(n)  # slow: outside the lock
+                with lock:
+                    index.adopt(grown)      # O(1)
+            with lock:
+                index.add(...)              # n new keys at most: no rehash
+
+        Raises CapacityError on a fixed-capacity index (its table is never
+        replaced), ValueError past MAX_CAPACITY.
+        """
+        extra_keys = _check_count(extra_keys, "extra_keys")
+        self._check_writable("grown_for")
+        cap = self._capacity_for(extra_keys)
+        if not self._growable:
+            raise CapacityError(
+                f"KeyIndex has fixed capacity {self.capacity} (growable=False): "
+                "its table cannot be replaced, so there is nothing to adopt"
+            )
+        new = KeyIndex.__new__(KeyIndex)
+        new._init(
+            self.hash_bytes,
+            self._rebuilt(cap),
+            self._backend,
+            self.max_load,
+            True,
+            len(self),
+            0,
+        )
+        new._grown_from = (id(self), self._version)
+        return new
+
+    def adopt(self, grown: KeyIndex) -> None:
+        """Swap in the table of ``grown`` (from ``self.grown_for``) in O(1).
+
+        ``grown`` must come from this index's :meth:`grown_for`, with this
+        index unchanged since (else ValueError: keys added or removed in
+        between would be lost). Afterwards ``self`` holds ``grown``'s table
+        and counts (``index.table`` names a new tensor), and ``grown`` becomes
+        a read-only view of the old table: the old table is freed when the
+        caller drops ``grown``, so a caller holding a lock frees it after
+        releasing the lock (freeing a large table takes milliseconds).
+        Refused (CapacityError) on a fixed-capacity index.
+        """
+        if not isinstance(grown, KeyIndex):
+            raise TypeError(f"grown must be a KeyIndex, got {type(grown).__name__}")
+        self._check_writable("adopt")
+        if grown._grown_from != (id(self), self._version):
+            raise ValueError(
+                "grown: not built by this index's grown_for(), or this index "
+                "changed since (its keys would be lost)"
+            )
+        if grown.hash_bytes != self.hash_bytes or grown.device != self.device:
+            raise ValueError("grown: hash_bytes or device differ from this index")
+        if not self._growable:
+            raise CapacityError(
+                f"KeyIndex has fixed capacity {self.capacity} (growable=False): "
+                "its table cannot be replaced"
+            )
+        old = self.table
+        self.table = grown.table
+        self._size = len(grown)
+        self._tombstones = grown.tombstones
+        self._version += 1
+        grown._init(
+            self.hash_bytes, old, self._backend, self.max_load, False, None, None, True
+        )
+
+    # -- operations ---------------------------------------------------------
 
     def add(self, group_ids: Any, hashes: Any) -> int:
-        """Insert keys (idempotent); returns the number of keys that were new."""
-        g, h = self._keys(group_ids, hashes)
+        """Insert keys (idempotent); returns the number of keys that were new.
+
+        Raises CapacityError (index unchanged) when a fixed-capacity index
+        cannot take the new keys.
+        """
+        g, h = self.normalize_keys(group_ids, hashes)
+        self._check_writable("add")
         if g.shape[0] == 0:
             return 0
-        if self._size + self._tombstones + g.shape[0] > self._limit(self.capacity):
+        if not self.has_room_for(g.shape[0]):
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
             absent = ~self._find(self.table, g, h)
-            g, h = g[absent], h[absent]
+            g, h = g[absent].contiguous(), h[absent].contiguous()
             if g.shape[0] == 0:
                 return 0
-            rows = torch.unique(torch.cat([g[:, None], h], 1), dim=0)
-            g, h = rows[:, 0].contiguous(), rows[:, 1:].contiguous()
-            n_new = g.shape[0]
-            if self._size + self._tombstones + n_new > self._limit(self.capacity):
-                cap = self.capacity
-                while self._size + n_new > self._limit(cap):
-                    cap *= 2
-                self._rehash(cap)
+            g, h = self._distinct(g, h)
+            if not self.has_room_for(g.shape[0]):
+                self._rehash(self._capacity_for(g.shape[0]))
         added = self._insert(self.table, g, h)
         self._size += added
+        if added:
+            self._version += 1
         return added
 
     def remove(self, group_ids: Any, hashes: Any) -> int:
         """Remove keys (absent keys are ignored); returns the number removed."""
-        g, h = self._keys(group_ids, hashes)
+        g, h = self.normalize_keys(group_ids, hashes)
+        self._check_writable("remove")
         if g.shape[0] == 0:
             return 0
         removed = self._erase(g, h)
         self._size -= removed
         self._tombstones += removed
+        if removed:
+            self._version += 1
         return removed
 
     def contains(self, group_ids: Any, hashes: Any) -> torch.Tensor:
         """Membership of keys: bool ``[N]`` on the index's device."""
-        g, h = self._keys(group_ids, hashes)
+        g, h = self.normalize_keys(group_ids, hashes)
         if g.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
         return self._find(self.table, g, h)
@@ -600,29 +1081,53 @@ class KeyIndex:
         return live[:, 0].contiguous(), live[:, 1:].contiguous()
 
     def clear(self) -> None:
-        """Remove every key; the capacity is kept."""
+        """Remove every key; the capacity (and the table's storage) is kept."""
+        self._check_writable("clear")
         self.table[:, 0] = EMPTY
         self.table[:, 1:] = 0
         self._size = 0
         self._tombstones = 0
+        self._version += 1
 
     def to(self, device: torch.device | str) -> KeyIndex:
         """Move the table to ``device`` in place (like ``nn.Module.to``);
-        returns ``self``. With backend "auto" the backend follows the device."""
-        self.table = self.table.to(device)
+        returns ``self``. With backend "auto" the backend follows the device.
+        Refused for a fixed-capacity or read-only index unless ``device`` is
+        the current one (its table must not move)."""
+        dev = _resolve_device(device)
+        if dev == self.device:
+            return self
+        self._check_writable("to")
+        if not self._growable:
+            raise CapacityError(
+                f"KeyIndex has a fixed table (growable=False): cannot move it "
+                f"from {self.device} to {dev}"
+            )
+        resolve_backend(self._backend, dev)
+        self.table = self.table.to(dev)
+        self._version += 1
         return self
 
     # -- persistence ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The index as plain data; ``table`` is the live tensor, not a copy."""
+        """The index as plain data; ``table`` is the live tensor, not a copy.
+
+        ``checksum`` (blake2b of the table bytes, ``hash_bytes`` and the
+        counts; ``max_load`` is a policy and is not signed) lets
+        :meth:`from_state_dict` refuse a corrupted dict. Computing it reads
+        the whole table once (about 0.3 s per 100 MB of table on one core; a
+        CUDA table is copied to the host for it).
+        """
+        size, tombs = len(self), self.tombstones
         return {
             "version": _STATE_VERSION,
             "hash_bytes": self.hash_bytes,
             "max_load": self.max_load,
-            "size": self._size,
-            "tombstones": self._tombstones,
+            "size": size,
+            "tombstones": tombs,
             "table": self.table,
+            "checksum": _table_checksum(self.table, self.hash_bytes, size, tombs),
         }
 
     @classmethod
@@ -631,84 +1136,81 @@ class KeyIndex:
         state: Mapping[str, Any],
         device: torch.device | str | None = None,
         backend: str = "auto",
+        growable: bool = True,
     ) -> KeyIndex:
         """Rebuild an index from :meth:`state_dict` output (the table is copied).
 
-        The table is checked: shape, dtype, power-of-two capacity, no BUSY or
-        unknown sentinel, counts matching ``size``/``tombstones``, and every key
-        found at its own slot by the probe (so a table written with another
-        hash function or with duplicate keys is rejected).
+        Verified before anything is built: the checksum, then the table's
+        structure (shape, dtype, power-of-two capacity, no BUSY or unknown
+        sentinel, zero words in EMPTY slots and in padding bits, counts equal
+        to ``size``/``tombstones``, an EMPTY slot left) and every live key
+        reachable from its home slot along its probe sequence, once (so a
+        table written with another hash function, with a key moved or
+        duplicated, is refused). Any failure raises ValueError/TypeError.
+        A state saved with a higher ``max_load`` is rehashed to this one.
         """
-        for field in (
-            "version",
-            "hash_bytes",
-            "max_load",
-            "size",
-            "tombstones",
-            "table",
-        ):
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        fields = ("version", "hash_bytes", "max_load", "size", "tombstones", "table")
+        for field in (*fields, "checksum"):
             if field not in state:
                 raise ValueError(f"state: missing field {field!r}")
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"state: unsupported version {state['version']!r}")
+        hash_bytes = state["hash_bytes"]
+        W = num_words(hash_bytes)
+        max_load = _check_max_load(state["max_load"])
+        size = _check_count(state["size"], "state['size']")
+        tombs = _check_count(state["tombstones"], "state['tombstones']")
         table = state["table"]
-        if not isinstance(table, torch.Tensor):
-            raise TypeError(
-                f"state['table'] must be a tensor, got {type(table).__name__}"
-            )
-        if table.dtype != torch.int64:
-            raise TypeError(f"state['table'] must be int64, got {table.dtype}")
-        obj = cls(
-            state["hash_bytes"],
-            capacity=1,
-            device=device if device is not None else table.device,
-            backend=backend,
-            max_load=state["max_load"],
-        )
-        cap = table.shape[0] if table.dim() == 2 else 0
-        if (
-            table.dim() != 2
-            or table.shape[1] != obj.W + 1
-            or cap & (cap - 1)
-            or cap < 1
-        ):
+        cap = _check_table_tensor(table, W, "state['table']")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(growable, bool):
+            raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
+        dev = _resolve_device(device if device is not None else table.device)
+        resolve_backend(backend, dev)
+        if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(
-                f"state['table'] must have shape [2**k, {obj.W + 1}], got "
-                f"{list(table.shape)}"
+                "state: checksum mismatch: the table or its counts were changed "
+                "or corrupted after state_dict()"
             )
-        table = table.to(obj.device, copy=True).contiguous()
+        table = table.to(dev, copy=True).contiguous()
+        obj = cls.__new__(cls)
+        obj._init(hash_bytes, table, backend, max_load, growable, size, tombs)
+        obj._check_structure(size, tombs)
+        if size + tombs > obj._limit(cap):
+            # Saved with a higher max_load; restore the invariant.
+            obj._rehash(obj._capacity_for(0))
+        return obj
+
+    def _check_structure(self, size: int, tombs: int) -> None:
+        """The layout invariants of the table (ValueError naming state['table'])."""
+        table = self.table
         col = table[:, 0]
         if bool((col < TOMBSTONE).any()):
             raise ValueError("state['table'] holds BUSY or unknown sentinels")
-        size = int((col >= 0).sum().item())
-        tombs = int((col == TOMBSTONE).sum().item())
-        if size != state["size"] or tombs != state["tombstones"]:
+        n_live = int((col >= 0).sum().item())
+        n_tombs = int((col == TOMBSTONE).sum().item())
+        if n_live != size or n_tombs != tombs:
             raise ValueError(
-                f"state: table holds {size} keys and {tombs} tombstones, fields "
-                f"say {state['size']} and {state['tombstones']}"
+                f"state: table holds {n_live} keys and {n_tombs} tombstones, "
+                f"fields say {size} and {tombs}"
             )
-        pad = padding_mask(obj.hash_bytes)
+        if n_live + n_tombs >= table.shape[0]:
+            raise ValueError("state['table'] has no EMPTY slot")
+        if bool((table[col == EMPTY, 1:] != 0).any()):
+            raise ValueError("state['table'] has nonzero words in EMPTY slots")
         live_slots = (col >= 0).nonzero().squeeze(1)
         live = table.index_select(0, live_slots)
+        pad = padding_mask(self.hash_bytes)
         if pad and bool(((live[:, -1] & pad) != 0).any()):
             raise ValueError("state['table'] has nonzero padding bits")
-        if size + tombs >= cap:
-            raise ValueError("state['table'] has no EMPTY slot")
-        found = find_slots(
-            table, obj.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
+        found = self._find_slots(
+            table, live[:, 0].contiguous(), live[:, 1:].contiguous()
         )
         if not torch.equal(found, live_slots):
             raise ValueError(
-                "state['table'] is inconsistent: some keys are not where the slot "
-                "hash and probe sequence put them (or appear twice)"
+                "state['table'] is inconsistent: some keys are not reachable "
+                "from their home slot along the probe sequence (or appear twice)"
             )
-        obj.table = table
-        obj._size = size
-        obj._tombstones = tombs
-        if size + tombs > obj._limit(cap):
-            # Saved with a higher max_load; restore the invariant.
-            new_cap = cap
-            while size > obj._limit(new_cap):
-                new_cap *= 2
-            obj._rehash(new_cap)
-        return obj

@@ -4,7 +4,8 @@ The table layout, sentinels, slot hash and probe sequence are specified in
 ``kvhit.coordinator.key_index`` (module docstring); this file implements them
 for Triton and must stay bit-identical with the torch implementation there
 (``tests/test_key_index.py`` checks it). This module imports nothing from
-coordinator/, hence the constants are repeated here.
+coordinator/; the sentinels and slot-hash constants come from
+``kvhit.kernels.contract`` (one definition for every kernel family).
 
 Summary of the contract:
 
@@ -27,7 +28,7 @@ Device functions for other kernels (e.g. the LookupEngine):
   membership of a block of keys (vectorised; a block of 1 is the scalar case).
 * ``find_slots(...) -> int64``: like ``probe_keys`` but returns the slot (or -1).
 
-Launchers (``probe``, ``insert``, ``erase``) take torch tensors and validate
+Launchers (``probe``, ``find``, ``insert``, ``erase``) take torch tensors and validate
 shape, dtype, contiguity and device, naming the offending argument.
 """
 
@@ -39,11 +40,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvhit.kernels import contract
+from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
+
 __all__ = [
     "BUSY",
     "EMPTY",
     "TOMBSTONE",
+    "BUSY_WAIT_LIMIT",
     "erase",
+    "find",
     "find_slots",
     "hash_finish",
     "hash_init",
@@ -54,37 +60,26 @@ __all__ = [
     "slot_hash",
 ]
 
-# Column-0 sentinels; group ids are >= 0. Keep in sync with coordinator/key_index.py.
-EMPTY = -1
-TOMBSTONE = -2
-BUSY = -3
-# Compare value no slot ever holds: a CAS against it is a pure atomic read.
-_NEVER = -4
-
-# Slot hash constants, as signed int64 (splitmix64 / golden-ratio multipliers).
-# Keep in sync with coordinator/key_index.py (_HASH_CONSTANTS).
-_SEED: tl.constexpr = tl.constexpr(0x2545F4914F6CDD1D)
-_M1: tl.constexpr = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15
-_M2: tl.constexpr = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
-_M3: tl.constexpr = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
-# Masks after >> make the arithmetic shift of int64 a logical one. They are
-# wider than 32 bits so that Triton types them int64 (a 0xFFFFFFFF literal would
-# be uint32).
-_LOW33: tl.constexpr = tl.constexpr((1 << 33) - 1)
-_LOW35: tl.constexpr = tl.constexpr((1 << 35) - 1)
+# The numbers are defined once, in kernels/contract.py; Triton code reads them
+# as compile-time constants.
+_SEED: tl.constexpr = tl.constexpr(contract.SEED)
+_M1: tl.constexpr = tl.constexpr(contract.M1)
+_M2: tl.constexpr = tl.constexpr(contract.M2)
+_M3: tl.constexpr = tl.constexpr(contract.M3)
+_LOW33: tl.constexpr = tl.constexpr(contract.LOW33)
+_LOW35: tl.constexpr = tl.constexpr(contract.LOW35)
 _EMPTY: tl.constexpr = tl.constexpr(EMPTY)
 _TOMBSTONE: tl.constexpr = tl.constexpr(TOMBSTONE)
 _BUSY: tl.constexpr = tl.constexpr(BUSY)
-_NEVER_C: tl.constexpr = tl.constexpr(_NEVER)
+# A compare value no slot ever holds: a CAS against it is a pure atomic read.
+_NEVER_C: tl.constexpr = tl.constexpr(contract.NEVER)
 
-HASH_CONSTANTS = {
-    "SEED": 0x2545F4914F6CDD1D,
-    "M1": -7046029254386353131,
-    "M2": -4658895280553007687,
-    "M3": -7723592293110705685,
-    "LOW33": (1 << 33) - 1,
-    "LOW35": (1 << 35) - 1,
-}
+#: Rounds an insert lane may wait on BUSY slots in all, on top of visiting
+#: every slot once, before it gives up (the launcher raises). A live inserter
+#: publishes its slot within the same loop round it claimed it, so a wait
+#: lasts a round or two; a slot still BUSY after this many was left by a
+#: crashed or concurrent writer and must not make the kernel spin forever.
+BUSY_WAIT_LIMIT = 1024
 
 
 @triton.jit
@@ -184,6 +179,24 @@ def _probe_kernel(
 
 
 @triton.jit
+def _find_kernel(
+    table_ptr,
+    cap_mask,
+    gid_ptr,
+    key_ptr,
+    out_ptr,
+    n,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    tl.store(out_ptr + rows, slot, mask=valid)
+
+
+@triton.jit
 def _insert_kernel(
     table_ptr,
     cap_mask,
@@ -193,6 +206,7 @@ def _insert_kernel(
     n,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
+    WAITS: tl.constexpr,
 ):
     # out: 1 = inserted here, 0 = already present, -1 = no free slot (corrupt
     # or over-full table; the launcher raises).
@@ -205,7 +219,11 @@ def _insert_kernel(
     busy_v = tl.full([BLOCK], _BUSY, tl.int64)
     active = valid
     inserted = rows < 0
-    probes = tl.zeros([BLOCK], tl.int64)
+    # Every round counts, waits on BUSY included: at most cap_mask + 1 slots
+    # visited plus WAITS rounds spent waiting, so a slot left BUSY ends the
+    # lane (reported as failed) instead of spinning forever.
+    steps = tl.zeros([BLOCK], tl.int64)
+    limit = cap_mask + WAITS
     while tl.max(active.to(tl.int32), axis=0) > 0:
         row = table_ptr + pos * (W + 1)
         # One CAS per step is both the read (acquire) and the claim; lanes that
@@ -234,15 +252,15 @@ def _insert_kernel(
         done = claimed | same
         inserted = inserted | claimed
         advance = active & ~done & ~wait
-        probes = tl.where(advance, probes + 1, probes)
+        steps = tl.where(active & ~done, steps + 1, steps)
         pos = tl.where(advance, (pos + 1) & cap_mask, pos)
-        failed = active & (probes > cap_mask)
+        failed = active & ~done & (steps > limit)
         active = active & ~done & ~failed
         tl.store(out_ptr + rows, tl.full([BLOCK], -1, tl.int8), mask=failed)
     tl.store(
         out_ptr + rows,
         inserted.to(tl.int8),
-        mask=valid & (inserted | (probes <= cap_mask)),
+        mask=valid & (inserted | (steps <= limit)),
     )
 
 
@@ -262,11 +280,14 @@ def _erase_kernel(
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
     slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
     found = slot >= 0
-    # CAS group id -> TOMBSTONE: when one key appears twice in the batch only
-    # one lane wins, so the count of removed keys is exact.
+    # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a CAS
+    # cannot be masked: not-found lanes would all hit one slot). A found
+    # slot holds our group id (>= 0 > TOMBSTONE) or, if another lane erased
+    # the same key first, TOMBSTONE already: only the lane that saw the group
+    # id counts it, so the count of removed keys is exact.
     ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
-    cmp = tl.where(found, gids, tl.full([BLOCK], _NEVER_C, tl.int64))
-    old = tl.atomic_cas(ptr, cmp, tl.full([BLOCK], _TOMBSTONE, tl.int64))
+    tomb = tl.full([BLOCK], _TOMBSTONE, tl.int64)
+    old = tl.atomic_min(ptr, tomb, mask=found, sem="acq_rel")
     removed = found & (old == gids)
     tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
 
@@ -320,15 +341,27 @@ def _check_args(
     return cap - 1
 
 
-def _launch(kernel, table, W, group_ids, hashes) -> torch.Tensor:
+def _launch(
+    kernel, table, W, group_ids, hashes, dtype=torch.int8, **meta
+) -> torch.Tensor:
     cap_mask = _check_args(table, W, group_ids, hashes)
     n = group_ids.shape[0]
-    out = torch.zeros(n, dtype=torch.int8, device=table.device)
+    out = torch.zeros(n, dtype=dtype, device=table.device)
     if n:
         block = _block()
         grid = (triton.cdiv(n, block),)
-        kernel[grid](table, cap_mask, group_ids, hashes, out, n, W=W, BLOCK=block)
+        kernel[grid](
+            table, cap_mask, group_ids, hashes, out, n, W=W, BLOCK=block, **meta
+        )
     return out
+
+
+def find(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Slot of each key, or -1 where absent: int64 [N]. Arguments as
+    :func:`probe`."""
+    return _launch(_find_kernel, table, W, group_ids, hashes, dtype=torch.int64)
 
 
 def probe(
@@ -343,7 +376,11 @@ def probe(
 
 
 def insert(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    busy_wait_limit: int = BUSY_WAIT_LIMIT,
 ) -> torch.Tensor:
     """Insert keys into ``table`` in place; returns bool [N], True where the key
     was new and this lane stored it.
@@ -352,11 +389,24 @@ def insert(
     key ends in exactly one slot, even from concurrent lanes), so the number of
     new keys is ``result.sum()``. The caller must leave room: the table needs
     an EMPTY slot on every probe path (KeyIndex keeps load <= max_load < 1).
-    Arguments as :func:`probe`. Raises RuntimeError if a key found no free slot.
+    Arguments as :func:`probe`; ``busy_wait_limit``: rounds a key may wait on
+    BUSY slots in all (a compile-time constant of the kernel). Raises
+    RuntimeError if a key found no free slot or waited past the limit (a slot
+    left BUSY by a crashed writer).
     """
-    out = _launch(_insert_kernel, table, W, group_ids, hashes)
+    if isinstance(busy_wait_limit, bool) or not isinstance(busy_wait_limit, int):
+        raise TypeError(
+            f"busy_wait_limit must be an int, got {type(busy_wait_limit).__name__}"
+        )
+    if busy_wait_limit < 1:
+        raise ValueError(f"busy_wait_limit must be >= 1, got {busy_wait_limit}")
+    out = _launch(_insert_kernel, table, W, group_ids, hashes, WAITS=busy_wait_limit)
     if out.numel() and bool((out < 0).any()):
-        raise RuntimeError("insert: the table has no free slot for some keys")
+        raise RuntimeError(
+            "insert: some keys found no free slot (the table is full, or a slot "
+            f"stayed BUSY for {busy_wait_limit} rounds: a crashed or concurrent "
+            "writer)"
+        )
     return out > 0
 
 

@@ -1,0 +1,304 @@
+"""numba kernels for the KeyIndex open-addressing hash table, on the CPU.
+
+The same table as the Triton kernels (``kernels/hash_index.py``) and the torch
+mirror (``coordinator/key_index.py``, whose module docstring is the layout
+contract): int64 ``[capacity, W + 1]``, column 0 a group id or a sentinel of
+:mod:`kvhit.kernels.contract`, columns 1..W the hash words, home slot
+``contract.slot_hash(...) & (capacity - 1)``, linear probing, a miss at the
+first EMPTY slot. An index built by any backend answers through any other.
+
+The kernels are single-threaded loops over the batch (``nogil``, so other
+Python threads keep running while one works). They assume one writer: a slot
+is claimed and written in program order, so BUSY never appears in a table
+only numba writes; a BUSY slot left by another writer is passed over like a
+tombstone (it cannot hold the key: a BUSY slot holds no published key).
+
+Launchers (``probe``, ``find``, ``insert``, ``erase``, ``rehash``) take CPU
+torch tensors, validate them naming the argument, and run the kernels on
+zero-copy numpy views. Importing this module imports numba; the coordinator
+imports it only when the numba backend runs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.probe_numba import key_slot_hash, table_find
+
+__all__ = ["erase", "find", "insert", "probe", "rehash"]
+
+_EMPTY = np.int64(EMPTY)
+_TOMBSTONE = np.int64(TOMBSTONE)
+# Keys ahead of the current one whose home slot is prefetched. A probe is one
+# cache miss into a table far larger than the caches; with the next few
+# misses in flight a 10^6-key batch probes ~1.7x faster (measured: 16 and 8
+# were alike, 4 lost a third of the gain).
+_AHEAD = 8
+
+
+@intrinsic
+def _prefetch_row(typingctx, table, slot):
+    """Hint the CPU to start loading ``table[slot, 0]`` (a read, kept in all
+    cache levels); no effect on results."""
+    sig = types.void(table, slot)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aty, ary, [args[1], zero], wraparound=False
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=read, locality=3 (keep), cache=data)
+        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
+        builder.call(fn, [*args, ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _prefetch_home(table, gids, keys, r):
+    """Prefetch the home slot of key ``r`` when there is such a key."""
+    if r < gids.shape[0]:
+        _prefetch_row(table, key_slot_hash(gids[r], keys, r) & (table.shape[0] - 1))
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _prefetch_first(table, gids, keys):
+    for r in range(min(_AHEAD, gids.shape[0])):
+        _prefetch_home(table, gids, keys, r)
+
+
+@numba.njit(cache=True, nogil=True)
+def _find_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
+    for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
+        out[r] = table_find(table, gids[r], keys, r)
+
+
+@numba.njit(cache=True, nogil=True)
+def _probe_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
+    for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
+        out[r] = table_find(table, gids[r], keys, r) >= 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_kernel(table, gids, keys, out):
+    """out[r] = 1 where key r was new and stored, 0 where already present
+    (earlier in the table or earlier in this batch). Returns the first row
+    that found no free slot, or -1; rows before it are inserted."""
+    cap = table.shape[0]
+    mask = cap - 1
+    W = keys.shape[1]
+    _prefetch_first(table, gids, keys)
+    for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
+        gid = gids[r]
+        slot = key_slot_hash(gid, keys, r) & mask
+        placed = False
+        for _ in range(cap):
+            g = table[slot, 0]
+            if g == _EMPTY:
+                # Only EMPTY slots are claimed, never tombstones: the key may
+                # sit further along, behind the tombstone.
+                for j in range(W):
+                    table[slot, 1 + j] = keys[r, j]
+                table[slot, 0] = gid
+                out[r] = 1
+                placed = True
+                break
+            if g == gid:
+                same = True
+                for j in range(W):
+                    if table[slot, 1 + j] != keys[r, j]:
+                        same = False
+                        break
+                if same:
+                    out[r] = 0
+                    placed = True
+                    break
+            slot = (slot + 1) & mask
+        if not placed:
+            return r
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _erase_kernel(table, gids, keys, out):
+    _prefetch_first(table, gids, keys)
+    for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
+        slot = table_find(table, gids[r], keys, r)
+        if slot >= 0:
+            table[slot, 0] = _TOMBSTONE
+            out[r] = 1
+        else:
+            out[r] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _rehash_kernel(old, new):
+    """Copy every live key of ``old`` into ``new`` (all EMPTY, same width).
+    Keys of a valid table are distinct, so each goes to the first EMPTY slot
+    of its probe sequence without comparing words. Returns the keys copied,
+    or -1 when ``new`` ran out of EMPTY slots."""
+    cap = new.shape[0]
+    mask = cap - 1
+    W = old.shape[1] - 1
+    words = old[:, 1:]
+    n = 0
+    for s in range(old.shape[0]):
+        ahead = s + _AHEAD
+        if ahead < old.shape[0] and old[ahead, 0] >= 0:
+            _prefetch_row(new, key_slot_hash(old[ahead, 0], words, ahead) & mask)
+        gid = old[s, 0]
+        if gid < 0:
+            continue
+        slot = key_slot_hash(gid, words, s) & mask
+        steps = 0
+        while new[slot, 0] != _EMPTY:
+            slot = (slot + 1) & mask
+            steps += 1
+            if steps == cap:
+                return -1
+        for j in range(W):
+            new[slot, 1 + j] = old[s, 1 + j]
+        new[slot, 0] = gid
+        n += 1
+    return n
+
+
+def _check_table(table: torch.Tensor, W: int) -> None:
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"W must be a positive int, got {W!r}")
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int64:
+        raise TypeError(f"table must be int64, got {table.dtype}")
+    if table.device.type != "cpu":
+        raise ValueError(f"table must be on the CPU, got {table.device}")
+    if not table.is_contiguous():
+        raise ValueError("table must be contiguous")
+    if table.dim() != 2 or table.shape[1] != W + 1:
+        raise ValueError(
+            f"table must have shape [capacity, {W + 1}], got {list(table.shape)}"
+        )
+    cap = table.shape[0]
+    if cap < 1 or cap & (cap - 1):
+        raise ValueError(f"table capacity must be a power of two, got {cap}")
+
+
+def _views(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate launcher arguments; zero-copy numpy views of them."""
+    _check_table(table, W)
+    for name, t in (("group_ids", group_ids), ("hashes", hashes)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {t.dtype}")
+        if t.device != table.device:
+            raise ValueError(f"{name} is on {t.device} but table is on {table.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if group_ids.dim() != 1:
+        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
+    if hashes.dim() != 2 or hashes.shape[1] != W:
+        raise ValueError(f"hashes must have shape [N, {W}], got {list(hashes.shape)}")
+    if hashes.shape[0] != group_ids.shape[0]:
+        raise ValueError(
+            f"group_ids has {group_ids.shape[0]} entries but hashes has "
+            f"{hashes.shape[0]} rows"
+        )
+    return table.numpy(), group_ids.numpy(), hashes.numpy()
+
+
+def find(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Slot of each key, or -1 where absent: int64 ``[N]``.
+
+    table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
+    ``[N]``; hashes: int64 ``[N, W]``; all contiguous, on the CPU.
+    """
+    t, g, h = _views(table, W, group_ids, hashes)
+    out = np.empty(g.shape[0], dtype=np.int64)
+    if g.shape[0]:
+        _find_kernel(t, g, h, out)
+    return torch.from_numpy(out)
+
+
+def probe(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Membership of keys: bool ``[N]``. Arguments as :func:`find`."""
+    t, g, h = _views(table, W, group_ids, hashes)
+    out = np.empty(g.shape[0], dtype=np.bool_)
+    if g.shape[0]:
+        _probe_kernel(t, g, h, out)
+    return torch.from_numpy(out)
+
+
+def insert(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Insert keys into ``table`` in place; bool ``[N]``, True where the key was
+    new and this row stored it.
+
+    Keys already present and repeats inside the batch are stored once (the
+    number of new keys is ``result.sum()``), as the torch and Triton inserts.
+    The caller must leave room (an EMPTY slot on every probe path; KeyIndex
+    keeps load <= max_load < 1). Arguments as :func:`find`. Raises
+    RuntimeError if a key found no free slot (rows before it are inserted).
+    """
+    t, g, h = _views(table, W, group_ids, hashes)
+    out = np.zeros(g.shape[0], dtype=np.int8)
+    if g.shape[0] and _insert_kernel(t, g, h, out) >= 0:
+        raise RuntimeError("insert: the table has no free slot for some keys")
+    return torch.from_numpy(out) > 0
+
+
+def erase(
+    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """Replace keys by tombstones in place; bool ``[N]``, True where this row
+    removed the key (absent keys and later repeats are False). Arguments as
+    :func:`find`."""
+    t, g, h = _views(table, W, group_ids, hashes)
+    out = np.zeros(g.shape[0], dtype=np.int8)
+    if g.shape[0]:
+        _erase_kernel(t, g, h, out)
+    return torch.from_numpy(out) > 0
+
+
+def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
+    """Copy every live key of ``table`` into ``new`` in place; returns the
+    number copied.
+
+    table: a valid KeyIndex table (its keys distinct), int64 ``[C, W + 1]``;
+    new: an empty table (column 0 EMPTY, words 0), int64 ``[C', W + 1]``, both
+    contiguous on the CPU, ``C'`` a power of two with room for every key.
+    Tombstones are dropped. Raises RuntimeError if ``new`` has no room.
+    """
+    _check_table(table, W)
+    _check_table(new, W)
+    n = _rehash_kernel(table.numpy(), new.numpy())
+    if n < 0:
+        raise RuntimeError("rehash: the new table has no free slot for some keys")
+    return int(n)
