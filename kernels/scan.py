@@ -143,6 +143,8 @@ _CAND_NEED: tl.constexpr = tl.constexpr(kc.CAND_NEED)
 _CAND_SHIFT: tl.constexpr = tl.constexpr(kc.CAND_SHIFT)
 _CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
 _DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP)
+# The longest length the kernel distinguishes, in tokens (see _div).
+_MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
 
 # -- the request context ``ctx``: one tuple, these fields -------------------------
 _C_OFF: tl.constexpr = tl.constexpr(0)  # first row of the request in hashes
@@ -786,7 +788,9 @@ def _scan_kernel(
     the prompts' num_tokens (the worker's restriction is then derived here)."""
     r = tl.program_id(0).to(tl.int64)
     lens = tl.load(lens_ptr + r)
-    length = tl.load(len_ptr + r)
+    # Positions are divided in 32 bits (_div): lengths past _MAX_LEN tokens
+    # mean the same as _MAX_LEN (no request has that many hashes' tokens).
+    length = tl.minimum(tl.load(len_ptr + r), _MAX_LEN)
     zero = lens * 0
     if LOOKUP:
         tok_len = _div(length, align) * align
@@ -1020,6 +1024,10 @@ def scan_hits(
     Raises:
         TypeError / ValueError: naming the argument that is not an int64,
             contiguous tensor of the right shape on ``hashes``' device.
+
+    Lengths above ``2**30 - 1`` tokens are read as ``2**30 - 1`` (the kernel
+    divides positions in 32 bits); a request would need that many tokens of
+    hashes for it to matter.
     """
     _validate(
         hashes,
