@@ -114,9 +114,11 @@ NUM_WARPS = 1
 # 16 resident programs per SM.
 MAXNREG = 128
 # Candidate positions the duplicate-value search (_dup_candidate) compares per
-# step, as a multiple of BLOCK. 1 keeps that search at one element per thread:
-# at 4 the lookup variant needed 168 registers on sm_90.
-_DUP_STEP = 1
+# step, as a multiple of BLOCK. That search walks a group's candidates for each
+# present-but-not-asked lane (EAGLE peeks make those common), so wider is
+# faster, but each step's vectors cost registers: the lookup variant needs 116
+# registers at 1, 120 at 2, 124 at 4 on sm_90 (the budget is 128).
+_DUP_STEP = 2
 
 # -- the kernel contract, as constexprs (kernels/contract.py) ---------------------
 _EMPTY: tl.constexpr = tl.constexpr(kc.EMPTY)

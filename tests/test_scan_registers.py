@@ -11,19 +11,28 @@ EAGLE, and the worker ``lookup`` (``LOOKUP``), for a dsv4-flash-like layout
 Run as a script (``python tests/test_scan_registers.py``, TRITON_INTERPRET
 unset) to print the table.
 
-Measured on Triton 3.9 (ptxas 13.4), sm_90, before the restructuring of issue
-13 / after it:
+Measured on Triton 3.9 (its ptxas 13.4, with Triton's ptxas flags), sm_90,
+registers per thread and spill-store bytes, before issue 13's restructuring
+and after it (lookup was two launches of the "find index token_lens" variant):
 
-=======================  ==============  ==============
-variant                  before          after
-=======================  ==============  ==============
-find index               72 r, 144 B sp  see the test
-find index no-eagle      64 r, 152 B sp
-find                     80 r, 0
-find index token_lens    168 r, 0
-find token_lens          168 r, 0
-lookup (was find+tl x2)  168 r, 0
-=======================  ==============  ==============
+=======================  ===============  ==============
+variant                  before           after
+=======================  ===============  ==============
+find index               72 r, 152 B      97 r, 0
+find index no-eagle      64 r, 160 B      90 r, 0
+find                     80 r, 0          78 r, 0
+load masks               72 r, 0          70 r, 0
+find index token_lens    168 r, 16 B      118 r, 0
+find token_lens          168 r, 0         120 r, 0
+lookup                   168 r, 16 B x2   120 r, 0
+=======================  ===============  ==============
+
+The spills before were not register pressure: 64-bit ``//`` and ``%`` are
+subroutine CALLs in SASS, whose calling convention saves live registers to
+local memory, and ptxas aims one-warp CTAs at 64 registers. The kernel now
+divides in 32 bits and declares ``.maxnreg 128`` (``kernels/scan.py``,
+``MAXNREG``); the lookup variant got under 128 by keeping no mask state and
+recomputing a SpecGroup's derived numbers after its probe loops.
 """
 
 from __future__ import annotations
