@@ -18,9 +18,8 @@ output shapes, and they run under any backend (``aot_eager``, ``inductor``).
 * ``lookup``: :meth:`LookupEngine.lookup` (the store worker's rule), int64
   ``[B]``. Custom ops take only tensors and primitives, so the layout travels
   as a string key naming an engine registered beforehand with
-  :func:`register_layout`. With a Triton engine the op runs a host-sync-free
-  version of the worker rule (two kernel launches), so it can be captured in a
-  CUDA graph; with the torch backend (the CPU default) it cannot: that backend
+  :func:`register_layout`. With a Triton engine the op runs the worker rule in
+  one kernel launch with no host sync, so it can be captured in a CUDA graph; with the torch backend (the CPU default) it cannot: that backend
   sizes its rounds with ``nonzero``/``.item()``.
 
 The ops trust their inputs' values (a CSR ``offsets`` that really is one,
@@ -37,7 +36,9 @@ tensor) must read ``index.table`` again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,11 +79,53 @@ _REGISTRY: dict[str, _Entry] = {}
 _LOCK = threading.Lock()
 
 
+def _canonical(layout: CacheLayout) -> bytes:
+    """The layout as bytes equal across processes: every field of every group
+    and spec, by name, as JSON. Spec tags must be None, str, int or bool (a
+    ``repr`` of another object may hold its address, which changes between
+    processes).
+
+    Raises:
+        ValueError: naming the group whose spec tag is of another type.
+    """
+    groups = []
+    for gid, group in enumerate(layout.groups):
+        spec = group.spec
+        tag = spec.tag
+        if tag is not None and not isinstance(tag, str | int):
+            label = f"group {gid}" + (f" ({group.name!r})" if group.name else "")
+            raise ValueError(
+                f"{label}: spec tag {type(tag).__name__} has no stable key across "
+                "processes; use a str, int or None tag, or pass key= to "
+                "register_layout"
+            )
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        groups.append(
+            {
+                "spec": type(spec).__name__,
+                **fields,
+                "tag": [type(tag).__name__, tag],
+                "eagle": group.eagle,
+                "prefix_cacheable": group.prefix_cacheable,
+                "name": group.name,
+            }
+        )
+    doc = {
+        "groups": groups,
+        "scheduler_block_size": layout.scheduler_block_size,
+        "hash_block_size": layout.hash_block_size,
+        "use_eagle": layout.use_eagle,
+        "retention_interval": layout.retention_interval,
+        "partial_hash_hits": layout.partial_hash_hits,
+    }
+    return json.dumps(doc, sort_keys=True).encode()
+
+
 def _default_key(layout: CacheLayout, backend: str) -> str:
-    # Deterministic across processes (repr of frozen specs, not id()), so a
-    # compiled graph that baked the key in finds the same layout after a
-    # restart that registered it again.
-    digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
+    # Deterministic across processes (a canonical serialisation, never id()
+    # or an object's repr), so a compiled graph that baked the key in finds
+    # the same layout after a restart that registered it again.
+    digest = hashlib.sha256(_canonical(layout)).hexdigest()[:16]
     return f"layout-{digest}" if backend == "auto" else f"layout-{digest}-{backend}"
 
 
@@ -108,7 +151,9 @@ def register_layout(
 
     Raises:
         TypeError: ``layout`` is neither a CacheLayout nor a LookupEngine.
-        ValueError: ``key`` is taken by a different layout or backend.
+        ValueError: ``key`` is taken by a different layout or backend; or,
+            without ``key``, a spec tag is not None, str, int or bool (no
+            stable default key; the error names the group).
     """
     engine: LookupEngine | None = None
     if isinstance(layout, LookupEngine):

@@ -292,10 +292,10 @@ class LookupEngine:
         internal = self._internal(batch, token_len)
         with self._threads():
             if self.backend == "triton":
-                from kvhit.coordinator.triton_backend import find_hits
+                from kvhit.coordinator.triton_backend import TritonBackend
 
-                hit, tri = find_hits(
-                    self.plan, internal, max_lengths, index, apply_eagle
+                hit, tri = TritonBackend(self.plan, self.device).find(
+                    batch.view(token_len), max_lengths, index, apply_eagle
                 )
             else:
                 probe = (
@@ -464,6 +464,12 @@ class LookupEngine:
     def _lookup(
         self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
     ) -> torch.Tensor:
+        if self.backend == "triton":
+            from kvhit.coordinator.triton_backend import TritonBackend
+
+            return TritonBackend(self.plan, self.device).lookup(
+                batch.view(), num_tokens, index
+            )
         out = torch.zeros_like(num_tokens)
         if len(batch) == 0:
             return out
@@ -474,8 +480,6 @@ class LookupEngine:
             & (token_len > 0)
             & self._has_candidates(internal, token_len)
         )
-        if self.backend == "triton":
-            return self._lookup_whole_batch(internal, num_tokens, ok, index)
         first = ok.nonzero().squeeze(1)
         if first.numel() == 0:
             return out
@@ -493,36 +497,6 @@ class LookupEngine:
                     batch, again, usable[pos], token_len, index, probe
                 )
         return out
-
-    def _lookup_whole_batch(
-        self,
-        internal: _Batch,
-        num_tokens: torch.Tensor,
-        ok: torch.Tensor,
-        index: KeyIndex,
-    ) -> torch.Tensor:
-        """The worker's two searches over the whole batch, with no host sync
-        (so a CUDA graph can capture them): requests not taking part get a
-        zero bound and ``torch.where`` picks the answers. The kernel runs one
-        program per request, so an answer does not depend on the others."""
-        from kvhit.coordinator.triton_backend import find_hits
-
-        zero = torch.zeros_like(num_tokens)
-        token_len = internal.token_len
-        assert token_len is not None
-        first, _ = find_hits(
-            self.plan, internal, torch.where(ok, token_len, zero), index, True
-        )
-        first = torch.where(ok, first, zero)
-        # A hit covering the whole prompt is re-derived at num_tokens - 1 with
-        # the candidate restriction still at the original token_len.
-        redo = ok & (first >= num_tokens)
-        usable = self.align(num_tokens - 1)
-        again = redo & (usable > 0)
-        second, _ = find_hits(
-            self.plan, internal, torch.where(again, usable, zero), index, True
-        )
-        return torch.where(redo, torch.where(again, second, zero), first)
 
     def lookup_unchecked(
         self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex

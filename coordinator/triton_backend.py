@@ -1,9 +1,15 @@
 """The Triton backend of the LookupEngine: glue between a ScanPlan and the kernel.
 
-:func:`find_hits` answers exactly what
-``TorchScanner(plan, prober).find(batch, max_lengths, apply_eagle)`` answers,
-in one launch of :func:`kvhit.kernels.scan.scan_hits` (one program per
-request; the whole convergence loop runs inside the kernel).
+:class:`TritonBackend` implements the :class:`~kvhit.coordinator.backend.Backend`
+protocol over a :class:`~kvhit.coordinator.packing.RaggedView`: ``find`` is one
+launch of :func:`kvhit.kernels.scan.scan_hits` and ``lookup`` one launch of
+:func:`kvhit.kernels.scan.worker_lookup` (one program per request; the
+convergence loop and the store worker's two searches run inside the kernel).
+Neither makes a host sync, so both can be captured in a CUDA graph; ``lookup``
+runs one torch op besides the launch (its output allocation), ``find`` two.
+
+Launch parameters (``BLOCK``, ``NUM_WARPS``, ``MAXNREG``) are chosen once, with
+their reasons, at the top of ``kernels/scan.py``.
 
 Importing this module does not import triton (coordinator/ never does at
 import time); the kernel module is imported on the first call.
@@ -20,9 +26,9 @@ from kvhit.coordinator.plan import ScanPlan
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.torch_backend import _Batch
+    from kvhit.coordinator.packing import RaggedView
 
-__all__ = ["find_hits", "plan_tensors"]
+__all__ = ["TritonBackend", "plan_tensors"]
 
 
 @lru_cache(maxsize=64)
@@ -30,6 +36,7 @@ def _plan_tensors_cached(
     plan: ScanPlan, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sg_rows = torch.tensor(plan.as_rows(), dtype=torch.int64, device=device)
+    # Columns in kernels/contract.py's CAND_COLS order.
     cand_rows = torch.tensor(
         [
             [
@@ -53,70 +60,92 @@ def _plan_tensors_cached(
 def plan_tensors(
     plan: ScanPlan, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan as the kernel reads it: ``sg_rows`` int64 ``[S, 10 + M]``
-    (``plan.as_rows()``) and ``cand_rows`` int64 ``[G, 8]`` (one row per group:
-    cacheable, block_size, scale, sparse, per_segment, need, shift, group_id).
-    Cached per (plan, device), so a steady stream of batches copies nothing to
-    the device but the batch itself."""
+    """The plan as the kernel reads it: ``sg_rows`` int64 ``[S, SG_MEMBERS +
+    M]`` (``plan.as_rows()``) and ``cand_rows`` int64 ``[G, CAND_WIDTH]`` (one
+    row per group, columns ``kernels/contract.py``'s ``CAND_COLS``). Cached per
+    (plan, device), so a steady stream of batches copies nothing to the device
+    but the batch itself."""
     return _plan_tensors_cached(plan, torch.device(device))
 
 
-def _i64(t: torch.Tensor) -> torch.Tensor:
-    # Batch fields are often views (offsets[:-1], fancy-indexed lengths); the
-    # kernel wants dense int64.
-    return t.contiguous()
-
-
-def find_hits(
-    plan: ScanPlan,
-    batch: _Batch,
-    max_lengths: torch.Tensor,
-    index: KeyIndex | None,
-    apply_eagle: bool,
-    *,
-    block: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hits and load-mask triples of every request, on the batch's device.
+class TritonBackend:
+    """The GPU backend (CPU only under ``TRITON_INTERPRET=1``, for tests).
 
     Args:
         plan: the layout's :class:`ScanPlan`.
-        batch: ``hashes`` int64 ``[T, W]``, ``offsets`` / ``lens`` int64
-            ``[R]``, ``token_len`` None or int64 ``[R]`` (the store worker's
-            candidate restriction).
-        max_lengths: int64 ``[R]``.
-        index: the store's keys, or None (every key present).
-        apply_eagle: apply the EAGLE last-block drop.
-        block: positions the kernel probes per step (a power of two; results
-            do not depend on it).
-
-    Returns:
-        ``(hit int64 [R], tri int64 [R, G, 3])`` as ``TorchScanner.find``.
+        device: where views, lengths and indexes live.
     """
-    from kvhit.kernels.scan import scan_hits
 
-    hashes = _i64(batch.hashes)
-    table = None
-    if index is not None:
-        table = index.table
-        if index.W != hashes.shape[1]:
+    name = "triton"
+
+    def __init__(self, plan: ScanPlan, device: torch.device | str) -> None:
+        if not isinstance(plan, ScanPlan):
+            raise TypeError(f"plan must be a ScanPlan, got {type(plan).__name__}")
+        self.plan = plan
+        self.device = torch.device(device)
+
+    def _table(self, index: KeyIndex | None, view: RaggedView) -> torch.Tensor | None:
+        if index is None:
+            return None
+        if index.W != view.rows.shape[1]:
             raise ValueError(
-                f"index has {index.W} words per hash, the batch {hashes.shape[1]}"
+                f"index has {index.W} words per hash, the batch {view.rows.shape[1]}"
             )
-    sg_rows, cand_rows = plan_tensors(plan, hashes.device)
-    return scan_hits(
-        hashes,
-        _i64(batch.offsets),
-        _i64(batch.lens),
-        _i64(max_lengths),
-        sg_rows,
-        cand_rows,
-        table=table,
-        token_len=None if batch.token_len is None else _i64(batch.token_len),
-        hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment,
-        partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
-        num_groups=plan.num_groups,
-        apply_eagle=apply_eagle,
-        block=block,
-    )
+        return index.table
+
+    def _plan_kwargs(self) -> dict:
+        plan = self.plan
+        return dict(
+            hash_block_size=plan.hash_block_size,
+            alignment=plan.alignment,
+            partial=plan.partial,
+            simple_hybrid=plan.simple_hybrid,
+            num_groups=plan.num_groups,
+        )
+
+    def find(
+        self,
+        view: RaggedView,
+        max_lengths: torch.Tensor,
+        index: KeyIndex | None,
+        apply_eagle: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hits and load-mask triples, as :meth:`Backend.find`: ``(hit int64
+        [R], triples int64 [R, G, 3])``, one launch, no host sync."""
+        from kvhit.kernels.scan import scan_hits
+
+        sg_rows, cand_rows = plan_tensors(self.plan, view.device)
+        return scan_hits(
+            view.rows,
+            view.offsets,
+            view.lengths,
+            max_lengths,
+            sg_rows,
+            cand_rows,
+            table=self._table(index, view),
+            token_len=view.token_lens,
+            apply_eagle=apply_eagle,
+            **self._plan_kwargs(),
+        )
+
+    def lookup(
+        self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
+        """The store worker's rule, as :meth:`Backend.lookup`: int64 ``[R]``,
+        one launch (both searches of the ``num_tokens - 1`` rule inside it),
+        no host sync, one torch op (the output) besides the launch."""
+        from kvhit.kernels.scan import worker_lookup
+
+        if view.token_lens is not None:
+            raise ValueError("lookup derives token_lens itself: view.token_lens set")
+        sg_rows, cand_rows = plan_tensors(self.plan, view.device)
+        return worker_lookup(
+            view.rows,
+            view.offsets,
+            view.lengths,
+            num_tokens,
+            sg_rows,
+            cand_rows,
+            table=self._table(index, view),
+            **self._plan_kwargs(),
+        )

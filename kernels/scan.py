@@ -7,12 +7,17 @@ multi-SpecGroup convergence loop with its ``eagle_verified`` bookkeeping, the
 EAGLE proof margin (never for Mamba), the simple-hybrid early exit and the final
 full-attention truncation. Key membership is decided inside the kernel by
 probing the KeyIndex table, so a batch costs one launch and no host round trip
-however many requests it has.
+however many requests it has. In ``LOOKUP`` mode the program also runs the
+store worker's rule around it (``MooncakeStoreWorker.lookup``, mirrored from
+``ReferenceCoordinator.lookup``): align the prompt length, give up when the
+worker asks no key, search, and search again at ``num_tokens - 1`` when the hit
+covers the whole prompt; both searches in the same program.
 
 This module imports nothing from ``coordinator/``; the layout arrives as two
 small int64 tables built by ``coordinator/triton_backend.py`` from a
-``ScanPlan`` (see ``SG_*`` and ``CAND_*`` below for their columns). The closed
-forms of the per-kind rules are documented in ``coordinator/plan.py``.
+``ScanPlan``, whose columns are named in ``kernels/contract.py`` (``SG_*``,
+``CAND_*``). The closed forms of the per-kind rules are documented in
+``coordinator/plan.py``.
 
 Design (why it looks like this):
 
@@ -29,35 +34,42 @@ Design (why it looks like this):
   probes ``BLOCK`` aligned candidates (``need == 1``: Mamba, fine-grained
   tails) or a run window of up to ``BLOCK`` blocks, skipping past the highest
   miss in the window (no later candidate can contain it). ``BLOCK`` lanes share
-  the latency of one probe chain, which on a GPU is a few dependent global
-  loads (column 0, then the ``W`` words); probing a little past a stop costs
-  bandwidth, not latency. ``num_warps=1`` keeps a program to one warp so
-  ``BLOCK = 32`` gives one lane per thread.
-* **State lives in registers.** Per-SpecGroup results (hit length, mask triple,
-  ``eagle_verified``) are ``S_PAD``-wide vectors updated with ``tl.where``; the
-  load-mask triples are written to ``tri`` once, at the end, so nothing is
-  read back from global memory within a program (scalar stores and loads by
-  different threads of a CTA would need a barrier).
+  the latency of one probe chain; see :data:`BLOCK` and :data:`NUM_WARPS`.
+* **State lives in registers, and little of it.** Per-SpecGroup results are
+  ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask triples are
+  written to ``tri`` once, at the end (scalar stores and loads by different
+  threads of a CTA would need a barrier). Across the probe loops a SpecGroup
+  scan keeps only its three search results and bound: the row's fields and
+  what is derived from them are loaded and computed again where needed (an L1
+  hit and a few integer ops, cheaper than registers held through the deepest
+  loops); the worker lookup keeps no mask state at all. This is what keeps
+  the lookup variant at or under 128 registers without spills on sm_90
+  (``tests/test_scan_registers.py``).
+* **One request context.** Every helper takes the request's runtime values as
+  one tuple ``ctx`` (fields ``_C_*``), and only the specialisation constants
+  (``W``, ``HAS_INDEX``, ``HAS_TL``, ``BLOCK``) besides; Triton cannot carry
+  constexprs inside a tuple when it really compiles.
 * **The plan is runtime data, loop over SpecGroups at run time.** The kernel
   is specialised only on ``W``, the presence of an index / of the store
-  worker's candidate restriction, ``apply_eagle``, ``BLOCK`` and the table
-  widths, so the compile count per layout is bounded (a handful of variants),
-  while kinds and sizes are uniform scalar branches within a program.
+  worker's candidate restriction, ``APPLY_EAGLE``, ``LOOKUP``, ``BLOCK`` and
+  the table widths, so the compile count per layout is bounded, while kinds and
+  sizes are uniform scalar branches within a program.
 * **Own table probe.** ``_table_has`` follows the layout contract of
   ``coordinator/key_index.py`` with the slot hash of
-  ``kvhit.kernels.hash_index`` (``hash_init``/``hash_mix``/``hash_finish``),
-  but reads column 0 with plain loads instead of ``find_slots``' acquire
-  loads: a scan is stream-ordered after the inserts it must see, and an
-  acquire per probe step would sit on the latency-bound critical path. Lanes
-  of later SpecGroup members probe only where earlier members hit (an AND).
-* **The store worker's candidate restriction** (``token_len``): a present key
+  ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
+  ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
+  must see, and an acquire per probe step would sit on the latency-bound
+  critical path. Every slot visited counts toward the probe bound, BUSY ones
+  included (the scan passes over BUSY, never waits on it), so a probe ends even
+  on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
+  where earlier members hit (an AND).
+* **The store worker's candidate restriction** (``tok_len``): a present key
   counts only at a position the worker asks about, or when the same hash value
   stands at such a position in the request (the worker's set holds values).
   The position test is closed-form; the value test (``_dup_candidate``) runs
   only for lanes present but not at a candidate, and enumerates the group's
   candidate positions directly rather than the whole prompt, because an EAGLE
-  peek past the lookup length often lands on such a key (a longer prompt with
-  the same prefix was stored before).
+  peek past the lookup length often lands on such a key.
 * **Interpreter quirk.** Under ``TRITON_INTERPRET=1`` a bool scalar combined
   with a bool vector by ``&`` / ``|`` comes out int64 (not a valid mask);
   scalars are broadcast (``zeros + x``) before they meet vectors.
@@ -68,7 +80,7 @@ Design (why it looks like this):
 Probes past a request's hashes are misses (the reference raises there).
 Preconditions the launcher cannot check without a device sync: for every
 request ``r``, ``offsets[r] + lens[r] <= hashes.shape[0]``; member group ids
-index ``cand_rows``.
+index ``cand_rows``; lengths are >= 0.
 """
 
 from __future__ import annotations
@@ -79,69 +91,115 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
+from kvhit.kernels import contract as kc
+from kvhit.kernels.hash_index import slot_hash
 
-__all__ = ["CAND_COLS", "SG_COLS", "scan_hits"]
+__all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
 
-# Kinds, as in coordinator/plan.py (KIND_*).
-_FULL: tl.constexpr = tl.constexpr(0)
-_SWA: tl.constexpr = tl.constexpr(1)
-_MAMBA: tl.constexpr = tl.constexpr(2)
+# -- launch parameters: every choice in one place ---------------------------------
+# Positions probed per step. 32 = one lane per thread of one warp: a probe step
+# is a few dependent global loads (column 0, then the W words), so 32 lanes
+# cost the latency of one; wider blocks only add bandwidth spent past a stop.
+BLOCK = 32
+# One warp per program: programs are scalar control flow over 32 lanes, a
+# second warp would idle in every reduction; more resident one-warp programs
+# (registers permitting) hide the probe latency instead.
+NUM_WARPS = 1
+# The register ceiling given to ptxas (PTX ``.maxnreg``). Without it, ptxas
+# aims a one-warp CTA at 64 registers (32 resident CTAs per SM) and spills the
+# outer loops' state to local memory to get there (the find variants: 64
+# registers, 104-148 bytes of spill stores on sm_90); with it they hold that
+# state in registers (about 100). The lookup variant needs 116 either way (no
+# spills), since its structure, not this number, bounds it. 128 still leaves
+# 16 resident programs per SM.
+MAXNREG = 128
+# Candidate positions the duplicate-value search (_dup_candidate) compares per
+# step, as a multiple of BLOCK. That search walks a group's candidates for each
+# present-but-not-asked lane (EAGLE peeks make those common), so wider is
+# faster, but each step's vectors cost registers: the lookup variant needs 116
+# registers at 1, 120 at 2, 124 at 4 on sm_90 (the budget is 128).
+_DUP_STEP = 2
 
-# Columns of a SpecGroup row (ScanPlan.as_rows()); member group ids follow.
-SG_COLS = (
-    "kind",
-    "block_size",
-    "scale",
-    "use_eagle",
-    "margin",
-    "need",
-    "q",
-    "fine",
-    "chunk",
-    "n_members",
-)
-_MEM0: tl.constexpr = tl.constexpr(len(SG_COLS))
-# Columns of a per-group candidate row (ScanPlan.candidates, in group order).
-CAND_COLS = (
-    "cacheable",
-    "block_size",
-    "scale",
-    "sparse",
-    "per_segment",
-    "need",
-    "shift",
-    "group_id",
-)
+# -- the kernel contract, as constexprs (kernels/contract.py) ---------------------
+_EMPTY: tl.constexpr = tl.constexpr(kc.EMPTY)
+_FULL: tl.constexpr = tl.constexpr(kc.KIND_FULL)
+_SWA: tl.constexpr = tl.constexpr(kc.KIND_SWA)
+_MAMBA: tl.constexpr = tl.constexpr(kc.KIND_MAMBA)
+_SG_KIND: tl.constexpr = tl.constexpr(kc.SG_KIND)
+_SG_BLOCK_SIZE: tl.constexpr = tl.constexpr(kc.SG_BLOCK_SIZE)
+_SG_SCALE: tl.constexpr = tl.constexpr(kc.SG_SCALE)
+_SG_USE_EAGLE: tl.constexpr = tl.constexpr(kc.SG_USE_EAGLE)
+_SG_MARGIN: tl.constexpr = tl.constexpr(kc.SG_MARGIN)
+_SG_NEED: tl.constexpr = tl.constexpr(kc.SG_NEED)
+_SG_Q: tl.constexpr = tl.constexpr(kc.SG_Q)
+_SG_FINE: tl.constexpr = tl.constexpr(kc.SG_FINE)
+_SG_CHUNK: tl.constexpr = tl.constexpr(kc.SG_CHUNK)
+_SG_N_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_N_MEMBERS)
+_SG_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_MEMBERS)
+_CAND_CACHEABLE: tl.constexpr = tl.constexpr(kc.CAND_CACHEABLE)
+_CAND_BLOCK_SIZE: tl.constexpr = tl.constexpr(kc.CAND_BLOCK_SIZE)
+_CAND_SCALE: tl.constexpr = tl.constexpr(kc.CAND_SCALE)
+_CAND_SPARSE: tl.constexpr = tl.constexpr(kc.CAND_SPARSE)
+_CAND_PER_SEGMENT: tl.constexpr = tl.constexpr(kc.CAND_PER_SEGMENT)
+_CAND_NEED: tl.constexpr = tl.constexpr(kc.CAND_NEED)
+_CAND_SHIFT: tl.constexpr = tl.constexpr(kc.CAND_SHIFT)
+_CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
+_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP)
+# The longest length the kernel distinguishes, in tokens (see _div).
+_MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
+
+# -- the request context ``ctx``: one tuple, these fields -------------------------
+_C_OFF: tl.constexpr = tl.constexpr(0)  # first row of the request in hashes
+_C_LENS: tl.constexpr = tl.constexpr(1)  # its number of hash units
+_C_TOK_LEN: tl.constexpr = tl.constexpr(2)  # the worker's lookup length (HAS_TL)
+_C_HASHES: tl.constexpr = tl.constexpr(3)  # hashes_ptr, int64 [T, W]
+_C_TABLE: tl.constexpr = tl.constexpr(4)  # table_ptr, int64 [cap, W + 1]
+_C_CAP_MASK: tl.constexpr = tl.constexpr(5)  # capacity - 1
+_C_CANDS: tl.constexpr = tl.constexpr(6)  # cand_ptr, int64 [G, CAND_WIDTH]
+_C_PARTIAL: tl.constexpr = tl.constexpr(7)  # ScanPlan.partial
+_C_HBS: tl.constexpr = tl.constexpr(8)  # hash_block_size
+_C_ALIGN: tl.constexpr = tl.constexpr(9)  # the hit alignment
+_C_SGS: tl.constexpr = tl.constexpr(10)  # sg_ptr, int64 [S, SG_W]
+_C_N_SG: tl.constexpr = tl.constexpr(11)  # S
+_C_SIMPLE: tl.constexpr = tl.constexpr(12)  # ScanPlan.simple_hybrid
 
 
 @triton.jit
 def _fmod(a, b):
     """Floor remainder of ``a`` by ``b > 0`` (never negative), whatever the
     sign convention of ``%`` on the target."""
-    r = a % b
+    r = (a.to(tl.int32) % b.to(tl.int32)).to(tl.int64)
     return tl.where(r < 0, r + b, r)
 
 
-_EMPTY: tl.constexpr = tl.constexpr(-1)  # KeyIndex column-0 sentinel
+@triton.jit
+def _div(a, b):
+    """``a // b`` for ``a >= 0``, ``b > 0`` below 2**31, computed in 32 bits:
+    a 64-bit division is a subroutine call on the GPU, whose calling
+    convention spills live registers to local memory around it."""
+    return (a.to(tl.int32) // b.to(tl.int32)).to(tl.int64)
 
 
 @triton.jit
-def _table_has(table_ptr, cap_mask, gids, hashes_ptr, rows, mask, W: tl.constexpr):
+def _rem(a, b):
+    """``a % b`` for ``a >= 0``, ``b > 0`` below 2**31 (32 bits, as _div)."""
+    return (a.to(tl.int32) % b.to(tl.int32)).to(tl.int64)
+
+
+@triton.jit
+def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
     """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table?
 
     The table layout contract of ``coordinator/key_index.py``: home slot
-    ``hash_finish(fold(hash_mix, hash_init(gid), words)) & cap_mask``, linear
-    probing; a hit needs column 0 equal to the group id and every word equal;
-    an EMPTY slot ends the probe; TOMBSTONE / BUSY slots are passed over.
-    Column 0 is read with a plain load: lookups are stream-ordered after the
-    inserts they must see (no insert runs concurrently with a scan).
+    ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
+    group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
+    BUSY slots are passed over. Column 0 is read with a plain load: lookups are
+    stream-ordered after the inserts they must see.
     """
-    h = hash_init(gids)
-    for j in tl.static_range(W):
-        w = tl.load(hashes_ptr + rows * W + j, mask=mask, other=0)
-        h = hash_mix(h, w)
-    pos = hash_finish(h) & cap_mask
+    hashes_ptr = ctx[_C_HASHES]
+    table_ptr = ctx[_C_TABLE]
+    cap_mask = ctx[_C_CAP_MASK]
+    pos = slot_hash(gids, hashes_ptr, rows, mask, W) & cap_mask
     found = mask & (gids < gids)
     active = mask
     # A vector step count: lanes stop independently.
@@ -155,56 +213,52 @@ def _table_has(table_ptr, cap_mask, gids, hashes_ptr, rows, mask, W: tl.constexp
             k = tl.load(hashes_ptr + rows * W + j, mask=hit, other=0)
             hit = hit & (t == k)
         found = found | hit
+        # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
+        # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
+        # the probe still ends after `capacity` steps.
         steps += 1
-        # The step bound only matters for a corrupt table with no EMPTY slot.
         active = active & ~hit & (g != _EMPTY) & (steps <= cap_mask)
         pos = (pos + 1) & cap_mask
     return found
 
 
 @triton.jit
-def _is_candidate(
-    units, lens, tok_len, gid, cand_ptr, partial, hbs, CAND_W: tl.constexpr
-):
+def _is_candidate(ctx, units, gid):
     """int1 [N]: does the store worker ask about hash unit ``units`` (int64 [N])
-    for group ``gid`` in a lookup of ``tok_len`` tokens (by position only)?"""
-    row = cand_ptr + gid * CAND_W
-    bs = tl.load(row + 1)
-    s = tl.load(row + 2)
-    sparse = tl.load(row + 3)
-    per = tl.load(row + 4)
-    need = tl.load(row + 5)
-    shift = tl.load(row + 6)
-    in_partial = units < tl.minimum(lens, tok_len // hbs)
+    for group ``gid`` in a lookup of ``tok_len`` tokens (by position only)?
+    Mirrors ``ReferenceCoordinator.lookup_candidates``."""
+    lens = ctx[_C_LENS]
+    tok_len = ctx[_C_TOK_LEN]
+    row = ctx[_C_CANDS] + gid * _CAND_WIDTH
+    bs = tl.load(row + _CAND_BLOCK_SIZE)
+    s = tl.load(row + _CAND_SCALE)
+    sparse = tl.load(row + _CAND_SPARSE)
+    per = tl.load(row + _CAND_PER_SEGMENT)
+    need = tl.load(row + _CAND_NEED)
+    shift = tl.load(row + _CAND_SHIFT)
+    in_partial = units < tl.minimum(lens, _div(tok_len, ctx[_C_HBS]))
     u1 = tl.maximum(units + 1, 0)
-    c = u1 // s - 1
-    ok = (u1 % s == 0) & (c >= 0)
-    ok = ok & (c < tl.minimum(lens // s, (tok_len + bs - 1) // bs))
+    c = _div(u1, s) - 1
+    ok = (_rem(u1, s) == 0) & (c >= 0)
+    ok = ok & (c < tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs)))
     # The SWA lookup mask keeps the last `need` chunks of each segment.
     in_seg = _fmod(c - shift, tl.maximum(per, 1)) >= per - need
-    sp = (c < tok_len // bs) & (c >= shift) & in_seg
+    sp = (c < _div(tok_len, bs)) & (c >= shift) & in_seg
     # Broadcast before mixing with vectors: the interpreter types a bool
     # scalar-vector & / | as int64.
     ok = ok & (((units * 0 + sparse) == 0) | sp)
-    return tl.where(partial != 0, in_partial, ok)
+    return tl.where(ctx[_C_PARTIAL] != 0, in_partial, ok)
 
 
 @triton.jit
-def _dup_candidate(
-    units,
-    odd,
-    off,
-    lens,
-    tok_len,
-    gid,
-    hashes_ptr,
-    cand_ptr,
-    partial,
-    hbs,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CAND_W: tl.constexpr,
-):
+def _candidate_chunk(k, sp, shift, per, nd):
+    """The ``k``-th candidate chunk (in increasing order) of a group: every
+    chunk, or with a sparse lookup mask the ``nd`` last of each segment."""
+    return tl.where(sp, shift + _div(k, nd) * per + (per - nd) + _rem(k, nd), k)
+
+
+@triton.jit
+def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     """int1 [BLOCK]: for lanes ``odd`` (present, not a candidate position),
     whether the same hash value stands at a candidate position of the request.
 
@@ -213,30 +267,32 @@ def _dup_candidate(
     stored key the worker did not ask about (multi-turn prefixes), so this
     must not walk the whole prompt. It enumerates the group's candidate
     positions directly (the SWA lookup mask keeps ``need`` chunks per
-    segment: ``c = shift + m * per + per - need + t``), ``4 * BLOCK`` per step,
-    one odd lane at a time, comparing against the lane's words as scalars.
+    segment), ``_DUP_LANES * BLOCK`` per step, one odd lane at a time.
     """
+    off = ctx[_C_OFF]
+    lens = ctx[_C_LENS]
+    tok_len = ctx[_C_TOK_LEN]
+    hashes_ptr = ctx[_C_HASHES]
     lane = tl.arange(0, BLOCK)
-    kl = tl.arange(0, 4 * BLOCK).to(tl.int64)
-    row = cand_ptr + gid * CAND_W
-    bs = tl.load(row + 1)
-    s = tl.load(row + 2)
-    sparse = tl.load(row + 3) != 0
-    per = tl.load(row + 4)
-    need = tl.load(row + 5)
-    shift = tl.load(row + 6)
+    kl = tl.arange(0, _DUP_LANES * BLOCK).to(tl.int64)
+    row = ctx[_C_CANDS] + gid * _CAND_WIDTH
+    bs = tl.load(row + _CAND_BLOCK_SIZE)
+    s = tl.load(row + _CAND_SCALE)
+    sparse = tl.load(row + _CAND_SPARSE) != 0
+    per = tl.load(row + _CAND_PER_SEGMENT)
+    need = tl.load(row + _CAND_NEED)
+    shift = tl.load(row + _CAND_SHIFT)
     zero = lens * 0
-    is_partial = partial != 0
+    is_partial = ctx[_C_PARTIAL] != 0
     sp = ~is_partial & sparse
     # Candidates are the chunks c < limit (hash units, with partial hits) that
     # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...
-    limit = tl.minimum(lens // s, (tok_len + bs - 1) // bs)
-    limit = tl.where(sparse, tl.minimum(limit, tok_len // bs), limit)
-    limit = tl.where(is_partial, tl.minimum(lens, tok_len // hbs), limit)
+    limit = tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs))
+    limit = tl.where(sparse, tl.minimum(limit, _div(tok_len, bs)), limit)
+    limit = tl.where(is_partial, tl.minimum(lens, _div(tok_len, ctx[_C_HBS])), limit)
     limit = tl.where(sp & (need <= 0), zero, limit)
     nd = tl.maximum(need, 1)
     scale = tl.where(is_partial, zero + 1, s)
-    first_c = tl.where(sp, shift + per - nd, zero)
 
     found = lane < 0
     todo = odd
@@ -244,22 +300,19 @@ def _dup_candidate(
     while i < BLOCK:
         u = tl.sum(tl.where(lane == i, units, 0), axis=0)
         k0 = zero
+        going = _candidate_chunk(k0, sp, shift, per, nd) < limit
         hit = zero > 0
-        going = first_c < limit
         while going:
-            k = k0 + kl
-            c = tl.where(sp, shift + (k // nd) * per + (per - nd) + k % nd, k)
-            valid = c < limit
-            eq = valid
+            c = _candidate_chunk(k0 + kl, sp, shift, per, nd)
+            eq = c < limit
+            v = off + (c + 1) * scale - 1
             for j in tl.static_range(W):
                 a = tl.load(hashes_ptr + (off + u) * W + j)
-                v = off + (c + 1) * scale - 1
-                b = tl.load(hashes_ptr + v * W + j, mask=valid, other=0)
+                b = tl.load(hashes_ptr + v * W + j, mask=eq, other=0)
                 eq = eq & (b == a)
             hit = tl.max(eq.to(tl.int32), axis=0) > 0
-            k0 += 4 * BLOCK
-            c_next = tl.where(sp, shift + (k0 // nd) * per + (per - nd) + k0 % nd, k0)
-            going = ~hit & (c_next < limit)
+            k0 += _DUP_LANES * BLOCK
+            going = ~hit & (_candidate_chunk(k0, sp, shift, per, nd) < limit)
         # Broadcast before mixing with vectors (interpreter quirk, see above).
         hit_v = (tl.zeros([BLOCK], tl.int32) + hit.to(tl.int32)) != 0
         found = found | ((lane == i) & hit_v)
@@ -270,50 +323,35 @@ def _dup_candidate(
 
 @triton.jit
 def _probe(
+    ctx,
     units,
     mask,
     sg_row,
-    n_mem,
-    off,
-    lens,
-    tok_len,
-    hashes_ptr,
-    table_ptr,
-    cap_mask,
-    cand_ptr,
-    partial,
-    hbs,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    CAND_W: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
     present for every member group of the SpecGroup at ``sg_row``? Lanes
     outside ``mask`` or the request's hashes are misses."""
+    lens = ctx[_C_LENS]
     valid = mask & (units >= 0) & (units < lens)
-    rows = off + tl.where(valid, units, 0)
+    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
     hit = valid
-    for k in range(n_mem):
-        gid = tl.load(sg_row + _MEM0 + k)
+    for k in range(tl.load(sg_row + _SG_N_MEMBERS)):
+        gid = tl.load(sg_row + _SG_MEMBERS + k)
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            present = _table_has(table_ptr, cap_mask, gids, hashes_ptr, rows, hit, W)
+            present = _table_has(ctx, gids, rows, hit, W)
         else:
             present = hit
         if HAS_TL:
-            cand = _is_candidate(
-                units, lens, tok_len, gid, cand_ptr, partial, hbs, CAND_W
-            )
+            cand = _is_candidate(ctx, units, gid)
             odd = present & ~cand
             if tl.max(odd.to(tl.int32), axis=0) > 0:
-                dup = _dup_candidate(
-                    units, odd, off, lens, tok_len, gid, hashes_ptr, cand_ptr,
-                    partial, hbs, W, BLOCK, CAND_W,
-                )  # fmt: skip
-                cand = cand | dup
+                cand = cand | _dup_candidate(ctx, units, odd, gid, W, BLOCK)
             present = present & cand
         hit = hit & present
     return hit
@@ -321,25 +359,15 @@ def _probe(
 
 @triton.jit
 def _leading_run(
+    ctx,
+    sg_row,
     start,
     end,
     scale,
-    sg_row,
-    n_mem,
-    off,
-    lens,
-    tok_len,
-    hashes_ptr,
-    table_ptr,
-    cap_mask,
-    cand_ptr,
-    partial,
-    hbs,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    CAND_W: tl.constexpr,
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
@@ -349,11 +377,8 @@ def _leading_run(
     going = end > start
     while going:
         blk = start + count + lane
-        hit = _probe(
-            (blk + 1) * scale - 1, blk < end, sg_row, n_mem, off, lens, tok_len,
-            hashes_ptr, table_ptr, cap_mask, cand_ptr, partial, hbs,
-            W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-        )  # fmt: skip
+        units = (blk + 1) * scale - 1
+        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
@@ -362,31 +387,18 @@ def _leading_run(
 
 @triton.jit
 def _rightmost(
-    top,
-    low,
-    q,
-    resid,
-    need,
-    scale,
+    ctx,
     sg_row,
-    n_mem,
-    off,
-    lens,
-    tok_len,
-    hashes_ptr,
-    table_ptr,
-    cap_mask,
-    cand_ptr,
-    partial,
-    hbs,
+    search,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    CAND_W: tl.constexpr,
 ):
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
-    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none."""
+    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none.
+    ``search`` is ``(top, low, q, resid, need, scale)``."""
+    top, low, q, resid, need, scale = search
     lane = tl.arange(0, BLOCK)
     low = tl.maximum(low, need - 1)
     j = top - _fmod(top - resid, q)
@@ -396,11 +408,8 @@ def _rightmost(
         # BLOCK candidates per step, highest first.
         while going:
             cand = j - lane * q
-            hit = _probe(
-                (cand + 1) * scale - 1, cand >= low, sg_row, n_mem, off, lens,
-                tok_len, hashes_ptr, table_ptr, cap_mask, cand_ptr, partial, hbs,
-                W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-            )  # fmt: skip
+            units = (cand + 1) * scale - 1
+            hit = _probe(ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
             j = j - BLOCK * q
@@ -415,11 +424,8 @@ def _rightmost(
             while checking:
                 d = d0 + lane
                 use = d < need
-                hit = _probe(
-                    (j - d + 1) * scale - 1, use, sg_row, n_mem, off, lens,
-                    tok_len, hashes_ptr, table_ptr, cap_mask, cand_ptr, partial,
-                    hbs, W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-                )  # fmt: skip
+                units = (j - d + 1) * scale - 1
+                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
@@ -431,144 +437,324 @@ def _rightmost(
 
 
 @triton.jit
-def _scan_sg(
+def _sg_shape(ctx, sg_row, bound, drop):
+    """The derived numbers of a SpecGroup scan up to ``bound`` tokens, as a
+    tuple: ``(kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid)``.
+    Called before the searches and again after them (recomputing beats
+    holding ten values through the probe loops)."""
+    align = ctx[_C_ALIGN]
+    kind = tl.load(sg_row + _SG_KIND)
+    bs = tl.load(sg_row + _SG_BLOCK_SIZE)
+    scale = tl.load(sg_row + _SG_SCALE)
+    q = tl.load(sg_row + _SG_Q)
+    fine = tl.load(sg_row + _SG_FINE) != 0
+    chunk = tl.maximum(tl.load(sg_row + _SG_CHUNK), 1)
+    zero = bound * 0
+    m = _div(bound, bs)
+    # Fine-grained (align < bs): the full view has bs // align units per block.
+    fscale = tl.where(fine, _div(bs, align), scale)
+    sb = _div(tl.where(bound > 0, _div(bound, chunk) * chunk, zero), bs)
+    need_eff = tl.maximum(tl.load(sg_row + _SG_NEED) + drop, 1)
+    swa_resid = tl.where(drop != 0, zero, q - 1)
+    return kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid
+
+
+@triton.jit
+def _sg_searches(
+    ctx,
     sg_row,
     bound,
     drop,
-    align,
-    off,
-    lens,
-    tok_len,
-    hashes_ptr,
-    table_ptr,
-    cap_mask,
-    cand_ptr,
-    partial,
-    hbs,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    CAND_W: tl.constexpr,
 ):
-    """Scan one SpecGroup up to ``bound`` tokens (``drop``: the EAGLE drop).
+    """The three searches of a SpecGroup scan, ``(n, j, p)``.
 
-    Returns ``(hit, length, lo, hi)``, int64 scalars: the hit in tokens and the
-    members' load-mask triple. Every kind is one leading run (full attention,
-    chunked local), then one rightmost search (full attention's fine-grained
-    tail, sliding window, Mamba), then one more leading run (the sliding
-    window's short-run fallback); a kind that needs no phase gives it an empty
-    range. Three call sites instead of one per kind keep the inlined code small.
+    Every kind is one leading run ``n`` (full attention, chunked local), then
+    one rightmost search ``j`` (full attention's fine-grained tail, sliding
+    window, Mamba), then one more leading run ``p`` (the sliding window's
+    short-run fallback); a kind that needs no phase gives it an empty range.
+    Three call sites instead of one per kind keep the inlined code small.
     """
-    kind = tl.load(sg_row + 0)
-    bs = tl.load(sg_row + 1)
-    scale = tl.load(sg_row + 2)
-    need_sg = tl.load(sg_row + 5)
-    q = tl.load(sg_row + 6)
-    fine = tl.load(sg_row + 7) != 0
-    chunk = tl.maximum(tl.load(sg_row + 8), 1)
-    n_mem = tl.load(sg_row + 9)
+    align = ctx[_C_ALIGN]
+    lens = ctx[_C_LENS]
+    shape = _sg_shape(ctx, sg_row, bound, drop)
+    kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
     is_full = kind == _FULL
     is_swa = kind == _SWA
     is_mamba = kind == _MAMBA
     is_chunk = ~(is_full | is_swa | is_mamba)
     zero = bound * 0
 
-    m = bound // bs
-    # Fine-grained (align < bs): the full view has bs // align units per block.
-    fscale = tl.where(fine, bs // align, scale)
-    start_tok = tl.where(bound > 0, bound // chunk * chunk, zero)
-    sb = start_tok // bs
-
     # Phase A: full attention's leading run; chunked local's run after the
     # null blocks before the last attention chunk.
     a_start = tl.where(is_chunk, sb, zero)
-    a_end = tl.where(
-        is_full,
-        tl.minimum(m, lens // fscale),
-        tl.where(is_chunk, tl.maximum(m, sb), zero),
-    )
+    a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
+    a_end = tl.where(is_full, tl.minimum(m, _div(lens, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(
-        a_start, a_end, a_scale, sg_row, n_mem, off, lens, tok_len, hashes_ptr,
-        table_ptr, cap_mask, cand_ptr, partial, hbs,
-        W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-    )  # fmt: skip
+    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK)
 
-    # Phase B: the rightmost search.
-    need_eff = tl.maximum(need_sg + drop, 1)
-    swa_resid = tl.where(drop != 0, zero, q - 1)
-    # Full, fine-grained: the highest hit hash unit inside the next block.
+    # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
+    # unit inside the next block; Mamba: the rightmost aligned state
+    # (fine-grained: hash unit); sliding window: a run of need_eff blocks.
     first = n * fscale
-    f_top = tl.minimum(tl.minimum(first + fscale - 1, bound // align), lens) - 1
-    f_top = tl.where(fine, f_top, zero - 1)
-    # Mamba: the rightmost aligned state (fine-grained: hash unit).
-    mf_top = tl.minimum(bound // align, lens) - 1
-    b_top = tl.where(
-        is_full,
-        f_top,
-        tl.where(
-            is_swa | (is_mamba & ~fine), m - 1, tl.where(is_mamba, mf_top, zero - 1)
-        ),
-    )
+    f_top = tl.minimum(tl.minimum(first + fscale - 1, _div(bound, align)), lens) - 1
+    b_top = tl.where(is_mamba, tl.minimum(_div(bound, align), lens) - 1, zero - 1)
+    b_top = tl.where(is_swa | (is_mamba & ~fine), m - 1, b_top)
+    b_top = tl.where(is_full, tl.where(fine, f_top, zero - 1), b_top)
     unit_level = fine & (is_full | is_mamba)
-    b_low = tl.where(is_full, first, zero)
-    b_q = tl.where(unit_level, zero + 1, q)
     b_resid = tl.where(unit_level, zero, tl.where(is_swa, swa_resid, q - 1))
-    b_need = tl.where(is_swa, need_eff, zero + 1)
-    b_scale = tl.where(unit_level, zero + 1, scale)
-    j = _rightmost(
-        b_top, b_low, b_q, b_resid, b_need, b_scale, sg_row, n_mem, off, lens,
-        tok_len, hashes_ptr, table_ptr, cap_mask, cand_ptr, partial, hbs,
-        W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-    )  # fmt: skip
-    got = j >= 0
+    search = (
+        b_top,
+        tl.where(is_full, first, zero),
+        tl.where(unit_level, zero + 1, q),
+        b_resid,
+        tl.where(is_swa, need_eff, zero + 1),
+        tl.where(unit_level, zero + 1, scale),
+    )
+    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK)
 
     # Phase C: a sliding window with no run of `need` blocks still hits with
     # the leading run (shorter than need - 1 blocks).
-    c_end = tl.where(is_swa & ~got, tl.minimum(m, need_eff - 1), zero)
-    p = _leading_run(
-        zero, c_end, scale, sg_row, n_mem, off, lens, tok_len, hashes_ptr,
-        table_ptr, cap_mask, cand_ptr, partial, hbs,
-        W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-    )  # fmt: skip
+    c_end = tl.where(is_swa & (j < 0), tl.minimum(m, need_eff - 1), zero)
+    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK)
+    return n, j, p
 
+
+@triton.jit
+def _sg_result(ctx, sg_row, bound, drop, n, j, p):
+    """A SpecGroup scan's answer from its searches: ``(hit, length, lo, hi)``,
+    the hit in tokens and the members' load-mask triple."""
+    align = ctx[_C_ALIGN]
+    shape = _sg_shape(ctx, sg_row, bound, drop)
+    kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
+    zero = bound * 0
+    got = j >= 0
+    dropping = drop != 0
     # Full attention.
     f_tail = fine & got
     f_blocks = n + f_tail.to(tl.int64)
     f_hit = tl.where(f_tail, (j + 1) * align, n * bs)
-    f_hit = tl.where((drop != 0) & (f_hit > 0), f_hit - tl.minimum(align, bs), f_hit)
-    f_hit = f_hit - f_hit % align
-    f_blocks = tl.minimum(f_blocks, (f_hit + bs - 1) // bs)
+    f_hit = tl.where(dropping & (f_hit > 0), f_hit - tl.minimum(align, bs), f_hit)
+    f_hit = f_hit - _rem(f_hit, align)
+    f_blocks = tl.minimum(f_blocks, _div(f_hit + bs - 1, bs))
     # Sliding window.
-    s_len = tl.where(drop != 0, j, j + 1)
+    s_len = tl.where(dropping, j, j + 1)
     s_lo = j - need_eff + 1
     j0 = (p - 1) - _fmod(p - 1 - swa_resid, q)
     run = tl.where(j0 >= 0, j0 + 1, zero)
-    run = run - run % q
-    run = tl.where((drop != 0) & (run > 0), run - 1, run)
-    run = run - run % q
+    run = run - _rem(run, q)
+    run = tl.where(dropping & (run > 0), run - 1, run)
+    run = run - _rem(run, q)
     s_len = tl.where(got, s_len, run)
     s_lo = tl.where(got, s_lo, zero)
     # Mamba.
-    jj = tl.maximum(j, 0)
-    m_len = tl.where(got, tl.where(fine, jj // fscale + 1, jj + 1), zero)
-    m_hit = tl.where(got, tl.where(fine, (jj + 1) * align, (jj + 1) * bs), zero)
+    j_pos = tl.maximum(j, 0)
+    m_len = tl.where(got, tl.where(fine, _div(j_pos, fscale) + 1, j_pos + 1), zero)
+    m_hit = tl.where(got, tl.where(fine, (j_pos + 1) * align, (j_pos + 1) * bs), zero)
     m_lo = m_len - got.to(tl.int64)
     # Chunked local.
     c_len = sb + n
 
-    hit = tl.where(
-        is_full,
-        f_hit,
-        tl.where(is_swa, s_len * bs, tl.where(is_mamba, m_hit, c_len * bs)),
-    )
-    length = tl.where(
-        is_full, f_blocks, tl.where(is_swa, s_len, tl.where(is_mamba, m_len, c_len))
-    )
-    lo = tl.where(is_full, zero, tl.where(is_swa, s_lo, tl.where(is_mamba, m_lo, sb)))
-    hi = length
-    return hit, length, lo, hi
+    is_full = kind == _FULL
+    is_swa = kind == _SWA
+    is_mamba = kind == _MAMBA
+    hit = tl.where(is_mamba, m_hit, c_len * bs)
+    hit = tl.where(is_swa, s_len * bs, hit)
+    hit = tl.where(is_full, f_hit, hit)
+    length = tl.where(is_mamba, m_len, c_len)
+    length = tl.where(is_swa, s_len, length)
+    length = tl.where(is_full, f_blocks, length)
+    lo = tl.where(is_mamba, m_lo, sb)
+    lo = tl.where(is_swa, s_lo, lo)
+    lo = tl.where(is_full, zero, lo)
+    return hit, length, lo, length
+
+
+@triton.jit
+def _eagle_drop(ctx, sg_row, verified, multi, APPLY_EAGLE: tl.constexpr):
+    """1 where this SpecGroup's scan applies the EAGLE drop, else 0 (int64)."""
+    zero = ctx[_C_LENS] * 0
+    drop = zero
+    if APPLY_EAGLE:
+        use_eagle = (zero + tl.load(sg_row + _SG_USE_EAGLE)) != 0
+        # Once verified, a SpecGroup of several converges without the drop.
+        drop = (use_eagle & (~multi | (verified == 0))).to(tl.int64)
+    return drop
+
+
+@triton.jit
+def _converge(
+    ctx,
+    max_len,
+    W: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_TL: tl.constexpr,
+    APPLY_EAGLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    S_PAD: tl.constexpr,
+    SG_W: tl.constexpr,
+    MASKS: tl.constexpr,
+):
+    """The multi-SpecGroup convergence loop up to ``max_len`` tokens (none when
+    ``max_len < 0``, then the hit is ``max_len``): ``(hit, sg_len, sg_lo,
+    sg_hi)``, the hit in tokens and, when ``MASKS``, each SpecGroup's mask
+    triple (``S_PAD``-wide vectors; zeros otherwise)."""
+    lens = ctx[_C_LENS]
+    n_sg = ctx[_C_N_SG]
+    zero = lens * 0
+    multi = n_sg > 1
+    sidx = tl.arange(0, S_PAD)
+    zs = tl.zeros([S_PAD], tl.int64)
+    # Per SpecGroup: hit in tokens, eagle_verified, load-mask triple.
+    sg_hit = zs
+    verified = zs
+    sg_len = zs
+    sg_lo = zs
+    sg_hi = zs
+
+    hit_length = max_len
+    full_done = zero
+    active = max_len >= 0
+    while active:
+        curr = hit_length
+        for idx in range(n_sg):
+            row = ctx[_C_SGS] + idx * SG_W
+            sel = sidx == idx
+            if (tl.load(row + _SG_KIND) == _FULL) & (full_done != 0):
+                # Full attention is scanned once; later rounds only clip it.
+                curr = tl.minimum(curr, tl.sum(tl.where(sel, sg_hit, 0), axis=0))
+            else:
+                was_verified = tl.sum(tl.where(sel, verified, 0), axis=0)
+                drop = _eagle_drop(ctx, row, was_verified, multi, APPLY_EAGLE)
+                # EAGLE peeks one proof margin past the hit, then drops it
+                # (margin is 0 for Mamba); a lone SpecGroup scans max_length.
+                margin = tl.load(row + _SG_MARGIN)
+                bound = curr
+                if multi & (margin > 0) & (drop != 0):
+                    bound = tl.minimum(curr + margin, lens * ctx[_C_HBS])
+                n, j, p = _sg_searches(
+                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK
+                )
+                new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
+                shrunk = (drop == 0) & (new_hit < curr)
+                verified = tl.where(sel & ((zs + drop) != 0), zs + 1, verified)
+                verified = tl.where(shrunk, zs, verified)
+                curr = new_hit
+                sg_hit = tl.where(sel, new_hit, sg_hit)
+                if MASKS:
+                    sg_len = tl.where(sel, length, sg_len)
+                    sg_lo = tl.where(sel, lo, sg_lo)
+                    sg_hi = tl.where(sel, hi, sg_hi)
+        full_done = zero + 1
+        # A lone SpecGroup's scan is the answer; several converge while the
+        # common hit shrinks (a simple hybrid stops after one shrink).
+        shrank = curr < hit_length
+        hit_length = tl.where(shrank | ~multi, curr, hit_length)
+        active = shrank & multi & (ctx[_C_SIMPLE] == 0)
+    return hit_length, sg_len, sg_lo, sg_hi
+
+
+@triton.jit
+def _store_masks(
+    ctx,
+    tri_ptr,
+    r,
+    n_groups,
+    hit_length,
+    masks,
+    S_PAD: tl.constexpr,
+    SG_W: tl.constexpr,
+):
+    """Write every member group's load-mask triple to ``tri[r]``; ``masks`` is
+    ``(sg_len, sg_lo, sg_hi)`` from :func:`_converge`."""
+    sg_len, sg_lo, sg_hi = masks
+    n_sg = ctx[_C_N_SG]
+    sidx = tl.arange(0, S_PAD)
+    for idx in range(n_sg):
+        row = ctx[_C_SGS] + idx * SG_W
+        bs = tl.load(row + _SG_BLOCK_SIZE)
+        sel = sidx == idx
+        length = tl.sum(tl.where(sel, sg_len, 0), axis=0)
+        lo = tl.sum(tl.where(sel, sg_lo, 0), axis=0)
+        hi = tl.sum(tl.where(sel, sg_hi, 0), axis=0)
+        if (n_sg > 1) & (tl.load(row + _SG_KIND) == _FULL):
+            # Full attention keeps only the blocks of the common hit.
+            length = tl.minimum(length, _div(hit_length + bs - 1, bs))
+            hi = length
+        for k in range(tl.load(row + _SG_N_MEMBERS)):
+            gid = tl.load(row + _SG_MEMBERS + k)
+            out = tri_ptr + (r * n_groups + gid) * 3
+            tl.store(out + 0, length)
+            tl.store(out + 1, lo)
+            tl.store(out + 2, hi)
+
+
+@triton.jit
+def _asks_any(ctx, n_groups):
+    """Whether the store worker asks about any key at all (mirrors
+    ``ReferenceCoordinator.lookup``'s ``if not candidates: return 0``): per
+    prefix-cacheable group, the chunks it walks, and for a sparse lookup mask
+    whether they reach its lowest kept chunk."""
+    lens = ctx[_C_LENS]
+    tok_len = ctx[_C_TOK_LEN]
+    partial = ctx[_C_PARTIAL] != 0
+    anyc = lens < 0
+    for gid in range(n_groups):
+        row = ctx[_C_CANDS] + gid * _CAND_WIDTH
+        bs = tl.load(row + _CAND_BLOCK_SIZE)
+        sparse = tl.load(row + _CAND_SPARSE) != 0
+        need = tl.load(row + _CAND_NEED)
+        lowest = tl.load(row + _CAND_SHIFT) + tl.load(row + _CAND_PER_SEGMENT) - need
+        asked = tl.minimum(
+            _div(lens, tl.load(row + _CAND_SCALE)), _div(tok_len + bs - 1, bs)
+        )
+        asked = tl.where(sparse, tl.minimum(asked, _div(tok_len, bs)), asked)
+        asked = tl.where(partial, tl.minimum(lens, _div(tok_len, ctx[_C_HBS])), asked)
+        dense = partial | ~sparse
+        here = tl.where(dense, asked > 0, (need > 0) & (asked > lowest))
+        anyc = anyc | ((tl.load(row + _CAND_CACHEABLE) != 0) & here)
+    return anyc
+
+
+@triton.jit
+def _worker_lookup(
+    ctx,
+    num_tokens,
+    n_groups,
+    W: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    S_PAD: tl.constexpr,
+    SG_W: tl.constexpr,
+):
+    """The store worker's answer for a prompt of ``num_tokens`` tokens, with
+    the candidate restriction at ``ctx``'s ``tok_len`` (the aligned length).
+    Mirrors ``ReferenceCoordinator.lookup``: a hit covering the whole prompt
+    is searched again at ``align(num_tokens - 1)``, still restricted to the
+    keys asked at the original length. The second search reuses the loop, so
+    the convergence code is inlined once."""
+    align = ctx[_C_ALIGN]
+    tok_len = ctx[_C_TOK_LEN]
+    zero = num_tokens * 0
+    ok = (ctx[_C_LENS] > 0) & (tok_len > 0) & _asks_any(ctx, n_groups)
+    usable = _div(tl.maximum(num_tokens - 1, 0), align) * align
+    bound = tl.where(ok, tok_len, zero - 1)
+    out = zero
+    searching = ok
+    while searching:
+        hit, _l, _lo, _hi = _converge(
+            ctx, bound, W, HAS_INDEX, True, True, BLOCK, S_PAD, SG_W, False
+        )
+        # The second search is bounded by usable < num_tokens: it never
+        # covers the whole prompt, so the loop runs at most twice.
+        whole = hit >= num_tokens
+        out = tl.where(whole, zero, hit)
+        bound = usable
+        searching = whole & (usable > 0)
+    return out
 
 
 @triton.jit
@@ -576,7 +762,7 @@ def _scan_kernel(
     hashes_ptr,
     offsets_ptr,
     lens_ptr,
-    max_len_ptr,
+    len_ptr,
     tok_len_ptr,
     table_ptr,
     cap_mask,
@@ -594,101 +780,52 @@ def _scan_kernel(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     APPLY_EAGLE: tl.constexpr,
+    LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
-    CAND_W: tl.constexpr,
 ):
+    """One program per request ``r``: ``hit[r]`` and (unless ``LOOKUP``) the
+    mask triples ``tri[r]``. ``len_ptr`` holds max_lengths, or with ``LOOKUP``
+    the prompts' num_tokens (the worker's restriction is then derived here)."""
     r = tl.program_id(0).to(tl.int64)
-    off = tl.load(offsets_ptr + r)
     lens = tl.load(lens_ptr + r)
-    max_len = tl.load(max_len_ptr + r)
-    if HAS_TL:
+    # Positions are divided in 32 bits (_div): lengths past _MAX_LEN tokens
+    # mean the same as _MAX_LEN (no request has that many hashes' tokens).
+    length = tl.minimum(tl.load(len_ptr + r), _MAX_LEN)
+    zero = lens * 0
+    if LOOKUP:
+        tok_len = _div(length, align) * align
+    elif HAS_TL:
         tok_len = tl.load(tok_len_ptr + r)
     else:
-        tok_len = lens * 0
-    zero = lens * 0
+        tok_len = zero
     # Scalar arguments as tensors: Triton specialises ints equal to 1 into
-    # constexprs, on which `~` would be Python's bitwise not.
-    multi = (zero + n_sg) > 1
-    partial = zero + partial
-    simple_hybrid = zero + simple_hybrid
-    sidx = tl.arange(0, S_PAD)
-    zs = tl.zeros([S_PAD], tl.int64)
-    # Per SpecGroup: hit in tokens, load-mask triple, eagle_verified.
-    sg_hit = zs
-    sg_len = zs
-    sg_lo = zs
-    sg_hi = zs
-    verified = zs
-
-    hit_length = max_len
-    full_done = zero
-    active = max_len >= 0
-    while active:
-        curr = hit_length
-        for idx in range(n_sg):
-            row = sg_ptr + idx * SG_W
-            kind = tl.load(row + 0)
-            sel = sidx == idx
-            if (kind == _FULL) & (full_done != 0):
-                # Full attention is scanned once; later rounds only clip it.
-                curr = tl.minimum(curr, tl.sum(tl.where(sel, sg_hit, 0), axis=0))
-            else:
-                use_eagle = tl.load(row + 3)
-                margin = tl.load(row + 4)
-                was_verified = tl.sum(tl.where(sel, verified, 0), axis=0)
-                drop = zero
-                if APPLY_EAGLE:
-                    if multi:
-                        drop = ((use_eagle != 0) & (was_verified == 0)).to(tl.int64)
-                    else:
-                        drop = (use_eagle != 0).to(tl.int64)
-                # EAGLE peeks one proof margin past the hit, then drops it
-                # (margin is 0 for Mamba); a lone SpecGroup scans max_length.
-                bound = curr
-                if multi & (margin > 0) & (drop != 0):
-                    bound = tl.minimum(curr + margin, lens * hbs)
-                new_hit, length, lo, hi = _scan_sg(
-                    row, bound, drop, align, off, lens, tok_len, hashes_ptr,
-                    table_ptr, cap_mask, cand_ptr, partial, hbs,
-                    W, HAS_INDEX, HAS_TL, BLOCK, CAND_W,
-                )  # fmt: skip
-                shrunk = (drop == 0) & (new_hit < curr)
-                verified = tl.where(sel & ((zs + drop) != 0), zs + 1, verified)
-                verified = tl.where(shrunk, zs, verified)
-                curr = new_hit
-                sg_hit = tl.where(sel, new_hit, sg_hit)
-                sg_len = tl.where(sel, length, sg_len)
-                sg_lo = tl.where(sel, lo, sg_lo)
-                sg_hi = tl.where(sel, hi, sg_hi)
-        full_done = zero + 1
-        # A lone SpecGroup's scan is the answer; several converge while the
-        # common hit shrinks (a simple hybrid stops after one shrink).
-        shrank = curr < hit_length
-        hit_length = tl.where(shrank | ~multi, curr, hit_length)
-        active = shrank & multi & (simple_hybrid == 0)
-
-    for idx in range(n_sg):
-        row = sg_ptr + idx * SG_W
-        kind = tl.load(row + 0)
-        bs = tl.load(row + 1)
-        n_mem = tl.load(row + 9)
-        sel = sidx == idx
-        length = tl.sum(tl.where(sel, sg_len, 0), axis=0)
-        lo = tl.sum(tl.where(sel, sg_lo, 0), axis=0)
-        hi = tl.sum(tl.where(sel, sg_hi, 0), axis=0)
-        if multi & (kind == _FULL):
-            # Full attention keeps only the blocks of the common hit.
-            length = tl.minimum(length, (hit_length + bs - 1) // bs)
-            hi = length
-        for k in range(n_mem):
-            gid = tl.load(row + _MEM0 + k)
-            out = tri_ptr + (r * n_groups + gid) * 3
-            tl.store(out + 0, length)
-            tl.store(out + 1, lo)
-            tl.store(out + 2, hi)
-    tl.store(hit_ptr + r, hit_length)
+    # constexprs, which a tuple cannot carry and on which `~` is Python's.
+    ctx = (
+        tl.load(offsets_ptr + r),
+        lens,
+        tok_len,
+        hashes_ptr,
+        table_ptr,
+        zero + cap_mask,
+        cand_ptr,
+        zero + partial,
+        zero + hbs,
+        zero + align,
+        sg_ptr,
+        zero + n_sg,
+        zero + simple_hybrid,
+    )
+    if LOOKUP:
+        hit = _worker_lookup(ctx, length, n_groups, W, HAS_INDEX, BLOCK, S_PAD, SG_W)
+    else:
+        hit, sg_len, sg_lo, sg_hi = _converge(
+            ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, True
+        )
+        masks = (sg_len, sg_lo, sg_hi)
+        _store_masks(ctx, tri_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
+    tl.store(hit_ptr + r, hit)
 
 
 def _interpreting() -> bool:
@@ -703,7 +840,7 @@ def _check(
     shape: tuple[int | None, ...] | None = None,
 ) -> torch.Tensor:
     """Validate one tensor argument (int64, contiguous, ``dim`` dims, on
-    ``device``, sizes equal to ``shape`` where not None)."""
+    ``device``, sizes equal to ``shape`` where not None); metadata only."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int64:
@@ -728,6 +865,118 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def _positive_int(name: str, v: object, least: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
+
+
+def _validate(
+    hashes: object,
+    offsets: object,
+    lens: object,
+    lengths: tuple[str, object],
+    sg_rows: object,
+    cand_rows: object,
+    table: object,
+    token_len: object,
+    hash_block_size: object,
+    alignment: object,
+    num_groups: object,
+    block: object,
+) -> None:
+    """Every check both launchers make, before anything is allocated."""
+    if not isinstance(hashes, torch.Tensor):
+        raise TypeError(f"hashes must be a torch.Tensor, got {type(hashes).__name__}")
+    device = hashes.device
+    _check("hashes", hashes, 2, device)
+    W = hashes.shape[1]
+    if W < 1:
+        raise ValueError(f"hashes must have at least one word per hash, got {W}")
+    n_req = _check("offsets", offsets, 1, device).shape[0]
+    _check("lens", lens, 1, device, (n_req,))
+    _check(lengths[0], lengths[1], 1, device, (n_req,))
+    if token_len is not None:
+        _check("token_len", token_len, 1, device, (n_req,))
+    n_sg, sg_w = _check("sg_rows", sg_rows, 2, device).shape
+    if n_sg < 1 or sg_w < kc.SG_MEMBERS + 1:
+        raise ValueError(
+            f"sg_rows must have shape [S >= 1, >= {kc.SG_MEMBERS + 1}], got "
+            f"{list(sg_rows.shape)}"
+        )
+    _positive_int("num_groups", num_groups)
+    _check("cand_rows", cand_rows, 2, device, (num_groups, kc.CAND_WIDTH))
+    if table is not None:
+        cap = _check("table", table, 2, device, (None, W + 1)).shape[0]
+        if cap < 1 or cap & (cap - 1):
+            raise ValueError(f"table capacity must be a power of two, got {cap}")
+    _positive_int("hash_block_size", hash_block_size)
+    _positive_int("alignment", alignment)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ValueError(f"block must be a power of two >= 2, got {block!r}")
+    if block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 2, got {block!r}")
+    if device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            "hashes is on the CPU: the Triton kernels need a GPU, or "
+            "TRITON_INTERPRET=1 set before triton is imported"
+        )
+
+
+def _launch(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    lens: torch.Tensor,
+    lengths: torch.Tensor,
+    token_len: torch.Tensor | None,
+    table: torch.Tensor | None,
+    sg_rows: torch.Tensor,
+    cand_rows: torch.Tensor,
+    hit: torch.Tensor,
+    tri: torch.Tensor,
+    *,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    num_groups: int,
+    apply_eagle: bool,
+    lookup: bool,
+    block: int,
+) -> None:
+    """One launch of :func:`_scan_kernel`, one program per request."""
+    n_sg, sg_w = sg_rows.shape
+    # Unused pointer arguments still need a tensor on the device.
+    _scan_kernel[(offsets.shape[0],)](
+        hashes,
+        offsets,
+        lens,
+        lengths,
+        token_len if token_len is not None else lens,
+        table if table is not None else hashes,
+        (table.shape[0] - 1) if table is not None else 0,
+        sg_rows,
+        cand_rows,
+        hit,
+        tri,
+        n_sg,
+        num_groups,
+        hash_block_size,
+        alignment,
+        int(partial),
+        int(simple_hybrid),
+        W=hashes.shape[1],
+        HAS_INDEX=table is not None,
+        HAS_TL=lookup or token_len is not None,
+        APPLY_EAGLE=bool(apply_eagle) or lookup,
+        LOOKUP=lookup,
+        BLOCK=block,
+        S_PAD=_pow2(n_sg),
+        SG_W=sg_w,
+        num_warps=NUM_WARPS,
+        maxnreg=MAXNREG,
+    )
+
+
 def scan_hits(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
@@ -744,7 +993,7 @@ def scan_hits(
     simple_hybrid: bool,
     num_groups: int,
     apply_eagle: bool,
-    block: int = 32,
+    block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest cache hit and load-mask triples of every request, one launch.
 
@@ -753,10 +1002,11 @@ def scan_hits(
         offsets: int64 ``[R]``, first row of each request in ``hashes``.
         lens: int64 ``[R]``, hash units of each request.
         max_lengths: int64 ``[R]``, the most tokens each hit may cover (>= 0).
-        sg_rows: int64 ``[S, 10 + M]``, one row per SpecGroup in
-            ``ScanPlan.as_rows()`` order (columns ``SG_COLS``, then M member
-            group ids padded with -1); full-attention SpecGroups first.
-        cand_rows: int64 ``[G, 8]``, one row per group (columns ``CAND_COLS``).
+        sg_rows: int64 ``[S, SG_MEMBERS + M]``, one row per SpecGroup in
+            ``ScanPlan.as_rows()`` order (columns ``contract.SG_COLS``, then M
+            member group ids padded with -1); full-attention SpecGroups first.
+        cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group (columns
+            ``contract.CAND_COLS``).
         table: the KeyIndex table, int64 ``[capacity, W + 1]`` (capacity a
             power of two), or None: every key present.
         token_len: int64 ``[R]``, the store worker's lookup length per request
@@ -765,98 +1015,129 @@ def scan_hits(
         partial, simple_hybrid: ``ScanPlan.partial`` / ``.simple_hybrid``.
         num_groups: G, the number of KV-cache groups.
         apply_eagle: apply the EAGLE last-block drop.
-        block: positions probed per step (a power of two).
+        block: positions probed per step (a power of two; results do not
+            depend on it).
 
     Returns:
         ``(hit int64 [R], tri int64 [R, G, 3])``: hits in tokens and each
         group's load-mask triple ``(length, lo, hi)`` (zeros for groups outside
-        every SpecGroup).
+        every SpecGroup). Two allocations besides the launch; no host sync.
 
     Raises:
         TypeError / ValueError: naming the argument that is not an int64,
             contiguous tensor of the right shape on ``hashes``' device.
-    """
-    if not isinstance(hashes, torch.Tensor):
-        raise TypeError(f"hashes must be a torch.Tensor, got {type(hashes).__name__}")
-    device = hashes.device
-    _check("hashes", hashes, 2, device)
-    W = hashes.shape[1]
-    if W < 1:
-        raise ValueError(f"hashes must have at least one word per hash, got {W}")
-    _check("offsets", offsets, 1, device)
-    n_req = offsets.shape[0]
-    _check("lens", lens, 1, device, (n_req,))
-    _check("max_lengths", max_lengths, 1, device, (n_req,))
-    if token_len is not None:
-        _check("token_len", token_len, 1, device, (n_req,))
-    _check("sg_rows", sg_rows, 2, device)
-    n_sg, sg_w = sg_rows.shape
-    if n_sg < 1 or sg_w < len(SG_COLS) + 1:
-        raise ValueError(
-            f"sg_rows must have shape [S >= 1, >= {len(SG_COLS) + 1}], got "
-            f"{list(sg_rows.shape)}"
-        )
-    if (
-        isinstance(num_groups, bool)
-        or not isinstance(num_groups, int)
-        or num_groups < 1
-    ):
-        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
-    _check("cand_rows", cand_rows, 2, device, (num_groups, len(CAND_COLS)))
-    if table is not None:
-        _check("table", table, 2, device, (None, W + 1))
-        cap = table.shape[0]
-        if cap < 1 or cap & (cap - 1):
-            raise ValueError(f"table capacity must be a power of two, got {cap}")
-    for name, v in (("hash_block_size", hash_block_size), ("alignment", alignment)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if (
-        isinstance(block, bool)
-        or not isinstance(block, int)
-        or block < 2
-        or block & (block - 1)
-    ):
-        raise ValueError(f"block must be a power of two >= 2, got {block!r}")
-    if device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            "hashes is on the CPU: the Triton kernels need a GPU, or "
-            "TRITON_INTERPRET=1 set before triton is imported"
-        )
 
-    hit = torch.zeros(n_req, dtype=torch.int64, device=device)
-    tri = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=device)
-    if n_req == 0:
-        return hit, tri
-    # Unused pointer arguments still need a tensor on the device.
-    table_arg = table if table is not None else hashes
-    tok_arg = token_len if token_len is not None else lens
-    _scan_kernel[(n_req,)](
+    Lengths above ``2**30 - 1`` tokens are read as ``2**30 - 1`` (the kernel
+    divides positions in 32 bits); a request would need that many tokens of
+    hashes for it to matter.
+    """
+    _validate(
         hashes,
         offsets,
         lens,
-        max_lengths,
-        tok_arg,
-        table_arg,
-        (table.shape[0] - 1) if table is not None else 0,
+        ("max_lengths", max_lengths),
         sg_rows,
         cand_rows,
-        hit,
-        tri,
-        n_sg,
-        num_groups,
+        table,
+        token_len,
         hash_block_size,
         alignment,
-        int(partial),
-        int(simple_hybrid),
-        W=W,
-        HAS_INDEX=table is not None,
-        HAS_TL=token_len is not None,
-        APPLY_EAGLE=bool(apply_eagle),
-        BLOCK=block,
-        S_PAD=_pow2(n_sg),
-        SG_W=sg_w,
-        CAND_W=len(CAND_COLS),
-        num_warps=1,
+        num_groups,
+        block,
     )
+    n_req = offsets.shape[0]
+    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
+    tri = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=hashes.device)
+    if n_req:
+        _launch(
+            hashes,
+            offsets,
+            lens,
+            max_lengths,
+            token_len,
+            table,
+            sg_rows,
+            cand_rows,
+            hit,
+            tri,
+            hash_block_size=hash_block_size,
+            alignment=alignment,
+            partial=partial,
+            simple_hybrid=simple_hybrid,
+            num_groups=num_groups,
+            apply_eagle=apply_eagle,
+            lookup=False,
+            block=block,
+        )
     return hit, tri
+
+
+def worker_lookup(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    lens: torch.Tensor,
+    num_tokens: torch.Tensor,
+    sg_rows: torch.Tensor,
+    cand_rows: torch.Tensor,
+    *,
+    table: torch.Tensor,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    num_groups: int,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """The store worker's lookup (``ReferenceCoordinator.lookup``) of every
+    request, one launch, one allocation, no host sync.
+
+    Args:
+        num_tokens: int64 ``[R]``, each prompt's length in tokens (>= 0).
+        table: the KeyIndex table, int64 ``[capacity, W + 1]``.
+        others: as :func:`scan_hits`.
+
+    Returns:
+        int64 ``[R]``: tokens to load per request. Only keys the worker asks
+        about at ``num_tokens`` aligned down count as present; a hit covering
+        the whole prompt is searched again at ``num_tokens - 1`` aligned down.
+    """
+    if table is None:
+        raise TypeError("table must be a KeyIndex table (a tensor), got None")
+    _validate(
+        hashes,
+        offsets,
+        lens,
+        ("num_tokens", num_tokens),
+        sg_rows,
+        cand_rows,
+        table,
+        None,
+        hash_block_size,
+        alignment,
+        num_groups,
+        block,
+    )
+    n_req = offsets.shape[0]
+    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
+    if n_req:
+        _launch(
+            hashes,
+            offsets,
+            lens,
+            num_tokens,
+            None,
+            table,
+            sg_rows,
+            cand_rows,
+            hit,
+            hit,  # no mask triples in LOOKUP mode: tri is never written
+            hash_block_size=hash_block_size,
+            alignment=alignment,
+            partial=partial,
+            simple_hybrid=simple_hybrid,
+            num_groups=num_groups,
+            apply_eagle=True,
+            lookup=True,
+            block=block,
+        )
+    return hit

@@ -203,6 +203,60 @@ def test_register_layout_keys(workload: Workload) -> None:
         torch_ops.layout_engine("tmp-key", "cpu")
 
 
+def test_default_key_is_stable_across_processes() -> None:
+    """The default key is a digest of a canonical serialisation: a fresh
+    interpreter (another hash seed, other object addresses) computes the same
+    one, and tags of different types stay apart."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kvhit import CacheLayout, FullAttention, Group, SlidingWindow\n"
+        "from kvhit.bindings import torch_ops\n"
+        "layout = CacheLayout([Group(FullAttention(8, tag='mla'), name='a'),\n"
+        "    Group(SlidingWindow(4, 5, tag=3), eagle=True)], 8, 4, use_eagle=True)\n"
+        "print(torch_ops.register_layout(layout))\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True
+        ).stdout.strip()
+        for env["PYTHONHASHSEED"] in ("1", "2")
+    }
+    from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
+
+    def layout(tag):
+        return CacheLayout(
+            [
+                Group(FullAttention(8, tag="mla"), name="a"),
+                Group(SlidingWindow(4, 5, tag=tag), eagle=True),
+            ],
+            8,
+            4,
+            use_eagle=True,
+        )
+
+    assert keys == {torch_ops.register_layout(layout(3))}
+    assert torch_ops.register_layout(layout("3")) not in keys
+
+
+def test_default_key_refuses_unstable_tags() -> None:
+    from kvhit import CacheLayout, FullAttention, Group, Mamba
+
+    class Tag:  # hashable, but its repr holds an address
+        pass
+
+    layout = CacheLayout(
+        [Group(FullAttention(4)), Group(Mamba(4, tag=Tag()), name="ssm")], 4, 4
+    )
+    with pytest.raises(ValueError, match=r"group 1 \('ssm'\).*tag"):
+        torch_ops.register_layout(layout)
+    # An explicit key needs no default one.
+    assert torch_ops.register_layout(layout, key="tagged-layout") == "tagged-layout"
+    torch_ops.unregister_layout("tagged-layout")
+
+
 def test_lookup_reference_engine_through_op(workload: Workload) -> None:
     w = workload.take(3)
     engine = LookupEngine(w.layout, backend="reference")

@@ -1,0 +1,604 @@
+"""The GPU check: everything ``bench/gpu_check.sh`` measures, as one process.
+
+Written for a CUDA machine with only torch and triton installed and no
+network (numba, pytest, hypothesis are optional): each step that needs
+something absent prints ``SKIP`` and the run goes on. ``--dry-run`` runs every
+step on the CPU at tiny sizes, the Triton kernels under ``TRITON_INTERPRET=1``
+(timings meaningless), so the script itself is tested in the CPU suite
+(``tests/test_gpu_check.py``).
+
+Steps, in order: preflight (GPU, driver, CUDA, torch, triton, commit, a ptxas
+the driver accepts); per preset the workload built once, directly as tensors
+on the device (random hash words with shared prefixes, a store holding the
+keys the worker asks about up to a random stored length, with eviction
+holes), then parity of the triton lookup against the scalar reference (and the
+numba backend when importable) on a sample, the lookup timed eagerly and under
+CUDA-graph replay; KeyIndex inserts/s and probes/s for 32-byte keys at load
+0.5; a summary table last, ready to paste into ``bench/RESULTS.md``.
+
+Run: ``python -m kvhit.bench.gpu_check [--dry-run] [--presets a,b]``. Exit
+code 0 when every step passed or skipped, 1 on a parity mismatch or a failed
+step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from statistics import median
+
+__all__ = ["Config", "main", "run"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of one run. The defaults are the DESIGN.md GPU target."""
+
+    presets: tuple[str, ...] = ("dsv4-flash", "qwen3-next", "gemma3", "llama")
+    requests: int = 4096
+    max_tokens: int = 131072
+    hash_bytes: int = 32
+    sample: int = 16
+    repeats: int = 50
+    key_index_keys: int = 1 << 23
+    dry_run: bool = False
+    seed: int = 0
+
+    @staticmethod
+    def dry(presets: tuple[str, ...] = ("dsv4-flash", "llama")) -> Config:
+        return Config(
+            presets=presets,
+            requests=4,
+            max_tokens=1024,
+            sample=4,
+            repeats=1,
+            key_index_keys=256,
+            dry_run=True,
+        )
+
+
+@dataclass
+class Report:
+    """What the run found, printed as the summary table."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    steps: list[tuple[str, str, float]] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    key_index: list[dict] = field(default_factory=list)
+    failed: bool = False
+
+
+def say(msg: str) -> None:
+    print(f"gpu_check: {msg}", flush=True)
+
+
+# -- preflight -------------------------------------------------------------------
+
+
+def _driver_cuda_version() -> tuple[int, int] | None:
+    """The newest CUDA version the installed driver supports (libcuda)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+            return None
+        return v.value // 1000, v.value % 1000 // 10
+    except OSError:
+        return None
+
+
+def _ptxas_version(path: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _pick_ptxas(env: dict[str, str]) -> None:
+    """Triton 3.9 compiles sm_90+ with its bundled CUDA 13.x ptxas, whose
+    cubins a driver older than CUDA 13 refuses: then point Triton at a system
+    ptxas the driver accepts, if there is one."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        bundled = get_ptxas(90).path
+    except Exception as exc:  # noqa: BLE001 - report, do not stop
+        env["ptxas"] = f"unknown ({exc.__class__.__name__})"
+        return
+    have = _ptxas_version(bundled)
+    drv = _driver_cuda_version()
+    env["ptxas"] = f"{bundled} (CUDA {have})"
+    if drv is None or have is None or have <= drv:
+        return
+    candidates = [shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas"]
+    for cand in candidates:
+        if cand and os.path.exists(cand):
+            v = _ptxas_version(cand)
+            if v is not None and v <= drv:
+                os.environ["TRITON_PTXAS_PATH"] = cand
+                os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = cand
+                env["ptxas"] = f"{cand} (CUDA {v}; the bundled {have} > driver {drv})"
+                return
+    env["ptxas"] = (
+        f"{bundled} (CUDA {have}) is newer than the driver (CUDA {drv}) and no "
+        "system ptxas fits: kernels may fail to load"
+    )
+
+
+def preflight(cfg: Config) -> dict[str, str]:
+    """GPU, driver, CUDA, torch, triton, commit; picks the ptxas."""
+    import torch
+
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        drv = _driver_cuda_version()
+        env["driver"] = _nvidia_smi_driver() or "unknown"
+        env["driver cuda"] = f"{drv[0]}.{drv[1]}" if drv else "unknown"
+    else:
+        env["gpu"] = "none (CPU dry run: Triton interpreter)"
+    env["cuda"] = str(torch.version.cuda)
+    env["torch"] = torch.__version__
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = "missing"
+    env["commit"] = _commit()
+    if torch.cuda.is_available():
+        _pick_ptxas(env)
+    return env
+
+
+def _nvidia_smi_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    sha = out.stdout.strip()
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
+# -- the workload, as tensors on the device --------------------------------------------
+
+
+@dataclass
+class Workload:
+    """One preset's batch, prompt lengths and store, on the device."""
+
+    preset: str
+    layout: object
+    batch: object
+    num_tokens: object
+    index: object
+
+
+def build_workload(preset: str, cfg: Config, device) -> Workload:
+    """``cfg.requests`` prompts of up to ``cfg.max_tokens`` tokens.
+
+    Random hash words (as distinct as sha256's), where prompts share
+    prefixes: each request starts with a prefix of one of 16 system prompts
+    (picked Zipf-like) for a random part of its length. The store holds the
+    keys the worker asks about up to a random stored length of each prompt,
+    5% of them evicted. Built with torch ops on ``device``; no Python loop
+    over requests or hashes.
+    """
+    import torch
+
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch, num_words
+
+    layout = make_layout(preset)
+    hbs = layout.hash_block_size
+    W = num_words(cfg.hash_bytes)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    B, max_units = cfg.requests, max(cfg.max_tokens // hbs, 1)
+
+    def rand(*shape, lo=0, hi=None):
+        return torch.randint(lo, hi, shape, generator=gen).to(device)
+
+    units = rand(B, lo=max_units // 8, hi=max_units + 1)
+    n_sys = 16
+    zipf = 1.0 / torch.arange(1, n_sys + 1, dtype=torch.float64)
+    sys_id = torch.multinomial(zipf, B, replacement=True, generator=gen).to(device)
+    shared = (units.to(torch.float64) * rand(B, hi=1001) / 1000).to(torch.int64)
+    offsets = torch.zeros(B + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(units, 0)
+    total = int(offsets[-1])
+    owner = torch.repeat_interleave(torch.arange(B, device=device), units)
+    pos = torch.arange(total, device=device) - offsets[:-1][owner]
+    words = torch.randint(
+        -(1 << 63), (1 << 63) - 1, (total, W), generator=gen, dtype=torch.int64
+    ).to(device)
+    pool = torch.randint(
+        -(1 << 63), (1 << 63) - 1, (n_sys, max_units, W), generator=gen
+    ).to(device)
+    in_prefix = pos < shared[owner]
+    rows = in_prefix.nonzero().squeeze(1)
+    words[rows] = pool[sys_id[owner[rows]], pos[rows]]
+    batch = HashBatch(words, offsets, cfg.hash_bytes)
+    num_tokens = units * hbs - rand(B, hi=hbs)  # some not block-aligned
+    stored = (num_tokens.to(torch.float64) * rand(B, lo=300, hi=1001) / 1000).to(
+        torch.int64
+    )
+    engine = LookupEngine(layout, backend="torch", device=device)
+    gids, cand_rows = engine.lookup_candidates(batch, stored)
+    keep = torch.rand(gids.shape[0], generator=gen).to(device) >= 0.05
+    gids, cand_rows = gids[keep], cand_rows[keep]
+    # Room for every key at load <= 0.5: the table never grows (or moves),
+    # which a captured CUDA graph needs.
+    index = KeyIndex(cfg.hash_bytes, capacity=max(4 * gids.shape[0], 64), device=device)
+    index.add(gids, words[cand_rows])
+    return Workload(preset, layout, batch, num_tokens, index)
+
+
+# -- steps -----------------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int, device) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    import torch
+
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def check_parity(w: Workload, got, cfg: Config) -> tuple[str, float]:
+    """The triton lookup ``got`` (int64 [B]) against the scalar reference on
+    ``cfg.sample`` requests spread over the batch, and against the numba
+    backend on the same sample when numba is importable. Returns ``(verdict,
+    reference seconds per request)``; raises AssertionError on a mismatch."""
+    import torch
+
+    from kvhit.coordinator.packing import HashBatch, pack_hashes, unpack_hashes
+    from kvhit.coordinator.reference import ReferenceCoordinator
+
+    ref = ReferenceCoordinator(w.layout)
+    B = len(w.batch)
+    sample = list(range(0, B, max(B // cfg.sample, 1)))[: cfg.sample]
+    offs = w.batch.offsets.cpu().tolist()
+    got_l = got.cpu().tolist()
+    ntok = w.num_tokens.cpu().tolist()
+    dev = w.index.device
+    bad, lists, spent = [], [], 0.0
+    for r in sample:
+        rows = w.batch.hashes[offs[r] : offs[r + 1]].cpu()
+        hashes = unpack_hashes(rows, w.batch.hash_bytes)
+        lists.append(hashes)
+        # The worker only learns about the keys it asks: look those up.
+        asked = ref.lookup_candidates(ntok[r], hashes)
+        present: set = set()
+        if asked:
+            gids = torch.tensor([g for g, _ in asked], dtype=torch.int64)
+            keys = pack_hashes([h for _, h in asked], w.batch.hash_bytes)
+            hit = w.index.contains(gids.to(dev), keys.to(dev)).cpu().tolist()
+            present = {k for k, h in zip(asked, hit, strict=True) if h}
+        t0 = time.perf_counter()
+        want = ref.lookup(ntok[r], hashes, present)
+        spent += time.perf_counter() - t0
+        if want != got_l[r]:
+            bad.append((r, got_l[r], want))
+    verdict = f"ref {len(sample) - len(bad)}/{len(sample)}"
+    try:
+        from kvhit.coordinator.engine import LookupEngine
+
+        numba = LookupEngine(w.layout, backend="numba", device="cpu")
+    except (ImportError, ValueError, TypeError):
+        verdict += ", numba SKIP"
+    else:
+        sub = HashBatch.from_bytes(lists, w.batch.hash_bytes)
+        nt = torch.tensor([ntok[r] for r in sample], dtype=torch.int64)
+        nb = numba.lookup(sub, nt, w.index.to("cpu")).tolist()
+        same = sum(a == got_l[r] for a, r in zip(nb, sample, strict=True))
+        verdict += f", numba {same}/{len(sample)}"
+        if same != len(sample):
+            bad.append(("numba", len(sample) - same))
+    if bad:
+        raise AssertionError(f"parity mismatch ({verdict}): {bad[:5]}")
+    return verdict, spent / max(len(sample), 1)
+
+
+def time_lookup(w: Workload, cfg: Config) -> dict:
+    """The triton backend's lookup: eager median, and under CUDA-graph
+    replay (GPU only), with the graph's answer checked against eager."""
+    import torch
+
+    from kvhit.coordinator.plan import ScanPlan
+    from kvhit.coordinator.triton_backend import TritonBackend
+
+    device = w.batch.device
+    backend = TritonBackend(ScanPlan.from_layout(w.layout), device)
+    view = w.batch.view()
+    out = {}
+    eager = backend.lookup(view, w.num_tokens, w.index)
+    out["result"] = eager
+    out["eager_s"] = _timed(
+        lambda: backend.lookup(view, w.num_tokens, w.index), cfg.repeats, device
+    )
+    # Through LookupEngine.lookup_unchecked: the backend plus the engine's
+    # own host-side work (inference mode, its output copy).
+    from kvhit.coordinator.engine import LookupEngine
+
+    engine = LookupEngine(w.layout, backend="triton", device=device)
+    out["engine_s"] = _timed(
+        lambda: engine.lookup_unchecked(w.batch, w.num_tokens, w.index),
+        cfg.repeats,
+        device,
+    )
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            backend.lookup(view, w.num_tokens, w.index)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = backend.lookup(view, w.num_tokens, w.index)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(static, eager):
+            raise AssertionError("CUDA-graph replay differs from the eager lookup")
+        out["graph_s"] = _timed(graph.replay, cfg.repeats, device)
+    return out
+
+
+def time_key_index(cfg: Config, device) -> dict:
+    """Inserts/s and probes/s of 32-byte keys at load 0.5 (half the probes
+    present)."""
+    import torch
+
+    from kvhit.coordinator.key_index import KeyIndex
+
+    n = cfg.key_index_keys
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (2 * n, 4), generator=gen)
+    words = words.to(device)
+    gids = torch.zeros(2 * n, dtype=torch.int64, device=device)
+
+    def insert():
+        index = KeyIndex(32, capacity=2 * n, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        index.add(gids[:n], words[:n])
+        _sync(device)
+        return index, time.perf_counter() - t0
+
+    index, _ = insert()
+    ins = median(insert()[1] for _ in range(max(cfg.repeats // 10, 1)))
+    probe_ids = torch.randperm(2 * n, generator=gen).to(device)
+    pg, pw = gids[probe_ids], words[probe_ids]
+    found = index.contains(pg, pw)
+    if int(found.sum()) != int((probe_ids < n).sum()):
+        raise AssertionError("KeyIndex.contains disagrees with what was added")
+    probe = _timed(lambda: index.contains(pg, pw), cfg.repeats, device)
+    out = {
+        "keys": n,
+        "load": round(len(index) / index.table.shape[0], 2),
+        "inserts_per_s": n / ins,
+        "probes_per_s": 2 * n / probe,
+    }
+    if device.type == "cuda":
+        # The probe kernel alone, without contains()' argument checks.
+        from kvhit.kernels import hash_index
+
+        pw = pw.contiguous()
+        kernel = _timed(
+            lambda: hash_index.probe(index.table, index.W, pg, pw), cfg.repeats, device
+        )
+        out["kernel_probes_per_s"] = 2 * n / kernel
+    return out
+
+
+# -- the run ---------------------------------------------------------------------
+
+
+def _step(report: Report, name: str, fn):
+    """Run one step; record PASS / FAIL and its time, never raise."""
+    t0 = time.perf_counter()
+    say(f"== {name}")
+    try:
+        out = fn()
+    except Exception:  # noqa: BLE001 - one failed step must not hide the rest
+        traceback.print_exc()
+        report.steps.append((name, "FAIL", time.perf_counter() - t0))
+        report.failed = True
+        return None
+    report.steps.append((name, "PASS", time.perf_counter() - t0))
+    return out
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def summary(report: Report, cfg: Config) -> str:
+    """The Markdown table for bench/RESULTS.md."""
+    env = report.env
+    lines = [
+        f"### GPU check, {env.get('date')} (commit {env.get('commit')})",
+        "",
+        f"{env.get('gpu')}, driver {env.get('driver', '-')} (CUDA "
+        f"{env.get('driver cuda', '-')}), torch {env.get('torch')} (CUDA "
+        f"{env.get('cuda')}), triton {env.get('triton')}; ptxas "
+        f"{env.get('ptxas', '-')}",
+        "",
+        f"B = {cfg.requests} requests, prompts up to {cfg.max_tokens} tokens, "
+        f"{cfg.hash_bytes}-byte hashes; medians of {cfg.repeats} runs"
+        + (" (DRY RUN on the CPU: timings meaningless)" if cfg.dry_run else ""),
+        "",
+        "| preset | hashes | keys | lookup eager | engine eager | lookup graph "
+        "| ref/request | x ref (graph or eager) | parity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.rows:
+        t = r.get("graph_s") or r.get("eager_s")
+        x = r["ref_per_req"] * cfg.requests / t if t and r.get("ref_per_req") else 0
+        lines.append(
+            f"| {r['preset']} | {r['hashes']} | {r['keys']} | "
+            f"{_fmt_s(r.get('eager_s'))} | {_fmt_s(r.get('engine_s'))} | "
+            f"{_fmt_s(r.get('graph_s'))} | "
+            f"{_fmt_s(r.get('ref_per_req'))} | {x:.0f}x | {r.get('parity', '-')} |"
+        )
+    for k in report.key_index:
+        lines.append("")
+        lines.append(
+            f"KeyIndex, 32-byte keys, {k['keys']} keys at load {k['load']}: "
+            f"{k['inserts_per_s'] / 1e9:.3f} G inserts/s, "
+            f"{k['probes_per_s'] / 1e9:.3f} G probes/s (contains)"
+            + (
+                f", {k['kernel_probes_per_s'] / 1e9:.3f} G probes/s (probe kernel)"
+                if "kernel_probes_per_s" in k
+                else ""
+            )
+        )
+    lines.append("")
+    lines.append("| step | status | seconds |")
+    lines.append("|---|---|---|")
+    for name, status, secs in report.steps:
+        lines.append(f"| {name} | {status} | {secs:.1f} |")
+    return "\n".join(lines)
+
+
+def run(cfg: Config) -> Report:
+    """Every step of the check; the report holds what the summary prints."""
+    import torch
+
+    report = Report()
+    report.env = preflight(cfg)
+    for k, v in report.env.items():
+        say(f"  {k:12} {v}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for preset in cfg.presets:
+        w = _step(
+            report, f"{preset}: build", lambda p=preset: build_workload(p, cfg, device)
+        )
+        if w is None:
+            continue
+        row = {
+            "preset": preset,
+            "hashes": w.batch.total,
+            "keys": len(w.index),
+        }
+        report.rows.append(row)
+        timing = _step(
+            report, f"{preset}: lookup timing", lambda w=w: time_lookup(w, cfg)
+        )
+        if timing is None:
+            continue
+        row.update({k: v for k, v in timing.items() if k != "result"})
+        par = _step(
+            report,
+            f"{preset}: parity",
+            lambda w=w, t=timing: check_parity(w, t["result"], cfg),
+        )
+        if par is not None:
+            row["parity"], row["ref_per_req"] = par
+        del w
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ki = _step(report, "KeyIndex", lambda: time_key_index(cfg, device))
+    if ki is not None:
+        report.key_index.append(ki)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, CPU")
+    parser.add_argument("--presets", default=None, help="comma-separated presets")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    cfg = Config.dry() if args.dry_run else Config()
+    changes = {}
+    if args.presets:
+        changes["presets"] = tuple(p for p in args.presets.split(",") if p)
+    if args.requests:
+        changes["requests"] = args.requests
+    if args.max_tokens:
+        changes["max_tokens"] = args.max_tokens
+    if changes:
+        cfg = Config(**{**cfg.__dict__, **changes})
+    import torch
+
+    if not torch.cuda.is_available():
+        if not cfg.dry_run:
+            say("SKIP: no CUDA GPU (--dry-run runs every step on the CPU)")
+            return 0
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if "triton" in sys.modules:
+                say("FAIL: triton imported before TRITON_INTERPRET=1 was set")
+                return 1
+            os.environ["TRITON_INTERPRET"] = "1"
+    report = run(cfg)
+    print()
+    print(summary(report, cfg), flush=True)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
