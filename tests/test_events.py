@@ -220,7 +220,8 @@ def test_apply_int_hash_batch():
     short = [sha256(f"short{i}".encode()).digest()[:8] for i in range(3)]
     block7 = sha256(b"block7").digest()
     assert _contents(narrow) == {(0, block7[-8:]), (3, short[0]), (3, short[2])}
-    assert (stats.events, stats.keys_added, stats.keys_removed) == (3, 3, 1)
+    # The removed key (short1) was never present: changes are counted, not asks.
+    assert (stats.events, stats.keys_added, stats.keys_removed) == (3, 3, 0)
 
 
 def test_apply_order_semantics_and_few_calls():
@@ -389,20 +390,25 @@ def test_ordered_delivery_of_vllm_payloads(publisher):
 
 
 def test_dropped_batch_recovered_through_vllm_replay_bytes(publisher):
-    """Seq 1 is lost live; the ROUTER answers with vLLM's recorded replay."""
+    """Seq 2 is lost live; the ROUTER answers with vLLM's recorded replay.
+
+    The follower asks from seq 1, the last batch it applied (vLLM replays
+    every buffered batch >= start): that batch must come back byte for byte,
+    which proves the replay continues the stream the index holds.
+    """
     index = KeyIndex(hash_bytes=32, capacity=64)
     with _follower(publisher, index, medium="GPU", honor_clears=False) as f:
         publisher.recorded_replay = REPLAY  # batches 1..4 + END, as vLLM sent them
         for seq, payload in enumerate(PAYLOADS):
-            publisher.publish(payload, drop=seq == 1)
+            publisher.publish(payload, drop=seq == 2)
         assert f.wait_for_seq(4, WAIT_S)
         h = [sha256(f"block{i}".encode()).digest() for i in range(8)]
         with f.lock:
             assert _contents(index) == {(2, h[2]), (2, h[4])}
         assert (f.gaps_detected, f.gaps_recovered, f.gaps_unrecovered) == (1, 1, 0)
         assert f.batches_applied == 5 and not f.stale
-    # The follower asked from the first missing batch, as vLLM expects:
-    # [identity, b"", start(8 bytes big-endian)] at the ROUTER.
+    # The follower asked from the last batch it holds, as vLLM's protocol
+    # spells it: [identity, b"", start(8 bytes big-endian)] at the ROUTER.
     gap_requests = [r for r in publisher.replay_requests if r[2] != bytes(8)]
     assert [r[1:] for r in gap_requests] == [[b"", (1).to_bytes(8, "big")]]
 
