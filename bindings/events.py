@@ -419,8 +419,9 @@ def _tensors(plan: _Plan, hash_bytes: int, device: Any) -> _Keys:
     return _Keys(out[0], out[1])
 
 
-def _would_grow(index: KeyIndex, plan: _Plan, keys: _Keys) -> bool:
-    """True when committing ``plan`` would make ``index.add`` rehash.
+def _new_keys(index: KeyIndex, plan: _Plan, keys: _Keys) -> int | None:
+    """How many keys committing ``plan`` adds to ``index`` when that makes
+    ``index.add`` rehash; None when the table has room.
 
     Mirrors the growth rule of :meth:`KeyIndex.add`: a rehash happens when
     ``live + tombstones + new keys`` exceeds ``floor(max_load * capacity)``
@@ -428,55 +429,76 @@ def _would_grow(index: KeyIndex, plan: _Plan, keys: _Keys) -> bool:
     The exact count of new keys costs one probe, paid only near the limit.
     """
     if keys.adds is None:
-        return False
+        return None
     limit = math.floor(index.max_load * index.capacity)
     if plan.clear:
-        return keys.n_adds > limit
+        return keys.n_adds if keys.n_adds > limit else None
     used = len(index) + index.tombstones
     if used + keys.n_adds <= limit:
-        return False
+        return None
     new = int((~index.contains(*keys.adds)).sum().item())
-    return used + new > limit
+    return new if used + new > limit else None
 
 
-def _grown_copy(index: KeyIndex, plan: _Plan, keys: _Keys) -> tuple[KeyIndex, int, int]:
-    """A new KeyIndex holding ``index`` with ``plan`` applied; ``index`` is
-    only read. Returns (copy, keys removed, keys added)."""
-    live = 0 if plan.clear else len(index)
-    cap = index.capacity
-    while live + keys.n_adds > math.floor(index.max_load * cap):
-        cap *= 2
-    grown = KeyIndex(
-        index.hash_bytes,
-        capacity=cap,
-        device=index.device,
-        backend=index.backend,
-        max_load=index.max_load,
-    )
-    if not plan.clear:
-        grown.add(*index.keys())
+def _grown_copy(
+    index: KeyIndex, plan: _Plan, keys: _Keys, n_new: int
+) -> tuple[KeyIndex, int, int]:
+    """A rehashed copy of ``index`` with ``plan`` applied; ``index`` is only
+    read. Returns (copy, keys removed, keys added).
+
+    With KeyIndex's ``grown_for``/``adopt`` (the growth-outside-a-lock API)
+    the copy comes from ``grown_for``; otherwise it is rebuilt here from
+    ``index.keys()`` with ``index``'s configuration.
+    """
+    grown_for = getattr(index, "grown_for", None)
+    if callable(grown_for) and callable(getattr(index, "adopt", None)):
+        grown = grown_for(n_new)  # may refuse (fixed capacity): nothing changed
+        if plan.clear:
+            grown.clear()
+    else:
+        live = 0 if plan.clear else len(index)
+        cap = index.capacity
+        while live + n_new > math.floor(index.max_load * cap):
+            cap *= 2
+        grown = KeyIndex(
+            index.hash_bytes,
+            capacity=cap,
+            device=index.device,
+            backend=index.backend,
+            max_load=index.max_load,
+        )
+        if not plan.clear:
+            grown.add(*index.keys())
     removed = grown.remove(*keys.removes) if keys.removes is not None else 0
     added = grown.add(*keys.adds) if keys.adds is not None else 0
     return grown, removed, added
 
 
-def _adopt(index: KeyIndex, grown: KeyIndex) -> None:
-    """Make ``index`` hold ``grown``'s table, in O(1) (under the caller's lock).
+def _adopt(index: KeyIndex, grown: KeyIndex, before: tuple[int, int, int]) -> bool:
+    """Make ``index`` hold ``grown``'s table in O(1), under the caller's lock;
+    False (nothing changed) if ``index`` changed since ``grown`` was built.
 
-    Stopgap until KeyIndex has a public way to adopt another index's table
-    (``KeyIndex.adopt``, used when present): ``grown`` was built with
+    ``KeyIndex.adopt`` does it where it exists (it checks the index's version
+    and hands the old table back in ``grown``, freed when the caller drops
+    it, after the lock). Until then, a stopgap: ``grown`` was built with
     ``index``'s configuration, so its instance state replaces ``index``'s,
-    whatever the internal names; the backend choice ("auto") is kept.
+    whatever the internal names, keeping the backend choice ("auto").
     """
     adopt = getattr(index, "adopt", None)
-    if callable(adopt):
-        adopt(grown)
-        return
+    if callable(adopt) and callable(getattr(index, "grown_for", None)):
+        try:
+            adopt(grown)
+        except ValueError:  # changed since grown_for: keys would be lost
+            return False
+        return True
+    if _fingerprint(index) != before:
+        return False
     state = vars(index)
     backend = state.get("_backend")
     state.update(vars(grown))
     if backend is not None:
         state["_backend"] = backend
+    return True
 
 
 def _fingerprint(index: Any) -> tuple[int, int, int]:
@@ -494,29 +516,28 @@ def _commit(
 
     Everything that can fail on input (packing the keys) happens before the
     index is touched. When the adds would grow the table, the grown table is
-    built from ``index.keys()`` *outside* ``lock`` (``index`` is only read;
-    the caller must be its only writer meanwhile) and swapped in under it, so
-    readers holding the lock wait O(1), not a rehash, and a failure while
-    building (out of memory) leaves ``index`` as it was.
+    built *outside* ``lock`` (``index`` is only read; the caller must be its
+    only writer meanwhile) and swapped in under it, so readers holding the
+    lock wait O(1), not a rehash, and a failure while building (out of
+    memory, a fixed-capacity index) leaves ``index`` as it was.
     """
     lock = lock if lock is not None else contextlib.nullcontext()
     device = getattr(index, "device", "cpu")
     keys = _tensors(plan, _index_hash_bytes(index), device)
     grown = None
-    if isinstance(index, KeyIndex) and _would_grow(index, plan, keys):
-        before = _fingerprint(index)
-        copy, removed, added = _grown_copy(index, plan, keys)
-        grown = (before, copy, removed, added)
+    if isinstance(index, KeyIndex):
+        n_new = _new_keys(index, plan, keys)
+        if n_new is not None:
+            before = _fingerprint(index)
+            grown = (before, *_grown_copy(index, plan, keys, n_new))
     with lock:
-        if grown is not None and grown[0] == _fingerprint(index):
-            _, copy, removed, added = grown
-            if plan.clear:
-                removed += len(index)
-            _adopt(index, copy)
+        cleared = len(index) if plan.clear else 0
+        if grown is not None and _adopt(index, grown[1], grown[0]):
+            removed, added = cleared + grown[2], grown[3]
         else:  # no growth, or another writer changed the index meanwhile
             removed = added = 0
             if plan.clear:
-                removed = len(index)
+                removed = cleared
                 index.clear()
             # Removes first: the index never needs room for keys about to leave.
             if keys.removes is not None:
@@ -525,6 +546,7 @@ def _commit(
                 added = index.add(*keys.adds)
         if sync and torch.device(device).type == "cuda":
             torch.cuda.current_stream(device).synchronize()
+    # ``grown`` (with KeyIndex.adopt: the old table) is freed here, unlocked.
     return ApplyStats(plan.events, plan.skipped, added, removed, plan.clear)
 
 
@@ -702,8 +724,9 @@ class EventFollower:
         _check_seconds(idle_probe_s, "idle_probe_s", optional=True)
         _check_int(max_drain, "max_drain", 1)
         _check_int(rcvhwm, "rcvhwm", 0, 1 << 31)  # ZMQ: 0 = no limit
-        # poll_ms bounds how fast stop() returns; 0 would spin, <0 block forever.
-        _check_int(poll_ms, "poll_ms", 1, 60_001)
+        # poll_ms bounds how fast stop() returns (its default timeout is 5 s);
+        # 0 would spin, < 0 block forever.
+        _check_int(poll_ms, "poll_ms", 1, 1001)
         if on_commit is not None and not callable(on_commit):
             raise TypeError(
                 f"on_commit must be callable, got {type(on_commit).__name__}"
@@ -922,7 +945,12 @@ class EventFollower:
                     time.monotonic() >= self._ahead_since + self.reorder_wait_s
                     or len(self._ahead) > self.reorder_window
                 ):
+                    since = self._ahead_since
                     self._safely(self._catch_up, "gap")
+                    if self._ahead and self._ahead_since == since:
+                        # The repair failed (counted, stale): never spin on it.
+                        self._ahead.clear()
+                        self._ahead_since = None
                 if not ready:
                     idle = self.idle_probe_s
                     if (
