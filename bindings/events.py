@@ -530,6 +530,8 @@ def _commit(
         if n_new is not None:
             before = _fingerprint(index)
             grown = (before, *_grown_copy(index, plan, keys, n_new))
+    # Held until after the lock: freeing a large old table takes a while.
+    old_table = getattr(index, "table", None)
     with lock:
         cleared = len(index) if plan.clear else 0
         if grown is not None and _adopt(index, grown[1], grown[0]):
@@ -546,7 +548,8 @@ def _commit(
                 added = index.add(*keys.adds)
         if sync and torch.device(device).type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-    # ``grown`` (with KeyIndex.adopt: the old table) is freed here, unlocked.
+    # The old table (also in ``grown`` with KeyIndex.adopt) is freed here.
+    del old_table, grown
     return ApplyStats(plan.events, plan.skipped, added, removed, plan.clear)
 
 

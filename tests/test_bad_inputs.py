@@ -250,9 +250,9 @@ KEY_INDEX = [
     ),
     Case("add-hashes-None", lambda i: i.add(0, None), TypeError, "hashes", _index),
     Case(
-        "add-hashes-numpy-words",
-        lambda i: i.add(0, np.zeros((2, 2), np.int64)),
-        TypeError,
+        "add-hashes-numpy-words-shape",  # [N, W] words may be accepted; W=3 not
+        lambda i: i.add(0, np.zeros((2, 3), np.int64)),
+        (TypeError, ValueError),
         "hashes",
         _index,
     ),
