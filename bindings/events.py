@@ -38,7 +38,10 @@ Wire format (vLLM 0.33.0, read from the source):
   buffered batch with ``seq >= start_seq`` (the last ``buffer_steps``, 10 000
   by default), then the end marker ``[b"", b"", (-1).to_bytes(8, signed),
   b""]``. There is no heartbeat, so a lost *last* batch is only noticed at the
-  next batch or by an idle probe (``idle_probe_s``).
+  next batch or by an idle probe (``idle_probe_s``). The follower asks from
+  the last batch it applied, which must come back byte for byte (batches
+  carry their creation time, so a restarted publisher's batch of the same seq
+  differs): that is how a restart is told from a gap.
 """
 
 from __future__ import annotations
