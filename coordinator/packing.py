@@ -60,39 +60,44 @@ def padding_mask(hash_bytes: int) -> int:
 
 
 def _not_bytes(h: Any) -> str | None:
-    """Why ``h`` cannot be a hash (None if it can).
+    """Why ``h`` cannot be a hash (None if it can): it must be a 1-D buffer of
+    single bytes (bytes, bytearray, a byte memoryview or uint8 array).
 
-    Only one-byte-per-item buffers count: ``len()`` of a numpy int64 array or
-    of a non-byte memoryview is not its size in bytes, so accepting them would
-    pack the wrong bytes (or fail deep inside numpy).
+    ``len()`` of a numpy int64 array or of a non-byte memoryview is not its
+    size in bytes, so accepting them would pack the wrong bytes (or fail deep
+    inside numpy).
     """
     if isinstance(h, bytes | bytearray):
         return None
-    if isinstance(h, memoryview):
-        if h.ndim == 1 and h.itemsize == 1:
-            return None
-        return f"memoryview of format {h.format!r} (need a 1-D byte buffer)"
     name = type(h).__name__
-    if isinstance(h, np.ndarray | torch.Tensor):
-        return (
-            f"{name} (pass packed int64 words as a torch.Tensor [N, W], or "
-            "the hash as bytes, e.g. .tobytes())"
-        )
-    return name
+    try:
+        view = memoryview(h)
+    except TypeError:
+        return name
+    if view.ndim == 1 and view.itemsize == 1:
+        return None
+    return (
+        f"{name} of {view.itemsize}-byte items, shape {list(view.shape)} (need "
+        "the hash as bytes, e.g. .tobytes(); packed int64 words go in as a "
+        "torch.Tensor [N, W])"
+    )
 
 
 def _check_widths(hashes: Sequence[_BytesLike], hash_bytes: int, where: str) -> None:
-    """Raise TypeError/ValueError naming the first item of ``hashes`` that is
-    not a bytes object of exactly ``hash_bytes`` bytes."""
-    # map(type) / map(len) run in C; the slow scan only happens on an error.
-    if not set(map(type, hashes)) <= {bytes, bytearray}:
+    """Raise TypeError/ValueError naming the first item of ``hashes`` whose
+    ``len()`` is not ``hash_bytes`` (or that has no length). Items whose
+    ``len()`` is not their size in bytes are caught after the join
+    (:func:`_join`), at no cost when there are none."""
+    # map(len) runs in C; the slow scan only happens on an error.
+    try:
+        lengths = set(map(len, hashes))
+    except TypeError:
+        lengths = None
+    if lengths is None or (lengths and lengths != {hash_bytes}):
         for pos, h in enumerate(hashes):
             why = _not_bytes(h)
             if why is not None:
                 raise TypeError(f"{where}, position {pos}: expected bytes, got {why}")
-    lengths = set(map(len, hashes))
-    if lengths and lengths != {hash_bytes}:
-        for pos, h in enumerate(hashes):
             if len(h) != hash_bytes:
                 raise ValueError(
                     f"{where}, position {pos}: hash has {len(h)} bytes, "
@@ -134,18 +139,26 @@ def check_device(device: Any, name: str = "device") -> torch.device:
     return dev
 
 
-def _join(items: Sequence[_BytesLike], where: Any) -> bytearray:
-    """Concatenate ``items``; on a non-bytes item, raise TypeError naming it
-    (``where(k)`` describes flat item ``k``). The scan only runs on error."""
+def _join(items: Sequence[_BytesLike], where: Any, hash_bytes: int) -> bytearray:
+    """Concatenate ``items`` (each already ``len() == hash_bytes``); on an
+    item that is not a 1-D byte buffer, raise TypeError naming it (``where(k)``
+    describes flat item ``k``). The scan only runs on error."""
     try:
-        return bytearray().join(items)
+        joined = bytearray().join(items)
     except TypeError:
+        joined = None
+    if joined is None or len(joined) != len(items) * hash_bytes:
         for k, h in enumerate(items):
-            if not isinstance(h, _BytesLike):
+            why = _not_bytes(h)
+            if why is not None:
+                raise TypeError(f"{where(k)}: expected bytes, got {why}") from None
+            size = memoryview(h).nbytes
+            if size != hash_bytes:
                 raise TypeError(
-                    f"{where(k)}: expected bytes, got {type(h).__name__}"
-                ) from None
-        raise
+                    f"{where(k)}: len() says {len(h)} bytes but it holds {size}"
+                )
+        raise AssertionError("unreachable: every item holds hash_bytes bytes")
+    return joined
 
 
 def _pack_joined(joined: bytearray, n: int, hash_bytes: int) -> np.ndarray:
@@ -177,7 +190,7 @@ def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
     _check_widths(hashes, hash_bytes, "hashes")
     if not hashes:
         return torch.empty((0, w), dtype=torch.int64)
-    joined = _join(hashes, lambda k: f"hashes, position {k}")
+    joined = _join(hashes, lambda k: f"hashes, position {k}", hash_bytes)
     arr = _pack_joined(joined, len(hashes), hash_bytes)
     return torch.from_numpy(arr)
 
@@ -343,7 +356,7 @@ class HashBatch:
                 i = int(np.searchsorted(offsets, k, side="right")) - 1
                 return f"request {i}, position {k - int(offsets[i])}"
 
-            joined = _join(flat, where)
+            joined = _join(flat, where, hash_bytes)
             words = torch.from_numpy(_pack_joined(joined, total, hash_bytes))
         else:
             words = torch.empty((0, w), dtype=torch.int64)

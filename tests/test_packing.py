@@ -196,6 +196,8 @@ def test_numpy_arrays_as_hashes_are_refused_by_position() -> None:
     # A 1-D byte buffer is a hash, whatever holds it.
     raw = bytes(range(8))
     assert pack_hashes([memoryview(raw)], 8).tolist() == pack_hashes([raw], 8).tolist()
+    as_u8 = np.frombuffer(raw, dtype=np.uint8)
+    assert pack_hashes([as_u8], 8).tolist() == pack_hashes([raw], 8).tolist()
 
 
 def test_none_where_a_sequence_is_expected_names_the_argument() -> None:
