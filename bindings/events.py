@@ -1010,7 +1010,7 @@ class EventFollower:
             self.stale = True
             self.last_error = "reconnected without a replay endpoint"
             return
-        self._catch_up("reconnect")
+        self._catch_up("reconnect", must_verify=True)
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step; an unexpected error is counted, never fatal."""
@@ -1218,9 +1218,13 @@ class EventFollower:
             )
         return msgs[1:]
 
-    def _catch_up(self, why: str) -> None:
+    def _catch_up(self, why: str, must_verify: bool = False) -> None:
         """Fill what is missing before the reorder buffer (or, with nothing
-        held, after ``next_seq``) from the replay endpoint, in order."""
+        held, after ``next_seq``) from the replay endpoint, in order.
+
+        ``must_verify``: no answer marks the index stale (after a
+        reconnection, silence cannot tell a restart from a blip).
+        """
         if self.next_seq is None:
             return
         held = bool(self._ahead)
@@ -1235,6 +1239,9 @@ class EventFollower:
                 self._restart(f"{why}: {exc}")
                 return
         if msgs is None and not held:
+            if must_verify:
+                self.stale = True
+                self.last_error = f"{why}: the replay endpoint did not answer"
             return  # a probe without an answer: nothing learned
         for m in msgs or ():
             live = self._ahead.get(m.seq)

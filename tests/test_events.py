@@ -739,6 +739,19 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
         assert f.reconnects == 1 and "reconnected" in f.last_error
 
 
+def test_reconnect_with_a_silent_replay_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index, replay_timeout_s=0.3) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.restart()
+        publisher.recorded_replay = []  # the new ROUTER never answers
+        publisher.wait_subscriber()
+        assert _wait(lambda: f.stale)
+        assert f.reconnects == 1 and "did not answer" in f.last_error
+
+
 def test_restart_whose_buffer_wrapped_marks_stale(zmq):
     pub = _Publisher(zmq, buffer_steps=2)
     try:
