@@ -17,7 +17,7 @@ Python work is limited to C-level ``map(len, ...)`` / ``list.extend`` calls, so 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "HashBatch",
     "RaggedView",
+    "check_device",
     "num_words",
     "pack_hashes",
     "padding_mask",
@@ -58,19 +59,45 @@ def padding_mask(hash_bytes: int) -> int:
     return mask - (1 << 64)  # as a signed int64
 
 
+def _not_bytes(h: Any) -> str | None:
+    """Why ``h`` cannot be a hash (None if it can): it must be a 1-D buffer of
+    single bytes (bytes, bytearray, a byte memoryview or uint8 array).
+
+    ``len()`` of a numpy int64 array or of a non-byte memoryview is not its
+    size in bytes, so accepting them would pack the wrong bytes (or fail deep
+    inside numpy).
+    """
+    if isinstance(h, bytes | bytearray):
+        return None
+    name = type(h).__name__
+    try:
+        view = memoryview(h)
+    except TypeError:
+        return name
+    if view.ndim == 1 and view.itemsize == 1:
+        return None
+    return (
+        f"{name} of {view.itemsize}-byte items, shape {list(view.shape)} (need "
+        "the hash as bytes, e.g. .tobytes(); packed int64 words go in as a "
+        "torch.Tensor [N, W])"
+    )
+
+
 def _check_widths(hashes: Sequence[_BytesLike], hash_bytes: int, where: str) -> None:
-    """Raise ValueError naming the first hash whose length is not hash_bytes."""
-    # map(len) runs in C; the slow scan only happens when there is an error.
+    """Raise TypeError/ValueError naming the first item of ``hashes`` whose
+    ``len()`` is not ``hash_bytes`` (or that has no length). Items whose
+    ``len()`` is not their size in bytes are caught after the join
+    (:func:`_join`), at no cost when there are none."""
+    # map(len) runs in C; the slow scan only happens on an error.
     try:
         lengths = set(map(len, hashes))
-    except TypeError as exc:
-        raise TypeError(f"{where}: hashes must be bytes objects ({exc})") from None
-    if lengths and lengths != {hash_bytes}:
+    except TypeError:
+        lengths = None
+    if lengths is None or (lengths and lengths != {hash_bytes}):
         for pos, h in enumerate(hashes):
-            if not isinstance(h, _BytesLike):
-                raise TypeError(
-                    f"{where}, position {pos}: expected bytes, got {type(h).__name__}"
-                )
+            why = _not_bytes(h)
+            if why is not None:
+                raise TypeError(f"{where}, position {pos}: expected bytes, got {why}")
             if len(h) != hash_bytes:
                 raise ValueError(
                     f"{where}, position {pos}: hash has {len(h)} bytes, "
@@ -78,18 +105,60 @@ def _check_widths(hashes: Sequence[_BytesLike], hash_bytes: int, where: str) -> 
                 )
 
 
-def _join(items: Sequence[_BytesLike], where: Any) -> bytearray:
-    """Concatenate ``items``; on a non-bytes item, raise TypeError naming it
-    (``where(k)`` describes flat item ``k``). The scan only runs on error."""
+def _as_list(items: Any, name: str, what: str) -> list[Any]:
+    """``items`` as a list, or TypeError naming ``name`` when it is not a
+    sequence (None, a single bytes object, a str, an int, ...)."""
+    if isinstance(items, bytes | bytearray | memoryview | str) or not (
+        isinstance(items, Iterable) and isinstance(items, Sized)
+    ):
+        raise TypeError(f"{name} must be {what}, got {type(items).__name__}")
+    return list(items)
+
+
+def check_device(device: Any, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` that can hold data, or an error naming
+    ``name``: TypeError for a non-device, ValueError for an unknown device
+    string, a ``meta`` device (no data to look up) or a device this machine
+    does not have (e.g. ``"cuda"`` without CUDA)."""
+    if not isinstance(device, torch.device | str):
+        raise TypeError(
+            f"{name} must be a torch.device or str, got {type(device).__name__}"
+        )
     try:
-        return bytearray().join(items)
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}={device!r} is not a device ({exc})") from None
+    if dev.type == "meta":
+        raise ValueError(f"{name}={dev}: meta tensors hold no data")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={dev}: CUDA is not available on this machine")
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"{name}={dev} is not usable here ({exc})") from None
+    return dev
+
+
+def _join(items: Sequence[_BytesLike], where: Any, hash_bytes: int) -> bytearray:
+    """Concatenate ``items`` (each already ``len() == hash_bytes``); on an
+    item that is not a 1-D byte buffer, raise TypeError naming it (``where(k)``
+    describes flat item ``k``). The scan only runs on error."""
+    try:
+        joined = bytearray().join(items)
     except TypeError:
+        joined = None
+    if joined is None or len(joined) != len(items) * hash_bytes:
         for k, h in enumerate(items):
-            if not isinstance(h, _BytesLike):
+            why = _not_bytes(h)
+            if why is not None:
+                raise TypeError(f"{where(k)}: expected bytes, got {why}") from None
+            size = memoryview(h).nbytes
+            if size != hash_bytes:
                 raise TypeError(
-                    f"{where(k)}: expected bytes, got {type(h).__name__}"
-                ) from None
-        raise
+                    f"{where(k)}: len() says {len(h)} bytes but it holds {size}"
+                )
+        raise AssertionError("unreachable: every item holds hash_bytes bytes")
+    return joined
 
 
 def _pack_joined(joined: bytearray, n: int, hash_bytes: int) -> np.ndarray:
@@ -117,13 +186,11 @@ def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
     little-endian words, last word zero-padded.
     """
     w = num_words(hash_bytes)
-    if isinstance(hashes, _BytesLike):
-        raise TypeError("hashes must be a sequence of bytes objects, not one bytes")
-    hashes = list(hashes)
+    hashes = _as_list(hashes, "hashes", "a sequence of bytes objects")
     _check_widths(hashes, hash_bytes, "hashes")
     if not hashes:
         return torch.empty((0, w), dtype=torch.int64)
-    joined = _join(hashes, lambda k: f"hashes, position {k}")
+    joined = _join(hashes, lambda k: f"hashes, position {k}", hash_bytes)
     arr = _pack_joined(joined, len(hashes), hash_bytes)
     return torch.from_numpy(arr)
 
@@ -211,12 +278,15 @@ class HashBatch:
     hash_bytes: int
 
     def __post_init__(self) -> None:
-        w = num_words(self.hash_bytes)
         h, o = self.hashes, self.offsets
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"hashes must be a torch.Tensor, got {type(h).__name__}")
         if not isinstance(o, torch.Tensor):
             raise TypeError(f"offsets must be a torch.Tensor, got {type(o).__name__}")
+        w = num_words(self.hash_bytes)
+        for name, t in (("hashes", h), ("offsets", o)):
+            if t.device.type == "meta":
+                raise ValueError(f"{name} is a meta tensor: it holds no data")
         if h.dtype != torch.int64:
             raise TypeError(f"hashes must be int64, got {h.dtype}")
         if o.dtype != torch.int64:
@@ -266,15 +336,12 @@ class HashBatch:
         length is not ``hash_bytes``.
         """
         w = num_words(hash_bytes)
-        if isinstance(requests, _BytesLike):
-            raise TypeError("requests must be a sequence of sequences of bytes")
+        device = check_device(device)
+        requests = _as_list(requests, "requests", "a sequence of sequences of bytes")
         flat: list[_BytesLike] = []
         lengths = np.zeros(len(requests), dtype=np.int64)
         for i, req in enumerate(requests):
-            if isinstance(req, _BytesLike):
-                raise TypeError(
-                    f"request {i} must be a sequence of bytes, not one bytes object"
-                )
+            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of bytes")
             _check_widths(req, hash_bytes, f"request {i}")
             lengths[i] = len(req)
             # One flat list and one join: join over a chained iterator first
@@ -289,24 +356,34 @@ class HashBatch:
                 i = int(np.searchsorted(offsets, k, side="right")) - 1
                 return f"request {i}, position {k - int(offsets[i])}"
 
-            joined = _join(flat, where)
+            joined = _join(flat, where, hash_bytes)
             words = torch.from_numpy(_pack_joined(joined, total, hash_bytes))
         else:
             words = torch.empty((0, w), dtype=torch.int64)
-        return cls._trusted(
+        return cls.from_trusted(
             words.to(device), torch.from_numpy(offsets).to(device), hash_bytes
         )
 
     @classmethod
-    def _trusted(
+    def from_trusted(
         cls, hashes: torch.Tensor, offsets: torch.Tensor, hash_bytes: int
     ) -> HashBatch:
-        """Build without validation (inputs produced by this module)."""
+        """Build a batch with **no validation** (no host sync).
+
+        For tensors another kvhit module has just produced under the
+        invariants the constructor checks (``hashes`` int64 ``[total, W]``,
+        ``offsets`` int64 ``[B + 1]`` CSR, both contiguous on one device, zero
+        padding bits). Anything else gives wrong answers, not errors: use the
+        constructor for outside input.
+        """
         obj = object.__new__(cls)
         object.__setattr__(obj, "hashes", hashes)
         object.__setattr__(obj, "offsets", offsets)
         object.__setattr__(obj, "hash_bytes", hash_bytes)
         return obj
+
+    #: Deprecated alias of :meth:`from_trusted` (kept while callers move).
+    _trusted = from_trusted
 
     def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
         """The batch as every backend reads it (see :class:`RaggedView`).
@@ -347,28 +424,31 @@ class HashBatch:
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
 
-    def num_hashes(self, i: int) -> int:
-        """Number of hashes of request ``i``."""
+    def _request_index(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer):
+            raise TypeError(f"i (request index) must be an int, got {type(i).__name__}")
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"request index {i} out of range for batch of {n}")
-        i %= n
+        return int(i) % n
+
+    def num_hashes(self, i: int) -> int:
+        """Number of hashes of request ``i``."""
+        i = self._request_index(i)
         return int(self.offsets[i + 1].item() - self.offsets[i].item())
 
     def request(self, i: int) -> torch.Tensor:
         """Hashes of request ``i``: int64 ``[num_hashes(i), W]`` (a view)."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"request index {i} out of range for batch of {n}")
-        i %= n
+        i = self._request_index(i)
         lo, hi = int(self.offsets[i].item()), int(self.offsets[i + 1].item())
         return self.hashes[lo:hi]
 
     def to(self, device: torch.device | str) -> HashBatch:
         """The same batch on ``device`` (``self`` if already there)."""
-        if torch.device(device) == self.device:
+        device = check_device(device)
+        if device == self.device:
             return self
-        return HashBatch._trusted(
+        return HashBatch.from_trusted(
             self.hashes.to(device), self.offsets.to(device), self.hash_bytes
         )
 

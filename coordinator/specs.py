@@ -11,8 +11,9 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import FrozenInstanceError, dataclass, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ class CacheLayout:
         self.alignment: int = (
             hash_block_size if self.partial_hash_hits else scheduler_block_size
         )
-        self.proof_margins: dict[int, int] = {
+        margins = {
             gid: eagle_proof_margin(
                 sg.block_size,
                 hash_block_size,
@@ -243,6 +244,8 @@ class CacheLayout:
             if sg.use_eagle and sg.spec_kind.takes_proof_margin
             for gid in sg.group_ids
         }
+        # Read-only: the layout is a cache key (plans, compiled kernels).
+        self.proof_margins: Mapping[int, int] = MappingProxyType(margins)
         self.mamba_group_ids: frozenset[int] = frozenset(
             i for i, g in enumerate(groups) if isinstance(g.spec, Mamba)
         )
@@ -251,6 +254,22 @@ class CacheLayout:
             and self.spec_groups[0].spec_kind.is_full_attention
         )
         self._validate_merged()
+        # A layout is used as a cache key, so it is immutable: its hash is
+        # computed once, here, and setting any attribute raises.
+        self._hash = hash(self._key())
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise FrozenInstanceError(f"CacheLayout is immutable: cannot set {name!r}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"CacheLayout is immutable: cannot delete {name!r}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt through __init__ (pickle, copy): validated, frozen again.
+        return (CacheLayout, self._key())
 
     # -- construction -----------------------------------------------------
 
@@ -404,7 +423,7 @@ class CacheLayout:
         return self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def _key(self) -> tuple:
         return (

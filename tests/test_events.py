@@ -220,7 +220,8 @@ def test_apply_int_hash_batch():
     short = [sha256(f"short{i}".encode()).digest()[:8] for i in range(3)]
     block7 = sha256(b"block7").digest()
     assert _contents(narrow) == {(0, block7[-8:]), (3, short[0]), (3, short[2])}
-    assert (stats.events, stats.keys_added, stats.keys_removed) == (3, 3, 1)
+    # The removed key (short1) was never present: changes are counted, not asks.
+    assert (stats.events, stats.keys_added, stats.keys_removed) == (3, 3, 0)
 
 
 def test_apply_order_semantics_and_few_calls():
@@ -292,23 +293,64 @@ class _Publisher:
         self._zmq = zmq
         self.ctx = zmq.Context()
         self.topic = topic.encode()
+        self.buffer_steps = buffer_steps
+        self.replay_requests: list[list[bytes]] = []
+        self.recorded_replay: list[list[bytes]] | None = None  # answer verbatim
+        self._lock = threading.Lock()
+        self.endpoint = self.replay_endpoint = ""
+        self._open()
+
+    def _open(self) -> None:
+        """Bind (the same ports again after :meth:`restart`) and serve replays."""
+        zmq = self._zmq
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{port}"
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.replay_requests: list[list[bytes]] = []
-        self.recorded_replay: list[list[bytes]] | None = None  # answer verbatim
+        if self.endpoint:
+            # A closed socket releases its port asynchronously (ZMQ I/O thread).
+            for sock, addr in (
+                (self.pub, self.endpoint),
+                (self.router, self.replay_endpoint),
+            ):
+                deadline = time.monotonic() + WAIT_S
+                while True:
+                    try:
+                        sock.bind(addr)
+                        break
+                    except zmq.ZMQError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.01)
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+            port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{port}"
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         self.seq = 0
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
+
+    def reset(self) -> None:
+        """A new publisher process behind the same sockets: seq 0, empty buffer."""
+        with self._lock:
+            self.buffer.clear()
+        self.seq = 0
+
+    def restart(self) -> None:
+        """Kill the publisher and start a new one on the same ports: the
+        subscriber's connection drops and ZMQ reconnects it."""
+        self._close_sockets()
+        self._open()
+
+    def _close_sockets(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT_S)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
 
     def wait_subscriber(self, timeout_s: float = WAIT_S) -> None:
         assert self.pub.poll(int(timeout_s * 1000)), "no subscriber"
@@ -351,10 +393,7 @@ class _Publisher:
             self.router.send_multipart([client, b"", b"", ev.END_SEQ, b""])
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(WAIT_S)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
+        self._close_sockets()
         self.ctx.term()
 
 
@@ -389,20 +428,25 @@ def test_ordered_delivery_of_vllm_payloads(publisher):
 
 
 def test_dropped_batch_recovered_through_vllm_replay_bytes(publisher):
-    """Seq 1 is lost live; the ROUTER answers with vLLM's recorded replay."""
+    """Seq 2 is lost live; the ROUTER answers with vLLM's recorded replay.
+
+    The follower asks from seq 1, the last batch it applied (vLLM replays
+    every buffered batch >= start): that batch must come back byte for byte,
+    which proves the replay continues the stream the index holds.
+    """
     index = KeyIndex(hash_bytes=32, capacity=64)
     with _follower(publisher, index, medium="GPU", honor_clears=False) as f:
         publisher.recorded_replay = REPLAY  # batches 1..4 + END, as vLLM sent them
         for seq, payload in enumerate(PAYLOADS):
-            publisher.publish(payload, drop=seq == 1)
+            publisher.publish(payload, drop=seq == 2)
         assert f.wait_for_seq(4, WAIT_S)
         h = [sha256(f"block{i}".encode()).digest() for i in range(8)]
         with f.lock:
             assert _contents(index) == {(2, h[2]), (2, h[4])}
         assert (f.gaps_detected, f.gaps_recovered, f.gaps_unrecovered) == (1, 1, 0)
         assert f.batches_applied == 5 and not f.stale
-    # The follower asked from the first missing batch, as vLLM expects:
-    # [identity, b"", start(8 bytes big-endian)] at the ROUTER.
+    # The follower asked from the last batch it holds, as vLLM's protocol
+    # spells it: [identity, b"", start(8 bytes big-endian)] at the ROUTER.
     gap_requests = [r for r in publisher.replay_requests if r[2] != bytes(8)]
     assert [r[1:] for r in gap_requests] == [[b"", (1).to_bytes(8, "big")]]
 
@@ -509,19 +553,244 @@ def test_malformed_payloads_counted_follower_continues(publisher):
         assert f.running and f.batches_applied == 4
 
 
-def test_publisher_restart_marks_stale(publisher):
+# --- fault scenarios: drops, duplicates, reorders, publisher restarts. Each
+# ends with the index equal to the publisher's state, or marked stale.
+
+
+def _payload(ts: float, events: list[Any]) -> bytes:
+    return ev.encode_batch(ev.KVEventBatch(ts, events, data_parallel_rank=0))
+
+
+def _frames(seq: int, payload: bytes) -> list[bytes]:
+    return [TOPIC.encode(), seq.to_bytes(8, "big"), payload]
+
+
+def _wait(cond: Any, timeout_s: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+K = [bytes([i]) * 16 for i in range(40)]
+
+
+def test_exact_duplicates_are_dropped_silently(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for _ in range(3):
-            publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [])))
+        p0, p1 = _payload(1.0, [_stored([K[0]])]), _payload(2.0, [_removed([K[0]])])
+        publisher.send_raw(_frames(0, p0))
+        publisher.send_raw(_frames(0, p0))  # back to back
+        publisher.send_raw(_frames(1, p1))
+        publisher.send_raw(_frames(0, p0))  # an older one again
+        publisher.send_raw(_frames(2, _payload(3.0, [_stored([K[1]])])))
         assert f.wait_for_seq(2, WAIT_S)
-        publisher.seq = 0  # a new publisher process counts from 0 again
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([b"r" * 16])])))
-        deadline = time.monotonic() + WAIT_S
-        while f.publisher_restarts == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert f.publisher_restarts == 1 and f.stale
-        assert f.wait_for_seq(0, WAIT_S) and (0, b"r" * 16) in index
+        assert _wait(lambda: f.duplicates == 2)
+        # Before: each duplicate counted as a publisher restart, index stale.
+        assert not f.stale and f.publisher_restarts == 0 and f.batches_applied == 3
+        assert _contents(index) == {(0, K[1])}
+
+
+def test_reordered_batches_are_applied_in_order(zmq, publisher):
+    """No replay endpoint: only the reorder buffer can put 2 after 1."""
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    f = ev.EventFollower(
+        publisher.endpoint, None, index, topic=TOPIC, reorder_wait_s=1.0
+    )
+    with f:
+        publisher.wait_subscriber()
+        batches = [
+            _payload(0.0, [_stored([K[0], K[1]])]),
+            _payload(1.0, [_stored([K[2]])]),
+            _payload(2.0, [_removed([K[2], K[0]])]),  # must come after seq 1
+            _payload(3.0, [_stored([K[3]])]),
+        ]
+        for seq in (0, 2, 3, 1):
+            publisher.send_raw(_frames(seq, batches[seq]))
+        assert f.wait_for_seq(3, WAIT_S)
+        assert _contents(index) == {(0, K[1]), (0, K[3])}
+        assert not f.stale and f.reordered == 2 and f.gaps_detected == 0
+
+
+def test_late_batch_after_a_replayed_gap_is_a_duplicate(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index, reorder_wait_s=0.0) as f:
+        p = [_payload(float(i), [_stored([K[i]])]) for i in range(4)]
+        for seq in (0, 2, 3):  # seq 1 late: repaired from the replay buffer
+            publisher.buffer.append((seq, p[seq]))
+            publisher.send_raw(_frames(seq, p[seq]))
+        publisher.buffer.append((1, p[1]))
+        publisher.seq = 4
+        assert f.wait_for_seq(3, WAIT_S)
+        publisher.send_raw(_frames(1, p[1]))  # arrives at last
+        assert _wait(lambda: f.duplicates == 1)
+        assert _contents(index) == {(0, k) for k in K[:4]}
+        assert not f.stale and f.gaps_recovered == 1 and f.publisher_restarts == 0
+
+
+def test_reorder_beyond_the_window_without_replay_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    f = ev.EventFollower(publisher.endpoint, None, index, topic=TOPIC, reorder_window=2)
+    with f:
+        publisher.wait_subscriber()
+        for seq in (0, 2, 3, 4):  # seq 1 never comes in time
+            publisher.send_raw(_frames(seq, _payload(float(seq), [_stored([K[seq]])])))
+        assert f.wait_for_seq(4, WAIT_S)
+        assert f.stale and f.gaps_unrecovered == 1
+        assert _contents(index) == {(0, K[i]) for i in (0, 2, 3, 4)}
+
+
+def _publish_keys(pub: _Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
+    return pub.publish(_payload(ts, [_stored(keys)]), **kw)
+
+
+def test_restart_with_fewer_batches_is_rebuilt(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.reset()  # a new vLLM: seq 0, an empty replay buffer
+        _publish_keys(publisher, [K[20]], ts=10.0)
+        assert _wait(lambda: f.rebuilds == 1)
+        assert f.wait_for_seq(0, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, K[20])}  # the new publisher's state
+        assert not f.stale and f.publisher_restarts == 1
+
+
+def test_restart_with_more_batches_is_not_taken_for_a_gap(publisher):
+    """The new publisher sent more batches than the old one before the
+    subscriber saw any: before, the replay "recovered" a gap and the index
+    kept the old engine's keys, not stale."""
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.reset()
+        for i in range(6):  # lost live (nobody heard them), kept for replay
+            _publish_keys(publisher, [K[20 + i]], ts=10.0 + i, drop=True)
+        _publish_keys(publisher, [K[30]], ts=20.0)  # seq 6: looks like a gap
+        assert f.wait_for_seq(6, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in [*K[20:26], K[30]]}
+        assert not f.stale and f.rebuilds == 1 and f.gaps_recovered == 0
+
+
+def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
+    """Sequence numbers alone cannot see this one: the new publisher's next
+    live batch has exactly the seq the follower expects. The SUB socket's
+    monitor reports the reconnection; the replay then fails to continue the
+    old stream, and the index is rebuilt from the new publisher's buffer."""
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.restart()
+        for i in range(3):  # before the subscriber is back: lost live
+            _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
+        publisher.wait_subscriber()
+        _publish_keys(publisher, [K[30]], ts=20.0)  # seq 3 == next_seq
+        assert f.wait_for_seq(3, WAIT_S)
+        assert _wait(lambda: f.rebuilds == 1)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in [*K[20:23], K[30]]}
+        assert f.reconnects == 1 and not f.stale
+
+
+def test_network_blip_with_the_same_publisher_is_a_gap_repair(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        buffer, seq = list(publisher.buffer), publisher.seq
+        publisher.restart()  # the connection drops, the publisher state stays
+        publisher.buffer.extend(buffer)
+        publisher.seq = seq
+        _publish_keys(publisher, [K[3]], ts=4.0)  # lost live
+        publisher.wait_subscriber()
+        _publish_keys(publisher, [K[4]], ts=5.0)
+        assert f.wait_for_seq(4, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in K[:5]}
+        assert not f.stale and f.rebuilds == 0 and f.publisher_restarts == 0
+
+
+def test_restart_without_replay_endpoint_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    f = ev.EventFollower(publisher.endpoint, None, index, topic=TOPIC)
+    with f:
+        publisher.wait_subscriber()
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.restart()
+        for i in range(3):
+            _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
+        publisher.wait_subscriber()
+        _publish_keys(publisher, [K[30]], ts=20.0)
+        assert f.wait_for_seq(3, WAIT_S)
+        assert _wait(lambda: f.stale)
+        assert f.reconnects == 1 and "reconnected" in f.last_error
+
+
+def test_reconnect_with_a_silent_replay_marks_stale(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index, replay_timeout_s=0.3) as f:
+        for i in range(3):
+            _publish_keys(publisher, [K[i]], ts=1.0 + i)
+        assert f.wait_for_seq(2, WAIT_S)
+        publisher.restart()
+        publisher.recorded_replay = []  # the new ROUTER never answers
+        publisher.wait_subscriber()
+        assert _wait(lambda: f.stale)
+        assert f.reconnects == 1 and "did not answer" in f.last_error
+
+
+def test_restart_whose_buffer_wrapped_marks_stale(zmq):
+    pub = _Publisher(zmq, buffer_steps=2)
+    try:
+        index = KeyIndex(hash_bytes=16, capacity=64)
+        with _follower(pub, index) as f:
+            for i in range(3):
+                _publish_keys(pub, [K[i]], ts=1.0 + i)
+            assert f.wait_for_seq(2, WAIT_S)
+            pub.reset()
+            for i in range(5):  # seq 0..4, the buffer keeps 3 and 4 only
+                _publish_keys(pub, [K[20 + i]], ts=10.0 + i, drop=True)
+            _publish_keys(pub, [K[30]], ts=20.0)
+            assert f.wait_for_seq(5, WAIT_S)
+            assert f.stale and f.publisher_restarts == 1 and f.rebuilds == 0
+            assert "cannot be rebuilt" in f.last_error
+    finally:
+        pub.close()
+
+
+class _OnesEngine:
+    """Stands in for LookupEngine: every request hits 16 tokens."""
+
+    def lookup(self, batch: Any, num_tokens: Any, index: Any) -> torch.Tensor:
+        return torch.full((len(batch),), 16, dtype=torch.int64)
+
+
+def test_a_stale_index_never_serves_a_hit(publisher):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    from kvhit.coordinator.packing import HashBatch
+
+    batch = HashBatch.from_bytes([[K[0]], [K[1]]], 16)
+    with _follower(publisher, index) as f:
+        assert f.lookup(_OnesEngine(), batch, [16, 16]).tolist() == [16, 16]
+        f.stale = True
+        assert f.lookup(_OnesEngine(), batch, [16, 16]).tolist() == [0, 0]
+        with f.lock:
+            assert f.guard_hits(torch.ones(2, dtype=torch.int64)).tolist() == [0, 0]
+        f.clear_stale()
+        assert f.lookup(_OnesEngine(), batch, [16, 16]).tolist() == [16, 16]
 
 
 def test_readers_holding_the_lock_see_no_commit(publisher):
@@ -635,3 +904,120 @@ def test_100k_events_through_sockets_match_set_replay(publisher):
         f"end-to-end {n_events / e2e_s:,.0f} ({f.commits} commits, "
         f"{f.gaps_recovered} gaps replayed)"
     )
+
+
+# --- bad input: all or nothing, the argument named
+
+
+def test_apply_is_atomic_on_a_bad_event():
+    a, b = b"a" * 16, b"b" * 16
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    index.add([0, 0], [a, b])
+    before = _contents(index)
+    bad_batches = [
+        # Before: the remove was applied, then OverflowError from torch.
+        ([_removed([a]), _stored([b], gid=2**63)], ValueError, r"event 1 .*group_idx"),
+        ([_removed([a]), _stored([b], gid=-1)], ValueError, r"event 1 .*group_idx"),
+        ([_removed([a]), _stored([b], gid="0")], TypeError, r"event 1 .*group_idx"),
+        ([_removed([a]), _stored([b, b"x" * 15])], ValueError, r"block_hashes\[1\]"),
+        ([_removed([a]), _stored([b, "s" * 16])], TypeError, r"block_hashes\[1\]"),
+        ([_removed([a]), _stored([b], medium=5)], TypeError, r"event 1 .*medium"),
+        ([_removed([a]), "not an event"], TypeError, r"events, position 1"),
+    ]
+    for events, exc, match in bad_batches:
+        with pytest.raises(exc, match=match):
+            ev.apply(index, events)
+        assert _contents(index) == before and index.tombstones == 0
+    for kwargs, exc, match in [
+        ({"medium": 5}, TypeError, "medium"),
+        ({"medium": ["cpu", 5]}, TypeError, "medium, position 1"),
+        ({"default_group_id": -1}, ValueError, "default_group_id"),
+        ({"honor_clears": "yes"}, TypeError, "honor_clears"),
+    ]:
+        with pytest.raises(exc, match=match):
+            ev.apply(index, [_removed([a])], **kwargs)
+        assert _contents(index) == before
+    with pytest.raises(TypeError, match="events must be"):
+        ev.apply(index, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="index must expose"):
+        ev.apply(object(), [_removed([a])])
+
+
+def test_apply_stats_count_changes_not_requests():
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    index.add([0], [a])
+    stats = ev.apply(index, [_stored([a, b]), _removed([c])])
+    assert (stats.keys_added, stats.keys_removed) == (1, 0)  # a was there, c not
+    stats = ev.apply(index, [ev.AllBlocksCleared(), _stored([c])])
+    assert (stats.keys_added, stats.keys_removed, stats.cleared) == (1, 2, True)
+    assert _contents(index) == {(0, c)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "name"),
+    [
+        ({"max_drain": 0}, ValueError, "max_drain"),  # spun a core
+        ({"poll_ms": -1}, ValueError, "poll_ms"),  # stop() left the thread
+        ({"poll_ms": 0}, ValueError, "poll_ms"),
+        ({"start_seq": -1}, ValueError, "start_seq"),  # every batch failed
+        ({"default_group_id": -1}, ValueError, "default_group_id"),  # accepted
+        ({"topic": 5}, TypeError, "topic"),  # AttributeError inside
+        ({"medium": 5}, TypeError, "medium"),
+        ({"rcvhwm": -5}, ValueError, "rcvhwm"),  # RuntimeError inside
+        ({"replay_timeout_s": 0}, ValueError, "replay_timeout_s"),
+        ({"idle_probe_s": -1.0}, ValueError, "idle_probe_s"),
+        ({"honor_clears": 1}, TypeError, "honor_clears"),
+        ({"lock": 5}, TypeError, "lock"),
+        ({"on_commit": 5}, TypeError, "on_commit"),
+        ({"reorder_window": -1}, ValueError, "reorder_window"),
+        ({"reorder_wait_s": float("nan")}, ValueError, "reorder_wait_s"),
+        ({"endpoint": 5}, TypeError, "endpoint"),
+        ({"endpoint": "localhost:5557"}, ValueError, "endpoint"),
+        ({"replay_endpoint": b"tcp://x:1"}, TypeError, "replay_endpoint"),
+        ({"index": object()}, TypeError, "index"),
+    ],
+)
+def test_follower_validates_every_argument(zmq, kwargs, exc, name):
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    args = {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None, "index": index}
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        ev.EventFollower(**args)
+
+
+class _GrowthRecorder(KeyIndex):
+    """Records, for every rehash of the live index, whether the lock was held."""
+
+    lock: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grew_under_lock: list[bool] = []
+
+    def add(self, group_ids: Any, hashes: Any) -> int:
+        cap = self.capacity
+        out = super().add(group_ids, hashes)
+        if self.capacity != cap and self.lock is not None:
+            self.grew_under_lock.append(self.lock.locked())
+        return out
+
+
+def test_growth_is_built_outside_the_lock(publisher):
+    index = _GrowthRecorder(hash_bytes=16, capacity=16)
+    lock = threading.Lock()  # .locked() tells whether a commit holds it
+    index.lock = lock
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(600)]
+    with _follower(publisher, index, lock=lock) as f:
+        publisher.publish(_payload(1.0, [_stored(keys[:5])]))
+        assert f.wait_for_seq(0, WAIT_S)
+        publisher.publish(_payload(2.0, [_stored(keys[5:]), _removed(keys[:2])]))
+        assert f.wait_for_seq(1, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in keys[2:]}
+            assert index.capacity >= 2048 and len(index) == 598
+        assert f.keys_added == 600 and f.keys_removed == 2 and not f.stale
+    # Before: the live index rehashed inside the commit, holding the lock.
+    assert True not in index.grew_under_lock
+    # The same index object is still the one readers use.
+    assert f.index is index and index.contains([0], [keys[-1]]).tolist() == [True]

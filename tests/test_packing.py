@@ -176,3 +176,73 @@ def test_non_bytes_hash_is_named_by_request_and_position():
         HashBatch.from_bytes([[b"a" * 8], [b"b" * 8, "c" * 8]], 8)
     with pytest.raises(TypeError, match="hashes, position 0"):
         pack_hashes(["x" * 8], 8)
+
+
+# --- bad input: refused before anything is built, the argument named
+
+
+def test_numpy_arrays_as_hashes_are_refused_by_position() -> None:
+    words = np.arange(4, dtype=np.int64)  # len() 4, but 32 bytes
+    # Before: hash_bytes=4 passed the width check and died in numpy
+    # ("cannot reshape array of size 32 into shape (1,4)").
+    with pytest.raises(TypeError, match=r"request 1, position 0: expected bytes"):
+        HashBatch.from_bytes([[b"a" * 4], [words]], 4)
+    with pytest.raises(TypeError, match=r"hashes, position 1: expected bytes.*ndarray"):
+        pack_hashes([b"a" * 4, words], 4)
+    with pytest.raises(TypeError, match=r"position 0: expected bytes, got memoryview"):
+        pack_hashes([memoryview(words)], 4)
+    with pytest.raises(TypeError, match=r"request 0, position 0"):
+        HashBatch.from_bytes([words], 32)  # a request that is one array of words
+    # A 1-D byte buffer is a hash, whatever holds it.
+    raw = bytes(range(8))
+    assert pack_hashes([memoryview(raw)], 8).tolist() == pack_hashes([raw], 8).tolist()
+    as_u8 = np.frombuffer(raw, dtype=np.uint8)
+    assert pack_hashes([as_u8], 8).tolist() == pack_hashes([raw], 8).tolist()
+
+
+def test_none_where_a_sequence_is_expected_names_the_argument() -> None:
+    with pytest.raises(TypeError, match=r"requests must be a sequence.*NoneType"):
+        HashBatch.from_bytes(None, 8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"requests\[1\] \(request 1\).*NoneType"):
+        HashBatch.from_bytes([[b"a" * 8], None], 8)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"hashes must be a sequence.*NoneType"):
+        pack_hashes(None, 8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"hashes must be a sequence.*int"):
+        pack_hashes(5, 8)  # type: ignore[arg-type]
+
+
+def test_meta_and_missing_devices_are_refused() -> None:
+    h = torch.zeros(1, 1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="hashes is a meta tensor"):
+        HashBatch(h, torch.tensor([0, 1], device="meta"), 8)
+    with pytest.raises(ValueError, match="offsets is a meta tensor"):
+        HashBatch(
+            torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 1]).to("meta"), 8
+        )
+    with pytest.raises(ValueError, match="device=meta"):
+        HashBatch.from_bytes([[b"a" * 8]], 8, device="meta")
+    with pytest.raises(ValueError, match="device='nowhere'"):
+        HashBatch.from_bytes([[b"a" * 8]], 8, device="nowhere")
+    with pytest.raises(TypeError, match="device must be"):
+        HashBatch.from_bytes([[b"a" * 8]], 8, device=3)  # type: ignore[arg-type]
+    b = HashBatch.from_bytes([[b"a" * 8]], 8)
+    with pytest.raises(ValueError, match="device=meta"):
+        b.to("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=cuda.*not available"):
+            HashBatch.from_bytes([[b"a" * 8]], 8, device="cuda")
+    with pytest.raises(TypeError, match="request index"):
+        b.num_hashes("0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request index"):
+        b.request(1.0)  # type: ignore[arg-type]
+    assert b.to_bytes() == [[b"a" * 8]]
+
+
+def test_from_trusted_is_public_and_unchecked() -> None:
+    h = pack_hashes([b"a" * 8, b"b" * 8], 8)
+    offs = torch.tensor([0, 2])
+    b = HashBatch.from_trusted(h, offs, 8)
+    assert (
+        b.hashes is h and b.offsets is offs and b.to_bytes() == [[b"a" * 8, b"b" * 8]]
+    )
+    assert HashBatch._trusted(h, offs, 8).to_bytes() == b.to_bytes()  # old name

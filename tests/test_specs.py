@@ -397,3 +397,36 @@ def test_spec_group_kind_comes_from_the_registry():
     ]
     # Mamba takes no proof margin even in an EAGLE layout.
     assert 0 not in layout.proof_margins and 1 in layout.proof_margins
+
+
+def test_layout_is_immutable_and_hash_stable():
+    import copy
+    import dataclasses
+    import pickle
+
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=16)), Group(Mamba(block_size=16))],
+        scheduler_block_size=16,
+        hash_block_size=16,
+        use_eagle=True,
+    )
+    before = hash(layout)
+    cache = {layout: "plan"}
+    for name, value in (
+        ("use_eagle", False),
+        ("hash_block_size", 4),
+        ("groups", ()),
+        ("spec_groups", ()),
+        ("new_attribute", 1),
+    ):
+        with pytest.raises(dataclasses.FrozenInstanceError, match=name):
+            setattr(layout, name, value)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="use_eagle"):
+        del layout.use_eagle
+    with pytest.raises(TypeError):
+        layout.proof_margins[0] = 99  # derived values are read-only too
+    assert layout.use_eagle and hash(layout) == before and cache[layout] == "plan"
+    for clone in (pickle.loads(pickle.dumps(layout)), copy.deepcopy(layout)):
+        assert clone == layout and hash(clone) == before
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            clone.use_eagle = False
