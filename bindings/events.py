@@ -446,70 +446,27 @@ def _new_keys(index: KeyIndex, plan: _Plan, keys: _Keys) -> int | None:
 def _grown_copy(
     index: KeyIndex, plan: _Plan, keys: _Keys, n_new: int
 ) -> tuple[KeyIndex, int, int]:
-    """A rehashed copy of ``index`` with ``plan`` applied; ``index`` is only
-    read. Returns (copy, keys removed, keys added).
-
-    With KeyIndex's ``grown_for``/``adopt`` (the growth-outside-a-lock API)
-    the copy comes from ``grown_for``; otherwise it is rebuilt here from
-    ``index.keys()`` with ``index``'s configuration.
-    """
-    grown_for = getattr(index, "grown_for", None)
-    if callable(grown_for) and callable(getattr(index, "adopt", None)):
-        grown = grown_for(n_new)  # may refuse (fixed capacity): nothing changed
-        if plan.clear:
-            grown.clear()
-    else:
-        live = 0 if plan.clear else len(index)
-        cap = index.capacity
-        while live + n_new > math.floor(index.max_load * cap):
-            cap *= 2
-        grown = KeyIndex(
-            index.hash_bytes,
-            capacity=cap,
-            device=index.device,
-            backend=index.backend,
-            max_load=index.max_load,
-        )
-        if not plan.clear:
-            grown.add(*index.keys())
+    """A rehashed copy of ``index`` (``KeyIndex.grown_for``) with ``plan``
+    applied; ``index`` is only read. Returns (copy, keys removed, keys added).
+    A fixed-capacity index refuses (CapacityError): nothing changed."""
+    grown = index.grown_for(n_new)
+    if plan.clear:
+        grown.clear()
     removed = grown.remove(*keys.removes) if keys.removes is not None else 0
     added = grown.add(*keys.adds) if keys.adds is not None else 0
     return grown, removed, added
 
 
-def _adopt(index: KeyIndex, grown: KeyIndex, before: tuple[int, int, int]) -> bool:
-    """Make ``index`` hold ``grown``'s table in O(1), under the caller's lock;
-    False (nothing changed) if ``index`` changed since ``grown`` was built.
-
-    ``KeyIndex.adopt`` does it where it exists (it checks the index's version
-    and hands the old table back in ``grown``, freed when the caller drops
-    it, after the lock). Until then, a stopgap: ``grown`` was built with
-    ``index``'s configuration, so its instance state replaces ``index``'s,
-    whatever the internal names, keeping the backend choice ("auto").
-    """
-    adopt = getattr(index, "adopt", None)
-    if callable(adopt) and callable(getattr(index, "grown_for", None)):
-        try:
-            adopt(grown)
-        except ValueError:  # changed since grown_for: keys would be lost
-            return False
-        return True
-    if _fingerprint(index) != before:
+def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
+    """Make ``index`` hold ``grown``'s table in O(1), under the caller's lock
+    (``KeyIndex.adopt``: the old table is handed back in ``grown`` and freed
+    when the caller drops it, after the lock); False, nothing changed, if
+    ``index`` changed since ``grown`` was built (keys would be lost)."""
+    try:
+        index.adopt(grown)
+    except ValueError:
         return False
-    state = vars(index)
-    backend = state.get("_backend")
-    state.update(vars(grown))
-    if backend is not None:
-        state["_backend"] = backend
     return True
-
-
-def _fingerprint(index: Any) -> tuple[int, int, int]:
-    return (
-        id(getattr(index, "table", None)),
-        len(index),
-        getattr(index, "tombstones", 0),
-    )
 
 
 def _commit(
@@ -531,14 +488,11 @@ def _commit(
     if isinstance(index, KeyIndex):
         n_new = _new_keys(index, plan, keys)
         if n_new is not None:
-            before = _fingerprint(index)
-            grown = (before, *_grown_copy(index, plan, keys, n_new))
-    # Held until after the lock: freeing a large old table takes a while.
-    old_table = getattr(index, "table", None)
+            grown = _grown_copy(index, plan, keys, n_new)
     with lock:
         cleared = len(index) if plan.clear else 0
-        if grown is not None and _adopt(index, grown[1], grown[0]):
-            removed, added = cleared + grown[2], grown[3]
+        if grown is not None and _adopt(index, grown[0]):
+            removed, added = cleared + grown[1], grown[2]
         else:  # no growth, or another writer changed the index meanwhile
             removed = added = 0
             if plan.clear:
@@ -551,8 +505,9 @@ def _commit(
                 added = index.add(*keys.adds)
         if sync and torch.device(device).type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-    # The old table (also in ``grown`` with KeyIndex.adopt) is freed here.
-    del old_table, grown
+    # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
+    # here, after the lock: freeing a large table takes a while.
+    del grown
     return ApplyStats(plan.events, plan.skipped, added, removed, plan.clear)
 
 

@@ -176,7 +176,6 @@ KEY_INDEX = [
         lambda _: KeyIndex(16, max_load=1e-9),
         ValueError,
         "max_load",
-        owner="index",
     ),
     Case(
         "KeyIndex-backend",
@@ -189,14 +188,12 @@ KEY_INDEX = [
         lambda _: KeyIndex(16, device="meta"),
         ValueError,
         "device",
-        owner="index",
     ),
     Case(
         "KeyIndex-device-cuda-absent",  # was an AssertionError
         lambda _: KeyIndex(16, device="cuda"),
         ValueError,
         "device",
-        owner="index",
         skip=None if NO_CUDA else "CUDA is present",
     ),
     Case(
@@ -324,7 +321,6 @@ KEY_INDEX = [
         ValueError,
         "table",
         lambda: _index().state_dict(),
-        owner="index",
     ),
 ]
 
