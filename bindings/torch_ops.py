@@ -320,34 +320,6 @@ def _probe_fake(
 # --------------------------------------------------------------------------
 
 
-class _TableView(KeyIndex):
-    """A KeyIndex over a given table tensor, for the engine inside the op.
-
-    The engine reads only ``table``, ``W``, ``hash_bytes`` and ``device`` (the
-    table layout contract of ``coordinator/key_index.py``); no bookkeeping is
-    known here, so ``len()`` counts live slots and mutation is refused.
-    """
-
-    def __init__(self, table: torch.Tensor, hash_bytes: int) -> None:
-        # Deliberately not KeyIndex.__init__: that would allocate a table.
-        self.hash_bytes = hash_bytes
-        self.W = num_words(hash_bytes)
-        self.max_load = 0.5
-        self._backend = "auto"
-        self.table = table
-        self._size = -1
-        self._tombstones = -1
-
-    def __len__(self) -> int:
-        return int((self.table[:, 0] >= 0).sum().item())
-
-    def add(self, group_ids: Any, hashes: Any) -> int:
-        raise TypeError("a table view inside kvhit::lookup is read-only")
-
-    def remove(self, group_ids: Any, hashes: Any) -> int:
-        raise TypeError("a table view inside kvhit::lookup is read-only")
-
-
 @torch.library.custom_op("kvhit::lookup", mutates_args=())
 def _lookup_op(
     hashes: torch.Tensor,
@@ -366,9 +338,12 @@ def _lookup_op(
     """
     _check_lookup(hashes, offsets, num_tokens, table, hash_bytes)
     engine = layout_engine(layout_key, table.device)
-    batch = HashBatch._trusted(hashes.contiguous(), offsets.contiguous(), hash_bytes)
+    batch = HashBatch.from_trusted(
+        hashes.contiguous(), offsets.contiguous(), hash_bytes
+    )
     table = table.contiguous()
-    view = _TableView(table, hash_bytes)
+    # Read-only, metadata checks only: no host sync inside the op.
+    view = KeyIndex.from_table(table, hash_bytes)
     if engine.backend == "triton":
         # No validation or host sync inside the op (capturable in a graph).
         return engine.lookup_unchecked(batch, num_tokens.contiguous(), view)
@@ -404,7 +379,7 @@ def probe(index: KeyIndex, group_ids: Any, hashes: Any) -> torch.Tensor:
     """
     if not isinstance(index, KeyIndex):
         raise TypeError(f"index must be a KeyIndex, got {type(index).__name__}")
-    g, h = index._keys(group_ids, hashes)
+    g, h = index.normalize_keys(group_ids, hashes)
     return torch.ops.kvhit.probe(index.table, g, h)
 
 

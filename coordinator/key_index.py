@@ -810,9 +810,6 @@ class KeyIndex:
         words = _normalize_hashes(hashes, self.hash_bytes, dev)
         return _normalize_group_ids(group_ids, words.shape[0], dev), words
 
-    # Kept for bindings/torch_ops.py until it calls normalize_keys.
-    _keys = normalize_keys
-
     def _check_writable(self, what: str) -> None:
         if self._read_only:
             raise ReadOnlyIndexError(

@@ -382,9 +382,6 @@ class HashBatch:
         object.__setattr__(obj, "hash_bytes", hash_bytes)
         return obj
 
-    #: Deprecated alias of :meth:`from_trusted` (kept while callers move).
-    _trusted = from_trusted
-
     def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
         """The batch as every backend reads it (see :class:`RaggedView`).
 

@@ -245,4 +245,3 @@ def test_from_trusted_is_public_and_unchecked() -> None:
     assert (
         b.hashes is h and b.offsets is offs and b.to_bytes() == [[b"a" * 8, b"b" * 8]]
     )
-    assert HashBatch._trusted(h, offs, 8).to_bytes() == b.to_bytes()  # old name
