@@ -633,7 +633,8 @@ def generate(
 
 
 def environment_info() -> dict[str, str]:
-    """Machine, Python, torch, triton and GPU versions, for benchmark reports."""
+    """Machine, Python, torch, triton, numba and GPU versions, for benchmark
+    reports."""
     import os
     import platform
 
@@ -671,4 +672,10 @@ def environment_info() -> dict[str, str]:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = "missing"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # by its metadata: importing numba takes a second
+        info["numba"] = version("numba")
+    except PackageNotFoundError:
+        info["numba"] = "missing"
     return info
