@@ -357,3 +357,31 @@ def test_sweep_config_validates() -> None:
     )
     with pytest.raises(AttributeError):
         row.median_s = 2.0  # type: ignore[misc]
+
+
+def test_quick_and_explicit_batch_sizes() -> None:
+    parser = cli.build_parser()
+    config, _ = cli.sweep_config(parser.parse_args(["bench", "--quick"]))
+    assert config.batch_sizes == cli.QUICK_BATCH_SIZES
+    assert config.repeats == cli.QUICK_REPEATS
+    config, _ = cli.sweep_config(parser.parse_args(["bench"]))
+    assert config.batch_sizes == harness.DEFAULT_BATCH_SIZES == (1, 8, 64, 1024, 4096)
+    args = parser.parse_args(["bench", "--quick", "--batch-sizes", "8,2,8"])
+    assert cli.sweep_config(args)[0].batch_sizes == (2, 8)
+
+
+def test_the_cli_imports_only_the_harness_from_bench() -> None:
+    import ast
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    from_bench = {n for n in names if n.startswith("kvhit.bench.")}
+    assert from_bench and all(
+        n == "kvhit.bench.harness" or n.startswith("kvhit.bench.harness.")
+        for n in from_bench
+    ), from_bench
