@@ -51,9 +51,22 @@ if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.reference import ReferenceCoordinator
 
-#: The backend names a sweep knows: the reference loop, then the engine's.
 REFERENCE = "reference"
-ENGINE_BACKENDS = ("numba", "triton", "torch")
+
+
+def _engine_backends() -> tuple[str, ...]:
+    """numba, triton, torch, then any other name the engine's ``BACKENDS``
+    lists: a new backend is swept without a change here."""
+    from kvhit.coordinator import engine
+
+    listed = getattr(engine, "BACKENDS", ())
+    extra = [b for b in listed if b not in ("auto", REFERENCE)]
+    return tuple(dict.fromkeys(["numba", "triton", "torch", *extra]))
+
+
+#: The backend names a sweep knows: the reference loop, then the engine's
+#: (each tried by name; one whose engine cannot be built is skipped).
+ENGINE_BACKENDS = _engine_backends()
 BACKENDS = (REFERENCE, *ENGINE_BACKENDS)
 #: vLLM's own per-request worker lookup (only with the vLLM oracle).
 VLLM = "vllm"
