@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -406,8 +407,8 @@ def _add_workload_args(p: argparse.ArgumentParser, repeats_default: int | None) 
         "--sample",
         type=_int_at_least(1),
         default=64,
-        help="requests checked against the reference above the full-check size "
-        "(default 64)",
+        help="requests sampled for the check against the reference loop where "
+        "not every request is checked (default 64)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
@@ -416,7 +417,7 @@ def _add_demo(sub: Any, presets_help: str) -> None:
     demo = sub.add_parser(
         "demo",
         help="look up one realistic batch, check it, print a table",
-        description=(
+        description=textwrap.fill(
             "Builds a synthetic serving workload (shared system prompts, "
             "multi-turn growth, an evicted store), resolves the whole batch with "
             "LookupEngine (backend auto: triton on CUDA, numba on the CPU), "
@@ -425,7 +426,7 @@ def _add_demo(sub: Any, presets_help: str) -> None:
             "a fresh process, the steady-state latency and the speedup over the "
             "reference loop."
         ),
-        epilog=f"presets: {presets_help}\n\n{EXIT_CODES}",
+        epilog=f"presets:{presets_help}\n\n{EXIT_CODES}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
@@ -461,7 +462,7 @@ def _add_bench(sub: Any, presets_help: str) -> None:
     bench = sub.add_parser(
         "bench",
         help="sweep presets x batch sizes x backends; JSON and plot",
-        description=(
+        description=textwrap.fill(
             "For each preset and batch size, checks every backend against the "
             "reference loop (all requests up to --reference-cap, --sample "
             "above), then times each end to end through LookupEngine.lookup on "
@@ -470,7 +471,7 @@ def _add_bench(sub: Any, presets_help: str) -> None:
             "--vllm) and the packing cost per request, side by side. A backend "
             "whose engine cannot be built is skipped with the reason."
         ),
-        epilog=f"presets: {presets_help}\n\n{EXIT_CODES}",
+        epilog=f"presets:{presets_help}\n\n{EXIT_CODES}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
@@ -531,7 +532,15 @@ def _add_bench(sub: Any, presets_help: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvhit`` argument parser (``demo`` and ``bench`` subcommands)."""
-    presets_help = "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
+    presets_help = "".join(
+        textwrap.fill(
+            f"{p.name}: {p.description}",
+            79,
+            initial_indent="\n  ",
+            subsequent_indent="    ",
+        )
+        for p in PRESETS.values()
+    )
     parser = argparse.ArgumentParser(
         prog="kvhit",
         description="Batched external KV-cache hit lookup (vLLM 0.33.0 semantics).",
