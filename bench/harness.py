@@ -36,7 +36,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
 from kvhit.bench.workloads import (
     PRESETS,
@@ -456,20 +455,25 @@ def write_json(path: str | os.PathLike[str], result: SweepResult) -> None:
 
 class TqdmProgress:
     """A ``progress(stage, done, total)`` callback (as :func:`generate` takes)
-    drawing one tqdm bar per stage."""
+    drawing one tqdm bar per stage. tqdm is imported only when a bar is
+    drawn, so a quiet run (and importing this module) works without it, as
+    on a GPU machine running from a source tree with only torch and triton."""
 
     def __init__(self, disable: bool = False, leave: bool = False) -> None:
         self.disable, self.leave = disable, leave
-        self.bars: dict[str, tqdm] = {}
+        self.bars: dict[str, Any] = {}
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.disable:
+            return
         bar = self.bars.get(stage)
         if bar is None:
+            from tqdm import tqdm
+
             bar = tqdm(
                 total=total,
                 desc=f"  {stage}",
                 unit="req",
-                disable=self.disable,
                 leave=self.leave,
             )
             self.bars[stage] = bar
@@ -503,7 +507,7 @@ def sweep(
     steps = [(p, b) for p in config.presets for b in sorted(set(config.batch_sizes))]
     rows: list[ResultRow] = []
     probes: list[ProbeRow] = []
-    bar = tqdm(steps, desc="kvhit bench", unit="step", disable=quiet, leave=False)
+    bar = _steps_bar(steps, quiet)
     ctx: _PresetContext | None = None
     for preset, b in bar:
         if ctx is None or ctx.full.preset != preset:
@@ -516,6 +520,21 @@ def sweep(
     return SweepResult(
         config, tuple(rows), tuple(_unique(skips)), tuple(probes), environment_info()
     )
+
+
+class _NoBar(list):
+    """What a quiet sweep iterates over instead of a tqdm bar."""
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+
+def _steps_bar(steps: list[tuple[str, int]], quiet: bool) -> Any:
+    if quiet:
+        return _NoBar(steps)
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="kvhit bench", unit="step", leave=False)
 
 
 def _vllm_for(config: SweepConfig, skips: list[Skip], quiet: bool) -> ModuleType | None:

@@ -385,3 +385,10 @@ def test_the_cli_imports_only_the_harness_from_bench() -> None:
         n == "kvhit.bench.harness" or n.startswith("kvhit.bench.harness.")
         for n in from_bench
     ), from_bench
+
+
+def test_quiet_runs_need_no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU box running from a source tree may have only torch and triton.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert cli.main([*TINY_BENCH, "--presets", "llama", "--batch-sizes", "2"]) == 0
+    assert cli.main(TINY_DEMO) == 0
