@@ -792,7 +792,8 @@ def format_table(result: SweepResult) -> str:
     lines = [
         f"kvhit {__version__} bench  ({env.get('machine', '?')}; torch "
         f"{env.get('torch', '?')}, triton {env.get('triton', '?')}, numba "
-        f"{env.get('numba', '?')}; gpu {env.get('gpu', 'none')})",
+        f"{env.get('numba', '?')} (NUMBA_NUM_THREADS {env.get('numba_threads', '?')}); "
+        f"gpu {env.get('gpu', 'none')})",
         f"  {'preset':<11} {'B':>5}  {'backend':<9} {'median':>10} {'lookups/s':>9} "
         f"{'x ref':>7}" + (f" {'x vLLM':>7}" if vllm else "") + f" {'pack/req':>9}",
     ]

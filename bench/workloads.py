@@ -678,4 +678,6 @@ def environment_info() -> dict[str, str]:
         info["numba"] = version("numba")
     except PackageNotFoundError:
         info["numba"] = "missing"
+    # numba's thread pool (its prange loops) follows this variable.
+    info["numba_threads"] = os.environ.get("NUMBA_NUM_THREADS", "default")
     return info
