@@ -1,5 +1,5 @@
 PY ?= .venv/bin/python
-.PHONY: venv lint test bench demo gpu-check
+.PHONY: venv lint test bench sweep demo gpu-check
 
 venv:
 	bash .ci/setup-venv
@@ -13,6 +13,11 @@ test: lint
 
 bench: venv
 	$(PY) -m pytest bench -q --benchmark-only --benchmark-columns=median,iqr,rounds
+
+# kvhit bench's full CPU sweep with the vLLM column, as bench/RESULTS.md records it
+sweep: venv
+	mkdir -p bench/out
+	$(PY) -m kvhit bench --vllm --key-index --json bench/out/cpu.json --plot bench/results_cpu.png
 
 demo: venv
 	$(PY) -m kvhit demo

@@ -1,10 +1,12 @@
 """Shared set-up of the benchmark suites (``pytest bench --benchmark-only``).
 
-Knobs (environment variables; defaults suit this repo's 2-core CPU box):
+The suites measure through the harness (``bench/harness.py``), as ``kvhit
+bench`` does. Knobs (environment variables; defaults suit this repo's 2-core
+CPU box):
 
-``KVHIT_BENCH_MAX_TOKENS``  longest prompt (default 16384 on CPU, 131072 on CUDA)
-``KVHIT_BENCH_B4096``       ``1`` adds B=4096 (always on with CUDA)
-``KVHIT_BENCH_BATCH_SIZES`` comma-separated override of the batch sizes
+``KVHIT_BENCH_MAX_TOKENS``  longest prompt (default 16384 on CPU, 131072 on an
+                            accelerator)
+``KVHIT_BENCH_BATCH_SIZES`` comma-separated batch sizes (default 1,8,64,1024,4096)
 ``KVHIT_BENCH_PRESETS``     comma-separated subset of the presets
 ``KVHIT_BENCH_REF_CAP``     largest B the reference loop is timed at (1024)
 ``KVHIT_BENCH_HISTORY``     served requests per batch request (default 1.0)
@@ -20,12 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
+from kvhit.bench.harness import DEFAULT_BATCH_SIZES, default_device
 from kvhit.bench.workloads import PRESETS, TrafficConfig, Workload, generate
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+DEVICE = default_device()
 
 
 def _csv_env(name: str, default: list[str]) -> list[str]:
@@ -34,15 +35,11 @@ def _csv_env(name: str, default: list[str]) -> list[str]:
 
 
 MAX_TOKENS = int(
-    os.environ.get("KVHIT_BENCH_MAX_TOKENS", 131072 if HAS_CUDA else 16384)
+    os.environ.get("KVHIT_BENCH_MAX_TOKENS", 16384 if DEVICE == "cpu" else 131072)
 )
 BATCH_SIZES = [
     int(b)
-    for b in _csv_env(
-        "KVHIT_BENCH_BATCH_SIZES",
-        ["1", "64", "1024"]
-        + (["4096"] if HAS_CUDA or os.environ.get("KVHIT_BENCH_B4096") == "1" else []),
-    )
+    for b in _csv_env("KVHIT_BENCH_BATCH_SIZES", [str(b) for b in DEFAULT_BATCH_SIZES])
 ]
 PRESET_NAMES = _csv_env("KVHIT_BENCH_PRESETS", list(PRESETS))
 REF_CAP = int(os.environ.get("KVHIT_BENCH_REF_CAP", 1024))

@@ -633,7 +633,8 @@ def generate(
 
 
 def environment_info() -> dict[str, str]:
-    """Machine, Python, torch, triton and GPU versions, for benchmark reports."""
+    """Machine, Python, torch, triton, numba and GPU versions, for benchmark
+    reports."""
     import os
     import platform
 
@@ -671,4 +672,12 @@ def environment_info() -> dict[str, str]:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = "missing"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # by its metadata: importing numba takes a second
+        info["numba"] = version("numba")
+    except PackageNotFoundError:
+        info["numba"] = "missing"
+    # numba's thread pool (its prange loops) follows this variable.
+    info["numba_threads"] = os.environ.get("NUMBA_NUM_THREADS", "default")
     return info

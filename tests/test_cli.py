@@ -1,4 +1,5 @@
-"""``kvhit demo`` / ``kvhit bench`` on tiny configurations."""
+"""``kvhit demo`` / ``kvhit bench`` and the benchmark harness under them, on
+tiny configurations."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvhit import __version__, cli
+from kvhit.bench import harness
+from kvhit.bench.workloads import TrafficConfig, generate, make_layout
+from kvhit.coordinator.engine import LookupEngine
 
 TINY_DEMO = [
     "demo",
@@ -23,6 +27,7 @@ TINY_DEMO = [
     "512",
     "--repeats",
     "1",
+    "--no-fresh-process",
     "-q",
 ]
 TINY_BENCH = [
@@ -41,6 +46,21 @@ TINY_BENCH = [
 ]
 
 
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Runs ``argv``, asserts exit code 2 (bad arguments), returns stderr."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == cli.EXIT_USAGE
+    return capsys.readouterr().err
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the sweep ran although the arguments were bad")
+
+
+# -- help, version, exit codes ------------------------------------------------
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
@@ -48,109 +68,219 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert __version__ in capsys.readouterr().out
 
 
-def test_help_via_python_m() -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "kvhit", "demo", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0
-    assert "--preset" in res.stdout and "dsv4-flash" in res.stdout
+def test_help_via_python_m_documents_the_exit_codes() -> None:
+    for argv in (["--help"], ["demo", "--help"], ["bench", "--help"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "kvhit", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0
+        for line in ("0  success", "1  a backend disagreed", "2  bad arguments"):
+            assert line in res.stdout, (argv, line)
+        assert "3  an internal error (its traceback is printed)" in res.stdout
+    assert "--preset" in res.stdout or "--presets" in res.stdout
 
 
-def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 0
+    assert "demo" in capsys.readouterr().out
+
+
+# -- kvhit demo -----------------------------------------------------------------
+
+
+def test_demo_prints_the_table_and_the_backend_auto_chose(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert cli.main(TINY_DEMO) == 0
     out = capsys.readouterr().out
     for row in (
         "preset",
-        "backend",
         "device",
         "requests",
         "hit / num_tokens",
         "served from store",
-        "batch latency",
+        "first call",
+        "steady state",
         "lookups/s",
+        "reference loop",
         "speedup",
-        "parity",
+        "24/24 checked requests match",
     ):
         assert row in out, row
-    assert "llama" in out
+    assert "first call, new process" not in out  # --no-fresh-process
+    auto = LookupEngine(make_layout("llama")).backend
+    assert f"backend            {auto} (auto)" in out
 
 
-def test_demo_check_all_dsv4(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [*TINY_DEMO, "--check-all", "--preset", "dsv4-flash", "--max-tokens", "2048"]
+def test_demo_check_all_dsv4_with_a_fresh_process_first_call(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [a for a in TINY_DEMO if a != "--no-fresh-process"]
+    argv += ["--check-all", "--preset", "dsv4-flash", "--max-tokens", "2048"]
     assert cli.main(argv) == 0
-    assert "24/24 checked requests match" in capsys.readouterr().out
-
-
-def test_demo_falls_back_to_reference_without_engine(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(cli, "engine_available", lambda: "engine not built")
-    assert cli.main(TINY_DEMO) == 0
     out = capsys.readouterr().out
-    assert "reference (fallback: engine not importable)" in out
+    assert "24/24 checked requests match" in out
+    line = next(ln for ln in out.splitlines() if "first call, new process" in ln)
+    assert any(unit in line for unit in (" us", " ms", " s "))
 
 
-def _corrupt_runners(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every runner's answer off by one token for every request, so a
+def _corrupt_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine runner answers one token too many for every request, so a
     mismatch shows whatever sample the CLI checks."""
-    real = cli.make_runner
+    real = harness.engine_runner
 
-    def corrupted(workload, backend, device):
-        runner = real(workload, backend, device)
+    def corrupted(*args, **kwargs) -> harness.Runner:
+        runner = real(*args, **kwargs)
         good = runner.run
-        runner.run = lambda: [int(h) + 1 for h in good()]
-        return runner
+        return harness.Runner(
+            runner.backend, runner.device, lambda: [int(h) + 1 for h in good()]
+        )
 
-    monkeypatch.setattr(cli, "make_runner", corrupted)
+    monkeypatch.setattr(harness, "engine_runner", corrupted)
 
 
-def test_demo_mismatch_exits_non_zero(
+def test_demo_mismatch_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _corrupt_runners(monkeypatch)
+    _corrupt_engines(monkeypatch)
     assert cli.main(TINY_DEMO) == cli.EXIT_MISMATCH
     err = capsys.readouterr().err
     assert "MISMATCH" in err and "reference=" in err
 
 
-def test_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_an_error_inside_the_engine_exits_3_with_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error
+) -> None:
+    # Regression: engine errors were reported as exit 2 ("usage error"), no trace.
+    def broken(self, *args, **kwargs):
+        raise error("deliberately broken lookup")
+
+    monkeypatch.setattr(LookupEngine, "lookup", broken)
+    assert cli.main(TINY_DEMO) == cli.EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert f"{error.__name__}: deliberately broken lookup" in err
+
+
+def test_demo_requests_zero_exits_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Regression: --requests 0 exited 0 with an empty report.
+    err = _usage_error(["demo", "--requests", "0"], capsys)
+    assert "--requests" in err and ">= 1" in err
+
+
+def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--preset" in _usage_error(["demo", "--preset", "nope"], capsys)
+    err = _usage_error(["demo", "--min-tokens", "600", "--max-tokens", "500"], capsys)
+    assert "--min-tokens" in err and "--max-tokens" in err
+    assert "--repeats" in _usage_error(["demo", "--repeats", "0"], capsys)
+    assert "--history" in _usage_error(["demo", "--history", "-1"], capsys)
+    assert "--backends" in _usage_error(["bench", "--backends", "cuda-magic"], capsys)
+    assert "--presets" in _usage_error(["bench", "--presets", "nope"], capsys)
+
+
+# -- kvhit bench ------------------------------------------------------------------
+
+
+def test_bench_writes_one_json_of_result_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_json = tmp_path / "bench.json"
-    argv = [*TINY_BENCH, "--reference-cap", "1", "--json", str(out_json)]
+    argv = [*TINY_BENCH, "--reference-cap", "1", "--sample", "3", "--key-index"]
+    argv += ["--json", str(out_json)]
     assert cli.main(argv) == 0
     data = json.loads(out_json.read_text())
-    assert data["environment"]["torch"]
-    rows = data["results"]
-    assert {r["preset"] for r in rows} == {"llama", "qwen3-next"}
-    assert {r["batch_size"] for r in rows} == {1, 8}
-    ref8 = [r for r in rows if r["backend"] == "reference" and r["batch_size"] == 8]
-    # Above the cap the reference is extrapolated, and says so.
-    assert ref8 and all(r["reference_estimated"] for r in ref8)
-    assert all(r["parity_checked"] > 0 for r in rows)
+    assert data["environment"]["torch"] and data["environment"]["numba"]
+    rows = [
+        harness.ResultRow(**{**r, "times_s": tuple(r["times_s"])})
+        for r in data["results"]
+    ]
+    assert {r.preset for r in rows} == {"llama", "qwen3-next"}
+    assert {r.batch_size for r in rows} == {1, 8}
+    ref = {
+        r.batch_size: r
+        for r in rows
+        if r.backend == "reference" and r.preset == "llama"
+    }
+    # Above the cap the reference loop is extrapolated from the sample, and says so.
+    assert not ref[1].estimated and ref[1].times_s
+    assert ref[8].estimated and not ref[8].times_s and ref[8].reference_estimated
+    engines = [r for r in rows if r.backend != "reference"]
+    assert engines, "no engine backend ran"
+    for r in engines:
+        assert r.pack_s_per_request and r.pack_s_per_request > 0
+        assert r.speedup_vs_reference and r.speedup_vs_vllm is None
+        assert len(r.times_s) == 1 and r.median_s == r.times_s[0]
+    assert all(r.parity_checked > 0 for r in rows)
+    assert {p["preset"] for p in data["key_index"]} == {"llama", "qwen3-next"}
+    # On the CPU, auto leaves triton out, with the reason.
+    if harness.default_device() == "cpu":
+        assert any(s["backend"] == "triton" for s in data["skipped"])
     table = capsys.readouterr().out
-    assert "lookups/s" in table and "x ref" in table
+    assert "lookups/s" in table and "x ref" in table and "pack/req" in table
 
 
-def test_bench_mismatch_exits_non_zero(
+def test_bench_skips_a_backend_whose_engine_cannot_be_built(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if cli.engine_available() is not None:
-        pytest.skip("needs the engine: the reference cannot disagree with itself")
-    _corrupt_runners(monkeypatch)
+    real = harness.build_engine
+
+    def build(workload, backend, device):
+        if backend == "torch":
+            raise ValueError("no torch backend on this build")
+        return real(workload, backend, device)
+
+    monkeypatch.setattr(harness, "build_engine", build)
+    argv = [*TINY_BENCH, "--presets", "llama", "--backends", "reference,torch"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "skipped torch: ValueError: no torch backend on this build" in out
+    assert " torch " not in out.split("pack/req")[1].split("skipped")[0]
+
+
+def test_bench_mismatch_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _corrupt_engines(monkeypatch)
     assert cli.main(TINY_BENCH) == cli.EXIT_MISMATCH
     assert "MISMATCH" in capsys.readouterr().err
 
 
-def test_bench_plot_without_matplotlib(
+@pytest.mark.parametrize("sizes", ["0", "1,0,8", "-4", "x"])
+def test_bench_batch_sizes_below_one_exit_2_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], sizes: str
+) -> None:
+    # Regression: --batch-sizes 0 ended in a ZeroDivisionError traceback.
+    monkeypatch.setattr(harness, "sweep", _must_not_run)
+    err = _usage_error(["bench", "--batch-sizes", sizes], capsys)
+    assert "--batch-sizes" in err
+
+
+def test_bench_unwritable_outputs_fail_before_the_sweep(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Regression: --json /nonexistent/x.json ran the whole sweep, then failed.
+    monkeypatch.setattr(harness, "sweep", _must_not_run)
+    err = _usage_error(["bench", "--json", "/nonexistent/x.json"], capsys)
+    assert "--json" in err and "/nonexistent" in err
+    err = _usage_error(["bench", "--json", str(tmp_path)], capsys)
+    assert "--json" in err and "directory" in err
+    err = _usage_error(["bench", "--plot", str(tmp_path / "no" / "p.png")], capsys)
+    assert "--plot" in err
+
+
+def test_bench_plot_without_matplotlib_exits_2_before_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(harness, "sweep", _must_not_run)
     # A None entry makes `import matplotlib` raise ImportError.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    rc = cli.main([*TINY_BENCH, "--plot", str(tmp_path / "p.png")])
-    assert rc == cli.EXIT_MISSING_DEP
-    err = capsys.readouterr().err
+    err = _usage_error([*TINY_BENCH, "--plot", str(tmp_path / "p.png")], capsys)
     assert "needs matplotlib" in err and "pip install" in err
     assert not (tmp_path / "p.png").exists()
 
@@ -163,15 +293,102 @@ def test_bench_plot_with_matplotlib(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_arguments() -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["demo", "--preset", "nope"])
-    assert exc.value.code == 2
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--backends", "cuda-magic"])
-    assert cli.main(["demo", "--min-tokens", "600", "--max-tokens", "500"]) == 2
+def test_bench_vllm_column(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    oracle, why = harness.load_vllm_oracle()
+    if oracle is None:
+        pytest.skip(f"vLLM oracle not available: {why}")
+    out_json = tmp_path / "v.json"
+    argv = [*TINY_BENCH, "--presets", "qwen3-next", "--vllm", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    rows = json.loads(out_json.read_text())["results"]
+    vllm = [r for r in rows if r["backend"] == "vllm"]
+    assert {r["batch_size"] for r in vllm} == {1, 8}
+    assert all(r["speedup_vs_vllm"] for r in rows)
+    assert "x vLLM" in capsys.readouterr().out
 
 
-def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main([]) == 0
-    assert "demo" in capsys.readouterr().out
+# -- the harness ------------------------------------------------------------------
+
+
+def test_check_parity_names_the_requests() -> None:
+    harness.check_parity("x", [0, 16, 32], {0: 0, 2: 32}, [16, 16, 48])
+    with pytest.raises(
+        harness.MismatchError, match=r"1 of 2 .*#2 \(num_tokens=48\): x=32 reference=16"
+    ):
+        harness.check_parity("x", [0, 16, 32], {0: 0, 2: 16}, [16, 16, 48])
+
+
+def test_parity_indices_and_time_calls() -> None:
+    assert harness.parity_indices(5, 5, 2, seed=0) == [0, 1, 2, 3, 4]
+    sample = harness.parity_indices(100, 10, 7, seed=3)
+    assert len(sample) == 7 == len(set(sample)) and sample == sorted(sample)
+    assert sample == harness.parity_indices(100, 10, 7, seed=3)
+    calls = []
+    times = harness.time_calls(lambda: calls.append(1), repeats=4, warmup=2)
+    assert times.shape == (4,) and len(calls) == 6 and (times >= 0).all()
+    with pytest.raises(ValueError, match="repeats"):
+        harness.time_calls(lambda: None, repeats=0)
+
+
+def test_every_backend_agrees_with_the_reference_loop_exactly() -> None:
+    wl = generate("gemma3", TrafficConfig(num_requests=16, max_tokens=1024))
+    want = harness.reference_runner(wl).hits()
+    assert any(want), "an all-miss workload would prove nothing"
+    ran = []
+    for name in harness.default_backends("cpu")[0]:
+        try:
+            runner = harness.make_runner(wl, name, "cpu")
+        except ValueError:  # a backend this build's engine does not have
+            continue
+        assert runner.hits() == want, name
+        ran.append(name)
+    assert "reference" in ran and len(ran) >= 2
+
+
+def test_sweep_config_validates() -> None:
+    with pytest.raises(ValueError, match="batch_sizes"):
+        harness.SweepConfig(presets=("llama",), batch_sizes=(0,))
+    with pytest.raises(ValueError, match="unknown backend"):
+        harness.SweepConfig(presets=("llama",), backends=("magic",))
+    with pytest.raises(ValueError, match="unknown preset"):
+        harness.SweepConfig(presets=("nope",))
+    row = harness.ResultRow(
+        "llama", 1, "torch", "cpu", 1.0, (1.0,), 1.0, False, 1.0, False, None, None, 1
+    )
+    with pytest.raises(AttributeError):
+        row.median_s = 2.0  # type: ignore[misc]
+
+
+def test_quick_and_explicit_batch_sizes() -> None:
+    parser = cli.build_parser()
+    config, _ = cli.sweep_config(parser.parse_args(["bench", "--quick"]))
+    assert config.batch_sizes == cli.QUICK_BATCH_SIZES
+    assert config.repeats == cli.QUICK_REPEATS
+    config, _ = cli.sweep_config(parser.parse_args(["bench"]))
+    assert config.batch_sizes == harness.DEFAULT_BATCH_SIZES == (1, 8, 64, 1024, 4096)
+    args = parser.parse_args(["bench", "--quick", "--batch-sizes", "8,2,8"])
+    assert cli.sweep_config(args)[0].batch_sizes == (2, 8)
+
+
+def test_the_cli_imports_only_the_harness_from_bench() -> None:
+    import ast
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    from_bench = {n for n in names if n.startswith("kvhit.bench.")}
+    assert from_bench and all(
+        n == "kvhit.bench.harness" or n.startswith("kvhit.bench.harness.")
+        for n in from_bench
+    ), from_bench
+
+
+def test_quiet_runs_need_no_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU box running from a source tree may have only torch and triton.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert cli.main([*TINY_BENCH, "--presets", "llama", "--batch-sizes", "2"]) == 0
+    assert cli.main(TINY_DEMO) == 0

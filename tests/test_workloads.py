@@ -6,14 +6,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvhit.bench.workloads import (
     PRESETS,
     TrafficConfig,
     Workload,
+    environment_info,
     generate,
     make_layout,
 )
+from kvhit.coordinator.packing import pack_hashes
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout, Mamba
 
@@ -196,12 +199,23 @@ def test_mamba_excluded_from_store_masks_but_present() -> None:
 
 
 def test_engine_views_build() -> None:
-    pytest.importorskip("kvhit.coordinator.packing", reason="packing not landed")
     w = generate("llama", TrafficConfig(num_requests=8, max_tokens=512))
     batch = w.hash_batch("cpu")
     assert len(batch) == 8 and batch.total == w.total_hashes
     assert batch.to_bytes() == [list(h) for h in w.hash_lists]
     assert w.num_tokens_tensor().tolist() == list(w.num_tokens)
-    pytest.importorskip("kvhit.coordinator.key_index", reason="KeyIndex not landed")
     index = w.key_index("cpu")
     assert len(index) == len(w.store_keys)
+    # Every stored key is present, and only those: the first hash of every
+    # request under a group id no layout has is not.
+    gids, hashes = zip(*sorted(w.store_keys), strict=True)
+    packed = pack_hashes(list(hashes), w.hash_bytes)
+    assert bool(index.contains(torch.tensor(gids), packed).all())
+    firsts = pack_hashes([h[0] for h in w.hash_lists], w.hash_bytes)
+    assert not bool(index.contains(torch.full((8,), 99), firsts).any())
+
+
+def test_environment_info_names_the_versions() -> None:
+    info = environment_info()
+    for key in ("date", "machine", "python", "torch", "triton", "numba"):
+        assert info[key], key
