@@ -879,7 +879,6 @@ CLI = [
         "bench-batch-sizes-0",  # ended in a ZeroDivisionError traceback
         ["bench", "--presets", "llama", "--batch-sizes", "0", "--repeats", "1"],
         "batch-sizes",
-        owner="cli",
     ),
     CliCase(
         "bench-json-unwritable",  # ran the whole sweep, then failed
@@ -895,13 +894,11 @@ CLI = [
             "/nonexistent/x.json",
         ],
         "json",
-        owner="cli",
     ),
     CliCase(
         "demo-requests-0",  # exited 0 with an empty report
         ["demo", "--requests", "0"],
         "requests",
-        owner="cli",
     ),
     CliCase("demo-preset", ["demo", "--preset", "nope"], "preset"),
 ]
