@@ -12,6 +12,7 @@ import time); the kernel module is imported on the first call.
 from __future__ import annotations
 
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,9 +21,10 @@ from kvhit.coordinator.plan import ScanPlan
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import RaggedView
     from kvhit.coordinator.torch_backend import _Batch
 
-__all__ = ["find_hits", "plan_tensors"]
+__all__ = ["TritonBackend", "find_hits", "plan_tensors"]
 
 
 @lru_cache(maxsize=64)
@@ -120,3 +122,65 @@ def find_hits(
         apply_eagle=apply_eagle,
         block=block,
     )
+
+
+class TritonBackend:
+    """The Triton backend (the ``Backend`` protocol of ``coordinator/backend.py``):
+    :func:`find_hits` over a RaggedView, and the store worker's two searches
+    over the whole batch with no host sync (so a CUDA graph can capture them).
+    CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
+
+    name = "triton"
+
+    def __init__(self, plan: ScanPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+
+    @staticmethod
+    def _batch(view: RaggedView) -> SimpleNamespace:
+        return SimpleNamespace(
+            hashes=view.rows,
+            offsets=view.offsets,
+            lens=view.lengths,
+            token_len=view.token_lens,
+        )
+
+    def find(
+        self,
+        view: RaggedView,
+        max_lengths: torch.Tensor,
+        index: KeyIndex | None,
+        apply_eagle: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``Backend.find``."""
+        return find_hits(self.plan, self._batch(view), max_lengths, index, apply_eagle)
+
+    def lookup(
+        self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
+        """See ``Backend.lookup``. Requests not taking part get a zero bound and
+        ``torch.where`` picks the answers; a program's answer does not depend
+        on the other requests."""
+        from kvhit.coordinator.candidates import has_candidates
+
+        plan = self.plan
+        a = plan.alignment
+        zero = torch.zeros_like(num_tokens)
+        token_len = torch.div(num_tokens, a, rounding_mode="floor") * a
+        ok = (
+            (view.lengths > 0)
+            & (token_len > 0)
+            & has_candidates(plan, view.lengths, token_len)
+        )
+        batch = self._batch(view.with_token_lens(token_len))
+        first, _ = find_hits(plan, batch, torch.where(ok, token_len, zero), index, True)
+        first = torch.where(ok, first, zero)
+        # A hit covering the whole prompt is re-derived at num_tokens - 1 with
+        # the candidate restriction still at the original token_len.
+        redo = ok & (first >= num_tokens)
+        usable = torch.div(num_tokens - 1, a, rounding_mode="floor") * a
+        again = redo & (usable > 0)
+        second, _ = find_hits(
+            plan, batch, torch.where(again, usable, zero), index, True
+        )
+        return torch.where(redo, torch.where(again, second, zero), first)

@@ -1,0 +1,631 @@
+"""The LookupEngine's CPU kernel: every request's longest cache hit, compiled by numba.
+
+The numba twin of :mod:`kvhit.kernels.scan` (the Triton kernel): one program
+per request runs the whole scalar rule of vLLM 0.33.0's
+``MooncakeStoreCoordinator.find_longest_cache_hit`` for that request (the
+per-kind scans, the multi-SpecGroup convergence loop with ``eagle_verified``,
+the EAGLE proof margin that Mamba never gets, the simple-hybrid early exit and
+the final full-attention truncation), probing the KeyIndex table from inside
+the program; :func:`lookup_hits` runs the store worker's whole ``lookup`` rule
+(both searches) the same way. One compiled call answers a batch.
+
+Design (why it looks like this):
+
+* **Scalar control flow, one position at a time.** On a CPU a probe is a few
+  dependent loads; probing past a stop costs as much as the probe that
+  stopped, so unlike the Triton kernel (which probes ``BLOCK`` lanes at once)
+  each scan probes exactly the positions the scalar reference visits, in its
+  order, and stops where it stops.
+* **The same inputs as the Triton kernel**: the SpecGroup rows of
+  ``ScanPlan.as_rows()`` and the per-group candidate rows (columns named in
+  :mod:`kvhit.kernels.contract`, never spelled as numbers), the packed hash
+  rows and the KeyIndex table, all read zero-copy from numpy views of the
+  torch tensors. The plan is runtime data, so one compiled specialisation
+  serves every layout (the cold compile happens once per machine: ``cache``).
+* **Requests over threads only when it pays.** Every entry point comes as a
+  serial and a ``prange`` loop over the same per-request function; the
+  launcher picks by batch size (:data:`PARALLEL_MIN_REQUESTS`), and callers can
+  force either. ``nogil`` lets a scheduler thread and an event follower run
+  while a batch is answered.
+* **Per-request state** (each SpecGroup's hit, load-mask triple and
+  ``eagle_verified`` bit) lives in a scratch row per request allocated once per
+  batch, so no program allocates.
+
+Probes past a request's hashes are misses (the reference raises there). Each
+rule that re-spells a rule of ``coordinator/reference.py`` names the reference
+function it mirrors.
+
+Importing this module imports numba (the numba backend imports it lazily).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvhit.kernels.contract import (
+    CAND_BLOCK_SIZE,
+    CAND_CACHEABLE,
+    CAND_NEED,
+    CAND_PER_SEGMENT,
+    CAND_SCALE,
+    CAND_SHIFT,
+    CAND_SPARSE,
+    CAND_WIDTH,
+    KIND_FULL,
+    KIND_MAMBA,
+    KIND_SWA,
+    SG_BLOCK_SIZE,
+    SG_CHUNK,
+    SG_COLS,
+    SG_FINE,
+    SG_KIND,
+    SG_MARGIN,
+    SG_MEMBERS,
+    SG_N_MEMBERS,
+    SG_NEED,
+    SG_Q,
+    SG_SCALE,
+    SG_USE_EAGLE,
+)
+from kvhit.kernels.probe_numba import table_find
+
+__all__ = ["PARALLEL_MIN_REQUESTS", "find_hits", "lookup_hits"]
+
+# Below this many requests the serial loop wins: measured on the 2-core CI
+# machine (dsv4-flash lookups), threads cost ~20-40 us to wake and share out
+# work, about what 16-64 requests cost serially.
+PARALLEL_MIN_REQUESTS = 64
+
+# Scratch columns per SpecGroup of one request.
+_ST_HIT = 0
+_ST_LEN = 1
+_ST_LO = 2
+_ST_VERIFIED = 3
+_ST_COLS = 4
+
+_JIT = {"cache": True, "nogil": True}
+
+
+@numba.njit(**_JIT)
+def _cdiv(a, b):
+    return -((-a) // b)
+
+
+# -- presence -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _is_candidate(u, n_units, tok_len, cand, gid, partial, hbs):
+    """Does the store worker ask about hash unit ``u`` for group ``gid`` at a
+    lookup of ``tok_len`` tokens (by position)? Mirrors
+    ``ReferenceCoordinator.lookup_candidates``."""
+    if cand[gid, CAND_CACHEABLE] == 0:
+        return False
+    if partial:
+        return u < min(n_units, tok_len // hbs)
+    s = cand[gid, CAND_SCALE]
+    bs = cand[gid, CAND_BLOCK_SIZE]
+    if (u + 1) % s != 0:
+        return False
+    c = (u + 1) // s - 1
+    lim = min(n_units // s, _cdiv(tok_len, bs))
+    if cand[gid, CAND_SPARSE] != 0:
+        # The SWA lookup mask (reference ``_swa_reachable_mask`` without
+        # retention): the last `need` chunks of each scheduler segment.
+        lim = min(lim, tok_len // bs)
+        shift = cand[gid, CAND_SHIFT]
+        per = cand[gid, CAND_PER_SEGMENT]
+        need = cand[gid, CAND_NEED]
+        if c < shift or (c - shift) % per < per - need:
+            return False
+    return c < lim
+
+
+@numba.njit(**_JIT)
+def _same_hash(rows, a, b):
+    for j in range(rows.shape[1]):
+        if rows[a, j] != rows[b, j]:
+            return False
+    return True
+
+
+@numba.njit(**_JIT)
+def _dup_candidate(u, off, n_units, tok_len, rows, cand, gid, partial, hbs):
+    """Whether the hash at unit ``u`` (not a candidate position) also stands at
+    a candidate position of the request: the worker's present set holds hash
+    values, not positions (``ReferenceCoordinator.lookup``'s ``present``).
+    Enumerates the candidate positions directly, as the Triton kernel does."""
+    if cand[gid, CAND_CACHEABLE] == 0:
+        return False
+    me = off + u
+    if partial:
+        for v in range(min(n_units, tok_len // hbs)):
+            if _same_hash(rows, off + v, me):
+                return True
+        return False
+    s = cand[gid, CAND_SCALE]
+    bs = cand[gid, CAND_BLOCK_SIZE]
+    lim = min(n_units // s, _cdiv(tok_len, bs))
+    if cand[gid, CAND_SPARSE] == 0:
+        for c in range(lim):
+            if _same_hash(rows, off + (c + 1) * s - 1, me):
+                return True
+        return False
+    lim = min(lim, tok_len // bs)
+    shift = cand[gid, CAND_SHIFT]
+    per = cand[gid, CAND_PER_SEGMENT]
+    need = cand[gid, CAND_NEED]
+    if need <= 0:
+        return False
+    # Kept chunks: c = shift + m * per + (per - need) + t, 0 <= t < need.
+    base = shift + per - need
+    while base < lim:
+        for t in range(need):
+            c = base + t
+            if c >= lim:
+                break
+            if _same_hash(rows, off + (c + 1) * s - 1, me):
+                return True
+        base += per
+    return False
+
+
+@numba.njit(**_JIT)
+def _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table, has_index, cand,
+           partial, hbs):  # fmt: skip
+    """Is hash unit ``u`` of the request present for every member group of
+    SpecGroup ``sgi``? A merged SpecGroup hits only when every member holds
+    the hash (reference ``_Pool.hit``). Units past the hashes are misses."""
+    if u < 0 or u >= n_units:
+        return False
+    row = off + u
+    for k in range(sg[sgi, SG_N_MEMBERS]):
+        gid = sg[sgi, SG_MEMBERS + k]
+        # Cheapest test first: the position rule, then the table, then (only
+        # for a present key at a position the worker does not ask) the value.
+        odd = has_tl and not _is_candidate(u, n_units, tok_len, cand, gid, partial, hbs)
+        if has_index and table_find(table, gid, rows, row) < 0:
+            return False
+        if odd and not _dup_candidate(
+            u, off, n_units, tok_len, rows, cand, gid, partial, hbs
+        ):
+            return False
+    return True
+
+
+# -- scan primitives -------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _leading_run(start, end, scale, sg, sgi, off, n_units, tok_len, has_tl, rows,
+                 table, has_index, cand, partial, hbs):  # fmt: skip
+    """How many consecutive blocks from ``start`` (below ``end``) hit; block
+    ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
+    count = 0
+    for i in range(start, end):
+        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, tok_len, has_tl,
+                      rows, table, has_index, cand, partial, hbs):  # fmt: skip
+            break
+        count += 1
+    return count
+
+
+@numba.njit(**_JIT)
+def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, tok_len,
+               has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
+    """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
+    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
+    block ``m`` rules out every candidate whose window holds ``m``."""
+    low = max(low, need - 1)
+    j = top - (top - resid) % q
+    while j >= low:
+        miss = -1
+        for d in range(need):
+            b = j - d
+            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, tok_len,
+                          has_tl, rows, table, has_index, cand, partial,
+                          hbs):  # fmt: skip
+                miss = b
+                break
+        if miss < 0:
+            return j
+        j = (miss - 1) - (miss - 1 - resid) % q
+    return -1
+
+
+# -- one SpecGroup -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
+             has_index, cand, partial, hbs, align):  # fmt: skip
+    """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
+    drop). Returns ``(hit, length, lo)``: the hit in tokens and the members'
+    load mask as ``length`` entries, True on ``[lo, length)``."""
+    kind = sg[sgi, SG_KIND]
+    bs = sg[sgi, SG_BLOCK_SIZE]
+    scale = sg[sgi, SG_SCALE]
+    q = sg[sgi, SG_Q]
+    fine = sg[sgi, SG_FINE] != 0
+    if kind == KIND_FULL:
+        # Reference ``_full_hit``: the leading run of hit blocks, then
+        # (fine-grained) the highest hit hash unit inside the next block.
+        fscale = bs // align if fine else scale
+        end = min(bound // bs, n_units // fscale)
+        n = _leading_run(0, end, fscale, sg, sgi, off, n_units, tok_len, has_tl,
+                         rows, table, has_index, cand, partial, hbs)  # fmt: skip
+        blocks = n
+        hit = n * bs
+        if fine:
+            first = n * fscale
+            top = min(first + fscale - 1, bound // align, n_units) - 1
+            for u in range(top, first - 1, -1):
+                if _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table,
+                          has_index, cand, partial, hbs):  # fmt: skip
+                    blocks += 1
+                    hit = (u + 1) * align
+                    break
+        if drop and hit > 0:
+            hit -= min(align, bs)
+        hit -= hit % align
+        blocks = min(blocks, _cdiv(hit, bs))
+        return hit, blocks, 0
+    if kind == KIND_SWA:
+        # Reference ``_swa_hit``: the rightmost run of `need` hit blocks whose
+        # top leaves an aligned hit after the EAGLE pop; failing that, the run
+        # from block 0 (shorter than the window), re-aligned and popped.
+        m = bound // bs
+        need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
+        resid = 0 if drop else q - 1
+        j = _rightmost(m - 1, 0, q, resid, need, scale, sg, sgi, off, n_units,
+                       tok_len, has_tl, rows, table, has_index, cand, partial,
+                       hbs)  # fmt: skip
+        if j >= 0:
+            length = j if drop else j + 1
+            return length * bs, length, j - need + 1
+        p = _leading_run(0, min(m, need - 1), scale, sg, sgi, off, n_units,
+                         tok_len, has_tl, rows, table, has_index, cand, partial,
+                         hbs)  # fmt: skip
+        j0 = (p - 1) - (p - 1 - resid) % q
+        run = j0 + 1 if j0 >= 0 else 0
+        run -= run % q
+        if drop and run > 0:
+            run -= 1
+            run -= run % q
+        return run * bs, run, 0
+    if kind == KIND_MAMBA:
+        # Reference ``_mamba_hit``: the rightmost stored state (fine-grained:
+        # hash unit) on an aligned boundary; never an EAGLE drop.
+        if fine:
+            fscale = bs // align
+            top = min(bound // align, n_units) - 1
+            u = _rightmost(top, 0, 1, 0, 1, 1, sg, sgi, off, n_units, tok_len,
+                           has_tl, rows, table, has_index, cand, partial,
+                           hbs)  # fmt: skip
+            if u < 0:
+                return 0, 0, 0
+            length = u // fscale + 1
+            return (u + 1) * align, length, length - 1
+        i = _rightmost(bound // bs - 1, 0, q, q - 1, 1, scale, sg, sgi, off,
+                       n_units, tok_len, has_tl, rows, table, has_index, cand,
+                       partial, hbs)  # fmt: skip
+        if i < 0:
+            return 0, 0, 0
+        return (i + 1) * bs, i + 1, i
+    # KIND_CHUNKED, reference ``_chunked_local_hit``: null blocks up to the
+    # start of the last attention chunk, then the leading run of hit blocks.
+    chunk = max(sg[sgi, SG_CHUNK], 1)
+    start_tok = bound // chunk * chunk if bound > 0 else 0
+    sb = start_tok // bs
+    run = _leading_run(sb, max(bound // bs, sb), scale, sg, sgi, off, n_units,
+                       tok_len, has_tl, rows, table, has_index, cand, partial,
+                       hbs)  # fmt: skip
+    length = sb + run
+    return length * bs, length, sb
+
+
+# -- one request -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
+              has_index, sg, cand, hbs, align, partial, simple_hybrid,
+              st):  # fmt: skip
+    """One request's hit; each SpecGroup's result in ``st`` (int64
+    ``[S, 4]``). Mirrors ``ReferenceCoordinator._find``."""
+    n_sg = sg.shape[0]
+    if n_sg == 1:
+        drop = apply_eagle and sg[0, SG_USE_EAGLE] != 0
+        hit, length, lo = _scan_sg(0, max_len, drop, sg, off, n_units, tok_len,
+                                   has_tl, rows, table, has_index, cand, partial,
+                                   hbs, align)  # fmt: skip
+        st[0, _ST_HIT] = hit
+        st[0, _ST_LEN] = length
+        st[0, _ST_LO] = lo
+        return hit
+    for idx in range(n_sg):
+        st[idx, _ST_VERIFIED] = 0
+    hit_length = max_len
+    full_done = False
+    while True:
+        curr = hit_length
+        for idx in range(n_sg):
+            kind = sg[idx, SG_KIND]
+            if kind == KIND_FULL and full_done:
+                # Full attention is scanned once; later rounds only clip it.
+                curr = min(curr, st[idx, _ST_HIT])
+                continue
+            drop = (
+                apply_eagle
+                and sg[idx, SG_USE_EAGLE] != 0
+                and st[idx, _ST_VERIFIED] == 0
+            )
+            bound = curr
+            # EAGLE may peek one proof margin past the hit and drop back;
+            # never a Mamba group, whose state there would be unverified.
+            if drop and kind != KIND_MAMBA:
+                bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
+            hit, length, lo = _scan_sg(idx, bound, drop, sg, off, n_units,
+                                       tok_len, has_tl, rows, table, has_index,
+                                       cand, partial, hbs, align)  # fmt: skip
+            if drop:
+                st[idx, _ST_VERIFIED] = 1
+            elif hit < curr:
+                for k in range(n_sg):
+                    st[k, _ST_VERIFIED] = 0
+            curr = hit
+            st[idx, _ST_HIT] = hit
+            st[idx, _ST_LEN] = length
+            st[idx, _ST_LO] = lo
+        full_done = True
+        if curr >= hit_length:
+            break
+        hit_length = curr
+        if simple_hybrid:
+            break
+    for idx in range(n_sg):
+        if sg[idx, SG_KIND] == KIND_FULL:
+            # Full attention keeps only the blocks of the common hit.
+            st[idx, _ST_LEN] = min(
+                st[idx, _ST_LEN], _cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
+            )
+    return hit_length
+
+
+@numba.njit(**_JIT)
+def _write_tri(r, sg, st, tri):
+    for idx in range(sg.shape[0]):
+        length = st[idx, _ST_LEN]
+        for k in range(sg[idx, SG_N_MEMBERS]):
+            gid = sg[idx, SG_MEMBERS + k]
+            tri[r, gid, 0] = length
+            tri[r, gid, 1] = st[idx, _ST_LO]
+            tri[r, gid, 2] = length
+
+
+@numba.njit(**_JIT)
+def _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
+                  has_index, sg, cand, hbs, align, partial, simple_hybrid,
+                  apply_eagle, hit, tri, scratch):  # fmt: skip
+    tok_len = tok_lens[r] if has_tl else 0
+    hit[r] = _find_one(max_lens[r], offsets[r], lengths[r], tok_len, has_tl,
+                       apply_eagle, rows, table, has_index, sg, cand, hbs, align,
+                       partial, simple_hybrid, scratch[r])  # fmt: skip
+    _write_tri(r, sg, scratch[r], tri)
+
+
+@numba.njit(**_JIT)
+def _any_candidate(n_units, tok_len, cand, partial, hbs):
+    """Whether the store worker asks about any key at all (its
+    ``lookup_candidates`` is not empty)."""
+    for gid in range(cand.shape[0]):
+        if cand[gid, CAND_CACHEABLE] == 0:
+            continue
+        if partial:
+            if min(n_units, tok_len // hbs) > 0:
+                return True
+            continue
+        bs = cand[gid, CAND_BLOCK_SIZE]
+        asked = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        if cand[gid, CAND_SPARSE] == 0:
+            if asked > 0:
+                return True
+            continue
+        asked = min(asked, tok_len // bs)
+        need = cand[gid, CAND_NEED]
+        # The lowest chunk a sparse lookup mask keeps.
+        if need > 0 and asked > (
+            cand[gid, CAND_SHIFT] + cand[gid, CAND_PER_SEGMENT] - need
+        ):
+            return True
+    return False
+
+
+@numba.njit(**_JIT)
+def _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
+                    align, partial, simple_hybrid, out, scratch):  # fmt: skip
+    """The store worker's ``lookup`` for request ``r`` (reference
+    ``ReferenceCoordinator.lookup``): only the keys it asks about at the aligned
+    prompt length count; a hit covering the whole prompt is re-derived at
+    ``num_tokens - 1`` with the candidate restriction still at that length."""
+    n_tok = num_tokens[r]
+    n_units = lengths[r]
+    token_len = n_tok // align * align
+    out[r] = 0
+    if n_units <= 0 or token_len <= 0:
+        return
+    if not _any_candidate(n_units, token_len, cand, partial, hbs):
+        return
+    off = offsets[r]
+    st = scratch[r]
+    hit = _find_one(token_len, off, n_units, token_len, True, True, rows, table,
+                    True, sg, cand, hbs, align, partial, simple_hybrid,
+                    st)  # fmt: skip
+    if hit >= n_tok:
+        usable = (n_tok - 1) // align * align
+        if usable <= 0:
+            return
+        hit = _find_one(usable, off, n_units, token_len, True, True, rows, table,
+                        True, sg, cand, hbs, align, partial, simple_hybrid,
+                        st)  # fmt: skip
+    out[r] = hit
+
+
+# -- batch loops: serial and threaded twins ---------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _find_serial(rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
+                 has_index, sg, cand, hbs, align, partial, simple_hybrid,
+                 apply_eagle, hit, tri, scratch):  # fmt: skip
+    for r in range(offsets.shape[0]):
+        _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
+                      has_index, sg, cand, hbs, align, partial, simple_hybrid,
+                      apply_eagle, hit, tri, scratch)  # fmt: skip
+
+
+@numba.njit(parallel=True, **_JIT)
+def _find_parallel(rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
+                   has_index, sg, cand, hbs, align, partial, simple_hybrid,
+                   apply_eagle, hit, tri, scratch):  # fmt: skip
+    for r in numba.prange(offsets.shape[0]):
+        _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
+                      has_index, sg, cand, hbs, align, partial, simple_hybrid,
+                      apply_eagle, hit, tri, scratch)  # fmt: skip
+
+
+@numba.njit(**_JIT)
+def _lookup_serial(rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
+                   align, partial, simple_hybrid, out, scratch):  # fmt: skip
+    for r in range(offsets.shape[0]):
+        _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand,
+                        hbs, align, partial, simple_hybrid, out,
+                        scratch)  # fmt: skip
+
+
+@numba.njit(parallel=True, **_JIT)
+def _lookup_parallel(rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
+                     align, partial, simple_hybrid, out, scratch):  # fmt: skip
+    for r in numba.prange(offsets.shape[0]):
+        _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand,
+                        hbs, align, partial, simple_hybrid, out,
+                        scratch)  # fmt: skip
+
+
+# -- launchers -----------------------------------------------------------------------
+
+
+def _threaded(n_req: int, parallel: bool | None) -> bool:
+    if parallel is None:
+        return n_req >= PARALLEL_MIN_REQUESTS and numba.get_num_threads() > 1
+    return bool(parallel)
+
+
+def _c64(a: np.ndarray) -> np.ndarray:
+    # One compiled specialisation: C-contiguous int64 everywhere.
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
+    if sg_rows.ndim != 2 or sg_rows.shape[0] < 1 or sg_rows.shape[1] <= len(SG_COLS):
+        raise ValueError(
+            f"sg_rows must have shape [S >= 1, > {len(SG_COLS)}], got "
+            f"{list(sg_rows.shape)}"
+        )
+    if cand_rows.ndim != 2 or cand_rows.shape[1] != CAND_WIDTH:
+        raise ValueError(
+            f"cand_rows must have shape [G, {CAND_WIDTH}], got {list(cand_rows.shape)}"
+        )
+
+
+def find_hits(
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    max_lengths: np.ndarray,
+    sg_rows: np.ndarray,
+    cand_rows: np.ndarray,
+    *,
+    table: np.ndarray | None,
+    token_lens: np.ndarray | None,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    apply_eagle: bool,
+    parallel: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Longest cache hit and load-mask triples of every request, one call.
+
+    Args:
+        rows: int64 ``[T, W]``, every request's hash words.
+        offsets: int64 ``[R]``, first row of each request.
+        lengths: int64 ``[R]``, hash units of each request.
+        max_lengths: int64 ``[R]`` (>= 0).
+        sg_rows: int64 ``[S, SG_MEMBERS + M]`` (``ScanPlan.as_rows()``).
+        cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
+        table: the KeyIndex table, int64 ``[C, W + 1]`` (``C`` a power of two),
+            or None: every key present.
+        token_lens: None, or int64 ``[R]``: only keys the store worker asks
+            about at that lookup length count as present.
+        hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
+        apply_eagle: apply the EAGLE last-block drop.
+        parallel: threads over requests (True), a serial loop (False), or by
+            batch size (None: from :data:`PARALLEL_MIN_REQUESTS` requests).
+
+    Returns:
+        ``(hit int64 [R], tri int64 [R, G, 3])``: per group the load mask as
+        ``(length, lo, hi)`` (zeros for groups outside every SpecGroup).
+    """
+    sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
+    _check_rows(sg_rows, cand_rows)
+    rows = _c64(rows)
+    n_req = offsets.shape[0]
+    hit = np.zeros(n_req, dtype=np.int64)
+    tri = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
+    if n_req == 0:
+        return hit, tri
+    has_index = table is not None
+    tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
+    has_tl = token_lens is not None
+    tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
+    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    fn = _find_parallel if _threaded(n_req, parallel) else _find_serial
+    fn(rows, _c64(offsets), _c64(lengths), _c64(max_lengths), tl, has_tl, tab,
+       has_index, sg_rows, cand_rows, int(hash_block_size), int(alignment),
+       bool(partial), bool(simple_hybrid), bool(apply_eagle), hit, tri,
+       scratch)  # fmt: skip
+    return hit, tri
+
+
+def lookup_hits(
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    num_tokens: np.ndarray,
+    sg_rows: np.ndarray,
+    cand_rows: np.ndarray,
+    *,
+    table: np.ndarray,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    parallel: bool | None = None,
+) -> np.ndarray:
+    """The store worker's ``lookup`` for every request, one call: int64
+    ``[R]`` tokens to load for prompts of ``num_tokens`` (int64 ``[R]``, >= 0)
+    tokens. Arguments as :func:`find_hits` (``table`` is required)."""
+    sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
+    _check_rows(sg_rows, cand_rows)
+    n_req = offsets.shape[0]
+    out = np.zeros(n_req, dtype=np.int64)
+    if n_req == 0:
+        return out
+    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    fn = _lookup_parallel if _threaded(n_req, parallel) else _lookup_serial
+    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(num_tokens), _c64(table),
+       sg_rows, cand_rows, int(hash_block_size), int(alignment), bool(partial),
+       bool(simple_hybrid), out, scratch)  # fmt: skip
+    return out
