@@ -82,7 +82,13 @@ _ST_HIT = 0
 _ST_LEN = 1
 _ST_LO = 2
 _ST_VERIFIED = 3
-_ST_COLS = 4
+# The last scan's EAGLE drop, bound, and the least bound its answer holds for.
+_ST_DROP = 4
+_ST_BOUND = 5
+_ST_KEEP = 6
+_ST_COLS = 7
+# A bound no scan answer is known to hold down to.
+_NEVER = 1 << 62
 
 _JIT = {"cache": True, "nogil": True}
 
@@ -241,8 +247,10 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, tok_len,
 def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
              has_index, cand, partial, hbs, align):  # fmt: skip
     """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
-    drop). Returns ``(hit, length, lo)``: the hit in tokens and the members'
-    load mask as ``length`` entries, True on ``[lo, length)``."""
+    drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
+    load mask as ``length`` entries, True on ``[lo, length)``, and the least
+    bound down to which a scan with the same drop gives the same answer
+    (``_NEVER``: unknown)."""
     kind = sg[sgi, SG_KIND]
     bs = sg[sgi, SG_BLOCK_SIZE]
     scale = sg[sgi, SG_SCALE]
@@ -270,7 +278,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
             hit -= min(align, bs)
         hit -= hit % align
         blocks = min(blocks, _cdiv(hit, bs))
-        return hit, blocks, 0
+        return hit, blocks, 0, _NEVER
     if kind == KIND_SWA:
         # Reference ``_swa_hit``: the rightmost run of `need` hit blocks whose
         # top leaves an aligned hit after the EAGLE pop; failing that, the run
@@ -282,8 +290,10 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
                        tok_len, has_tl, rows, table, has_index, cand, partial,
                        hbs)  # fmt: skip
         if j >= 0:
+            # The largest run under a bound stays the largest under any
+            # smaller bound that keeps it.
             length = j if drop else j + 1
-            return length * bs, length, j - need + 1
+            return length * bs, length, j - need + 1, (j + 1) * bs
         p = _leading_run(0, min(m, need - 1), scale, sg, sgi, off, n_units,
                          tok_len, has_tl, rows, table, has_index, cand, partial,
                          hbs)  # fmt: skip
@@ -293,7 +303,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
         if drop and run > 0:
             run -= 1
             run -= run % q
-        return run * bs, run, 0
+        return run * bs, run, 0, _NEVER
     if kind == KIND_MAMBA:
         # Reference ``_mamba_hit``: the rightmost stored state (fine-grained:
         # hash unit) on an aligned boundary; never an EAGLE drop.
@@ -304,15 +314,17 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
                            has_tl, rows, table, has_index, cand, partial,
                            hbs)  # fmt: skip
             if u < 0:
-                return 0, 0, 0
+                return 0, 0, 0, 0
             length = u // fscale + 1
-            return (u + 1) * align, length, length - 1
+            hit = (u + 1) * align
+            # The rightmost stored state below a bound stays the rightmost.
+            return hit, length, length - 1, hit
         i = _rightmost(bound // bs - 1, 0, q, q - 1, 1, scale, sg, sgi, off,
                        n_units, tok_len, has_tl, rows, table, has_index, cand,
                        partial, hbs)  # fmt: skip
         if i < 0:
-            return 0, 0, 0
-        return (i + 1) * bs, i + 1, i
+            return 0, 0, 0, 0
+        return (i + 1) * bs, i + 1, i, (i + 1) * bs
     # KIND_CHUNKED, reference ``_chunked_local_hit``: null blocks up to the
     # start of the last attention chunk, then the leading run of hit blocks.
     chunk = max(sg[sgi, SG_CHUNK], 1)
@@ -322,7 +334,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
                        tok_len, has_tl, rows, table, has_index, cand, partial,
                        hbs)  # fmt: skip
     length = sb + run
-    return length * bs, length, sb
+    return length * bs, length, sb, _NEVER
 
 
 # -- one request -------------------------------------------------------------------
@@ -337,15 +349,16 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
     n_sg = sg.shape[0]
     if n_sg == 1:
         drop = apply_eagle and sg[0, SG_USE_EAGLE] != 0
-        hit, length, lo = _scan_sg(0, max_len, drop, sg, off, n_units, tok_len,
-                                   has_tl, rows, table, has_index, cand, partial,
-                                   hbs, align)  # fmt: skip
+        hit, length, lo, _ = _scan_sg(0, max_len, drop, sg, off, n_units,
+                                      tok_len, has_tl, rows, table, has_index,
+                                      cand, partial, hbs, align)  # fmt: skip
         st[0, _ST_HIT] = hit
         st[0, _ST_LEN] = length
         st[0, _ST_LO] = lo
         return hit
     for idx in range(n_sg):
         st[idx, _ST_VERIFIED] = 0
+        st[idx, _ST_KEEP] = _NEVER
     hit_length = max_len
     full_done = False
     while True:
@@ -366,9 +379,42 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
             # never a Mamba group, whose state there would be unverified.
             if drop and kind != KIND_MAMBA:
                 bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
-            hit, length, lo = _scan_sg(idx, bound, drop, sg, off, n_units,
-                                       tok_len, has_tl, rows, table, has_index,
-                                       cand, partial, hbs, align)  # fmt: skip
+            # Bounds only shrink as the loop goes on, so a confirming round
+            # rescans only what can change (as TorchScanner's rescan cache).
+            reuse = False
+            if full_done and (kind == KIND_SWA or kind == KIND_MAMBA):
+                keep = st[idx, _ST_KEEP]
+                was_drop = st[idx, _ST_DROP] != 0
+                below = bound <= st[idx, _ST_BOUND]
+                reuse = below and drop == was_drop and bound >= keep
+                # An EAGLE run ending at block j (hit j * bs), once verified:
+                # the plain scan under a bound in [j * bs, (j + 1) * bs) finds
+                # the run ending at j - 1 inside it, with the same hit and
+                # (need >= 1) the same mask.
+                bs = sg[idx, SG_BLOCK_SIZE]
+                if (
+                    not reuse
+                    and below
+                    and kind == KIND_SWA
+                    and sg[idx, SG_NEED] >= 1
+                    and not drop
+                    and was_drop
+                    and keep != _NEVER
+                    and keep - bs <= bound < keep
+                ):
+                    reuse = True
+            if reuse:
+                hit = st[idx, _ST_HIT]
+                length = st[idx, _ST_LEN]
+                lo = st[idx, _ST_LO]
+            else:
+                hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
+                                                 n_units, tok_len, has_tl, rows,
+                                                 table, has_index, cand, partial,
+                                                 hbs, align)  # fmt: skip
+                st[idx, _ST_KEEP] = keep
+                st[idx, _ST_DROP] = 1 if drop else 0
+                st[idx, _ST_BOUND] = bound
             if drop:
                 st[idx, _ST_VERIFIED] = 1
             elif hit < curr:
@@ -516,14 +562,19 @@ def _lookup_parallel(rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
 # -- launchers -----------------------------------------------------------------------
 
 
+_THREADS_AVAILABLE = numba.config.NUMBA_NUM_THREADS > 1
+
+
 def _threaded(n_req: int, parallel: bool | None) -> bool:
     if parallel is None:
-        return n_req >= PARALLEL_MIN_REQUESTS and numba.get_num_threads() > 1
+        return n_req >= PARALLEL_MIN_REQUESTS and _THREADS_AVAILABLE
     return bool(parallel)
 
 
 def _c64(a: np.ndarray) -> np.ndarray:
     # One compiled specialisation: C-contiguous int64 everywhere.
+    if a.dtype == np.int64 and a.flags.c_contiguous:
+        return a
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
