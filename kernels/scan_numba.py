@@ -52,6 +52,7 @@ from kvhit.kernels.contract import (
     CAND_SHIFT,
     CAND_SPARSE,
     CAND_WIDTH,
+    KIND_CHUNKED,
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
@@ -250,54 +251,101 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
     drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
     load mask as ``length`` entries, True on ``[lo, length)``, and the least
     bound down to which a scan with the same drop gives the same answer
-    (``_NEVER``: unknown)."""
+    (``_NEVER``: unknown).
+
+    As in the Triton kernel, every kind is at most three phases: (0) a leading
+    run (full attention; chunked local after its null blocks), (1) a
+    rightmost search (full attention's fine-grained tail, the sliding-window
+    run, the Mamba state), (2) a leading run again (the sliding window's
+    short-run fallback). One call site per primitive keeps the compiled code
+    (and the cold compile) small.
+    """
     kind = sg[sgi, SG_KIND]
     bs = sg[sgi, SG_BLOCK_SIZE]
     scale = sg[sgi, SG_SCALE]
     q = sg[sgi, SG_Q]
     fine = sg[sgi, SG_FINE] != 0
+    m = bound // bs
+    # Fine-grained (align < bs): a block is bs // align hash units.
+    fscale = bs // align if fine else scale
+    chunk = max(sg[sgi, SG_CHUNK], 1)
+    start_tok = bound // chunk * chunk if bound > 0 else 0
+    sb = start_tok // bs
+    need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
+    swa_resid = 0 if drop else q - 1
+    n = 0  # phase 0's run
+    j = -1  # phase 1's block / hash unit
+    p = 0  # phase 2's run
+    for phase in range(3):
+        if phase == 1:
+            if kind == KIND_FULL:
+                if not fine:
+                    continue
+                # Reference ``_full_hit``: the highest hit hash unit inside
+                # the first block past the run.
+                first = n * fscale
+                top = min(first + fscale - 1, bound // align, n_units) - 1
+                low, bq, resid, bneed, bscale = first, 1, 0, 1, 1
+            elif kind == KIND_SWA:
+                # Reference ``_swa_hit``: the rightmost run of `need` hit
+                # blocks whose top leaves an aligned hit after the EAGLE pop.
+                top, low, bq, resid, bneed, bscale = m - 1, 0, q, swa_resid, need, scale
+            elif kind == KIND_MAMBA:
+                # Reference ``_mamba_hit``: the rightmost stored state (fine:
+                # hash unit) on an aligned boundary.
+                if fine:
+                    top = min(bound // align, n_units) - 1
+                    low, bq, resid, bneed, bscale = 0, 1, 0, 1, 1
+                else:
+                    top, low, bq, resid, bneed, bscale = m - 1, 0, q, q - 1, 1, scale
+            else:
+                continue
+            j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
+                           n_units, tok_len, has_tl, rows, table, has_index,
+                           cand, partial, hbs)  # fmt: skip
+            continue
+        if phase == 0:
+            if kind == KIND_FULL:
+                # Reference ``_full_hit``: the leading run of hit blocks.
+                start, end, lscale = 0, min(m, n_units // fscale), fscale
+            elif kind == KIND_CHUNKED:
+                # Reference ``_chunked_local_hit``: null blocks up to the last
+                # attention chunk, then the leading run.
+                start, end, lscale = sb, max(m, sb), scale
+            else:
+                continue
+        else:
+            if kind != KIND_SWA or j >= 0:
+                continue
+            # No run of `need` blocks: the run from block 0 (shorter than
+            # the window) still hits.
+            start, end, lscale = 0, min(m, need - 1), scale
+        run = _leading_run(start, end, lscale, sg, sgi, off, n_units, tok_len,
+                           has_tl, rows, table, has_index, cand, partial,
+                           hbs)  # fmt: skip
+        if phase == 0:
+            n = run
+        else:
+            p = run
+
     if kind == KIND_FULL:
-        # Reference ``_full_hit``: the leading run of hit blocks, then
-        # (fine-grained) the highest hit hash unit inside the next block.
-        fscale = bs // align if fine else scale
-        end = min(bound // bs, n_units // fscale)
-        n = _leading_run(0, end, fscale, sg, sgi, off, n_units, tok_len, has_tl,
-                         rows, table, has_index, cand, partial, hbs)  # fmt: skip
         blocks = n
         hit = n * bs
-        if fine:
-            first = n * fscale
-            top = min(first + fscale - 1, bound // align, n_units) - 1
-            for u in range(top, first - 1, -1):
-                if _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table,
-                          has_index, cand, partial, hbs):  # fmt: skip
-                    blocks += 1
-                    hit = (u + 1) * align
-                    break
+        if j >= 0:
+            blocks += 1
+            hit = (j + 1) * align
         if drop and hit > 0:
             hit -= min(align, bs)
         hit -= hit % align
-        blocks = min(blocks, _cdiv(hit, bs))
-        return hit, blocks, 0, _NEVER
+        return hit, min(blocks, _cdiv(hit, bs)), 0, _NEVER
     if kind == KIND_SWA:
-        # Reference ``_swa_hit``: the rightmost run of `need` hit blocks whose
-        # top leaves an aligned hit after the EAGLE pop; failing that, the run
-        # from block 0 (shorter than the window), re-aligned and popped.
-        m = bound // bs
-        need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
-        resid = 0 if drop else q - 1
-        j = _rightmost(m - 1, 0, q, resid, need, scale, sg, sgi, off, n_units,
-                       tok_len, has_tl, rows, table, has_index, cand, partial,
-                       hbs)  # fmt: skip
         if j >= 0:
             # The largest run under a bound stays the largest under any
             # smaller bound that keeps it.
             length = j if drop else j + 1
             return length * bs, length, j - need + 1, (j + 1) * bs
-        p = _leading_run(0, min(m, need - 1), scale, sg, sgi, off, n_units,
-                         tok_len, has_tl, rows, table, has_index, cand, partial,
-                         hbs)  # fmt: skip
-        j0 = (p - 1) - (p - 1 - resid) % q
+        # Re-aligned, then EAGLE-popped and re-aligned.
+        j0 = (p - 1) - (p - 1 - swa_resid) % q
         run = j0 + 1 if j0 >= 0 else 0
         run -= run % q
         if drop and run > 0:
@@ -305,35 +353,18 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
             run -= run % q
         return run * bs, run, 0, _NEVER
     if kind == KIND_MAMBA:
-        # Reference ``_mamba_hit``: the rightmost stored state (fine-grained:
-        # hash unit) on an aligned boundary; never an EAGLE drop.
-        if fine:
-            fscale = bs // align
-            top = min(bound // align, n_units) - 1
-            u = _rightmost(top, 0, 1, 0, 1, 1, sg, sgi, off, n_units, tok_len,
-                           has_tl, rows, table, has_index, cand, partial,
-                           hbs)  # fmt: skip
-            if u < 0:
-                return 0, 0, 0, 0
-            length = u // fscale + 1
-            hit = (u + 1) * align
-            # The rightmost stored state below a bound stays the rightmost.
-            return hit, length, length - 1, hit
-        i = _rightmost(bound // bs - 1, 0, q, q - 1, 1, scale, sg, sgi, off,
-                       n_units, tok_len, has_tl, rows, table, has_index, cand,
-                       partial, hbs)  # fmt: skip
-        if i < 0:
+        # Never an EAGLE drop. The rightmost stored state below a bound stays
+        # the rightmost under any smaller bound that keeps it.
+        if j < 0:
             return 0, 0, 0, 0
-        return (i + 1) * bs, i + 1, i, (i + 1) * bs
-    # KIND_CHUNKED, reference ``_chunked_local_hit``: null blocks up to the
-    # start of the last attention chunk, then the leading run of hit blocks.
-    chunk = max(sg[sgi, SG_CHUNK], 1)
-    start_tok = bound // chunk * chunk if bound > 0 else 0
-    sb = start_tok // bs
-    run = _leading_run(sb, max(bound // bs, sb), scale, sg, sgi, off, n_units,
-                       tok_len, has_tl, rows, table, has_index, cand, partial,
-                       hbs)  # fmt: skip
-    length = sb + run
+        if fine:
+            length = j // fscale + 1
+            hit = (j + 1) * align
+        else:
+            length = j + 1
+            hit = (j + 1) * bs
+        return hit, length, length - 1, hit
+    length = sb + n
     return length * bs, length, sb, _NEVER
 
 
@@ -345,17 +376,10 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
               has_index, sg, cand, hbs, align, partial, simple_hybrid,
               st):  # fmt: skip
     """One request's hit; each SpecGroup's result in ``st`` (int64
-    ``[S, 4]``). Mirrors ``ReferenceCoordinator._find``."""
+    ``[S, _ST_COLS]``). Mirrors ``ReferenceCoordinator._find`` (a lone
+    SpecGroup: one scan of ``max_length``, no proof margin)."""
     n_sg = sg.shape[0]
-    if n_sg == 1:
-        drop = apply_eagle and sg[0, SG_USE_EAGLE] != 0
-        hit, length, lo, _ = _scan_sg(0, max_len, drop, sg, off, n_units,
-                                      tok_len, has_tl, rows, table, has_index,
-                                      cand, partial, hbs, align)  # fmt: skip
-        st[0, _ST_HIT] = hit
-        st[0, _ST_LEN] = length
-        st[0, _ST_LO] = lo
-        return hit
+    multi = n_sg > 1
     for idx in range(n_sg):
         st[idx, _ST_VERIFIED] = 0
         st[idx, _ST_KEEP] = _NEVER
@@ -377,7 +401,7 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
             bound = curr
             # EAGLE may peek one proof margin past the hit and drop back;
             # never a Mamba group, whose state there would be unverified.
-            if drop and kind != KIND_MAMBA:
+            if multi and drop and kind != KIND_MAMBA:
                 bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
             # Bounds only shrink as the loop goes on, so a confirming round
             # rescans only what can change (as TorchScanner's rescan cache).
@@ -405,13 +429,14 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
                     reuse = True
             if reuse:
                 hit = st[idx, _ST_HIT]
-                length = st[idx, _ST_LEN]
-                lo = st[idx, _ST_LO]
             else:
                 hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
                                                  n_units, tok_len, has_tl, rows,
                                                  table, has_index, cand, partial,
                                                  hbs, align)  # fmt: skip
+                st[idx, _ST_HIT] = hit
+                st[idx, _ST_LEN] = length
+                st[idx, _ST_LO] = lo
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
@@ -421,10 +446,10 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
                 for k in range(n_sg):
                     st[k, _ST_VERIFIED] = 0
             curr = hit
-            st[idx, _ST_HIT] = hit
-            st[idx, _ST_LEN] = length
-            st[idx, _ST_LO] = lo
         full_done = True
+        if not multi:
+            # A lone SpecGroup's scan is the answer.
+            return curr
         if curr >= hit_length:
             break
         hit_length = curr
@@ -437,28 +462,6 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_LEN], _cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
             )
     return hit_length
-
-
-@numba.njit(**_JIT)
-def _write_tri(r, sg, st, tri):
-    for idx in range(sg.shape[0]):
-        length = st[idx, _ST_LEN]
-        for k in range(sg[idx, SG_N_MEMBERS]):
-            gid = sg[idx, SG_MEMBERS + k]
-            tri[r, gid, 0] = length
-            tri[r, gid, 1] = st[idx, _ST_LO]
-            tri[r, gid, 2] = length
-
-
-@numba.njit(**_JIT)
-def _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
-                  has_index, sg, cand, hbs, align, partial, simple_hybrid,
-                  apply_eagle, hit, tri, scratch):  # fmt: skip
-    tok_len = tok_lens[r] if has_tl else 0
-    hit[r] = _find_one(max_lens[r], offsets[r], lengths[r], tok_len, has_tl,
-                       apply_eagle, rows, table, has_index, sg, cand, hbs, align,
-                       partial, simple_hybrid, scratch[r])  # fmt: skip
-    _write_tri(r, sg, scratch[r], tri)
 
 
 @numba.njit(**_JIT)
@@ -488,75 +491,95 @@ def _any_candidate(n_units, tok_len, cand, partial, hbs):
     return False
 
 
+# Flags and sizes of one call (an int64 vector, so that every call has one
+# signature and the dispatcher types few arguments).
+_P_HAS_TL = 0
+_P_HAS_INDEX = 1
+_P_APPLY_EAGLE = 2
+_P_LOOKUP = 3
+_P_HBS = 4
+_P_ALIGN = 5
+_P_PARTIAL = 6
+_P_SIMPLE_HYBRID = 7
+_P_COLS = 8
+
+
 @numba.njit(**_JIT)
-def _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
-                    align, partial, simple_hybrid, out, scratch):  # fmt: skip
-    """The store worker's ``lookup`` for request ``r`` (reference
-    ``ReferenceCoordinator.lookup``): only the keys it asks about at the aligned
-    prompt length count; a hit covering the whole prompt is re-derived at
-    ``num_tokens - 1`` with the candidate restriction still at that length."""
-    n_tok = num_tokens[r]
-    n_units = lengths[r]
-    token_len = n_tok // align * align
-    out[r] = 0
-    if n_units <= 0 or token_len <= 0:
-        return
-    if not _any_candidate(n_units, token_len, cand, partial, hbs):
-        return
+def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
+             hit, tri, scratch):  # fmt: skip
+    """Request ``r``: its hit at ``max_length = lens_in[r]`` (and its load-mask
+    triples in ``tri``), or, in lookup mode, the store worker's ``lookup`` of a
+    ``lens_in[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
+    only the keys it asks about at the aligned prompt length count; a hit
+    covering the whole prompt is re-derived at ``num_tokens - 1`` with the
+    candidate restriction still at that length."""
+    lookup = prm[_P_LOOKUP] != 0
+    hbs = prm[_P_HBS]
+    align = prm[_P_ALIGN]
+    partial = prm[_P_PARTIAL] != 0
+    simple_hybrid = prm[_P_SIMPLE_HYBRID] != 0
     off = offsets[r]
+    n_units = lengths[r]
     st = scratch[r]
-    hit = _find_one(token_len, off, n_units, token_len, True, True, rows, table,
-                    True, sg, cand, hbs, align, partial, simple_hybrid,
-                    st)  # fmt: skip
-    if hit >= n_tok:
-        usable = (n_tok - 1) // align * align
-        if usable <= 0:
+    max_len = lens_in[r]
+    if lookup:
+        n_tok = max_len
+        tok_len = n_tok // align * align
+        has_tl = True
+        has_index = True
+        apply_eagle = True
+        hit[r] = 0
+        if n_units <= 0 or tok_len <= 0:
             return
-        hit = _find_one(usable, off, n_units, token_len, True, True, rows, table,
-                        True, sg, cand, hbs, align, partial, simple_hybrid,
-                        st)  # fmt: skip
-    out[r] = hit
+        if not _any_candidate(n_units, tok_len, cand, partial, hbs):
+            return
+        max_len = tok_len
+    else:
+        n_tok = 0
+        has_tl = prm[_P_HAS_TL] != 0
+        tok_len = tok_lens[r] if has_tl else 0
+        has_index = prm[_P_HAS_INDEX] != 0
+        apply_eagle = prm[_P_APPLY_EAGLE] != 0
+    h = 0
+    for _ in range(2):
+        h = _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows,
+                      table, has_index, sg, cand, hbs, align, partial,
+                      simple_hybrid, st)  # fmt: skip
+        if not lookup or h < n_tok:
+            break
+        max_len = (n_tok - 1) // align * align
+        if max_len <= 0:
+            h = 0
+            break
+    hit[r] = h
+    if lookup:
+        return
+    for idx in range(sg.shape[0]):
+        length = st[idx, _ST_LEN]
+        for k in range(sg[idx, SG_N_MEMBERS]):
+            gid = sg[idx, SG_MEMBERS + k]
+            tri[r, gid, 0] = length
+            tri[r, gid, 1] = st[idx, _ST_LO]
+            tri[r, gid, 2] = length
 
 
 # -- batch loops: serial and threaded twins ---------------------------------------------
 
 
 @numba.njit(**_JIT)
-def _find_serial(rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
-                 has_index, sg, cand, hbs, align, partial, simple_hybrid,
-                 apply_eagle, hit, tri, scratch):  # fmt: skip
+def _batch_serial(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
+                  hit, tri, scratch):  # fmt: skip
     for r in range(offsets.shape[0]):
-        _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
-                      has_index, sg, cand, hbs, align, partial, simple_hybrid,
-                      apply_eagle, hit, tri, scratch)  # fmt: skip
+        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                 prm, hit, tri, scratch)  # fmt: skip
 
 
 @numba.njit(parallel=True, **_JIT)
-def _find_parallel(rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
-                   has_index, sg, cand, hbs, align, partial, simple_hybrid,
-                   apply_eagle, hit, tri, scratch):  # fmt: skip
+def _batch_parallel(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                    prm, hit, tri, scratch):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
-        _find_request(r, rows, offsets, lengths, max_lens, tok_lens, has_tl, table,
-                      has_index, sg, cand, hbs, align, partial, simple_hybrid,
-                      apply_eagle, hit, tri, scratch)  # fmt: skip
-
-
-@numba.njit(**_JIT)
-def _lookup_serial(rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
-                   align, partial, simple_hybrid, out, scratch):  # fmt: skip
-    for r in range(offsets.shape[0]):
-        _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand,
-                        hbs, align, partial, simple_hybrid, out,
-                        scratch)  # fmt: skip
-
-
-@numba.njit(parallel=True, **_JIT)
-def _lookup_parallel(rows, offsets, lengths, num_tokens, table, sg, cand, hbs,
-                     align, partial, simple_hybrid, out, scratch):  # fmt: skip
-    for r in numba.prange(offsets.shape[0]):
-        _lookup_request(r, rows, offsets, lengths, num_tokens, table, sg, cand,
-                        hbs, align, partial, simple_hybrid, out,
-                        scratch)  # fmt: skip
+        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                 prm, hit, tri, scratch)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
@@ -588,6 +611,32 @@ def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
         raise ValueError(
             f"cand_rows must have shape [G, {CAND_WIDTH}], got {list(cand_rows.shape)}"
         )
+
+
+def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
+         prm, tri, parallel):  # fmt: skip
+    n_req = offsets.shape[0]
+    hit = np.zeros(n_req, dtype=np.int64)
+    if n_req == 0:
+        return hit
+    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
+    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(lens_in), tok_lens, table,
+       sg_rows, cand_rows, prm, hit, tri, scratch)  # fmt: skip
+    return hit
+
+
+def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple):
+    prm = np.zeros(_P_COLS, dtype=np.int64)
+    prm[_P_HAS_TL] = has_tl
+    prm[_P_HAS_INDEX] = has_index
+    prm[_P_APPLY_EAGLE] = apply_eagle
+    prm[_P_LOOKUP] = lookup
+    prm[_P_HBS] = hbs
+    prm[_P_ALIGN] = align
+    prm[_P_PARTIAL] = partial
+    prm[_P_SIMPLE_HYBRID] = simple
+    return prm
 
 
 def find_hits(
@@ -631,22 +680,16 @@ def find_hits(
     """
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
-    rows = _c64(rows)
     n_req = offsets.shape[0]
-    hit = np.zeros(n_req, dtype=np.int64)
     tri = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
-    if n_req == 0:
-        return hit, tri
     has_index = table is not None
     tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
     has_tl = token_lens is not None
     tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
-    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
-    fn = _find_parallel if _threaded(n_req, parallel) else _find_serial
-    fn(rows, _c64(offsets), _c64(lengths), _c64(max_lengths), tl, has_tl, tab,
-       has_index, sg_rows, cand_rows, int(hash_block_size), int(alignment),
-       bool(partial), bool(simple_hybrid), bool(apply_eagle), hit, tri,
-       scratch)  # fmt: skip
+    prm = _params(has_tl, has_index, bool(apply_eagle), False, hash_block_size,
+                  alignment, bool(partial), bool(simple_hybrid))  # fmt: skip
+    hit = _run(rows, offsets, lengths, max_lengths, tl, tab, sg_rows, cand_rows,
+               prm, tri, parallel)  # fmt: skip
     return hit, tri
 
 
@@ -670,13 +713,9 @@ def lookup_hits(
     tokens. Arguments as :func:`find_hits` (``table`` is required)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
-    n_req = offsets.shape[0]
-    out = np.zeros(n_req, dtype=np.int64)
-    if n_req == 0:
-        return out
-    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
-    fn = _lookup_parallel if _threaded(n_req, parallel) else _lookup_serial
-    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(num_tokens), _c64(table),
-       sg_rows, cand_rows, int(hash_block_size), int(alignment), bool(partial),
-       bool(simple_hybrid), out, scratch)  # fmt: skip
-    return out
+    prm = _params(True, True, True, True, hash_block_size, alignment,
+                  bool(partial), bool(simple_hybrid))  # fmt: skip
+    # No triples in lookup mode: an empty array keeps the one signature.
+    tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
+    return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
+                _c64(table), sg_rows, cand_rows, prm, tri, parallel)  # fmt: skip
