@@ -103,30 +103,51 @@ def _cdiv(a, b):
 
 
 @numba.njit(**_JIT)
-def _is_candidate(u, n_units, tok_len, cand, gid, partial, hbs):
-    """Does the store worker ask about hash unit ``u`` for group ``gid`` at a
-    lookup of ``tok_len`` tokens (by position)? Mirrors
+def _candidate_limits(n_units, tok_len, cand, partial, hbs, glim):
+    """Per group, how many chunks (hash units, with partial hash hits) the
+    store worker's loop walks for a lookup of ``tok_len`` tokens, into
+    ``glim`` (int64 ``[G]``); computed once per request so that a probe's
+    position test costs one division. Mirrors the loop bounds of
+    ``ReferenceCoordinator.lookup_candidates``."""
+    for gid in range(cand.shape[0]):
+        if partial:
+            glim[gid] = min(n_units, tok_len // hbs)
+            continue
+        bs = cand[gid, CAND_BLOCK_SIZE]
+        lim = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        if cand[gid, CAND_SPARSE] != 0:
+            # The SWA lookup mask has tok_len // bs entries.
+            lim = min(lim, tok_len // bs)
+        glim[gid] = lim
+
+
+@numba.njit(**_JIT)
+def _is_candidate(u, glim, cand, gid, partial):
+    """Does the store worker ask about hash unit ``u`` for group ``gid``
+    (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
     ``ReferenceCoordinator.lookup_candidates``."""
     if cand[gid, CAND_CACHEABLE] == 0:
         return False
     if partial:
-        return u < min(n_units, tok_len // hbs)
+        return u < glim[gid]
     s = cand[gid, CAND_SCALE]
-    bs = cand[gid, CAND_BLOCK_SIZE]
-    if (u + 1) % s != 0:
+    u1 = u + 1
+    if s == 1:
+        c = u
+    else:
+        c = u1 // s - 1
+        if (c + 1) * s != u1:
+            return False
+    if c >= glim[gid]:
         return False
-    c = (u + 1) // s - 1
-    lim = min(n_units // s, _cdiv(tok_len, bs))
     if cand[gid, CAND_SPARSE] != 0:
         # The SWA lookup mask (reference ``_swa_reachable_mask`` without
         # retention): the last `need` chunks of each scheduler segment.
-        lim = min(lim, tok_len // bs)
         shift = cand[gid, CAND_SHIFT]
         per = cand[gid, CAND_PER_SEGMENT]
-        need = cand[gid, CAND_NEED]
-        if c < shift or (c - shift) % per < per - need:
+        if c < shift or (c - shift) % per < per - cand[gid, CAND_NEED]:
             return False
-    return c < lim
+    return True
 
 
 @numba.njit(**_JIT)
@@ -138,7 +159,7 @@ def _same_hash(rows, a, b):
 
 
 @numba.njit(**_JIT)
-def _dup_candidate(u, off, n_units, tok_len, rows, cand, gid, partial, hbs):
+def _dup_candidate(u, off, glim, rows, cand, gid, partial):
     """Whether the hash at unit ``u`` (not a candidate position) also stands at
     a candidate position of the request: the worker's present set holds hash
     values, not positions (``ReferenceCoordinator.lookup``'s ``present``).
@@ -146,20 +167,18 @@ def _dup_candidate(u, off, n_units, tok_len, rows, cand, gid, partial, hbs):
     if cand[gid, CAND_CACHEABLE] == 0:
         return False
     me = off + u
+    lim = glim[gid]
     if partial:
-        for v in range(min(n_units, tok_len // hbs)):
+        for v in range(lim):
             if _same_hash(rows, off + v, me):
                 return True
         return False
     s = cand[gid, CAND_SCALE]
-    bs = cand[gid, CAND_BLOCK_SIZE]
-    lim = min(n_units // s, _cdiv(tok_len, bs))
     if cand[gid, CAND_SPARSE] == 0:
         for c in range(lim):
             if _same_hash(rows, off + (c + 1) * s - 1, me):
                 return True
         return False
-    lim = min(lim, tok_len // bs)
     shift = cand[gid, CAND_SHIFT]
     per = cand[gid, CAND_PER_SEGMENT]
     need = cand[gid, CAND_NEED]
@@ -179,7 +198,7 @@ def _dup_candidate(u, off, n_units, tok_len, rows, cand, gid, partial, hbs):
 
 
 @numba.njit(**_JIT)
-def _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table, has_index, cand,
+def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
            partial, hbs):  # fmt: skip
     """Is hash unit ``u`` of the request present for every member group of
     SpecGroup ``sgi``? A merged SpecGroup hits only when every member holds
@@ -191,12 +210,10 @@ def _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table, has_index, ca
         gid = sg[sgi, SG_MEMBERS + k]
         # Cheapest test first: the position rule, then the table, then (only
         # for a present key at a position the worker does not ask) the value.
-        odd = has_tl and not _is_candidate(u, n_units, tok_len, cand, gid, partial, hbs)
+        odd = has_tl and not _is_candidate(u, glim, cand, gid, partial)
         if has_index and table_find(table, gid, rows, row) < 0:
             return False
-        if odd and not _dup_candidate(
-            u, off, n_units, tok_len, rows, cand, gid, partial, hbs
-        ):
+        if odd and not _dup_candidate(u, off, glim, rows, cand, gid, partial):
             return False
     return True
 
@@ -205,13 +222,13 @@ def _probe(u, sg, sgi, off, n_units, tok_len, has_tl, rows, table, has_index, ca
 
 
 @numba.njit(**_JIT)
-def _leading_run(start, end, scale, sg, sgi, off, n_units, tok_len, has_tl, rows,
+def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
                  table, has_index, cand, partial, hbs):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
     count = 0
     for i in range(start, end):
-        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, tok_len, has_tl,
+        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
                       rows, table, has_index, cand, partial, hbs):  # fmt: skip
             break
         count += 1
@@ -219,7 +236,7 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, tok_len, has_tl, rows
 
 
 @numba.njit(**_JIT)
-def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, tok_len,
+def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
                has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
     ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
@@ -230,7 +247,7 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, tok_len,
         miss = -1
         for d in range(need):
             b = j - d
-            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, tok_len,
+            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, glim,
                           has_tl, rows, table, has_index, cand, partial,
                           hbs):  # fmt: skip
                 miss = b
@@ -245,7 +262,7 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, tok_len,
 
 
 @numba.njit(**_JIT)
-def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
+def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
              has_index, cand, partial, hbs, align):  # fmt: skip
     """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
     drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
@@ -301,7 +318,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
             else:
                 continue
             j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
-                           n_units, tok_len, has_tl, rows, table, has_index,
+                           n_units, glim, has_tl, rows, table, has_index,
                            cand, partial, hbs)  # fmt: skip
             continue
         if phase == 0:
@@ -320,7 +337,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
             # No run of `need` blocks: the run from block 0 (shorter than
             # the window) still hits.
             start, end, lscale = 0, min(m, need - 1), scale
-        run = _leading_run(start, end, lscale, sg, sgi, off, n_units, tok_len,
+        run = _leading_run(start, end, lscale, sg, sgi, off, n_units, glim,
                            has_tl, rows, table, has_index, cand, partial,
                            hbs)  # fmt: skip
         if phase == 0:
@@ -372,7 +389,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, tok_len, has_tl, rows, table,
 
 
 @numba.njit(**_JIT)
-def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
+def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
               has_index, sg, cand, hbs, align, partial, simple_hybrid,
               st):  # fmt: skip
     """One request's hit; each SpecGroup's result in ``st`` (int64
@@ -431,7 +448,7 @@ def _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows, table,
                 hit = st[idx, _ST_HIT]
             else:
                 hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
-                                                 n_units, tok_len, has_tl, rows,
+                                                 n_units, glim, has_tl, rows,
                                                  table, has_index, cand, partial,
                                                  hbs, align)  # fmt: skip
                 st[idx, _ST_HIT] = hit
@@ -506,7 +523,7 @@ _P_COLS = 8
 
 @numba.njit(**_JIT)
 def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
-             hit, tri, scratch):  # fmt: skip
+             hit, tri, scratch, gscr):  # fmt: skip
     """Request ``r``: its hit at ``max_length = lens_in[r]`` (and its load-mask
     triples in ``tri``), or, in lookup mode, the store worker's ``lookup`` of a
     ``lens_in[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
@@ -540,9 +557,12 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
         tok_len = tok_lens[r] if has_tl else 0
         has_index = prm[_P_HAS_INDEX] != 0
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
+    glim = gscr[r]
+    if has_tl:
+        _candidate_limits(n_units, tok_len, cand, partial, hbs, glim)
     h = 0
     for _ in range(2):
-        h = _find_one(max_len, off, n_units, tok_len, has_tl, apply_eagle, rows,
+        h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
                       table, has_index, sg, cand, hbs, align, partial,
                       simple_hybrid, st)  # fmt: skip
         if not lookup or h < n_tok:
@@ -568,18 +588,18 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
 
 @numba.njit(**_JIT)
 def _batch_serial(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
-                  hit, tri, scratch):  # fmt: skip
+                  hit, tri, scratch, gscr):  # fmt: skip
     for r in range(offsets.shape[0]):
         _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                 prm, hit, tri, scratch)  # fmt: skip
+                 prm, hit, tri, scratch, gscr)  # fmt: skip
 
 
 @numba.njit(parallel=True, **_JIT)
 def _batch_parallel(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                    prm, hit, tri, scratch):  # fmt: skip
+                    prm, hit, tri, scratch, gscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
         _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                 prm, hit, tri, scratch)  # fmt: skip
+                 prm, hit, tri, scratch, gscr)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
@@ -619,10 +639,11 @@ def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
     hit = np.zeros(n_req, dtype=np.int64)
     if n_req == 0:
         return hit
-    scratch = np.zeros((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    gscr = np.empty((n_req, cand_rows.shape[0]), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(lens_in), tok_lens, table,
-       sg_rows, cand_rows, prm, hit, tri, scratch)  # fmt: skip
+       sg_rows, cand_rows, prm, hit, tri, scratch, gscr)  # fmt: skip
     return hit
 
 
