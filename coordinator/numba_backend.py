@@ -29,11 +29,9 @@ __all__ = ["NumbaBackend"]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    # A CPU tensor's numpy view shares its memory: nothing is copied unless the
-    # tensor is not contiguous (or needs the autograd detach first).
-    if t.is_contiguous() and not t.requires_grad:
-        return t.numpy()
-    return t.detach().contiguous().numpy()
+    # A CPU tensor's numpy view shares its memory (integer tensors never
+    # require grad); the launcher copies only what is not contiguous.
+    return t.numpy()
 
 
 def _table(index: KeyIndex) -> np.ndarray:

@@ -40,6 +40,8 @@ Importing this module imports numba (the numba backend imports it lazily).
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
@@ -647,7 +649,9 @@ def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
     return hit
 
 
+@functools.lru_cache(maxsize=256)
 def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple):
+    # Cached: a steady stream of calls reuses one (read-only) vector.
     prm = np.zeros(_P_COLS, dtype=np.int64)
     prm[_P_HAS_TL] = has_tl
     prm[_P_HAS_INDEX] = has_index
@@ -707,8 +711,8 @@ def find_hits(
     tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
     has_tl = token_lens is not None
     tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
-    prm = _params(has_tl, has_index, bool(apply_eagle), False, hash_block_size,
-                  alignment, bool(partial), bool(simple_hybrid))  # fmt: skip
+    prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
+                  int(alignment), bool(partial), bool(simple_hybrid))  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, tl, tab, sg_rows, cand_rows,
                prm, tri, parallel)  # fmt: skip
     return hit, tri
@@ -734,7 +738,7 @@ def lookup_hits(
     tokens. Arguments as :func:`find_hits` (``table`` is required)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
-    prm = _params(True, True, True, True, hash_block_size, alignment,
+    prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid))  # fmt: skip
     # No triples in lookup mode: an empty array keeps the one signature.
     tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
