@@ -41,6 +41,7 @@ Importing this module imports numba (the numba backend imports it lazily).
 from __future__ import annotations
 
 import functools
+import os
 
 import numba
 import numpy as np
@@ -75,10 +76,15 @@ from kvhit.kernels.probe_numba import table_find
 
 __all__ = ["PARALLEL_MIN_REQUESTS", "find_hits", "lookup_hits"]
 
-# Below this many requests the serial loop wins: measured on the 2-core CI
-# machine (dsv4-flash lookups), threads cost ~20-40 us to wake and share out
-# work, about what 16-64 requests cost serially.
-PARALLEL_MIN_REQUESTS = 64
+# From this many requests on, the launcher threads over requests (``prange``;
+# ``KVHIT_NUMBA_PARALLEL_MIN`` overrides it). Measured on the 2-core CI machine
+# (dsv4-flash lookups): when the machine is quiet two threads win from 64
+# requests on (B = 64: 0.066 vs 0.100 ms, B = 1024: 0.80 vs 1.40 ms), but when
+# other processes keep the cores busy each threaded call stalls 8-16 ms waiting
+# for a descheduled worker, while the serial loop stays at 1.4 ms for 1024
+# requests. Below 1024 requests the gain is at most tens of microseconds, so
+# only large batches take that risk.
+PARALLEL_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PARALLEL_MIN", "1024"))
 
 # Scratch columns per SpecGroup of one request.
 _ST_HIT = 0

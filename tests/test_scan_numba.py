@@ -26,6 +26,7 @@ from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_triple
+from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
 THREADS = [False, True]
@@ -107,9 +108,15 @@ def test_lookup_matches_the_reference(parallel, data):
 def test_workload_batches_match_the_reference(preset, parallel):
     """A serving-like batch (shared prefixes, multi-turn growth, evictions) of
     more requests than the threading threshold, and a permutation of it."""
+    # More requests than the launcher's threading threshold when it chooses.
     wl = generate(
         preset,
-        TrafficConfig(num_requests=96, max_tokens=3000, hash_bytes=16, seed=3),
+        TrafficConfig(
+            num_requests=PARALLEL_MIN_REQUESTS + 8 if parallel is None else 96,
+            max_tokens=3000 if parallel is not None else 1500,
+            hash_bytes=16,
+            seed=3,
+        ),
     )
     engine = LookupEngine(wl.layout, backend="numba")
     engine.impl.parallel = parallel
