@@ -1,14 +1,20 @@
 """LookupEngine: one call per scheduler step answers every request in a batch.
 
-Backends (identical results on every input; parity tests prove it):
+The engine validates every input and keeps the public API; the work is done by
+one backend object chosen at construction (the ``Backend`` protocol of
+:mod:`kvhit.coordinator.backend`). Backends, with identical results on every
+input (parity tests prove it):
 
-* ``"reference"``: loops :class:`ReferenceCoordinator` over the requests, with
-  the index's keys as a Python set. The baseline.
-* ``"torch"``: :mod:`kvhit.coordinator.torch_backend`, vectorised over the
-  batch, probing the :class:`KeyIndex` table directly. The CPU default.
+* ``"numba"``: compiled per-request programs on the CPU
+  (:mod:`kvhit.coordinator.numba_backend`). The default on the CPU.
 * ``"triton"``: per-request programs in :mod:`kvhit.kernels.scan` that probe
   the table from inside the kernel (CUDA; the CPU only under
   ``TRITON_INTERPRET=1``). The default on CUDA.
+* ``"torch"``: :mod:`kvhit.coordinator.torch_backend`, vectorised torch ops
+  over the batch; runs on any torch device, the default on devices that are
+  neither the CPU nor CUDA (``mps``, ``xpu``, ...).
+* ``"reference"``: loops :class:`ReferenceCoordinator` over the requests, with
+  the index's keys as a Python set. The baseline.
 
 Past a request's hashes, the batched backends count a probe as a miss; the
 reference raises ``ValueError`` there (vLLM raises ``IndexError``), so the
@@ -17,28 +23,50 @@ backends agree wherever the reference answers.
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvhit.coordinator.key_index import KeyIndex, probe_table
-from kvhit.coordinator.packing import HashBatch, unpack_hashes
+from kvhit.coordinator.backend import Backend
+from kvhit.coordinator.candidates import worker_candidates
+from kvhit.coordinator.key_index import KeyIndex
+from kvhit.coordinator.packing import HashBatch, RaggedView
 from kvhit.coordinator.plan import ScanPlan, cdiv
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout, Mamba, SlidingWindow
-from kvhit.coordinator.torch_backend import (
-    TorchScanner,
-    _Batch,
-    asked_chunks,
-    worker_candidates,
-)
 
-BACKENDS = ("auto", "torch", "triton", "reference")
+# Backend name -> "module:class", imported when an engine first asks for it (so
+# neither numba nor triton is imported by building another backend).
+BACKEND_CLASSES: dict[str, str] = {
+    "numba": "kvhit.coordinator.numba_backend:NumbaBackend",
+    "triton": "kvhit.coordinator.triton_backend:TritonBackend",
+    "torch": "kvhit.coordinator.torch_backend:TorchBackend",
+    "reference": "kvhit.coordinator.reference_backend:ReferenceBackend",
+}
+BACKENDS = ("auto", *BACKEND_CLASSES)
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def auto_backend(device: torch.device) -> str:
+    """The backend ``backend="auto"`` picks on ``device``: triton on CUDA, numba
+    on the CPU, torch on any other device (its torch ops run anywhere)."""
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        return "numba"
+    return "torch"
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as backend ``name`` (imports its module)."""
+    module, _, cls = BACKEND_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 @dataclass(frozen=True)
@@ -107,14 +135,48 @@ def _expand_tri(
     return tuple(masks), tuple(lengths)
 
 
-def _canonical_device(device: torch.device | str) -> torch.device:
+def _canonical_device(device: Any) -> torch.device:
     """The device tensors made on ``device`` report: ``"cuda"`` becomes
     ``cuda:<current>``, ``"cpu:0"`` becomes ``cpu``, so that comparing it with
     a tensor's device is exact."""
+    if not isinstance(device, torch.device | str):
+        raise TypeError(
+            f"device must be a torch.device or a str, got {type(device).__name__}"
+        )
     try:
-        return torch.empty(0, device=device).device
+        dev = torch.empty(0, device=device).device
     except (RuntimeError, AssertionError) as exc:
         raise ValueError(f"device {device!r} is not available here ({exc})") from None
+    if dev.type == "meta":
+        raise ValueError(
+            f"device {device!r} holds no data: a LookupEngine needs one that does "
+            "(cpu, cuda, ...)"
+        )
+    return dev
+
+
+def _position_error(name: str, i: int, v: Any) -> ValueError:
+    return ValueError(f"{name}[{i}] ({v}) must be an int in [0, 2**63) (int64, >= 0)")
+
+
+def _host_lengths(value: Any, name: str) -> np.ndarray:
+    """A Python sequence of ints as an int64 array, checked on the host."""
+    if all(type(v) is int for v in value):
+        try:
+            arr = np.array(value, dtype=np.int64)
+        except OverflowError:
+            for i, v in enumerate(value):
+                if not 0 <= v <= _INT64_MAX:
+                    raise _position_error(name, i, v) from None
+            raise
+    else:
+        for i, v in enumerate(value):
+            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
+            if not 0 <= int(v) <= _INT64_MAX:
+                raise _position_error(name, i, v)
+        arr = np.array([int(v) for v in value], dtype=np.int64)
+    return arr
 
 
 class LookupEngine:
@@ -122,15 +184,23 @@ class LookupEngine:
 
     Args:
         layout: the model's cache layout.
-        backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"``,
-            ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (triton on CUDA, numba on the CPU, torch on any
+            other device), ``"numba"``, ``"triton"``, ``"torch"`` or
+            ``"reference"``.
         device: where batches and indexes live; defaults to the CPU.
         cpu_threads: intra-op threads torch may use while the torch backend
             runs on the CPU (restored afterwards; ``None`` leaves torch's
-            setting alone). The scans are hundreds of small tensor ops, where
-            extra threads only add barrier waits: on the 2-core CI machine
-            under load, 1 thread took 25 ms for a batch that 2 threads took
-            2.2 s for.
+            setting alone). Only the torch backend reads it.
+
+    Attributes:
+        backend: the backend's name (``"auto"`` resolved).
+        impl: the backend object (``Backend`` protocol); the numba backend's
+            ``impl.parallel`` forces threads over requests on or off.
+
+    Raises:
+        TypeError / ValueError: naming the argument: an unknown backend, a
+            device that is not available or holds no data (``"meta"``), a
+            backend that does not run on the device.
     """
 
     def __init__(
@@ -144,38 +214,26 @@ class LookupEngine:
             raise TypeError(
                 f"layout must be a CacheLayout, got {type(layout).__name__}"
             )
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.layout = layout
-        self.device = _canonical_device(device if device is not None else "cpu")
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.backend = backend
         if cpu_threads is not None and (
             isinstance(cpu_threads, bool)
             or not isinstance(cpu_threads, int)
             or cpu_threads < 1
         ):
             raise ValueError(f"cpu_threads must be None or >= 1, got {cpu_threads!r}")
+        device = _canonical_device(device if device is not None else "cpu")
+        if backend == "auto":
+            backend = auto_backend(device)
+        self.layout = layout
+        self.device = device
+        self.backend = backend
         self.cpu_threads = cpu_threads
         self.plan = ScanPlan.from_layout(layout)
         self.reference = ReferenceCoordinator(layout)
-
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
-        """Inference mode (no autograd bookkeeping: about 10% of a CPU batch),
-        and on the CPU ``cpu_threads`` intra-op threads. Tensors made inside
-        are inference tensors: public methods return clones of them."""
-        with torch.inference_mode():
-            if self.cpu_threads is None or self.device.type != "cpu":
-                yield
-                return
-            before = torch.get_num_threads()
-            torch.set_num_threads(self.cpu_threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(before)
+        self.impl: Backend = backend_class(backend)(self.plan, device)
+        if hasattr(self.impl, "cpu_threads"):
+            self.impl.cpu_threads = cpu_threads
 
     # -- validation ---------------------------------------------------------
 
@@ -200,8 +258,25 @@ class LookupEngine:
                 f"index's ({index.hash_bytes} bytes)"
             )
 
-    def _lengths(self, value: Any, name: str, n: int) -> torch.Tensor:
-        """``value`` as an int64 ``[n]`` tensor on the engine's device."""
+    @staticmethod
+    def _count(value: Any, name: str) -> int:
+        """How many entries ``value`` (a length argument) has."""
+        if isinstance(value, torch.Tensor | np.ndarray):
+            return int(value.shape[0]) if value.ndim >= 1 else 0
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise TypeError(
+                f"{name} must be an int64 tensor or a sequence of ints, got "
+                f"{type(value).__name__}"
+            )
+        return len(value)
+
+    def _lengths(
+        self, value: Any, name: str, n: int, multiple_of: int = 1
+    ) -> torch.Tensor:
+        """``value`` as an int64 ``[n]`` tensor on the engine's device, each
+        entry in ``[0, 2**63)`` and a multiple of ``multiple_of``. Python and
+        numpy inputs are checked on the host before they move, so only a
+        device tensor costs a host sync."""
         if isinstance(value, torch.Tensor):
             if value.dtype != torch.int64:
                 raise TypeError(f"{name} must be int64, got {value.dtype}")
@@ -214,8 +289,20 @@ class LookupEngine:
                     f"{name} must have shape [{n}] (one per request), got "
                     f"{list(value.shape)}"
                 )
-            t = value
-        elif isinstance(value, np.ndarray):
+            if not n:
+                return value
+            if value.device.type == "cpu" and not value.requires_grad:
+                # numpy checks a small CPU tensor in a fraction of torch's time.
+                self._check_host(value.numpy(), name, multiple_of)
+                return value
+            bad = value < 0
+            if multiple_of > 1:
+                bad |= torch.remainder(value, multiple_of) != 0
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                self._raise_bad(name, i, int(value[i]), multiple_of)
+            return value
+        if isinstance(value, np.ndarray):
             if value.dtype.kind not in "iu":
                 raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
             if value.ndim != 1 or value.shape[0] != n:
@@ -223,102 +310,85 @@ class LookupEngine:
                     f"{name} must have shape [{n}] (one per request), got "
                     f"{list(value.shape)}"
                 )
-            t = torch.from_numpy(value.astype(np.int64)).to(self.device)
+            if value.dtype.kind == "u" and n and int(value.max()) > _INT64_MAX:
+                i = int(np.argmax(value > _INT64_MAX))
+                raise _position_error(name, i, int(value[i]))
+            arr = value.astype(np.int64)
         else:
-            if isinstance(value, int | bool) or not isinstance(value, Sequence):
+            if (
+                value is None
+                or isinstance(value, str | bytes)
+                or not isinstance(value, Sequence)
+            ):
                 raise TypeError(
                     f"{name} must be an int64 tensor or a sequence of ints, got "
                     f"{type(value).__name__}"
                 )
             if len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} requests")
-            for v in value:
-                if isinstance(v, bool | np.bool_) or not isinstance(
-                    v, numbers.Integral
-                ):
-                    raise TypeError(f"{name} must hold ints, got {type(v).__name__}")
-            t = torch.tensor(
-                [int(v) for v in value], dtype=torch.int64, device=self.device
-            )
-        if t.numel() and int(t.min().item()) < 0:
-            raise ValueError(f"{name} must be >= 0, got {int(t.min().item())}")
-        return t
+            if (
+                n <= 16
+                and multiple_of == 1
+                and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
+            ):
+                # A scheduler step's few requests: plain Python beats numpy.
+                return self._to_device(np.array(value, dtype=np.int64))
+            arr = _host_lengths(value, name)
+        if n:
+            self._check_host(arr, name, multiple_of)
+        return self._to_device(arr)
 
-    def _internal(
-        self, batch: HashBatch, token_len: torch.Tensor | None = None
-    ) -> _Batch:
-        offsets = batch.offsets
-        return _Batch(
-            hashes=batch.hashes,
-            offsets=offsets[:-1],
-            lens=offsets[1:] - offsets[:-1],
-            token_len=token_len,
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def _check_host(self, arr: np.ndarray, name: str, multiple_of: int) -> None:
+        """Raise naming the first entry of ``arr`` (int64) below 0 or not a
+        multiple of ``multiple_of``."""
+        if multiple_of > 1:
+            bad = (arr < 0) | (arr % multiple_of != 0)
+            ok = not bad.any()
+        else:
+            ok = arr.min() >= 0
+            bad = arr < 0
+        if not ok:
+            i = int(np.argmax(bad))
+            self._raise_bad(name, i, int(arr[i]), multiple_of)
+
+    @staticmethod
+    def _raise_bad(name: str, i: int, v: int, multiple_of: int) -> None:
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+        raise ValueError(
+            f"{name}[{i}] ({v}) must be a multiple of the hit alignment ({multiple_of})"
         )
 
-    # -- probing --------------------------------------------------------------
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.zeros(0, dtype=torch.int64, device=self.device),
+            torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
+                        device=self.device),
+        )  # fmt: skip
 
-    @staticmethod
-    def _index_prober(index: KeyIndex, hashes: torch.Tensor):
-        table, W = index.table, index.W
-
-        def probe(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            if rows.numel() == 0:
-                return torch.zeros(0, dtype=torch.bool, device=rows.device)
-            return probe_table(table, W, g, hashes.index_select(0, rows))
-
-        return probe
-
-    @staticmethod
-    def _all_present(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
-
-    def _run(
+    def _find(
         self,
         batch: HashBatch,
         max_lengths: torch.Tensor,
         index: KeyIndex | None,
         apply_eagle: bool,
-        token_len: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hits and mask triples ``(int64 [B], int64 [B, G, 3])``."""
-        n = len(batch)
-        if n == 0:
-            return (
-                torch.zeros(0, dtype=torch.int64, device=self.device),
-                torch.zeros(
-                    0, self.plan.num_groups, 3, dtype=torch.int64, device=self.device
-                ),
-            )
-        internal = self._internal(batch, token_len)
-        with self._threads():
-            if self.backend == "triton":
-                from kvhit.coordinator.triton_backend import TritonBackend
+        if len(batch) == 0:
+            return self._empty()
+        return self.impl.find(self._view(batch), max_lengths, index, bool(apply_eagle))
 
-                hit, tri = TritonBackend(self.plan, self.device).find(
-                    batch.view(token_len), max_lengths, index, apply_eagle
-                )
-            else:
-                probe = (
-                    self._all_present
-                    if index is None
-                    else self._index_prober(index, batch.hashes)
-                )
-                hit, tri = TorchScanner(self.plan, probe).find(
-                    internal, max_lengths, apply_eagle
-                )
-        return hit.clone(), tri.clone()
-
-    # -- reference backend --------------------------------------------------------
-
-    @staticmethod
-    def _index_set(index: KeyIndex) -> set[tuple[int, bytes]]:
-        gids, hashes = index.keys()
-        return set(
-            zip(
-                gids.cpu().tolist(),
-                unpack_hashes(hashes.cpu(), index.hash_bytes),
-                strict=True,
-            )
+    def _view(self, batch: HashBatch) -> RaggedView:
+        """``batch.view()``; on the CPU the same view built through numpy,
+        which at a batch of one takes a third of the time of the torch ops."""
+        if self.device.type != "cpu":
+            return batch.view()
+        o = batch.offsets.numpy()
+        return RaggedView(
+            batch.hashes, torch.from_numpy(o[:-1]), torch.from_numpy(o[1:] - o[:-1])
         )
 
     # -- public API -----------------------------------------------------------
@@ -346,44 +416,11 @@ class LookupEngine:
         """
         self._check_batch(batch, index)
         max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-        if self.backend == "reference":
-            exists = self._index_set(index)
-            lists = batch.to_bytes()
-            hits, all_masks = [], []
-            for hl, m in zip(lists, max_lengths.tolist(), strict=True):
-                masks, hit = self.reference.find_longest_cache_hit(
-                    hl, m, exists, apply_eagle
-                )
-                hits.append(hit)
-                all_masks.append(masks)
-            hit_t = torch.tensor(hits, dtype=torch.int64, device=self.device)
-            if not with_masks:
-                return LookupResult(hit_t)
-            return LookupResult(hit_t, *self._lists_to_masks(all_masks))
-        hit, tri = self._run(batch, max_lengths, index, apply_eagle, None)
+        hit, tri = self._find(batch, max_lengths, index, apply_eagle)
         if not with_masks:
             return LookupResult(hit)
         masks, lengths = _expand_tri(tri)
         return LookupResult(hit, masks, lengths)
-
-    def _lists_to_masks(
-        self, all_masks: list[tuple[list[bool], ...]]
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        masks, lengths = [], []
-        for g in range(self.plan.num_groups):
-            col = [m[g] for m in all_masks]
-            width = max((len(c) for c in col), default=0)
-            t = torch.zeros(len(col), width, dtype=torch.bool)
-            for b, c in enumerate(col):
-                if c:
-                    t[b, : len(c)] = torch.tensor(c, dtype=torch.bool)
-            masks.append(t.to(self.device))
-            lengths.append(
-                torch.tensor(
-                    [len(c) for c in col], dtype=torch.int64, device=self.device
-                )
-            )
-        return tuple(masks), tuple(lengths)
 
     def load_masks(
         self, batch: HashBatch, token_lens: torch.Tensor | Sequence[int]
@@ -392,40 +429,14 @@ class LookupEngine:
         EAGLE-pruned hit lengths): a store holding every key, no EAGLE drop."""
         self._check_batch(batch, None, need_index=False)
         token_lens = self._lengths(token_lens, "token_lens", len(batch))
-        if self.backend == "reference":
-            # The load mask is a lookup over a store holding every key, without
-            # the EAGLE drop; its hit is reported as the batched backends do.
-            found = [
-                self.reference.find_longest_cache_hit(hl, t, None, apply_eagle=False)
-                for hl, t in zip(batch.to_bytes(), token_lens.tolist(), strict=True)
-            ]
-            hits = torch.tensor(
-                [h for _, h in found], dtype=torch.int64, device=self.device
-            )
-            return LookupResult(hits, *self._lists_to_masks([m for m, _ in found]))
-        hit, tri = self._run(batch, token_lens, None, False, None)
+        hit, tri = self._find(batch, token_lens, None, False)
         masks, lengths = _expand_tri(tri)
         return LookupResult(hit, masks, lengths)
 
     def align(self, lengths: torch.Tensor) -> torch.Tensor:
-        """``lengths`` rounded down to the hit alignment."""
+        """``lengths`` (int64) rounded down to the hit alignment."""
         a = self.plan.alignment
         return torch.div(lengths, a, rounding_mode="floor") * a
-
-    def _has_candidates(self, batch: _Batch, token_len: torch.Tensor) -> torch.Tensor:
-        """bool [B]: whether the store worker asks about any key at all."""
-        plan = self.plan
-        anyc = torch.zeros_like(token_len, dtype=torch.bool)
-        for cp in plan.candidates:
-            if not cp.cacheable:
-                continue
-            asked = asked_chunks(plan, cp, batch.lens, token_len)
-            if plan.partial or not cp.sparse:
-                anyc |= asked > 0
-            elif cp.need > 0:
-                # The lowest chunk in a sparse lookup mask.
-                anyc |= asked > cp.shift + cp.per_segment - cp.need
-        return anyc
 
     def lookup(
         self,
@@ -447,88 +458,20 @@ class LookupEngine:
         """
         self._check_batch(batch, index)
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
-        if self.backend == "reference":
-            exists = self._index_set(index)
-            return torch.tensor(
-                [
-                    self.reference.lookup(n, hl, exists)
-                    for hl, n in zip(batch.to_bytes(), num_tokens.tolist(), strict=True)
-                ],
-                dtype=torch.int64,
-                device=self.device,
-            )
-        with self._threads():
-            out = self._lookup(batch, num_tokens, index)
-        return out.clone()
-
-    def _lookup(
-        self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
-    ) -> torch.Tensor:
-        if self.backend == "triton":
-            from kvhit.coordinator.triton_backend import TritonBackend
-
-            return TritonBackend(self.plan, self.device).lookup(
-                batch.view(), num_tokens, index
-            )
-        out = torch.zeros_like(num_tokens)
-        if len(batch) == 0:
-            return out
-        token_len = self.align(num_tokens)
-        internal = self._internal(batch, token_len)
-        ok = (
-            (internal.lens > 0)
-            & (token_len > 0)
-            & self._has_candidates(internal, token_len)
-        )
-        first = ok.nonzero().squeeze(1)
-        if first.numel() == 0:
-            return out
-        probe = self._index_prober(index, batch.hashes)
-        hit = self._sub_find(batch, first, token_len[first], token_len, index, probe)
-        out[first] = hit
-        redo = first[hit >= num_tokens[first]]
-        if redo.numel():
-            usable = self.align(num_tokens[redo] - 1)
-            out[redo] = 0
-            pos = usable > 0
-            again = redo[pos]
-            if again.numel():
-                out[again] = self._sub_find(
-                    batch, again, usable[pos], token_len, index, probe
-                )
-        return out
+        return self.lookup_unchecked(batch, num_tokens, index)
 
     def lookup_unchecked(
         self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
     ) -> torch.Tensor:
-        """:meth:`lookup` without input validation, for callers that have
-        checked their inputs and must not sync with the host (torch custom
-        ops, captured CUDA graphs). On the triton backend it makes no host
-        sync; the torch backend sizes its rounds from the data and syncs."""
-        with self._threads():
-            out = self._lookup(batch, num_tokens, index)
-        return out.clone()
-
-    def _sub_find(
-        self,
-        batch: HashBatch,
-        req: torch.Tensor,
-        max_lengths: torch.Tensor,
-        token_len: torch.Tensor,
-        index: KeyIndex,
-        probe,
-    ) -> torch.Tensor:
-        """Hits of the requests ``req`` (int64 [R]) with the worker's candidate
-        restriction at ``token_len`` (int64 [B])."""
-        offsets = batch.offsets
-        internal = _Batch(
-            hashes=batch.hashes,
-            offsets=offsets[:-1][req],
-            lens=(offsets[1:] - offsets[:-1])[req],
-            token_len=token_len[req],
-        )
-        hit, _ = TorchScanner(self.plan, probe).find(internal, max_lengths, True)
-        return hit
+        """:meth:`lookup` without input validation, on this engine's backend,
+        for callers that have checked their inputs (``num_tokens`` int64
+        ``[B]`` >= 0 on the engine's device) and must not sync with the host
+        (torch custom ops, captured CUDA graphs). The triton backend makes no
+        host sync; numba and the reference run on the host anyway; the torch
+        backend sizes its rounds from the data and syncs."""
+        if len(batch) == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return self.impl.lookup(self._view(batch), num_tokens, index)
 
     def lookup_candidates(
         self, batch: HashBatch, num_tokens: torch.Tensor | Sequence[int]
@@ -541,7 +484,7 @@ class LookupEngine:
         if len(batch) == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, empty
-        with self._threads():
+        with torch.inference_mode():
             gids, rows = worker_candidates(self.plan, batch.offsets, num_tokens)
         return gids.clone(), rows.clone()
 
@@ -554,8 +497,10 @@ class LookupEngine:
         """Per-group store masks, batched: equal to the reference's
         ``store_mask(aligned_lens[b], start_tokens[b], num_prompt_tokens[b])``
         for every request ``b`` (all int64 ``[B]``)."""
-        n = len(aligned_lens)
-        aligned = self._lengths(aligned_lens, "aligned_lens", n)
+        n = self._count(aligned_lens, "aligned_lens")
+        aligned = self._lengths(
+            aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
+        )
         start = (
             torch.zeros_like(aligned)
             if start_tokens is None
@@ -566,25 +511,16 @@ class LookupEngine:
             if num_prompt_tokens is None
             else self._lengths(num_prompt_tokens, "num_prompt_tokens", n)
         )
-        bad = torch.remainder(aligned, self.plan.alignment) != 0
-        if bad.any():
-            i = int(bad.nonzero()[0].item())
-            raise ValueError(
-                f"aligned_lens[{i}] ({int(aligned[i])}) must be a multiple of the hit "
-                f"alignment ({self.plan.alignment})"
-            )
         return self._reachable(
             aligned, start, prompt, self.layout.retention_interval, True
         )
 
     def lookup_masks(self, aligned_lens: torch.Tensor | Sequence[int]) -> MaskBatch:
         """Per-group lookup masks, batched (the reference's ``lookup_mask``)."""
-        n = len(aligned_lens)
-        aligned = self._lengths(aligned_lens, "aligned_lens", n)
-        if (torch.remainder(aligned, self.plan.alignment) != 0).any():
-            raise ValueError(
-                f"aligned_lens must be multiples of the hit alignment ({self.plan.alignment})"
-            )
+        n = self._count(aligned_lens, "aligned_lens")
+        aligned = self._lengths(
+            aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
+        )
         return self._reachable(aligned, torch.zeros_like(aligned), None, None, False)
 
     def _reachable(
@@ -677,4 +613,12 @@ class LookupEngine:
         return m, False
 
 
-__all__ = ["BACKENDS", "LookupEngine", "LookupResult", "MaskBatch"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_CLASSES",
+    "LookupEngine",
+    "LookupResult",
+    "MaskBatch",
+    "auto_backend",
+    "backend_class",
+]

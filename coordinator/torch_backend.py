@@ -18,19 +18,42 @@ for the closed forms these scans implement.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.candidates import (
+    asked_chunks,
+    candidate_units,
+    has_candidates,
+    in_lookup_mask,
+    worker_candidates,
+)
+from kvhit.coordinator.key_index import probe_table
 from kvhit.coordinator.plan import (
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
-    CandidatePlan,
     ScanPlan,
     SpecGroupPlan,
 )
+
+if TYPE_CHECKING:
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import RaggedView
+
+# The candidate helpers moved to coordinator/candidates.py; re-exported here
+# for callers that still import them from this module.
+__all__ = [
+    "TorchBackend",
+    "TorchScanner",
+    "asked_chunks",
+    "in_lookup_mask",
+    "worker_candidates",
+]
 
 # probe(group_ids int64 [N], rows int64 [N]) -> bool [N]: is (group, hashes[row])
 # in the store?
@@ -56,79 +79,6 @@ class _Batch:
     offsets: torch.Tensor
     lens: torch.Tensor
     token_len: torch.Tensor | None
-
-
-def asked_chunks(
-    plan: ScanPlan, cp: CandidatePlan, lens: torch.Tensor, tl: torch.Tensor
-) -> torch.Tensor:
-    """int64 [R]: how many leading chunks of group ``cp`` (with partial hash
-    hits: hash units) the store worker's loop walks, for requests of ``lens``
-    hashes looked up at ``tl`` tokens; sparse groups ask only the chunks
-    :func:`in_lookup_mask` keeps among them."""
-    if plan.partial:
-        return torch.minimum(lens, tl // plan.hash_block_size)
-    lim = torch.minimum(lens // cp.scale, -((-tl) // cp.block_size))
-    if cp.sparse:
-        lim = torch.minimum(lim, tl // cp.block_size)
-    return lim
-
-
-def in_lookup_mask(cp: CandidatePlan, c: torch.Tensor) -> torch.Tensor:
-    """bool: whether chunk ``c`` of a sparse (sliding-window) group is in its
-    lookup mask: the ``need`` blocks before each scheduler boundary, shifted
-    by one block for EAGLE."""
-    p = cp.per_segment
-    return (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
-
-
-def candidate_units(
-    plan: ScanPlan, batch: _Batch, gid: int, req: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every hash unit the store worker asks about for group ``gid`` in the
-    requests ``req`` (int64 [n]), at ``batch.token_len``: ``(owner, unit)``,
-    each int64 [M], ``owner`` indexing ``req``, ``unit`` a hash position."""
-    assert batch.token_len is not None
-    cp = plan.candidates[gid]
-    dev = req.device
-    count = torch.clamp(
-        asked_chunks(plan, cp, batch.lens[req], batch.token_len[req]), min=0
-    )
-    owner = torch.repeat_interleave(torch.arange(req.numel(), device=dev), count)
-    c = (
-        torch.arange(owner.numel(), device=dev)
-        - (torch.cumsum(count, 0) - count)[owner]
-    )
-    if plan.partial:
-        return owner, c
-    if cp.sparse:
-        keep = in_lookup_mask(cp, c)
-        owner, c = owner[keep], c[keep]
-    return owner, (c + 1) * cp.scale - 1
-
-
-def worker_candidates(
-    plan: ScanPlan, offsets: torch.Tensor, num_tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every ``(group, hash row)`` the store worker asks the store about for a
-    batch: ``(group_ids, rows)``, each int64 [K], grouped by group, then
-    request; duplicates kept. ``offsets`` int64 [B + 1] (CSR), ``num_tokens``
-    int64 [B]. Needs only the offsets, not the hashes."""
-    align = plan.alignment
-    batch = _Batch(
-        hashes=offsets.new_empty(0, 1),
-        offsets=offsets[:-1],
-        lens=offsets[1:] - offsets[:-1],
-        token_len=torch.div(num_tokens, align, rounding_mode="floor") * align,
-    )
-    every = torch.arange(num_tokens.numel(), device=offsets.device)
-    gids, rows = [], []
-    for cp in plan.candidates:
-        if not cp.cacheable:
-            continue
-        owner, unit = candidate_units(plan, batch, cp.group_id, every)
-        rows.append(batch.offsets[owner] + unit)
-        gids.append(torch.full_like(owner, cp.group_id))
-    return torch.cat(gids), torch.cat(rows)
 
 
 class TorchScanner:
@@ -169,7 +119,10 @@ class TorchScanner:
         found = torch.zeros(n, dtype=torch.bool, device=req.device)
         if n == 0:
             return found
-        owner, v = candidate_units(self.plan, batch, gid, req)
+        assert batch.token_len is not None
+        owner, v = candidate_units(
+            self.plan, batch.lens[req], batch.token_len[req], gid
+        )
         base = batch.offsets[req]
         probe_rows = base + unit
         same = (batch.hashes[base[owner] + v] == batch.hashes[probe_rows[owner]]).all(
@@ -559,3 +512,125 @@ class TorchScanner:
                 tri[:, gid, 0] = n
                 tri[:, gid, 2] = n
         return hit_length, tri
+
+
+class TorchBackend:
+    """The torch backend of :class:`~kvhit.coordinator.engine.LookupEngine`
+    (the ``Backend`` protocol of ``coordinator/backend.py``): :class:`TorchScanner`
+    over the batch, probing the KeyIndex table with torch ops, on any device.
+
+    Attributes:
+        cpu_threads: intra-op threads torch may use on the CPU while a call
+            runs (restored afterwards; None leaves torch's setting alone). The
+            scans are hundreds of small tensor ops, where extra threads only
+            add barrier waits.
+    """
+
+    name = "torch"
+
+    def __init__(self, plan: ScanPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+        self.cpu_threads: int | None = 1
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        with torch.inference_mode():
+            if self.cpu_threads is None or self.device.type != "cpu":
+                yield
+                return
+            before = torch.get_num_threads()
+            torch.set_num_threads(self.cpu_threads)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(before)
+
+    @staticmethod
+    def _batch(view: RaggedView) -> _Batch:
+        return _Batch(view.rows, view.offsets, view.lengths, view.token_lens)
+
+    @staticmethod
+    def _prober(index: KeyIndex | None, hashes: torch.Tensor) -> Prober:
+        if index is None:
+
+            def everything(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                return torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+
+            return everything
+        table, W = index.table, index.W
+
+        def probe(g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            if rows.numel() == 0:
+                return torch.zeros(0, dtype=torch.bool, device=rows.device)
+            return probe_table(table, W, g, hashes.index_select(0, rows))
+
+        return probe
+
+    def find(
+        self,
+        view: RaggedView,
+        max_lengths: torch.Tensor,
+        index: KeyIndex | None,
+        apply_eagle: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``Backend.find``: ``(hit int64 [R], triples int64 [R, G, 3])``."""
+        n = len(view)
+        if n == 0:
+            return (
+                torch.zeros(0, dtype=torch.int64, device=self.device),
+                torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
+                            device=self.device),
+            )  # fmt: skip
+        with self._threads():
+            hit, tri = TorchScanner(self.plan, self._prober(index, view.rows)).find(
+                self._batch(view), max_lengths, apply_eagle
+            )
+        return hit.clone(), tri.clone()
+
+    def lookup(
+        self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
+        """See ``Backend.lookup``: int64 ``[R]`` tokens to load."""
+        with self._threads():
+            out = self._lookup(view, num_tokens, index)
+        return out.clone()
+
+    def _lookup(
+        self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
+    ) -> torch.Tensor:
+        plan = self.plan
+        out = torch.zeros_like(num_tokens)
+        if len(view) == 0:
+            return out
+        a = plan.alignment
+        token_len = torch.div(num_tokens, a, rounding_mode="floor") * a
+        ok = (
+            (view.lengths > 0)
+            & (token_len > 0)
+            & has_candidates(plan, view.lengths, token_len)
+        )
+        first = ok.nonzero().squeeze(1)
+        if first.numel() == 0:
+            return out
+        probe = self._prober(index, view.rows)
+        restricted = view.with_token_lens(token_len)
+
+        def sub_find(req: torch.Tensor, max_lengths: torch.Tensor) -> torch.Tensor:
+            batch = self._batch(restricted.select(req))
+            hit, _ = TorchScanner(plan, probe).find(batch, max_lengths, True)
+            return hit
+
+        hit = sub_find(first, token_len[first])
+        out[first] = hit
+        # A hit covering the whole prompt is re-derived at num_tokens - 1 with
+        # the candidate restriction still at the original token_len.
+        redo = first[hit >= num_tokens[first]]
+        if redo.numel():
+            usable = torch.div(num_tokens[redo] - 1, a, rounding_mode="floor") * a
+            out[redo] = 0
+            pos = usable > 0
+            again = redo[pos]
+            if again.numel():
+                out[again] = sub_find(again, usable[pos])
+        return out

@@ -1,1 +1,3 @@
-"""Triton kernels and their launchers. Imports nothing from coordinator/."""
+"""Kernels and their launchers: Triton (CUDA) and numba (CPU), one file per
+concern and family, all reading :mod:`kvhit.kernels.contract`. Imports nothing
+from coordinator/; importing this package imports neither triton nor numba."""

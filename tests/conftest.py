@@ -28,6 +28,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,
 )
+# HYPOTHESIS_PROFILE=random: the CI settings with fresh random examples each
+# run (for large parity runs with KVHIT_PARITY_EXAMPLES).
+settings.register_profile("random", settings.get_profile("ci"), derandomize=False)
 settings.register_profile("dev", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -37,7 +37,10 @@ from kvhit import (
 )
 from kvhit.bench.workloads import make_layout
 
-BACKENDS = ["torch", "reference"]
+# "numba" runs with threads over requests forced off, "numba-threads" forced
+# on (the engine picks by batch size, and test batches are small).
+BACKENDS = ["numba", "numba-threads", "torch", "reference"]
+BATCHED = ["numba", "numba-threads", "torch"]
 
 # KVHIT_PARITY_EXAMPLES=N runs N examples per parity test (a large random run).
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
@@ -51,9 +54,18 @@ def _index(keys, width: int = 8) -> KeyIndex:
     return index
 
 
+def make_engine(layout, backend: str, device: str = "cpu") -> LookupEngine:
+    """An engine for a test backend name (see BACKENDS)."""
+    if backend.startswith("numba"):
+        engine = LookupEngine(layout, backend="numba", device=device)
+        engine.impl.parallel = backend == "numba-threads"
+        return engine
+    return LookupEngine(layout, backend=backend, device=device)
+
+
 def _check_find(layout, requests, exists, lens, backend, apply_eagle):
     ref = ReferenceCoordinator(layout)
-    engine = LookupEngine(layout, backend=backend)
+    engine = make_engine(layout, backend)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     res = engine.find_longest_cache_hit(
         batch, lens, _index(exists), apply_eagle=apply_eagle, with_masks=True
@@ -73,24 +85,26 @@ def test_find_parity(backend, data, apply_eagle):
     _check_find(layout, requests, exists, lens, backend, apply_eagle)
 
 
+@pytest.mark.parametrize("backend", BATCHED)
 @settings(max_examples=EXAMPLES)
 @given(data=case())
-def test_lookup_parity(data):
+def test_lookup_parity(backend, data):
     layout, requests, exists, lens = data
     ref = ReferenceCoordinator(layout)
-    engine = LookupEngine(layout, backend="torch")
+    engine = make_engine(layout, backend)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     got = engine.lookup(batch, lens, _index(exists)).tolist()
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
     assert got == want
 
 
+@pytest.mark.parametrize("backend", BATCHED)
 @settings(max_examples=max(EXAMPLES * 2 // 3, 1))
 @given(data=case())
-def test_load_masks_and_candidates_parity(data):
+def test_load_masks_and_candidates_parity(backend, data):
     layout, requests, _, lens = data
     ref = ReferenceCoordinator(layout)
-    engine = LookupEngine(layout, backend="torch")
+    engine = make_engine(layout, backend)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     res = engine.load_masks(batch, lens)
     got = res.mask_lists()
@@ -113,7 +127,7 @@ def test_load_masks_and_candidates_parity(data):
 @given(layout=layouts(), data=st.data())
 def test_store_and_lookup_masks_parity(layout, data):
     ref = ReferenceCoordinator(layout)
-    engine = LookupEngine(layout, backend="torch")
+    engine = LookupEngine(layout)
     n = data.draw(st.integers(0, 4))
     units = st.integers(0, 12)
     aligned = [data.draw(units) * layout.alignment for _ in range(n)]
@@ -133,7 +147,7 @@ def test_store_and_lookup_masks_parity(layout, data):
 
 # -- the seed regressions of DESIGN.md, through every backend ------------------
 
-SEED_BACKENDS = ["torch", "reference", "triton"]
+SEED_BACKENDS = ["numba", "numba-threads", "torch", "reference", "triton"]
 
 
 def _dsv4() -> CacheLayout:
@@ -143,7 +157,7 @@ def _dsv4() -> CacheLayout:
 def _engine(layout: CacheLayout, backend: str, device: str) -> LookupEngine:
     # The triton backend runs on CUDA, or under the interpreter on the CPU.
     dev = device if backend == "triton" else "cpu"
-    return LookupEngine(layout, backend=backend, device=dev)
+    return make_engine(layout, backend, dev)
 
 
 def _dev_index(keys, engine: LookupEngine) -> KeyIndex:
@@ -209,7 +223,8 @@ def test_seed_dsv4_flash(backend, device):
 # -- batches -----------------------------------------------------------------
 
 
-def test_mixed_batch_and_order_independence():
+@pytest.mark.parametrize("backend", BATCHED)
+def test_mixed_batch_and_order_independence(backend):
     """Empty, tiny and long requests in one batch; a permuted batch gives the
     permuted answers."""
     layout = _dsv4()
@@ -226,7 +241,7 @@ def test_mixed_batch_and_order_independence():
     for key in rng.sample(sorted(exists), 3):
         exists.discard(key)
     num_tokens = [len(h) * 4 + rng.choice([0, 1, 3]) for h in requests]
-    engine = LookupEngine(layout, backend="torch")
+    engine = make_engine(layout, backend)
     index = _index(exists)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     got = engine.lookup(batch, num_tokens, index).tolist()
@@ -244,7 +259,7 @@ def test_mixed_batch_and_order_independence():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch_and_zero_lengths(backend):
-    engine = LookupEngine(_dsv4(), backend=backend)
+    engine = make_engine(_dsv4(), backend)
     index = _index({(0, b"\x01" * 8)})
     empty = HashBatch.from_bytes([], 8, "cpu")
     assert engine.lookup(empty, [], index).shape == (0,)
@@ -256,12 +271,13 @@ def test_empty_batch_and_zero_lengths(backend):
     assert out.hit_lengths.tolist() == [0, 0]
 
 
-def test_all_hit_and_all_miss_stores():
+@pytest.mark.parametrize("backend", BATCHED)
+def test_all_hit_and_all_miss_stores(backend):
     layout = _dsv4()
     hashes = chained_hashes(20, 300)
     everything = {(g, h) for g in range(5) for h in hashes}
     batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    engine = LookupEngine(layout, backend="torch")
+    engine = make_engine(layout, backend)
     ref = ReferenceCoordinator(layout)
     assert (
         engine.lookup(batch, [1200], _index(everything)).tolist()
@@ -275,9 +291,10 @@ def test_all_hit_and_all_miss_stores():
 # -- bad input ---------------------------------------------------------------
 
 
-def test_bad_inputs_name_the_argument():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_name_the_argument(backend):
     layout = _dsv4()
-    engine = LookupEngine(layout, backend="torch")
+    engine = make_engine(layout, backend)
     index = _index({(0, b"\x01" * 8)})
     batch = HashBatch.from_bytes([[b"\x01" * 8], []], 8, "cpu")
     with pytest.raises(ValueError, match="max_lengths"):
@@ -304,16 +321,100 @@ def test_bad_inputs_name_the_argument():
         engine.store_masks([100])
     with pytest.raises(ValueError, match="backend"):
         LookupEngine(layout, backend="cuda-magic")
-    meta = LookupEngine(layout, backend="torch", device="meta")
-    with pytest.raises(ValueError, match="batch is on"):
-        meta.lookup(batch, [4, 4], index)
+
+
+@pytest.mark.parametrize("backend", ["auto", "numba", "torch", "reference"])
+def test_meta_device_is_refused(backend):
+    """A meta tensor holds no data: no backend can answer on it."""
+    with pytest.raises(ValueError, match="device"):
+        LookupEngine(_dsv4(), backend=backend, device="meta")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths_past_int64_name_argument_and_position(backend):
+    engine = make_engine(_dsv4(), backend)
+    index = _index({(0, b"\x01" * 8)})
+    batch = HashBatch.from_bytes([[b"\x01" * 8], []], 8, "cpu")
+    for bad in (2**63, 2**64 + 5, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"num_tokens\[1\]"):
+            engine.lookup(batch, [4, bad], index)
+        with pytest.raises(ValueError, match=r"max_lengths\[0\]"):
+            engine.find_longest_cache_hit(batch, [bad, 4], index)
+    with pytest.raises(ValueError, match=r"num_tokens\[1\]"):
+        engine.lookup(batch, np.array([4, 2**63], dtype=np.uint64), index)
+    with pytest.raises(ValueError, match=r"aligned_lens\[0\]"):
+        engine.store_masks([2**63])
+    with pytest.raises(ValueError, match=r"num_tokens\[1\]"):
+        engine.lookup(batch, [4, -1], index)
+    # The largest int64 is a valid length (a full-attention scan stops at the
+    # hashes).
+    big = (2**63 - 1) // 256 * 256
+    assert engine.lookup(batch, np.array([4, 0], dtype=np.uint64), index).tolist() == [
+        0,
+        0,
+    ]
+    assert (
+        engine.find_longest_cache_hit(batch, [big, 0], index).hit_lengths.tolist()[1]
+        == 0
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_none_and_scalars_where_sequences_belong(backend):
+    engine = make_engine(_dsv4(), backend)
+    index = _index({(0, b"\x01" * 8)})
+    batch = HashBatch.from_bytes([[b"\x01" * 8]], 8, "cpu")
+    with pytest.raises(TypeError, match="num_tokens"):
+        engine.lookup(batch, None, index)
+    with pytest.raises(TypeError, match="max_lengths"):
+        engine.find_longest_cache_hit(batch, None, index)
+    with pytest.raises(TypeError, match="token_lens"):
+        engine.load_masks(batch, None)
+    with pytest.raises(TypeError, match="aligned_lens"):
+        engine.store_masks(None)
+    with pytest.raises(TypeError, match="aligned_lens"):
+        engine.store_masks(4)
+    with pytest.raises(TypeError, match="aligned_lens"):
+        engine.lookup_masks(256)
+    with pytest.raises(TypeError, match="start_tokens"):
+        engine.store_masks([256], start_tokens=3)
+    with pytest.raises(TypeError, match=r"num_tokens\[0\]"):
+        engine.lookup(batch, [True], index)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_unchecked_runs_the_engines_backend(backend, monkeypatch):
+    """lookup_unchecked answers on the engine's own backend (it once ran the
+    torch scanner for backend="reference")."""
+    layout = _dsv4()
+    engine = make_engine(layout, backend)
+    hashes = chained_hashes(30, 200)
+    exists = saved_keys(layout, hashes, 800)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    index = _index(exists)
+    calls = []
+    real = engine.impl.lookup
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(engine.impl, "lookup", spy)
+    got = engine.lookup_unchecked(batch, torch.tensor([800]), index).tolist()
+    assert calls and got == [ReferenceCoordinator(layout).lookup(800, hashes, exists)]
+
+
+def test_auto_picks_numba_on_the_cpu():
+    engine = LookupEngine(_dsv4())
+    assert engine.backend == "numba" and engine.impl.name == "numba"
+    assert LookupEngine(_dsv4(), backend="auto", device="cpu:0").backend == "numba"
 
 
 def test_devices_compare_as_tensors_report_them():
     """An engine made with "cpu:0" (or "cuda") serves tensors made on that
     device, which report "cpu" (or "cuda:0")."""
     layout = CacheLayout([Group(FullAttention(16))], 16, 16)
-    engine = LookupEngine(layout, backend="torch", device="cpu:0")
+    engine = LookupEngine(layout, device="cpu:0")
     hashes = chained_hashes(5, 2)
     index = KeyIndex(8, capacity=16, device="cpu:0")
     index.add(0, hashes)

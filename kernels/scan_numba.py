@@ -1,0 +1,765 @@
+"""The LookupEngine's CPU kernel: every request's longest cache hit, compiled by numba.
+
+The numba twin of :mod:`kvhit.kernels.scan` (the Triton kernel): one program
+per request runs the whole scalar rule of vLLM 0.33.0's
+``MooncakeStoreCoordinator.find_longest_cache_hit`` for that request (the
+per-kind scans, the multi-SpecGroup convergence loop with ``eagle_verified``,
+the EAGLE proof margin that Mamba never gets, the simple-hybrid early exit and
+the final full-attention truncation), probing the KeyIndex table from inside
+the program; :func:`lookup_hits` runs the store worker's whole ``lookup`` rule
+(both searches) the same way. One compiled call answers a batch.
+
+Design (why it looks like this):
+
+* **Scalar control flow, one position at a time.** On a CPU a probe is a few
+  dependent loads; probing past a stop costs as much as the probe that
+  stopped, so unlike the Triton kernel (which probes ``BLOCK`` lanes at once)
+  each scan probes exactly the positions the scalar reference visits, in its
+  order, and stops where it stops.
+* **The same inputs as the Triton kernel**: the SpecGroup rows of
+  ``ScanPlan.as_rows()`` and the per-group candidate rows (columns named in
+  :mod:`kvhit.kernels.contract`, never spelled as numbers), the packed hash
+  rows and the KeyIndex table, all read zero-copy from numpy views of the
+  torch tensors. The plan is runtime data, so one compiled specialisation
+  serves every layout (the cold compile happens once per machine: ``cache``).
+* **Requests over threads only when it pays.** Every entry point comes as a
+  serial and a ``prange`` loop over the same per-request function; the
+  launcher picks by batch size (:data:`PARALLEL_MIN_REQUESTS`), and callers can
+  force either. ``nogil`` lets a scheduler thread and an event follower run
+  while a batch is answered.
+* **One compiled signature.** Find and the worker's lookup are one
+  per-request function with a mode flag, the call's flags travel as one int64
+  vector, and every primitive has one call site: the cold compile is seconds,
+  not minutes, and a warm process loads one cached entry point per loop.
+* **Per-request state** (each SpecGroup's hit, load-mask triple,
+  ``eagle_verified`` bit and last scan) lives in a scratch row per request
+  allocated once per batch, so no program allocates. The convergence loop's
+  confirming rounds rescan a sliding window or Mamba SpecGroup only when its
+  last answer may change under the smaller bound (the rule TorchScanner's
+  rescan cache follows); on dsv4-flash that is 34 instead of 47 table probes
+  per lookup.
+* **Probes dominate.** A probe is two dependent cache misses on a large table
+  (the hash row, then its slot); the position test of the worker's candidate
+  restriction is one division (limits precomputed per request), and the
+  equal-hash-value test only runs for a present key at a position the worker
+  does not ask about.
+
+Probes past a request's hashes are misses (the reference raises there). Each
+rule that re-spells a rule of ``coordinator/reference.py`` names the reference
+function it mirrors.
+
+Importing this module imports numba (the numba backend imports it lazily).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numba
+import numpy as np
+
+from kvhit.kernels.contract import (
+    CAND_BLOCK_SIZE,
+    CAND_CACHEABLE,
+    CAND_NEED,
+    CAND_PER_SEGMENT,
+    CAND_SCALE,
+    CAND_SHIFT,
+    CAND_SPARSE,
+    CAND_WIDTH,
+    KIND_CHUNKED,
+    KIND_FULL,
+    KIND_MAMBA,
+    KIND_SWA,
+    SG_BLOCK_SIZE,
+    SG_CHUNK,
+    SG_COLS,
+    SG_FINE,
+    SG_KIND,
+    SG_MARGIN,
+    SG_MEMBERS,
+    SG_N_MEMBERS,
+    SG_NEED,
+    SG_Q,
+    SG_SCALE,
+    SG_USE_EAGLE,
+)
+from kvhit.kernels.probe_numba import table_find
+
+__all__ = ["PARALLEL_MIN_REQUESTS", "find_hits", "lookup_hits"]
+
+# From this many requests on, the launcher threads over requests (``prange``;
+# ``KVHIT_NUMBA_PARALLEL_MIN`` overrides it). Measured on the 2-core CI machine
+# (dsv4-flash lookups): when the machine is quiet two threads win from 64
+# requests on (B = 64: 0.066 vs 0.100 ms, B = 1024: 0.80 vs 1.40 ms), but when
+# other processes keep the cores busy each threaded call stalls 8-16 ms waiting
+# for a descheduled worker, while the serial loop stays at 1.4 ms for 1024
+# requests. Below 1024 requests the gain is at most tens of microseconds, so
+# only large batches take that risk.
+PARALLEL_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PARALLEL_MIN", "1024"))
+
+# Scratch columns per SpecGroup of one request.
+_ST_HIT = 0
+_ST_LEN = 1
+_ST_LO = 2
+_ST_VERIFIED = 3
+# The last scan's EAGLE drop, bound, and the least bound its answer holds for.
+_ST_DROP = 4
+_ST_BOUND = 5
+_ST_KEEP = 6
+_ST_COLS = 7
+# A bound no scan answer is known to hold down to.
+_NEVER = 1 << 62
+
+_JIT = {"cache": True, "nogil": True}
+
+
+@numba.njit(**_JIT)
+def _cdiv(a, b):
+    return -((-a) // b)
+
+
+# -- presence -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _candidate_limits(n_units, tok_len, cand, partial, hbs, glim):
+    """Per group, how many chunks (hash units, with partial hash hits) the
+    store worker's loop walks for a lookup of ``tok_len`` tokens, into
+    ``glim`` (int64 ``[G]``); computed once per request so that a probe's
+    position test costs one division. Mirrors the loop bounds of
+    ``ReferenceCoordinator.lookup_candidates``."""
+    for gid in range(cand.shape[0]):
+        if partial:
+            glim[gid] = min(n_units, tok_len // hbs)
+            continue
+        bs = cand[gid, CAND_BLOCK_SIZE]
+        lim = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        if cand[gid, CAND_SPARSE] != 0:
+            # The SWA lookup mask has tok_len // bs entries.
+            lim = min(lim, tok_len // bs)
+        glim[gid] = lim
+
+
+@numba.njit(**_JIT)
+def _is_candidate(u, glim, cand, gid, partial):
+    """Does the store worker ask about hash unit ``u`` for group ``gid``
+    (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
+    ``ReferenceCoordinator.lookup_candidates``."""
+    if cand[gid, CAND_CACHEABLE] == 0:
+        return False
+    if partial:
+        return u < glim[gid]
+    s = cand[gid, CAND_SCALE]
+    u1 = u + 1
+    if s == 1:
+        c = u
+    else:
+        c = u1 // s - 1
+        if (c + 1) * s != u1:
+            return False
+    if c >= glim[gid]:
+        return False
+    if cand[gid, CAND_SPARSE] != 0:
+        # The SWA lookup mask (reference ``_swa_reachable_mask`` without
+        # retention): the last `need` chunks of each scheduler segment.
+        shift = cand[gid, CAND_SHIFT]
+        per = cand[gid, CAND_PER_SEGMENT]
+        if c < shift or (c - shift) % per < per - cand[gid, CAND_NEED]:
+            return False
+    return True
+
+
+@numba.njit(**_JIT)
+def _same_hash(rows, a, b):
+    for j in range(rows.shape[1]):
+        if rows[a, j] != rows[b, j]:
+            return False
+    return True
+
+
+@numba.njit(**_JIT)
+def _dup_candidate(u, off, glim, rows, cand, gid, partial):
+    """Whether the hash at unit ``u`` (not a candidate position) also stands at
+    a candidate position of the request: the worker's present set holds hash
+    values, not positions (``ReferenceCoordinator.lookup``'s ``present``).
+    Enumerates the candidate positions directly, as the Triton kernel does."""
+    if cand[gid, CAND_CACHEABLE] == 0:
+        return False
+    me = off + u
+    lim = glim[gid]
+    if partial:
+        for v in range(lim):
+            if _same_hash(rows, off + v, me):
+                return True
+        return False
+    s = cand[gid, CAND_SCALE]
+    if cand[gid, CAND_SPARSE] == 0:
+        for c in range(lim):
+            if _same_hash(rows, off + (c + 1) * s - 1, me):
+                return True
+        return False
+    shift = cand[gid, CAND_SHIFT]
+    per = cand[gid, CAND_PER_SEGMENT]
+    need = cand[gid, CAND_NEED]
+    if need <= 0:
+        return False
+    # Kept chunks: c = shift + m * per + (per - need) + t, 0 <= t < need.
+    base = shift + per - need
+    while base < lim:
+        for t in range(need):
+            c = base + t
+            if c >= lim:
+                break
+            if _same_hash(rows, off + (c + 1) * s - 1, me):
+                return True
+        base += per
+    return False
+
+
+@numba.njit(**_JIT)
+def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
+           partial, hbs):  # fmt: skip
+    """Is hash unit ``u`` of the request present for every member group of
+    SpecGroup ``sgi``? A merged SpecGroup hits only when every member holds
+    the hash (reference ``_Pool.hit``). Units past the hashes are misses."""
+    if u < 0 or u >= n_units:
+        return False
+    row = off + u
+    for k in range(sg[sgi, SG_N_MEMBERS]):
+        gid = sg[sgi, SG_MEMBERS + k]
+        # Cheapest test first: the position rule, then the table, then (only
+        # for a present key at a position the worker does not ask) the value.
+        odd = has_tl and not _is_candidate(u, glim, cand, gid, partial)
+        if has_index and table_find(table, gid, rows, row) < 0:
+            return False
+        if odd and not _dup_candidate(u, off, glim, rows, cand, gid, partial):
+            return False
+    return True
+
+
+# -- scan primitives -------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
+                 table, has_index, cand, partial, hbs):  # fmt: skip
+    """How many consecutive blocks from ``start`` (below ``end``) hit; block
+    ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
+    count = 0
+    for i in range(start, end):
+        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
+                      rows, table, has_index, cand, partial, hbs):  # fmt: skip
+            break
+        count += 1
+    return count
+
+
+@numba.njit(**_JIT)
+def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
+               has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
+    """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
+    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
+    block ``m`` rules out every candidate whose window holds ``m``."""
+    low = max(low, need - 1)
+    j = top - (top - resid) % q
+    while j >= low:
+        miss = -1
+        for d in range(need):
+            b = j - d
+            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, glim,
+                          has_tl, rows, table, has_index, cand, partial,
+                          hbs):  # fmt: skip
+                miss = b
+                break
+        if miss < 0:
+            return j
+        j = (miss - 1) - (miss - 1 - resid) % q
+    return -1
+
+
+# -- one SpecGroup -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
+             has_index, cand, partial, hbs, align):  # fmt: skip
+    """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
+    drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
+    load mask as ``length`` entries, True on ``[lo, length)``, and the least
+    bound down to which a scan with the same drop gives the same answer
+    (``_NEVER``: unknown).
+
+    As in the Triton kernel, every kind is at most three phases: (0) a leading
+    run (full attention; chunked local after its null blocks), (1) a
+    rightmost search (full attention's fine-grained tail, the sliding-window
+    run, the Mamba state), (2) a leading run again (the sliding window's
+    short-run fallback). One call site per primitive keeps the compiled code
+    (and the cold compile) small.
+    """
+    kind = sg[sgi, SG_KIND]
+    bs = sg[sgi, SG_BLOCK_SIZE]
+    scale = sg[sgi, SG_SCALE]
+    q = sg[sgi, SG_Q]
+    fine = sg[sgi, SG_FINE] != 0
+    m = bound // bs
+    # Fine-grained (align < bs): a block is bs // align hash units.
+    fscale = bs // align if fine else scale
+    chunk = max(sg[sgi, SG_CHUNK], 1)
+    start_tok = bound // chunk * chunk if bound > 0 else 0
+    sb = start_tok // bs
+    need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
+    swa_resid = 0 if drop else q - 1
+    n = 0  # phase 0's run
+    j = -1  # phase 1's block / hash unit
+    p = 0  # phase 2's run
+    for phase in range(3):
+        if phase == 1:
+            if kind == KIND_FULL:
+                if not fine:
+                    continue
+                # Reference ``_full_hit``: the highest hit hash unit inside
+                # the first block past the run.
+                first = n * fscale
+                top = min(first + fscale - 1, bound // align, n_units) - 1
+                low, bq, resid, bneed, bscale = first, 1, 0, 1, 1
+            elif kind == KIND_SWA:
+                # Reference ``_swa_hit``: the rightmost run of `need` hit
+                # blocks whose top leaves an aligned hit after the EAGLE pop.
+                top, low, bq, resid, bneed, bscale = m - 1, 0, q, swa_resid, need, scale
+            elif kind == KIND_MAMBA:
+                # Reference ``_mamba_hit``: the rightmost stored state (fine:
+                # hash unit) on an aligned boundary.
+                if fine:
+                    top = min(bound // align, n_units) - 1
+                    low, bq, resid, bneed, bscale = 0, 1, 0, 1, 1
+                else:
+                    top, low, bq, resid, bneed, bscale = m - 1, 0, q, q - 1, 1, scale
+            else:
+                continue
+            j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
+                           n_units, glim, has_tl, rows, table, has_index,
+                           cand, partial, hbs)  # fmt: skip
+            continue
+        if phase == 0:
+            if kind == KIND_FULL:
+                # Reference ``_full_hit``: the leading run of hit blocks.
+                start, end, lscale = 0, min(m, n_units // fscale), fscale
+            elif kind == KIND_CHUNKED:
+                # Reference ``_chunked_local_hit``: null blocks up to the last
+                # attention chunk, then the leading run.
+                start, end, lscale = sb, max(m, sb), scale
+            else:
+                continue
+        else:
+            if kind != KIND_SWA or j >= 0:
+                continue
+            # No run of `need` blocks: the run from block 0 (shorter than
+            # the window) still hits.
+            start, end, lscale = 0, min(m, need - 1), scale
+        run = _leading_run(start, end, lscale, sg, sgi, off, n_units, glim,
+                           has_tl, rows, table, has_index, cand, partial,
+                           hbs)  # fmt: skip
+        if phase == 0:
+            n = run
+        else:
+            p = run
+
+    if kind == KIND_FULL:
+        blocks = n
+        hit = n * bs
+        if j >= 0:
+            blocks += 1
+            hit = (j + 1) * align
+        if drop and hit > 0:
+            hit -= min(align, bs)
+        hit -= hit % align
+        return hit, min(blocks, _cdiv(hit, bs)), 0, _NEVER
+    if kind == KIND_SWA:
+        if j >= 0:
+            # The largest run under a bound stays the largest under any
+            # smaller bound that keeps it.
+            length = j if drop else j + 1
+            return length * bs, length, j - need + 1, (j + 1) * bs
+        # Re-aligned, then EAGLE-popped and re-aligned.
+        j0 = (p - 1) - (p - 1 - swa_resid) % q
+        run = j0 + 1 if j0 >= 0 else 0
+        run -= run % q
+        if drop and run > 0:
+            run -= 1
+            run -= run % q
+        return run * bs, run, 0, _NEVER
+    if kind == KIND_MAMBA:
+        # Never an EAGLE drop. The rightmost stored state below a bound stays
+        # the rightmost under any smaller bound that keeps it.
+        if j < 0:
+            return 0, 0, 0, 0
+        if fine:
+            length = j // fscale + 1
+            hit = (j + 1) * align
+        else:
+            length = j + 1
+            hit = (j + 1) * bs
+        return hit, length, length - 1, hit
+    length = sb + n
+    return length * bs, length, sb, _NEVER
+
+
+# -- one request -------------------------------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
+              has_index, sg, cand, hbs, align, partial, simple_hybrid,
+              st):  # fmt: skip
+    """One request's hit; each SpecGroup's result in ``st`` (int64
+    ``[S, _ST_COLS]``). Mirrors ``ReferenceCoordinator._find`` (a lone
+    SpecGroup: one scan of ``max_length``, no proof margin)."""
+    n_sg = sg.shape[0]
+    multi = n_sg > 1
+    for idx in range(n_sg):
+        st[idx, _ST_VERIFIED] = 0
+        st[idx, _ST_KEEP] = _NEVER
+    hit_length = max_len
+    full_done = False
+    while True:
+        curr = hit_length
+        for idx in range(n_sg):
+            kind = sg[idx, SG_KIND]
+            if kind == KIND_FULL and full_done:
+                # Full attention is scanned once; later rounds only clip it.
+                curr = min(curr, st[idx, _ST_HIT])
+                continue
+            drop = (
+                apply_eagle
+                and sg[idx, SG_USE_EAGLE] != 0
+                and st[idx, _ST_VERIFIED] == 0
+            )
+            bound = curr
+            # EAGLE may peek one proof margin past the hit and drop back;
+            # never a Mamba group, whose state there would be unverified.
+            if multi and drop and kind != KIND_MAMBA:
+                bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
+            # Bounds only shrink as the loop goes on, so a confirming round
+            # rescans only what can change (as TorchScanner's rescan cache).
+            reuse = False
+            if full_done and (kind == KIND_SWA or kind == KIND_MAMBA):
+                keep = st[idx, _ST_KEEP]
+                was_drop = st[idx, _ST_DROP] != 0
+                below = bound <= st[idx, _ST_BOUND]
+                reuse = below and drop == was_drop and bound >= keep
+                # An EAGLE run ending at block j (hit j * bs), once verified:
+                # the plain scan under a bound in [j * bs, (j + 1) * bs) finds
+                # the run ending at j - 1 inside it, with the same hit and
+                # (need >= 1) the same mask.
+                bs = sg[idx, SG_BLOCK_SIZE]
+                if (
+                    not reuse
+                    and below
+                    and kind == KIND_SWA
+                    and sg[idx, SG_NEED] >= 1
+                    and not drop
+                    and was_drop
+                    and keep != _NEVER
+                    and keep - bs <= bound < keep
+                ):
+                    reuse = True
+            if reuse:
+                hit = st[idx, _ST_HIT]
+            else:
+                hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
+                                                 n_units, glim, has_tl, rows,
+                                                 table, has_index, cand, partial,
+                                                 hbs, align)  # fmt: skip
+                st[idx, _ST_HIT] = hit
+                st[idx, _ST_LEN] = length
+                st[idx, _ST_LO] = lo
+                st[idx, _ST_KEEP] = keep
+                st[idx, _ST_DROP] = 1 if drop else 0
+                st[idx, _ST_BOUND] = bound
+            if drop:
+                st[idx, _ST_VERIFIED] = 1
+            elif hit < curr:
+                for k in range(n_sg):
+                    st[k, _ST_VERIFIED] = 0
+            curr = hit
+        full_done = True
+        if not multi:
+            # A lone SpecGroup's scan is the answer.
+            return curr
+        if curr >= hit_length:
+            break
+        hit_length = curr
+        if simple_hybrid:
+            break
+    for idx in range(n_sg):
+        if sg[idx, SG_KIND] == KIND_FULL:
+            # Full attention keeps only the blocks of the common hit.
+            st[idx, _ST_LEN] = min(
+                st[idx, _ST_LEN], _cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
+            )
+    return hit_length
+
+
+@numba.njit(**_JIT)
+def _any_candidate(n_units, tok_len, cand, partial, hbs):
+    """Whether the store worker asks about any key at all (its
+    ``lookup_candidates`` is not empty)."""
+    for gid in range(cand.shape[0]):
+        if cand[gid, CAND_CACHEABLE] == 0:
+            continue
+        if partial:
+            if min(n_units, tok_len // hbs) > 0:
+                return True
+            continue
+        bs = cand[gid, CAND_BLOCK_SIZE]
+        asked = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        if cand[gid, CAND_SPARSE] == 0:
+            if asked > 0:
+                return True
+            continue
+        asked = min(asked, tok_len // bs)
+        need = cand[gid, CAND_NEED]
+        # The lowest chunk a sparse lookup mask keeps.
+        if need > 0 and asked > (
+            cand[gid, CAND_SHIFT] + cand[gid, CAND_PER_SEGMENT] - need
+        ):
+            return True
+    return False
+
+
+# Flags and sizes of one call (an int64 vector, so that every call has one
+# signature and the dispatcher types few arguments).
+_P_HAS_TL = 0
+_P_HAS_INDEX = 1
+_P_APPLY_EAGLE = 2
+_P_LOOKUP = 3
+_P_HBS = 4
+_P_ALIGN = 5
+_P_PARTIAL = 6
+_P_SIMPLE_HYBRID = 7
+_P_COLS = 8
+
+
+@numba.njit(**_JIT)
+def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
+             hit, tri, scratch, gscr):  # fmt: skip
+    """Request ``r``: its hit at ``max_length = lens_in[r]`` (and its load-mask
+    triples in ``tri``), or, in lookup mode, the store worker's ``lookup`` of a
+    ``lens_in[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
+    only the keys it asks about at the aligned prompt length count; a hit
+    covering the whole prompt is re-derived at ``num_tokens - 1`` with the
+    candidate restriction still at that length."""
+    lookup = prm[_P_LOOKUP] != 0
+    hbs = prm[_P_HBS]
+    align = prm[_P_ALIGN]
+    partial = prm[_P_PARTIAL] != 0
+    simple_hybrid = prm[_P_SIMPLE_HYBRID] != 0
+    off = offsets[r]
+    n_units = lengths[r]
+    st = scratch[r]
+    max_len = lens_in[r]
+    if lookup:
+        n_tok = max_len
+        tok_len = n_tok // align * align
+        has_tl = True
+        has_index = True
+        apply_eagle = True
+        hit[r] = 0
+        if n_units <= 0 or tok_len <= 0:
+            return
+        if not _any_candidate(n_units, tok_len, cand, partial, hbs):
+            return
+        max_len = tok_len
+    else:
+        n_tok = 0
+        has_tl = prm[_P_HAS_TL] != 0
+        tok_len = tok_lens[r] if has_tl else 0
+        has_index = prm[_P_HAS_INDEX] != 0
+        apply_eagle = prm[_P_APPLY_EAGLE] != 0
+    glim = gscr[r]
+    if has_tl:
+        _candidate_limits(n_units, tok_len, cand, partial, hbs, glim)
+    h = 0
+    for _ in range(2):
+        h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
+                      table, has_index, sg, cand, hbs, align, partial,
+                      simple_hybrid, st)  # fmt: skip
+        if not lookup or h < n_tok:
+            break
+        max_len = (n_tok - 1) // align * align
+        if max_len <= 0:
+            h = 0
+            break
+    hit[r] = h
+    if lookup:
+        return
+    for idx in range(sg.shape[0]):
+        length = st[idx, _ST_LEN]
+        for k in range(sg[idx, SG_N_MEMBERS]):
+            gid = sg[idx, SG_MEMBERS + k]
+            tri[r, gid, 0] = length
+            tri[r, gid, 1] = st[idx, _ST_LO]
+            tri[r, gid, 2] = length
+
+
+# -- batch loops: serial and threaded twins ---------------------------------------------
+
+
+@numba.njit(**_JIT)
+def _batch_serial(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
+                  hit, tri, scratch, gscr):  # fmt: skip
+    for r in range(offsets.shape[0]):
+        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                 prm, hit, tri, scratch, gscr)  # fmt: skip
+
+
+@numba.njit(parallel=True, **_JIT)
+def _batch_parallel(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                    prm, hit, tri, scratch, gscr):  # fmt: skip
+    for r in numba.prange(offsets.shape[0]):
+        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
+                 prm, hit, tri, scratch, gscr)  # fmt: skip
+
+
+# -- launchers -----------------------------------------------------------------------
+
+
+_THREADS_AVAILABLE = numba.config.NUMBA_NUM_THREADS > 1
+
+
+def _threaded(n_req: int, parallel: bool | None) -> bool:
+    if parallel is None:
+        return n_req >= PARALLEL_MIN_REQUESTS and _THREADS_AVAILABLE
+    return bool(parallel)
+
+
+def _c64(a: np.ndarray) -> np.ndarray:
+    # One compiled specialisation: C-contiguous int64 everywhere.
+    if a.dtype == np.int64 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
+    if sg_rows.ndim != 2 or sg_rows.shape[0] < 1 or sg_rows.shape[1] <= len(SG_COLS):
+        raise ValueError(
+            f"sg_rows must have shape [S >= 1, > {len(SG_COLS)}], got "
+            f"{list(sg_rows.shape)}"
+        )
+    if cand_rows.ndim != 2 or cand_rows.shape[1] != CAND_WIDTH:
+        raise ValueError(
+            f"cand_rows must have shape [G, {CAND_WIDTH}], got {list(cand_rows.shape)}"
+        )
+
+
+def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
+         prm, tri, parallel):  # fmt: skip
+    n_req = offsets.shape[0]
+    hit = np.zeros(n_req, dtype=np.int64)
+    if n_req == 0:
+        return hit
+    scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
+    gscr = np.empty((n_req, cand_rows.shape[0]), dtype=np.int64)
+    fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
+    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(lens_in), tok_lens, table,
+       sg_rows, cand_rows, prm, hit, tri, scratch, gscr)  # fmt: skip
+    return hit
+
+
+@functools.lru_cache(maxsize=256)
+def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple):
+    # Cached: a steady stream of calls reuses one (read-only) vector.
+    prm = np.zeros(_P_COLS, dtype=np.int64)
+    prm[_P_HAS_TL] = has_tl
+    prm[_P_HAS_INDEX] = has_index
+    prm[_P_APPLY_EAGLE] = apply_eagle
+    prm[_P_LOOKUP] = lookup
+    prm[_P_HBS] = hbs
+    prm[_P_ALIGN] = align
+    prm[_P_PARTIAL] = partial
+    prm[_P_SIMPLE_HYBRID] = simple
+    return prm
+
+
+def find_hits(
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    max_lengths: np.ndarray,
+    sg_rows: np.ndarray,
+    cand_rows: np.ndarray,
+    *,
+    table: np.ndarray | None,
+    token_lens: np.ndarray | None,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    apply_eagle: bool,
+    parallel: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Longest cache hit and load-mask triples of every request, one call.
+
+    Args:
+        rows: int64 ``[T, W]``, every request's hash words.
+        offsets: int64 ``[R]``, first row of each request.
+        lengths: int64 ``[R]``, hash units of each request.
+        max_lengths: int64 ``[R]`` (>= 0).
+        sg_rows: int64 ``[S, SG_MEMBERS + M]`` (``ScanPlan.as_rows()``).
+        cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
+        table: the KeyIndex table, int64 ``[C, W + 1]`` (``C`` a power of two),
+            or None: every key present.
+        token_lens: None, or int64 ``[R]``: only keys the store worker asks
+            about at that lookup length count as present.
+        hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
+        apply_eagle: apply the EAGLE last-block drop.
+        parallel: threads over requests (True), a serial loop (False), or by
+            batch size (None: from :data:`PARALLEL_MIN_REQUESTS` requests).
+
+    Returns:
+        ``(hit int64 [R], tri int64 [R, G, 3])``: per group the load mask as
+        ``(length, lo, hi)`` (zeros for groups outside every SpecGroup).
+    """
+    sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
+    _check_rows(sg_rows, cand_rows)
+    n_req = offsets.shape[0]
+    tri = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
+    has_index = table is not None
+    tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
+    has_tl = token_lens is not None
+    tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
+    prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
+                  int(alignment), bool(partial), bool(simple_hybrid))  # fmt: skip
+    hit = _run(rows, offsets, lengths, max_lengths, tl, tab, sg_rows, cand_rows,
+               prm, tri, parallel)  # fmt: skip
+    return hit, tri
+
+
+def lookup_hits(
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    num_tokens: np.ndarray,
+    sg_rows: np.ndarray,
+    cand_rows: np.ndarray,
+    *,
+    table: np.ndarray,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    parallel: bool | None = None,
+) -> np.ndarray:
+    """The store worker's ``lookup`` for every request, one call: int64
+    ``[R]`` tokens to load for prompts of ``num_tokens`` (int64 ``[R]``, >= 0)
+    tokens. Arguments as :func:`find_hits` (``table`` is required)."""
+    sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
+    _check_rows(sg_rows, cand_rows)
+    prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
+                  bool(partial), bool(simple_hybrid))  # fmt: skip
+    # No triples in lookup mode: an empty array keeps the one signature.
+    tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
+    return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
+                _c64(table), sg_rows, cand_rows, prm, tri, parallel)  # fmt: skip

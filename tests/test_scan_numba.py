@@ -1,0 +1,189 @@
+"""The numba kernels (kernels/scan_numba.py) and backend against the reference.
+
+Compiled code is what runs here (never ``NUMBA_DISABLE_JIT``). Every test
+forces threads over requests off and on (``parallel=False`` / ``True``), and the
+large-batch tests also let the launcher choose. The engine-level parity matrix
+(find, lookup, load masks, seed regressions) runs the numba backend in
+``test_engine.py``; here the kernel and backend are checked directly,
+load-mask triples included.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import case, chained_hashes, saved_keys
+
+from kvhit import HashBatch, KeyIndex, LookupEngine, ReferenceCoordinator
+from kvhit.bench.workloads import TrafficConfig, generate, make_layout
+from kvhit.coordinator.numba_backend import NumbaBackend
+from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.reference_backend import ReferenceBackend, mask_triple
+from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
+
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
+THREADS = [False, True]
+
+
+def _index(keys, width: int = 8) -> KeyIndex:
+    index = KeyIndex(width, capacity=16)
+    keys = list(keys)
+    if keys:
+        index.add([g for g, _ in keys], [h for _, h in keys])
+    return index
+
+
+def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
+    """Triples ``[R, G, 3]`` as the masks they describe."""
+    return [
+        [[lo <= c < hi for c in range(length)] for length, lo, hi in req]
+        for req in tri.tolist()
+    ]
+
+
+@pytest.mark.parametrize("parallel", THREADS)
+@settings(max_examples=EXAMPLES)
+@given(
+    data=case(max_requests=6),
+    apply_eagle=st.booleans(),
+    restrict=st.booleans(),
+    with_index=st.booleans(),
+)
+def test_find_triples_match_the_reference_backend(
+    parallel, data, apply_eagle, restrict, with_index
+):
+    """Hits and load-mask triples, with and without an index and the store
+    worker's candidate restriction (token_lens), equal the reference's."""
+    layout, requests, exists, lens = data
+    plan = ScanPlan.from_layout(layout)
+    cpu = torch.device("cpu")
+    numba_b = NumbaBackend(plan, cpu)
+    numba_b.parallel = parallel
+    ref_b = ReferenceBackend(plan, cpu)
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    index = _index(exists) if with_index else None
+    token_lens = None
+    if restrict:
+        token_lens = torch.tensor([layout.align(n) for n in lens], dtype=torch.int64)
+    view = batch.view(token_lens)
+    max_lengths = torch.tensor(lens, dtype=torch.int64)
+    if token_lens is not None:
+        # The worker searches at most its own lookup length.
+        max_lengths = token_lens.clone()
+    try:
+        want_hit, want_tri = ref_b.find(view, max_lengths, index, apply_eagle)
+    except ValueError:
+        return  # the reference refuses (a scan past the hashes)
+    hit, tri = numba_b.find(view, max_lengths, index, apply_eagle)
+    assert hit.dtype == tri.dtype == torch.int64
+    assert hit.tolist() == want_hit.tolist()
+    assert _masks(tri) == _masks(want_tri)
+
+
+@pytest.mark.parametrize("parallel", THREADS)
+@settings(max_examples=EXAMPLES)
+@given(data=case(max_requests=6))
+def test_lookup_matches_the_reference(parallel, data):
+    layout, requests, exists, lens = data
+    backend = NumbaBackend(ScanPlan.from_layout(layout), torch.device("cpu"))
+    backend.parallel = parallel
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    got = backend.lookup(
+        batch.view(), torch.tensor(lens, dtype=torch.int64), _index(exists)
+    )
+    ref = ReferenceCoordinator(layout)
+    want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("parallel", [False, True, None])
+@pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama"])
+def test_workload_batches_match_the_reference(preset, parallel):
+    """A serving-like batch (shared prefixes, multi-turn growth, evictions) of
+    more requests than the threading threshold, and a permutation of it."""
+    # More requests than the launcher's threading threshold when it chooses.
+    wl = generate(
+        preset,
+        TrafficConfig(
+            num_requests=PARALLEL_MIN_REQUESTS + 8 if parallel is None else 96,
+            max_tokens=3000 if parallel is not None else 1500,
+            hash_bytes=16,
+            seed=3,
+        ),
+    )
+    engine = LookupEngine(wl.layout, backend="numba")
+    engine.impl.parallel = parallel
+    index = wl.key_index()
+    got = engine.lookup(wl.hash_batch(), list(wl.num_tokens), index).tolist()
+    assert got == wl.reference_lookup()
+    assert any(got)
+    perm = np.random.default_rng(0).permutation(len(wl)).tolist()
+    batch_p = HashBatch.from_bytes([wl.hash_lists[i] for i in perm], 16, "cpu")
+    got_p = engine.lookup(batch_p, [wl.num_tokens[i] for i in perm], index).tolist()
+    assert got_p == [got[i] for i in perm]
+
+
+@pytest.mark.parametrize("parallel", THREADS)
+def test_table_is_read_again_after_a_rehash(parallel):
+    """The backend reads ``index.table`` on every call: a table that grew
+    (a new tensor) answers the next lookup."""
+    layout = make_layout("dsv4-flash")
+    engine = LookupEngine(layout, backend="numba")
+    engine.impl.parallel = parallel
+    hashes = chained_hashes(40, 400)
+    batch = HashBatch.from_bytes([hashes], 8, "cpu")
+    index = _index(set())
+    assert engine.lookup(batch, [1600], index).tolist() == [0]
+    keys = saved_keys(layout, hashes, 1600)
+    before = index.table
+    index.add([g for g, _ in keys], [h for _, h in keys])
+    assert index.table is not before
+    want = ReferenceCoordinator(layout).lookup(1600, hashes, keys)
+    assert want > 0
+    assert engine.lookup(batch, [1600], index).tolist() == [want]
+
+
+def test_mask_triple():
+    assert mask_triple([]) == (0, 0, 0)
+    assert mask_triple([False, False]) == (2, 0, 0)
+    assert mask_triple([False, True, True, False]) == (4, 1, 3)
+    assert mask_triple([True] * 3) == (3, 0, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        mask_triple([True, False, True])
+
+
+def test_numba_backend_refuses_other_devices():
+    plan = ScanPlan.from_layout(make_layout("llama"))
+    with pytest.raises(ValueError, match="device"):
+        NumbaBackend(plan, torch.device("meta"))
+
+
+def test_numba_is_imported_only_by_its_first_use():
+    """``import kvhit``, building the layout and importing the numba backend's
+    module never import numba; the first numba call does."""
+    script = (
+        "import sys\n"
+        "import kvhit\n"
+        "from kvhit.bench.workloads import make_layout\n"
+        "import kvhit.coordinator.numba_backend\n"
+        "import kvhit.coordinator.engine\n"
+        "e = kvhit.LookupEngine(make_layout('llama'), backend='torch')\n"
+        "assert 'numba' not in sys.modules, 'numba imported early'\n"
+        "assert 'triton' not in sys.modules, 'triton imported early'\n"
+        "e = kvhit.LookupEngine(make_layout('llama'))\n"
+        "assert e.backend == 'numba' and 'numba' not in sys.modules\n"
+        "b = kvhit.HashBatch.from_bytes([[b'x' * 8]], 8)\n"
+        "e.lookup(b, [16], kvhit.KeyIndex(8, capacity=16))\n"
+        "assert 'numba' in sys.modules\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
