@@ -431,7 +431,6 @@ ENGINE = [
         lambda _: LookupEngine(_layout(), device="meta"),
         ValueError,
         "device",
-        owner="engine",
     ),
     Case(
         "LookupEngine-cpu_threads",
@@ -445,7 +444,6 @@ ENGINE = [
         ValueError,
         "num_tokens",
         _engine_state,
-        owner="engine",
     ),
     Case(
         "lookup-num_tokens-None",
@@ -495,7 +493,6 @@ ENGINE = [
         TypeError,
         "aligned_lens",
         _engine_state,
-        owner="engine",
     ),
     Case(
         "find_longest_cache_hit-max_lengths-float",
