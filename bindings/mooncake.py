@@ -726,7 +726,8 @@ def tail_key_boundaries(
     whose key is then the first present hash after it, up to the block's end
     (clipped to the request's hashes). "Present" means: in ``index`` *and*
     asked by this request (``candidates``), exactly the worker's
-    ``exists_set``; a key another request of the batch asked is not seen.
+    ``exists_set`` (a (group, hash) value this request asked, at any of its
+    positions); a key only another request of the batch asked is not seen.
 
     Args:
         layout: the cache layout.
@@ -774,17 +775,45 @@ def tail_key_boundaries(
     words = batch.hashes.cpu()
     dev = index.device
 
+    by_value: list[Any] = []
+
+    def asked_by_value(g: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        # vLLM's exists_set holds (group, hash bytes): a hash repeated at a
+        # position the request did not ask counts when it asked the value.
+        from kvhit.coordinator.key_index import KeyIndex
+
+        if not by_value:
+            owner = np.searchsorted(offs, cr, side="right") - 1
+            idx = KeyIndex(batch.hash_bytes, max(16, 2 * cr.size), "cpu")
+            if cr.size:
+                idx.add(
+                    torch.from_numpy(owner * G + cg),
+                    words.index_select(0, torch.from_numpy(cr)),
+                )
+            by_value.append(idx)
+        owner = np.searchsorted(offs, rows, side="right") - 1
+        return (
+            by_value[0]
+            .contains(
+                torch.from_numpy(owner * G + g),
+                words.index_select(0, torch.from_numpy(rows)),
+            )
+            .numpy()
+        )
+
     def present(g: np.ndarray, rows: np.ndarray) -> np.ndarray:
         codes = g * max(total, 1) + rows
-        pos = np.searchsorted(asked_codes, codes)
-        pos = np.minimum(pos, max(asked_codes.size - 1, 0))
-        asked = asked_codes.size > 0
-        asked_mask = (
-            (asked_codes[pos] == codes) if asked else np.zeros(codes.shape, bool)
-        )
+        if asked_codes.size:
+            pos = np.minimum(np.searchsorted(asked_codes, codes), asked_codes.size - 1)
+            asked = asked_codes[pos] == codes
+        else:
+            asked = np.zeros(codes.shape, dtype=bool)
+        if not asked.all():
+            other = np.nonzero(~asked)[0]
+            asked[other] = asked_by_value(g[other], rows[other])
         found = np.zeros(codes.shape, dtype=bool)
-        if asked_mask.any():
-            sel = np.nonzero(asked_mask)[0]
+        if asked.any():
+            sel = np.nonzero(asked)[0]
             tg = torch.from_numpy(g[sel]).to(dev)
             th = words.index_select(0, torch.from_numpy(rows[sel])).to(dev)
             found[sel] = index.contains(tg, th).cpu().numpy()
