@@ -211,10 +211,17 @@ def test_key_strings_match_vllm_format():
 
 
 def test_key_strings_match_real_vllm():
-    data = pytest.importorskip(
-        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data",
-        reason="vLLM is not importable here",
-    )
+    import importlib
+
+    import vllm_oracle as vo
+
+    mods, reason = vo.load_vllm()
+    if mods is None:
+        pytest.skip(reason)
+    with vo.vllm_importable():
+        data = importlib.import_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
+        )
     md = data.KeyMetadata(
         model_name="M", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0, group_id=3,
         cache_prefix="p", store_namespace="@s",
