@@ -339,22 +339,28 @@ def _unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
     sfp = fp[order]
     start = np.ones(n, dtype=bool)
     start[1:] = sfp[1:] != sfp[:-1]
-    head = order[np.maximum.accumulate(np.where(start, np.arange(n), 0))]
-    same = (gids[order] == gids[head]) & (words[order] == words[head]).all(1)
-    if bool(same.all()):
+    # Rows of one fingerprint run are contiguous in sorted order: each equal
+    # to its predecessor means all equal to the run's head (one gather, and
+    # slices for the neighbours, instead of gathering every row's head).
+    sg, sw = gids[order], words[order]
+    same = (sg[1:] == sg[:-1]) & (sw[1:] == sw[:-1]).all(1)
+    if bool((same | start[1:]).all()):
         return order[start]
     rows = np.column_stack([gids, words])
     _, idx = np.unique(rows, axis=0, return_index=True)
     return idx.astype(np.int64)
 
 
-def _hexes(words: np.ndarray, hash_bytes: int) -> list[str]:
-    """Hex strings of packed hashes (int64 ``[N, W]``), via one ``bytes.hex``."""
+def _key_strings(head: str, words: np.ndarray, hash_bytes: int) -> list[str]:
+    """``head + hash.hex()`` for each packed hash (int64 ``[N, W]``): one
+    ``bytes.hex`` with a separator every hash and one ``str.split`` give the
+    hex strings; building the N key objects is what is left (~0.3 us each)."""
     n = words.shape[0]
+    if n == 0:
+        return []
     raw = np.ascontiguousarray(words.astype("<i8", copy=False)).view(np.uint8)
-    blob = np.ascontiguousarray(raw.reshape(n, -1)[:, :hash_bytes]).tobytes().hex()
-    step = 2 * hash_bytes
-    return [blob[i : i + step] for i in range(0, n * step, step)]
+    blob = np.ascontiguousarray(raw.reshape(n, -1)[:, :hash_bytes]).tobytes()
+    return [head + hx for hx in blob.hex("\n", hash_bytes).split("\n")]
 
 
 class StoreSync:
@@ -378,6 +384,12 @@ class StoreSync:
             ``2 * forget_after`` steps' keys at most. The hit rule reads only
             keys the current refresh asked about, so dropping never changes a
             hit. ``None``: never drop (for an index also fed by KV events).
+        exclusive: the index belongs to this StoreSync alone (nothing else
+            reads or feeds it): each refresh rewrites it with exactly the
+            present keys it asked about (``num_added`` / ``num_removed`` then
+            count the keys written and dropped by the rewrite). Faster, and
+            the index never holds more than one step's keys; ``forget_after``
+            is then moot.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -393,6 +405,7 @@ class StoreSync:
         layout: CacheLayout,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         forget_after: int | None = DEFAULT_FORGET_AFTER,
+        exclusive: bool = False,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -443,6 +456,7 @@ class StoreSync:
         self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
         self.timeout_s: float | None = None if timeout_s is None else float(timeout_s)
         self.forget_after: int | None = forget_after
+        self.exclusive = bool(exclusive)
         # The distinct (group, hash words) each recent refresh asked about.
         self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque(
             maxlen=forget_after or 1
@@ -503,19 +517,20 @@ class StoreSync:
         # a pair, namespaces in rank_namespaces order (as vLLM lays them out).
         first = first[np.argsort(g_all[first], kind="stable")]
         u_g, u_h = g_all[first], hashes[first]
-        hexes = _hexes(u_h, self.hash_bytes)
         bounds = np.searchsorted(u_g, np.arange(self.layout.num_groups + 1))
         key_list: list[str] = []
         for g in range(self.layout.num_groups):
             lo, hi = int(bounds[g]), int(bounds[g + 1])
             if lo == hi:
                 continue
-            heads = [f"{p}@" for p in self.keys.prefixes(g)]
-            if len(heads) == 1:
-                head = heads[0]
-                key_list.extend([head + hx for hx in hexes[lo:hi]])
+            per_ns = [
+                _key_strings(f"{p}@", u_h[lo:hi], self.hash_bytes)
+                for p in self.keys.prefixes(g)
+            ]
+            if len(per_ns) == 1:
+                key_list.extend(per_ns[0])
             else:
-                key_list.extend([hd + hx for hx in hexes[lo:hi] for hd in heads])
+                key_list.extend([k for ks in zip(*per_ns, strict=True) for k in ks])
         n_keys = len(key_list)
 
         t_rpc = time.perf_counter()
@@ -537,14 +552,25 @@ class StoreSync:
         tg = torch.from_numpy(u_g).to(dev)
         th = torch.from_numpy(np.ascontiguousarray(u_h)).to(dev)
         keep = torch.from_numpy(present_np).to(dev)
-        # One probe, then touch only what changed: in a steady state most
-        # answers agree with the index already.
-        inside = self.index.contains(tg, th)
-        new, stale = keep & ~inside, ~keep & inside
-        added = self.index.add(tg[new], th[new]) if bool(new.any()) else 0
-        removed = self.index.remove(tg[stale], th[stale]) if bool(stale.any()) else 0
+        if self.exclusive:
+            # The hit rule reads only this step's asked keys: rewriting the
+            # index with the present ones (one add into a cleared table) is
+            # ~4x cheaper than probing every asked key (dsv4-flash, 1024
+            # requests: 43 ms vs 173 ms + the changes), and bounds it.
+            removed = len(self.index)
+            self.index.clear()
+            added = self.index.add(tg[keep], th[keep]) if bool(keep.any()) else 0
+        else:
+            # One probe, then touch only what changed: in a steady state most
+            # answers agree with the index already.
+            inside = self.index.contains(tg, th)
+            new, stale = keep & ~inside, ~keep & inside
+            added = self.index.add(tg[new], th[new]) if bool(new.any()) else 0
+            removed = (
+                self.index.remove(tg[stale], th[stale]) if bool(stale.any()) else 0
+            )
+            self._remember(u_g, u_h)
         self.last_candidates = (gids, rows)
-        self._remember(u_g, u_h)
         return RefreshStats(
             num_requests=len(batch),
             num_candidates=num_candidates,
@@ -771,7 +797,7 @@ def tail_key_boundaries(
         return torch.from_numpy(out)
     total = int(offs[-1])
     cg, cr = (t.cpu().numpy() for t in candidates)
-    asked_codes = np.unique(cg * max(total, 1) + cr)
+    cand_codes = cg * max(total, 1) + cr
     words = batch.hashes.cpu()
     dev = index.device
 
@@ -782,16 +808,21 @@ def tail_key_boundaries(
         # position the request did not ask counts when it asked the value.
         from kvhit.coordinator.key_index import KeyIndex
 
+        owner = np.searchsorted(offs, rows, side="right") - 1
         if not by_value:
-            owner = np.searchsorted(offs, cr, side="right") - 1
-            idx = KeyIndex(batch.hash_bytes, max(16, 2 * cr.size), "cpu")
-            if cr.size:
+            # Only the candidates of requests that need it (rare: a repeated
+            # hash value), keyed (request, group).
+            c_owner = np.searchsorted(offs, cr, side="right") - 1
+            wanted = np.zeros(B, dtype=bool)
+            wanted[owner] = True
+            sel = np.nonzero(wanted[c_owner])[0]
+            idx = KeyIndex(batch.hash_bytes, max(16, 2 * sel.size), "cpu")
+            if sel.size:
                 idx.add(
-                    torch.from_numpy(owner * G + cg),
-                    words.index_select(0, torch.from_numpy(cr)),
+                    torch.from_numpy(c_owner[sel] * G + cg[sel]),
+                    words.index_select(0, torch.from_numpy(cr[sel])),
                 )
             by_value.append(idx)
-        owner = np.searchsorted(offs, rows, side="right") - 1
         return (
             by_value[0]
             .contains(
@@ -802,12 +833,14 @@ def tail_key_boundaries(
         )
 
     def present(g: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        # Which (group, row) probes some candidate names: the few probes are
+        # sorted and the many candidates looked up in them (no sort of K).
         codes = g * max(total, 1) + rows
-        if asked_codes.size:
-            pos = np.minimum(np.searchsorted(asked_codes, codes), asked_codes.size - 1)
-            asked = asked_codes[pos] == codes
-        else:
-            asked = np.zeros(codes.shape, dtype=bool)
+        uq, inv = np.unique(codes, return_inverse=True)
+        pos = np.minimum(np.searchsorted(uq, cand_codes), uq.size - 1)
+        named = np.zeros(uq.size, dtype=bool)
+        named[pos[uq[pos] == cand_codes]] = True
+        asked = named[inv.reshape(-1)]
         if not asked.all():
             other = np.nonzero(~asked)[0]
             asked[other] = asked_by_value(g[other], rows[other])
@@ -865,9 +898,11 @@ class BatchedLookup:
         index: an existing ``KeyIndex`` to keep in step (e.g. one also fed by
             KV-cache events); a new one of ``capacity`` slots otherwise.
         timeout_s: limit of one store call (see :class:`StoreSync`).
-        forget_after: refreshes after which unasked keys are dropped (see
-            :class:`StoreSync`); default: 64 for an index of its own, never for
-            one passed in (it may be fed by KV events as well).
+        forget_after: refreshes after which unasked keys are dropped from an
+            ``index`` passed in (see :class:`StoreSync`; default: never, it
+            may be fed by KV events as well). An index of its own is rewritten
+            each step with that step's present keys (``exclusive``), so it
+            stays bounded anyway.
     """
 
     def __init__(
@@ -890,6 +925,7 @@ class BatchedLookup:
         self.device = torch.device(device)
         if forget_after == "auto":
             forget_after = DEFAULT_FORGET_AFTER if index is None else None
+        own_index = index is None
         if index is None:
             index_backend = backend if backend in ("torch", "triton") else "auto"
             index = KeyIndex(hash_bytes, capacity, self.device, index_backend)
@@ -897,7 +933,13 @@ class BatchedLookup:
         self.hash_bytes: int = index.hash_bytes
         self.engine = LookupEngine(layout, backend=backend, device=self.device)
         self.sync = StoreSync(
-            store, keys, index, layout, timeout_s=timeout_s, forget_after=forget_after
+            store,
+            keys,
+            index,
+            layout,
+            timeout_s=timeout_s,
+            forget_after=forget_after,
+            exclusive=own_index,
         )
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None
