@@ -294,3 +294,122 @@ def test_scheduler_stock_vs_kvhit(harness, case, seed, lookup_async):
     assert max(stock_calls) > 1
     # Finished and aborted requests are no longer tracked.
     assert tracked == set()
+
+
+# -- the server on its own ----------------------------------------------------------
+
+
+def _server_setup(h, store):
+    case = h.LAYOUTS[1]
+    extra = {"lookup_rpc_port": h.next_port()}
+    vc = h.vllm_config("KvhitMooncakeStoreConnector", case, extra,
+                       module_path=h.KVHIT_MODULE)  # fmt: skip
+    kvc = h.kv_cache_config(case, 100)
+    h.resolve_sizes(kvc, vc)
+    return vc, h.fake_worker(vc, kvc, store)
+
+
+def test_server_store_error_gives_misses_and_replies(harness):
+    from kvhit.bindings.vllm_connector import KvhitLookupServer
+
+    h = harness
+    rng = random.Random(5)
+    store = h.CountingStore()
+    vc, worker = _server_setup(h, store)
+    reqs = prompts(rng, 6)
+    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    server = KvhitLookupServer(worker, vc, start=False)
+    batch = [
+        (len(t), list(h.make_request("x", t, worker.hash_block_size, 1).block_hashes))
+        for t in reqs
+    ]
+    good = server.resolve(batch)
+    assert any(r.hit_length for r in good)
+    assert store.calls == 1
+
+    def broken(keys):
+        raise ConnectionError("master gone")
+
+    store.batch_is_exist = broken
+    assert [r.hit_length for r in server.resolve(batch)] == [0] * len(batch)
+    assert "master gone" in repr(server.last_error)
+
+
+def test_server_falls_back_when_keys_differ(harness, caplog):
+    from kvhit.bindings.vllm_connector import KvhitLookupServer
+
+    h = harness
+    rng = random.Random(6)
+    store = h.CountingStore()
+    vc, worker = _server_setup(h, store)
+    reqs = prompts(rng, 5)
+    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    want = [
+        worker.lookup(
+            len(t), h.make_request("x", t, worker.hash_block_size, 1).block_hashes
+        )
+        for t in reqs
+    ]
+    # A store layout kvhit does not model: its keys differ from the worker's.
+    worker._lookup_key_prefixes = tuple(
+        tuple(p.replace("@pp_rank", "@tp_shard:0@pp_rank") for p in ps)
+        for ps in worker._lookup_key_prefixes
+    )
+    server = KvhitLookupServer(worker, vc, start=False)
+    assert server.fallback_reason and "differ" in server.fallback_reason
+    worker._lookup_key_prefixes = KvhitLookupServer(
+        worker, vc, start=False
+    ).worker._lookup_key_prefixes
+    c0 = store.calls
+    got = server.resolve(
+        [(len(t), h.make_request("x", t, worker.hash_block_size, 1).block_hashes)
+         for t in reqs]
+    )  # fmt: skip
+    assert store.calls - c0 == len(reqs)  # vLLM's path: one call per request
+    assert len(got) == len(want)
+
+
+def test_server_always_replies_over_ipc(harness):
+    import msgspec
+    import zmq
+
+    from kvhit.bindings.vllm_connector import KvhitLookupServer, kvhit_rpc_path
+
+    h = harness
+    store = h.CountingStore()
+    vc, worker = _server_setup(h, store)
+    server = KvhitLookupServer(worker, vc)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(kvhit_rpc_path(vc))
+    try:
+        for payload in (b"\xc1garbage", msgspec.msgpack.encode([[16, 5, b"abc"]])):
+            sock.send(payload)
+            assert sock.poll(5000), "no reply"
+            assert msgspec.msgpack.decode(sock.recv()) == []
+        assert server.thread.is_alive()
+    finally:
+        sock.close(linger=0)
+        server.close()
+
+
+def test_connector_name_alone_after_register(vllm_env):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvhit.bindings.vllm_connector import KvhitMooncakeStoreConnector, register
+
+    register()
+    register()  # vLLM loads plugins in every process: twice is fine
+    cls = KVConnectorFactory.get_connector_class_by_name("KvhitMooncakeStoreConnector")
+    assert cls is KvhitMooncakeStoreConnector
+    # The entry point vLLM's plugin loader calls (read from pyproject.toml:
+    # an old egg-info in a checkout can shadow the installed metadata).
+    import importlib
+    from pathlib import Path
+
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    target = meta["project"]["entry-points"]["vllm.general_plugins"]["kvhit_connector"]
+    module, _, func = target.partition(":")
+    assert getattr(importlib.import_module(module), func) is register
