@@ -351,22 +351,23 @@ def test_server_falls_back_when_keys_differ(harness, caplog):
         for t in reqs
     ]
     # A store layout kvhit does not model: its keys differ from the worker's.
+    real_prefixes = worker._lookup_key_prefixes
     worker._lookup_key_prefixes = tuple(
         tuple(p.replace("@pp_rank", "@tp_shard:0@pp_rank") for p in ps)
-        for ps in worker._lookup_key_prefixes
+        for ps in real_prefixes
     )
-    server = KvhitLookupServer(worker, vc, start=False)
+    with caplog.at_level("WARNING"):
+        server = KvhitLookupServer(worker, vc, start=False)
     assert server.fallback_reason and "differ" in server.fallback_reason
-    worker._lookup_key_prefixes = KvhitLookupServer(
-        worker, vc, start=False
-    ).worker._lookup_key_prefixes
+    assert sum("per-request" in r.getMessage() for r in caplog.records) == 1
+    worker._lookup_key_prefixes = real_prefixes  # what vLLM's path then reads
     c0 = store.calls
     got = server.resolve(
         [(len(t), h.make_request("x", t, worker.hash_block_size, 1).block_hashes)
          for t in reqs]
     )  # fmt: skip
     assert store.calls - c0 == len(reqs)  # vLLM's path: one call per request
-    assert len(got) == len(want)
+    assert got == want and any(r.hit_length for r in got)
 
 
 def test_server_always_replies_over_ipc(harness):
@@ -413,3 +414,50 @@ def test_connector_name_alone_after_register(vllm_env):
     target = meta["project"]["entry-points"]["vllm.general_plugins"]["kvhit_connector"]
     module, _, func = target.partition(":")
     assert getattr(importlib.import_module(module), func) is register
+
+
+def test_scheduler_stock_vs_kvhit_real_master(harness):
+    """The same comparison against a real local mooncake_master: both
+    servers read a real MooncakeDistributedStore handle."""
+    from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
+
+    why = mooncake_unavailable()
+    if why:
+        pytest.skip(why)
+    h = harness
+    case = h.LAYOUTS[1]
+    rng = random.Random(42)
+    n = 16
+    reqs = prompts(rng, n)
+    arrivals = {0: list(range(12)), 2: list(range(12, n))}
+    aborts = {3: ["r2"]}
+    staged = h.CountingStore()
+    probe = h.build_side("stock", case, h.CountingStore(), {})
+    worker = probe.worker
+    probe.close()
+    fill_store(h, rng, staged, worker, reqs, worker.hash_block_size)
+    with MooncakeMaster() as master:
+        raw = connect_client(master)
+        try:
+            keys = sorted(staged.keys)
+            assert raw.put_batch(keys, [b"kv" * 8] * len(keys)) == 0
+
+            class Counting:
+                calls = 0
+
+                def batch_is_exist(self, ks):
+                    Counting.calls += 1
+                    return raw.batch_is_exist(ks)
+
+            store = Counting()
+            runs = [
+                run(h, kind, case, 42, store, reqs, False, arrivals, aborts, 48)
+                for kind in ("stock", "kvhit")
+            ]
+        finally:
+            raw.close()
+            master.stop()
+    (stock, stock_calls, *_), (kvhit, kvhit_calls, *_) = runs
+    assert compare(stock, kvhit) == []
+    assert any(ls[1] > 0 for s in stock for ls in s["loads"].values())
+    assert max(kvhit_calls) <= 1 < max(stock_calls)
