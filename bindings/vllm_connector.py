@@ -169,6 +169,13 @@ class KvhitLookupServer:
             self._build()
         except Exception as exc:  # any layout kvhit cannot serve
             self.fallback_reason = f"{type(exc).__name__}: {exc}"
+        if self.fallback_reason is None:
+            try:
+                # vLLM's default block hash (sha256) is 32 bytes: build that
+                # engine now, not in the first step's lookup.
+                self._lookup_for(32)
+            except Exception as exc:
+                self.fallback_reason = f"{type(exc).__name__}: {exc}"
         if self.fallback_reason is not None:
             logger.warning(
                 "kvhit: batched lookup disabled, answering with vLLM's "
