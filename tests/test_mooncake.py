@@ -211,10 +211,17 @@ def test_key_strings_match_vllm_format():
 
 
 def test_key_strings_match_real_vllm():
-    data = pytest.importorskip(
-        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data",
-        reason="vLLM is not importable here",
-    )
+    import importlib
+
+    import vllm_oracle as vo
+
+    mods, reason = vo.load_vllm()
+    if mods is None:
+        pytest.skip(reason)
+    with vo.vllm_importable():
+        data = importlib.import_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
+        )
     md = data.KeyMetadata(
         model_name="M", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0, group_id=3,
         cache_prefix="p", store_namespace="@s",
@@ -626,3 +633,152 @@ def test_dedup_is_exact_under_fingerprint_collisions():
         {(int(g), int(w[0])) for g, w in zip(gids, words, strict=True)}
     )
     assert len(idx) == 3
+
+
+# -- issue 12: answers that are not 0/1, hung stores ----------------------------
+
+
+def _primed(seed: int = 7, **kw):
+    """A BatchedLookup with a good first step behind it, and its inputs."""
+    layout = dsv4_layout()
+    reqs, ntoks = workload(random.Random(seed), layout, 6, 8)
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    pairs = set()
+    for r, n in zip(reqs, ntoks, strict=True):
+        pairs |= saved_pairs(layout, r, n)
+    store_keys: set = set()
+    put_pairs(keys, pairs, store_keys)
+    store = FakeStore(store_keys)
+    bl = BatchedLookup(layout, store, keys, hash_bytes=HB, **kw)
+    batch = HashBatch.from_bytes(reqs, HB)
+    assert bl.lookup(batch, ntoks).any()
+    return bl, store, batch, ntoks
+
+
+@pytest.mark.parametrize(
+    "value", [1.5, 0.9, 1.0000001, float("nan"), 0.5, "1", b"\x01", None, [1]]
+)
+def test_non_binary_answers_are_store_errors(value):
+    """1.5 or 0.9 used to be truncated into presence bits: the index gained
+    keys the store does not have. Now: StoreError, index unchanged."""
+    bl, store, batch, ntoks = _primed()
+    before = _snapshot(bl.index)
+    n_keys = bl.last_stats.num_keys_asked
+    store.keys.clear()  # what a truncated answer would wrongly keep
+    store.answer = [0] * (n_keys - 1) + [value]
+    with pytest.raises(StoreError, match="batch_is_exist"):
+        bl.lookup(batch, ntoks)
+    assert _snapshot(bl.index) == before
+
+
+def test_exact_float_and_bool_answers_are_accepted():
+    """1.0 / 0.0 and True / False are exactly 1 and 0."""
+    for answer_of in (float, bool):
+        bl, store, batch, ntoks = _primed()
+        n_keys = bl.last_stats.num_keys_asked
+        store.answer = None
+        want = bl.lookup(batch, ntoks)
+        real = store.batch_is_exist
+        store.batch_is_exist = lambda keys, real=real, f=answer_of: [  # type: ignore[method-assign]
+            f(v) for v in real(keys)
+        ]
+        assert torch.equal(bl.lookup(batch, ntoks), want)
+        assert bl.last_stats.num_keys_asked == n_keys
+
+
+def test_hung_store_times_out_and_late_answer_is_discarded():
+    """A store call that never returns used to block lookup() forever."""
+    import threading
+
+    bl, store, batch, ntoks = _primed(timeout_s=0.2)
+    before = _snapshot(bl.index)
+    release = threading.Event()
+    real = store.batch_is_exist
+
+    def hung(keys):
+        release.wait(10)
+        return [0] * len(keys)  # the late answer: "everything is gone"
+
+    store.batch_is_exist = hung  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    with pytest.raises(StoreError, match="timeout_s"):
+        bl.lookup(batch, ntoks)
+    assert time.perf_counter() - t0 < 2.0
+    assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
+    release.set()
+    time.sleep(0.05)
+    # The late answer changed nothing; the next good call works as before.
+    assert _snapshot(bl.index) == before
+    store.batch_is_exist = real  # type: ignore[method-assign]
+    assert bl.lookup(batch, ntoks).any()
+
+
+def test_timeout_and_forget_after_are_validated():
+    layout = dsv4_layout()
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    idx = KeyIndex(HB, 64)
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            StoreSync(FakeStore(), keys, idx, layout, timeout_s=bad)
+    with pytest.raises(TypeError, match="timeout_s"):
+        StoreSync(FakeStore(), keys, idx, layout, timeout_s="5")
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="forget_after"):
+            StoreSync(FakeStore(), keys, idx, layout, forget_after=bad)
+
+
+# -- issue 11.6: a long-running index stays bounded --------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_index", "shared_index"])
+def test_index_stays_bounded_over_a_soak(shared):
+    """A soak of many steps with fresh prompts: len(index) stays flat (it grew
+    by every step's present keys before), and hits are unchanged. An index of
+    its own is rewritten with each step's present keys; a shared one forgets
+    keys no step asked about for ``forget_after`` steps."""
+    layout = dsv4_layout()
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    store = FakeStore()
+    rng = random.Random(11)
+    forget = 8
+    if shared:
+        index = KeyIndex(HB, 1 << 10)
+        bl = BatchedLookup(layout, store, keys, hash_bytes=HB, index=index,
+                           forget_after=forget)  # fmt: skip
+    else:
+        bl = BatchedLookup(layout, store, keys, hash_bytes=HB)
+    ref = ReferenceCoordinator(layout)
+    sizes, presents = [], []
+    for step in range(120):
+        reqs, ntoks = workload(rng, layout, 4, 6)
+        pairs = set()
+        for r, n in zip(reqs, ntoks, strict=True):
+            pairs |= saved_pairs(layout, r, n)
+        put_pairs(keys, pairs, store.keys)
+        hits = bl.lookup(HashBatch.from_bytes(reqs, HB), ntoks)
+        if step % 10 == 0:
+            exists = store_set(keys, layout, {(g, h) for r in reqs for h in r
+                                              for g in range(5)}, store.keys)  # fmt: skip
+            want = [ref.lookup(n, r, exists) for r, n in zip(reqs, ntoks, strict=True)]
+            assert hits.tolist() == want
+        sizes.append(len(bl.index))
+        presents.append(bl.last_stats.num_present)
+    if shared:
+        assert bl.sync.num_forgotten > 0
+        # Flat: about 2 * forget_after steps' keys, not 120 steps'.
+        assert max(sizes) <= 2 * forget * max(presents) + 1
+    else:
+        assert sizes == presents
+    assert max(sizes[60:]) <= max(sizes[:30]) * 1.5
+    assert len(store.keys) > 3 * max(sizes)
+
+
+@pytest.mark.parametrize("head", ["m@tp_rank:0@g:1@", "préfixe✓@m@", "a\nb@", ""])
+def test_key_strings_fast_path_matches_format(head):
+    from kvhit.bindings.mooncake import _key_strings
+
+    rng = random.Random(3)
+    for hb in (8, 16, 20, 32):
+        hashes = [rng.randbytes(hb) for _ in range(37)]
+        words = HashBatch.from_bytes([hashes], hb).hashes.numpy()
+        assert _key_strings(head, words, hb) == [head + h.hex() for h in hashes]

@@ -41,6 +41,7 @@ read by attribute (``block_size``, ``sliding_window``, ``extra_retained_tokens``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -51,7 +52,7 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ class VllmModules:
 
 
 _LOADED: tuple[VllmModules | None, str] | None = None
+# Modules the oracle took off sys.modules after importing them from its folder;
+# vllm_importable() puts them back, so one process holds one copy of vLLM.
+_STASH: dict[str, types.ModuleType] = {}
 
 
 def oracle_dir() -> Path:
@@ -180,9 +184,72 @@ def _load() -> tuple[VllmModules | None, str]:
             if any(w.startswith(prefixes) for w in where):
                 doomed.append(name)
         for name in doomed:
-            sys.modules.pop(name, None)
+            mod = sys.modules.pop(name, None)
+            if mod is not None:
+                _STASH[name] = mod
         importlib.invalidate_caches()
     return _finish(mods, str(root), t0), ""
+
+
+def _in_process_model_inspection() -> None:
+    """vLLM inspects a model's architecture in a subprocess (so that CUDA is
+    never initialised in the engine); that subprocess could not import the
+    oracle's vLLM. On a CPU the inspection is safe in process."""
+    registry = importlib.import_module("vllm.model_executor.models.registry")
+    registry._run_in_subprocess = lambda fn: fn()
+
+
+@contextlib.contextmanager
+def vllm_importable(
+    keep: Sequence[str] = ("kvhit.bindings.vllm_connector",),
+) -> Iterator[VllmModules]:
+    """Make ``import vllm`` work inside the block (the oracle's copy), for
+    tests that run vLLM's own Scheduler and connectors; afterwards
+    ``sys.path``, the environment and ``sys.modules`` are as before. Modules
+    imported inside (vLLM's, its dependencies', and the names in ``keep``,
+    which import vLLM) are stashed and come back on the next entry.
+
+    Raises:
+        RuntimeError: the oracle is not installed (the reason).
+    """
+    mods = require_vllm()
+    if mods.origin == "installed vllm":
+        yield mods
+        return
+    root = oracle_dir()
+    src, deps = root / "src", root / "deps"
+    saved_path = list(sys.path)
+    saved_env = dict(os.environ)
+    before = set(sys.modules)
+    for name, mod in _STASH.items():
+        sys.modules.setdefault(name, mod)
+    sys.path.insert(0, str(src))
+    if deps.is_dir():
+        sys.path.append(str(deps))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    importlib.invalidate_caches()
+    try:
+        _in_process_model_inspection()
+        yield mods
+    finally:
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+        prefixes = (str(src), str(deps))
+        for name in set(sys.modules) - before:
+            mod = sys.modules[name]
+            attrs = getattr(mod, "__dict__", None) or {}
+            where = str(attrs.get("__file__") or "")
+            if (
+                name in _STASH
+                or name == "vllm"
+                or name.startswith("vllm.")
+                or where.startswith(prefixes)
+                or any(name == k or name.startswith(k + ".") for k in keep)
+            ):
+                _STASH[name] = sys.modules.pop(name)
+        importlib.invalidate_caches()
 
 
 def _import_all() -> dict[str, types.ModuleType]:

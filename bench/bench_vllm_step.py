@@ -1,0 +1,174 @@
+"""One vLLM scheduler step, stock MooncakeStoreConnector vs KvhitMooncakeStoreConnector.
+
+vLLM 0.33.0's real ``Scheduler`` (the oracle's sources, ``.ci/install-vllm-oracle``)
+with each connector, against a real local ``mooncake_master``: the worker side
+is vLLM's own ``MooncakeStoreWorker`` (built without a GPU, see
+tests/vllm_sched_harness.py) whose store handle is a real
+``MooncakeDistributedStore`` client; vLLM's ``LookupKeyServer`` serves the stock
+connector, ``KvhitLookupServer`` the kvhit one. For 8 / 64 / 512 waiting
+requests (prompts sharing system prompts, half of them stored), it times the
+first ``schedule()`` (every request waiting, each looked up) and counts the
+store's existence calls in it. Fresh schedulers per repetition; medians.
+
+Run::
+
+    .venv/bin/python bench/bench_vllm_step.py [--sizes 8 64 512] [--reps 3]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+
+class CountingStore:
+    """A real store handle, counting ``batch_is_exist`` calls."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def batch_is_exist(self, keys):
+        with self.lock:
+            self.calls += 1
+        return self.store.batch_is_exist(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def prompts(rng: random.Random, n: int, length: int = 512) -> list[list[int]]:
+    systems = [[rng.randrange(3, 1000) for _ in range(length // 2)] for _ in range(4)]
+    out = []
+    for _ in range(n):
+        tail = [rng.randrange(3, 1000) for _ in range(length - length // 2)]
+        out.append(rng.choice(systems) + tail)
+    return out
+
+
+def put_keys(raw_store, worker, reqs, hbs: int, frac: float, rng) -> int:
+    """Store every group's keys of a leading part of ``frac`` of the prompts."""
+    import vllm_sched_harness as h
+
+    keys = set()
+    for toks in reqs:
+        if rng.random() > frac:
+            continue
+        hashes = h.make_request("x", toks, hbs, 1).block_hashes
+        keep = rng.randrange(len(hashes) // 2, len(hashes) + 1)
+        for prefixes in worker._lookup_key_prefixes:
+            for hh in hashes[:keep]:
+                keys.update(f"{p}@{bytes(hh).hex()}" for p in prefixes)
+    keys = sorted(keys)
+    for i in range(0, len(keys), 20000):
+        chunk = keys[i : i + 20000]
+        rc = raw_store.put_batch(chunk, [b"kv" * 8] * len(chunk))
+        if rc != 0:
+            raise RuntimeError(f"put_batch returned {rc}")
+    return len(keys)
+
+
+def one_step(h, kind, case, store, reqs, n):
+    side = h.build_side(kind, case, store, {"load_async": False}, num_blocks=40000,
+                        max_num_seqs=max(n, 8),
+                        max_num_batched_tokens=max(n, 8) * 600)  # fmt: skip
+    try:
+        for i, toks in enumerate(reqs[:n]):
+            side.scheduler.add_request(
+                h.make_request(f"r{i}", toks, side.hash_block_size, 4)
+            )
+        # What a running server has done long before: build its engine and
+        # touch the store once (not timed, not counted).
+        warm = h.make_request("warm", reqs[0], side.hash_block_size, 1)
+        for server in side.servers[1:]:
+            server.resolve([(warm.num_tokens, list(warm.block_hashes))])
+        side.worker.lookup(warm.num_tokens, warm.block_hashes)
+        c0 = store.calls
+        t0 = time.perf_counter()
+        out = side.scheduler.schedule()
+        dt = time.perf_counter() - t0
+        loaded = sum(
+            1
+            for m in out.kv_connector_metadata.requests
+            if m.load_spec is not None and m.load_spec.can_load
+        )
+        return dt, store.calls - c0, len(out.scheduled_new_reqs), loaded
+    finally:
+        side.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if any(s <= 0 for s in args.sizes) or args.reps <= 0:
+        ap.error("--sizes and --reps must be positive")
+
+    import vllm_oracle as vo
+    from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
+
+    why = mooncake_unavailable()
+    mods, reason = vo.load_vllm()
+    if why or mods is None:
+        print(f"skipped: {why or reason}")
+        return 0
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvhit-rpc-")
+    rows = []
+    with vo.vllm_importable(), MooncakeMaster() as master:
+        import vllm_sched_harness as h
+
+        raw = connect_client(master, global_segment_size=256 << 20)
+        try:
+            store = CountingStore(raw)
+            case = h.LAYOUTS[0]
+            rng = random.Random(0)
+            reqs = prompts(rng, max(args.sizes))
+            probe = h.build_side("stock", case, store, {})
+            n_keys = put_keys(raw, probe.worker, reqs, probe.hash_block_size, 0.5, rng)
+            probe.close()
+            print(f"store: {n_keys} keys; prompts of {len(reqs[0])} tokens, "
+                  f"layout {case.name}")  # fmt: skip
+            for n in args.sizes:
+                res = {"stock": [], "kvhit": []}
+                for _ in range(args.reps):
+                    for kind in ("stock", "kvhit"):
+                        res[kind].append(one_step(h, kind, case, store, reqs, n))
+                row = {"waiting": n}
+                for kind, v in res.items():
+                    row[f"{kind}_ms"] = statistics.median(x[0] for x in v) * 1e3
+                    row[f"{kind}_store_calls"] = statistics.median(x[1] for x in v)
+                    row[f"{kind}_loads"] = v[0][3]
+                assert res["stock"][0][3] == res["kvhit"][0][3], "different loads"
+                row["speedup"] = row["stock_ms"] / row["kvhit_ms"]
+                rows.append(row)
+                print(
+                    f"{n:4d} waiting: stock {row['stock_ms']:8.1f} ms "
+                    f"{row['stock_store_calls']:4.0f} store calls | kvhit "
+                    f"{row['kvhit_ms']:8.1f} ms {row['kvhit_store_calls']:2.0f} "
+                    f"store call(s) | {row['speedup']:.1f}x, "
+                    f"{row['kvhit_loads']} loads"
+                )
+        finally:
+            master.stop()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,666 @@
+"""vLLM's Mooncake store connector with kvhit's batched lookup: one flag.
+
+Switch it on with::
+
+    --kv-transfer-config '{"kv_connector": "KvhitMooncakeStoreConnector",
+        "kv_connector_module_path": "kvhit.bindings.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {...as for Mooncake..., "kvhit_max_batch": 4096}}'
+
+(with kvhit installed, its ``vllm.general_plugins`` entry point registers the
+name, so ``kv_connector_module_path`` may be left out).
+
+:class:`KvhitMooncakeStoreConnector` is vLLM 0.33.0's ``MooncakeStoreConnector``
+with one change, the lookup. Loads, saves, metadata, events and the admin
+channel (reset) stay vLLM's own code.
+
+- Scheduler side: vLLM's ``MooncakeStoreScheduler`` asks its lookup client
+  for one request at a time (one IPC round trip and one ``batch_is_exist`` per
+  waiting request per step). Here its client is a :class:`KvhitLookupClient`:
+  the first lookup of a step sends ONE message resolving the asked request
+  plus every tracked waiting or preempted request that has no computed tokens
+  and at least an alignment's worth of tokens (at most ``kvhit_max_batch``);
+  the step's later lookups are answered from it; the answers are dropped in
+  ``build_connector_meta``. With ``lookup_async`` the message runs in the
+  background and lookups return ``None`` until it is answered (vLLM's
+  contract). Finished and aborted requests stop being tracked.
+- Worker rank 0: beside vLLM's ``LookupKeyServer`` (which keeps serving
+  reset), a :class:`KvhitLookupServer` answers each batch with one
+  deduplicated ``batch_is_exist`` over the worker's own store handle and the
+  batched worker rule, and replies, per request, exactly what
+  ``MooncakeStoreWorker.lookup`` returns, tail key boundaries included.
+
+This is the only kvhit module that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+    MooncakeStoreConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    MooncakeLookupResult,
+    TailKeyBoundary,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
+    decode_lookup_response,
+    encode_lookup_response,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+    get_zmq_rpc_path_lookup,
+)
+from vllm.logger import init_logger
+from vllm.v1.request import Request, RequestStatus
+
+from kvhit.bindings.mooncake import (
+    BatchedLookup,
+    MooncakeKeys,
+    StoreError,
+    model_name_for_vllm,
+    rank_namespaces_for_vllm,
+)
+from kvhit.bindings.vllm import layout_from_vllm
+from kvhit.coordinator.packing import HashBatch
+
+__all__ = [
+    "CONNECTOR_NAME",
+    "DEFAULT_MAX_BATCH",
+    "KvhitLookupClient",
+    "KvhitLookupServer",
+    "KvhitMooncakeStoreConnector",
+    "kvhit_rpc_path",
+    "register",
+]
+
+logger = init_logger(__name__)
+
+CONNECTOR_NAME = "KvhitMooncakeStoreConnector"
+#: Requests one lookup message resolves at most (``kvhit_max_batch``).
+DEFAULT_MAX_BATCH = 4096
+#: Seconds the scheduler waits for a batch's answer (``kvhit_lookup_timeout_s``)
+#: before it treats every request of the batch as a miss.
+DEFAULT_LOOKUP_TIMEOUT_S = 30.0
+
+_REQUEST = msgspec.msgpack.Encoder()
+_DECODE_REQUEST = msgspec.msgpack.Decoder(list[tuple[int, int, bytes]])
+_DECODE_REPLY = msgspec.msgpack.Decoder(list[bytes])
+
+
+def kvhit_rpc_path(vllm_config: VllmConfig) -> str:
+    """The IPC path of the kvhit lookup socket: vLLM's lookup path (which
+    honours ``VLLM_RPC_BASE_PATH``, ``lookup_rpc_port`` and the DP rank) with
+    a ``_kvhit`` suffix, so both servers run side by side."""
+    return get_zmq_rpc_path_lookup(vllm_config) + "_kvhit"
+
+
+def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
+    assert vllm_config.kv_transfer_config is not None
+    return vllm_config.kv_transfer_config.kv_connector_extra_config
+
+
+def _positive(extra: dict[str, Any], name: str, default: Any, kind: type) -> Any:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(
+            f"kv_connector_extra_config[{name!r}] must be a positive "
+            f"{kind.__name__}, got {value!r}"
+        )
+    if kind is int and value != int(value):
+        raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int")
+    return kind(value)
+
+
+# -- worker rank 0 ------------------------------------------------------------------
+
+
+class KvhitLookupServer:
+    """Batched lookups on worker rank 0, beside vLLM's ``LookupKeyServer``.
+
+    Args:
+        worker: the connector's ``MooncakeStoreWorker`` (fully constructed:
+            its coordinator, token databases and ``_lookup_key_prefixes``).
+        vllm_config: the engine's config (the socket path and the key format).
+        start: bind the socket and start the serving thread (tests that call
+            :meth:`resolve` directly pass ``False``).
+        backend: the ``LookupEngine`` backend ("auto": the device default).
+
+    Per batch it makes one deduplicated ``batch_is_exist`` over
+    ``worker.store`` and answers every request with what
+    ``MooncakeStoreWorker.lookup`` returns. It always replies: a store error
+    gives hits of 0 for that batch (as vLLM's worker does), logged. When the
+    keys kvhit builds differ from the worker's ``_lookup_key_prefixes`` (a
+    store layout kvhit does not model, e.g. TP-sharded), or the worker is
+    capacity-only, every request goes through vLLM's own
+    ``worker.lookup``; that is logged once.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        vllm_config: VllmConfig,
+        start: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        self.worker = worker
+        self.vllm_config = vllm_config
+        self.backend = backend
+        self.fallback_reason: str | None = None
+        self.layout = None
+        self.keys: MooncakeKeys | None = None
+        self._lookups: dict[int, BatchedLookup] = {}
+        self._lock = threading.Lock()
+        self.num_batches = 0
+        self.num_requests = 0
+        self.last_error: BaseException | None = None
+        try:
+            self._build()
+        except Exception as exc:  # any layout kvhit cannot serve
+            self.fallback_reason = f"{type(exc).__name__}: {exc}"
+        if self.fallback_reason is None:
+            try:
+                # vLLM's default block hash (sha256) is 32 bytes: build that
+                # engine now, not in the first step's lookup.
+                self._lookup_for(32)
+            except Exception as exc:
+                self.fallback_reason = f"{type(exc).__name__}: {exc}"
+        if self.fallback_reason is not None:
+            logger.warning(
+                "kvhit: batched lookup disabled, answering with vLLM's "
+                "per-request MooncakeStoreWorker.lookup: %s",
+                self.fallback_reason,
+            )
+        self.running = False
+        self.thread: threading.Thread | None = None
+        self.socket = None
+        if start:
+            self._start()
+
+    def _build(self) -> None:
+        w = self.worker
+        if getattr(w, "_capacity_only", False):
+            self.fallback_reason = "the worker is capacity-only (no lookups)"
+            return
+        coord = w.coord
+        groups = list(w._kv_cache_groups)
+        self.layout = layout_from_vllm(
+            groups,
+            scheduler_block_size=coord.lcm_block_size,
+            hash_block_size=coord.hash_block_size,
+            use_eagle=bool(coord.use_eagle),
+            retention_interval=coord.retention_interval,
+            partial_hash_hits=bool(coord.enable_partial_hash_hits),
+        )
+        factors = tuple(w._group_tp_replication_factors)
+        metadata = [db.metadata for db in w.token_dbs]
+        cacheable = [g.prefix_cacheable for g in self.layout.groups]
+        self.keys = MooncakeKeys(
+            model_name=model_name_for_vllm(self.vllm_config.model_config.model),
+            rank_namespaces=[
+                rank_namespaces_for_vllm(
+                    tp_size=w.tp_size,
+                    pcp_size=w.pcp_size,
+                    dcp_size=w.dcp_size,
+                    pp_size=w.pp_size,
+                    tp_replication_factor=factors[g],
+                )
+                if cacheable[g]
+                else ()
+                for g in range(len(groups))
+            ],
+            cache_prefix=str(_extra(self.vllm_config).get("cache_prefix", "")),
+            store_namespace=metadata[0].store_namespace if metadata else "",
+            key_group_ids=tuple(
+                md.group_id if ok else None
+                for md, ok in zip(metadata, cacheable, strict=True)
+            ),
+        )
+        want = tuple(tuple(p) for p in w._lookup_key_prefixes)
+        for g in range(len(groups)):
+            if cacheable[g] and self.keys.prefixes(g) != want[g]:
+                self.fallback_reason = (
+                    f"group {g}: kvhit's keys {self.keys.prefixes(g)[:2]} differ "
+                    f"from the worker's {want[g][:2]}"
+                )
+                return
+
+    # -- serving -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        path = kvhit_rpc_path(self.vllm_config)
+        self._ipc_path = path.removeprefix("ipc://")
+        if os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.REP)
+        self.socket.bind(path)
+        self.running = True
+        self.thread = threading.Thread(
+            target=self._serve, name="KvhitLookupServer", daemon=True
+        )
+        self.thread.start()
+
+    def _serve(self) -> None:
+        assert self.socket is not None
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while self.running:
+            try:
+                if not poller.poll(100):
+                    continue
+                frame = self.socket.recv(copy=True)
+            except zmq.ZMQError:
+                if not self.running:
+                    return
+                logger.exception("kvhit lookup server: receive failed")
+                continue
+            reply: list[bytes] = []
+            try:
+                items = _DECODE_REQUEST.decode(frame)
+                reply = [encode_lookup_response(r) for r in self.resolve_packed(items)]
+            except Exception as exc:
+                # Never leave the REQ side waiting: an empty reply reads as
+                # hits of 0 for the whole batch.
+                self.last_error = exc
+                logger.exception("kvhit lookup server: bad batch, replying misses")
+            try:
+                self.socket.send(msgspec.msgpack.encode(reply))
+            except zmq.ZMQError:
+                if not self.running:
+                    return
+                logger.exception("kvhit lookup server: reply failed")
+
+    def close(self) -> None:
+        """Stop serving and remove the socket file."""
+        self.running = False
+        if self.thread is not None:
+            self.thread.join(timeout=2.0)
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            if os.path.exists(self._ipc_path):
+                os.unlink(self._ipc_path)
+
+    # -- answering -----------------------------------------------------------------
+
+    def resolve_packed(
+        self, items: Sequence[tuple[int, int, bytes]]
+    ) -> list[MooncakeLookupResult]:
+        """:meth:`resolve` for the wire format: ``(num_tokens, hash_len,
+        hashes joined)`` per request."""
+        reqs: list[tuple[int, list[bytes]]] = []
+        for i, (n, hlen, blob) in enumerate(items):
+            if hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
+                raise ValueError(
+                    f"request {i}: {len(blob)} bytes of {hlen}-byte hashes"
+                )
+            hashes = (
+                [blob[o : o + hlen] for o in range(0, len(blob), hlen)] if hlen else []
+            )
+            reqs.append((n, hashes))
+        return self.resolve(reqs)
+
+    def resolve(
+        self, requests: Sequence[tuple[int, Sequence[bytes]]]
+    ) -> list[MooncakeLookupResult]:
+        """Per request ``(num_tokens, block_hashes)``, what
+        ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` returns.
+
+        One ``batch_is_exist`` for the batch (one per distinct hash width);
+        a store error answers hits of 0 for the batch, logged.
+        """
+        with self._lock:
+            self.num_batches += 1
+            self.num_requests += len(requests)
+            if self.fallback_reason is not None:
+                return [self._vllm_lookup(n, h) for n, h in requests]
+            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(requests)
+            by_width: dict[int, list[int]] = {}
+            for i, (n, hashes) in enumerate(requests):
+                if n > 0 and len(hashes):
+                    by_width.setdefault(len(hashes[0]), []).append(i)
+            for width, idx in by_width.items():
+                try:
+                    results = self._resolve_width(width, [requests[i] for i in idx])
+                except StoreError as exc:
+                    self.last_error = exc
+                    logger.error("kvhit lookup: store error, batch misses: %s", exc)
+                    continue
+                except Exception as exc:
+                    self.last_error = exc
+                    logger.exception("kvhit lookup failed; answering misses")
+                    continue
+                for i, r in zip(idx, results, strict=True):
+                    out[i] = r
+            return out
+
+    def _vllm_lookup(self, n: int, hashes: Sequence[bytes]) -> MooncakeLookupResult:
+        try:
+            return self.worker.lookup(n, list(hashes))
+        except Exception as exc:  # vLLM's server thread would die here
+            self.last_error = exc
+            logger.exception("vLLM's worker lookup failed; answering a miss")
+            return MooncakeLookupResult(0)
+
+    def _lookup_for(self, width: int) -> BatchedLookup:
+        bl = self._lookups.get(width)
+        if bl is None:
+            assert self.layout is not None and self.keys is not None
+            bl = BatchedLookup(
+                self.layout,
+                _WorkerStore(self.worker),
+                self.keys,
+                device="cpu",
+                backend=self.backend,
+                hash_bytes=width,
+            )
+            self._lookups[width] = bl
+        return bl
+
+    def _resolve_width(
+        self, width: int, requests: Sequence[tuple[int, Sequence[bytes]]]
+    ) -> list[MooncakeLookupResult]:
+        bl = self._lookup_for(width)
+        lists = [list(h) for _, h in requests]
+        if width % 8 == 0 and all(len(x) == width for h in lists for x in h):
+            lens = np.array([len(h) for h in lists], dtype=np.int64)
+            offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            blob = b"".join(b"".join(h) for h in lists)
+            words = np.frombuffer(blob, dtype="<i8").reshape(-1, width // 8)
+            batch = HashBatch(
+                torch.from_numpy(words.astype(np.int64)),
+                torch.from_numpy(offsets),
+                width,
+            )
+        else:
+            batch = HashBatch.from_bytes(lists, width)
+        ntok = torch.tensor([n for n, _ in requests], dtype=torch.int64)
+        res = bl.lookup_with_tail_keys(batch, ntok)
+        out: list[MooncakeLookupResult] = []
+        for i in range(len(requests)):
+            hit = int(res.hit_lengths[i])
+            tails = res.boundaries(i)
+            if any(b < 0 for _, b in tails):
+                # vLLM's worker asserts here (and its server thread dies);
+                # loading with no key for the tail block is never right.
+                logger.warning(
+                    "kvhit lookup: no tail key for a hit of %d tokens; a miss", hit
+                )
+                out.append(MooncakeLookupResult(0))
+                continue
+            out.append(
+                MooncakeLookupResult(
+                    hit, tuple(TailKeyBoundary(g, b) for g, b in tails)
+                )
+            )
+        return out
+
+
+class _WorkerStore:
+    """The worker's store handle, read at call time (``close`` clears it)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        store = self.worker.store
+        if store is None:
+            raise RuntimeError("the Mooncake store handle is closed")
+        t0 = time.perf_counter()
+        out = store.batch_is_exist(keys)
+        record = getattr(self.worker, "_record_kv_connector_operation", None)
+        if record is not None:
+            record("lookup_exists", time.perf_counter() - t0, len(keys))
+        return out
+
+
+# -- scheduler side --------------------------------------------------------------------
+
+
+class KvhitLookupClient:
+    """Stands in for vLLM's ``LookupKeyClient`` in ``MooncakeStoreScheduler``.
+
+    ``lookup`` keeps vLLM's signature and contract; ``discard``, ``reset``
+    and ``close`` go to vLLM's client (the admin channel stays vLLM's).
+
+    Args:
+        inner: vLLM's ``LookupKeyClient``.
+        vllm_config: the engine's config.
+        align: tokens a request needs before it is looked up (the scheduler's
+            alignment: the hash block with partial hash hits, else the block).
+        max_batch: requests one message resolves at most.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        vllm_config: VllmConfig,
+        align: int,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+    ) -> None:
+        self.inner = inner
+        self.align = align
+        self.max_batch = max_batch
+        self.timeout_s = timeout_s
+        self._path = kvhit_rpc_path(vllm_config)
+        self.ctx = zmq.Context()
+        self.socket = self._connect()
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="KvhitLookupClient"
+        )
+        self.tracked: dict[str, Request] = {}
+        # Answers of this step, and the batch in flight (lookup_async).
+        self.results: dict[str, MooncakeLookupResult] = {}
+        self.pending: Future[dict[str, MooncakeLookupResult]] | None = None
+        self.num_messages = 0
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._path)
+        return sock
+
+    # -- tracking ------------------------------------------------------------------
+
+    def track(self, request: Request) -> None:
+        self.tracked[request.request_id] = request
+
+    def untrack(self, req_id: str) -> None:
+        self.tracked.pop(req_id, None)
+        self.results.pop(req_id, None)
+
+    def end_step(self) -> None:
+        """Drop this step's answers (a batch in flight stays in flight)."""
+        self.results.clear()
+
+    def _eligible(self, request: Request) -> bool:
+        return (
+            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and request.num_computed_tokens == 0
+            and request.num_tokens >= self.align
+        )
+
+    def _batch(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes]):
+        items = [(req_id, num_tokens, list(block_hashes))]
+        for rid, req in self.tracked.items():
+            if len(items) >= self.max_batch:
+                break
+            if rid == req_id or rid in self.results or not self._eligible(req):
+                continue
+            items.append((rid, req.num_tokens, list(req.block_hashes)))
+        return items
+
+    # -- the lookup ----------------------------------------------------------------
+
+    def _send(self, items) -> dict[str, MooncakeLookupResult]:
+        """One message for the batch; any failure is a miss for each request
+        (as vLLM's client turns a failed lookup into a hit of 0)."""
+        self.num_messages += 1
+        payload = [
+            (n, len(h[0]) if h else 0, b"".join(bytes(x) for x in h))
+            for _, n, h in items
+        ]
+        answers: list[MooncakeLookupResult] = []
+        try:
+            self.socket.send(_REQUEST.encode(payload))
+            if not self.socket.poll(int(self.timeout_s * 1000)):
+                # A REQ socket that missed its reply cannot send again.
+                self.socket.close(linger=0)
+                self.socket = self._connect()
+                raise TimeoutError(f"no answer within {self.timeout_s} s")
+            answers = [
+                decode_lookup_response(r)
+                for r in _DECODE_REPLY.decode(self.socket.recv())
+            ]
+        except Exception as exc:
+            logger.error(
+                "kvhit batched lookup failed (%d requests): %s", len(items), exc
+            )
+        out = {rid: MooncakeLookupResult(0) for rid, _, _ in items}
+        for (rid, _, _), r in zip(items, answers, strict=False):
+            out[rid] = r
+        return out
+
+    def lookup(
+        self,
+        req_id: str,
+        num_tokens: int,
+        block_hashes: Sequence[bytes],
+        non_block: bool = False,
+    ) -> MooncakeLookupResult | None:
+        """vLLM's ``LookupKeyClient.lookup``: with ``non_block``, ``None``
+        until the answer is ready (the scheduler asks again next step)."""
+        if req_id not in self.results and self.pending is not None:
+            if non_block and not self.pending.done():
+                return None
+            self._collect()
+        if req_id in self.results:
+            return self.results.pop(req_id)
+        future = self.executor.submit(
+            self._send, self._batch(req_id, num_tokens, block_hashes)
+        )
+        if non_block and not future.done():
+            self.pending = future
+            return None
+        self.pending = future
+        self._collect()
+        return self.results.pop(req_id, MooncakeLookupResult(0))
+
+    def _collect(self) -> None:
+        assert self.pending is not None
+        future, self.pending = self.pending, None
+        try:
+            got = future.result()
+        except Exception as exc:  # _send catches everything; a cancel lands here
+            logger.error("kvhit batched lookup failed: %s", exc)
+            return
+        # Requests finished meanwhile are not answered.
+        self.results.update((r, v) for r, v in got.items() if r in self.tracked)
+
+    def discard(self, req_id: str) -> None:
+        self.untrack(req_id)
+        self.inner.discard(req_id)
+
+    def reset(self) -> bool:
+        self.results.clear()
+        return self.inner.reset()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.socket.close(linger=0)
+        self.inner.close()
+
+
+# -- the connector -----------------------------------------------------------------------
+
+
+class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
+    """vLLM's ``MooncakeStoreConnector`` with kvhit's batched lookup.
+
+    ``kv_connector_extra_config`` takes Mooncake's keys plus
+    ``kvhit_max_batch`` (requests one lookup message resolves, default 4096),
+    ``kvhit_lookup_timeout_s`` (default 30) and ``kvhit_backend`` (the
+    ``LookupEngine`` backend on worker rank 0, default "auto").
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ) -> None:
+        extra = _extra(vllm_config)
+        max_batch = _positive(extra, "kvhit_max_batch", DEFAULT_MAX_BATCH, int)
+        timeout_s = _positive(
+            extra, "kvhit_lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S, float
+        )
+        backend = str(extra.get("kvhit_backend", "auto"))
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.kvhit_client: KvhitLookupClient | None = None
+        self.kvhit_server: KvhitLookupServer | None = None
+        sched = self.connector_scheduler
+        if sched is not None:
+            align = (
+                sched._hash_block_size
+                if sched.enable_partial_hash_hits
+                else sched._block_size
+            )
+            self.kvhit_client = KvhitLookupClient(
+                sched.client, vllm_config, align, max_batch, timeout_s
+            )
+            sched.client = self.kvhit_client
+        worker = self.connector_worker
+        if worker is not None and worker.lookup_server is not None:
+            self.kvhit_server = KvhitLookupServer(worker, vllm_config, backend=backend)
+
+    def on_new_request(self, request: Request) -> None:
+        super().on_new_request(request)
+        if self.kvhit_client is not None:
+            self.kvhit_client.track(request)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self.kvhit_client is not None:
+            for rid in scheduler_output.finished_req_ids:
+                self.kvhit_client.untrack(rid)
+            self.kvhit_client.end_step()
+        return meta
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.kvhit_client is not None:
+            self.kvhit_client.untrack(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def shutdown(self) -> None:
+        server = getattr(self, "kvhit_server", None)
+        if server is not None:
+            server.close()
+            self.kvhit_server = None
+        super().shutdown()
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: makes
+    ``"kv_connector": "KvhitMooncakeStoreConnector"`` work without a module
+    path. Registering twice is a no-op."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+    except ValueError:  # "already registered": vLLM loads plugins per process
+        pass
