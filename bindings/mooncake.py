@@ -34,12 +34,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvhit.coordinator.candidates import worker_candidates
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
-from kvhit.coordinator.torch_backend import worker_candidates
 
 __all__ = [
+    "FINGERPRINT_MIX",
     "BatchedLookup",
     "MooncakeKeys",
     "RankNamespace",
@@ -48,9 +49,11 @@ __all__ = [
     "StoreSync",
     "TailKeyLookup",
     "candidate_rows",
+    "key_strings",
     "model_name_for_vllm",
     "rank_namespaces_for_vllm",
     "tail_key_boundaries",
+    "unique_pairs",
 ]
 
 #: Seconds a ``batch_is_exist`` call may take before it counts as failed.
@@ -239,7 +242,7 @@ def candidate_rows(
 
     The worker's loop over lookup masks (or over every hash unit with partial
     hash hits), for a whole batch at once: the engine's
-    :func:`~kvhit.coordinator.torch_backend.worker_candidates`, on the CPU.
+    :func:`~kvhit.coordinator.candidates.worker_candidates`, on the CPU.
 
     Args:
         layout: the cache layout.
@@ -302,7 +305,13 @@ def _as_num_tokens(num_tokens: Any, batch: HashBatch) -> torch.Tensor:
     """``num_tokens`` as int64 ``[B]`` on the CPU, validated."""
     if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
         raise TypeError("num_tokens must have one entry per request, not an int")
-    t = torch.as_tensor(num_tokens).cpu()
+    try:
+        t = torch.as_tensor(num_tokens).cpu()
+    except (TypeError, RuntimeError, ValueError, OverflowError) as exc:
+        raise TypeError(
+            f"num_tokens must be a sequence of ints or an int64 tensor, got "
+            f"{type(num_tokens).__name__} ({exc})"
+        ) from None
     if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
         raise TypeError(f"num_tokens must be integers, got {t.dtype}")
     t = t.to(torch.int64)
@@ -316,10 +325,12 @@ def _as_num_tokens(num_tokens: Any, batch: HashBatch) -> torch.Tensor:
     return t
 
 
-_FP_MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
+#: Multiplier folding a key into the 1-D fingerprint :func:`unique_pairs` sorts
+#: (0x9E3779B97F4A7C15 as int64).
+FINGERPRINT_MIX = np.int64(-7046029254386353131)
 
 
-def _unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
+def unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
     """Indices of one occurrence of each distinct ``(gids[i], words[i])``.
 
     gids: int64 ``[K]``; words: int64 ``[K, W]``. Sorts a 1-D fingerprint
@@ -332,9 +343,9 @@ def _unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     with np.errstate(over="ignore"):
-        fp = words[:, 0] ^ (gids * _FP_MIX)
+        fp = words[:, 0] ^ (gids * FINGERPRINT_MIX)
         if words.shape[1] > 1:
-            fp = fp ^ (words[:, 1] * _FP_MIX)
+            fp = fp ^ (words[:, 1] * FINGERPRINT_MIX)
     order = np.argsort(fp)
     sfp = fp[order]
     start = np.ones(n, dtype=bool)
@@ -351,7 +362,7 @@ def _unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
     return idx.astype(np.int64)
 
 
-def _key_strings(head: str, words: np.ndarray, hash_bytes: int) -> list[str]:
+def key_strings(head: str, words: np.ndarray, hash_bytes: int) -> list[str]:
     """``head + hash.hex()`` for each packed hash (int64 ``[N, W]``): one
     ``bytes.hex`` with a separator every hash and one ``str.split`` give the
     hex strings; building the N key objects is what is left (~0.3 us each)."""
@@ -512,7 +523,7 @@ class StoreSync:
         # Dedup on the CPU: the key strings are built there anyway.
         hashes = batch.hashes.index_select(0, rows.to(batch.device)).cpu().numpy()
         g_all = gids.numpy()
-        first = _unique_pairs(g_all, hashes)
+        first = unique_pairs(g_all, hashes)
         # Group-major, so each group's keys come from one comprehension; within
         # a pair, namespaces in rank_namespaces order (as vLLM lays them out).
         first = first[np.argsort(g_all[first], kind="stable")]
@@ -524,7 +535,7 @@ class StoreSync:
             if lo == hi:
                 continue
             per_ns = [
-                _key_strings(f"{p}@", u_h[lo:hi], self.hash_bytes)
+                key_strings(f"{p}@", u_h[lo:hi], self.hash_bytes)
                 for p in self.keys.prefixes(g)
             ]
             if len(per_ns) == 1:
@@ -641,7 +652,7 @@ class StoreSync:
             return
         g = np.concatenate([r[0] for r in self._recent])
         h = np.concatenate([r[1] for r in self._recent])
-        first = _unique_pairs(g, h)
+        first = unique_pairs(g, h)
         seen = KeyIndex(self.hash_bytes, max(16, 2 * len(first)), "cpu")
         seen.add(torch.from_numpy(g[first]), torch.from_numpy(h[first]))
         kg_c, kh_c = kg.cpu(), kh.cpu()

@@ -755,7 +755,6 @@ MOONCAKE = [
         (ValueError, RuntimeError),  # StoreError is a RuntimeError
         "batch_is_exist|answer",
         lambda: _sync(lambda n: [1.5] * n),
-        owner="mooncake",
     ),
     Case(
         "refresh-answer-0.9",
@@ -763,7 +762,6 @@ MOONCAKE = [
         (ValueError, RuntimeError),
         "batch_is_exist|answer",
         lambda: _sync(lambda n: [0.9] * n),
-        owner="mooncake",
     ),
     Case(
         "refresh-answer-count",
@@ -778,7 +776,6 @@ MOONCAKE = [
         TypeError,
         "num_tokens",
         lambda: _sync(lambda n: [1] * n),
-        owner="mooncake",
     ),
     Case(
         "refresh-batch",
@@ -793,7 +790,6 @@ MOONCAKE = [
         ValueError,
         "timeout_s",
         lambda: _sync(lambda n: [1] * n),
-        owner="mooncake",
     ),
 ]
 

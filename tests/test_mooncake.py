@@ -620,14 +620,16 @@ def test_dsv4_1024_step_figures(capsys):
 
 
 def test_dedup_is_exact_under_fingerprint_collisions():
-    from kvhit.bindings.mooncake import _FP_MIX, _unique_pairs
+    from kvhit.bindings.mooncake import FINGERPRINT_MIX, unique_pairs
 
     np = pytest.importorskip("numpy")
     x = np.int64(0x1234)
     # (0, x) and (1, x ^ MIX) share a fingerprint but are different keys.
     gids = np.array([0, 1, 0, 1, 2], dtype=np.int64)
-    words = np.array([[x], [x ^ _FP_MIX], [x], [x ^ _FP_MIX], [x]], dtype=np.int64)
-    idx = _unique_pairs(gids, words)
+    words = np.array(
+        [[x], [x ^ FINGERPRINT_MIX], [x], [x ^ FINGERPRINT_MIX], [x]], dtype=np.int64
+    )
+    idx = unique_pairs(gids, words)
     got = sorted((int(gids[i]), int(words[i, 0])) for i in idx)
     assert got == sorted(
         {(int(g), int(w[0])) for g, w in zip(gids, words, strict=True)}
@@ -775,10 +777,10 @@ def test_index_stays_bounded_over_a_soak(shared):
 
 @pytest.mark.parametrize("head", ["m@tp_rank:0@g:1@", "préfixe✓@m@", "a\nb@", ""])
 def test_key_strings_fast_path_matches_format(head):
-    from kvhit.bindings.mooncake import _key_strings
+    from kvhit.bindings.mooncake import key_strings
 
     rng = random.Random(3)
     for hb in (8, 16, 20, 32):
         hashes = [rng.randbytes(hb) for _ in range(37)]
         words = HashBatch.from_bytes([hashes], hb).hashes.numpy()
-        assert _key_strings(head, words, hb) == [head + h.hex() for h in hashes]
+        assert key_strings(head, words, hb) == [head + h.hex() for h in hashes]
