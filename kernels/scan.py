@@ -131,7 +131,7 @@ _SG_SCALE: tl.constexpr = tl.constexpr(kc.SG_SCALE)
 _SG_USE_EAGLE: tl.constexpr = tl.constexpr(kc.SG_USE_EAGLE)
 _SG_MARGIN: tl.constexpr = tl.constexpr(kc.SG_MARGIN)
 _SG_NEED: tl.constexpr = tl.constexpr(kc.SG_NEED)
-_SG_Q: tl.constexpr = tl.constexpr(kc.SG_Q)
+_SG_PERIOD: tl.constexpr = tl.constexpr(kc.SG_PERIOD)
 _SG_FINE: tl.constexpr = tl.constexpr(kc.SG_FINE)
 _SG_CHUNK: tl.constexpr = tl.constexpr(kc.SG_CHUNK)
 _SG_N_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_N_MEMBERS)
@@ -451,7 +451,7 @@ def _sg_shape(ctx, sg_row, bound, drop):
     kind = tl.load(sg_row + _SG_KIND)
     bs = tl.load(sg_row + _SG_BLOCK_SIZE)
     scale = tl.load(sg_row + _SG_SCALE)
-    q = tl.load(sg_row + _SG_Q)
+    q = tl.load(sg_row + _SG_PERIOD)
     fine = tl.load(sg_row + _SG_FINE) != 0
     chunk = tl.maximum(tl.load(sg_row + _SG_CHUNK), 1)
     zero = bound * 0

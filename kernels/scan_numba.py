@@ -81,7 +81,7 @@ from kvhit.kernels.contract import (
     SG_MEMBERS,
     SG_N_MEMBERS,
     SG_NEED,
-    SG_Q,
+    SG_PERIOD,
     SG_SCALE,
     SG_USE_EAGLE,
 )
@@ -305,7 +305,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
     kind = sg[sgi, SG_KIND]
     bs = sg[sgi, SG_BLOCK_SIZE]
     scale = sg[sgi, SG_SCALE]
-    q = sg[sgi, SG_Q]
+    q = sg[sgi, SG_PERIOD]
     fine = sg[sgi, SG_FINE] != 0
     m = bound // bs
     # Fine-grained (align < bs): a block is bs // align hash units.
