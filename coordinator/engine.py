@@ -548,6 +548,8 @@ class LookupEngine:
         ``batched_reachable_mask``)."""
         layout = self.layout
         sched = layout.scheduler_block_size
+        # reference.replay_boundaries per request, batched; a boundary listed
+        # twice only ORs the same chunks in again, so no deduplication.
         boundaries: list[torch.Tensor] = []
         if prompt is not None:
             if layout.eagle_group_ids:
