@@ -14,7 +14,9 @@ a spec type.
 
 The vectorised scans (the torch backend and the Triton/numba kernels) branch
 on ``SpecKind.code``; a new kind needs its closed form there too (see
-CONTRIBUTING.md, "Adding a spec type").
+CONTRIBUTING.md, "Adding a spec type"). The engine's batched store and lookup
+masks are entries here too (``batched_store_mask``,
+``batched_reachable_mask``), built on :mod:`kvhit.coordinator.masks`.
 """
 
 from __future__ import annotations
