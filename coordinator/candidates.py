@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvhit.coordinator.masks import sparse_window_chunk, sparse_window_mask
 from kvhit.coordinator.plan import CandidatePlan, ScanPlan
 
 __all__ = [
@@ -26,26 +27,23 @@ __all__ = [
 
 
 def asked_chunks(
-    plan: ScanPlan, cp: CandidatePlan, lens: torch.Tensor, tl: torch.Tensor
+    plan: ScanPlan, cp: CandidatePlan, lens: torch.Tensor, token_lens: torch.Tensor
 ) -> torch.Tensor:
     """int64 [R]: how many leading chunks of group ``cp`` (with partial hash
     hits: hash units) the store worker's loop walks, for requests of ``lens``
-    hashes (int64 [R]) looked up at ``tl`` tokens (int64 [R]); sparse groups
-    ask only the chunks :func:`in_lookup_mask` keeps among them."""
-    if plan.partial:
-        return torch.minimum(lens, tl // plan.hash_block_size)
-    lim = torch.minimum(lens // cp.scale, -((-tl) // cp.block_size))
-    if cp.sparse:
-        lim = torch.minimum(lim, tl // cp.block_size)
-    return lim
+    hashes (int64 [R]) looked up at ``token_lens`` tokens (int64 [R], aligned
+    to the hit alignment); sparse groups ask only the chunks
+    :func:`in_lookup_mask` keeps among them. :meth:`ScanPlan.asked_chunks`
+    (``masks.asked_chunks``) on tensors."""
+    return plan.asked_chunks(cp, lens, token_lens)
 
 
-def in_lookup_mask(cp: CandidatePlan, c: torch.Tensor) -> torch.Tensor:
-    """bool, shaped as ``c``: whether chunk ``c`` (int64) of a sparse
+def in_lookup_mask(cp: CandidatePlan, chunks: torch.Tensor) -> torch.Tensor:
+    """bool, shaped as ``chunks``: whether each chunk (int64) of a sparse
     (sliding-window) group is in its lookup mask: the ``need`` blocks before
-    each scheduler boundary, shifted by one block for EAGLE."""
-    p = cp.per_segment
-    return (c >= cp.shift) & (torch.remainder(c - cp.shift, p) >= p - cp.need)
+    each scheduler boundary, shifted by one block for EAGLE
+    (``masks.sparse_window_mask`` with ``cp``'s numbers)."""
+    return sparse_window_mask(chunks, cp.per_segment, cp.need, cp.shift)
 
 
 def candidate_units(
@@ -59,16 +57,16 @@ def candidate_units(
     dev = lens.device
     count = torch.clamp(asked_chunks(plan, cp, lens, token_lens), min=0)
     owner = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), count)
-    c = (
+    chunks = (
         torch.arange(owner.numel(), device=dev)
         - (torch.cumsum(count, 0) - count)[owner]
     )
     if plan.partial:
-        return owner, c
+        return owner, chunks
     if cp.sparse:
-        keep = in_lookup_mask(cp, c)
-        owner, c = owner[keep], c[keep]
-    return owner, (c + 1) * cp.scale - 1
+        keep = in_lookup_mask(cp, chunks)
+        owner, chunks = owner[keep], chunks[keep]
+    return owner, (chunks + 1) * cp.scale - 1
 
 
 def worker_candidates(
@@ -106,6 +104,7 @@ def has_candidates(
         if plan.partial or not cp.sparse:
             anyc |= asked > 0
         elif cp.need > 0:
-            # The lowest chunk in a sparse lookup mask.
-            anyc |= asked > cp.shift + cp.per_segment - cp.need
+            # Something is asked iff the lowest chunk of the sparse lookup
+            # mask is below the limit.
+            anyc |= asked > sparse_window_chunk(0, cp.per_segment, cp.need, cp.shift)
     return anyc

@@ -35,10 +35,12 @@ import torch
 from kvhit.coordinator.backend import Backend
 from kvhit.coordinator.candidates import worker_candidates
 from kvhit.coordinator.key_index import KeyIndex
+from kvhit.coordinator.kinds import kind_of
+from kvhit.coordinator.masks import cdiv
 from kvhit.coordinator.packing import HashBatch, RaggedView
-from kvhit.coordinator.plan import ScanPlan, cdiv
+from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference import ReferenceCoordinator
-from kvhit.coordinator.specs import CacheLayout, Mamba, SlidingWindow
+from kvhit.coordinator.specs import CacheLayout
 
 # Backend name -> "module:class", imported when an engine first asks for it (so
 # neither numba nor triton is imported by building another backend).
@@ -121,16 +123,23 @@ class MaskBatch:
         ]
 
 
-def _expand_tri(
-    tri: torch.Tensor,
+def _expand_mask_spans(
+    mask_spans: torch.Tensor,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """``tri [B, G, 3]`` (length, lo, hi) -> bool masks ``[B, C_g]`` and lengths."""
+    """``mask_spans`` int64 ``[B, G, 3]`` (length, lo, hi: chunks ``[lo, hi)``
+    of ``length`` are in the mask) -> bool masks ``[B, C_g]`` and int64
+    lengths ``[B]``, one of each per group."""
     masks, lengths = [], []
-    for g in range(tri.shape[1]):
-        length, lo, hi = tri[:, g, 0], tri[:, g, 1], tri[:, g, 2]
+    for g in range(mask_spans.shape[1]):
+        length = mask_spans[:, g, 0]
+        lo, hi = mask_spans[:, g, 1], mask_spans[:, g, 2]
         width = int(length.max().item()) if length.numel() else 0
-        c = torch.arange(width, device=tri.device)[None, :]
-        masks.append((c >= lo[:, None]) & (c < hi[:, None]) & (c < length[:, None]))
+        chunks = torch.arange(width, device=mask_spans.device)[None, :]
+        masks.append(
+            (chunks >= lo[:, None])
+            & (chunks < hi[:, None])
+            & (chunks < length[:, None])
+        )
         lengths.append(length.clone())
     return tuple(masks), tuple(lengths)
 
@@ -416,10 +425,10 @@ class LookupEngine:
         """
         self._check_batch(batch, index)
         max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-        hit, tri = self._find(batch, max_lengths, index, apply_eagle)
+        hit, mask_spans = self._find(batch, max_lengths, index, apply_eagle)
         if not with_masks:
             return LookupResult(hit)
-        masks, lengths = _expand_tri(tri)
+        masks, lengths = _expand_mask_spans(mask_spans)
         return LookupResult(hit, masks, lengths)
 
     def load_masks(
@@ -429,8 +438,8 @@ class LookupEngine:
         EAGLE-pruned hit lengths): a store holding every key, no EAGLE drop."""
         self._check_batch(batch, None, need_index=False)
         token_lens = self._lengths(token_lens, "token_lens", len(batch))
-        hit, tri = self._find(batch, token_lens, None, False)
-        masks, lengths = _expand_tri(tri)
+        hit, mask_spans = self._find(batch, token_lens, None, False)
+        masks, lengths = _expand_mask_spans(mask_spans)
         return LookupResult(hit, masks, lengths)
 
     def align(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -512,7 +521,7 @@ class LookupEngine:
             else self._lengths(num_prompt_tokens, "num_prompt_tokens", n)
         )
         return self._reachable(
-            aligned, start, prompt, self.layout.retention_interval, True
+            aligned, start, prompt, self.layout.retention_interval, store=True
         )
 
     def lookup_masks(self, aligned_lens: torch.Tensor | Sequence[int]) -> MaskBatch:
@@ -521,7 +530,9 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
-        return self._reachable(aligned, torch.zeros_like(aligned), None, None, False)
+        return self._reachable(
+            aligned, torch.zeros_like(aligned), None, None, store=False
+        )
 
     def _reachable(
         self,
@@ -529,88 +540,49 @@ class LookupEngine:
         start: torch.Tensor,
         prompt: torch.Tensor | None,
         retention: int | None,
-        exclude_mamba: bool,
+        store: bool,
     ) -> MaskBatch:
+        """Each group's store (``store``) or lookup mask over the chunks from
+        ``cdiv(start, block_size)`` up to ``aligned // block_size``, by the
+        group's kind (``SpecKind.batched_store_mask`` /
+        ``batched_reachable_mask``)."""
         layout = self.layout
         sched = layout.scheduler_block_size
-        use_eagle = bool(layout.eagle_group_ids)
-        bounds: list[torch.Tensor] = []
+        # reference.replay_boundaries per request, batched; a boundary listed
+        # twice only ORs the same chunks in again, so no deduplication.
+        boundaries: list[torch.Tensor] = []
         if prompt is not None:
-            if use_eagle:
+            if layout.eagle_group_ids:
                 resend = (prompt - 1) // sched * sched
                 ext = prompt // sched * sched
-                bounds = [
+                boundaries = [
                     torch.clamp(resend - sched, min=0),
                     torch.clamp(ext - sched, min=0),
                 ]
             else:
-                bounds = [prompt - 1]
+                boundaries = [prompt - 1]
         masks, lengths, dense = [], [], []
         for g_idx, spec in enumerate(layout.coverage_specs):
-            bs = spec.block_size
-            end = torch.div(aligned, bs, rounding_mode="floor")
-            st = torch.clamp(-((-start) // bs), min=0)
-            st = torch.minimum(end, st)
-            length = end - st
+            block_size = spec.block_size
+            end = torch.div(aligned, block_size, rounding_mode="floor")
+            first = torch.clamp(cdiv(start, block_size), min=0)
+            first = torch.minimum(end, first)
+            length = end - first
             width = int(length.max().item()) if length.numel() else 0
-            c = st[:, None] + torch.arange(width, device=self.device)[None, :]
-            inside = c < end[:, None]
-            is_dense = False
-            if isinstance(spec, Mamba):
-                if exclude_mamba:
-                    m = torch.zeros_like(inside)
-                else:
-                    m, is_dense = self._mamba_mask(c, inside, bs, retention, bounds)
-            elif isinstance(spec, SlidingWindow):
-                m, is_dense = self._swa_mask(
-                    c, inside, spec, g_idx in layout.eagle_group_ids, retention, bounds
-                )
-            else:
-                m, is_dense = inside.clone(), True
+            chunks = first[:, None] + torch.arange(width, device=self.device)[None, :]
+            inside = chunks < end[:, None]
+            kind = kind_of(spec)
+            mask_fn = kind.batched_store_mask if store else kind.batched_reachable_mask
+            mask, is_dense = mask_fn(
+                spec, chunks, inside, sched, g_idx in layout.eagle_group_ids,
+                retention, boundaries,
+            )  # fmt: skip
             if is_dense:
-                m = inside.clone()
-            masks.append(m & inside)
+                mask = inside.clone()
+            masks.append(mask & inside)
             lengths.append(length)
             dense.append(is_dense)
         return MaskBatch(tuple(masks), tuple(lengths), tuple(dense))
-
-    def _swa_mask(self, c, inside, spec, use_eagle, retention, bounds):
-        sched = self.layout.scheduler_block_size
-        bs = spec.block_size
-        if sched % bs:
-            return inside.clone(), True
-        need = cdiv(spec.sliding_window - 1, bs) + (1 if use_eagle else 0)
-        shift = 1 if use_eagle else 0
-        m = torch.zeros_like(inside)
-        segment = (
-            sched if retention is None else (None if retention == 0 else retention)
-        )
-        if segment is not None:
-            per = segment // bs
-            if need >= per:
-                return inside.clone(), True
-            m |= (c >= shift) & (torch.remainder(c - shift, per) >= per - need)
-        if retention is not None:
-            for b in bounds:
-                aligned = b // sched * sched
-                e = (aligned // bs + shift)[:, None]
-                m |= (c >= e - need) & (c < e)
-        return m, False
-
-    def _mamba_mask(self, c, inside, bs, retention, bounds):
-        if retention is None:
-            return inside.clone(), True
-        sched = self.layout.scheduler_block_size
-        m = torch.zeros_like(inside)
-        if retention != 0:
-            per = retention // bs
-            if per <= 1:
-                return inside.clone(), True
-            m |= torch.remainder(c + 1, per) == 0
-        for b in bounds:
-            aligned = b // sched * sched
-            m |= c == (aligned // bs - 1)[:, None]
-        return m, False
 
 
 __all__ = [

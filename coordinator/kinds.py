@@ -14,7 +14,9 @@ a spec type.
 
 The vectorised scans (the torch backend and the Triton/numba kernels) branch
 on ``SpecKind.code``; a new kind needs its closed form there too (see
-CONTRIBUTING.md, "Adding a spec type").
+CONTRIBUTING.md, "Adding a spec type"). The engine's batched store and lookup
+masks are entries here too (``batched_store_mask``,
+``batched_reachable_mask``), built on :mod:`kvhit.coordinator.masks`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from kvhit.coordinator import reference as ref
-from kvhit.coordinator.masks import sliding_window_need, swa_segment_chunks
+from kvhit.coordinator.masks import (
+    mamba_replay_mask,
+    mamba_segment_mask,
+    sliding_window_need,
+    sparse_window_mask,
+    swa_replay_mask,
+    swa_segment_chunks,
+)
 from kvhit.coordinator.specs import (
     ChunkedLocal,
     FullAttention,
@@ -38,6 +48,7 @@ from kvhit.kernels.contract import KIND_CHUNKED, KIND_FULL, KIND_MAMBA, KIND_SWA
 __all__ = [
     "KINDS",
     "KINDS_BY_NAME",
+    "BatchedMaskFn",
     "MaskFn",
     "ScanFn",
     "SpecKind",
@@ -52,6 +63,16 @@ ScanFn = Callable[..., ref.ScanResult]
 #: retention_interval, boundaries) -> list[bool] | None`` (``None``: every
 #: block): the kind's ``reachable_block_mask`` port.
 MaskFn = Callable[..., "list[bool] | None"]
+#: ``batched_mask(spec, chunks, inside, scheduler_block_size, use_eagle,
+#: retention_interval, boundaries) -> (mask, dense)``: :data:`MaskFn` for a
+#: batch of requests (``LookupEngine.store_masks`` / ``lookup_masks``).
+#: ``chunks`` int64 ``[B, W]`` is the chunk each column stands for, ``inside``
+#: bool ``[B, W]`` the columns inside each request's range, ``boundaries`` a
+#: list of int64 ``[B]`` replay boundaries (tokens); ``mask`` is bool
+#: ``[B, W]`` (read only where ``inside``) and ``dense`` is True where the
+#: reference returns ``None`` (every block). Only tensor operators and methods:
+#: the registry imports no torch.
+BatchedMaskFn = Callable[..., "tuple[Any, bool]"]
 #: ``plan_fields(spec) -> {field: value}``: the kind's own ``SpecGroupPlan``
 #: fields (``need``, ``chunk``); the rest are derived alike for every kind.
 PlanFieldsFn = Callable[[Spec], Mapping[str, int]]
@@ -74,6 +95,9 @@ class SpecKind:
         scan: the reference ``find_longest_cache_hit`` (:data:`ScanFn`).
         reachable_mask: the reference lookup/reachable mask (:data:`MaskFn`).
         store_mask: the reference store mask (:data:`MaskFn`).
+        batched_reachable_mask: ``reachable_mask`` for a batch
+            (:data:`BatchedMaskFn`).
+        batched_store_mask: ``store_mask`` for a batch (:data:`BatchedMaskFn`).
         plan_fields: its ``SpecGroupPlan`` fields (:data:`PlanFieldsFn`).
         candidate_fields: its ``CandidatePlan`` fields
             (:data:`CandidateFieldsFn`).
@@ -95,6 +119,8 @@ class SpecKind:
     scan: ScanFn
     reachable_mask: MaskFn
     store_mask: MaskFn
+    batched_reachable_mask: BatchedMaskFn
+    batched_store_mask: BatchedMaskFn
     plan_fields: PlanFieldsFn
     candidate_fields: CandidateFieldsFn
     fine_grained: bool
@@ -143,6 +169,78 @@ def _swa_candidate_fields(
     }
 
 
+def _every_chunk_batched(
+    spec: Spec, chunks: Any, inside: Any, *_: object
+) -> tuple[Any, bool]:
+    """:data:`BatchedMaskFn` of ``reference.every_block_reachable``."""
+    return inside.clone(), True
+
+
+def _no_chunk_batched(
+    spec: Spec, chunks: Any, inside: Any, *_: object
+) -> tuple[Any, bool]:
+    """:data:`BatchedMaskFn` of ``reference.no_block_stored``."""
+    return inside.new_zeros(inside.shape), False
+
+
+def _swa_batched_mask(
+    spec: SlidingWindow,
+    chunks: Any,
+    inside: Any,
+    scheduler_block_size: int,
+    use_eagle: bool,
+    retention_interval: int | None,
+    boundaries: Sequence[Any],
+) -> tuple[Any, bool]:
+    """:data:`BatchedMaskFn` of ``reference.sliding_window_reachable_mask``."""
+    block_size = spec.block_size
+    if scheduler_block_size % block_size:
+        return inside.clone(), True
+    shift = 1 if use_eagle else 0
+    need = sliding_window_need(spec.sliding_window, block_size, shift)
+    mask = inside.new_zeros(inside.shape)
+    per_segment = swa_segment_chunks(
+        retention_interval, scheduler_block_size, block_size
+    )
+    if per_segment is not None:
+        if need >= per_segment:
+            return inside.clone(), True
+        mask |= sparse_window_mask(chunks, per_segment, need, shift)
+    if retention_interval is not None:
+        for boundary in boundaries:
+            mask |= swa_replay_mask(
+                chunks, boundary[:, None], scheduler_block_size, block_size,
+                need, shift,
+            )  # fmt: skip
+    return mask, False
+
+
+def _mamba_batched_mask(
+    spec: Mamba,
+    chunks: Any,
+    inside: Any,
+    scheduler_block_size: int,
+    use_eagle: bool,
+    retention_interval: int | None,
+    boundaries: Sequence[Any],
+) -> tuple[Any, bool]:
+    """:data:`BatchedMaskFn` of ``reference.mamba_reachable_mask``."""
+    if retention_interval is None:
+        return inside.clone(), True
+    block_size = spec.block_size
+    mask = inside.new_zeros(inside.shape)
+    if retention_interval != 0:
+        per_segment = retention_interval // block_size
+        if per_segment <= 1:
+            return inside.clone(), True
+        mask |= mamba_segment_mask(chunks, per_segment)
+    for boundary in boundaries:
+        mask |= mamba_replay_mask(
+            chunks, boundary[:, None], scheduler_block_size, block_size
+        )
+    return mask, False
+
+
 #: Every kind, in code order.
 KINDS: tuple[SpecKind, ...] = (
     SpecKind(
@@ -153,6 +251,8 @@ KINDS: tuple[SpecKind, ...] = (
         scan=ref.full_attention_hit,
         reachable_mask=ref.every_block_reachable,
         store_mask=ref.every_block_reachable,
+        batched_reachable_mask=_every_chunk_batched,
+        batched_store_mask=_every_chunk_batched,
         plan_fields=_no_fields,
         candidate_fields=_no_fields,
         fine_grained=True,
@@ -167,6 +267,8 @@ KINDS: tuple[SpecKind, ...] = (
         scan=ref.sliding_window_hit,
         reachable_mask=ref.sliding_window_reachable_mask,
         store_mask=ref.sliding_window_reachable_mask,
+        batched_reachable_mask=_swa_batched_mask,
+        batched_store_mask=_swa_batched_mask,
         plan_fields=_swa_plan_fields,
         candidate_fields=_swa_candidate_fields,
         fine_grained=False,
@@ -181,6 +283,8 @@ KINDS: tuple[SpecKind, ...] = (
         scan=ref.mamba_hit,
         reachable_mask=ref.mamba_reachable_mask,
         store_mask=ref.no_block_stored,
+        batched_reachable_mask=_mamba_batched_mask,
+        batched_store_mask=_no_chunk_batched,
         plan_fields=_no_fields,
         candidate_fields=_no_fields,
         fine_grained=True,
@@ -195,6 +299,8 @@ KINDS: tuple[SpecKind, ...] = (
         scan=ref.chunked_local_hit,
         reachable_mask=ref.every_block_reachable,
         store_mask=ref.every_block_reachable,
+        batched_reachable_mask=_every_chunk_batched,
+        batched_store_mask=_every_chunk_batched,
         plan_fields=_chunked_plan_fields,
         candidate_fields=_no_fields,
         fine_grained=False,

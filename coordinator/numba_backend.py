@@ -85,7 +85,7 @@ class NumbaBackend:
         from kvhit.kernels.scan_numba import find_hits
 
         plan = self.plan
-        hit, tri = find_hits(
+        hit, mask_spans = find_hits(
             _np(view.rows),
             _np(view.offsets),
             _np(view.lengths),
@@ -101,7 +101,7 @@ class NumbaBackend:
             apply_eagle=apply_eagle,
             parallel=self.parallel,
         )
-        return torch.from_numpy(hit), torch.from_numpy(tri)
+        return torch.from_numpy(hit), torch.from_numpy(mask_spans)
 
     def lookup(
         self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex

@@ -101,7 +101,7 @@ class ReferenceBackend:
         token_lens = None if view.token_lens is None else view.token_lens.tolist()
         n_groups = self.plan.num_groups
         hits: list[int] = []
-        tri: list[list[tuple[int, int, int]]] = []
+        mask_spans: list[list[tuple[int, int, int]]] = []
         for r, (hl, m) in enumerate(zip(requests, max_lengths.tolist(), strict=True)):
             present = exists
             if token_lens is not None:
@@ -111,10 +111,12 @@ class ReferenceBackend:
                 present = asked if exists is None else asked & exists
             masks, hit = ref.find_longest_cache_hit(hl, m, present, apply_eagle)
             hits.append(hit)
-            tri.append([mask_triple(masks[g]) for g in range(n_groups)])
+            mask_spans.append([mask_triple(masks[g]) for g in range(n_groups)])
         hit_t = torch.tensor(hits, dtype=torch.int64)
-        tri_t = torch.tensor(tri, dtype=torch.int64).reshape(len(hits), n_groups, 3)
-        return hit_t.to(self.device), tri_t.to(self.device)
+        spans_t = torch.tensor(mask_spans, dtype=torch.int64).reshape(
+            len(hits), n_groups, 3
+        )
+        return hit_t.to(self.device), spans_t.to(self.device)
 
     def lookup(
         self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex

@@ -33,13 +33,9 @@ from kvhit.coordinator.candidates import (
     worker_candidates,
 )
 from kvhit.coordinator.key_index import probe_table
-from kvhit.coordinator.plan import (
-    KIND_FULL,
-    KIND_MAMBA,
-    KIND_SWA,
-    ScanPlan,
-    SpecGroupPlan,
-)
+from kvhit.coordinator.masks import cdiv
+from kvhit.coordinator.plan import ScanPlan, SpecGroupPlan
+from kvhit.kernels.contract import KIND_FULL, KIND_MAMBA, KIND_SWA
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
@@ -98,14 +94,14 @@ class TorchScanner:
         plan = self.plan
         assert batch.token_len is not None
         cp = plan.candidates[gid]
-        asked = asked_chunks(plan, cp, batch.lens[req], batch.token_len[req])
+        asked = plan.asked_chunks(cp, batch.lens[req], batch.token_len[req])
         if plan.partial:
             return unit < asked
-        s = cp.scale
-        c = (unit + 1) // s - 1
-        ok = ((unit + 1) % s == 0) & (c >= 0) & (c < asked)
+        scale = cp.scale
+        chunk = (unit + 1) // scale - 1
+        ok = ((unit + 1) % scale == 0) & (chunk >= 0) & (chunk < asked)
         if cp.sparse:
-            ok &= in_lookup_mask(cp, c)
+            ok &= in_lookup_mask(cp, chunk)
         return ok
 
     def _dup_candidate(
@@ -220,16 +216,17 @@ class TorchScanner:
         req: torch.Tensor,
         top: torch.Tensor,
         low: torch.Tensor,
-        q: int,
+        period: int,
         resid: torch.Tensor,
         need: torch.Tensor,
         scale: int,
     ) -> torch.Tensor:
         """int64 [R]: the largest block ``j <= top`` with ``j >= low``,
-        ``j % q == resid`` and ``need`` hit blocks ending at ``j`` (-1: none)."""
+        ``j % period == resid`` and ``need`` hit blocks ending at ``j`` (-1:
+        none)."""
         found = torch.full_like(top, -1)
         # The highest candidate at or below top.
-        first = top - torch.remainder(top - resid, q)
+        first = top - torch.remainder(top - resid, period)
         low = torch.maximum(low, need - 1)
         k0 = torch.zeros_like(top)
         pending = (first >= low).nonzero().squeeze(1)
@@ -237,17 +234,18 @@ class TorchScanner:
         max_need = int(need.max().item()) if need.numel() else 1
         while pending.numel():
             r = req[pending]
-            jj = (
+            # This round's candidate end blocks, highest first.
+            ends = (
                 first[pending][:, None]
                 - (
                     k0[pending][:, None]
                     + torch.arange(n_cand, device=req.device)[None, :]
                 )
-                * q
+                * period
             )
-            live = jj >= low[pending][:, None]
+            live = ends >= low[pending][:, None]
             d = torch.arange(max_need, device=req.device)
-            blk = jj[:, :, None] - d[None, None, :]
+            blk = ends[:, :, None] - d[None, None, :]
             use = live[:, :, None] & (d[None, None, :] < need[pending][:, None, None])
             flat = use.view(-1).nonzero().squeeze(1)
             hit = torch.zeros(use.numel(), dtype=torch.bool, device=req.device)
@@ -264,7 +262,7 @@ class TorchScanner:
             any_ok = ok.any(dim=1)
             first_ok = ok.to(torch.int8).argmax(dim=1)
             sel = any_ok.nonzero().squeeze(1)
-            found[pending[sel]] = jj[sel, first_ok[sel]]
+            found[pending[sel]] = ends[sel, first_ok[sel]]
             exhausted = ~live[:, -1]
             k0[pending] += n_cand
             pending = pending[~any_ok & ~exhausted]
@@ -321,19 +319,20 @@ class TorchScanner:
             hit = torch.where(got, (u + 1) * align, hit)
         hit = torch.where(drop & (hit > 0), hit - min(align, bs), hit)
         hit = hit - torch.remainder(hit, align)
-        blocks = torch.minimum(blocks, -((-hit) // bs))
+        blocks = torch.minimum(blocks, cdiv(hit, bs))
         never = torch.full_like(hit, _NEVER)
         return hit, blocks, torch.zeros_like(blocks), blocks, never
 
     def _scan_swa(self, batch, sg, req, bound, drop):
-        bs, q = sg.block_size, sg.q
+        bs, period = sg.block_size, sg.period
         m = bound // bs
         need = sg.need + drop.to(torch.int64)
         need_eff = torch.clamp(need, min=1)
-        resid = torch.where(drop, torch.zeros_like(m), torch.full_like(m, q - 1))
+        resid = torch.where(drop, torch.zeros_like(m), torch.full_like(m, period - 1))
         j = self._rightmost(
-            batch, sg, req, m - 1, torch.zeros_like(m), q, resid, need_eff, sg.scale
-        )
+            batch, sg, req, m - 1, torch.zeros_like(m), period, resid, need_eff,
+            sg.scale,
+        )  # fmt: skip
         matched = j >= 0
         length = torch.where(drop, j, j + 1)
         lo = j - need_eff + 1
@@ -350,12 +349,12 @@ class TorchScanner:
                 batch, sg, req[miss], torch.zeros_like(cap), cap, sg.scale
             )
             r = resid[miss]
-            j0 = (p - 1) - torch.remainder(p - 1 - r, q)
+            j0 = (p - 1) - torch.remainder(p - 1 - r, period)
             run = torch.where(j0 >= 0, j0 + 1, torch.zeros_like(j0))
-            run = run - torch.remainder(run, q)
+            run = run - torch.remainder(run, period)
             d = drop[miss] & (run > 0)
             run = torch.where(d, run - 1, run)
-            run = run - torch.remainder(run, q)
+            run = run - torch.remainder(run, period)
             length[miss] = run
             lo[miss] = 0
             hi[miss] = run
@@ -378,12 +377,12 @@ class TorchScanner:
             hit = torch.where(got, (u + 1) * align, torch.zeros_like(u))
             # The rightmost stored state below the bound stays the rightmost.
             return hit, length, length - got.to(length.dtype), length, hit
-        q = sg.q
+        period = sg.period
         top = bound // bs - 1
         ones = torch.ones_like(top)
         i = self._rightmost(
-            batch, sg, req, top, torch.zeros_like(top), q,
-            torch.full_like(top, q - 1), ones, sg.scale,
+            batch, sg, req, top, torch.zeros_like(top), period,
+            torch.full_like(top, period - 1), ones, sg.scale,
         )  # fmt: skip
         got = i >= 0
         length = torch.where(got, i + 1, torch.zeros_like(i))
@@ -395,12 +394,14 @@ class TorchScanner:
         start_tok = torch.where(
             bound > 0, bound // chunk * chunk, torch.zeros_like(bound)
         )
-        sb = start_tok // bs
+        start_block = start_tok // bs
         m = bound // bs
-        run = self._leading_run(batch, sg, req, sb, torch.maximum(m, sb), sg.scale)
-        length = sb + run
+        run = self._leading_run(
+            batch, sg, req, start_block, torch.maximum(m, start_block), sg.scale
+        )
+        length = start_block + run
         hit = length * bs
-        return hit, length, sb, length, torch.full_like(hit, _NEVER)
+        return hit, length, start_block, length, torch.full_like(hit, _NEVER)
 
     # -- the coordinator ------------------------------------------------------
 
@@ -410,28 +411,30 @@ class TorchScanner:
         max_lengths: torch.Tensor,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(hit int64 [B], tri int64 [B, G, 3])``: the hit lengths and
-        each group's load-mask triple ``(length, lo, hi)`` (zeros for groups
-        outside every SpecGroup)."""
+        """Returns ``(hit int64 [B], mask_spans int64 [B, G, 3])``: the hit
+        lengths and each group's load-mask triple ``(length, lo, hi)`` (zeros
+        for groups outside every SpecGroup)."""
         plan = self.plan
         dev = max_lengths.device
         n_req = max_lengths.numel()
         sgs = plan.spec_groups
-        tri = torch.zeros(n_req, plan.num_groups, 3, dtype=torch.int64, device=dev)
+        mask_spans = torch.zeros(
+            n_req, plan.num_groups, 3, dtype=torch.int64, device=dev
+        )
         all_req = torch.arange(n_req, device=dev)
         hbs = plan.hash_block_size
 
         def record(sg, req, length, lo, hi):
             gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=dev)
             vals = torch.stack([length, lo, hi], dim=1)[:, None, :]
-            tri[req[:, None], gids[None, :]] = vals.expand(-1, gids.numel(), -1)
+            mask_spans[req[:, None], gids[None, :]] = vals.expand(-1, gids.numel(), -1)
 
         if len(sgs) == 1:
             sg = sgs[0]
             drop = torch.full((n_req,), apply_eagle and sg.use_eagle, device=dev)
             hit, length, lo, hi, _ = self.scan(batch, sg, all_req, max_lengths, drop)
             record(sg, all_req, length, lo, hi)
-            return hit, tri
+            return hit, mask_spans
 
         n_sg = len(sgs)
         hit_length = max_lengths.clone()
@@ -506,12 +509,12 @@ class TorchScanner:
         for sg in sgs:
             if sg.kind != KIND_FULL:
                 continue
-            cap = -((-hit_length) // sg.block_size)
+            cap = cdiv(hit_length, sg.block_size)
             for gid in sg.group_ids:
-                n = torch.minimum(tri[:, gid, 0], cap)
-                tri[:, gid, 0] = n
-                tri[:, gid, 2] = n
-        return hit_length, tri
+                n = torch.minimum(mask_spans[:, gid, 0], cap)
+                mask_spans[:, gid, 0] = n
+                mask_spans[:, gid, 2] = n
+        return hit_length, mask_spans
 
 
 class TorchBackend:
@@ -583,10 +586,10 @@ class TorchBackend:
                             device=self.device),
             )  # fmt: skip
         with self._threads():
-            hit, tri = TorchScanner(self.plan, self._prober(index, view.rows)).find(
-                self._batch(view), max_lengths, apply_eagle
-            )
-        return hit.clone(), tri.clone()
+            hit, mask_spans = TorchScanner(
+                self.plan, self._prober(index, view.rows)
+            ).find(self._batch(view), max_lengths, apply_eagle)
+        return hit.clone(), mask_spans.clone()
 
     def lookup(
         self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex

@@ -36,24 +36,7 @@ def _plan_tensors_cached(
     plan: ScanPlan, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sg_rows = torch.tensor(plan.as_rows(), dtype=torch.int64, device=device)
-    # Columns in kernels/contract.py's CAND_COLS order.
-    cand_rows = torch.tensor(
-        [
-            [
-                int(cp.cacheable),
-                cp.block_size,
-                cp.scale,
-                int(cp.sparse),
-                cp.per_segment,
-                cp.need,
-                cp.shift,
-                cp.group_id,
-            ]
-            for cp in plan.candidates
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
+    cand_rows = torch.tensor(plan.candidate_rows(), dtype=torch.int64, device=device)
     return sg_rows, cand_rows
 
 

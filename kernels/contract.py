@@ -56,7 +56,7 @@ __all__ = [
     "SG_MEMBERS",
     "SG_NEED",
     "SG_N_MEMBERS",
-    "SG_Q",
+    "SG_PERIOD",
     "SG_SCALE",
     "SG_USE_EAGLE",
     "TOMBSTONE",
@@ -131,7 +131,7 @@ SG_COLS = (
     "use_eagle",
     "margin",
     "need",
-    "q",
+    "period",
     "fine",
     "chunk",
     "n_members",
@@ -142,7 +142,7 @@ SG_SCALE = 2
 SG_USE_EAGLE = 3
 SG_MARGIN = 4
 SG_NEED = 5
-SG_Q = 6
+SG_PERIOD = 6
 SG_FINE = 7
 SG_CHUNK = 8
 SG_N_MEMBERS = 9

@@ -131,7 +131,7 @@ _SG_SCALE: tl.constexpr = tl.constexpr(kc.SG_SCALE)
 _SG_USE_EAGLE: tl.constexpr = tl.constexpr(kc.SG_USE_EAGLE)
 _SG_MARGIN: tl.constexpr = tl.constexpr(kc.SG_MARGIN)
 _SG_NEED: tl.constexpr = tl.constexpr(kc.SG_NEED)
-_SG_Q: tl.constexpr = tl.constexpr(kc.SG_Q)
+_SG_PERIOD: tl.constexpr = tl.constexpr(kc.SG_PERIOD)
 _SG_FINE: tl.constexpr = tl.constexpr(kc.SG_FINE)
 _SG_CHUNK: tl.constexpr = tl.constexpr(kc.SG_CHUNK)
 _SG_N_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_N_MEMBERS)
@@ -236,12 +236,15 @@ def _is_candidate(ctx, units, gid):
     per = tl.load(row + _CAND_PER_SEGMENT)
     need = tl.load(row + _CAND_NEED)
     shift = tl.load(row + _CAND_SHIFT)
+    # The limits are ``masks.asked_chunks`` (``ScanPlan.asked_chunks``): with
+    # partial hash hits, then dense (the sparse one is in ``sp``).
     in_partial = units < tl.minimum(lens, _div(tok_len, ctx[_C_HBS]))
     u1 = tl.maximum(units + 1, 0)
     c = _div(u1, s) - 1
     ok = (_rem(u1, s) == 0) & (c >= 0)
     ok = ok & (c < tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs)))
-    # The SWA lookup mask keeps the last `need` chunks of each segment.
+    # The SWA lookup mask keeps the last `need` chunks of each segment
+    # (``masks.sparse_window_mask``).
     in_seg = _fmod(c - shift, tl.maximum(per, 1)) >= per - need
     sp = (c < _div(tok_len, bs)) & (c >= shift) & in_seg
     # Broadcast before mixing with vectors: the interpreter types a bool
@@ -254,6 +257,7 @@ def _is_candidate(ctx, units, gid):
 def _candidate_chunk(k, sp, shift, per, nd):
     """The ``k``-th candidate chunk (in increasing order) of a group: every
     chunk, or with a sparse lookup mask the ``nd`` last of each segment."""
+    # The sparse branch is ``masks.sparse_window_chunk``.
     return tl.where(sp, shift + _div(k, nd) * per + (per - nd) + _rem(k, nd), k)
 
 
@@ -286,7 +290,8 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     is_partial = ctx[_C_PARTIAL] != 0
     sp = ~is_partial & sparse
     # Candidates are the chunks c < limit (hash units, with partial hits) that
-    # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...
+    # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...;
+    # ``limit`` is ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
     limit = tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs))
     limit = tl.where(sparse, tl.minimum(limit, _div(tok_len, bs)), limit)
     limit = tl.where(is_partial, tl.minimum(lens, _div(tok_len, ctx[_C_HBS])), limit)
@@ -446,7 +451,7 @@ def _sg_shape(ctx, sg_row, bound, drop):
     kind = tl.load(sg_row + _SG_KIND)
     bs = tl.load(sg_row + _SG_BLOCK_SIZE)
     scale = tl.load(sg_row + _SG_SCALE)
-    q = tl.load(sg_row + _SG_Q)
+    q = tl.load(sg_row + _SG_PERIOD)
     fine = tl.load(sg_row + _SG_FINE) != 0
     chunk = tl.maximum(tl.load(sg_row + _SG_CHUNK), 1)
     zero = bound * 0
@@ -454,6 +459,8 @@ def _sg_shape(ctx, sg_row, bound, drop):
     # Fine-grained (align < bs): the full view has bs // align units per block.
     fscale = tl.where(fine, _div(bs, align), scale)
     sb = _div(tl.where(bound > 0, _div(bound, chunk) * chunk, zero), bs)
+    # SG_NEED is ``masks.sliding_window_need`` without EAGLE; the drop is its
+    # ``eagle`` term.
     need_eff = tl.maximum(tl.load(sg_row + _SG_NEED) + drop, 1)
     swa_resid = tl.where(drop != 0, zero, q - 1)
     return kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid
@@ -488,6 +495,8 @@ def _sg_searches(
     is_chunk = ~(is_full | is_swa | is_mamba)
     zero = bound * 0
 
+    # Each kind's scan mirrors its reference: ``reference.full_attention_hit``,
+    # ``sliding_window_hit``, ``mamba_hit``, ``chunked_local_hit``.
     # Phase A: full attention's leading run; chunked local's run after the
     # null blocks before the last attention chunk.
     a_start = tl.where(is_chunk, sb, zero)
@@ -533,14 +542,14 @@ def _sg_result(ctx, sg_row, bound, drop, n, j, p):
     zero = bound * 0
     got = j >= 0
     dropping = drop != 0
-    # Full attention.
+    # Full attention (``reference.full_attention_hit``).
     f_tail = fine & got
     f_blocks = n + f_tail.to(tl.int64)
     f_hit = tl.where(f_tail, (j + 1) * align, n * bs)
     f_hit = tl.where(dropping & (f_hit > 0), f_hit - tl.minimum(align, bs), f_hit)
     f_hit = f_hit - _rem(f_hit, align)
     f_blocks = tl.minimum(f_blocks, _div(f_hit + bs - 1, bs))
-    # Sliding window.
+    # Sliding window (``reference.sliding_window_hit``).
     s_len = tl.where(dropping, j, j + 1)
     s_lo = j - need_eff + 1
     j0 = (p - 1) - _fmod(p - 1 - swa_resid, q)
@@ -550,12 +559,12 @@ def _sg_result(ctx, sg_row, bound, drop, n, j, p):
     run = run - _rem(run, q)
     s_len = tl.where(got, s_len, run)
     s_lo = tl.where(got, s_lo, zero)
-    # Mamba.
+    # Mamba (``reference.mamba_hit``).
     j_pos = tl.maximum(j, 0)
     m_len = tl.where(got, tl.where(fine, _div(j_pos, fscale) + 1, j_pos + 1), zero)
     m_hit = tl.where(got, tl.where(fine, (j_pos + 1) * align, (j_pos + 1) * bs), zero)
     m_lo = m_len - got.to(tl.int64)
-    # Chunked local.
+    # Chunked local (``reference.chunked_local_hit``).
     c_len = sb + n
 
     is_full = kind == _FULL
@@ -707,7 +716,9 @@ def _asks_any(ctx, n_groups):
         bs = tl.load(row + _CAND_BLOCK_SIZE)
         sparse = tl.load(row + _CAND_SPARSE) != 0
         need = tl.load(row + _CAND_NEED)
+        # ``masks.sparse_window_chunk(0, per_segment, need, shift)``.
         lowest = tl.load(row + _CAND_SHIFT) + tl.load(row + _CAND_PER_SEGMENT) - need
+        # ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
         asked = tl.minimum(
             _div(lens, tl.load(row + _CAND_SCALE)), _div(tok_len + bs - 1, bs)
         )

@@ -81,7 +81,7 @@ from kvhit.kernels.contract import (
     SG_MEMBERS,
     SG_N_MEMBERS,
     SG_NEED,
-    SG_Q,
+    SG_PERIOD,
     SG_SCALE,
     SG_USE_EAGLE,
 )
@@ -117,6 +117,7 @@ _JIT = {"cache": True, "nogil": True}
 
 @numba.njit(**_JIT)
 def _cdiv(a, b):
+    # Mirrors masks.cdiv (kernels/contract.py).
     return -((-a) // b)
 
 
@@ -130,6 +131,7 @@ def _candidate_limits(n_units, tok_len, cand, partial, hbs, glim):
     ``glim`` (int64 ``[G]``); computed once per request so that a probe's
     position test costs one division. Mirrors the loop bounds of
     ``ReferenceCoordinator.lookup_candidates``."""
+    # The limit is coordinator.masks.asked_chunks (ScanPlan.asked_chunks).
     for gid in range(cand.shape[0]):
         if partial:
             glim[gid] = min(n_units, tok_len // hbs)
@@ -162,8 +164,9 @@ def _is_candidate(u, glim, cand, gid, partial):
     if c >= glim[gid]:
         return False
     if cand[gid, CAND_SPARSE] != 0:
-        # The SWA lookup mask (reference ``_swa_reachable_mask`` without
-        # retention): the last `need` chunks of each scheduler segment.
+        # The SWA lookup mask (``reference.sliding_window_reachable_mask``
+        # without retention): the last `need` chunks of each scheduler
+        # segment; mirrors ``masks.sparse_window_mask``.
         shift = cand[gid, CAND_SHIFT]
         per = cand[gid, CAND_PER_SEGMENT]
         if c < shift or (c - shift) % per < per - cand[gid, CAND_NEED]:
@@ -205,7 +208,8 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
     need = cand[gid, CAND_NEED]
     if need <= 0:
         return False
-    # Kept chunks: c = shift + m * per + (per - need) + t, 0 <= t < need.
+    # Kept chunks: c = shift + m * per + (per - need) + t, 0 <= t < need
+    # (``masks.sparse_window_chunk`` of k = m * need + t).
     base = shift + per - need
     while base < lim:
         for t in range(need):
@@ -301,7 +305,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
     kind = sg[sgi, SG_KIND]
     bs = sg[sgi, SG_BLOCK_SIZE]
     scale = sg[sgi, SG_SCALE]
-    q = sg[sgi, SG_Q]
+    q = sg[sgi, SG_PERIOD]
     fine = sg[sgi, SG_FINE] != 0
     m = bound // bs
     # Fine-grained (align < bs): a block is bs // align hash units.
@@ -309,6 +313,8 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
     chunk = max(sg[sgi, SG_CHUNK], 1)
     start_tok = bound // chunk * chunk if bound > 0 else 0
     sb = start_tok // bs
+    # SG_NEED is ``masks.sliding_window_need`` without EAGLE; the drop is its
+    # ``eagle`` term.
     need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
     swa_resid = 0 if drop else q - 1
     n = 0  # phase 0's run
@@ -319,17 +325,17 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
             if kind == KIND_FULL:
                 if not fine:
                     continue
-                # Reference ``_full_hit``: the highest hit hash unit inside
+                # ``reference.full_attention_hit``: the highest hit hash unit inside
                 # the first block past the run.
                 first = n * fscale
                 top = min(first + fscale - 1, bound // align, n_units) - 1
                 low, bq, resid, bneed, bscale = first, 1, 0, 1, 1
             elif kind == KIND_SWA:
-                # Reference ``_swa_hit``: the rightmost run of `need` hit
+                # ``reference.sliding_window_hit``: the rightmost run of `need` hit
                 # blocks whose top leaves an aligned hit after the EAGLE pop.
                 top, low, bq, resid, bneed, bscale = m - 1, 0, q, swa_resid, need, scale
             elif kind == KIND_MAMBA:
-                # Reference ``_mamba_hit``: the rightmost stored state (fine:
+                # ``reference.mamba_hit``: the rightmost stored state (fine:
                 # hash unit) on an aligned boundary.
                 if fine:
                     top = min(bound // align, n_units) - 1
@@ -344,10 +350,10 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
             continue
         if phase == 0:
             if kind == KIND_FULL:
-                # Reference ``_full_hit``: the leading run of hit blocks.
+                # ``reference.full_attention_hit``: the leading run of hit blocks.
                 start, end, lscale = 0, min(m, n_units // fscale), fscale
             elif kind == KIND_CHUNKED:
-                # Reference ``_chunked_local_hit``: null blocks up to the last
+                # ``reference.chunked_local_hit``: null blocks up to the last
                 # attention chunk, then the leading run.
                 start, end, lscale = sb, max(m, sb), scale
             else:
@@ -506,6 +512,8 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
 def _any_candidate(n_units, tok_len, cand, partial, hbs):
     """Whether the store worker asks about any key at all (its
     ``lookup_candidates`` is not empty)."""
+    # ``asked`` is masks.asked_chunks; the lowest kept chunk is
+    # masks.sparse_window_chunk(0, per_segment, need, shift).
     for gid in range(cand.shape[0]):
         if cand[gid, CAND_CACHEABLE] == 0:
             continue
