@@ -67,8 +67,8 @@ class SpecGroupPlan:
     per block; ``need`` the sliding-window run without EAGLE
     (``masks.sliding_window_need``); ``margin`` the EAGLE proof margin in
     tokens (0 for Mamba or non-EAGLE); ``period`` the hit-alignment period in
-    blocks (a block count ``L`` is aligned iff ``L % period == 0``; also
-    readable as ``q``, the name of its ``as_rows()`` column); ``fine`` whether
+    blocks (a block count ``L`` is aligned iff ``L % period == 0``;
+    ``contract.SG_PERIOD``); ``fine`` whether
     the scan probes hash units inside a block (full attention and Mamba with
     ``A < bs``); ``chunk`` the chunked-local attention chunk in tokens.
     """
@@ -83,11 +83,6 @@ class SpecGroupPlan:
     period: int
     fine: bool
     chunk: int
-
-    @property
-    def q(self) -> int:
-        """``period`` under its ``as_rows()`` column name (``SG_Q``)."""
-        return self.period
 
 
 @dataclass(frozen=True)
@@ -193,7 +188,7 @@ class ScanPlan:
 
     def as_rows(self) -> list[list[int]]:
         """One int row per SpecGroup for kernels: kind, block_size, scale,
-        use_eagle, margin, need, q, fine, chunk, n_members, members... (padded
+        use_eagle, margin, need, period, fine, chunk, n_members, members... (padded
         with -1 to the largest SpecGroup)."""
         width = max(len(sg.group_ids) for sg in self.spec_groups)
         rows = []

@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvhit.coordinator.candidates import (
-    asked_chunks,
     candidate_units,
     has_candidates,
     in_lookup_mask,
-    worker_candidates,
 )
 from kvhit.coordinator.key_index import probe_table
 from kvhit.coordinator.masks import cdiv
@@ -41,15 +39,7 @@ if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import RaggedView
 
-# The candidate helpers moved to coordinator/candidates.py; re-exported here
-# for callers that still import them from this module.
-__all__ = [
-    "TorchBackend",
-    "TorchScanner",
-    "asked_chunks",
-    "in_lookup_mask",
-    "worker_candidates",
-]
+__all__ = ["TorchBackend", "TorchScanner"]
 
 # probe(group_ids int64 [N], rows int64 [N]) -> bool [N]: is (group, hashes[row])
 # in the store?
