@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvhit.coordinator.checks import check_tensor
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex, probe_table
 from kvhit.coordinator.packing import HashBatch, num_words
@@ -229,12 +230,10 @@ def layout_engine(key: str, device: torch.device | str) -> LookupEngine:
 
 
 def _check_tensor(name: str, t: torch.Tensor, dim: int, device: torch.device) -> None:
-    if t.dtype != torch.int64:
-        raise TypeError(f"{name} must be int64, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the table on {device}")
+    # Fake implementations run these checks too, on tensors without data.
+    check_tensor(
+        t, name, dim=dim, device=device, device_of="the table", holds_data=False
+    )
 
 
 def _check_probe(table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor):

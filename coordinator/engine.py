@@ -34,6 +34,7 @@ import torch
 
 from kvhit.coordinator.backend import Backend
 from kvhit.coordinator.candidates import worker_candidates
+from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
 from kvhit.coordinator.masks import cdiv
@@ -144,26 +145,6 @@ def _expand_mask_spans(
     return tuple(masks), tuple(lengths)
 
 
-def _canonical_device(device: Any) -> torch.device:
-    """The device tensors made on ``device`` report: ``"cuda"`` becomes
-    ``cuda:<current>``, ``"cpu:0"`` becomes ``cpu``, so that comparing it with
-    a tensor's device is exact."""
-    if not isinstance(device, torch.device | str):
-        raise TypeError(
-            f"device must be a torch.device or a str, got {type(device).__name__}"
-        )
-    try:
-        dev = torch.empty(0, device=device).device
-    except (RuntimeError, AssertionError) as exc:
-        raise ValueError(f"device {device!r} is not available here ({exc})") from None
-    if dev.type == "meta":
-        raise ValueError(
-            f"device {device!r} holds no data: a LookupEngine needs one that does "
-            "(cpu, cuda, ...)"
-        )
-    return dev
-
-
 def _position_error(name: str, i: int, v: Any) -> ValueError:
     return ValueError(f"{name}[{i}] ({v}) must be an int in [0, 2**63) (int64, >= 0)")
 
@@ -231,7 +212,7 @@ class LookupEngine:
             or cpu_threads < 1
         ):
             raise ValueError(f"cpu_threads must be None or >= 1, got {cpu_threads!r}")
-        device = _canonical_device(device if device is not None else "cpu")
+        device = check_device(device if device is not None else "cpu")
         if backend == "auto":
             backend = auto_backend(device)
         self.layout = layout
@@ -287,12 +268,13 @@ class LookupEngine:
         numpy inputs are checked on the host before they move, so only a
         device tensor costs a host sync."""
         if isinstance(value, torch.Tensor):
-            if value.dtype != torch.int64:
-                raise TypeError(f"{name} must be int64, got {value.dtype}")
-            if value.device != self.device:
-                raise ValueError(
-                    f"{name} is on {value.device}, the engine on {self.device}"
-                )
+            check_tensor(
+                value,
+                name,
+                device=self.device,
+                device_of="the engine",
+                holds_data=False,
+            )
             if value.dim() != 1 or value.numel() != n:
                 raise ValueError(
                     f"{name} must have shape [{n}] (one per request), got "

@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
 from kvhit.kernels.contract import (
     BUSY,
@@ -331,22 +332,15 @@ def erase_table(
 
 
 def _resolve_device(device: Any, name: str = "device") -> torch.device:
-    """``device`` as tensors made there report it (``"cuda"`` -> ``cuda:<n>``),
-    or ValueError naming ``name`` for a device that holds no data (meta) or is
-    not available here."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
-    if dev.type == "meta":
-        raise ValueError(
-            f"{name} {device!r}: meta tensors hold no data; a KeyIndex needs a "
-            "real device (cpu, cuda, ...)"
-        )
-    try:
-        return torch.empty(0, device=dev).device
-    except (RuntimeError, AssertionError) as exc:
-        raise ValueError(f"device {device!r} is not available here ({exc})") from None
+    """:func:`coordinator.checks.check_device`, except that anything
+    ``torch.device`` takes (an ordinal too) is accepted, and a value it
+    refuses is a ValueError naming ``name``."""
+    if not isinstance(device, torch.device | str):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
+    return check_device(device, name)
 
 
 def _normalize_hashes(
@@ -561,12 +555,7 @@ def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int)
 
 def _check_table_tensor(table: Any, W: int, name: str) -> int:
     """Structure of a table tensor (no values read); returns its capacity."""
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(table).__name__}")
-    if table.dtype != torch.int64:
-        raise TypeError(f"{name} must be int64, got {table.dtype}")
-    if table.device.type == "meta":
-        raise ValueError(f"{name} is a meta tensor: it holds no data")
+    check_tensor(table, name)
     cap = table.shape[0] if table.dim() == 2 else 0
     if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
         raise ValueError(

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhit.coordinator.checks import check_device, check_tensor
+
 __all__ = [
     "HashBatch",
     "RaggedView",
@@ -115,30 +117,6 @@ def _as_list(items: Any, name: str, what: str) -> list[Any]:
     return list(items)
 
 
-def check_device(device: Any, name: str = "device") -> torch.device:
-    """``device`` as a ``torch.device`` that can hold data, or an error naming
-    ``name``: TypeError for a non-device, ValueError for an unknown device
-    string, a ``meta`` device (no data to look up) or a device this machine
-    does not have (e.g. ``"cuda"`` without CUDA)."""
-    if not isinstance(device, torch.device | str):
-        raise TypeError(
-            f"{name} must be a torch.device or str, got {type(device).__name__}"
-        )
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"{name}={device!r} is not a device ({exc})") from None
-    if dev.type == "meta":
-        raise ValueError(f"{name}={dev}: meta tensors hold no data")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{name}={dev}: CUDA is not available on this machine")
-    try:
-        torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as exc:
-        raise ValueError(f"{name}={dev} is not usable here ({exc})") from None
-    return dev
-
-
 def _join(items: Sequence[_BytesLike], where: Any, hash_bytes: int) -> bytearray:
     """Concatenate ``items`` (each already ``len() == hash_bytes``); on an
     item that is not a 1-D byte buffer, raise TypeError naming it (``where(k)``
@@ -198,10 +176,7 @@ def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
 def unpack_hashes(hashes: torch.Tensor, hash_bytes: int) -> list[bytes]:
     """Inverse of :func:`pack_hashes`: int64 ``[N, W]`` -> ``N`` bytes objects."""
     w = num_words(hash_bytes)
-    if not isinstance(hashes, torch.Tensor):
-        raise TypeError(f"hashes must be a torch.Tensor, got {type(hashes).__name__}")
-    if hashes.dtype != torch.int64:
-        raise TypeError(f"hashes must be int64, got {hashes.dtype}")
+    check_tensor(hashes, "hashes", holds_data=False)
     if hashes.dim() != 2 or hashes.shape[1] != w:
         raise ValueError(
             f"hashes must have shape [N, {w}] for hash_bytes={hash_bytes}, "
@@ -278,19 +253,9 @@ class HashBatch:
     hash_bytes: int
 
     def __post_init__(self) -> None:
-        h, o = self.hashes, self.offsets
-        if not isinstance(h, torch.Tensor):
-            raise TypeError(f"hashes must be a torch.Tensor, got {type(h).__name__}")
-        if not isinstance(o, torch.Tensor):
-            raise TypeError(f"offsets must be a torch.Tensor, got {type(o).__name__}")
+        h = check_tensor(self.hashes, "hashes")
+        o = check_tensor(self.offsets, "offsets")
         w = num_words(self.hash_bytes)
-        for name, t in (("hashes", h), ("offsets", o)):
-            if t.device.type == "meta":
-                raise ValueError(f"{name} is a meta tensor: it holds no data")
-        if h.dtype != torch.int64:
-            raise TypeError(f"hashes must be int64, got {h.dtype}")
-        if o.dtype != torch.int64:
-            raise TypeError(f"offsets must be int64, got {o.dtype}")
         if h.dim() != 2 or h.shape[1] != w:
             raise ValueError(
                 f"hashes must have shape [total, {w}] for hash_bytes="
