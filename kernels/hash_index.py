@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract
+from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
 
 __all__ = [
@@ -306,33 +307,8 @@ def _check_args(
     table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> int:
     """Validate launcher arguments; return capacity - 1."""
-    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-        raise ValueError(f"W must be a positive int, got {W!r}")
-    for name, t in (("table", table), ("group_ids", group_ids), ("hashes", hashes)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int64:
-            raise TypeError(f"{name} must be int64, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device != table.device:
-            raise ValueError(f"{name} is on {t.device} but table is on {table.device}")
-    if table.dim() != 2 or table.shape[1] != W + 1:
-        raise ValueError(
-            f"table must have shape [capacity, {W + 1}], got {list(table.shape)}"
-        )
-    cap = table.shape[0]
-    if cap < 1 or cap & (cap - 1):
-        raise ValueError(f"table capacity must be a power of two, got {cap}")
-    if group_ids.dim() != 1:
-        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
-    if hashes.dim() != 2 or hashes.shape[1] != W:
-        raise ValueError(f"hashes must have shape [N, {W}], got {list(hashes.shape)}")
-    if hashes.shape[0] != group_ids.shape[0]:
-        raise ValueError(
-            f"group_ids has {group_ids.shape[0]} entries but hashes has "
-            f"{hashes.shape[0]} rows"
-        )
+    cap = check_table(table, W)
+    check_keys(group_ids, hashes, W, table.device)
     if table.device.type == "cpu" and not _interpreting():
         raise ValueError(
             "table is on the CPU: the Triton kernels need a GPU, or "

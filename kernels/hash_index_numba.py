@@ -29,6 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.probe_numba import key_slot_hash, table_find
 
@@ -184,23 +185,9 @@ def _rehash_kernel(old, new):
 
 
 def _check_table(table: torch.Tensor, W: int) -> None:
-    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-        raise ValueError(f"W must be a positive int, got {W!r}")
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
-    if table.dtype != torch.int64:
-        raise TypeError(f"table must be int64, got {table.dtype}")
+    check_table(table, W)
     if table.device.type != "cpu":
         raise ValueError(f"table must be on the CPU, got {table.device}")
-    if not table.is_contiguous():
-        raise ValueError("table must be contiguous")
-    if table.dim() != 2 or table.shape[1] != W + 1:
-        raise ValueError(
-            f"table must have shape [capacity, {W + 1}], got {list(table.shape)}"
-        )
-    cap = table.shape[0]
-    if cap < 1 or cap & (cap - 1):
-        raise ValueError(f"table capacity must be a power of two, got {cap}")
 
 
 def _views(
@@ -208,24 +195,7 @@ def _views(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate launcher arguments; zero-copy numpy views of them."""
     _check_table(table, W)
-    for name, t in (("group_ids", group_ids), ("hashes", hashes)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int64:
-            raise TypeError(f"{name} must be int64, got {t.dtype}")
-        if t.device != table.device:
-            raise ValueError(f"{name} is on {t.device} but table is on {table.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if group_ids.dim() != 1:
-        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
-    if hashes.dim() != 2 or hashes.shape[1] != W:
-        raise ValueError(f"hashes must have shape [N, {W}], got {list(hashes.shape)}")
-    if hashes.shape[0] != group_ids.shape[0]:
-        raise ValueError(
-            f"group_ids has {group_ids.shape[0]} entries but hashes has "
-            f"{hashes.shape[0]} rows"
-        )
+    check_keys(group_ids, hashes, W, table.device)
     return table.numpy(), group_ids.numpy(), hashes.numpy()
 
 

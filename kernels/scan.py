@@ -92,6 +92,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract as kc
+from kvhit.kernels.checks import check_int64
 from kvhit.kernels.hash_index import slot_hash
 
 __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
@@ -852,12 +853,7 @@ def _check(
 ) -> torch.Tensor:
     """Validate one tensor argument (int64, contiguous, ``dim`` dims, on
     ``device``, sizes equal to ``shape`` where not None); metadata only."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64:
-        raise TypeError(f"{name} must be int64, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
+    t = check_int64(t, name, dim=dim, device=device, device_of="hashes")
     if shape is not None:
         for want, got in zip(shape, t.shape, strict=True):
             if want is not None and want != got:
@@ -865,10 +861,6 @@ def _check(
                     f"{name} must have shape {[s if s is not None else '*' for s in shape]}, "
                     f"got {list(t.shape)}"
                 )
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but hashes is on {device}")
     return t
 
 
