@@ -929,13 +929,11 @@ def _launch(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
     lens: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: tuple[str, torch.Tensor],
     token_len: torch.Tensor | None,
     table: torch.Tensor | None,
     sg_rows: torch.Tensor,
     cand_rows: torch.Tensor,
-    hit: torch.Tensor,
-    tri: torch.Tensor,
     *,
     hash_block_size: int,
     alignment: int,
@@ -945,15 +943,41 @@ def _launch(
     apply_eagle: bool,
     lookup: bool,
     block: int,
-) -> None:
-    """One launch of :func:`_scan_kernel`, one program per request."""
-    n_sg, sg_w = sg_rows.shape
-    # Unused pointer arguments still need a tensor on the device.
-    _scan_kernel[(offsets.shape[0],)](
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both launchers' work: every check (:func:`_validate`, before anything
+    is allocated), the outputs, then one launch of :func:`_scan_kernel`, one
+    program per request. ``lengths`` is ``(argument name, int64 [R])``.
+    Returns ``(hit int64 [R], tri int64 [R, G, 3])``; in LOOKUP mode ``tri``
+    is ``hit`` itself (the kernel never writes mask triples there)."""
+    _validate(
         hashes,
         offsets,
         lens,
         lengths,
+        sg_rows,
+        cand_rows,
+        table,
+        token_len,
+        hash_block_size,
+        alignment,
+        num_groups,
+        block,
+    )
+    n_req = offsets.shape[0]
+    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
+    if lookup:
+        tri = hit
+    else:
+        tri = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=hashes.device)
+    if not n_req:
+        return hit, tri
+    n_sg, sg_w = sg_rows.shape
+    # Unused pointer arguments still need a tensor on the device.
+    _scan_kernel[(n_req,)](
+        hashes,
+        offsets,
+        lens,
+        lengths[1],
         token_len if token_len is not None else lens,
         table if table is not None else hashes,
         (table.shape[0] - 1) if table is not None else 0,
@@ -978,6 +1002,7 @@ def _launch(
         num_warps=NUM_WARPS,
         maxnreg=MAXNREG,
     )
+    return hit, tri
 
 
 def scan_hits(
@@ -1034,45 +1059,24 @@ def scan_hits(
     divides positions in 32 bits); a request would need that many tokens of
     hashes for it to matter.
     """
-    _validate(
+    return _launch(
         hashes,
         offsets,
         lens,
         ("max_lengths", max_lengths),
+        token_len,
+        table,
         sg_rows,
         cand_rows,
-        table,
-        token_len,
-        hash_block_size,
-        alignment,
-        num_groups,
-        block,
+        hash_block_size=hash_block_size,
+        alignment=alignment,
+        partial=partial,
+        simple_hybrid=simple_hybrid,
+        num_groups=num_groups,
+        apply_eagle=apply_eagle,
+        lookup=False,
+        block=block,
     )
-    n_req = offsets.shape[0]
-    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
-    tri = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=hashes.device)
-    if n_req:
-        _launch(
-            hashes,
-            offsets,
-            lens,
-            max_lengths,
-            token_len,
-            table,
-            sg_rows,
-            cand_rows,
-            hit,
-            tri,
-            hash_block_size=hash_block_size,
-            alignment=alignment,
-            partial=partial,
-            simple_hybrid=simple_hybrid,
-            num_groups=num_groups,
-            apply_eagle=apply_eagle,
-            lookup=False,
-            block=block,
-        )
-    return hit, tri
 
 
 def worker_lookup(
@@ -1106,41 +1110,22 @@ def worker_lookup(
     """
     if table is None:
         raise TypeError("table must be a KeyIndex table (a tensor), got None")
-    _validate(
+    hit, _ = _launch(
         hashes,
         offsets,
         lens,
         ("num_tokens", num_tokens),
+        None,
+        table,
         sg_rows,
         cand_rows,
-        table,
-        None,
-        hash_block_size,
-        alignment,
-        num_groups,
-        block,
+        hash_block_size=hash_block_size,
+        alignment=alignment,
+        partial=partial,
+        simple_hybrid=simple_hybrid,
+        num_groups=num_groups,
+        apply_eagle=True,
+        lookup=True,
+        block=block,
     )
-    n_req = offsets.shape[0]
-    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
-    if n_req:
-        _launch(
-            hashes,
-            offsets,
-            lens,
-            num_tokens,
-            None,
-            table,
-            sg_rows,
-            cand_rows,
-            hit,
-            hit,  # no mask triples in LOOKUP mode: tri is never written
-            hash_block_size=hash_block_size,
-            alignment=alignment,
-            partial=partial,
-            simple_hybrid=simple_hybrid,
-            num_groups=num_groups,
-            apply_eagle=True,
-            lookup=True,
-            block=block,
-        )
     return hit
