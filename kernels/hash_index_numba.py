@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.probe_numba import key_slot_hash, table_find
+from kvhit.kernels.probe_numba import key_slot_hash, slot_holds_key, table_find
 
 __all__ = ["erase", "find", "insert", "probe", "rehash"]
 
@@ -123,16 +123,10 @@ def _insert_kernel(table, gids, keys, out):
                 out[r] = 1
                 placed = True
                 break
-            if g == gid:
-                same = True
-                for j in range(W):
-                    if table[slot, 1 + j] != keys[r, j]:
-                        same = False
-                        break
-                if same:
-                    out[r] = 0
-                    placed = True
-                    break
+            if g == gid and slot_holds_key(table, slot, keys, r):
+                out[r] = 0
+                placed = True
+                break
             slot = (slot + 1) & mask
         if not placed:
             return r
@@ -199,6 +193,17 @@ def _views(
     return table.numpy(), group_ids.numpy(), hashes.numpy()
 
 
+def _launch(kernel, dtype, table, W, group_ids, hashes) -> tuple[np.ndarray, int]:
+    """Every launcher's work: validate (:func:`_views`), allocate ``out``
+    (zeros ``[N]`` of ``dtype``) and, when there are keys, run
+    ``kernel(table, group_ids, hashes, out)``. Returns ``out`` and the
+    kernel's return value (-1 when it did not run or returns nothing)."""
+    t, g, h = _views(table, W, group_ids, hashes)
+    out = np.zeros(g.shape[0], dtype=dtype)
+    ret = kernel(t, g, h, out) if g.shape[0] else None
+    return out, -1 if ret is None else int(ret)
+
+
 def find(
     table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
@@ -207,22 +212,18 @@ def find(
     table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
     ``[N]``; hashes: int64 ``[N, W]``; all contiguous, on the CPU.
     """
-    t, g, h = _views(table, W, group_ids, hashes)
-    out = np.empty(g.shape[0], dtype=np.int64)
-    if g.shape[0]:
-        _find_kernel(t, g, h, out)
-    return torch.from_numpy(out)
+    return torch.from_numpy(
+        _launch(_find_kernel, np.int64, table, W, group_ids, hashes)[0]
+    )
 
 
 def probe(
     table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
     """Membership of keys: bool ``[N]``. Arguments as :func:`find`."""
-    t, g, h = _views(table, W, group_ids, hashes)
-    out = np.empty(g.shape[0], dtype=np.bool_)
-    if g.shape[0]:
-        _probe_kernel(t, g, h, out)
-    return torch.from_numpy(out)
+    return torch.from_numpy(
+        _launch(_probe_kernel, np.bool_, table, W, group_ids, hashes)[0]
+    )
 
 
 def insert(
@@ -237,9 +238,8 @@ def insert(
     keeps load <= max_load < 1). Arguments as :func:`find`. Raises
     RuntimeError if a key found no free slot (rows before it are inserted).
     """
-    t, g, h = _views(table, W, group_ids, hashes)
-    out = np.zeros(g.shape[0], dtype=np.int8)
-    if g.shape[0] and _insert_kernel(t, g, h, out) >= 0:
+    out, first_failed = _launch(_insert_kernel, np.int8, table, W, group_ids, hashes)
+    if first_failed >= 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return torch.from_numpy(out) > 0
 
@@ -250,11 +250,12 @@ def erase(
     """Replace keys by tombstones in place; bool ``[N]``, True where this row
     removed the key (absent keys and later repeats are False). Arguments as
     :func:`find`."""
-    t, g, h = _views(table, W, group_ids, hashes)
-    out = np.zeros(g.shape[0], dtype=np.int8)
-    if g.shape[0]:
-        _erase_kernel(t, g, h, out)
-    return torch.from_numpy(out) > 0
+    return (
+        torch.from_numpy(
+            _launch(_erase_kernel, np.int8, table, W, group_ids, hashes)[0]
+        )
+        > 0
+    )
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvhit.kernels.contract import EMPTY, LOW33, LOW35, M1, M2, M3, SEED
 
-__all__ = ["key_slot_hash", "table_find"]
+__all__ = ["key_slot_hash", "slot_holds_key", "table_find"]
 
 _SEED = np.int64(SEED)
 _M1 = np.int64(M1)
@@ -41,6 +41,17 @@ def key_slot_hash(gid, keys, r):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
+def slot_holds_key(table, slot, keys, r):
+    """True when the words of ``table[slot]`` (int64 ``[C, W + 1]``) are
+    ``keys[r, :]`` (int64 ``[N, W]`` rows); the group id in column 0 is the
+    caller's to compare."""
+    for j in range(keys.shape[1]):
+        if table[slot, 1 + j] != keys[r, j]:
+            return False
+    return True
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
 def table_find(table, gid, keys, r):
     """Slot of key ``(gid, keys[r, :])`` in ``table`` (int64 ``[C, W + 1]``,
     ``C`` a power of two), or -1 when absent. Linear probing from the home
@@ -48,17 +59,11 @@ def table_find(table, gid, keys, r):
     over; at most ``C`` steps (a table with no EMPTY slot is corrupt)."""
     cap = table.shape[0]
     mask = cap - 1
-    W = keys.shape[1]
     slot = key_slot_hash(gid, keys, r) & mask
     for _ in range(cap):
         g = table[slot, 0]
         if g == gid:
-            same = True
-            for j in range(W):
-                if table[slot, 1 + j] != keys[r, j]:
-                    same = False
-                    break
-            if same:
+            if slot_holds_key(table, slot, keys, r):
                 return slot
         elif g == _EMPTY:
             return -1
