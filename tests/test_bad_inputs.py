@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import block_stored
 
 from kvhit import (
     CacheLayout,
@@ -576,19 +577,6 @@ def _ev():
     return pytest.importorskip("kvhit.bindings.events", exc_type=ImportError)
 
 
-def _stored(hashes: list[Any], gid: Any = 0, medium: Any = "cpu") -> Any:
-    return _ev().BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        group_idx=gid,
-    )
-
-
 def _removed(hashes: list[Any], gid: Any = 0) -> Any:
     return _ev().BlockRemoved(block_hashes=hashes, medium="cpu", group_idx=gid)
 
@@ -603,28 +591,32 @@ def _follower(**kw: Any) -> Any:
 EVENTS = [
     Case(
         "apply-half-batch-2**63",  # removed the first keys, then OverflowError
-        lambda i: _ev().apply(i, [_removed([H16[0]]), _stored([H16[5]], gid=2**63)]),
+        lambda i: _ev().apply(
+            i, [_removed([H16[0]]), block_stored([H16[5]], gid=2**63)]
+        ),
         ValueError,
         r"event 1 .*group_idx",
         _index,
     ),
     Case(
         "apply-event-medium",
-        lambda i: _ev().apply(i, [_removed([H16[0]]), _stored([H16[5]], medium=5)]),
+        lambda i: _ev().apply(
+            i, [_removed([H16[0]]), block_stored([H16[5]], medium=5)]
+        ),
         TypeError,
         r"event 1 .*medium",
         _index,
     ),
     Case(
         "apply-hash-width",
-        lambda i: _ev().apply(i, [_removed([H16[0]]), _stored([H16[5], b"x"])]),
+        lambda i: _ev().apply(i, [_removed([H16[0]]), block_stored([H16[5], b"x"])]),
         ValueError,
         r"event 1 .*block_hashes\[1\]",
         _index,
     ),
     Case(
         "apply-int-hash-wide-index",
-        lambda i: _ev().apply(i, [_removed([H16[0]]), _stored([5])]),
+        lambda i: _ev().apply(i, [_removed([H16[0]]), block_stored([5])]),
         ValueError,
         r"block_hashes\[0\].*VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES",
         _index,

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import key_index, merged_swa_eagle_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -33,7 +34,6 @@ from kvhit import (
     LookupEngine,
     Mamba,
     ReferenceCoordinator,
-    SlidingWindow,
 )
 from kvhit.bench.workloads import make_layout
 
@@ -44,14 +44,6 @@ BATCHED = ["numba", "numba-threads", "torch"]
 
 # KVHIT_PARITY_EXAMPLES=N runs N examples per parity test (a large random run).
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
-
-
-def _index(keys, width: int = 8) -> KeyIndex:
-    index = KeyIndex(width, capacity=16)
-    keys = list(keys)
-    if keys:
-        index.add([g for g, _ in keys], [h for _, h in keys])
-    return index
 
 
 def make_engine(layout, backend: str, device: str = "cpu") -> LookupEngine:
@@ -68,7 +60,7 @@ def _check_find(layout, requests, exists, lens, backend, apply_eagle):
     engine = make_engine(layout, backend)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     res = engine.find_longest_cache_hit(
-        batch, lens, _index(exists), apply_eagle=apply_eagle, with_masks=True
+        batch, lens, key_index(exists), apply_eagle=apply_eagle, with_masks=True
     )
     got_masks = res.mask_lists()
     for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
@@ -93,7 +85,7 @@ def test_lookup_parity(backend, data):
     ref = ReferenceCoordinator(layout)
     engine = make_engine(layout, backend)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
-    got = engine.lookup(batch, lens, _index(exists)).tolist()
+    got = engine.lookup(batch, lens, key_index(exists)).tolist()
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
     assert got == want
 
@@ -161,7 +153,7 @@ def _engine(layout: CacheLayout, backend: str, device: str) -> LookupEngine:
 
 
 def _dev_index(keys, engine: LookupEngine) -> KeyIndex:
-    return _index(keys).to(engine.device)
+    return key_index(keys).to(engine.device)
 
 
 @pytest.mark.parametrize("backend", SEED_BACKENDS)
@@ -182,16 +174,7 @@ def test_seed_full_mamba_eagle(backend, device):
 
 @pytest.mark.parametrize("backend", SEED_BACKENDS)
 def test_seed_merged_swa_eagle(backend, device):
-    layout = CacheLayout(
-        [
-            Group(FullAttention(64)),
-            Group(SlidingWindow(16, 32)),
-            Group(SlidingWindow(16, 32), eagle=True),
-        ],
-        64,
-        16,
-        use_eagle=True,
-    )
+    layout = merged_swa_eagle_layout()
     assert layout.eagle_group_ids == {1, 2}
     engine = _engine(layout, backend, device)
     masks = engine.store_masks([128], num_prompt_tokens=[130]).mask_lists()[0]
@@ -242,7 +225,7 @@ def test_mixed_batch_and_order_independence(backend):
         exists.discard(key)
     num_tokens = [len(h) * 4 + rng.choice([0, 1, 3]) for h in requests]
     engine = make_engine(layout, backend)
-    index = _index(exists)
+    index = key_index(exists)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     got = engine.lookup(batch, num_tokens, index).tolist()
     want = [
@@ -260,7 +243,7 @@ def test_mixed_batch_and_order_independence(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch_and_zero_lengths(backend):
     engine = make_engine(_dsv4(), backend)
-    index = _index({(0, b"\x01" * 8)})
+    index = key_index({(0, b"\x01" * 8)})
     empty = HashBatch.from_bytes([], 8, "cpu")
     assert engine.lookup(empty, [], index).shape == (0,)
     assert engine.find_longest_cache_hit(empty, [], index).hit_lengths.shape == (0,)
@@ -280,12 +263,12 @@ def test_all_hit_and_all_miss_stores(backend):
     engine = make_engine(layout, backend)
     ref = ReferenceCoordinator(layout)
     assert (
-        engine.lookup(batch, [1200], _index(everything)).tolist()
+        engine.lookup(batch, [1200], key_index(everything)).tolist()
         == [ref.lookup(1200, hashes, everything)]
         != [0]
     )
     other = {(g, h) for g in range(5) for h in chained_hashes(21, 300)}
-    assert engine.lookup(batch, [1200], _index(other)).tolist() == [0]
+    assert engine.lookup(batch, [1200], key_index(other)).tolist() == [0]
 
 
 # -- bad input ---------------------------------------------------------------
@@ -295,7 +278,7 @@ def test_all_hit_and_all_miss_stores(backend):
 def test_bad_inputs_name_the_argument(backend):
     layout = _dsv4()
     engine = make_engine(layout, backend)
-    index = _index({(0, b"\x01" * 8)})
+    index = key_index({(0, b"\x01" * 8)})
     batch = HashBatch.from_bytes([[b"\x01" * 8], []], 8, "cpu")
     with pytest.raises(ValueError, match="max_lengths"):
         engine.find_longest_cache_hit(batch, [1], index)
@@ -333,7 +316,7 @@ def test_meta_device_is_refused(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lengths_past_int64_name_argument_and_position(backend):
     engine = make_engine(_dsv4(), backend)
-    index = _index({(0, b"\x01" * 8)})
+    index = key_index({(0, b"\x01" * 8)})
     batch = HashBatch.from_bytes([[b"\x01" * 8], []], 8, "cpu")
     for bad in (2**63, 2**64 + 5, -(2**63) - 1):
         with pytest.raises(ValueError, match=r"num_tokens\[1\]"):
@@ -362,7 +345,7 @@ def test_lengths_past_int64_name_argument_and_position(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_none_and_scalars_where_sequences_belong(backend):
     engine = make_engine(_dsv4(), backend)
-    index = _index({(0, b"\x01" * 8)})
+    index = key_index({(0, b"\x01" * 8)})
     batch = HashBatch.from_bytes([[b"\x01" * 8]], 8, "cpu")
     with pytest.raises(TypeError, match="num_tokens"):
         engine.lookup(batch, None, index)
@@ -391,7 +374,7 @@ def test_lookup_unchecked_runs_the_engines_backend(backend, monkeypatch):
     hashes = chained_hashes(30, 200)
     exists = saved_keys(layout, hashes, 800)
     batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    index = _index(exists)
+    index = key_index(exists)
     calls = []
     real = engine.impl.lookup
 

@@ -24,6 +24,8 @@ msgspec = pytest.importorskip(
     "msgspec", reason="needs msgspec (pip install kvhit[events])", exc_type=ImportError
 )
 
+from helpers import block_stored  # noqa: E402
+
 from kvhit.bindings import events as ev  # noqa: E402
 from kvhit.coordinator.key_index import KeyIndex  # noqa: E402
 from kvhit.coordinator.packing import unpack_hashes  # noqa: E402
@@ -123,19 +125,6 @@ class _CountingIndex(KeyIndex):
         super().clear()
 
 
-def _stored(hashes: list[Any], gid: int | None = 0, medium: str | None = "cpu"):
-    return ev.BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        group_idx=gid,
-    )
-
-
 def _removed(hashes: list[Any], gid: int | None = 0, medium: str | None = "cpu"):
     return ev.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=gid)
 
@@ -230,13 +219,13 @@ def test_apply_order_semantics_and_few_calls():
     index.add([0, 0], [b, c])
     index.calls.clear()
     events = [
-        _stored([a]),
+        block_stored([a]),
         _removed([a]),  # add then remove: ends removed
         _removed([b]),
-        _stored([b]),  # remove then add: ends present
-        _stored([c], gid=1),  # other group: a different key
+        block_stored([b]),  # remove then add: ends present
+        block_stored([c], gid=1),  # other group: a different key
         _removed([c]),
-        _stored([a], medium="GPU"),  # filtered out below
+        block_stored([a], medium="GPU"),  # filtered out below
     ]
     stats = ev.apply(index, events, medium="cpu")
     assert _contents(index) == {(0, b), (1, c)}
@@ -244,7 +233,9 @@ def test_apply_order_semantics_and_few_calls():
     assert [name for name, _ in index.calls] == ["remove", "add"]
     # A clear drops everything before it, in the same single pass.
     index.calls.clear()
-    ev.apply(index, [_stored([a]), ev.AllBlocksCleared(), _stored([c], gid=None)])
+    ev.apply(
+        index, [block_stored([a]), ev.AllBlocksCleared(), block_stored([c], gid=None)]
+    )
     assert _contents(index) == {(0, c)}
     assert [name for name, _ in index.calls] == ["clear", "add"]
 
@@ -267,7 +258,7 @@ def test_apply_random_sequences_match_sequential_set():
                 gid = keys[0][0]
                 hashes = [h for _, h in keys]
                 if r < 0.6:
-                    events.append(_stored(hashes, gid))
+                    events.append(block_stored(hashes, gid))
                     oracle.update((gid, h) for h in hashes)
                 else:
                     events.append(_removed(hashes, gid))
@@ -456,7 +447,7 @@ def test_dropped_batches_recovered_from_buffer(publisher):
     keys = [bytes([i]) * 16 for i in range(6)]
     with _follower(publisher, index) as f:
         for i, k in enumerate(keys):
-            payload = ev.encode_batch(ev.KVEventBatch(float(i), [_stored([k])]))
+            payload = ev.encode_batch(ev.KVEventBatch(float(i), [block_stored([k])]))
             publisher.publish(payload, drop=i in (2, 3))
         assert f.wait_for_seq(5, WAIT_S)
         assert _contents(index) == {(0, k) for k in keys}
@@ -467,19 +458,19 @@ def test_unrecoverable_gap_marks_stale(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
     with _follower(publisher, index) as f:
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([a])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([a])])))
         # Seq 1 (would remove a) is lost and already out of the replay buffer.
         publisher.publish(
             ev.encode_batch(ev.KVEventBatch(1.0, [_removed([a])])),
             drop=True,
             keep=False,
         )
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [_stored([b])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [block_stored([b])])))
         assert f.wait_for_seq(2, WAIT_S)
         assert f.stale and f.gaps_unrecovered == 1 and f.gaps_recovered == 0
         assert "not covered" in f.last_error
         # The follower goes on with newer batches.
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(3.0, [_stored([c])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(3.0, [block_stored([c])])))
         assert f.wait_for_seq(3, WAIT_S)
         assert _contents(index) == {(0, a), (0, b), (0, c)}
         f.clear_stale()
@@ -501,7 +492,7 @@ def test_unreachable_replay_marks_stale(zmq, publisher):
         with f:
             publisher.wait_subscriber()
             for i in range(3):
-                batch = ev.KVEventBatch(0.0, [_stored([bytes([i]) * 16])])
+                batch = ev.KVEventBatch(0.0, [block_stored([bytes([i]) * 16])])
                 publisher.publish(ev.encode_batch(batch), drop=i == 1)
             assert f.wait_for_seq(2, WAIT_S)
             assert f.stale and f.gaps_unrecovered == 1
@@ -513,14 +504,16 @@ def test_catch_up_and_idle_probe(publisher):
     """Batches published before the follower starts, and a lost last batch."""
     keys = [bytes([i]) * 16 for i in range(5)]
     for k in keys[:3]:  # nobody subscribed yet: only the replay buffer has them
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([k])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([k])])))
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, idle_probe_s=0.1) as f:
         assert f.wait_for_seq(2, WAIT_S)
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[3]])])))
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([keys[3]])]))
+        )
         # The newest batch is lost live: no later batch reveals the gap.
         publisher.publish(
-            ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[4]])])), drop=True
+            ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([keys[4]])])), drop=True
         )
         assert f.wait_for_seq(4, WAIT_S)
         assert _contents(index) == {(0, k) for k in keys}
@@ -532,21 +525,29 @@ def test_malformed_payloads_counted_follower_continues(publisher):
     keys = [bytes([i]) * 16 for i in range(4)]
     topic = TOPIC.encode()
     with _follower(publisher, index) as f:
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(0.0, [_stored([keys[0]])])))
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([keys[0]])]))
+        )
         # Unattributable junk: no sequence number, so nothing is known lost.
         publisher.send_raw([topic, b"short", b"x"])
         publisher.send_raw([topic, b"only two frames"])
         publisher.send_raw([topic + b"-other", (7).to_bytes(8, "big"), b"x"])
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(1.0, [_stored([keys[1]])])))
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(1.0, [block_stored([keys[1]])]))
+        )
         assert f.wait_for_seq(1, WAIT_S)
         assert f.malformed == 2 and f.ignored_topic == 1 and not f.stale
         # A numbered batch that does not decode is lost for good: stale.
         publisher.publish(b"\xc1 not msgpack")
         publisher.publish(msgspec.msgpack.encode([1.0, [{"type": "BlockMoved"}]]))
         # Decodes, but an int hash cannot key a 16-byte index: apply error.
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [_stored([5])])))
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(3.0, [_stored([keys[2]])])))
-        publisher.publish(ev.encode_batch(ev.KVEventBatch(4.0, [_stored([keys[3]])])))
+        publisher.publish(ev.encode_batch(ev.KVEventBatch(2.0, [block_stored([5])])))
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(3.0, [block_stored([keys[2]])]))
+        )
+        publisher.publish(
+            ev.encode_batch(ev.KVEventBatch(4.0, [block_stored([keys[3]])]))
+        )
         assert f.wait_for_seq(6, WAIT_S)
         assert f.malformed == 4 and f.apply_errors == 1 and f.stale
         assert _contents(index) == {(0, k) for k in keys}
@@ -580,12 +581,15 @@ K = [bytes([i]) * 16 for i in range(40)]
 def test_exact_duplicates_are_dropped_silently(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        p0, p1 = _payload(1.0, [_stored([K[0]])]), _payload(2.0, [_removed([K[0]])])
+        p0, p1 = (
+            _payload(1.0, [block_stored([K[0]])]),
+            _payload(2.0, [_removed([K[0]])]),
+        )
         publisher.send_raw(_frames(0, p0))
         publisher.send_raw(_frames(0, p0))  # back to back
         publisher.send_raw(_frames(1, p1))
         publisher.send_raw(_frames(0, p0))  # an older one again
-        publisher.send_raw(_frames(2, _payload(3.0, [_stored([K[1]])])))
+        publisher.send_raw(_frames(2, _payload(3.0, [block_stored([K[1]])])))
         assert f.wait_for_seq(2, WAIT_S)
         assert _wait(lambda: f.duplicates == 2)
         # Before: each duplicate counted as a publisher restart, index stale.
@@ -602,10 +606,10 @@ def test_reordered_batches_are_applied_in_order(zmq, publisher):
     with f:
         publisher.wait_subscriber()
         batches = [
-            _payload(0.0, [_stored([K[0], K[1]])]),
-            _payload(1.0, [_stored([K[2]])]),
+            _payload(0.0, [block_stored([K[0], K[1]])]),
+            _payload(1.0, [block_stored([K[2]])]),
             _payload(2.0, [_removed([K[2], K[0]])]),  # must come after seq 1
-            _payload(3.0, [_stored([K[3]])]),
+            _payload(3.0, [block_stored([K[3]])]),
         ]
         for seq in (0, 2, 3, 1):
             publisher.send_raw(_frames(seq, batches[seq]))
@@ -617,7 +621,7 @@ def test_reordered_batches_are_applied_in_order(zmq, publisher):
 def test_late_batch_after_a_replayed_gap_is_a_duplicate(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, reorder_wait_s=0.0) as f:
-        p = [_payload(float(i), [_stored([K[i]])]) for i in range(4)]
+        p = [_payload(float(i), [block_stored([K[i]])]) for i in range(4)]
         for seq in (0, 2, 3):  # seq 1 late: repaired from the replay buffer
             publisher.buffer.append((seq, p[seq]))
             publisher.send_raw(_frames(seq, p[seq]))
@@ -636,14 +640,16 @@ def test_reorder_beyond_the_window_without_replay_marks_stale(publisher):
     with f:
         publisher.wait_subscriber()
         for seq in (0, 2, 3, 4):  # seq 1 never comes in time
-            publisher.send_raw(_frames(seq, _payload(float(seq), [_stored([K[seq]])])))
+            publisher.send_raw(
+                _frames(seq, _payload(float(seq), [block_stored([K[seq]])]))
+            )
         assert f.wait_for_seq(4, WAIT_S)
         assert f.stale and f.gaps_unrecovered == 1
         assert _contents(index) == {(0, K[i]) for i in (0, 2, 3, 4)}
 
 
 def _publish_keys(pub: _Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
-    return pub.publish(_payload(ts, [_stored(keys)]), **kw)
+    return pub.publish(_payload(ts, [block_stored(keys)]), **kw)
 
 
 def test_restart_with_fewer_batches_is_rebuilt(publisher):
@@ -798,7 +804,7 @@ def test_readers_holding_the_lock_see_no_commit(publisher):
     with _follower(publisher, index) as f:
         with f.lock:
             publisher.publish(
-                ev.encode_batch(ev.KVEventBatch(0.0, [_stored([b"k" * 16])]))
+                ev.encode_batch(ev.KVEventBatch(0.0, [block_stored([b"k" * 16])]))
             )
             assert not f.wait_for_seq(0, 0.2)  # decoded, but waiting for the lock
             assert len(index) == 0
@@ -831,10 +837,10 @@ def _random_batches(
             if r < 0.0001:
                 events.append(ev.AllBlocksCleared())
             elif r < 0.62:
-                events.append(_stored([h], gid))
+                events.append(block_stored([h], gid))
             elif r < 0.64:  # block-pool style: several hashes in one event
                 extra = [pool[rng.randrange(len(pool))][1] for _ in range(3)]
-                events.append(_stored([h, *extra], gid))
+                events.append(block_stored([h, *extra], gid))
             elif r < 0.99:
                 events.append(_removed([h], gid))
             else:
@@ -916,12 +922,28 @@ def test_apply_is_atomic_on_a_bad_event():
     before = _contents(index)
     bad_batches = [
         # Before: the remove was applied, then OverflowError from torch.
-        ([_removed([a]), _stored([b], gid=2**63)], ValueError, r"event 1 .*group_idx"),
-        ([_removed([a]), _stored([b], gid=-1)], ValueError, r"event 1 .*group_idx"),
-        ([_removed([a]), _stored([b], gid="0")], TypeError, r"event 1 .*group_idx"),
-        ([_removed([a]), _stored([b, b"x" * 15])], ValueError, r"block_hashes\[1\]"),
-        ([_removed([a]), _stored([b, "s" * 16])], TypeError, r"block_hashes\[1\]"),
-        ([_removed([a]), _stored([b], medium=5)], TypeError, r"event 1 .*medium"),
+        (
+            [_removed([a]), block_stored([b], gid=2**63)],
+            ValueError,
+            r"event 1 .*group_idx",
+        ),
+        (
+            [_removed([a]), block_stored([b], gid=-1)],
+            ValueError,
+            r"event 1 .*group_idx",
+        ),
+        (
+            [_removed([a]), block_stored([b], gid="0")],
+            TypeError,
+            r"event 1 .*group_idx",
+        ),
+        (
+            [_removed([a]), block_stored([b, b"x" * 15])],
+            ValueError,
+            r"block_hashes\[1\]",
+        ),
+        ([_removed([a]), block_stored([b, "s" * 16])], TypeError, r"block_hashes\[1\]"),
+        ([_removed([a]), block_stored([b], medium=5)], TypeError, r"event 1 .*medium"),
         ([_removed([a]), "not an event"], TypeError, r"events, position 1"),
     ]
     for events, exc, match in bad_batches:
@@ -947,9 +969,9 @@ def test_apply_stats_count_changes_not_requests():
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
     index = KeyIndex(hash_bytes=16, capacity=64)
     index.add([0], [a])
-    stats = ev.apply(index, [_stored([a, b]), _removed([c])])
+    stats = ev.apply(index, [block_stored([a, b]), _removed([c])])
     assert (stats.keys_added, stats.keys_removed) == (1, 0)  # a was there, c not
-    stats = ev.apply(index, [ev.AllBlocksCleared(), _stored([c])])
+    stats = ev.apply(index, [ev.AllBlocksCleared(), block_stored([c])])
     assert (stats.keys_added, stats.keys_removed, stats.cleared) == (1, 2, True)
     assert _contents(index) == {(0, c)}
 
@@ -1009,9 +1031,9 @@ def test_growth_is_built_outside_the_lock(publisher):
     index.lock = lock
     keys = [bytes([i % 256, i // 256]) * 8 for i in range(600)]
     with _follower(publisher, index, lock=lock) as f:
-        publisher.publish(_payload(1.0, [_stored(keys[:5])]))
+        publisher.publish(_payload(1.0, [block_stored(keys[:5])]))
         assert f.wait_for_seq(0, WAIT_S)
-        publisher.publish(_payload(2.0, [_stored(keys[5:]), _removed(keys[:2])]))
+        publisher.publish(_payload(2.0, [block_stored(keys[5:]), _removed(keys[:2])]))
         assert f.wait_for_seq(1, WAIT_S)
         with f.lock:
             assert _contents(index) == {(0, k) for k in keys[2:]}

@@ -17,11 +17,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import key_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, saved_keys
 
-from kvhit import HashBatch, KeyIndex, LookupEngine, ReferenceCoordinator
+from kvhit import HashBatch, LookupEngine, ReferenceCoordinator
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
@@ -30,14 +31,6 @@ from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
 THREADS = [False, True]
-
-
-def _index(keys, width: int = 8) -> KeyIndex:
-    index = KeyIndex(width, capacity=16)
-    keys = list(keys)
-    if keys:
-        index.add([g for g, _ in keys], [h for _, h in keys])
-    return index
 
 
 def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
@@ -68,7 +61,7 @@ def test_find_triples_match_the_reference_backend(
     numba_b.parallel = parallel
     ref_b = ReferenceBackend(plan, cpu)
     batch = HashBatch.from_bytes(requests, 8, "cpu")
-    index = _index(exists) if with_index else None
+    index = key_index(exists) if with_index else None
     token_lens = None
     if restrict:
         token_lens = torch.tensor([layout.align(n) for n in lens], dtype=torch.int64)
@@ -96,7 +89,7 @@ def test_lookup_matches_the_reference(parallel, data):
     backend.parallel = parallel
     batch = HashBatch.from_bytes(requests, 8, "cpu")
     got = backend.lookup(
-        batch.view(), torch.tensor(lens, dtype=torch.int64), _index(exists)
+        batch.view(), torch.tensor(lens, dtype=torch.int64), key_index(exists)
     )
     ref = ReferenceCoordinator(layout)
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
@@ -139,7 +132,7 @@ def test_table_is_read_again_after_a_rehash(parallel):
     engine.impl.parallel = parallel
     hashes = chained_hashes(40, 400)
     batch = HashBatch.from_bytes([hashes], 8, "cpu")
-    index = _index(set())
+    index = key_index(set())
     assert engine.lookup(batch, [1600], index).tolist() == [0]
     keys = saved_keys(layout, hashes, 1600)
     before = index.table

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from helpers import key_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -47,14 +48,6 @@ from kvhit.kernels import contract
 MAX_HASHES = 40
 
 
-def _index(keys, device, width: int = 8) -> KeyIndex:
-    index = KeyIndex(width, capacity=16, device=device)
-    keys = sorted(keys)
-    if keys:
-        index.add([g for g, _ in keys], [h for _, h in keys])
-    return index
-
-
 def _mask_lists(tri: torch.Tensor) -> list[tuple[list[bool], ...]]:
     """Triples ``[R, G, 3]`` ``(length, lo, hi)`` as the reference's masks."""
     return [
@@ -68,7 +61,7 @@ def _check_all(layout, requests, exists, lens, device, apply_eagle=True) -> None
     triton backend, through the engine, equal the reference's."""
     ref = ReferenceCoordinator(layout)
     tri = LookupEngine(layout, backend="triton", device=device)
-    index = _index(exists, device)
+    index = key_index(exists, device)
     batch = HashBatch.from_bytes(requests, 8, device)
 
     want = [
@@ -112,7 +105,7 @@ def _kernel_parity(layout, requests, exists, lens, device, apply_eagle) -> None:
         block=2,
     )
     ml = torch.tensor(lens, dtype=torch.int64, device=device)
-    index = _index(exists, device)
+    index = key_index(exists, device)
     a = layout.alignment
     tok = torch.tensor([n // a * a for n in lens], dtype=torch.int64, device=device)
     args = (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows)
@@ -195,7 +188,7 @@ def test_edge_batches(device, layout):
     request; all-hit, all-miss and holed stores."""
     engine = LookupEngine(layout, backend="triton", device=device)
     empty = HashBatch.from_bytes([], 8, device)
-    index = _index(set(), device)
+    index = key_index(set(), device)
     res = engine.find_longest_cache_hit(empty, [], index, with_masks=True)
     assert res.hit_lengths.shape == (0,)
     assert engine.lookup(empty, [], index).shape == (0,)
@@ -276,7 +269,7 @@ def test_lookup_counts_duplicate_hash_at_a_candidate(device):
         exists = {(g, h) for g in (0, 1) for h in hl}
         want = ref.lookup(17, hl, exists)
         batch = HashBatch.from_bytes([hl], 8, device)
-        assert engine.lookup(batch, [17], _index(exists, device)).tolist() == [want]
+        assert engine.lookup(batch, [17], key_index(exists, device)).tolist() == [want]
         out.append(want)
     # The duplicate really changes the answer (the peek to unit 4 hits).
     assert out == [12, 16]
@@ -293,7 +286,7 @@ def test_probe_ends_on_a_table_of_busy_slots(device):
         use_eagle=True,
     )
     hl = chained_hashes(3, 9)
-    index = _index({(g, h) for g in (0, 1) for h in hl}, device)
+    index = key_index({(g, h) for g in (0, 1) for h in hl}, device)
     index.table[:, 0] = contract.BUSY
     backend = TritonBackend(ScanPlan.from_layout(layout), device)
     view = HashBatch.from_bytes([hl, hl[:4]], 8, device).view()
@@ -324,7 +317,7 @@ def test_one_launch_per_batch(device, monkeypatch):
     engine = LookupEngine(layout, backend="triton", device=device)
     hl = chained_hashes(4, 130)
     exists = saved_keys(layout, hl, 512)
-    index = _index(exists, device)
+    index = key_index(exists, device)
     ref = ReferenceCoordinator(layout)
     for n_req in (1, 6):
         calls.clear()

@@ -8,6 +8,7 @@ kvhit refuses them when the layout is built, naming the group.
 from __future__ import annotations
 
 import pytest
+from helpers import merged_swa_eagle_layout
 from hypothesis import given, settings
 from strategies import layouts
 
@@ -354,16 +355,7 @@ def test_strategy_layouts_are_valid_and_varied(layout: CacheLayout):
 
 def test_spec_group_ids_compare_equal_to_lists_and_tuples():
     """vLLM keeps a SpecGroup's group ids in a list; either spelling matches."""
-    layout = CacheLayout(
-        [
-            Group(FullAttention(64)),
-            Group(SlidingWindow(16, 32)),
-            Group(SlidingWindow(16, 32), eagle=True),
-        ],
-        64,
-        16,
-        use_eagle=True,
-    )
+    layout = merged_swa_eagle_layout()
     ids = [sg.group_ids for sg in layout.spec_groups]
     assert ids == [[0], [1, 2]]
     assert ids == [(0,), (1, 2)]

@@ -1,0 +1,63 @@
+"""Builders several test modules share, written once.
+
+Imported as ``helpers`` (pytest puts ``tests/`` on the path, as for
+``strategies``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+
+from kvhit import CacheLayout, FullAttention, Group, KeyIndex, SlidingWindow
+
+
+def key_index(
+    keys: Iterable[tuple[int, bytes]],
+    device: str | torch.device = "cpu",
+    width: int = 8,
+) -> KeyIndex:
+    """A KeyIndex of ``width``-byte hashes on ``device`` holding exactly
+    ``keys`` (``(group id, hash)`` pairs), added in sorted order so that the
+    table does not depend on a set's iteration order."""
+    index = KeyIndex(width, capacity=16, device=device)
+    keys = sorted(keys)
+    if keys:
+        index.add([g for g, _ in keys], [h for _, h in keys])
+    return index
+
+
+def merged_swa_eagle_layout() -> CacheLayout:
+    """The seed layout with two sliding-window groups merged into one
+    SpecGroup, one of them EAGLE: full attention 64, SWA(16, 32) twice,
+    scheduler block 64, hash block 16, ``use_eagle``."""
+    return CacheLayout(
+        [
+            Group(FullAttention(64)),
+            Group(SlidingWindow(16, 32)),
+            Group(SlidingWindow(16, 32), eagle=True),
+        ],
+        64,
+        16,
+        use_eagle=True,
+    )
+
+
+def block_stored(hashes: list[Any], gid: Any = 0, medium: Any = "cpu") -> Any:
+    """A vLLM ``BlockStored`` event (as ``kvhit.bindings.events`` decodes it)
+    for ``hashes`` in group ``gid`` on ``medium``; skips the test where the
+    events binding cannot be imported."""
+    ev = pytest.importorskip("kvhit.bindings.events", exc_type=ImportError)
+    return ev.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=gid,
+    )
