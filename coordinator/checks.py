@@ -78,7 +78,7 @@ def check_tensor(
     - with ``dim``, exactly that many dimensions (ValueError); callers with a
       shape that depends on other arguments check it themselves, after this;
     - with ``device``, on that device (ValueError ``"<name> is on X,
-      <device_of> on Y"``).
+      <device_of> is on Y"``).
 
     No value is read.
     """
@@ -93,5 +93,5 @@ def check_tensor(
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, {device_of} on {device}")
+        raise ValueError(f"{name} is on {t.device}, {device_of} is on {device}")
     return t

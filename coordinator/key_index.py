@@ -370,15 +370,14 @@ def _normalize_hashes(
         words = np.ascontiguousarray(hashes).view(np.int64)
         hashes = torch.from_numpy(words.copy()).to(device)
     if isinstance(hashes, torch.Tensor):
-        if hashes.dtype != torch.int64:
-            raise TypeError(f"hashes must be an int64 tensor, got {hashes.dtype}")
+        check_tensor(
+            hashes, "hashes", device=device, device_of="index", holds_data=False
+        )
         if hashes.dim() != 2 or hashes.shape[1] != W:
             raise ValueError(
                 f"hashes must have shape [N, {W}] for hash_bytes={hash_bytes}, "
                 f"got {list(hashes.shape)}"
             )
-        if hashes.device != device:
-            raise ValueError(f"hashes is on {hashes.device}, index is on {device}")
         pad = padding_mask(hash_bytes)
         if pad and hashes.shape[0] and bool(((hashes[:, -1] & pad) != 0).any()):
             raise ValueError(
@@ -425,12 +424,9 @@ def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.
                 raise ValueError("group_ids must fit in int64")
         group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(device)
     if isinstance(group_ids, torch.Tensor):
-        if group_ids.dtype != torch.int64:
-            raise TypeError(f"group_ids must be an int64 tensor, got {group_ids.dtype}")
-        if group_ids.device != device:
-            raise ValueError(
-                f"group_ids is on {group_ids.device}, index is on {device}"
-            )
+        check_tensor(
+            group_ids, "group_ids", device=device, device_of="index", holds_data=False
+        )
         if group_ids.dim() == 0:
             group_ids = group_ids.expand(n)
     elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
