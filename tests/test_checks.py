@@ -8,6 +8,10 @@ import torch
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.kernels.checks import check_int64, check_keys, check_table
 
+CPU = torch.device("cpu")
+# Metadata without data: on the wrong device for every check below.
+META64 = torch.zeros(2, dtype=torch.int64, device="meta")
+
 
 def test_check_device_canonical_and_refusals() -> None:
     assert check_device("cpu:0") == torch.device("cpu")
@@ -38,13 +42,7 @@ def test_check_tensor_order_and_messages() -> None:
     with pytest.raises(ValueError, match=r"x must have 1 dimensions, got \[2, 3\]"):
         check_tensor(t, "x", dim=1)
     with pytest.raises(ValueError, match="x is on meta, the engine is on cpu"):
-        check_tensor(
-            torch.zeros(2, dtype=torch.int64, device="meta"),
-            "x",
-            device=torch.device("cpu"),
-            device_of="the engine",
-            holds_data=False,
-        )
+        check_tensor(META64, "x", device=CPU, device_of="the engine", holds_data=False)
 
 
 def test_kernel_checks() -> None:
@@ -59,12 +57,7 @@ def test_kernel_checks() -> None:
     with pytest.raises(ValueError, match="t must be contiguous"):
         check_int64(torch.zeros(4, 4, dtype=torch.int64).t(), "t")
     with pytest.raises(ValueError, match="t is on meta but hashes is on cpu"):
-        check_int64(
-            torch.zeros(2, dtype=torch.int64, device="meta"),
-            "t",
-            device=torch.device("cpu"),
-            device_of="hashes",
-        )
+        check_int64(META64, "t", device=CPU, device_of="hashes")
     g = torch.zeros(3, dtype=torch.int64)
     h = torch.zeros(3, 2, dtype=torch.int64)
     assert check_keys(g, h, 2, table.device) == 3
