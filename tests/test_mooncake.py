@@ -811,7 +811,7 @@ def test_exclusive_index_holds_exactly_the_last_steps_present_keys():
             for gi, ri in zip(g.tolist(), r.tolist(), strict=True):
                 if all(k in store_keys for k in keys.keys(gi, flat[ri])):
                     want.add((gi, flat[ri]))
-            got = {(int(gg), bytes(hh)) for gg, hh in zip(*_index_pairs(bl.index))}
+            got = set(zip(*_index_pairs(bl.index), strict=True))
             assert got == want
             assert hits.tolist() == [
                 ref.lookup(n, hl, want) for hl, n in zip(reqs, ntoks, strict=True)
@@ -821,4 +821,4 @@ def test_exclusive_index_holds_exactly_the_last_steps_present_keys():
 def _index_pairs(idx: KeyIndex):
     g, h = idx.keys()
     raw = h.numpy().astype("<i8").view("u1").reshape(len(g), -1)[:, :HB]
-    return g.tolist(), [bytes(x) for x in raw]
+    return [int(x) for x in g.tolist()], [bytes(x) for x in raw]
