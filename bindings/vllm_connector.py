@@ -612,10 +612,16 @@ class KvhitLookupClient:
             self._collect()
         if req_id in self.results:
             return self.results.pop(req_id)
-        future = self.executor.submit(
-            self._send, self._batch(req_id, num_tokens, block_hashes)
-        )
-        if non_block and not future.done():
+        items = self._batch(req_id, num_tokens, block_hashes)
+        if not non_block:
+            # Nothing in flight (collected above): send from this thread, no
+            # hand-off to the executor and back (two thread switches of a
+            # loaded host per step).
+            got = self._send(items)
+            self.results.update((r, v) for r, v in got.items() if r in self.tracked)
+            return self.results.pop(req_id, MooncakeLookupResult(0))
+        future = self.executor.submit(self._send, items)
+        if not future.done():
             self.pending = future
             return None
         self.pending = future
