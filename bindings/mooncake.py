@@ -49,6 +49,7 @@ __all__ = [
     "StoreSync",
     "TailKeyLookup",
     "candidate_rows",
+    "compiled_candidates",
     "key_strings",
     "model_name_for_vllm",
     "rank_namespaces_for_vllm",
