@@ -97,6 +97,9 @@ DEFAULT_LOOKUP_TIMEOUT_S = 30.0
 _REQUEST = msgspec.msgpack.Encoder()
 _DECODE_REQUEST = msgspec.msgpack.Decoder(list[tuple[int, int, bytes]])
 _DECODE_REPLY = msgspec.msgpack.Decoder(list[bytes])
+#: The statuses whose requests a batch resolves (with no computed tokens and
+#: at least an alignment's worth of tokens).
+_LOOKED_UP = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def kvhit_rpc_path(vllm_config: VllmConfig) -> str:
@@ -299,12 +302,22 @@ class KvhitLookupServer:
     ) -> list[MooncakeLookupResult]:
         """:meth:`resolve` for the wire format: ``(num_tokens, hash_len,
         hashes joined)`` per request."""
-        reqs: list[tuple[int, list[bytes]]] = []
+        widths = set()
         for i, (n, hlen, blob) in enumerate(items):
             if hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
                 raise ValueError(
                     f"request {i}: {len(blob)} bytes of {hlen}-byte hashes"
                 )
+            if n > 0 and blob:
+                widths.add(hlen)
+        if self.fallback_reason is None and len(widths) == 1:
+            width = widths.pop()
+            if width % 8 == 0:
+                # The common case: one width of whole words; the joined
+                # blobs are the batch's hash words (no per-hash bytes).
+                return self._resolve_blobs(width, items)
+        reqs: list[tuple[int, list[bytes]]] = []
+        for n, hlen, blob in items:
             hashes = (
                 [blob[o : o + hlen] for o in range(0, len(blob), hlen)] if hlen else []
             )
@@ -343,6 +356,43 @@ class KvhitLookupServer:
                     continue
                 for i, r in zip(idx, results, strict=True):
                     out[i] = r
+            return out
+
+    def _resolve_blobs(
+        self, width: int, items: Sequence[tuple[int, int, bytes]]
+    ) -> list[MooncakeLookupResult]:
+        """:meth:`resolve` for packed requests all of ``width``-byte hashes
+        (``width % 8 == 0``), validated by :meth:`resolve_packed`."""
+        with self._lock:
+            self.num_batches += 1
+            self.num_requests += len(items)
+            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
+            idx = [i for i, (n, _, blob) in enumerate(items) if n > 0 and blob]
+            if not idx:
+                return out
+            blobs = [items[i][2] for i in idx]
+            lens = np.fromiter((len(b) for b in blobs), np.int64, len(idx)) // width
+            offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            words = np.frombuffer(b"".join(blobs), dtype="<i8")
+            batch = HashBatch(
+                torch.from_numpy(words.astype(np.int64).reshape(-1, width // 8)),
+                torch.from_numpy(offsets),
+                width,
+            )
+            ntok = torch.tensor([items[i][0] for i in idx], dtype=torch.int64)
+            try:
+                results = self._answer(self._lookup_for(width), batch, ntok)
+            except StoreError as exc:
+                self.last_error = exc
+                logger.error("kvhit lookup: store error, batch misses: %s", exc)
+                return out
+            except Exception as exc:
+                self.last_error = exc
+                logger.exception("kvhit lookup failed; answering misses")
+                return out
+            for i, r in zip(idx, results, strict=True):
+                out[i] = r
             return out
 
     def _vllm_lookup(self, n: int, hashes: Sequence[bytes]) -> MooncakeLookupResult:
@@ -387,12 +437,23 @@ class KvhitLookupServer:
         else:
             batch = HashBatch.from_bytes(lists, width)
         ntok = torch.tensor([n for n, _ in requests], dtype=torch.int64)
+        return self._answer(bl, batch, ntok)
+
+    @staticmethod
+    def _answer(
+        bl: BatchedLookup, batch: HashBatch, ntok: torch.Tensor
+    ) -> list[MooncakeLookupResult]:
+        """Per request of ``batch`` (``ntok`` int64 ``[B]``), what the
+        worker's ``lookup`` returns."""
         res = bl.lookup_with_tail_keys(batch, ntok)
+        hits = res.hit_lengths.tolist()
+        tails = res.tail_key_boundaries.tolist()
         out: list[MooncakeLookupResult] = []
-        for i in range(len(requests)):
-            hit = int(res.hit_lengths[i])
-            tails = res.boundaries(i)
-            if any(b < 0 for _, b in tails):
+        for hit, row in zip(hits, tails, strict=True):
+            if hit <= 0:
+                out.append(MooncakeLookupResult(hit, ()))
+                continue
+            if any(b < 0 for b in row):
                 # vLLM's worker asserts here (and its server thread dies);
                 # loading with no key for the tail block is never right.
                 logger.warning(
@@ -402,7 +463,8 @@ class KvhitLookupServer:
                 continue
             out.append(
                 MooncakeLookupResult(
-                    hit, tuple(TailKeyBoundary(g, b) for g, b in tails)
+                    hit,
+                    tuple(TailKeyBoundary(g, b) for g, b in enumerate(row) if b != 0),
                 )
             )
         return out
@@ -486,21 +548,25 @@ class KvhitLookupClient:
         """Drop this step's answers (a batch in flight stays in flight)."""
         self.results.clear()
 
-    def _eligible(self, request: Request) -> bool:
-        return (
-            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            and request.num_computed_tokens == 0
-            and request.num_tokens >= self.align
-        )
-
     def _batch(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes]):
-        items = [(req_id, num_tokens, list(block_hashes))]
+        # Packed here, in the scheduler's thread: ``(req_id, (num_tokens,
+        # hash width, hashes joined))``, the wire format.
+        hs = block_hashes
+        items = [(req_id, (num_tokens, len(hs[0]) if hs else 0, b"".join(hs)))]
+        results, align = self.results, self.align
         for rid, req in self.tracked.items():
             if len(items) >= self.max_batch:
                 break
-            if rid == req_id or rid in self.results or not self._eligible(req):
+            if (
+                rid == req_id
+                or rid in results
+                or req.num_computed_tokens
+                or req.num_tokens < align
+                or req.status not in _LOOKED_UP
+            ):
                 continue
-            items.append((rid, req.num_tokens, list(req.block_hashes)))
+            hs = req.block_hashes
+            items.append((rid, (req.num_tokens, len(hs[0]) if hs else 0, b"".join(hs))))
         return items
 
     # -- the lookup ----------------------------------------------------------------
@@ -509,10 +575,7 @@ class KvhitLookupClient:
         """One message for the batch; any failure is a miss for each request
         (as vLLM's client turns a failed lookup into a hit of 0)."""
         self.num_messages += 1
-        payload = [
-            (n, len(h[0]) if h else 0, b"".join(bytes(x) for x in h))
-            for _, n, h in items
-        ]
+        payload = [item for _, item in items]
         answers: list[MooncakeLookupResult] = []
         try:
             self.socket.send(_REQUEST.encode(payload))
@@ -529,8 +592,8 @@ class KvhitLookupClient:
             logger.error(
                 "kvhit batched lookup failed (%d requests): %s", len(items), exc
             )
-        out = {rid: MooncakeLookupResult(0) for rid, _, _ in items}
-        for (rid, _, _), r in zip(items, answers, strict=False):
+        out = {rid: MooncakeLookupResult(0) for rid, _ in items}
+        for (rid, _), r in zip(items, answers, strict=False):
             out[rid] = r
         return out
 
@@ -549,10 +612,16 @@ class KvhitLookupClient:
             self._collect()
         if req_id in self.results:
             return self.results.pop(req_id)
-        future = self.executor.submit(
-            self._send, self._batch(req_id, num_tokens, block_hashes)
-        )
-        if non_block and not future.done():
+        items = self._batch(req_id, num_tokens, block_hashes)
+        if not non_block:
+            # Nothing in flight (collected above): send from this thread, no
+            # hand-off to the executor and back (two thread switches of a
+            # loaded host per step).
+            got = self._send(items)
+            self.results.update((r, v) for r, v in got.items() if r in self.tracked)
+            return self.results.pop(req_id, MooncakeLookupResult(0))
+        future = self.executor.submit(self._send, items)
+        if not future.done():
             self.pending = future
             return None
         self.pending = future

@@ -784,3 +784,41 @@ def test_key_strings_fast_path_matches_format(head):
         hashes = [rng.randbytes(hb) for _ in range(37)]
         words = HashBatch.from_bytes([hashes], hb).hashes.numpy()
         assert key_strings(head, words, hb) == [head + h.hex() for h in hashes]
+
+
+def test_exclusive_index_holds_exactly_the_last_steps_present_keys():
+    """The exclusive index is rewritten per step, by removing last step's
+    keys (a small step in a large table) or by a clear: either way it then
+    holds exactly this step's present candidates, and hits stay exact."""
+    layout = dsv4_layout()
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * layout.num_groups)
+    rng = random.Random(3)
+    ref = ReferenceCoordinator(layout)
+    store_keys: set = set()
+    steps = [workload(rng, layout, n, 8) for n in (6, 1, 2, 9, 1, 3, 1)]
+    for reqs, ntoks in steps:
+        for r, n in zip(reqs[::2], ntoks[::2], strict=True):
+            put_pairs(keys, saved_pairs(layout, r, n), store_keys)
+    store = FakeStore(store_keys)
+    for capacity in (64, 1 << 16):  # clears, then removals
+        bl = BatchedLookup(layout, store, keys, hash_bytes=HB, capacity=capacity)
+        for reqs, ntoks in steps:
+            batch = HashBatch.from_bytes(reqs, HB)
+            hits = bl.lookup(batch, ntoks)
+            g, r = bl.sync.last_candidates
+            flat = [h for hl in reqs for h in hl]
+            want = set()
+            for gi, ri in zip(g.tolist(), r.tolist(), strict=True):
+                if all(k in store_keys for k in keys.keys(gi, flat[ri])):
+                    want.add((gi, flat[ri]))
+            got = set(zip(*_index_pairs(bl.index), strict=True))
+            assert got == want
+            assert hits.tolist() == [
+                ref.lookup(n, hl, want) for hl, n in zip(reqs, ntoks, strict=True)
+            ]
+
+
+def _index_pairs(idx: KeyIndex):
+    g, h = idx.keys()
+    raw = h.numpy().astype("<i8").view("u1").reshape(len(g), -1)[:, :HB]
+    return [int(x) for x in g.tolist()], [bytes(x) for x in raw]
