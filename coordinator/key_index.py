@@ -1065,8 +1065,11 @@ class KeyIndex:
     def clear(self) -> None:
         """Remove every key; the capacity (and the table's storage) is kept."""
         self._check_writable("clear")
+        # One contiguous fill, then the sentinel column: two strided fills
+        # woke torch's thread pool and took ~15 ms for a 64K-slot table on a
+        # loaded 2-core host (0.2 ms this way).
+        self.table.zero_()
         self.table[:, 0] = EMPTY
-        self.table[:, 1:] = 0
         self._size = 0
         self._tombstones = 0
         self._version += 1
