@@ -1,0 +1,291 @@
+"""KvhitLookupServer over vLLM's REAL worker role, on the CPU.
+
+A gloo world of one (``init_distributed_environment(backend="gloo")``,
+``ensure_model_parallel_initialized(1, 1)``) and a local ``mooncake_master``
+(tests/mooncake_fixture.py) let vLLM 0.33.0 build the worker role of
+``KvhitMooncakeStoreConnector`` as a serving engine does: vLLM's own
+``MooncakeStoreWorker.__init__`` (its ``MooncakeDistributedStore`` set up from
+``MOONCAKE_CONFIG_PATH``, its ``LookupKeyServer``, its key prefixes) and, beside
+it, the ``KvhitLookupServer`` the connector starts. Keys are put through the
+worker's own store handle, spelled as the worker spells them
+(``PoolKey.build_key_string`` over ``worker._lookup_key_prefixes``); then,
+for every layout of tests/vllm_sched_harness.py, kvhit's answers (direct,
+packed, and over the connector's IPC socket) are compared with the real
+``worker.lookup`` per request: hit length and tail key boundaries, 0
+mismatches, and exactly one ``batch_is_exist`` per kvhit batch.
+
+Saves need ``torch.cuda.Event``, so only lookups run here. Skips (saying why)
+only where vLLM's sources or Mooncake are not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import vllm_oracle as vo
+import vllm_sched_harness
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """vLLM importable, a local master, vLLM's Mooncake config pointing at
+    it, and a gloo world of one; all torn down after the module."""
+    mods, reason = vo.load_vllm()
+    if mods is None:
+        pytest.skip(reason)
+    from mooncake_fixture import HOST, MooncakeMaster, free_port, mooncake_unavailable
+
+    why = mooncake_unavailable()
+    if why:
+        pytest.skip(why)
+    with vo.vllm_importable(), pytest.MonkeyPatch.context() as mp:
+        import torch.distributed as dist
+        import vllm_sched_harness as h
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import (
+            ensure_model_parallel_initialized,
+            init_distributed_environment,
+        )
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        assert not dist.is_initialized(), "another test left a process group"
+        base = tmp_path_factory.mktemp("worker_role")
+        mp.setenv("VLLM_RPC_BASE_PATH", str(base))
+        # The transfer engine and vLLM's requester hostname: loopback only.
+        mp.setenv("MC_TCP_BIND_ADDRESS", HOST)
+        mp.setenv("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", HOST)
+        with MooncakeMaster() as master:
+            cfg = base / "mooncake.json"
+            cfg.write_text(
+                json.dumps(
+                    {
+                        "metadata_server": master.address.metadata_server,
+                        "master_server_address": master.address.master_server_address,
+                        "protocol": "tcp",
+                        "device_name": "",
+                        "global_segment_size": 32 << 20,
+                        "local_buffer_size": 16 << 20,
+                    }
+                )
+            )
+            mp.setenv("MOONCAKE_CONFIG_PATH", str(cfg))
+            # The parallel state reads the engine's config (a world of one).
+            vc = h.vllm_config("MooncakeStoreConnector", h.LAYOUTS[0], {})
+            with set_current_vllm_config(vc):
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    distributed_init_method=f"tcp://{HOST}:{free_port()}",
+                    local_rank=0,
+                    backend="gloo",
+                )
+            try:
+                with set_current_vllm_config(vc):
+                    ensure_model_parallel_initialized(1, 1)
+                yield h
+            finally:
+                destroy_model_parallel()
+                destroy_distributed_environment()
+                master.stop()
+        assert not dist.is_initialized()
+
+
+class CountingStore:
+    """The worker's ``MooncakeDistributedStore``, counting ``batch_is_exist``
+    (everything else goes to the real handle)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def batch_is_exist(self, keys):
+        self.calls += 1
+        return self.inner.batch_is_exist(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """A few shared system prompts, then tails; 8..300 tokens."""
+    systems = [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 120))]
+               for _ in range(3)]  # fmt: skip
+    out = []
+    for _ in range(n):
+        head = rng.choice(systems) if rng.random() < 0.8 else []
+        tail = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 180))]
+        out.append((head + tail)[: rng.randrange(8, 300)])
+    return out
+
+
+def store_keys(rng, worker, all_hashes, partial_tail) -> list[str]:
+    """Keys as vLLM's saves leave them, with holes, spelled by the worker's
+    own prefixes: each group's blocks keyed at their last hash up to a random
+    length, now and then a partial tail block keyed inside it, and some stray
+    hashes. ``partial_tail``: hashes of one prompt whose attention tail key
+    lies past a (Mamba-limited) partial hit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        PoolKey,
+    )
+
+    hbs = worker.hash_block_size
+    keyed: set[tuple[int, bytes]] = set()
+    for hashes in all_hashes:
+        if not hashes or rng.random() < 0.25:
+            continue
+        keep = rng.randrange(0, len(hashes) + 1)
+        for g, db in enumerate(worker.token_dbs):
+            per_block = db.block_size // hbs
+            idx = [i for i in range(keep) if (i + 1) % per_block == 0]
+            if keep % per_block and rng.random() < 0.8:
+                start = keep - keep % per_block
+                idx.append(keep - 1 if g == 0 else rng.randrange(start, keep))
+            idx += [rng.randrange(len(hashes)) for _ in range(rng.randrange(3))]
+            keyed.update((g, bytes(hashes[i])) for i in idx if rng.random() < 0.97)
+    if partial_tail is not None:
+        # Blocks of 4 hashes: attention keyed at 3, 7, 10, Mamba at 3, 7, 8:
+        # the hit is 9 hashes, attention's tail key is at 11.
+        for g, pattern in enumerate(((3, 7, 10), (3, 7, 8))):
+            keyed.update((g, bytes(partial_tail[i])) for i in pattern)
+    return sorted(
+        PoolKey.build_key_string(p, h.hex())
+        for g, h in keyed
+        for p in worker._lookup_key_prefixes[g]
+    )
+
+
+def vllm_answer(worker, n, hashes):
+    """The real ``MooncakeStoreWorker.lookup``; its ``_tail_key_boundaries``
+    asserts on some stores (vLLM's server thread dies there), kvhit answers
+    a miss, so that is the expected answer."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        MooncakeLookupResult,
+    )
+
+    try:
+        return worker.lookup(n, hashes), False
+    except AssertionError:
+        return MooncakeLookupResult(0), True
+
+
+def pair(r) -> tuple:
+    return r.hit_length, tuple(
+        (b.group_id, b.num_tokens) for b in r.tail_key_boundaries
+    )
+
+
+def ipc_batch(vc, items):
+    """One message to the connector's started server, as its client sends."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
+        decode_lookup_response,
+    )
+
+    from kvhit.bindings.vllm_connector import kvhit_rpc_path
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(kvhit_rpc_path(vc))
+    try:
+        sock.send(msgspec.msgpack.encode(items))
+        assert sock.poll(10000), "the kvhit server did not reply"
+        return [decode_lookup_response(r) for r in msgspec.msgpack.decode(sock.recv())]
+    finally:
+        sock.close(linger=0)
+
+
+@pytest.mark.parametrize(
+    "case_i",
+    range(len(vllm_sched_harness.LAYOUTS)),
+    ids=[c.name for c in vllm_sched_harness.LAYOUTS],
+)
+def test_real_worker_lookup_vs_kvhit(world, case_i):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+        MooncakeStoreWorker,
+    )
+
+    from kvhit.bindings.vllm_connector import (
+        KvhitLookupServer,
+        KvhitMooncakeStoreConnector,
+    )
+
+    h = world
+    case = h.LAYOUTS[case_i]
+    rng = random.Random(100 + case_i)
+    # A cache_prefix of its own: the cases share one master.
+    extra = {"lookup_rpc_port": h.next_port(), "cache_prefix": f"wr{case_i}",
+             "load_async": False}  # fmt: skip
+    vc = h.vllm_config("KvhitMooncakeStoreConnector", case, extra,
+                       module_path=h.KVHIT_MODULE)  # fmt: skip
+    kvc = h.kv_cache_config(case, 100)
+    h.resolve_sizes(kvc, vc)
+    conn = KvhitMooncakeStoreConnector(vc, KVConnectorRole.WORKER, kvc)
+    worker = conn.connector_worker
+    try:
+        assert type(worker) is MooncakeStoreWorker
+        assert worker.lookup_server is not None and conn.kvhit_server is not None
+        assert conn.kvhit_server.fallback_reason is None
+        raw = worker.store
+        assert type(raw).__name__ == "MooncakeDistributedStore"
+        store = CountingStore(raw)
+        worker.store = store
+
+        hbs = worker.hash_block_size
+        reqs = prompts(rng, 40)
+        partial = worker.coord.enable_partial_hash_hits
+        if partial:
+            reqs[-1] = [rng.randrange(3, 1000) for _ in range(100)]
+        batch = [
+            (len(t), list(h.make_request("x", t, hbs, 1).block_hashes)) for t in reqs
+        ]
+        batch.append((0, []))  # an empty request rides along
+        # The planted prompt gets no random keys of its own.
+        hashes = [hs for _, hs in batch[: -2 if partial else -1]]
+        keys = store_keys(rng, worker, hashes, batch[-2][1] if partial else None)
+        assert raw.put_batch(keys, [b"kv" * 8] * len(keys)) == 0
+        assert sum(raw.batch_is_exist(keys)) == len(keys)
+
+        want, asserted = zip(*(vllm_answer(worker, n, hs) for n, hs in batch),
+                             strict=True)  # fmt: skip
+        want = [pair(r) for r in want]
+        assert any(w[0] > 0 for w in want) and any(w[0] == 0 for w in want)
+        if partial:
+            # The planted prompt: a partial hit with a tail key past it.
+            assert want[-2] == (72, ((0, 88), (1, 72))), want[-2]
+
+        server = KvhitLookupServer(worker, vc, start=False)
+        store.calls = 0
+        got = [pair(r) for r in server.resolve(batch)]
+        assert store.calls == 1
+        bad = [f"req {i} {batch[i][0]} tokens: kvhit {g} vLLM {w}"
+               for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]  # fmt: skip
+        assert bad == [], "\n".join(bad[:10])
+
+        # The wire format, directly and over the connector's own server.
+        packed = [(n, len(hs[0]) if hs else 0, b"".join(hs)) for n, hs in batch]
+        store.calls = 0
+        assert [pair(r) for r in server.resolve_packed(packed)] == want
+        assert store.calls == 1
+        store.calls = 0
+        cuts = [0, 7, 8, 25, len(packed)]  # one single-request batch
+        over_ipc = []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            over_ipc += [pair(r) for r in ipc_batch(vc, packed[a:b])]
+        assert over_ipc == want
+        assert store.calls == len(cuts) - 1
+        assert conn.kvhit_server.last_error is None
+        # The tail boundary differs from the hit somewhere (partial hits).
+        if partial:
+            assert any(b != w[0] for w in want for _, b in w[1])
+    finally:
+        worker.store = getattr(worker.store, "inner", worker.store)
+        h.stop_vllm_lookup_server(worker.lookup_server, vc)
+        conn.shutdown()
+        assert worker.store is None
