@@ -97,7 +97,9 @@ def test_lookup_matches_the_reference(parallel, data):
 
 
 @pytest.mark.parametrize("parallel", [False, True, None])
-@pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama"])
+@pytest.mark.parametrize(
+    "preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama", "dsv4-longhit"]
+)
 def test_workload_batches_match_the_reference(preset, parallel):
     """A serving-like batch (shared prefixes, multi-turn growth, evictions) of
     more requests than the threading threshold, and a permutation of it."""
@@ -180,3 +182,50 @@ def test_numba_is_imported_only_by_its_first_use():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _count(layout, requests, lens, exists):
+    from kvhit.coordinator.triton_backend import plan_tensors
+    from kvhit.kernels.scan_numba import count_probes
+
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    view = HashBatch.from_bytes(requests, 8, "cpu").view()
+    return count_probes(
+        view.rows.numpy(), view.offsets.numpy(), view.lengths.numpy(),
+        np.asarray(lens, dtype=np.int64), sg.numpy(), cand.numpy(),
+        table=key_index(exists).table.numpy(),
+        hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+        partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+    )  # fmt: skip
+
+
+def test_count_probes_counts_a_full_attention_run():
+    """Full attention over 10 blocks with the first 6 stored: 6 hits and the
+    miss that ends the run, each a probe of at least one slot and line."""
+    from kvhit.kernels.probe_numba import C_HITS, C_LINES, C_PROBES, C_SLOTS
+
+    layout = make_layout("llama")
+    hashes = [bytes([i + 1]) * 8 for i in range(10)]
+    hit, counts = _count(layout, [hashes], [160], {(0, h) for h in hashes[:6]})
+    assert hit.tolist() == [96]
+    assert counts[0, C_PROBES] == 7 and counts[0, C_HITS] == 6
+    assert counts[0, C_SLOTS] >= 7 and counts[0, C_LINES] >= 7
+
+
+def test_count_probes_answers_as_the_lookup_and_meets_the_floor():
+    from kvhit.bench.probe_count import probe_floor
+    from kvhit.kernels.probe_numba import C_PROBES
+
+    wl = generate("dsv4-longhit", TrafficConfig(num_requests=24, max_tokens=2048))
+    requests = [list(h) for h in wl.hash_lists]
+    short = [[h[:8] for h in hl] for hl in requests]
+    exists = {(g, h[:8]) for g, h in wl.store_keys}
+    hit, counts = _count(wl.layout, short, list(wl.num_tokens), exists)
+    ref = ReferenceCoordinator(wl.layout)
+    want = [
+        ref.lookup(n, hl, exists) for hl, n in zip(short, wl.num_tokens, strict=True)
+    ]
+    assert hit.tolist() == want and any(want)
+    floor = probe_floor(wl, want)
+    assert all(c >= f for c, f in zip(counts[:, C_PROBES].tolist(), floor, strict=True))
