@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, LOW33, LOW35, M1, M2, M3, SEED
 
@@ -27,9 +23,6 @@ __all__ = [
     "C_PROBES",
     "C_SLOTS",
     "key_slot_hash",
-    "prefetch_item",
-    "prefetch_key",
-    "prefetch_row",
     "slot_holds_key",
     "table_find",
     "table_find_counted",
@@ -53,36 +46,6 @@ _LOW35 = np.int64(LOW35)
 _EMPTY = np.int64(EMPTY)
 
 
-@intrinsic
-def prefetch_item(typingctx, arr, i, j):
-    """Hint the CPU to start loading ``arr[i, j]`` (a 2-D array; a read, kept
-    in all cache levels); no effect on results."""
-    sig = types.void(arr, i, j)
-
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(
-            context, builder, aty, ary, [args[1], args[2]], wraparound=False
-        )
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # (address, rw=read, locality=3 (keep), cache=data)
-        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
-        builder.call(fn, [*args, ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def prefetch_row(arr, i):
-    """Start loading ``arr[i, 0]`` (a 2-D array)."""
-    prefetch_item(arr, i, 0)
-
-
 @numba.njit(inline="always", cache=True, nogil=True)
 def key_slot_hash(gid, keys, r):
     """Slot hash of key ``(gid, keys[r, :])`` (int64 ``[N, W]`` rows);
@@ -94,17 +57,6 @@ def key_slot_hash(gid, keys, r):
     x = h ^ ((h >> 29) & _LOW35)
     x = x * _M3
     return x ^ ((x >> 31) & _LOW33)
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def prefetch_key(table, gid, keys, r):
-    """Start loading the home slot of key ``(gid, keys[r, :])``: both lines
-    when its ``W + 1`` words straddle two (a 40-byte slot does half the
-    time). Reads ``keys[r]``, so that row should be in cache already."""
-    slot = key_slot_hash(gid, keys, r) & (table.shape[0] - 1)
-    prefetch_item(table, slot, 0)
-    # The slot's last word: the same line, or the second one it straddles.
-    prefetch_item(table, slot, table.shape[1] - 1)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)

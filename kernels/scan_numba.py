@@ -87,8 +87,6 @@ from kvhit.kernels.contract import (
 )
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
-    prefetch_key,
-    prefetch_row,
     table_find,
     table_find_counted,
 )
@@ -255,70 +253,6 @@ def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
     return True
 
 
-# -- prefetching ------------------------------------------------------------------
-
-# A probe on a table far past the caches is two dependent misses: the hash row
-# (a request's hashes are not in cache either at large batches), then its
-# slot. The addresses of the probes a scan will make next are known before
-# their answers, so the scans keep the next ones in flight: the slot of the
-# probe _AHEAD blocks ahead (its row arrived meanwhile) and the row 2 *
-# _AHEAD ahead. Measured on the long-hit workload (see bench/probe_count.py).
-_AHEAD = 8
-_PREFETCH = True
-
-
-@numba.njit(inline="always", **_JIT)
-def _prefetch_block(i, scale, sg, sgi, off, n_units, rows, table, slot):
-    """Prefetch what probing block ``i`` of SpecGroup ``sgi`` reads: its hash
-    row, or (``slot``) every member's home slot, computed from that row."""
-    u = (i + 1) * scale - 1
-    if i < 0 or u >= n_units:
-        return
-    if slot:
-        for k in range(sg[sgi, SG_N_MEMBERS]):
-            prefetch_key(table, sg[sgi, SG_MEMBERS + k], rows, off + u)
-    else:
-        prefetch_row(rows, off + u)
-
-
-@numba.njit(**_JIT)
-def _prefetch_start(sgi, bound, sg, off, n_units, rows, table, hbs, slot):
-    """Prefetch (rows, or with ``slot`` home slots) of the first probes a scan
-    of SpecGroup ``sgi`` under ``bound`` tokens makes: full attention's first
-    blocks, a sliding window's top window (and the block above it, which
-    the EAGLE proof margin reaches). Other kinds: nothing."""
-    kind = sg[sgi, SG_KIND]
-    scale = sg[sgi, SG_SCALE]
-    if kind == KIND_FULL:
-        if sg[sgi, SG_FINE] != 0:
-            return
-        lo = 0
-        hi = _AHEAD if slot else 2 * _AHEAD
-        hi = min(hi, bound // sg[sgi, SG_BLOCK_SIZE])
-    elif kind == KIND_SWA:
-        hi = (bound + sg[sgi, SG_MARGIN]) // sg[sgi, SG_BLOCK_SIZE]
-        lo = hi - max(sg[sgi, SG_NEED], 1) - 1
-    else:
-        return
-    for i in range(max(lo, 0), hi):
-        _prefetch_block(i, scale, sg, sgi, off, n_units, rows, table, slot)
-
-
-@numba.njit(**_JIT)
-def _prefetch_request(r, offsets, lengths, lens_in, table, sg, prm, rows, slot):
-    """At a batch loop's step, start request ``r``'s first misses: with the
-    rows of ``r + 2`` and the slots of ``r + 1`` in flight, a request starts
-    with its first probes in cache (each SpecGroup start is otherwise a
-    dependent row miss, then a slot miss)."""
-    if r >= offsets.shape[0] or prm[_P_HAS_INDEX] == 0:
-        return
-    align = prm[_P_ALIGN]
-    bound = lens_in[r] // align * align
-    for sgi in range(sg.shape[0]):
-        _prefetch_start(sgi, bound, sg, offsets[r], lengths[r], rows, table,
-                        prm[_P_HBS], slot)  # fmt: skip
-
-
 # -- scan primitives -------------------------------------------------------------
 
 
@@ -327,20 +261,8 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
                  table, has_index, cand, partial, hbs):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
-    if has_index and _PREFETCH:
-        for i in range(start, min(end, start + 2 * _AHEAD)):
-            _prefetch_block(i, scale, sg, sgi, off, n_units, rows, table, False)
-        for i in range(start, min(end, start + _AHEAD)):
-            _prefetch_block(i, scale, sg, sgi, off, n_units, rows, table, True)
     count = 0
     for i in range(start, end):
-        if has_index and _PREFETCH:
-            if i + 2 * _AHEAD < end:
-                _prefetch_block(i + 2 * _AHEAD, scale, sg, sgi, off, n_units,
-                                rows, table, False)  # fmt: skip
-            if i + _AHEAD < end:
-                _prefetch_block(i + _AHEAD, scale, sg, sgi, off, n_units, rows,
-                                table, True)  # fmt: skip
         if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
                       rows, table, has_index, cand, partial, hbs):  # fmt: skip
             break
@@ -356,26 +278,10 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
     block ``m`` rules out every candidate whose window holds ``m``."""
     low = max(low, need - 1)
     j = top - (top - resid) % q
-    # Blocks are probed in decreasing order; everything from ``pr`` (rows)
-    # and ``ps`` (slots) down is not prefetched yet.
-    bottom = low - need + 1
-    pr = j
-    ps = j
     while j >= low:
         miss = -1
         for d in range(need):
             b = j - d
-            if has_index and _PREFETCH:
-                pr = min(pr, b)
-                ps = min(ps, b)
-                while pr >= bottom and pr >= b - 2 * _AHEAD:
-                    _prefetch_block(pr, scale, sg, sgi, off, n_units, rows,
-                                    table, False)  # fmt: skip
-                    pr -= 1
-                while ps >= bottom and ps >= b - _AHEAD:
-                    _prefetch_block(ps, scale, sg, sgi, off, n_units, rows,
-                                    table, True)  # fmt: skip
-                    ps -= 1
             if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, glim,
                           has_tl, rows, table, has_index, cand, partial,
                           hbs):  # fmt: skip
@@ -582,11 +488,6 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                                                  n_units, glim, has_tl, rows,
                                                  table, has_index, cand, partial,
                                                  hbs, align)  # fmt: skip
-                if has_index and _PREFETCH:
-                    # The later SpecGroups start near this answer: their rows.
-                    for k in range(idx + 1, n_sg):
-                        _prefetch_start(k, hit, sg, off, n_units, rows, table,
-                                        hbs, False)  # fmt: skip
                 st[idx, _ST_HIT] = hit
                 st[idx, _ST_LEN] = length
                 st[idx, _ST_LO] = lo
@@ -730,11 +631,6 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
 def _batch_serial(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
                   hit, tri, scratch, gscr):  # fmt: skip
     for r in range(offsets.shape[0]):
-        if _PREFETCH:
-            _prefetch_request(r + 2, offsets, lengths, lens_in, table, sg, prm,
-                              rows, False)  # fmt: skip
-            _prefetch_request(r + 1, offsets, lengths, lens_in, table, sg, prm,
-                              rows, True)  # fmt: skip
         _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
                  prm, hit, tri, scratch, gscr)  # fmt: skip
 
