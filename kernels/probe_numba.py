@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, LOW33, LOW35, M1, M2, M3, SEED
 
@@ -23,6 +27,7 @@ __all__ = [
     "C_PROBES",
     "C_SLOTS",
     "key_slot_hash",
+    "prefetch_row",
     "slot_holds_key",
     "table_find",
     "table_find_counted",
@@ -44,6 +49,31 @@ _M3 = np.int64(M3)
 _LOW33 = np.int64(LOW33)
 _LOW35 = np.int64(LOW35)
 _EMPTY = np.int64(EMPTY)
+
+
+@intrinsic
+def prefetch_row(typingctx, arr, i):
+    """Hint the CPU to start loading ``arr[i, 0]`` (a 2-D array; a read, kept
+    in all cache levels); no effect on results."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aty, ary, [args[1], zero], wraparound=False
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=read, locality=3 (keep), cache=data)
+        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
+        builder.call(fn, [*args, ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
