@@ -93,7 +93,13 @@ from kvhit.kernels.probe_numba import (
     table_find_counted,
 )
 
-__all__ = ["PARALLEL_MIN_REQUESTS", "count_probes", "find_hits", "lookup_hits"]
+__all__ = [
+    "PARALLEL_MIN_REQUESTS",
+    "PREFETCH_MIN_REQUESTS",
+    "count_probes",
+    "find_hits",
+    "lookup_hits",
+]
 
 # From this many requests on, the launcher threads over requests (``prange``;
 # ``KVHIT_NUMBA_PARALLEL_MIN`` overrides it). Measured on the 2-core CI machine
@@ -120,13 +126,15 @@ _NEVER = 1 << 62
 
 _JIT = {"cache": True, "nogil": True}
 
-# Prefetch a sliding window's blocks before probing them, and a leading run's
-# next _RUN_STRETCH blocks (see _prefetch_blocks). Measured on the long-hit
-# workload, one thread, thread CPU time, side by side: 1.4-1.5x at B = 1024,
-# 1.5-1.6x at B = 4096, 0.94-0.97x at B = 64 (all in cache there); stretches
-# of 4 and 16 were no better.
-_WINDOW_PREFETCH = True
-_RUN_PREFETCH = True
+# From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), the
+# scans prefetch a sliding window's blocks before probing them and a leading
+# run's next _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this
+# 2-core box, one thread, thread CPU time, side by side with the scans
+# without it: long-hit 1.4-1.5x at B = 1024, 1.5-1.6x at B = 4096;
+# dsv4-flash 1.14x at B = 1024, 1.17x at B = 4096; but 0.8-0.95x at B = 64,
+# where what a batch touches stays in cache and the prefetch is extra work.
+# Stretches of 4 and 16 were no better than 8.
+PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
 _RUN_STRETCH = 8
 
 
@@ -302,7 +310,7 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
     count = 0
     for i in range(start, end):
-        if has_index and _RUN_PREFETCH and (i - start) % _RUN_STRETCH == 0:
+        if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
             _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
                              off, n_units, rows, table)  # fmt: skip
         if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
@@ -321,7 +329,7 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
     low = max(low, need - 1)
     j = top - (top - resid) % q
     while j >= low:
-        if has_index and _WINDOW_PREFETCH and need > 1:
+        if has_index > 1 and need > 1:
             _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units, rows,
                              table)  # fmt: skip
         miss = -1
@@ -602,7 +610,8 @@ _P_HBS = 4
 _P_ALIGN = 5
 _P_PARTIAL = 6
 _P_SIMPLE_HYBRID = 7
-_P_COLS = 8
+_P_PREFETCH = 8
+_P_COLS = 9
 
 
 @numba.njit(**_JIT)
@@ -627,7 +636,8 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
         n_tok = max_len
         tok_len = n_tok // align * align
         has_tl = True
-        has_index = True
+        # 2: probe the index and prefetch (an int: 0 no index, 1 index).
+        has_index = 1 + (prm[_P_PREFETCH] != 0)
         apply_eagle = True
         hit[r] = 0
         if n_units <= 0 or tok_len <= 0:
@@ -639,7 +649,7 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
         n_tok = 0
         has_tl = prm[_P_HAS_TL] != 0
         tok_len = tok_lens[r] if has_tl else 0
-        has_index = prm[_P_HAS_INDEX] != 0
+        has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     glim = gscr[r]
     for c in range(cand.shape[0], glim.shape[0]):
@@ -738,7 +748,8 @@ def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
 
 
 @functools.lru_cache(maxsize=256)
-def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple):
+def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple,
+            prefetch):  # fmt: skip
     # Cached: a steady stream of calls reuses one (read-only) vector.
     prm = np.zeros(_P_COLS, dtype=np.int64)
     prm[_P_HAS_TL] = has_tl
@@ -749,6 +760,7 @@ def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple)
     prm[_P_ALIGN] = align
     prm[_P_PARTIAL] = partial
     prm[_P_SIMPLE_HYBRID] = simple
+    prm[_P_PREFETCH] = prefetch
     return prm
 
 
@@ -800,7 +812,8 @@ def find_hits(
     has_tl = token_lens is not None
     tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
-                  int(alignment), bool(partial), bool(simple_hybrid))  # fmt: skip
+                  int(alignment), bool(partial), bool(simple_hybrid),
+                  n_req >= PREFETCH_MIN_REQUESTS)  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, tl, tab, sg_rows, cand_rows,
                prm, tri, parallel)  # fmt: skip
     return hit, tri
@@ -827,7 +840,8 @@ def lookup_hits(
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
-                  bool(partial), bool(simple_hybrid))  # fmt: skip
+                  bool(partial), bool(simple_hybrid),
+                  offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
     # No triples in lookup mode: an empty array keeps the one signature.
     tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
@@ -856,7 +870,8 @@ def count_probes(
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
-                  bool(partial), bool(simple_hybrid))  # fmt: skip
+                  bool(partial), bool(simple_hybrid),
+                  offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
     tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
                 _c64(table), sg_rows, cand_rows, prm, tri, False,

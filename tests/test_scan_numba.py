@@ -10,6 +10,7 @@ load-mask triples included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,10 +28,24 @@ from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_triple
+from kvhit.kernels import scan_numba
 from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
 THREADS = [False, True]
+
+
+@contextlib.contextmanager
+def _prefetching(on: bool):
+    """Force the scans' prefetching on (every batch size) or leave the
+    launcher's batch-size rule: small hypothesis batches never reach it."""
+    saved = scan_numba.PREFETCH_MIN_REQUESTS
+    if on:
+        scan_numba.PREFETCH_MIN_REQUESTS = 0
+    try:
+        yield
+    finally:
+        scan_numba.PREFETCH_MIN_REQUESTS = saved
 
 
 def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
@@ -41,6 +56,7 @@ def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
     ]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("parallel", THREADS)
 @settings(max_examples=EXAMPLES)
 @given(
@@ -50,7 +66,7 @@ def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
     with_index=st.booleans(),
 )
 def test_find_triples_match_the_reference_backend(
-    parallel, data, apply_eagle, restrict, with_index
+    parallel, prefetch, data, apply_eagle, restrict, with_index
 ):
     """Hits and load-mask triples, with and without an index and the store
     worker's candidate restriction (token_lens), equal the reference's."""
@@ -74,23 +90,26 @@ def test_find_triples_match_the_reference_backend(
         want_hit, want_tri = ref_b.find(view, max_lengths, index, apply_eagle)
     except ValueError:
         return  # the reference refuses (a scan past the hashes)
-    hit, tri = numba_b.find(view, max_lengths, index, apply_eagle)
+    with _prefetching(prefetch):
+        hit, tri = numba_b.find(view, max_lengths, index, apply_eagle)
     assert hit.dtype == tri.dtype == torch.int64
     assert hit.tolist() == want_hit.tolist()
     assert _masks(tri) == _masks(want_tri)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("parallel", THREADS)
 @settings(max_examples=EXAMPLES)
 @given(data=case(max_requests=6))
-def test_lookup_matches_the_reference(parallel, data):
+def test_lookup_matches_the_reference(parallel, prefetch, data):
     layout, requests, exists, lens = data
     backend = NumbaBackend(ScanPlan.from_layout(layout), torch.device("cpu"))
     backend.parallel = parallel
     batch = HashBatch.from_bytes(requests, 8, "cpu")
-    got = backend.lookup(
-        batch.view(), torch.tensor(lens, dtype=torch.int64), key_index(exists)
-    )
+    with _prefetching(prefetch):
+        got = backend.lookup(
+            batch.view(), torch.tensor(lens, dtype=torch.int64), key_index(exists)
+        )
     ref = ReferenceCoordinator(layout)
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
     assert got.tolist() == want
