@@ -30,6 +30,8 @@ class ProbeTable:
 
     requests: int
     probes: float
+    probes_by_group: tuple[float, ...]
+    floor_by_group: tuple[float, ...]
     hits: float
     misses: float
     floor: float
@@ -39,17 +41,32 @@ class ProbeTable:
 
 
 def probe_floor(workload: Workload, hits: list[int]) -> list[int]:
+    """Per request, the fewest table probes that prove its answer (the sum
+    of :func:`probe_floor_by_group`, plus one miss that stops a hit short of
+    the aligned prompt)."""
+    layout = workload.layout
+    return [
+        sum(groups) + (h < layout.align(n))
+        for groups, h, n in zip(
+            probe_floor_by_group(workload, hits), hits, workload.num_tokens, strict=True
+        )
+    ]
+
+
+def probe_floor_by_group(workload: Workload, hits: list[int]) -> list[list[int]]:
     """Per request, the fewest table probes that prove its answer ``hits[i]``
     (tokens), as the issue's model counts them: full attention confirms every
     block below the hit, each member of a merged SpecGroup once per block; a
     sliding window only its window (``need`` blocks, EAGLE included) next to
     the hit, per member; and, when the hit is short of the aligned prompt,
-    one miss that stops it. Mamba and chunked local groups count 1."""
+    one miss that stops it (counted by :func:`probe_floor`). Mamba and
+    chunked local groups count 1. Per request, one count per SpecGroup."""
     layout = workload.layout
     out = []
-    for h, n_tok in zip(hits, workload.num_tokens, strict=True):
-        total = 0
+    for h in hits:
+        row = []
         for sg in layout.spec_groups:
+            total = 0
             members = len(sg.group_ids)
             spec = sg.spec
             blocks = h // spec.block_size
@@ -62,9 +79,8 @@ def probe_floor(workload: Workload, hits: list[int]) -> list[int]:
                 total += min(need, blocks) * members
             elif h:
                 total += members
-        if h < layout.align(n_tok):
-            total += 1
-        out.append(total)
+            row.append(total)
+        out.append(row)
     return out
 
 
@@ -72,7 +88,13 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     """Probe counts of ``workload``'s batch through the instrumented kernel
     (parity-checked against the engine), and the engine's fixed cost: the
     median ``LookupEngine.lookup`` of one request of no hashes."""
-    from kvhit.kernels.probe_numba import C_HITS, C_LINES, C_PROBES, C_SLOTS
+    from kvhit.kernels.probe_numba import (
+        C_HITS,
+        C_LINES,
+        C_PROBES,
+        C_SLOTS,
+        COUNT_COLS,
+    )
     from kvhit.kernels.scan_numba import count_probes
 
     engine = LookupEngine(workload.layout, backend="numba")
@@ -93,6 +115,7 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     if hit.tolist() != want:
         raise AssertionError("count_probes disagrees with the engine")
     floor = probe_floor(workload, want)
+    by_group = np.asarray(probe_floor_by_group(workload, want), dtype=float)
     probes = counts[:, C_PROBES].sum()
     hits = counts[:, C_HITS].sum()
     n = max(1, len(workload))
@@ -106,6 +129,8 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     return ProbeTable(
         requests=len(workload),
         probes=probes / n,
+        probes_by_group=tuple(counts[:, COUNT_COLS:].mean(axis=0).tolist()),
+        floor_by_group=tuple(by_group.mean(axis=0).tolist()),
         hits=hits / n,
         misses=(probes - hits) / n,
         floor=sum(floor) / n,
@@ -131,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         f"slots/probe {t.slots_per_probe:.2f}, lines/probe {t.lines_per_probe:.2f}, "
         f"fixed cost/call {t.fixed_call_us:.1f} us"
     )
+    for i, sg in enumerate(wl.layout.spec_groups):
+        print(
+            f"  SpecGroup {i} ({type(sg.spec).__name__} {sg.spec.block_size}, "
+            f"{len(sg.group_ids)} member(s)): {t.probes_by_group[i]:.1f} probes, "
+            f"floor {t.floor_by_group[i]:.1f}"
+        )
     return 0
 
 

@@ -222,7 +222,13 @@ def _count(layout, requests, lens, exists):
 def test_count_probes_counts_a_full_attention_run():
     """Full attention over 10 blocks with the first 6 stored: 6 hits and the
     miss that ends the run, each a probe of at least one slot and line."""
-    from kvhit.kernels.probe_numba import C_HITS, C_LINES, C_PROBES, C_SLOTS
+    from kvhit.kernels.probe_numba import (
+        C_HITS,
+        C_LINES,
+        C_PROBES,
+        C_SLOTS,
+        COUNT_COLS,
+    )
 
     layout = make_layout("llama")
     hashes = [bytes([i + 1]) * 8 for i in range(10)]
@@ -230,11 +236,12 @@ def test_count_probes_counts_a_full_attention_run():
     assert hit.tolist() == [96]
     assert counts[0, C_PROBES] == 7 and counts[0, C_HITS] == 6
     assert counts[0, C_SLOTS] >= 7 and counts[0, C_LINES] >= 7
+    assert counts.shape == (1, COUNT_COLS + 1) and counts[0, COUNT_COLS] == 7
 
 
 def test_count_probes_answers_as_the_lookup_and_meets_the_floor():
     from kvhit.bench.probe_count import probe_floor
-    from kvhit.kernels.probe_numba import C_PROBES
+    from kvhit.kernels.probe_numba import C_PROBES, COUNT_COLS
 
     wl = generate("dsv4-longhit", TrafficConfig(num_requests=24, max_tokens=2048))
     requests = [list(h) for h in wl.hash_lists]
@@ -246,5 +253,23 @@ def test_count_probes_answers_as_the_lookup_and_meets_the_floor():
         ref.lookup(n, hl, exists) for hl, n in zip(short, wl.num_tokens, strict=True)
     ]
     assert hit.tolist() == want and any(want)
+    # Per SpecGroup columns add up to the probes.
+    assert (counts[:, COUNT_COLS:].sum(axis=1) == counts[:, C_PROBES]).all()
     floor = probe_floor(wl, want)
     assert all(c >= f for c, f in zip(counts[:, C_PROBES].tolist(), floor, strict=True))
+
+
+def test_probe_count_table():
+    """bench/probe_count.py's table: per-request means that add up."""
+    from kvhit.bench.probe_count import main, measure
+
+    wl = generate("dsv4-longhit", TrafficConfig(num_requests=16, max_tokens=2048))
+    t = measure(wl, repeats=2)
+    assert t.requests == 16
+    assert t.probes == pytest.approx(t.hits + t.misses)
+    assert t.probes == pytest.approx(sum(t.probes_by_group))
+    assert t.probes >= t.floor > 0
+    assert len(t.floor_by_group) == len(wl.layout.spec_groups)
+    assert t.slots_per_probe >= 1 and t.lines_per_probe >= 1
+    assert t.fixed_call_us > 0
+    assert main(["--requests", "4", "--preset", "llama"]) == 0
