@@ -80,6 +80,7 @@ __all__ = [
     "check_fleet",
     "fleet_find",
     "route",
+    "state_checksum",
 ]
 
 #: Backends a FleetIndex accepts ("auto": numba on the CPU, torch elsewhere).
@@ -259,6 +260,18 @@ def _state_checksum(
         data = t.detach().to("cpu").contiguous().numpy()
         h.update(memoryview(data).cast("B"))
     return h.hexdigest()
+
+
+def state_checksum(state: Mapping[str, Any]) -> str:
+    """The checksum :meth:`FleetIndex.state_dict` signs ``state`` with
+    (blake2b of ``keys``, ``bits``, ``active`` and the counts, hex), for
+    tools that write a state dict themselves. Reads ``state``'s fields
+    ``keys``, ``bits``, ``active``, ``hash_bytes``, ``num_engines``, ``size``
+    and ``tombstones`` without checking them."""
+    return _state_checksum(
+        state["keys"], state["bits"], state["active"], state["hash_bytes"],
+        state["num_engines"], state["size"], state["tombstones"],
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------
