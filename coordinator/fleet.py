@@ -79,6 +79,7 @@ __all__ = [
     "FleetIndex",
     "check_fleet",
     "fleet_find",
+    "prefix_blocks",
     "route",
     "state_checksum",
 ]
@@ -961,6 +962,77 @@ def fleet_find(
     return out.to(engine.device)
 
 
+def prefix_blocks(
+    batch: HashBatch,
+    fleet: FleetIndex,
+    group_ids: Sequence[int],
+    scale: int,
+    max_blocks: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """How many leading blocks of each request every engine holds, counting
+    only the keys of ``group_ids`` (a block needs its key in each): int64
+    ``[B, E]`` (0 for inactive engines). This is the overlap score of a router
+    that counts cached blocks of one attention type, e.g. Dynamo's
+    ``find_matches`` over full-attention events; it is not vLLM's hit (no
+    alignment, EAGLE drop, sliding-window or Mamba rule).
+
+    Args:
+        batch: ``B`` requests' hashes (on the fleet's device, its hash width).
+        fleet: the engines' keys.
+        group_ids: the groups whose keys count (non-empty, each >= 0).
+        scale: hash units per block (block ``i`` is keyed by hash unit
+            ``(i + 1) * scale - 1``), >= 1.
+        max_blocks: int64 ``[B]``, the most blocks counted per request, or
+            None (every whole block of the request).
+    """
+    if not isinstance(batch, HashBatch):
+        raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
+    check_fleet(fleet, batch, batch.device)
+    scale = _check_int(scale, "scale", 1)
+    gids = [_check_int(g, "group_ids", 0) for g in group_ids]
+    if not gids:
+        raise ValueError("group_ids must name at least one group")
+    B, E = len(batch), fleet.num_engines
+    view = batch.view()
+    n_units = view.lengths.cpu().numpy()
+    if max_blocks is None:
+        ends = n_units // scale
+    else:
+        ends = np.asarray(
+            max_blocks.cpu().numpy()
+            if isinstance(max_blocks, torch.Tensor)
+            else max_blocks,
+            dtype=np.int64,
+        )
+        if ends.shape != (B,) or bool((ends < 0).any()):
+            raise ValueError(f"max_blocks must be [{B}] ints >= 0")
+    members = np.array(gids, dtype=np.int64)
+    if B == 0:
+        return torch.zeros((0, E), dtype=torch.int64, device=fleet.device)
+    if fleet.backend == "numba":
+        from kvhit.kernels import fleet_numba
+
+        runs = fleet_numba.full_runs(
+            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
+            view.offsets.numpy(), n_units, ends, scale, members,
+            fleet.live_words(), E,
+        )  # fmt: skip
+        return torch.from_numpy(runs)
+    # Any device: each (group, hash) probed once, then the runs on the host.
+    pb = fleet._ops.probe_bits(
+        fleet.keys, fleet.bits, torch.from_numpy(members).to(fleet.device), view.rows
+    )
+    held = _unpack_engines(pb, E).numpy().all(axis=0) & fleet._active.numpy()
+    offs = view.offsets.cpu().numpy()
+    runs = np.zeros((B, E), dtype=np.int64)
+    for r in range(B):
+        end = int(min(ends[r], n_units[r] // scale))
+        rows = offs[r] + (np.arange(end) + 1) * scale - 1
+        ok = np.logical_and.accumulate(held[rows], axis=0)
+        runs[r] = ok.sum(axis=0)
+    return torch.from_numpy(runs).to(fleet.device)
+
+
 # --------------------------------------------------------------------------
 # Routing
 # --------------------------------------------------------------------------
@@ -977,9 +1049,11 @@ def route(
 ) -> torch.Tensor:
     """Pick one engine per request, in one call: int64 ``[B]``.
 
-    Cost model (Dynamo's KV router, ``ai-dynamo`` ``docs/router``:
-    ``cost = overlap_score_weight * prefill_blocks + decode_blocks``), per
-    request ``b`` and engine ``e``::
+    Cost model: Dynamo's KV router ("Routing Concepts", Cost Calculation,
+    docs.nvidia.com/dynamo/dev/components/router/routing-concepts: ``cost =
+    overlap_score_weight * prefill_blocks + decode_blocks``, prefill blocks the
+    prompt tokens not cached on the worker over the block size, decode blocks
+    the worker's active blocks), per request ``b`` and engine ``e``::
 
         prefill_blocks[b, e] = (prompt_tokens[b] - hits[b, e]) / block_size
         decode_blocks[e]     = loads[e]
