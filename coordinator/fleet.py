@@ -47,6 +47,7 @@ the joint full-attention scan yet.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
@@ -69,6 +70,7 @@ from kvhit.coordinator.key_index import (
     normalize_keys,
 )
 from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
+from kvhit.coordinator.plan import ScanPlan
 from kvhit.kernels.contract import KIND_FULL
 
 if TYPE_CHECKING:
@@ -332,11 +334,14 @@ class FleetIndex:
         backend = _resolve_backend(backend, dev)
         cap = _next_pow2(capacity)
         nw = (num_engines + 63) // 64
+        entries = KeyIndex(hash_bytes, capacity=cap, device=dev, backend=backend,
+                           max_load=max_load)  # fmt: skip
         self._init(
             num_engines,
             hash_bytes,
             new_table(cap, W, dev),
             torch.zeros((cap, nw), dtype=torch.int64, device=dev),
+            entries,
             torch.ones(num_engines, dtype=torch.bool),
             backend,
             max_load,
@@ -344,7 +349,7 @@ class FleetIndex:
             0,
         )
 
-    def _init(self, num_engines, hash_bytes, keys, bits, active, backend,
+    def _init(self, num_engines, hash_bytes, keys, bits, entries, active, backend,
               max_load, size, tombs) -> None:  # fmt: skip
         """Set every attribute (the one place that lists them)."""
         self.num_engines = num_engines
@@ -353,6 +358,7 @@ class FleetIndex:
         self.NW = (num_engines + 63) // 64
         self.keys = keys
         self.bits = bits
+        self.entries = entries
         self._active = active.to("cpu").clone()
         self._backend = backend
         self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
@@ -404,8 +410,8 @@ class FleetIndex:
         return torch.from_numpy(self._per_engine.copy())
 
     def memory_bytes(self) -> int:
-        """Bytes held by the two tables."""
-        return (self.keys.numel() + self.bits.numel()) * 8
+        """Bytes held by the tables (keys, bits and the entry index)."""
+        return (self.keys.numel() + self.bits.numel()) * 8 + self.entries.memory_bytes()
 
     def __repr__(self) -> str:
         return (
@@ -493,7 +499,18 @@ class FleetIndex:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, h = normalize_keys(group_ids, hashes, self.hash_bytes, self.device)
         e = self.normalize_engine_ids(engine_ids, g.shape[0], need_active)
+        if g.shape[0] and int(g.max()) > self.max_group_id:
+            raise ValueError(
+                f"group_ids must be <= {self.max_group_id} in a fleet of "
+                f"{self.num_engines} engines (entry keys are group * E + engine)"
+            )
         return e, g, h
+
+    @property
+    def max_group_id(self) -> int:
+        """The largest group id a key may have: entry keys ``group * E +
+        engine`` must fit in int64."""
+        return ((1 << 63) - 1 - (self.num_engines - 1)) // self.num_engines
 
     def _engine(self, engine: Any) -> int:
         return _check_int(engine, "engine", 0, self.num_engines)
@@ -555,6 +572,7 @@ class FleetIndex:
         self._size += self._ops.insert(self.keys, self.W, g, h)
         slots = self._ops.find(self.keys, self.W, g, h)
         new = self._ops.set_bits(self.bits, slots, e, self.num_engines)
+        self.entries.add(g * self.num_engines + e, h)
         self._per_engine += new
         self._version += 1
         return int(new.sum())
@@ -570,6 +588,7 @@ class FleetIndex:
         gone, freed = self._ops.clear_bits(
             self.keys, self.bits, slots, e, self.num_engines
         )
+        self.entries.remove(g * self.num_engines + e, h)
         self._per_engine -= gone
         self._size -= freed
         self._tombstones += freed
@@ -580,6 +599,8 @@ class FleetIndex:
         """Drop every key of ``engine`` (it stays in the fleet); returns how
         many it held."""
         e = self._engine(engine)
+        g, h = self.engine_keys(e)
+        self.entries.remove(g * self.num_engines + e, h)
         cleared, freed = self._ops.clear_engine(self.keys, self.bits, e)
         self._per_engine[e] -= cleared
         self._size -= freed
@@ -608,6 +629,7 @@ class FleetIndex:
         self.keys.zero_()
         self.keys[:, 0] = EMPTY
         self.bits.zero_()
+        self.entries.clear()
         self._size = 0
         self._tombstones = 0
         self._per_engine[:] = 0
@@ -670,6 +692,7 @@ class FleetIndex:
             "keys": self.keys,
             "bits": self.bits,
             "active": active,
+            "entries": self.entries.state_dict(),
             "checksum": _state_checksum(
                 self.keys,
                 self.bits,
@@ -702,7 +725,8 @@ class FleetIndex:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping, got {type(state).__name__}")
         fields = ("version", "num_engines", "hash_bytes", "max_load", "size",
-                  "tombstones", "keys", "bits", "active", "checksum")  # fmt: skip
+                  "tombstones", "keys", "bits", "active", "entries",
+                  "checksum")  # fmt: skip
         for field in fields:
             if field not in state:
                 raise ValueError(f"state: missing field {field!r}")
@@ -739,10 +763,14 @@ class FleetIndex:
                 "state: checksum mismatch: the tables or counts were changed or "
                 "corrupted after state_dict()"
             )
+        entries = KeyIndex.from_state_dict(state["entries"], device=dev,
+                                           backend=backend)  # fmt: skip
+        if entries.hash_bytes != hash_bytes:
+            raise ValueError("state['entries'] has another hash width")
         obj = cls.__new__(cls)
         obj._init(E, hash_bytes, keys.to(dev, copy=True).contiguous(),
-                  bits.to(dev, copy=True).contiguous(), active, backend, max_load,
-                  size, tombs)  # fmt: skip
+                  bits.to(dev, copy=True).contiguous(), entries, active, backend,
+                  max_load, size, tombs)  # fmt: skip
         obj._check_structure()
         if size + tombs > obj._limit(cap):
             obj._rehash(obj._capacity_for(0))
@@ -790,6 +818,16 @@ class FleetIndex:
                 "their home slot along the probe sequence (or appear twice)"
             )
         self._per_engine = counts.astype(np.int64)
+        # The entry index holds exactly the (engine, key) pairs of the bits.
+        v, h = self.entries.keys()
+        E = self.num_engines
+        if len(self.entries) != int(counts.sum()) or (
+            v.numel() and not bool(self.contains(v % E, v // E, h).all())
+        ):
+            raise ValueError(
+                "state['entries'] does not hold exactly the (engine, key) pairs "
+                "of state['bits']"
+            )
 
 
 def _check_max_load(max_load: Any) -> float:
@@ -932,6 +970,91 @@ def _fleet_generic(engine, view, lens, fleet, apply_eagle, lookup) -> torch.Tens
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _engine_plans(plan: ScanPlan, E: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The plan rows that make the numba scan read engine ``e``'s entries:
+    candidate rows for every virtual group ``v = g * E + e`` (row ``v`` is
+    group ``v // E``'s) and, per engine, SpecGroup rows whose members are
+    ``g * E + e``."""
+    from kvhit.kernels.contract import CAND_GROUP_ID, SG_MEMBERS
+
+    sg = np.array(plan.as_rows(), dtype=np.int64)
+    cand = np.repeat(np.array(plan.candidate_rows(), dtype=np.int64), E, axis=0)
+    cand[:, CAND_GROUP_ID] = np.arange(cand.shape[0])
+    per_engine = []
+    members = sg[:, SG_MEMBERS:]
+    for e in range(E):
+        rows = sg.copy()
+        rows[:, SG_MEMBERS:] = np.where(members >= 0, members * E + e, members)
+        per_engine.append(rows)
+    return cand, per_engine
+
+
+def _first_block_holders(plan, view, fleet) -> np.ndarray | None:
+    """bool ``[B, E]``: engines that may hit each request at all, or None when
+    the layout gives no such bound. With a full-attention first SpecGroup a
+    hit needs the engine to hold (in every member group) block 0's key or,
+    fine-grained, one hash unit of block 0: its scan is a leading run from
+    block 0 (and the fine tail inside block 0), and the convergence loop
+    never lets a later SpecGroup raise the hit above it
+    (``reference.full_attention_hit``, ``ReferenceCoordinator._find``)."""
+    sg = plan.spec_groups[0]
+    if sg.kind != KIND_FULL:
+        return None
+    fscale = sg.block_size // plan.alignment if sg.fine else sg.scale
+    first = 0 if sg.fine else fscale - 1
+    offs = view.offsets.numpy()
+    n_units = view.lengths.numpy()
+    reqs, units = [], []
+    for u in range(first, fscale):
+        r = np.flatnonzero(n_units > u)
+        reqs.append(r)
+        units.append(offs[r] + u)
+    req = np.concatenate(reqs)
+    rows = view.rows[torch.from_numpy(np.concatenate(units))].contiguous()
+    members = torch.tensor(sg.group_ids, dtype=torch.int64)
+    pb = fleet._ops.probe_bits(fleet.keys, fleet.bits, members, rows)  # [M, R, NW]
+    held = np.bitwise_and.reduce(pb, axis=0)
+    words = np.zeros((len(view), fleet.NW), dtype=np.int64)
+    np.bitwise_or.at(words, req, held)
+    return _unpack_engines(words, fleet.num_engines).numpy()
+
+
+def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
+    """Every (request, engine) pair that may hit, by the engine's own numba
+    scan over the entry index with the plan's groups renamed ``g * E + e``:
+    vLLM's whole rule, exactly, at the cost of one single-engine scan per
+    pair."""
+    from kvhit.kernels import scan_numba
+
+    plan = engine.plan
+    B, E = len(view), fleet.num_engines
+    cand, sg_rows = _engine_plans(plan, E)
+    may = _first_block_holders(plan, view, fleet)
+    active = fleet._active.numpy()
+    if may is None:
+        may = np.broadcast_to(active, (B, E))
+    else:
+        may = may & active
+    out = np.zeros((B, E), dtype=np.int64)
+    rows = view.rows.numpy()
+    offs, lengths, lens_np = view.offsets.numpy(), view.lengths.numpy(), lens.numpy()
+    table = fleet.entries.table.numpy()
+    kw = dict(hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+              partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+              parallel=False)  # fmt: skip
+    for e in np.flatnonzero(may.any(axis=0)):
+        r = np.flatnonzero(may[:, e])
+        args = (rows, offs[r], lengths[r], lens_np[r], sg_rows[e], cand)
+        if lookup:
+            out[r, e] = scan_numba.lookup_hits(*args, table=table, **kw)
+        else:
+            out[r, e] = scan_numba.find_hits(
+                *args, table=table, token_lens=None, apply_eagle=apply_eagle, **kw
+            )[0]
+    return out
+
+
 def fleet_find(
     engine: LookupEngine,
     batch: HashBatch,
@@ -958,6 +1081,10 @@ def fleet_find(
     if _full_path(engine, fleet, lookup):
         hit = _fleet_full(engine, view, lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit)
+    if fleet.backend == "numba":
+        return torch.from_numpy(
+            _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)
+        )
     out = _fleet_generic(engine, view, lens, fleet, apply_eagle, lookup)
     return out.to(engine.device)
 

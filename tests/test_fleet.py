@@ -330,6 +330,9 @@ def test_bad_inputs_change_nothing():
         with pytest.raises(exc, match=match):
             fn()
         assert _same(before, _snapshot(fleet)), match
+    with pytest.raises(ValueError, match="group_ids"):
+        fleet.add(0, [fleet.max_group_id + 1], h[:1])
+    assert _same(before, _snapshot(fleet))
     with pytest.raises(ValueError, match="num_engines"):
         FleetIndex(0, 8)
     with pytest.raises(ValueError, match="backend"):
@@ -418,6 +421,9 @@ def test_state_dict_round_trip_and_corruption():
         "sentinels": signed(keys=edit("keys", lambda t: t.__setitem__((s0, 0), -7))),
         "shape": signed(bits=good["bits"][:, :1].contiguous()),
     }
+    other = FleetIndex(67, 8)
+    other.add(0, 0, h[:3])
+    bad_states["does not hold exactly"] = signed(entries=other.state_dict()["entries"])
     for match, state in bad_states.items():
         with pytest.raises(ValueError, match=match):
             FleetIndex.from_state_dict(state)
@@ -461,3 +467,26 @@ def test_key_index_of_an_engine_is_a_plain_key_index():
     idx = fleet.key_index(1)
     assert isinstance(idx, KeyIndex)
     assert (1, b"b" * 8) in idx and (0, b"a" * 8) not in idx
+
+
+def test_fine_grained_hit_inside_the_first_block():
+    # Partial hash hits: an engine holding only hash unit 1 of block 0 hits
+    # 32 tokens (the fine tail); one holding nothing of block 0 hits 0 even
+    # with later blocks stored.
+    from kvhit import CacheLayout, FullAttention, Group, Mamba
+
+    h = chained_hashes(5, 12)
+    for groups in ([Group(FullAttention(64))],
+                   [Group(FullAttention(64)), Group(Mamba(64))]):  # fmt: skip
+        layout = CacheLayout(groups, 64, 16, partial_hash_hits=True)
+        stores_ = [
+            {(g, h[1]) for g in range(len(groups))},
+            {(g, x) for g in range(len(groups)) for x in h[4:]},
+            {(g, x) for g in range(len(groups)) for x in h[:7]},
+        ]
+        _check(layout, [h, h[:3]], stores_, [192, 48])
+        engine = LookupEngine(layout)
+        got = engine.fleet_hits(
+            HashBatch.from_bytes([h], 8), [192], make_fleet(stores_)
+        )
+        assert got.tolist() == [[32, 0, 112]]
