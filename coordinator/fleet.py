@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLEET_BACKENDS",
+    "EngineView",
     "FleetIndex",
     "check_fleet",
     "fleet_find",
@@ -664,6 +665,12 @@ class FleetIndex:
         rows = self.keys[mine]
         return rows[:, 0].contiguous(), rows[:, 1:].contiguous()
 
+    def engine_view(self, engine: int) -> EngineView:
+        """Engine ``engine``'s keys behind the KeyIndex mutation API
+        (:class:`EngineView`), e.g. for ``bindings.events.apply`` or an
+        ``EventFollower``."""
+        return EngineView(self, self._engine(engine))
+
     def key_index(self, engine: int) -> KeyIndex:
         """A new :class:`KeyIndex` holding exactly ``engine``'s keys (for
         single-engine lookups and checks; the fleet is only read)."""
@@ -828,6 +835,57 @@ class FleetIndex:
                 "state['entries'] does not hold exactly the (engine, key) pairs "
                 "of state['bits']"
             )
+
+
+class EngineView:
+    """One engine of a :class:`FleetIndex` with the KeyIndex API a writer
+    uses: ``hash_bytes``, ``device``, ``len()``, ``add(group_ids, hashes)``,
+    ``remove(group_ids, hashes)``, ``contains(group_ids, hashes)``,
+    ``keys()`` and ``clear()`` (drops this engine's keys only), each
+    validating as the FleetIndex does. Built by :meth:`FleetIndex.engine_view`.
+    """
+
+    def __init__(self, fleet: FleetIndex, engine: int) -> None:
+        self.fleet = fleet
+        self.engine = engine
+
+    @property
+    def hash_bytes(self) -> int:
+        """The fleet's hash width in bytes."""
+        return self.fleet.hash_bytes
+
+    @property
+    def device(self) -> torch.device:
+        """The fleet's device."""
+        return self.fleet.device
+
+    def __len__(self) -> int:
+        return int(self.fleet.engine_sizes()[self.engine])
+
+    def add(self, group_ids: Any, hashes: Any) -> int:
+        """:meth:`FleetIndex.add` for this engine; returns the keys new to it."""
+        return self.fleet.add(self.engine, group_ids, hashes)
+
+    def remove(self, group_ids: Any, hashes: Any) -> int:
+        """:meth:`FleetIndex.remove` for this engine."""
+        return self.fleet.remove(self.engine, group_ids, hashes)
+
+    def contains(self, group_ids: Any, hashes: Any) -> torch.Tensor:
+        """Whether this engine holds each key: bool ``[N]``."""
+        return self.fleet.contains(self.engine, group_ids, hashes)
+
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This engine's keys (:meth:`FleetIndex.engine_keys`)."""
+        return self.fleet.engine_keys(self.engine)
+
+    def clear(self) -> None:
+        """Drop this engine's keys (:meth:`FleetIndex.clear_engine`)."""
+        self.fleet.clear_engine(self.engine)
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineView(engine={self.engine}, len={len(self)}, fleet={self.fleet!r})"
+        )
 
 
 def _check_max_load(max_load: Any) -> float:
