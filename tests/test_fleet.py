@@ -490,3 +490,15 @@ def test_fine_grained_hit_inside_the_first_block():
             HashBatch.from_bytes([h], 8), [192], make_fleet(stores_)
         )
         assert got.tolist() == [[32, 0, 112]]
+
+
+@pytest.mark.parametrize("preset", ["llama", "dsv4-flash"])
+def test_torch_fleet_behind_the_triton_backend(preset):
+    # What runs on CUDA (torch table operations, the per-engine path through
+    # the Triton backend), here under TRITON_INTERPRET=1 at a small size.
+    layout = make_layout(preset)
+    rng = random.Random(0)
+    hbs = layout.hash_block_size
+    reqs = [chained_hashes(i % 2, rng.randint(0, 80)) for i in range(4)]
+    stores_ = [saved_keys(layout, r, layout.align(len(r) * hbs)) for r in reqs[:3]]
+    _check(layout, reqs, stores_, [len(r) * hbs for r in reqs], "triton", "torch")
