@@ -93,6 +93,8 @@ class RouterResult:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     believed_tokens: int = 0
+    best_tokens: int = 0
+    short_picks: int = 0
     per_engine: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -105,6 +107,18 @@ class RouterResult:
     def believed_rate(self) -> float:
         """What the router's own score promised, over prompt tokens."""
         return self.believed_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def best_rate(self) -> float:
+        """The hit rate had every request gone to its longest exact hit
+        (under this router's placement history)."""
+        return self.best_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def short_pick_rate(self) -> float:
+        """Requests placed on an engine with a shorter exact hit than another
+        engine offered."""
+        return self.short_picks / max(self.requests, 1)
 
     @property
     def imbalance(self) -> float:
@@ -250,6 +264,9 @@ def replay(
                                update_loads=True).numpy()  # fmt: skip
                 believed = score.numpy()[np.arange(len(chunk)), chosen]
             got = hits.numpy()[np.arange(len(chunk)), chosen]
+            best = hits.numpy().max(axis=1)
+            res.best_tokens += int(best.sum())
+            res.short_picks += int((got < best).sum())
             res.requests += len(chunk)
             res.prompt_tokens += int(tokens.sum())
             res.hit_tokens += int(got.sum())
@@ -283,12 +300,15 @@ def format_table(results: Sequence[RouterResult], config: RouteConfig) -> str:
         f" trace requests, batch {config.batch}",
         "",
         "| router | hit rate (exact rules) | router's own estimate | "
-        "busiest engine / mean |",
-        "|---|---:|---:|---:|",
+        "placed on a shorter hit than offered | busiest engine / mean |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in results:
         est = "-" if r.router == "round-robin" else f"{r.believed_rate:.1%}"
-        lines.append(f"| {r.router} | {r.hit_rate:.1%} | {est} | {r.imbalance:.2f} |")
+        lines.append(
+            f"| {r.router} | {r.hit_rate:.1%} | {est} | {r.short_pick_rate:.1%} "
+            f"| {r.imbalance:.2f} |"
+        )
     return "\n".join(lines)
 
 
