@@ -176,6 +176,9 @@ def _full_runs(keys, bits, rows, offsets, lengths, ends, scale, members, live, r
             alive = False
             for k in range(nw):
                 prev = acc[k]
+                if prev == 0:
+                    # Every engine of this word has already stopped.
+                    continue
                 cur = np.int64(0)
                 if not miss:
                     cur = prev
