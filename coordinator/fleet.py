@@ -11,38 +11,49 @@ block hash)`` of all engines; :func:`fleet_find` (``LookupEngine.fleet_hits``
 STORAGE
 =======
 
-One KeyIndex table of the keys ``(group, hash)`` that at least one engine
-holds (``keys``: int64 ``[C, W + 1]``, the layout of
-``coordinator/key_index.py``, probed by the same kernels), and beside it the
-set of engines holding each slot's key (``bits``: int64 ``[C, NW]``, ``NW =
-ceil(E / 64)``; engine ``e`` is bit ``e % 64`` of word ``e // 64``). A live
-slot has at least one bit set; when its last engine drops the key the slot
-becomes a TOMBSTONE with zero bits. Memory: ``(W + 1 + NW) * 8`` bytes per
-slot, whatever the number of engines sharing a key.
+* ``keys``: int64 ``[C, W + 1]``, a KeyIndex table (the layout of
+  ``coordinator/key_index.py``, probed by the same kernels) of the keys
+  ``(group, hash)`` that at least one engine holds, and beside it ``bits``:
+  int64 ``[C, NW]``, ``NW = ceil(E / 64)``, the set of engines holding each
+  slot's key (engine ``e`` is bit ``e % 64`` of word ``e // 64``). A live slot
+  has at least one bit set; when its last engine drops the key the slot
+  becomes a TOMBSTONE with zero bits. ``(W + 1 + NW) * 8`` bytes per slot,
+  whatever the number of engines sharing the key.
+* ``entries``: a :class:`KeyIndex` of the pairs (engine, key) as keys
+  ``(group * E + engine, hash)`` (so group ids are at most
+  :attr:`FleetIndex.max_group_id`): each engine's own store, which the
+  single-engine scans below read with the plan's groups renamed. ``(W + 1) *
+  8`` bytes per slot, one slot per (engine, key) pair.
+
+Every mutation updates both, after validating all of its input.
 
 COST OF A LOOKUP
 ================
 
 * Full attention (a layout whose only SpecGroup is full attention, not
-  fine-grained): one probe per block and member group, the engine sets ANDed
-  block by block until no engine is left (``kernels/fleet_numba.full_runs``),
-  then vLLM's closed-form full-attention hit per engine. The cost grows with
-  the blocks scanned, not with E x blocks (E only adds ``ceil(E / 64)`` words
-  per block and the ``[B, E]`` output).
+  fine-grained; numba): one probe per block and member group, the engine sets
+  ANDed block by block until no engine is left
+  (``kernels/fleet_numba.full_runs``), then vLLM's closed-form full-attention
+  hit per engine. The cost grows with the blocks scanned, not with E x
+  blocks (E only adds ``ceil(E / 64)`` words per block and the ``[B, E]``
+  output).
 * Every other layout (sliding window, Mamba, chunked local, several
-  SpecGroups, fine-grained hits): each (group, hash) of the batch is probed
-  once for all engines; then, for each engine holding at least one of those
-  keys, the engine's own backend runs vLLM's whole rule over the requests
-  that touch that engine, against a small table of exactly the batch's keys
-  that engine holds. Requests an engine holds nothing of get the answer for
-  an empty store (computed once). This part costs (engines x requests that
-  overlap) scans: E x blocks at worst.
+  SpecGroups, fine-grained hits; numba): the single-engine numba scan of
+  ``kernels/scan_numba.py`` (vLLM's whole rule) per (request, engine) pair
+  that may hit, reading ``entries`` with the plan's group ids renamed ``g *
+  E + e``. With a full-attention first SpecGroup only the engines holding a
+  request's first block (any hash unit of it, fine-grained) may hit it, found
+  with one joint probe per request; other pairs are 0. Without one every
+  active engine is scanned. This costs E x the single-engine scan at worst
+  (every engine holding every request's first block, as on the Mooncake
+  conversation trace whose prompts share their first block).
 
 Backends: numba on the CPU (the kernels of ``kernels/fleet_numba.py``,
 compiled); on any other device the table operations run as torch ops (the
-KeyIndex torch primitives) and lookups take the per-engine path above through
-the LookupEngine's own backend (triton on CUDA). There is no Triton kernel for
-the joint full-attention scan yet.
+KeyIndex torch primitives) and every lookup probes each (group, hash) of the
+batch once for all engines, then runs the LookupEngine's own backend (triton
+on CUDA) per engine over a small table of the batch's keys that engine holds.
+There is no Triton kernel for the joint full-attention scan yet.
 """
 
 from __future__ import annotations
