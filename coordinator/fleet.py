@@ -323,10 +323,16 @@ class FleetIndex:
     refused) until :meth:`add_engine`; :meth:`clear_engine` drops its keys and
     keeps it active (an engine that restarted with an empty cache).
 
+    As with a KeyIndex, a mutation must not overlap any other call on the
+    same fleet: hold one lock around mutations and lookups
+    (``bindings/fleet_events.FleetFollower`` does).
+
     Attributes:
         keys: int64 ``[C, W + 1]``, a KeyIndex table of every key some engine
             holds (module docstring).
         bits: int64 ``[C, NW]``, each slot's engine set.
+        entries: a KeyIndex of ``(group * E + engine, hash)``, one key per
+            (engine, key) pair.
     """
 
     def __init__(
