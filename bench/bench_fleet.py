@@ -148,14 +148,21 @@ def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.nd
     return out
 
 
-def _median_us(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
+def _interleaved_us(fa: Callable[[], Any], fb: Callable[[], Any],
+                   repeats: int) -> tuple[float, float]:  # fmt: skip
+    """Medians of ``fa`` and ``fb`` timed alternately, so that a load change
+    on a shared machine hits both alike."""
+    fa(), fb()
+    ta, tb = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        fa()
+        t1 = time.perf_counter()
+        fb()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
 
 
 def check_parity(engine: LookupEngine, fleet: FleetIndex, batch: HashBatch,
@@ -173,20 +180,27 @@ def check_parity(engine: LookupEngine, fleet: FleetIndex, batch: HashBatch,
 
 def sweep(preset: str, engines: Sequence[int], warm: int, batch: int,
           repeats: int, out) -> None:  # fmt: skip
-    """fleet_hits at B = ``batch`` for each E, ratio to the first E."""
-    rows, base = [], None
+    """fleet_hits at B = ``batch`` for each E, ratio to the first E; the E
+    are timed in turn within each repeat (a load change hits all alike)."""
+    calls = []
     for E in engines:
         wl = build_workload(preset, E, warm, batch)
         engine = LookupEngine(wl.layout)
         fleet = fill_fleet(engine, wl)
-        qb = pack(wl.words)
-        check_parity(engine, fleet, qb, wl.tokens)
-        us = _median_us(
-            lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-                pack(wl.words), wl.tokens, fleet
-            ),
-            repeats,
-        )
+        check_parity(engine, fleet, pack(wl.words), wl.tokens)
+        calls.append(lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
+            pack(wl.words), wl.tokens, fleet))  # fmt: skip
+    times: list[list[float]] = [[] for _ in calls]
+    for fn in calls:
+        fn()
+    for _ in range(repeats):
+        for k, fn in enumerate(calls):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    rows, base = [], None
+    for E, t in zip(engines, times, strict=True):
+        us = statistics.median(t) * 1e6
         base = base or us
         rows.append((E, us, us / base))
         print(f"  {preset} E={E}: {us:.0f} us", file=sys.stderr)
@@ -221,10 +235,12 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             raise MismatchError(
                 f"E={E}: {bad} (request, engine) pairs differ from Dynamo"
             )
-        ours = _median_us(lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-            pack(wl.words), wl.tokens, fleet), repeats)  # fmt: skip
-        theirs = _median_us(lambda tree=tree, wl=wl, E=E: dynamo_scores(
-            tree, wl.words, E), repeats)  # fmt: skip
+        ours, theirs = _interleaved_us(
+            lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
+                pack(wl.words), wl.tokens, fleet),
+            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.words, E),
+            repeats,
+        )  # fmt: skip
         rows.append((E, ours / batch, theirs / batch, int((dyn > 0).sum())))
         print(f"  dynamo E={E}: ours {ours:.0f} us, dynamo {theirs:.0f} us",
               file=sys.stderr)  # fmt: skip
