@@ -49,11 +49,13 @@ COST OF A LOOKUP
   conversation trace whose prompts share their first block).
 
 Backends: numba on the CPU (the kernels of ``kernels/fleet_numba.py``,
-compiled); on any other device the table operations run as torch ops (the
-KeyIndex torch primitives) and every lookup probes each (group, hash) of the
-batch once for all engines, then runs the LookupEngine's own backend (triton
-on CUDA) per engine over a small table of the batch's keys that engine holds.
-There is no Triton kernel for the joint full-attention scan yet.
+compiled); on any other device (``backend="torch"``) the table operations run
+as torch ops (the KeyIndex torch primitives). There the joint full-attention
+scan is torch ops too (every block below the bound probed once, no early
+stop, then ``[B, blocks, E]`` boolean ops), and other layouts probe each
+(group, hash) of the batch once for all engines, then run the LookupEngine's
+own backend (triton on CUDA) per engine over a small table of the batch's
+keys that engine holds. There is no Triton kernel of the fleet scans yet.
 """
 
 from __future__ import annotations
@@ -944,9 +946,9 @@ def _full_path(engine: LookupEngine, fleet: FleetIndex, lookup: bool) -> bool:
     """Whether the joint full-attention scan answers this layout exactly: one
     SpecGroup, full attention, not fine-grained (for the worker's lookup,
     every member group prefix-cacheable, so every probed key is one the
-    worker asks about), on the numba backend."""
+    worker asks about)."""
     plan = engine.plan
-    if fleet.backend != "numba" or len(plan.spec_groups) != 1:
+    if len(plan.spec_groups) != 1:
         return False
     sg = plan.spec_groups[0]
     if sg.kind != KIND_FULL or sg.fine:
@@ -965,22 +967,58 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
-def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
-    from kvhit.kernels import fleet_numba
+def _full_runs_torch(fleet, view, ends, scale, members) -> np.ndarray:
+    """:func:`kvhit.kernels.fleet_numba.full_runs` as torch ops (any device):
+    every block of every request below its end is probed once per member
+    group (no early stop), the engine sets unpacked to bool ``[B, M, E]`` and
+    the leading run of each engine counted by a cumulative minimum."""
+    dev = fleet.device
+    B, E = len(view), fleet.num_engines
+    ends_t = torch.minimum(
+        torch.from_numpy(ends).to(dev), view.lengths.to(dev) // scale
+    )
+    M = int(ends_t.max().item()) if B else 0
+    if M == 0:
+        return np.zeros((B, E), dtype=np.int64)
+    blocks = torch.arange(M, device=dev)
+    valid = blocks[None, :] < ends_t[:, None]  # [B, M]
+    rows = (view.offsets.to(dev)[:, None] + (blocks[None, :] + 1) * scale - 1)[valid]
+    words = torch.full((rows.shape[0], fleet.NW), -1, dtype=torch.int64, device=dev)
+    hashes = view.rows.index_select(0, rows).contiguous()
+    for g in members:
+        slots = fleet._ops.find(fleet.keys, fleet.W, torch.full_like(rows, g), hashes)
+        held = torch.zeros_like(words)
+        hit = slots >= 0
+        held[hit] = fleet.bits[slots[hit]]
+        words &= held
+    grid = torch.zeros((B, M, fleet.NW), dtype=torch.int64, device=dev)
+    grid[valid] = words
+    e = torch.arange(E, device=dev)
+    bits = (grid[:, :, e >> 6] >> (e & 63)) & 1  # [B, M, E]
+    bits &= fleet._active.to(dev).to(torch.int64)
+    runs = bits.to(torch.uint8).cummin(dim=1).values.to(torch.int64).sum(dim=1)
+    return runs.cpu().numpy()
 
+
+def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     plan = engine.plan
     sg = plan.spec_groups[0]
     bs, align = sg.block_size, plan.alignment
     drop = sg.use_eagle and (apply_eagle or lookup)
-    lens = lens.numpy()
-    n_units = view.lengths.numpy()
+    lens = lens.cpu().numpy()
+    n_units = view.lengths.cpu().numpy()
     bound = lens // align * align if lookup else lens
-    runs = fleet_numba.full_runs(
-        fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
-        view.offsets.numpy(), n_units, bound // bs, sg.scale,
-        np.array(sg.group_ids, dtype=np.int64), fleet.live_words(),
-        fleet.num_engines,
-    )  # fmt: skip
+    if fleet.backend == "numba":
+        from kvhit.kernels import fleet_numba
+
+        runs = fleet_numba.full_runs(
+            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
+            view.offsets.numpy(), n_units, bound // bs, sg.scale,
+            np.array(sg.group_ids, dtype=np.int64), fleet.live_words(),
+            fleet.num_engines,
+        )  # fmt: skip
+    else:
+        runs = _full_runs_torch(fleet, view, bound // bs, sg.scale, sg.group_ids)
     hit = _full_hits(runs, bs, align, drop)
     if not lookup:
         return hit
@@ -1155,7 +1193,7 @@ def fleet_find(
     view = batch.view()
     if _full_path(engine, fleet, lookup):
         hit = _fleet_full(engine, view, lens, fleet, apply_eagle, lookup)
-        return torch.from_numpy(hit)
+        return torch.from_numpy(hit).to(engine.device)
     if fleet.backend == "numba":
         return torch.from_numpy(
             _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)

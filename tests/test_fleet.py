@@ -101,12 +101,15 @@ def test_fleet_parity_full_attention(data, apply_eagle):
 
 
 @pytest.mark.parametrize("engine_backend", ["torch", "reference"])
+@pytest.mark.parametrize("full", [False, True])
 @settings(max_examples=max(EXAMPLES // 4, 10), deadline=None)
-@given(data=fleet_case())
-def test_fleet_parity_other_backends(engine_backend, data):
-    # The torch table operations and other engine backends behind the
-    # per-engine path.
-    layout, requests, stores_, lens = data
+@given(data=st.data())
+def test_fleet_parity_other_backends(engine_backend, full, data):
+    # The torch table operations (what runs off the CPU): the joint
+    # full-attention scan as torch ops (full) and the per-engine path through
+    # other engine backends.
+    layouts_ = layouts(kinds=("full",), allow_scratch_groups=False) if full else None
+    layout, requests, stores_, lens = data.draw(fleet_case(layouts_))
     _check(layout, requests, stores_, lens, engine_backend, fleet_backend="torch")
 
 
@@ -494,8 +497,9 @@ def test_fine_grained_hit_inside_the_first_block():
 
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash"])
 def test_torch_fleet_behind_the_triton_backend(preset):
-    # What runs on CUDA (torch table operations, the per-engine path through
-    # the Triton backend), here under TRITON_INTERPRET=1 at a small size.
+    # What runs on CUDA (torch table operations; llama: the joint scan as
+    # torch ops, dsv4-flash: the per-engine path through the Triton backend),
+    # here under TRITON_INTERPRET=1 at a small size.
     layout = make_layout(preset)
     rng = random.Random(0)
     hbs = layout.hash_block_size
