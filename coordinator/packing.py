@@ -487,8 +487,18 @@ class HashBatch:
             words[:, 0] = values
         hashes, offs = torch.from_numpy(words), torch.from_numpy(offsets)
         if device.type != "cpu":
-            hashes, offs = hashes.to(device), offs.to(device)
-        return cls.from_trusted(hashes, offs, hash_bytes)
+            return cls.from_trusted(hashes.to(device), offs.to(device), hash_bytes)
+        # from_trusted's fields, plus the numba backend's host view from the
+        # arrays in hand (no torch round trip on the first lookup); one
+        # __dict__ update costs a fraction of four frozen-dataclass setattrs.
+        batch = object.__new__(cls)
+        batch.__dict__.update(
+            hashes=hashes,
+            offsets=offs,
+            hash_bytes=hash_bytes,
+            _host=(words, offsets[:-1], np.array(lengths, dtype=np.int64)),
+        )
+        return batch
 
     @classmethod
     def from_trusted(
@@ -507,6 +517,26 @@ class HashBatch:
         object.__setattr__(obj, "offsets", offsets)
         object.__setattr__(obj, "hash_bytes", hash_bytes)
         return obj
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A CPU batch as numpy arrays sharing its memory, built once per
+        batch: ``(rows int64 [total, W], starts int64 [B], lengths int64
+        [B])`` (``starts[i] = offsets[i]``, ``lengths[i] = offsets[i + 1] -
+        offsets[i]``). What the numba backend reads; like :meth:`view`, it
+        assumes the batch's tensors are not modified in place.
+
+        Raises ValueError when the batch is not on the CPU.
+        """
+        host = self.__dict__.get("_host")
+        if host is None:
+            if self.hashes.device.type != "cpu":
+                raise ValueError(
+                    f"host_arrays: the batch is on {self.hashes.device}, not the CPU"
+                )
+            on = self.offsets.numpy()
+            host = (self.hashes.numpy(), on[:-1], np.diff(on))
+            object.__setattr__(self, "_host", host)
+        return host
 
     def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
         """The batch as every backend reads it (see :class:`RaggedView`).

@@ -170,3 +170,85 @@ def test_packing_is_at_most_a_tenth_of_a_microsecond_per_hash() -> None:
     per_hash = min(times) / 100_000
     # ~0.05 us here; 4x headroom for a loaded CI machine.
     assert per_hash < 0.4e-6, per_hash
+
+
+# -- the engine's host path (numba on the CPU) ---------------------------------
+
+
+def _full_layout():
+    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
+
+    return CacheLayout(
+        groups=[Group(FullAttention(block_size=32))],
+        scheduler_block_size=32,
+        hash_block_size=32,
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    reqs=st.lists(st.lists(st.integers(0, 12), max_size=10), min_size=1, max_size=6),
+    stored=st.sets(st.integers(0, 12), max_size=10),
+    grow=st.booleans(),
+)
+def test_host_path_matches_the_torch_backend(reqs, stored, grow) -> None:
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+
+    layout = _full_layout()
+    fast = LookupEngine(layout, backend="numba")
+    slow = LookupEngine(layout, backend="torch")
+    index = KeyIndex(8, 16)
+    keys = sorted(stored)
+    index.add(
+        torch.zeros(len(keys), dtype=torch.int64),
+        torch.tensor(keys, dtype=torch.int64).view(-1, 1),
+    )
+    for batch in (HashBatch.from_ints(reqs), HashBatch.from_bytes(
+        [[v.to_bytes(8, "little") for v in r] for r in reqs], 8
+    )):  # fmt: skip
+        n = [32 * len(r) for r in reqs]
+        want = slow.find_longest_cache_hit(batch, n, index, with_masks=True)
+        got = fast.find_longest_cache_hit(batch, n, index, with_masks=True)
+        assert got.hit_lengths.tolist() == want.hit_lengths.tolist()
+        assert got.mask_lists() == want.mask_lists()
+        assert (
+            fast.lookup(batch, n, index).tolist()
+            == slow.lookup(batch, n, index).tolist()
+        )
+        if grow:  # a grown table is a new tensor: the cached view must follow
+            index.add(
+                torch.zeros(40, dtype=torch.int64), torch.arange(100, 140).view(-1, 1)
+            )
+            got = fast.find_longest_cache_hit(batch, n, index)
+            want = slow.find_longest_cache_hit(batch, n, index)
+            assert got.hit_lengths.tolist() == want.hit_lengths.tolist()
+
+
+def test_host_path_still_validates() -> None:
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+
+    engine = LookupEngine(_full_layout(), backend="numba")
+    index = KeyIndex(8, 16)
+    batch = HashBatch.from_ints([[1, 2]])
+    with pytest.raises(ValueError, match=r"max_lengths\[0\]"):
+        engine.find_longest_cache_hit(batch, [-1], index)
+    with pytest.raises(ValueError, match="num_tokens"):
+        engine.lookup(batch, [1, 2], index)
+    with pytest.raises(TypeError, match="index"):
+        engine.lookup(batch, [64], None)
+    with pytest.raises(ValueError, match="hash width"):
+        engine.lookup(HashBatch.from_ints([[1]], 16), [32], index)
+
+
+def test_host_arrays_share_the_batch_and_are_built_once() -> None:
+    batch = HashBatch.from_bytes([[b"\x01" * 8, b"\x02" * 8], [], [b"\x03" * 8]], 8)
+    rows, starts, lengths = batch.host_arrays()
+    assert batch.host_arrays()[0] is rows
+    assert starts.tolist() == [0, 2, 2] and lengths.tolist() == [2, 0, 1]
+    assert np.shares_memory(rows, batch.hashes.numpy())
+    ints = HashBatch.from_ints([[5, 6], [7]])
+    r2, s2, l2 = ints.host_arrays()
+    assert r2[:, 0].tolist() == [5, 6, 7] and s2.tolist() == [0, 2]
+    assert l2.tolist() == [2, 1]
