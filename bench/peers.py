@@ -9,7 +9,7 @@ it holds, full attention only::
     tree = dynamo._core.RadixTree()
     tree.apply_event(worker_id, json_bytes)   # {"event_id": n, "data":
         # {"stored": {"parent_hash": h | null, "blocks": [{"block_hash": h,
-        # "tokens_hash": h}, ...]}}} or {"removed": {"block_hashes": [...]}}
+        # "tokens_hash": h}, ...]}}}
     tree.find_matches([h, ...]).scores        # {(worker_id, dp_rank): blocks}
 
 Dynamo's block hashes are unsigned 64-bit ints; kvhit's keys are int64 words,
@@ -77,16 +77,6 @@ class DynamoIndex:
             apply(_WORKER, json.dumps(event).encode())
             n += len(chain)
         return n
-
-    def remove(self, hashes: list[int]) -> None:
-        """One ``removed`` event for ``hashes`` (u64)."""
-        if hashes:
-            self.event_id += 1
-            event = {
-                "event_id": self.event_id,
-                "data": {"removed": {"block_hashes": hashes}},
-            }
-            self.tree.apply_event(_WORKER, json.dumps(event).encode())
 
     def find(self, chains: Sequence[list[int]]) -> list[int]:
         """Leading blocks held, per chain: one ``find_matches`` each."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhit.bench.peers import DYNAMO, DynamoIndex, as_u64, load_dynamo
+from kvhit.bench.peers import DYNAMO, PEERS, DynamoIndex, as_u64, load_dynamo
 from kvhit.bench.traces import (
     SHIPPED_TRACE,
     TRACE_BLOCK_SIZE,
@@ -50,10 +50,15 @@ from kvhit.bench.traces import (
 from kvhit.bench.workloads import PRESETS, make_layout
 
 __all__ = [
+    "PEERS",
+    "REFERENCE_REQUESTS",
+    "SHIPPED_TRACE",
+    "TRACE_BLOCK_SIZE",
     "ReplayConfig",
     "ReplayResult",
     "StepRecord",
     "format_report",
+    "load_trace",
     "plot_replay",
     "replay",
     "steps_of",
@@ -391,6 +396,13 @@ def _replay(
             result.peer_skipped = why
         elif full is None:
             result.peer_skipped = f"{config.preset} has no full-attention group"
+        elif config.store_blocks is not None:
+            # A removed block takes its whole subtree with it in Dynamo's
+            # tree; a key-level LRU store cannot be mirrored there.
+            result.peer_skipped = (
+                "runs on an unbounded store only (Dynamo's tree drops a removed "
+                "block's descendants; --store-blocks evicts single keys)"
+            )
         else:
             peer = DynamoIndex(tree_cls)
 
@@ -502,14 +514,12 @@ def _replay(
             lm = engine.load_masks(batch, hits)
             lg, lr = _mask_rows(lm.masks, starts, scales, cacheable)
             store.refresh(lg, rows[lr])
-        sent, evicted = store.write(gids, np.ascontiguousarray(rows[krows]))
+        sent, _ = store.write(gids, np.ascontiguousarray(rows[krows]))
         store_s = time.perf_counter() - t0
         result.kvhit_blocks_stored += sent
         if peer is not None:
             t0 = time.perf_counter()
             result.peer_blocks_stored += peer.store(chains)
-            if evicted:
-                peer.remove(as_u64(np.array([w for g, w in evicted if g == full])))
             peer_store_s = time.perf_counter() - t0
 
         result.steps.append(
