@@ -78,6 +78,21 @@ class DynamoIndex:
             n += len(chain)
         return n
 
+    def store_after(self, parent: int | None, blocks: list[int]) -> None:
+        """One ``stored`` event: ``blocks`` (u64) continuing the block
+        ``parent`` (None: from the root), as a worker reports new blocks."""
+        self.event_id += 1
+        event = {
+            "event_id": self.event_id,
+            "data": {
+                "stored": {
+                    "parent_hash": parent,
+                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in blocks],
+                }
+            },
+        }
+        self.tree.apply_event(_WORKER, json.dumps(event).encode())
+
     def find(self, chains: Sequence[list[int]]) -> list[int]:
         """Leading blocks held, per chain: one ``find_matches`` each."""
         find = self.tree.find_matches

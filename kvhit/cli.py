@@ -257,6 +257,8 @@ def sweep_config(
         sample=args.sample,
         vllm=args.vllm,
         key_index=args.key_index,
+        peer=args.peer,
+        peer_limit=args.peer_limit,
     )
     return config, skipped
 
@@ -266,6 +268,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config, skipped = sweep_config(args)
     result = harness.sweep(config, quiet=args.quiet, skipped=skipped)
     out.write("\n" + harness.format_table(result))
+    if result.peers:
+        out.write("\n" + harness.format_peer_table(result.peers))
     out.flush()
     if args.json:
         harness.write_json(args.json, result)
@@ -614,6 +618,21 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         help="largest batch the (slow) per-request loops are timed and fully "
         "checked at; above it, --sample requests are checked and their "
         "per-request time extrapolated (default 1024)",
+    )
+    bench.add_argument(
+        "--peer",
+        choices=list(harness.PEERS),
+        default=None,
+        help="also run a peer index beside kvhit on the shipped conversation "
+        "trace (one FullAttention(512) group, steps of each batch size, answers "
+        "asserted equal: a mismatch exits 1): dynamo, from the 'peers' extra "
+        "(ai-dynamo-runtime); skipped with the reason when absent",
+    )
+    bench.add_argument(
+        "--peer-limit",
+        type=_int_at_least(1),
+        default=None,
+        help="replay only the first N trace requests for --peer (default all)",
     )
     bench.add_argument(
         "--key-index",
