@@ -866,13 +866,8 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
         hit_blocks += sum(mine)
         # Store each request's blocks past its hit (a worker's new blocks).
         t0 = perf()
-        rows, offs = batch.host_arrays()[:2]
-        take = np.concatenate(
-            [
-                np.arange(offs[i] + mine[i], offs[i] + len(reqs[i]))
-                for i in range(hi - lo)
-            ]
-        ).astype(np.int64)
+        rows, offs, lens = batch.host_arrays()
+        take = _rows_past(offs, lens, np.array(mine, dtype=np.int64))
         if take.size:
             index.add(
                 torch.zeros(take.size, dtype=torch.int64),
@@ -900,6 +895,17 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
         blocks_stored=stored,
         hit_blocks=hit_blocks,
     )
+
+
+def _rows_past(starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray) -> np.ndarray:
+    """Rows ``starts[i] + skip[i] .. starts[i] + lengths[i] - 1`` of every
+    request ``i``, concatenated (int64), without a Python loop."""
+    counts = np.maximum(lengths - skip, 0)
+    total = int(counts.sum())
+    first = starts + skip
+    # Each run's first row, minus where the run starts in the output.
+    base = np.repeat(first - (np.cumsum(counts) - counts), counts)
+    return base + np.arange(total, dtype=np.int64)
 
 
 def format_peer_table(rows: Sequence[PeerRow]) -> str:
