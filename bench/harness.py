@@ -867,7 +867,7 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
         # Store each request's blocks past its hit (a worker's new blocks).
         t0 = perf()
         rows, offs, lens = batch.host_arrays()
-        take = _rows_past(offs, lens, np.array(mine, dtype=np.int64))
+        take = peer_rows_past(offs, lens, np.array(mine, dtype=np.int64))
         if take.size:
             index.add(
                 torch.zeros(take.size, dtype=torch.int64),
@@ -897,7 +897,9 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
     )
 
 
-def _rows_past(starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray) -> np.ndarray:
+def peer_rows_past(
+    starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray
+) -> np.ndarray:
     """Rows ``starts[i] + skip[i] .. starts[i] + lengths[i] - 1`` of every
     request ``i``, concatenated (int64), without a Python loop."""
     counts = np.maximum(lengths - skip, 0)

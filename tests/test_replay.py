@@ -168,3 +168,55 @@ def test_peer_absent_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch)
     res = rp.replay(rp.ReplayConfig(preset="llama", peer="dynamo"), requests=TRACE[:20])
     assert res.peer_skipped == "not installed here" and res.peer_checked == 0
     assert "skipped: not installed here" in rp.format_report(res)
+
+
+# -- kvhit bench --peer dynamo (bench/harness.py) -----------------------------
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_bench_peer_column_on_a_trace_slice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b.json"
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "1,8", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit",
+            "150", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_OK
+    assert "kvhit vs dynamo" in capsys.readouterr().out
+    peers = json.loads(out.read_text())["peers"]
+    assert [p["batch_size"] for p in peers] == [1, 8]
+    assert all(p["requests"] == 150 and p["mismatches"] == 0 for p in peers)
+    # A step does not see its own stores: bigger steps hit no more.
+    assert peers[0]["hit_blocks"] >= peers[1]["hit_blocks"] > 0
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench.peers import DynamoIndex
+
+    real = DynamoIndex.find
+    monkeypatch.setattr(
+        DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
+    )
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "4", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit", "20"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_MISMATCH
+
+
+def test_bench_peer_absent_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import harness
+
+    monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
+    rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
+    assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
+
+
+def test_rows_past() -> None:
+    import numpy as np
+
+    from kvhit.bench import harness
+
+    got = harness.peer_rows_past(
+        np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
+    )
+    assert got.tolist() == [1, 2, 8, 9]
