@@ -299,18 +299,27 @@ class _Store:
 
 
 def _mask_rows(
-    masks: Any, offsets: np.ndarray, scales: Sequence[int], cacheable: Sequence[bool]
+    masks: Any,
+    offsets: np.ndarray,
+    scales: Sequence[int],
+    cacheable: Sequence[bool],
+    last_unit: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(group ids [K], rows [K])`` of every True chunk of per-group bool
     masks ``masks[g] [B, C_g]`` (chunk ``c`` of request ``b`` is keyed by its
-    last hash unit, row ``offsets[b] + (c + 1) * scale_g - 1``)."""
+    last hash unit, row ``offsets[b] + (c + 1) * scale_g - 1``). With
+    ``last_unit`` (int64 ``[B]``), a chunk the hit ends inside (partial hash
+    hits) is keyed by the hit's last unit, as the store keys a partial block."""
     gids, rows = [], []
     for g, m in enumerate(masks):
         if not cacheable[g]:
             continue
         b, c = np.nonzero(m.numpy())
         if b.size:
-            rows.append(offsets[b] + (c + 1) * scales[g] - 1)
+            unit = (c + 1) * scales[g] - 1
+            if last_unit is not None:
+                unit = np.minimum(unit, last_unit[b])
+            rows.append(offsets[b] + unit)
             gids.append(np.full(b.size, g, dtype=np.int64))
     if not rows:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -512,7 +521,8 @@ def _replay(
             krows = np.concatenate([krows, *extra_r]).astype(np.int64)
         if store.bound is not None and any(hit_list):
             lm = engine.load_masks(batch, hits)
-            lg, lr = _mask_rows(lm.masks, starts, scales, cacheable)
+            last = np.array(hit_list, dtype=np.int64) // hbs - 1
+            lg, lr = _mask_rows(lm.masks, starts, scales, cacheable, last)
             store.refresh(lg, rows[lr])
         sent, _ = store.write(gids, np.ascontiguousarray(rows[krows]))
         store_s = time.perf_counter() - t0
