@@ -714,11 +714,14 @@ class PeerRow:
         batch_size: requests per step (the last step may be shorter).
         requests: requests replayed (each checked: ``mismatches`` is 0, or
             the sweep raised :class:`MismatchError`).
-        kvhit_lookup_s: kvhit's seconds per request: ``HashBatch.from_ints``
+        kvhit_lookup_s: kvhit's seconds per request, the median over the
+            steps of a step's time / its requests: ``HashBatch.from_ints``
             from Python int lists plus ``find_longest_cache_hit``.
-        kvhit_pack_s: the ``from_ints`` part of it.
-        peer_lookup_s: the peer's seconds per request (one call each).
+        kvhit_pack_s: the ``from_ints`` part of it (median likewise).
+        peer_lookup_s: the peer's seconds per request (one call each; median
+            likewise).
         lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
+        kvhit_mean_s, peer_mean_s: the means (total time / requests).
         kvhit_store_bps, peer_store_bps: blocks stored per second (each
             request's blocks past its hit, as a worker emits them).
         blocks_stored: blocks each stored over the run.
@@ -736,6 +739,8 @@ class PeerRow:
     peer_store_bps: float
     blocks_stored: int
     hit_blocks: int
+    kvhit_mean_s: float = 0.0
+    peer_mean_s: float = 0.0
     mismatches: int = 0
 
 
@@ -838,8 +843,14 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
     warm = HashBatch.from_ints([ints[0]])
     engine.find_longest_cache_hit(warm, [max_lengths[0]], index, apply_eagle=False)
     tree.find([chains[0]])
-    t_look = t_pack = t_store = t_peer = t_peer_store = 0.0
+    t_store = t_peer_store = 0.0
+    # Per step, seconds per request: medians resist the load spikes of a
+    # shared machine better than totals.
+    look: list[float] = []
+    pack: list[float] = []
+    them: list[float] = []
     stored = hit_blocks = 0
+    steps_len = [min(n, lo + b) - lo for lo in range(0, n, b)]
     for lo in range(0, n, b):
         hi = min(n, lo + b)
         reqs, mls, chs = ints[lo:hi], max_lengths[lo:hi], chains[lo:hi]
@@ -850,9 +861,9 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
         t2 = perf()
         theirs = tree.find(chs)
         t3 = perf()
-        t_pack += t1 - t0
-        t_look += t2 - t0
-        t_peer += t3 - t2
+        pack.append((t1 - t0) / (hi - lo))
+        look.append((t2 - t0) / (hi - lo))
+        them.append((t3 - t2) / (hi - lo))
         mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
         if mine != theirs:
             bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
@@ -886,14 +897,16 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
         peer=peer,
         batch_size=b,
         requests=n,
-        kvhit_lookup_s=t_look / n,
-        kvhit_pack_s=t_pack / n,
-        peer_lookup_s=t_peer / n,
-        lookup_ratio=t_peer / max(t_look, 1e-12),
+        kvhit_lookup_s=float(np.median(look)),
+        kvhit_pack_s=float(np.median(pack)),
+        peer_lookup_s=float(np.median(them)),
+        lookup_ratio=float(np.median(them) / max(np.median(look), 1e-12)),
         kvhit_store_bps=stored / max(t_store, 1e-12),
         peer_store_bps=stored / max(t_peer_store, 1e-12),
         blocks_stored=stored,
         hit_blocks=hit_blocks,
+        kvhit_mean_s=float(np.dot(look, steps_len)) / n,
+        peer_mean_s=float(np.dot(them, steps_len)) / n,
     )
 
 
@@ -918,15 +931,18 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     lines = [
         f"kvhit vs {peer} on the conversation trace ({rows[0].requests} requests in "
         f"order, steps of B; FullAttention({PEER_BLOCK_SIZE}), 8-byte keys, one "
-        "numba thread; kvhit includes from_ints packing)",
-        f"  {'B':>5} {'kvhit/req':>10} {'(pack)':>9} {peer + '/req':>11} "
+        "numba thread; kvhit includes from_ints packing; per request: median "
+        "over steps, mean in brackets)",
+        f"  {'B':>5} {'kvhit/req':>20} {'(pack)':>9} {peer + '/req':>21} "
         f"{'ratio':>7} {'store kvhit':>12} {'store ' + peer:>13}",
     ]
     for r in rows:
+        kv = f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})"
+        them = f"{fmt_time(r.peer_lookup_s)} ({fmt_time(r.peer_mean_s)})"
         lines.append(
-            f"  {r.batch_size:>5} {fmt_time(r.kvhit_lookup_s):>10} "
-            f"{fmt_time(r.kvhit_pack_s):>9} {fmt_time(r.peer_lookup_s):>11} "
-            f"{r.lookup_ratio:>6.1f}x {fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
+            f"  {r.batch_size:>5} {kv:>20} {fmt_time(r.kvhit_pack_s):>9} "
+            f"{them:>21} {r.lookup_ratio:>6.1f}x "
+            f"{fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
             f"{fmt_count(r.peer_store_bps) + ' b/s':>13}"
         )
     lines.append(
