@@ -309,7 +309,10 @@ def cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             config.trace, config.limit, config.trace_block_size
         )
     except (ValueError, OSError) as exc:  # the trace is an argument: exit 2
-        err.write(f"kvhit replay: error: argument TRACE: {exc}\n")
+        err.write(
+            f"kvhit replay: error: argument TRACE (read with --trace-block-size "
+            f"{config.trace_block_size}): {exc}\n"
+        )
         return EXIT_USAGE
     err.write(
         f"kvhit replay: {len(requests)} requests of {config.trace.name} on "
