@@ -46,9 +46,10 @@ def _elementwise(fn, columns: list[list[int]]) -> None:
 
 
 def test_one_cdiv_everywhere():
-    from kvhit.coordinator import plan, reference
+    from kvhit.coordinator import managers, plan, reference
 
     assert masks.cdiv is contract.cdiv
+    assert managers.cdiv is contract.cdiv
     assert reference.cdiv is contract.cdiv
     assert plan.cdiv is contract.cdiv
 
