@@ -16,7 +16,7 @@ The vectorised scans (the torch backend and the Triton/numba kernels) branch
 on ``SpecKind.code``; a new kind needs its closed form there too (see
 CONTRIBUTING.md, "Adding a spec type"). The engine's batched store and lookup
 masks are entries here too (``batched_store_mask``,
-``batched_reachable_mask``), built on :mod:`kvhit.coordinator.masks`.
+``batched_reachable_mask``), built on :mod:`kvhit.kernels.masks`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ from types import MappingProxyType
 from typing import Any
 
 from kvhit.coordinator import managers
-from kvhit.coordinator.masks import (
-    mamba_replay_mask,
-    mamba_segment_mask,
-    sliding_window_need,
-    sparse_window_mask,
-    swa_replay_mask,
-    swa_segment_chunks,
-)
 from kvhit.coordinator.spec_types import (
     ChunkedLocal,
     FullAttention,
@@ -44,6 +36,14 @@ from kvhit.coordinator.spec_types import (
     Spec,
 )
 from kvhit.kernels.contract import KIND_CHUNKED, KIND_FULL, KIND_MAMBA, KIND_SWA
+from kvhit.kernels.masks import (
+    mamba_replay_mask,
+    mamba_segment_mask,
+    sliding_window_need,
+    sparse_window_mask,
+    swa_replay_mask,
+    swa_segment_chunks,
+)
 
 __all__ = [
     "KINDS",

@@ -10,7 +10,7 @@ registry (:mod:`kvhit.coordinator.kinds`) says which kind uses which function;
 :class:`~kvhit.coordinator.reference.ReferenceCoordinator` (the coordinator of
 the reference) calls them through the registry. Together the two modules are
 the oracle every backend is checked against. The mask formulas they share with
-the batched backends are in :mod:`kvhit.coordinator.masks`.
+the batched backends are in :mod:`kvhit.kernels.masks`.
 
 A loaded block is represented by ``True`` and vLLM's null block by ``False``, so
 a group's load mask is exactly its list of hit blocks.
@@ -20,14 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvhit.coordinator.masks import (
-    mamba_replay_mask,
-    mamba_segment_mask,
-    sliding_window_need,
-    sparse_window_chunk,
-    swa_replay_mask,
-    swa_segment_chunks,
-)
 from kvhit.coordinator.spec_types import (
     ChunkedLocal,
     FullAttention,
@@ -36,6 +28,14 @@ from kvhit.coordinator.spec_types import (
     Spec,
 )
 from kvhit.kernels.contract import cdiv
+from kvhit.kernels.masks import (
+    mamba_replay_mask,
+    mamba_segment_mask,
+    sliding_window_need,
+    sparse_window_chunk,
+    swa_replay_mask,
+    swa_segment_chunks,
+)
 
 __all__ = [
     "BlockHash",
@@ -346,7 +346,7 @@ def sliding_window_reachable_mask(
     boundaries: Sequence[int],
 ) -> list[bool] | None:
     """``SlidingWindowManager.reachable_block_mask``: the ``need`` blocks
-    before each segment end (:func:`~kvhit.coordinator.masks.sparse_window_mask`,
+    before each segment end (:func:`~kvhit.kernels.masks.sparse_window_mask`,
     enumerated with its inverse)
     and, with a retention interval, before each replay boundary; ``None`` when
     that keeps every block."""

@@ -24,9 +24,9 @@ from collections.abc import Collection, Sequence
 
 from kvhit.coordinator.kinds import SpecKind, kind_of
 from kvhit.coordinator.managers import BlockHash, HashesTooShort, ScanResult, StorePool
-from kvhit.coordinator.masks import asked_chunks
 from kvhit.coordinator.specs import CacheLayout
 from kvhit.kernels.contract import cdiv
+from kvhit.kernels.masks import asked_chunks
 
 __all__ = [
     "Masks",

@@ -231,7 +231,7 @@ def test_plan_rows_are_pinned(preset):
     plan = ScanPlan.from_layout(PRESETS[preset].layout())
     sg_rows, cand_rows = PINNED_ROWS[preset]
     assert plan.as_rows() == sg_rows
-    assert plan.candidate_rows() == cand_rows
+    assert plan.candidates_as_rows() == cand_rows
     assert all(len(r) == contract.CAND_WIDTH for r in cand_rows)
     for row, sg in zip(sg_rows, plan.spec_groups, strict=True):
         assert row[contract.SG_PERIOD] == sg.period
@@ -254,7 +254,7 @@ def test_chunked_local_row_carries_its_chunk():
         [0, 8, 2, 0, 0, 0, 1, 0, 0, 1, 0],
         [3, 8, 2, 0, 0, 0, 1, 0, 32, 1, 1],
     ]
-    assert plan.candidate_rows() == [
+    assert plan.candidates_as_rows() == [
         [1, 8, 2, 0, 0, 0, 0, 0],
         [1, 8, 2, 0, 0, 0, 0, 1],
         [0, 8, 2, 0, 0, 0, 0, 2],

@@ -1,4 +1,4 @@
-"""coordinator/masks.py: each formula gives the same answer on Python ints and
+"""kernels/masks.py: each formula gives the same answer on Python ints and
 on int64 torch tensors (the reference and the plan use the ints, the batched
 backends the tensors), and matches the rule it is written from."""
 
@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhit.coordinator import masks
-from kvhit.coordinator.masks import (
+from kvhit.kernels import contract, masks
+from kvhit.kernels.contract import cdiv
+from kvhit.kernels.masks import (
     asked_chunks,
-    cdiv,
     mamba_replay_mask,
     mamba_segment_mask,
     minimum,
@@ -27,7 +27,6 @@ from kvhit.coordinator.masks import (
     swa_replay_mask,
     swa_segment_chunks,
 )
-from kvhit.kernels import contract
 
 CHUNKS = list(range(-3, 70))
 
@@ -189,7 +188,7 @@ def test_asked_chunks_partial_hash_hits_form():
 
 def test_masks_module_needs_no_torch():
     code = (
-        "import sys; import kvhit.coordinator.masks, kvhit.coordinator.kinds, "
+        "import sys; import kvhit.kernels.masks, kvhit.coordinator.kinds, "
         "kvhit.coordinator.reference; "
         "sys.exit(int(any(m in sys.modules for m in ('torch', 'triton', 'numba'))))"
     )

@@ -41,8 +41,8 @@ from kvhit import (
     SlidingWindow,
 )
 from kvhit.bench.workloads import make_layout
-from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.triton_backend import TritonBackend, plan_tensors
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.coordinator.triton_backend import TritonBackend
 from kvhit.kernels import contract
 
 MAX_HASHES = 40
