@@ -34,7 +34,7 @@ import torch
 
 from kvhit.coordinator.backend import Backend, auto_backend
 from kvhit.coordinator.candidates import worker_candidates
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.coordinator.checks import check_device, check_mask_size, check_tensor
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
 from kvhit.coordinator.packing import HashBatch
@@ -209,6 +209,7 @@ class LookupEngine:
         self.backend = backend
         self.cpu_threads = cpu_threads
         self.plan = ScanPlan.from_layout(layout)
+        self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: Backend = backend_class(backend)(self.plan, device)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
@@ -470,6 +471,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         start = (
             torch.zeros_like(aligned)
             if start_tokens is None
@@ -490,6 +492,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         return self._reachable(
             aligned, torch.zeros_like(aligned), None, None, store=False
         )

@@ -351,6 +351,32 @@ def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int)
     return h.hexdigest()
 
 
+def _checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
+    """Which part of a state whose checksum failed disagrees. The checksum
+    signs the table bytes and the counts together, so the counts the table
+    itself holds are tried in place of the fields: a field that differs from
+    them is named, and is the whole story when the table's own counts sign it;
+    otherwise the table's bytes (or the checksum itself: one signature cannot
+    tell the two apart) changed."""
+    col = table[:, 0]
+    held = {
+        "size": int((col >= 0).sum().item()),
+        "tombstones": int((col == TOMBSTONE).sum().item()),
+    }
+    wrong = [
+        f"state[{field!r}] ({state[field]}; the table holds {n})"
+        for field, n in held.items()
+        if state[field] != n
+    ]
+    signed = _table_checksum(
+        table, state["hash_bytes"], held["size"], held["tombstones"]
+    )
+    if wrong and state["checksum"] == signed:
+        return " and ".join(wrong) + " was"
+    table_part = "state['table'] (its bytes, shape or hash_bytes) or state['checksum']"
+    return " and ".join([*wrong, table_part]) + " was"
+
+
 def _check_table_tensor(table: Any, W: int, name: str) -> int:
     """Structure of a table tensor (no values read); returns its capacity."""
     check_tensor(table, name)
@@ -906,8 +932,14 @@ class KeyIndex:
         for field in (*fields, "checksum"):
             if field not in state:
                 raise ValueError(f"state: missing field {field!r}")
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(f"state: unsupported version {state['version']!r}")
+        version = state["version"]
+        if type(version) is not int or version != _STATE_VERSION:
+            # Only the layout this code writes is read: a table saved under
+            # another version may hash or pack keys differently.
+            raise ValueError(
+                f"state: unknown version {version!r} (this kvhit reads version "
+                f"{_STATE_VERSION} only)"
+            )
         hash_bytes = state["hash_bytes"]
         W = num_words(hash_bytes)
         max_load = _check_max_load(state["max_load"])
@@ -923,8 +955,8 @@ class KeyIndex:
         resolve_backend(backend, dev)
         if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(
-                "state: checksum mismatch: the table or its counts were changed "
-                "or corrupted after state_dict()"
+                f"state: checksum mismatch: {_checksum_culprit(state, table)} "
+                "changed or corrupted after state_dict()"
             )
         table = table.to(dev, copy=True).contiguous()
         obj = cls.__new__(cls)

@@ -15,7 +15,7 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass, replace
 from types import MappingProxyType
 
@@ -157,6 +157,7 @@ class CacheLayout:
             ``scheduler_block_size`` boundaries.
 
     Raises:
+        TypeError: ``groups`` is not a sequence of :class:`Group`.
         ValueError: naming the group and the rule, for every layout vLLM 0.33.0
             would refuse or assert on at lookup time.
     """
@@ -170,6 +171,10 @@ class CacheLayout:
         retention_interval: int | None = None,
         partial_hash_hits: bool = False,
     ) -> None:
+        if isinstance(groups, str | bytes) or not isinstance(groups, Iterable):
+            raise TypeError(
+                "groups must be a sequence of Group, got " + type(groups).__name__
+            )
         groups = tuple(groups)
         self.groups: tuple[Group, ...] = groups
         self.scheduler_block_size = scheduler_block_size
