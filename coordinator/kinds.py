@@ -12,7 +12,7 @@ vLLM's coordinator branches on. The reference, the plan and the vLLM binding
 look kinds up here (:func:`kind_of`, :data:`KINDS_BY_NAME`) and never branch on
 a spec type.
 
-The vectorised scans (the torch backend and the Triton/numba kernels) branch
+The vectorised scans (the torch, Triton and numba kernels) branch
 on ``SpecKind.code``; a new kind needs its closed form there too (see
 CONTRIBUTING.md, "Adding a spec type"). The engine's batched store and lookup
 masks are entries here too (``batched_store_mask``,
@@ -109,7 +109,7 @@ class SpecKind:
             other SpecGroup is a "simple hybrid" (one round).
         takes_proof_margin: an EAGLE SpecGroup of this kind may look one proof
             margin past the current hit (Mamba may not: its state there would
-            be unverified).
+            be unverified; vllm-project/vllm PR #45614).
     """
 
     name: str

@@ -1,10 +1,11 @@
 """A layout flattened into the numbers the batched backends scan with.
 
-The torch backend and the Triton kernels both work from a :class:`ScanPlan`:
+Every batched backend works from a :class:`ScanPlan` (the torch kernels read
+it by attribute, the Triton and numba kernels its rows, :func:`plan_tensors`):
 small integer tables, one row per SpecGroup and one per KV-cache group, derived
 once from a :class:`CacheLayout`. Every rule of the scalar reference that the
 backends need is expressed here in closed form (see the per-kind notes below),
-so the two backends cannot drift apart in how they read the layout. What is
+so the backends cannot drift apart in how they read the layout. What is
 particular to a kind (its code, its own fields) comes from the spec-kind
 registry, :mod:`kvhit.coordinator.kinds`; the mask and limit formulas from
 :mod:`kvhit.kernels.masks`.

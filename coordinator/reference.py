@@ -203,12 +203,15 @@ class ReferenceCoordinator:
                 # Full attention is scanned once; later rounds only clip it.
                 curr = min(curr, state.length_by_group[first])
                 continue
+            # The EAGLE drop applies once per hit, not again on every retry
+            # (re-applying it spiralled hits down: vllm-project/vllm #32802).
             drop_eagle = (
                 apply_eagle and sg.use_eagle and idx not in state.eagle_verified
             )
             bound = curr
             # EAGLE may peek one proof margin past the hit and drop back;
-            # never a Mamba group, whose state there would be unverified.
+            # never a Mamba group, whose state there would be unverified
+            # (an unsafe Mamba hit: vllm-project/vllm PR #45614).
             if drop_eagle and kind.takes_proof_margin:
                 margin = layout.proof_margins[first]
                 bound = min(curr + margin, len(raw) * self.hash_block_size)

@@ -323,6 +323,8 @@ class CacheLayout:
             for m_spec, m_ids, m_eagle in merged:
                 if m_spec == spec:
                     m_ids.append(i)
+                    # One EAGLE member makes the whole SpecGroup EAGLE (missed
+                    # by vLLM's Mooncake store: vllm-project/vllm PR #49069).
                     m_eagle[0] = m_eagle[0] or bool(g.eagle)
                     break
             else:

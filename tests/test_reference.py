@@ -52,7 +52,7 @@ def hit(layout, n_hashes, max_length, exists, apply_eagle=True):
 
 
 # ---------------------------------------------------------------------------
-# Seed regressions (DESIGN.md)
+# Seed regressions (ARCHITECTURE.md)
 # ---------------------------------------------------------------------------
 
 

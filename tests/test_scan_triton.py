@@ -157,7 +157,7 @@ def test_small_block_matches_reference(device, data, apply_eagle):
 
 
 # ---------------------------------------------------------------------------
-# Edge cases (the DESIGN.md seed regressions run through every backend in
+# Edge cases (the ARCHITECTURE.md seed regressions run through every backend in
 # test_engine.py)
 # ---------------------------------------------------------------------------
 

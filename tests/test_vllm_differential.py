@@ -63,7 +63,7 @@ def make_ref(vllm_mods):
 
 
 def test_oracle_runs_vllm_seed_regressions(vllm_mods):
-    """The oracle itself reproduces DESIGN.md's seed regressions."""
+    """The oracle itself reproduces ARCHITECTURE.md's seed regressions."""
     for name, got, want in vo.seed_checks(vllm_mods):
         assert got == want, name
 
