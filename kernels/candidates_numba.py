@@ -70,6 +70,24 @@ def in_lookup_mask_nb(c, per_segment, need, shift):
     return c >= shift and (c - shift) % per_segment >= per_segment - need
 
 
+@numba.njit(inline="always", cache=True, nogil=True)
+def _asked(plan, q, num_hashes, num_tokens, partial, hbs, align):
+    # asked_chunks_nb for candidate row q, at num_tokens aligned down.
+    token_len = (num_tokens // align) * align
+    return asked_chunks_nb(
+        partial, hbs, plan[q, CAND_BLOCK_SIZE], plan[q, CAND_SCALE],
+        plan[q, CAND_SPARSE] != 0, num_hashes, token_len,
+    )  # fmt: skip
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _in_mask(plan, q, c):
+    # in_lookup_mask_nb with candidate row q's numbers.
+    return in_lookup_mask_nb(
+        c, plan[q, CAND_PER_SEGMENT], plan[q, CAND_NEED], plan[q, CAND_SHIFT]
+    )
+
+
 @numba.njit(cache=True, nogil=True)
 def worker_candidates_nb(offsets, num_tokens, plan, partial, hbs, align):
     """``coordinator/candidates.py::worker_candidates`` for one batch.
@@ -93,22 +111,16 @@ def worker_candidates_nb(offsets, num_tokens, plan, partial, hbs, align):
     for q in range(G):
         if plan[q, CAND_CACHEABLE] == 0:
             continue
-        bs, sc = plan[q, CAND_BLOCK_SIZE], plan[q, CAND_SCALE]
         sp = plan[q, CAND_SPARSE] != 0
-        p, need, shift = (
-            plan[q, CAND_PER_SEGMENT],
-            plan[q, CAND_NEED],
-            plan[q, CAND_SHIFT],
-        )
         for b in range(B):
-            token_len = (num_tokens[b] // align) * align
-            n = offsets[b + 1] - offsets[b]
-            cnt = asked_chunks_nb(partial, hbs, bs, sc, sp, n, token_len)
+            cnt = _asked(
+                plan, q, offsets[b + 1] - offsets[b], num_tokens[b], partial, hbs, align
+            )
             if partial or not sp:
                 total += cnt
             else:
                 for c in range(cnt):
-                    if in_lookup_mask_nb(c, p, need, shift):
+                    if _in_mask(plan, q, c):
                         total += 1
     gids = np.empty(total, dtype=np.int64)
     rows = np.empty(total, dtype=np.int64)
@@ -117,26 +129,17 @@ def worker_candidates_nb(offsets, num_tokens, plan, partial, hbs, align):
     for q in range(G):
         if plan[q, CAND_CACHEABLE] == 0:
             continue
-        g, bs, sc = (
-            plan[q, CAND_GROUP_ID],
-            plan[q, CAND_BLOCK_SIZE],
-            plan[q, CAND_SCALE],
-        )
+        g, sc = plan[q, CAND_GROUP_ID], plan[q, CAND_SCALE]
         sp = plan[q, CAND_SPARSE] != 0
-        p, need, shift = (
-            plan[q, CAND_PER_SEGMENT],
-            plan[q, CAND_NEED],
-            plan[q, CAND_SHIFT],
-        )
         for b in range(B):
             start = offsets[b]
-            token_len = (num_tokens[b] // align) * align
-            n = offsets[b + 1] - start
-            cnt = asked_chunks_nb(partial, hbs, bs, sc, sp, n, token_len)
+            cnt = _asked(
+                plan, q, offsets[b + 1] - start, num_tokens[b], partial, hbs, align
+            )
             for c in range(cnt):
                 if partial:
                     unit = c
-                elif sp and not in_lookup_mask_nb(c, p, need, shift):
+                elif sp and not _in_mask(plan, q, c):
                     continue
                 else:
                     unit = (c + 1) * sc - 1
