@@ -70,6 +70,7 @@ so ``(W + 1) * 8 / load`` bytes per key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import math
@@ -574,10 +575,17 @@ class KeyIndex:
         return self._resolved
 
     def _bind(self, device: torch.device) -> None:
-        """Bind the kernel module that runs on ``device`` (at construction
+        """Bind the kernel family that runs on ``device`` (at construction
         and when :meth:`to` moves the table)."""
         self._resolved = resolve_backend(self._backend, device)
-        self._kernels = hash_kernels(self._resolved)
+        self.__dict__.pop("_kernels", None)
+
+    @functools.cached_property
+    def _kernels(self) -> ModuleType:
+        # The bound family's module, imported on first use rather than when
+        # the index is built: an index that is never probed (or one built
+        # inside a custom op) does not pay for importing numba or triton.
+        return hash_kernels(self._resolved)
 
     @property
     def growable(self) -> bool:

@@ -6,6 +6,7 @@ inside a function, is checked against the layering:
 
 - kernels/ imports nothing from coordinator/, bindings/ or bench/;
 - coordinator/ imports nothing from bindings/ or bench/;
+- bindings/ reach kernels/ only through coordinator/;
 - nothing in the package imports from tests/ (nor puts tests/ on sys.path);
 - the graph of kvhit's modules, drawn from every import that runs (at module
   level or inside a function: a function-level import only hides a cycle;
@@ -159,6 +160,18 @@ def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
         if _layer(m) == layer
         for i in imports
         if any(_in(i.target, f) for f in forbidden)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.xfail(strict=True, reason="fixed by bind branch (issue 21)")
+def test_bindings_reach_kernels_only_through_the_coordinator():
+    bad = [
+        f"{m}:{i.line} imports {i.target}"
+        for m, imports in IMPORTS.items()
+        if _layer(m) == "bindings"
+        for i in imports
+        if _in(i.target, "kernels")
     ]
     assert not bad, "\n".join(bad)
 
