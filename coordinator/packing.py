@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -229,7 +229,7 @@ def _ints_of_list(
     and one conversion."""
     if set(map(type, flat)) <= {int}:
         try:
-            return np.array(flat, dtype=np.int64)
+            return np.fromiter(flat, dtype=np.int64, count=len(flat))
         except OverflowError:
             pass
     # Slow path, on error or numpy scalars: find the first bad item.
@@ -242,6 +242,41 @@ def _ints_of_list(
             k += 1
         i += 1
     return np.array([int(v) for v in flat], dtype=np.int64)
+
+
+def _ints_of_mixed(requests: list[Any]) -> tuple[list[int], np.ndarray]:
+    """:meth:`HashBatch.from_ints`' values of requests that are not all lists:
+    ``(lengths, int64 values [total])``, errors naming request and position."""
+    parts: list[np.ndarray] = []
+    flat: list[Any] = []
+    first = 0  # the request flat's items start at
+    lengths = [0] * len(requests)
+    # Python-int requests are gathered in one list and converted by one
+    # numpy call; numpy requests are checked by dtype and concatenated.
+    # The int list is flushed before each array, so values stay in
+    # request order.
+    for i, req in enumerate(requests):
+        if isinstance(req, np.ndarray):
+            if flat:
+                parts.append(_ints_of_list(flat, requests, lengths, first))
+                flat = []
+            parts.append(_ints_of_array(req, i))
+            lengths[i] = req.shape[0]
+            first = i + 1
+            continue
+        if not isinstance(req, list | tuple):
+            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
+        flat.extend(req)
+        lengths[i] = len(req)
+    if flat or not parts:
+        parts.append(_ints_of_list(flat, requests, lengths, first))
+    if len(parts) > 1:
+        values = np.concatenate(parts)
+    elif first == 0:
+        values = parts[0]  # made here from Python ints
+    else:
+        values = parts[0].copy()  # a caller's array: never alias it
+    return lengths, values
 
 
 def _ints_of_array(req: np.ndarray, i: int) -> np.ndarray:
@@ -437,37 +472,14 @@ class HashBatch:
         device = _device(device)
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
             requests = _as_list(requests, "requests", "a sequence of sequences of ints")
-        parts: list[np.ndarray] = []
-        flat: list[Any] = []
-        first = 0  # the request flat's items start at
-        lengths = [0] * len(requests)
-        # Python-int requests are gathered in one list and converted by one
-        # numpy call; numpy requests are checked by dtype and concatenated.
-        # The int list is flushed before each array, so values stay in
-        # request order.
-        for i, req in enumerate(requests):
-            if isinstance(req, np.ndarray):
-                if flat:
-                    parts.append(_ints_of_list(flat, requests, lengths, first))
-                    flat = []
-                parts.append(_ints_of_array(req, i))
-                lengths[i] = req.shape[0]
-                first = i + 1
-                continue
-            if not isinstance(req, list | tuple):
-                req = _as_list(
-                    req, f"requests[{i}] (request {i})", "a sequence of ints"
-                )
-            flat.extend(req)
-            lengths[i] = len(req)
-        if flat or not parts:
-            parts.append(_ints_of_list(flat, requests, lengths, first))
-        if len(parts) > 1:
-            values = np.concatenate(parts)
-        elif first == 0:
-            values = parts[0]  # made here from Python ints
+        if set(map(type, requests)) <= {list}:
+            # The common case, all lists of ints: C-level loops only.
+            lengths = list(map(len, requests))
+            values = _ints_of_list(
+                list(chain.from_iterable(requests)), requests, lengths, 0
+            )
         else:
-            values = parts[0].copy()  # a caller's array: never alias it
+            lengths, values = _ints_of_mixed(requests)
         # accumulate + one array: np.cumsum of a short list costs ~3 us.
         offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
         if hash_bytes < 8 and values.size:
