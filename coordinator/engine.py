@@ -375,7 +375,7 @@ class LookupEngine:
         backend does) and the plan's rows as numpy, cached per engine."""
         cached = self.__dict__.get("_host_kernels_cache")
         if cached is None:
-            from kvhit.coordinator.triton_backend import plan_tensors
+            from kvhit.coordinator.plan import plan_tensors
             from kvhit.kernels import scan_numba
 
             sg, cand = plan_tensors(self.plan, self.device)
