@@ -40,7 +40,7 @@ __all__ = ["Config", "main", "run"]
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of one run. The defaults are the DESIGN.md GPU target."""
+    """Sizes of one run. The defaults are the GPU target (ARCHITECTURE.md)."""
 
     presets: tuple[str, ...] = ("dsv4-flash", "qwen3-next", "gemma3", "llama")
     requests: int = 4096
