@@ -72,19 +72,17 @@ import torch
 
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.key_index import (
-    EMPTY,
     MAX_CAPACITY,
     MAX_LOAD_RANGE,
-    TOMBSTONE,
     KeyIndex,
-    find_slots,
-    insert_table,
-    new_table,
     normalize_keys,
 )
 from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
 from kvhit.coordinator.plan import ScanPlan
-from kvhit.kernels.contract import KIND_FULL
+from kvhit.kernels.contract import EMPTY, KIND_FULL, TOMBSTONE
+from kvhit.kernels.hash_index_torch import find as find_slots
+from kvhit.kernels.hash_index_torch import insert as insert_table
+from kvhit.kernels.hash_index_torch import new_table
 
 if TYPE_CHECKING:
     from kvhit.coordinator.engine import LookupEngine
@@ -1092,7 +1090,7 @@ def _engine_plans(plan: ScanPlan, E: int) -> tuple[np.ndarray, list[np.ndarray]]
     from kvhit.kernels.contract import CAND_GROUP_ID, SG_MEMBERS
 
     sg = np.array(plan.as_rows(), dtype=np.int64)
-    cand = np.repeat(np.array(plan.candidate_rows(), dtype=np.int64), E, axis=0)
+    cand = np.repeat(np.array(plan.candidates_as_rows(), dtype=np.int64), E, axis=0)
     cand[:, CAND_GROUP_ID] = np.arange(cand.shape[0])
     per_engine = []
     members = sg[:, SG_MEMBERS:]
