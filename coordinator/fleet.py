@@ -144,13 +144,15 @@ class _NumbaOps:
         )
 
 
-def _bit_values(b: torch.Tensor) -> torch.Tensor:
-    # 1 << b as int64 (bit 63 is the sign bit: wrapping, as the kernels).
-    return torch.bitwise_left_shift(torch.ones_like(b), b)
-
-
 class _TorchOps:
-    """The same operations as torch ops (any device)."""
+    """The same operations through :mod:`kvhit.kernels.fleet_torch` (any
+    device)."""
+
+    @staticmethod
+    def kernels():
+        from kvhit.kernels import fleet_torch
+
+        return fleet_torch
 
     def find(self, keys, W, g, h):
         return find_slots(keys, W, g, h)
@@ -158,64 +160,18 @@ class _TorchOps:
     def insert(self, keys, W, g, h) -> int:
         return int(insert_table(keys, W, g, h).sum().item())
 
-    @staticmethod
-    def _cells(bits, slots, engines):
-        """Distinct (slot, engine) pairs as (cell in bits.view(-1), bit, engine)."""
-        nw = bits.shape[1]
-        code = torch.unique(slots * (nw * 64) + engines)
-        s, e = code // (nw * 64), code % (nw * 64)
-        return s * nw + (e >> 6), e & 63, e
-
-    @staticmethod
-    def _merge(flat, cell, val, op):
-        # Distinct bits of one word OR together by summing them (no carries).
-        ucell, inv = torch.unique(cell, return_inverse=True)
-        acc = torch.zeros(ucell.shape[0], dtype=torch.int64, device=flat.device)
-        acc.index_add_(0, inv, val)
-        flat[ucell] = op(flat[ucell], acc)
-        return ucell
-
     def set_bits(self, bits, slots, engines, E) -> np.ndarray:
-        flat = bits.view(-1)
-        cell, b, e = self._cells(bits, slots, engines)
-        new = ((flat[cell] >> b) & 1) == 0
-        self._merge(flat, cell[new], _bit_values(b[new]), torch.bitwise_or)
-        return np.bincount(e[new].cpu().numpy(), minlength=E)
+        return self.kernels().set_bits(bits, slots, engines, E).numpy()
 
     def clear_bits(self, keys, bits, slots, engines, E) -> tuple[np.ndarray, int]:
-        ok = slots >= 0
-        slots, engines = slots[ok], engines[ok]
-        flat = bits.view(-1)
-        cell, b, e = self._cells(bits, slots, engines)
-        had = ((flat[cell] >> b) & 1) == 1
-        ucell = self._merge(flat, cell[had], _bit_values(b[had]), lambda x, a: x & ~a)
-        touched = torch.unique(ucell // bits.shape[1])
-        empty = touched[(bits[touched] == 0).all(dim=1)]
-        keys[:, 0].index_fill_(0, empty, TOMBSTONE)
-        return np.bincount(e[had].cpu().numpy(), minlength=E), int(empty.numel())
+        gone, freed = self.kernels().clear_bits(keys, bits, slots, engines, E)
+        return gone.numpy(), freed
 
     def clear_engine(self, keys, bits, e) -> tuple[int, int]:
-        w, b = e >> 6, e & 63
-        has = (((bits[:, w] >> b) & 1) == 1) & (keys[:, 0] >= 0)
-        cleared = int(has.sum().item())
-        bits[has, w] &= ~_bit_values(torch.tensor(b, device=bits.device))
-        empty = has & (bits == 0).all(dim=1)
-        freed = int(empty.sum().item())
-        keys[empty, 0] = TOMBSTONE
-        return cleared, freed
+        return self.kernels().clear_engine(keys, bits, e)
 
     def probe_bits(self, keys, bits, gids, rows) -> np.ndarray:
-        W = rows.shape[1]
-        out = torch.zeros(
-            (gids.shape[0], rows.shape[0], bits.shape[1]),
-            dtype=torch.int64,
-            device=bits.device,
-        )
-        for i, g in enumerate(gids.tolist()):
-            slots = find_slots(keys, W, torch.full_like(rows[:, 0], g), rows)
-            hit = slots >= 0
-            out[i, hit] = bits[slots[hit]]
-        return out.cpu().numpy()
+        return self.kernels().probe_bits(keys, bits, gids, rows).cpu().numpy()
 
 
 def _resolve_backend(backend: Any, device: torch.device) -> str:
@@ -965,39 +921,6 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
-def _full_runs_torch(fleet, view, ends, scale, members) -> np.ndarray:
-    """:func:`kvhit.kernels.fleet_numba.full_runs` as torch ops (any device):
-    every block of every request below its end is probed once per member
-    group (no early stop), the engine sets unpacked to bool ``[B, M, E]`` and
-    the leading run of each engine counted by a cumulative minimum."""
-    dev = fleet.device
-    B, E = len(view), fleet.num_engines
-    ends_t = torch.minimum(
-        torch.from_numpy(ends).to(dev), view.lengths.to(dev) // scale
-    )
-    M = int(ends_t.max().item()) if B else 0
-    if M == 0:
-        return np.zeros((B, E), dtype=np.int64)
-    blocks = torch.arange(M, device=dev)
-    valid = blocks[None, :] < ends_t[:, None]  # [B, M]
-    rows = (view.offsets.to(dev)[:, None] + (blocks[None, :] + 1) * scale - 1)[valid]
-    words = torch.full((rows.shape[0], fleet.NW), -1, dtype=torch.int64, device=dev)
-    hashes = view.rows.index_select(0, rows).contiguous()
-    for g in members:
-        slots = fleet._ops.find(fleet.keys, fleet.W, torch.full_like(rows, g), hashes)
-        held = torch.zeros_like(words)
-        hit = slots >= 0
-        held[hit] = fleet.bits[slots[hit]]
-        words &= held
-    grid = torch.zeros((B, M, fleet.NW), dtype=torch.int64, device=dev)
-    grid[valid] = words
-    e = torch.arange(E, device=dev)
-    bits = (grid[:, :, e >> 6] >> (e & 63)) & 1  # [B, M, E]
-    bits &= fleet._active.to(dev).to(torch.int64)
-    runs = bits.to(torch.uint8).cummin(dim=1).values.to(torch.int64).sum(dim=1)
-    return runs.cpu().numpy()
-
-
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     plan = engine.plan
     sg = plan.spec_groups[0]
@@ -1016,7 +939,13 @@ def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
             fleet.num_engines,
         )  # fmt: skip
     else:
-        runs = _full_runs_torch(fleet, view, bound // bs, sg.scale, sg.group_ids)
+        from kvhit.kernels import fleet_torch
+
+        runs = fleet_torch.full_runs(
+            fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+            torch.from_numpy(bound // bs), sg.scale, sg.group_ids, fleet._active,
+            fleet.num_engines,
+        ).cpu().numpy()  # fmt: skip
     hit = _full_hits(runs, bs, align, drop)
     if not lookup:
         return hit
