@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvhit.bench.harness import MismatchError
+from kvhit.bench.peers import as_u64, load_dynamo
 from kvhit.bench.route import saved_keys, trace_batch
 from kvhit.bench.traces import load_trace
 from kvhit.bench.workloads import make_layout
@@ -47,8 +48,6 @@ __all__ = [
     "main",
     "pack",
 ]
-
-_U64 = (1 << 64) - 1
 
 
 class FleetWorkload:
@@ -113,25 +112,19 @@ def pack(words: Sequence[np.ndarray], hash_bytes: int = 8) -> HashBatch:
 
 def dynamo_available() -> bool:
     """Whether ``ai-dynamo-runtime`` (``dynamo._core.RadixTree``) imports."""
-    try:
-        from dynamo._core import RadixTree  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return load_dynamo()[0] is not None
 
 
 def dynamo_tree(wl: FleetWorkload, full_blocks: Callable[[int], int]) -> Any:
     """A Dynamo RadixTree fed, per served request, one ``stored`` event with
     the chain of its first ``full_blocks(i)`` block hashes (as u64) from the
     root, from worker ``owner(i)``."""
-    from dynamo._core import RadixTree
-
-    tree = RadixTree()
+    tree = load_dynamo()[0]()
     for i, words in enumerate(wl.served):
         n = full_blocks(i)
         if n <= 0:
             continue
-        hashes = [int(h) & _U64 for h in words[:n, 0].tolist()]
+        hashes = as_u64(words[:n, 0])
         event = {"event_id": i + 1, "data": {"stored": {"parent_hash": None,
                  "blocks": [{"block_hash": h, "tokens_hash": h} for h in hashes]}}}  # fmt: skip
         tree.apply_event(wl.owner(i), json.dumps(event).encode())
@@ -142,7 +135,7 @@ def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.nd
     """Dynamo's matched blocks per request and worker: int64 ``[B, E]``."""
     out = np.zeros((len(words), engines), dtype=np.int64)
     for b, w in enumerate(words):
-        scores = tree.find_matches([int(h) & _U64 for h in w[:, 0].tolist()]).scores
+        scores = tree.find_matches(as_u64(w[:, 0])).scores
         for (worker, _rank), n in scores.items():
             out[b, worker] = n
     return out
