@@ -156,8 +156,8 @@ def probe_bits(
 def _full_runs(keys, bits, rows, offsets, lengths, ends, scale, members, live, runs):
     nw = bits.shape[1]
     n_eng = runs.shape[1]
+    n_mem = members.shape[0]
     acc = np.empty(nw, dtype=np.int64)
-    slots = np.empty(members.shape[0], dtype=np.int64)
     for r in range(offsets.shape[0]):
         off = offsets[r]
         end = min(ends[r], lengths[r] // scale)
@@ -166,27 +166,24 @@ def _full_runs(keys, bits, rows, offsets, lengths, ends, scale, members, live, r
         i = 0
         while i < end:
             row = off + (i + 1) * scale - 1
-            miss = False
-            for m in range(members.shape[0]):
-                s = table_find(keys, members[m], rows, row)
-                if s < 0:
-                    miss = True
-                    break
-                slots[m] = s
+            s = table_find(keys, members[0], rows, row)
             alive = False
             for k in range(nw):
                 prev = acc[k]
                 if prev == 0:
                     # Every engine of this word has already stopped.
                     continue
-                cur = np.int64(0)
-                if not miss:
-                    cur = prev
-                    for m in range(members.shape[0]):
-                        cur &= bits[slots[m], k]
-                # Engines whose run ends at block i.
-                _store_bits(runs, r, k, prev & ~cur, i, n_eng)
-                acc[k] = cur
+                cur = np.int64(0) if s < 0 else prev & bits[s, k]
+                # A merged SpecGroup: the key must be in every member group.
+                m = 1
+                while cur != 0 and m < n_mem:
+                    t = table_find(keys, members[m], rows, row)
+                    cur = np.int64(0) if t < 0 else cur & bits[t, k]
+                    m += 1
+                if cur != prev:
+                    # Engines whose run ends at block i.
+                    _store_bits(runs, r, k, prev & ~cur, i, n_eng)
+                    acc[k] = cur
                 if cur != 0:
                     alive = True
             if not alive:

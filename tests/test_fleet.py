@@ -506,3 +506,23 @@ def test_torch_fleet_behind_the_triton_backend(preset):
     reqs = [chained_hashes(i % 2, rng.randint(0, 80)) for i in range(4)]
     stores_ = [saved_keys(layout, r, layout.align(len(r) * hbs)) for r in reqs[:3]]
     _check(layout, reqs, stores_, [len(r) * hbs for r in reqs], "triton", "torch")
+
+
+def test_merged_full_attention_groups_past_64_engines():
+    # Two equal full-attention groups merge into one SpecGroup: a block needs
+    # its key in both; 70 engines take two engine-set words.
+    from kvhit import CacheLayout, FullAttention, Group
+
+    layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+    assert len(layout.spec_groups) == 1
+    rng = random.Random(11)
+    reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(6)]
+    stores_ = []
+    for _ in range(70):
+        keys = set()
+        for r in reqs:
+            cut = rng.randint(0, len(r))
+            for g in (0, 1):
+                keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
+        stores_.append(keys)
+    _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
