@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.probe_numba import table_find
+from kvhit.kernels.probe_numba import key_slot_hash, table_find
 
 __all__ = [
     "clear_bits",
@@ -31,6 +35,45 @@ __all__ = [
 ]
 
 _JIT = {"cache": True, "nogil": True}
+# Blocks ahead of the current one whose home slot (key row and engine-set row)
+# is prefetched. A block costs two cache misses into tables far larger than
+# the caches when a batch's slots are not cached already (the common case: a
+# router sees each request once); the next blocks' keys are known in advance.
+_AHEAD = 16
+
+
+@intrinsic
+def _prefetch_row(typingctx, table, slot):
+    """Hint the CPU to start loading ``table[slot, 0]`` (a read); no effect
+    on results (the same hint as ``kernels/hash_index_numba.py``'s)."""
+    sig = types.void(table, slot)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aty, ary, [args[1], zero], wraparound=False
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=read, locality=3 (keep), cache=data)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def _prefetch_block(keys, bits, gid, rows, row):
+    s = key_slot_hash(gid, rows, row) & (keys.shape[0] - 1)
+    _prefetch_row(keys, s)
+    _prefetch_row(bits, s)
+
+
 _TOMB = np.int64(TOMBSTONE)
 _EMPTY = np.int64(EMPTY)
 
@@ -163,9 +206,13 @@ def _full_runs(keys, bits, rows, offsets, lengths, ends, scale, members, live, r
         end = min(ends[r], lengths[r] // scale)
         for k in range(nw):
             acc[k] = live[k]
+        for a in range(min(_AHEAD, end)):
+            _prefetch_block(keys, bits, members[0], rows, off + (a + 1) * scale - 1)
         i = 0
         while i < end:
             row = off + (i + 1) * scale - 1
+            if i + _AHEAD < end:
+                _prefetch_block(keys, bits, members[0], rows, row + _AHEAD * scale)
             s = table_find(keys, members[0], rows, row)
             alive = False
             for k in range(nw):
