@@ -63,6 +63,22 @@ def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that imports numba (directly or through a kvhit module)
+    is skipped, not an error, where numba is not installed: the GPU machine's
+    twin in CI (.ci/device-twin) has none, like the machine itself may."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.failed
+        and isinstance(collector, pytest.Module)
+        and "No module named 'numba'" in str(report.longrepr)
+    ):
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, "Skipped: numba is not installed")
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
