@@ -29,13 +29,13 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
     kinds = [(r["kind"], r.get("preset")) for r in rows]
     assert kinds == [
         ("env", None),
+        ("key_index", None),
         ("lookup", "llama"),
         ("parity", "llama"),
         ("lookup", "dsv4-flash"),
         ("parity", "dsv4-flash"),
-        ("key_index", None),
     ]
-    assert rows[1]["first_call_s"] > 0 and rows[1]["eager_s"] > 0
+    assert rows[2]["first_call_s"] > 0 and rows[2]["eager_s"] > 0
     assert (tmp_path / "summary.md").read_text().startswith("### GPU check")
 
 
@@ -52,7 +52,7 @@ def test_a_spent_budget_skips_the_remaining_steps(capsys):
         **{**gpu_check.Config.dry(("llama",)).__dict__, "budget_s": 0.0}
     )
     report = gpu_check.run(cfg)
-    assert [s[1] for s in report.steps] == ["SKIP", "SKIP"]
+    assert [s[1] for s in report.steps] == ["SKIP", "SKIP"]  # KeyIndex, build
     assert not report.failed
     assert "| llama: build | SKIP |" in gpu_check.summary(report, cfg)
 
