@@ -80,7 +80,10 @@ def _stuck_home(table: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> int:
     return home
 
 
-def test_wait_ran_out_leaves_key_index_consistent():
+def test_wait_ran_out_leaves_key_index_consistent(monkeypatch):
+    # A short wait: the interpreter spends ~20 ms a round.
+    real = hash_index.insert
+    monkeypatch.setattr(hash_index, "insert", lambda *a: real(*a, busy_wait_limit=8))
     index = KeyIndex(32, capacity=1024, backend="triton")
     g, h = _keys(40, seed=1)
     _stuck_home(index.table, g, h)
