@@ -50,13 +50,13 @@ fi
 say() { printf 'gpu_check: %s\n' "$*"; }
 elapsed() { echo $(($(date +%s) - T0)); }
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+if ! CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null); then
     say "FAIL: torch is not importable with $PY"
     exit 2
 fi
-if [ "$DRY" = "1" ]; then
+if [ "$DRY" = "1" ] && [ "$CUDA" != "1" ]; then
     # Before anything imports triton: the kernels run in its interpreter.
-    "$PY" -c "import torch, sys; sys.exit(torch.cuda.is_available())" && export TRITON_INTERPRET=1
+    export TRITON_INTERPRET=1
 fi
 # shellcheck source=bench/kvhit_shim.sh
 . bench/kvhit_shim.sh
@@ -69,11 +69,14 @@ fi
 # The first line: what this machine has. Exit 2 on a missing Triton feature.
 "$PY" -m kvhit.bench.gpu_check --env-line 2>&1 | tee "$OUTDIR/env.txt"
 rc=${PIPESTATUS[0]}
-if [ "$rc" != "0" ]; then
-    say "FAIL: the environment cannot run the kernels (see above)"
+if [ "$rc" = "2" ]; then
+    say "FAIL: this Triton cannot build the kernels (see above)"
+    exit 2
+elif [ "$rc" != "0" ]; then
+    say "FAIL: kvhit does not import with $PY (see above)"
     exit 2
 fi
-if [ "$DRY" != "1" ] && [ "$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')" != "1" ]; then
+if [ "$DRY" != "1" ] && [ "$CUDA" != "1" ]; then
     say "SKIP: no CUDA GPU found; bash bench/gpu_check.sh --dry-run runs the steps on the CPU"
     exit 0
 fi

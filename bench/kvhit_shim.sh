@@ -9,13 +9,15 @@
 # `python -m` and pytest's `python -m` would otherwise put the checkout itself
 # first on sys.path, whose kvhit/ folder (no subpackages) shadows the shim.
 # Sets KVHIT_SHIM to the directory (empty when none was needed); the caller
-# removes it. Returns 1 when kvhit is not importable even then.
+# removes it. Returns 1 when kvhit cannot be found even then (finding, not
+# importing: the caller's first import of kvhit tells what is missing).
 export PYTHONSAFEPATH=1
 kvhit_shim() {
     local py=$1 root f d
     root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     KVHIT_SHIM=""
-    if "$py" -c "import kvhit.bench.gpu_check" 2>/dev/null; then
+    # find_spec imports nothing (no torch): an installed kvhit is used as is.
+    if "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('kvhit') is None)"; then
         return 0
     fi
     KVHIT_SHIM=$(mktemp -d)
@@ -25,5 +27,5 @@ kvhit_shim() {
         ln -s "$root/$d" "$KVHIT_SHIM/kvhit/$d"
     done
     export PYTHONPATH="$KVHIT_SHIM${PYTHONPATH:+:$PYTHONPATH}"
-    "$py" -c "import kvhit.bench.gpu_check"
+    "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('kvhit.bench') is None)"
 }
