@@ -39,6 +39,26 @@ local memory, and ptxas aims one-warp CTAs at 64 registers. The kernel now
 divides in 32 bits and declares ``.maxnreg 128`` (``kernels/scan.py``,
 ``MAXNREG``); the lookup variant got under 128 by keeping no mask state and
 recomputing a SpecGroup's derived numbers after its probe loops.
+
+Issue 17 (Triton 3.6.0, the GPU machine's: ptxas 12.8, 12.9 for sm_100), registers
+per thread, no spills anywhere; sm_90 / sm_100:
+
+=======================  ===========  ===========
+variant                  3.9.0        3.6.0
+=======================  ===========  ===========
+find index               97 / 97      106 / 98
+find index no-eagle      90 / 90      96 / 90
+find                     78 / 78      80 / 80
+load masks               70 / 70      72 / 72
+find index token_lens    118 / 118    118 / 118
+find token_lens          120 / 120    118 / 118
+lookup                   120 / 120    120 / 120
+KeyIndex probe           26 / 26      27 / 27
+KeyIndex probe acquire   26 / 26      27 / 27
+KeyIndex find            26 / 26      28 / 28
+KeyIndex insert          32 / 32      32 / 32
+KeyIndex erase           26 / 26      27 / 27
+=======================  ===========  ===========
 """
 
 from __future__ import annotations
