@@ -51,7 +51,7 @@ __all__ = ["Config", "main", "run"]
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of one run. The defaults are the DESIGN.md GPU target."""
+    """Sizes of one run. The defaults are the GPU target (ARCHITECTURE.md)."""
 
     # Smallest first (run() sorts by size anyway): a timeout costs the largest.
     presets: tuple[str, ...] = ("llama", "gemma3", "qwen3-next", "dsv4-flash")

@@ -11,7 +11,7 @@ What it holds, in the order a sweep uses it:
   ``LookupEngine.lookup`` on an already packed batch. A backend whose engine
   cannot be built (unknown name, wrong device) is skipped with the reason.
   ``"vllm"`` is vLLM 0.33.0's own per-request ``MooncakeStoreWorker.lookup``
-  through the test oracle (``tests/vllm_oracle.py``, imported by path only
+  through the vLLM oracle (:mod:`kvhit.bench.vllm_oracle`, imported only
   when asked for);
 * the parity check: every answer equal to the reference loop's on a sample
   (exact; :class:`MismatchError` otherwise);
@@ -22,7 +22,6 @@ What it holds, in the order a sweep uses it:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -31,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +69,6 @@ BACKENDS = (REFERENCE, *ENGINE_BACKENDS)
 VLLM = "vllm"
 DEFAULT_BATCH_SIZES = (1, 8, 64, 1024, 4096)
 #: Where the vLLM oracle lives in a source checkout.
-VLLM_ORACLE_PATH = Path(__file__).resolve().parents[1] / "tests" / "vllm_oracle.py"
 
 
 class MismatchError(Exception):
@@ -217,20 +214,11 @@ def make_runner(
 
 
 def load_vllm_oracle() -> tuple[ModuleType | None, str]:
-    """``tests/vllm_oracle.py`` with vLLM 0.33.0 imported, or ``(None, why)``.
+    """:mod:`kvhit.bench.vllm_oracle` with vLLM 0.33.0 imported, or
+    ``(None, why)``; only when a run asks for the vLLM column (importing vLLM
+    takes several seconds)."""
+    from kvhit.bench import vllm_oracle as mod
 
-    The oracle is test code, so it is imported by path, and only when a run
-    asks for the vLLM column (importing vLLM takes several seconds).
-    """
-    mod = sys.modules.get("vllm_oracle")
-    if mod is None:
-        if not VLLM_ORACLE_PATH.is_file():
-            return None, f"needs a source checkout ({VLLM_ORACLE_PATH} is absent)"
-        spec = importlib.util.spec_from_file_location("vllm_oracle", VLLM_ORACLE_PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["vllm_oracle"] = mod  # its dataclasses look themselves up
-        spec.loader.exec_module(mod)
     mods, why = mod.load_vllm()
     return (mod, "") if mods is not None else (None, why)
 
@@ -541,7 +529,9 @@ def _vllm_for(config: SweepConfig, skips: list[Skip], quiet: bool) -> ModuleType
     if not config.vllm:
         return None
     if not quiet:
-        sys.stderr.write("kvhit bench: importing vLLM 0.33.0 (tests/vllm_oracle.py)\n")
+        sys.stderr.write(
+            "kvhit bench: importing vLLM 0.33.0 (kvhit.bench.vllm_oracle)\n"
+        )
     oracle, why = load_vllm_oracle()
     if oracle is None:
         skips.append(Skip(VLLM, why))

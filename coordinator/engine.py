@@ -32,16 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import Backend
+from kvhit.coordinator.backend import Backend, auto_backend
 from kvhit.coordinator.candidates import worker_candidates
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.coordinator.checks import check_device, check_mask_size, check_tensor
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
-from kvhit.coordinator.masks import cdiv
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout
+from kvhit.kernels.contract import cdiv
 
 # Backend name -> "module:class", imported when an engine first asks for it (so
 # neither numba nor triton is imported by building another backend).
@@ -54,16 +53,6 @@ BACKEND_CLASSES: dict[str, str] = {
 BACKENDS = ("auto", *BACKEND_CLASSES)
 
 _INT64_MAX = (1 << 63) - 1
-
-
-def auto_backend(device: torch.device) -> str:
-    """The backend ``backend="auto"`` picks on ``device``: triton on CUDA, numba
-    on the CPU, torch on any other device (its torch ops run anywhere)."""
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        return "numba"
-    return "torch"
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -220,7 +209,7 @@ class LookupEngine:
         self.backend = backend
         self.cpu_threads = cpu_threads
         self.plan = ScanPlan.from_layout(layout)
-        self.reference = ReferenceCoordinator(layout)
+        self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: Backend = backend_class(backend)(self.plan, device)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
@@ -482,6 +471,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         start = (
             torch.zeros_like(aligned)
             if start_tokens is None
@@ -502,6 +492,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         return self._reachable(
             aligned, torch.zeros_like(aligned), None, None, store=False
         )
@@ -563,6 +554,5 @@ __all__ = [
     "LookupEngine",
     "LookupResult",
     "MaskBatch",
-    "auto_backend",
     "backend_class",
 ]

@@ -21,38 +21,17 @@ import time); the kernel module is imported on the first call.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import RaggedView
 
-__all__ = ["TritonBackend", "plan_tensors", "stream_capturing"]
-
-
-@lru_cache(maxsize=64)
-def _plan_tensors_cached(
-    plan: ScanPlan, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    sg_rows = torch.tensor(plan.as_rows(), dtype=torch.int64, device=device)
-    cand_rows = torch.tensor(plan.candidate_rows(), dtype=torch.int64, device=device)
-    return sg_rows, cand_rows
-
-
-def plan_tensors(
-    plan: ScanPlan, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan as the kernel reads it: ``sg_rows`` int64 ``[S, SG_MEMBERS +
-    M]`` (``plan.as_rows()``) and ``cand_rows`` int64 ``[G, CAND_WIDTH]`` (one
-    row per group, columns ``kernels/contract.py``'s ``CAND_COLS``). Cached per
-    (plan, device), so a steady stream of batches copies nothing to the device
-    but the batch itself."""
-    return _plan_tensors_cached(plan, torch.device(device))
+__all__ = ["TritonBackend", "stream_capturing"]
 
 
 def stream_capturing(device: torch.device) -> bool:

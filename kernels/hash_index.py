@@ -63,6 +63,7 @@ __all__ = [
     "insert_gave_up",
     "probe",
     "probe_keys",
+    "rehash",
     "slot_hash",
 ]
 
@@ -542,3 +543,15 @@ def erase(
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
     return _launch(_erase_kernel, table, W, group_ids, hashes) > 0
+
+
+def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
+    """Copy every live key of ``table`` into ``new`` in place; returns the
+    number copied (the launcher every hash-index kernel family has).
+
+    table: a valid KeyIndex table, int64 ``[C, W + 1]``; new: an empty table
+    on the same device with room for every key. Tombstones are dropped.
+    """
+    live = table[table[:, 0] >= 0]
+    stored = insert(new, W, live[:, 0].contiguous(), live[:, 1:].contiguous())
+    return int(stored.sum().item())

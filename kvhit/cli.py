@@ -504,8 +504,8 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         "--vllm",
         action="store_true",
         help="add vLLM 0.33.0's own per-request MooncakeStoreWorker.lookup (store "
-        "answered from memory); needs the vLLM oracle (.ci/install-vllm-oracle) "
-        "and a source checkout: tests/vllm_oracle.py is imported by path",
+        "answered from memory); needs the vLLM oracle (.ci/install-vllm-oracle: "
+        "<venv>/kvhit-vllm-oracle or $KVHIT_VLLM_ORACLE_DIR)",
     )
     bench.add_argument(
         "--reference-cap",

@@ -21,19 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhit.coordinator.key_index import (
-    BUSY,
-    EMPTY,
     MAX_CAPACITY,
-    TOMBSTONE,
     CapacityError,
     KeyIndex,
     ReadOnlyIndexError,
-    find_slots,
-    new_table,
     normalize_keys,
-    probe_table,
     resolve_backend,
-    slot_hash,
 )
 from kvhit.coordinator.packing import (
     HashBatch,
@@ -47,6 +40,10 @@ from kvhit.kernels import (
     probe_numba,
 )
 from kvhit.kernels import hash_index_numba as hnb
+from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
+from kvhit.kernels.hash_index_torch import find as find_slots
+from kvhit.kernels.hash_index_torch import new_table, slot_hash
+from kvhit.kernels.hash_index_torch import probe as probe_table
 
 BACKENDS = ["numba", "torch", "triton"]
 WIDTHS = [8, 12, 16, 32]
