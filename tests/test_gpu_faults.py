@@ -34,11 +34,12 @@ from hypothesis import strategies as st
 
 from kvhit import KeyIndex
 from kvhit.bench.workloads import make_layout
-from kvhit.coordinator.key_index import BUSY, new_table, slot_hash
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.triton_backend import TritonBackend
 from kvhit.kernels import hash_index, launch
+from kvhit.kernels.contract import BUSY
 from kvhit.kernels.hash_index import INSERT_FULL, INSERT_WAIT, InsertError
+from kvhit.kernels.hash_index_torch import new_table, slot_hash
 
 # -- int64 probe bound ----------------------------------------------------------
 
