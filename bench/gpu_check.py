@@ -192,7 +192,7 @@ def preflight(cfg: Config) -> dict[str, str]:
         env["driver"] = _nvidia_smi_driver() or "unknown"
         env["driver cuda"] = f"{drv[0]}.{drv[1]}" if drv else "unknown"
     else:
-        env["gpu"] = "none (CPU dry run: Triton interpreter)"
+        env["gpu"] = "none (CPU dry run: Triton interpreter)" if cfg.dry_run else "none"
     env["cuda"] = str(torch.version.cuda)
     env["torch"] = torch.__version__
     try:

@@ -47,6 +47,16 @@ def test_env_line_names_everything(capsys):
     assert "commit" in line and "triton features: all present" in line
 
 
+def test_env_line_stops_on_a_missing_triton_feature(capsys, monkeypatch):
+    from kvhit.kernels import launch
+
+    monkeypatch.setattr(launch, "missing_features", lambda: ["atomic_or(sem)"])
+    assert gpu_check.main(["--env-line"]) == 2
+    out = capsys.readouterr().out
+    assert "triton features: missing: atomic_or(sem)" in out.splitlines()[0]
+    assert "FAIL: triton" in out and "needs triton >= 3.6" in out
+
+
 def test_a_spent_budget_skips_the_remaining_steps(capsys):
     cfg = gpu_check.Config(
         **{**gpu_check.Config.dry(("llama",)).__dict__, "budget_s": 0.0}
