@@ -15,6 +15,7 @@ module import time).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -29,13 +30,15 @@ __all__ = ["Backend", "auto_backend"]
 
 def auto_backend(device: torch.device) -> str:
     """The backend ``backend="auto"`` picks on ``device``, for a KeyIndex and
-    a LookupEngine alike: triton on CUDA, numba on the CPU, torch on any other
+    a LookupEngine alike: triton on CUDA, numba on the CPU (torch where numba
+    is not installed: the GPU machine may have none), torch on any other
     device (MPS, XPU: its torch ops run anywhere; no compiled kernel family of
     ours does, and triton must never be picked there)."""
     if device.type == "cuda":
         return "triton"
     if device.type == "cpu":
-        return "numba"
+        # find_spec imports nothing: numba is paid for only where it runs.
+        return "numba" if importlib.util.find_spec("numba") is not None else "torch"
     return "torch"
 
 

@@ -825,7 +825,17 @@ class KeyIndex:
             g, h = self._distinct(g, h)
             if not self.has_room_for(g.shape[0]):
                 self._rehash(self._capacity_for(g.shape[0]))
-        added = self._insert(self.table, g, h)
+        try:
+            added = self._insert(self.table, g, h)
+        except RuntimeError:
+            # A failed insert (triton: hash_index.InsertError, the table full
+            # or a BUSY wait ran out) stored the batch's other keys: count
+            # the table again so len() and the tombstones match it.
+            col = self.table[:, 0]
+            self._size = int((col >= 0).sum().item())
+            self._tombstones = int((col == TOMBSTONE).sum().item())
+            self._version += 1
+            raise
         self._size += added
         if added:
             self._version += 1
