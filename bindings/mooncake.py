@@ -36,7 +36,7 @@ import torch
 
 from kvhit.coordinator.candidates import worker_candidates
 from kvhit.coordinator.packing import HashBatch
-from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.coordinator.specs import CacheLayout
 
 __all__ = [
@@ -277,14 +277,6 @@ def _numba_kernels() -> Any:
     return candidates_numba
 
 
-def _plan_rows(plan: ScanPlan, cols: Sequence[str]) -> np.ndarray:
-    """int64 ``[C, len(cols)]``: the cacheable groups' ``CandidatePlan``s."""
-    rows = [
-        [int(getattr(cp, c)) for c in cols] for cp in plan.candidates if cp.cacheable
-    ]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), len(cols))
-
-
 def compiled_candidates(
     plan: ScanPlan, offsets: np.ndarray, num_tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -298,7 +290,7 @@ def compiled_candidates(
     return nb.worker_candidates_nb(
         np.ascontiguousarray(offsets, dtype=np.int64),
         np.ascontiguousarray(num_tokens, dtype=np.int64),
-        _plan_rows(plan, nb.CAND_PLAN_COLS),
+        plan_tensors(plan, "cpu")[1].numpy(),
         bool(plan.partial),
         int(plan.hash_block_size),
         int(plan.alignment),
@@ -686,7 +678,9 @@ class StoreSync:
         group, ``bounds`` their group bounds): pair-major, namespaces in
         ``rank_namespaces`` order."""
         if nb is not None and self._key_bytes is not None:
-            blob = nb.key_blob_nb(u_h, u_g, self.hash_bytes, *self._key_bytes)
+            from kvhit.kernels.format_keys_numba import format_keys_nb
+
+            blob = format_keys_nb(u_h, u_g, self.hash_bytes, *self._key_bytes)
             # One str and one split for all keys: one object per key.
             return str(memoryview(blob), "utf-8").split("\n")
         key_list: list[str] = []
