@@ -19,9 +19,9 @@ import torch
 
 from kvhit.bench.workloads import TrafficConfig, Workload, generate
 from kvhit.coordinator.engine import LookupEngine
-from kvhit.coordinator.masks import sliding_window_need
+from kvhit.coordinator.plan import plan_tensors
 from kvhit.coordinator.specs import FullAttention, SlidingWindow
-from kvhit.coordinator.triton_backend import plan_tensors
+from kvhit.kernels.masks import sliding_window_need
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def test_numba_is_imported_only_by_its_first_use():
 
 
 def _count(layout, requests, lens, exists):
-    from kvhit.coordinator.triton_backend import plan_tensors
+    from kvhit.coordinator.plan import plan_tensors
     from kvhit.kernels.scan_numba import count_probes
 
     plan = ScanPlan.from_layout(layout)
