@@ -119,11 +119,21 @@ class _NumbaOps:
 
         return fleet_numba, hash_index_numba
 
-    def find(self, keys, W, g, h):
-        return self.kernels()[1].find(keys, W, g, h)
+    def find(self, table, W, g, h):
+        return torch.from_numpy(
+            self.kernels()[0].find_keys(table.numpy(), g.numpy(), h.numpy())
+        )
 
-    def insert(self, keys, W, g, h) -> int:
-        return int(self.kernels()[1].insert(keys, W, g, h).sum().item())
+    def insert(self, table, W, g, h) -> int:
+        return self.kernels()[0].insert_keys(table.numpy(), g.numpy(), h.numpy())
+
+    @staticmethod
+    def new_tables(cap, W, NW, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One table int64 ``[cap, W + 1 + NW]`` (keys, then engine sets: one
+        cache line or two per slot scanned) and its two column views."""
+        table = torch.zeros((cap, W + 1 + NW), dtype=torch.int64, device=dev)
+        table[:, 0] = EMPTY
+        return table, table[:, : W + 1], table[:, W + 1 :]
 
     def set_bits(self, bits, slots, engines, E) -> np.ndarray:
         new = self.kernels()[0].set_bits(bits.numpy(), slots.numpy(), engines.numpy())
@@ -154,11 +164,18 @@ class _TorchOps:
 
         return fleet_torch
 
-    def find(self, keys, W, g, h):
-        return find_slots(keys, W, g, h)
+    def find(self, table, W, g, h):
+        return find_slots(table, W, g, h)
 
-    def insert(self, keys, W, g, h) -> int:
-        return int(insert_table(keys, W, g, h).sum().item())
+    def insert(self, table, W, g, h) -> int:
+        return int(insert_table(table, W, g, h).sum().item())
+
+    @staticmethod
+    def new_tables(cap, W, NW, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two tables (the torch kernels read contiguous ones): the keys (also
+        the table probed) and the engine sets."""
+        keys = new_table(cap, W, dev)
+        return keys, keys, torch.zeros((cap, NW), dtype=torch.int64, device=dev)
 
     def set_bits(self, bits, slots, engines, E) -> np.ndarray:
         return self.kernels().set_bits(bits, slots, engines, E).numpy()
@@ -330,12 +347,17 @@ class FleetIndex:
         self.hash_bytes = hash_bytes
         self.W = num_words(hash_bytes)
         self.NW = (num_engines + 63) // 64
-        self.keys = keys
-        self.bits = bits
-        self.entries = entries
-        self._active = active.to("cpu").clone()
         self._backend = backend
         self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
+        # The table probed (numba: keys and engine sets side by side, a row
+        # per slot) and its views ``keys`` / ``bits``.
+        self._table, self.keys, self.bits = self._ops.new_tables(
+            keys.shape[0], self.W, self.NW, keys.device
+        )
+        self.keys.copy_(keys)
+        self.bits.copy_(bits)
+        self.entries = entries
+        self._active = active.to("cpu").clone()
         self.max_load = max_load
         self._size = size
         self._tombstones = tombs
@@ -512,14 +534,13 @@ class FleetIndex:
         live = (self.keys[:, 0] >= 0).nonzero().squeeze(1)
         g = self.keys[live, 0].contiguous()
         h = self.keys[live, 1:].contiguous()
-        keys = new_table(capacity, self.W, self.device)
-        stored = self._ops.insert(keys, self.W, g, h)
+        table, keys, bits = self._ops.new_tables(capacity, self.W, self.NW, self.device)
+        stored = self._ops.insert(table, self.W, g, h)
         if stored != self._size:  # pragma: no cover - would be a bug
             raise RuntimeError(f"rehash stored {stored} keys, expected {self._size}")
-        slots = self._ops.find(keys, self.W, g, h)
-        bits = torch.zeros((capacity, self.NW), dtype=torch.int64, device=self.device)
+        slots = self._ops.find(table, self.W, g, h)
         bits[slots] = self.bits[live]
-        self.keys, self.bits = keys, bits
+        self._table, self.keys, self.bits = table, keys, bits
         self._tombstones = 0
         self._version += 1
 
@@ -537,14 +558,14 @@ class FleetIndex:
         if self._size + self._tombstones + n > self._limit(self.capacity):
             # Count the keys that are really new before growing, so that
             # re-adding known keys never inflates the table.
-            absent = self._ops.find(self.keys, self.W, g, h) < 0
+            absent = self._ops.find(self._table, self.W, g, h) < 0
             ga, ha = g[absent].contiguous(), h[absent].contiguous()
             scratch = new_table(_next_pow2(2 * ga.shape[0] + 1), self.W, self.device)
             n_new = self._ops.insert(scratch, self.W, ga, ha)
             if self._size + self._tombstones + n_new > self._limit(self.capacity):
                 self._rehash(self._capacity_for(n_new))
-        self._size += self._ops.insert(self.keys, self.W, g, h)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        self._size += self._ops.insert(self._table, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         new = self._ops.set_bits(self.bits, slots, e, self.num_engines)
         self.entries.add(g * self.num_engines + e, h)
         self._per_engine += new
@@ -558,7 +579,7 @@ class FleetIndex:
         e, g, h = self._entries(engine_ids, group_ids, hashes, need_active=False)
         if g.shape[0] == 0:
             return 0
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         gone, freed = self._ops.clear_bits(
             self.keys, self.bits, slots, e, self.num_engines
         )
@@ -614,7 +635,7 @@ class FleetIndex:
         e, g, h = self._entries(engine_ids, group_ids, hashes, need_active=False)
         if g.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         hit = slots >= 0
         words = torch.zeros_like(e)
         words[hit] = self.bits[slots[hit], e[hit] >> 6]
@@ -623,7 +644,7 @@ class FleetIndex:
     def holders(self, group_ids: Any, hashes: Any) -> torch.Tensor:
         """Which engines hold each key: bool ``[N, E]`` on the index's device."""
         g, h = normalize_keys(group_ids, hashes, self.hash_bytes, self.device)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         words = torch.zeros((g.shape[0], self.NW), dtype=torch.int64,
                             device=self.device)  # fmt: skip
         hit = slots >= 0
@@ -790,7 +811,7 @@ class FleetIndex:
         if pad and bool(((live[:, -1] & pad) != 0).any()):
             raise ValueError("state['keys'] has nonzero padding bits")
         found = self._ops.find(
-            keys, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
+            self._table, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
         )
         if not torch.equal(found.to(live_slots.device), live_slots):
             raise ValueError(
@@ -933,7 +954,7 @@ def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
         from kvhit.kernels import fleet_numba
 
         runs = fleet_numba.full_runs(
-            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
+            fleet._table.numpy(), fleet.NW, view.rows.numpy(),
             view.offsets.numpy(), n_units, bound // bs, sg.scale,
             np.array(sg.group_ids, dtype=np.int64), fleet.live_words(),
             fleet.num_engines,
@@ -1180,7 +1201,7 @@ def prefix_blocks(
         from kvhit.kernels import fleet_numba
 
         runs = fleet_numba.full_runs(
-            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
+            fleet._table.numpy(), fleet.NW, view.rows.numpy(),
             view.offsets.numpy(), n_units, ends, scale, members,
             fleet.live_words(), E,
         )  # fmt: skip
