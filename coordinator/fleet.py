@@ -358,6 +358,7 @@ class FleetIndex:
         self.bits.copy_(bits)
         self.entries = entries
         self._active = active.to("cpu").clone()
+        self._live = self.live_words()
         self.max_load = max_load
         self._size = size
         self._tombstones = tombs
@@ -610,6 +611,7 @@ class FleetIndex:
         e = self._engine(engine)
         cleared = self.clear_engine(e)
         self._active[e] = False
+        self._live = self.live_words()
         return cleared
 
     def add_engine(self, engine: int) -> None:
@@ -617,6 +619,7 @@ class FleetIndex:
         e = self._engine(engine)
         if not bool(self._active[e]):
             self._active[e] = True
+            self._live = self.live_words()
             self._version += 1
 
     def clear(self) -> None:
@@ -942,7 +945,38 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
+@functools.lru_cache(maxsize=32)
+def _full_params(plan: ScanPlan, nw: int, drop: bool, lookup: bool):
+    """The fused numba kernel's constant arguments for one plan: (member
+    group ids int64 ``[M]``, params int64 ``[6]``)."""
+    sg = plan.spec_groups[0]
+    members = np.array(sg.group_ids, dtype=np.int64)
+    params = np.array([nw, sg.scale, sg.block_size, plan.alignment, drop, lookup],
+                      dtype=np.int64)  # fmt: skip
+    members.flags.writeable = params.flags.writeable = False
+    return members, params
+
+
+def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.ndarray:
+    """:func:`_fleet_full` on the CPU: one call of the fused kernel (runs and
+    hits), straight from the batch's arrays, since a router's per-call cost
+    is a large part of a batch's when the table's rows are few per request."""
+    from kvhit.kernels import fleet_numba
+
+    plan = engine.plan
+    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
+    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
+    return fleet_numba.full_hits(
+        fleet._table.numpy(), batch.hashes.numpy(), batch.offsets.numpy(),
+        lens.numpy(), members, fleet._live, params, fleet.num_engines,
+    )  # fmt: skip
+
+
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
+    """The joint full-attention scan on any device (torch ops), then vLLM's
+    hit per engine."""
+    from kvhit.kernels import fleet_torch
+
     plan = engine.plan
     sg = plan.spec_groups[0]
     bs, align = sg.block_size, plan.alignment
@@ -950,23 +984,11 @@ def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     lens = lens.cpu().numpy()
     n_units = view.lengths.cpu().numpy()
     bound = lens // align * align if lookup else lens
-    if fleet.backend == "numba":
-        from kvhit.kernels import fleet_numba
-
-        runs = fleet_numba.full_runs(
-            fleet._table.numpy(), fleet.NW, view.rows.numpy(),
-            view.offsets.numpy(), n_units, bound // bs, sg.scale,
-            np.array(sg.group_ids, dtype=np.int64), fleet.live_words(),
-            fleet.num_engines,
-        )  # fmt: skip
-    else:
-        from kvhit.kernels import fleet_torch
-
-        runs = fleet_torch.full_runs(
-            fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
-            torch.from_numpy(bound // bs), sg.scale, sg.group_ids, fleet._active,
-            fleet.num_engines,
-        ).cpu().numpy()  # fmt: skip
+    runs = fleet_torch.full_runs(
+        fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+        torch.from_numpy(bound // bs), sg.scale, sg.group_ids, fleet._active,
+        fleet.num_engines,
+    ).cpu().numpy()  # fmt: skip
     hit = _full_hits(runs, bs, align, drop)
     if not lookup:
         return hit
@@ -1138,10 +1160,14 @@ def fleet_find(
     B, E = len(batch), fleet.num_engines
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=engine.device)
-    view = batch.view()
     if _full_path(engine, fleet, lookup):
-        hit = _fleet_full(engine, view, lens, fleet, apply_eagle, lookup)
+        if fleet.backend == "numba":
+            return torch.from_numpy(
+                _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
+            )
+        hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit).to(engine.device)
+    view = batch.view()
     if fleet.backend == "numba":
         return torch.from_numpy(
             _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)
@@ -1203,7 +1229,7 @@ def prefix_blocks(
         runs = fleet_numba.full_runs(
             fleet._table.numpy(), fleet.NW, view.rows.numpy(),
             view.offsets.numpy(), n_units, ends, scale, members,
-            fleet.live_words(), E,
+            fleet._live, E,
         )  # fmt: skip
         return torch.from_numpy(runs)
     # Any device: each (group, hash) probed once, then the runs on the host.

@@ -34,6 +34,7 @@ __all__ = [
     "clear_bits",
     "clear_engine",
     "find_keys",
+    "full_hits",
     "full_runs",
     "insert_keys",
     "probe_bits",
@@ -263,58 +264,126 @@ def probe_bits(
     return out
 
 
-@numba.njit(**_JIT)
-def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
-    b0 = table.shape[1] - nw
+@numba.njit(inline="always", **_JIT)
+def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r):
+    """Prefetch the first blocks of request ``r`` (so that no request starts
+    on an empty pipeline: issued while the previous one is scanned)."""
+    for a in range(min(_AHEAD, ends[r], lengths[r] // scale)):
+        _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
+
+
+@numba.njit(inline="always", **_JIT)
+def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r):
+    """runs[r, e] = the leading run of request ``r``'s blocks (block ``i``
+    keyed by row ``off + (i + 1) * scale - 1``, at most ``end``) that engine
+    ``e`` holds in every member group, for each engine of ``acc`` (an engine
+    set, overwritten); other entries untouched."""
+    nw = acc.shape[0]
     n_eng = runs.shape[1]
     n_mem = members.shape[0]
     g0 = members[0]
+    i = 0
+    while i < end:
+        row = off + (i + 1) * scale - 1
+        if i + _AHEAD < end:
+            _prefetch_block(table, g0, rows, row + _AHEAD * scale)
+        s = table_find(table, g0, rows, row)
+        alive = False
+        for k in range(nw):
+            prev = acc[k]
+            if prev == 0:
+                # Every engine of this word has already stopped.
+                continue
+            cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
+            # A merged SpecGroup: the key must be in every member group.
+            m = 1
+            while cur != 0 and m < n_mem:
+                t = table_find(table, members[m], rows, row)
+                cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
+                m += 1
+            if cur != prev:
+                # Engines whose run ends at block i.
+                _store_bits(runs, r, k, prev & ~cur, i, n_eng)
+                acc[k] = cur
+            if cur != 0:
+                alive = True
+        if not alive:
+            break
+        i += 1
+    for k in range(nw):
+        _store_bits(runs, r, k, acc[k], i, n_eng)
+
+
+@numba.njit(**_JIT)
+def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
+    b0 = table.shape[1] - nw
     acc = np.empty(nw, dtype=np.int64)
     n_req = offsets.shape[0]
-    # The first blocks of the next request are prefetched while this one is
-    # scanned, so that no request starts on an empty pipeline.
     if n_req:
-        for a in range(min(_AHEAD, ends[0], lengths[0] // scale)):
-            _prefetch_block(table, g0, rows, offsets[0] + (a + 1) * scale - 1)
+        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0)
     for r in range(n_req):
-        off = offsets[r]
-        end = min(ends[r], lengths[r] // scale)
-        for k in range(nw):
-            acc[k] = live[k]
         if r + 1 < n_req:
-            nxt = min(_AHEAD, ends[r + 1], lengths[r + 1] // scale)
-            for a in range(nxt):
-                _prefetch_block(table, g0, rows, offsets[r + 1] + (a + 1) * scale - 1)
-        i = 0
-        while i < end:
-            row = off + (i + 1) * scale - 1
-            if i + _AHEAD < end:
-                _prefetch_block(table, g0, rows, row + _AHEAD * scale)
-            s = table_find(table, g0, rows, row)
-            alive = False
-            for k in range(nw):
-                prev = acc[k]
-                if prev == 0:
-                    # Every engine of this word has already stopped.
-                    continue
-                cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
-                # A merged SpecGroup: the key must be in every member group.
-                m = 1
-                while cur != 0 and m < n_mem:
-                    t = table_find(table, members[m], rows, row)
-                    cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
-                    m += 1
-                if cur != prev:
-                    # Engines whose run ends at block i.
-                    _store_bits(runs, r, k, prev & ~cur, i, n_eng)
-                    acc[k] = cur
-                if cur != 0:
-                    alive = True
-            if not alive:
-                break
-            i += 1
-        for k in range(nw):
-            _store_bits(runs, r, k, acc[k], i, n_eng)
+            _prefetch_request(table, members[0], rows, offsets, lengths, ends,
+                              scale, r + 1)  # fmt: skip
+        acc[:] = live
+        end = min(ends[r], lengths[r] // scale)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r)
+
+
+@numba.njit(inline="always", **_JIT)
+def _hit_of_run(run, bs, align, drop):
+    """``coordinator/fleet.py``'s ``_full_hits`` for one run (vLLM's
+    full-attention hit, ``reference.full_attention_hit`` without the
+    fine-grained tail): ``run * bs``, less ``min(align, bs)`` under the EAGLE
+    drop, aligned down."""
+    hit = run * bs
+    if drop:
+        hit = hit - min(align, bs) if hit > 0 else 0
+    return hit - hit % align
+
+
+@numba.njit(**_JIT)
+def _full_hits(table, rows, bounds, lens, members, live, params, out):
+    nw = params[0]
+    scale = params[1]
+    bs = params[2]
+    align = params[3]
+    drop = params[4] != 0
+    lookup = params[5] != 0
+    b0 = table.shape[1] - nw
+    n_req = bounds.shape[0] - 1
+    n_eng = out.shape[1]
+    offsets = bounds[:-1]
+    lengths = bounds[1:] - offsets
+    ends = np.empty(n_req, dtype=np.int64)
+    for r in range(n_req):
+        bound = lens[r] // align * align if lookup else lens[r]
+        ends[r] = bound // bs
+    acc = np.empty(nw, dtype=np.int64)
+    g0 = members[0]
+    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0)
+    for r in range(n_req):
+        if r + 1 < n_req:
+            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1)
+        acc[:] = live
+        end = min(ends[r], lengths[r] // scale)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r)
+        # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
+        n_tok = lens[r]
+        again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
+        ok = lengths[r] > 0 and (n_tok // align * align if lookup else n_tok) > 0
+        for e in range(n_eng):
+            run = out[r, e]
+            hit = _hit_of_run(run, bs, align, drop)
+            if lookup:
+                # The store worker's rule: a hit covering the whole prompt is
+                # re-derived at num_tokens - 1 (the run clipped to it).
+                if hit >= n_tok:
+                    hit = _hit_of_run(min(run, again // bs), bs, align, drop)
+                    hit = hit if again > 0 else 0
+                if not ok:
+                    hit = 0
+            out[r, e] = hit
 
 
 # ctz by de Bruijn multiplication: numba has no count-trailing-zeros intrinsic.
@@ -366,3 +435,31 @@ def full_runs(
         _full_runs(table, np.int64(num_words), rows, offsets, lengths, ends,
                    np.int64(scale), members, live, runs)  # fmt: skip
     return runs
+
+
+def full_hits(
+    table: np.ndarray,
+    rows: np.ndarray,
+    bounds: np.ndarray,
+    lens: np.ndarray,
+    members: np.ndarray,
+    live: np.ndarray,
+    params: np.ndarray,
+    num_engines: int,
+) -> np.ndarray:
+    """vLLM's full-attention hit of every request against every engine, in
+    one pass (``coordinator/fleet.py``'s ``_fleet_full`` on the runs of
+    :func:`full_runs`, fused so that a call costs one dispatch and no
+    temporaries): int64 ``[B, E]``.
+
+    ``table`` as :func:`full_runs`; ``rows`` int64 ``[T, W]`` and ``bounds``
+    int64 ``[B + 1]`` a HashBatch's hashes and offsets; ``lens`` int64
+    ``[B]`` the max lengths (or, ``lookup``, the prompt lengths); ``members``
+    the SpecGroup's group ids; ``live`` int64 ``[NW]`` the active engines;
+    ``params`` int64 ``[6]``: (NW, scale, block size, alignment, EAGLE drop,
+    lookup).
+    """
+    out = np.zeros((bounds.shape[0] - 1, num_engines), dtype=np.int64)
+    if out.shape[0]:
+        _full_hits(table, rows, bounds, lens, members, live, params, out)
+    return out

@@ -117,9 +117,9 @@ def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
     calls = []
-    real = fleet_numba.full_runs
+    real = fleet_numba.full_hits
     monkeypatch.setattr(
-        fleet_numba, "full_runs", lambda *a, **k: calls.append(1) or real(*a, **k)
+        fleet_numba, "full_hits", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     layout = make_layout("llama")
     reqs = [chained_hashes(1, 8), chained_hashes(2, 5)]
