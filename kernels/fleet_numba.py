@@ -343,7 +343,7 @@ def _hit_of_run(run, bs, align, drop):
 
 
 @numba.njit(**_JIT)
-def _full_hits(table, rows, bounds, lens, members, live, params, out):
+def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
     nw = params[0]
     scale = params[1]
     bs = params[2]
@@ -351,10 +351,8 @@ def _full_hits(table, rows, bounds, lens, members, live, params, out):
     drop = params[4] != 0
     lookup = params[5] != 0
     b0 = table.shape[1] - nw
-    n_req = bounds.shape[0] - 1
+    n_req = offsets.shape[0]
     n_eng = out.shape[1]
-    offsets = bounds[:-1]
-    lengths = bounds[1:] - offsets
     ends = np.empty(n_req, dtype=np.int64)
     for r in range(n_req):
         bound = lens[r] // align * align if lookup else lens[r]
@@ -440,7 +438,8 @@ def full_runs(
 def full_hits(
     table: np.ndarray,
     rows: np.ndarray,
-    bounds: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
     lens: np.ndarray,
     members: np.ndarray,
     live: np.ndarray,
@@ -452,14 +451,14 @@ def full_hits(
     :func:`full_runs`, fused so that a call costs one dispatch and no
     temporaries): int64 ``[B, E]``.
 
-    ``table`` as :func:`full_runs`; ``rows`` int64 ``[T, W]`` and ``bounds``
-    int64 ``[B + 1]`` a HashBatch's hashes and offsets; ``lens`` int64
+    ``table`` as :func:`full_runs`; ``rows`` int64 ``[T, W]``, ``offsets``
+    and ``lengths`` int64 ``[B]`` a HashBatch's ``host_arrays()``; ``lens`` int64
     ``[B]`` the max lengths (or, ``lookup``, the prompt lengths); ``members``
     the SpecGroup's group ids; ``live`` int64 ``[NW]`` the active engines;
     ``params`` int64 ``[6]``: (NW, scale, block size, alignment, EAGLE drop,
     lookup).
     """
-    out = np.zeros((bounds.shape[0] - 1, num_engines), dtype=np.int64)
+    out = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
     if out.shape[0]:
-        _full_hits(table, rows, bounds, lens, members, live, params, out)
+        _full_hits(table, rows, offsets, lengths, lens, members, live, params, out)
     return out
