@@ -76,10 +76,29 @@ def _prefetch_cell(typingctx, table, slot, col):
 @numba.njit(inline="always", **_JIT)
 def _prefetch_block(table, gid, rows, row):
     """Prefetch the home row of key ``(gid, rows[row])``: its first and last
-    word (a row not a power of two in size may straddle two cache lines)."""
+    word (a row not a power of two in size may straddle two cache lines).
+    Returns the home slot."""
     s = key_slot_hash(gid, rows, row) & (table.shape[0] - 1)
     _prefetch_cell(table, s, 0)
     _prefetch_cell(table, s, table.shape[1] - 1)
+    return s
+
+
+@numba.njit(inline="always", **_JIT)
+def _find_from(table, slot, gid, rows, r):
+    """``probe_numba.table_find`` from a home slot computed already (by the
+    prefetch): the slot of key ``(gid, rows[r])`` or -1."""
+    cap = table.shape[0]
+    mask = cap - 1
+    for _ in range(cap):
+        g = table[slot, 0]
+        if g == gid:
+            if slot_holds_key(table, slot, rows, r):
+                return slot
+        elif g == _EMPTY:
+            return -1
+        slot = (slot + 1) & mask
+    return -1
 
 
 _TOMB = np.int64(TOMBSTONE)
@@ -265,19 +284,22 @@ def probe_bits(
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r):
+def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r, ring):
     """Prefetch the first blocks of request ``r`` (so that no request starts
-    on an empty pipeline: issued while the previous one is scanned)."""
+    on an empty pipeline: issued while the previous one is scanned); their
+    home slots go to ``ring[block]``."""
     for a in range(min(_AHEAD, ends[r], lengths[r] // scale)):
-        _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
+        ring[a] = _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
 
 
 @numba.njit(inline="always", **_JIT)
-def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r):
+def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r, ring):
     """runs[r, e] = the leading run of request ``r``'s blocks (block ``i``
     keyed by row ``off + (i + 1) * scale - 1``, at most ``end``) that engine
     ``e`` holds in every member group, for each engine of ``acc`` (an engine
-    set, overwritten); other entries untouched."""
+    set, overwritten); other entries untouched. ``ring[i % _AHEAD]`` holds
+    block ``i``'s home slot in ``members[0]`` (from its prefetch, so that
+    each key is hashed once) for the first blocks on entry."""
     nw = acc.shape[0]
     n_eng = runs.shape[1]
     n_mem = members.shape[0]
@@ -285,9 +307,11 @@ def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r):
     i = 0
     while i < end:
         row = off + (i + 1) * scale - 1
+        j = i % _AHEAD
+        home = ring[j]
         if i + _AHEAD < end:
-            _prefetch_block(table, g0, rows, row + _AHEAD * scale)
-        s = table_find(table, g0, rows, row)
+            ring[j] = _prefetch_block(table, g0, rows, row + _AHEAD * scale)
+        s = _find_from(table, home, g0, rows, row)
         alive = False
         for k in range(nw):
             prev = acc[k]
@@ -318,16 +342,21 @@ def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r):
 def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
     b0 = table.shape[1] - nw
     acc = np.empty(nw, dtype=np.int64)
+    ring = np.empty(_AHEAD, dtype=np.int64)
+    nxt = np.empty(_AHEAD, dtype=np.int64)
     n_req = offsets.shape[0]
     if n_req:
-        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0)
+        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0,
+                          nxt)  # fmt: skip
     for r in range(n_req):
+        ring, nxt = nxt, ring
         if r + 1 < n_req:
             _prefetch_request(table, members[0], rows, offsets, lengths, ends,
-                              scale, r + 1)  # fmt: skip
+                              scale, r + 1, nxt)  # fmt: skip
         acc[:] = live
         end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r,
+                     ring)  # fmt: skip
 
 
 @numba.njit(inline="always", **_JIT)
@@ -358,14 +387,19 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         bound = lens[r] // align * align if lookup else lens[r]
         ends[r] = bound // bs
     acc = np.empty(nw, dtype=np.int64)
+    ring = np.empty(_AHEAD, dtype=np.int64)
+    nxt = np.empty(_AHEAD, dtype=np.int64)
     g0 = members[0]
-    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0)
+    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
     for r in range(n_req):
+        ring, nxt = nxt, ring
         if r + 1 < n_req:
-            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1)
+            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1,
+                              nxt)  # fmt: skip
         acc[:] = live
         end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r,
+                     ring)  # fmt: skip
         # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
