@@ -18,7 +18,12 @@ STORAGE
   slot's key (engine ``e`` is bit ``e % 64`` of word ``e // 64``). A live slot
   has at least one bit set; when its last engine drops the key the slot
   becomes a TOMBSTONE with zero bits. ``(W + 1 + NW) * 8`` bytes per slot,
-  whatever the number of engines sharing the key.
+  whatever the number of engines sharing the key. With the numba backend
+  ``keys`` and ``bits`` are the two column ranges of one table int64 ``[C, W
+  + 1 + NW]`` (``FleetIndex._table``, allocated by numpy for transparent huge
+  pages): a slot's engine set lies beside its key, so a block scanned costs
+  one cache miss (and, with 2 MiB pages, rarely a TLB miss). The torch
+  backend keeps them as two contiguous tables (its kernels index them flat).
 * ``entries``: a :class:`KeyIndex` of the pairs (engine, key) as keys
   ``(group * E + engine, hash)`` (so group ids are at most
   :attr:`FleetIndex.max_group_id`): each engine's own store, which the
@@ -32,9 +37,10 @@ COST OF A LOOKUP
 
 * Full attention (a layout whose only SpecGroup is full attention, not
   fine-grained; numba): one probe per block and member group, the engine sets
-  ANDed block by block until no engine is left
-  (``kernels/fleet_numba.full_runs``), then vLLM's closed-form full-attention
-  hit per engine. The cost grows with the blocks scanned, not with E x
+  ANDed block by block until no engine is left, then vLLM's closed-form
+  full-attention hit per engine, all in one kernel call
+  (``kernels/fleet_numba.full_hits``, the next blocks' home rows
+  prefetched, the next request's first ones too). The cost grows with the blocks scanned, not with E x
   blocks (E only adds ``ceil(E / 64)`` words per block and the ``[B, E]``
   output).
 * Every other layout (sliding window, Mamba, chunked local, several
