@@ -955,15 +955,27 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
-@functools.lru_cache(maxsize=32)
+# (id(plan), nw, drop, lookup) -> (plan, members, params): keyed by identity
+# (an engine keeps its plan), since hashing a ScanPlan costs more than the
+# lookup itself on a cold call; the plan held keeps its id from being reused.
+_FULL_PARAMS: dict[tuple[int, int, bool, bool], tuple[Any, Any, Any]] = {}
+
+
 def _full_params(plan: ScanPlan, nw: int, drop: bool, lookup: bool):
     """The fused numba kernel's constant arguments for one plan: (member
     group ids int64 ``[M]``, params int64 ``[6]``)."""
+    key = (id(plan), nw, drop, lookup)
+    hit = _FULL_PARAMS.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1], hit[2]
+    if len(_FULL_PARAMS) >= 64:
+        _FULL_PARAMS.clear()
     sg = plan.spec_groups[0]
     members = np.array(sg.group_ids, dtype=np.int64)
     params = np.array([nw, sg.scale, sg.block_size, plan.alignment, drop, lookup],
                       dtype=np.int64)  # fmt: skip
     members.flags.writeable = params.flags.writeable = False
+    _FULL_PARAMS[key] = (plan, members, params)
     return members, params
 
 
