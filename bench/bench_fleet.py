@@ -37,7 +37,7 @@ from kvhit.bench.traces import load_trace
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.fleet import FleetIndex
-from kvhit.coordinator.packing import HashBatch
+from kvhit.coordinator.packing import HashBatch, num_words
 
 __all__ = [
     "FleetWorkload",
@@ -103,7 +103,11 @@ def fill_fleet(engine: LookupEngine, wl: FleetWorkload, hash_bytes: int = 8,
 
 def pack(words: Sequence[np.ndarray], hash_bytes: int = 8) -> HashBatch:
     """Per-request hash words -> a validated HashBatch (what a router does
-    with the hashes it computed for each request)."""
+    with the hashes it computed for each request): ``HashBatch.from_ints``
+    (each request's one-word hashes checked, then concatenated) when a hash
+    is one word, else the constructor on the concatenated words."""
+    if num_words(hash_bytes) == 1:
+        return HashBatch.from_ints([w[:, 0] for w in words], hash_bytes)
     offsets = np.zeros(len(words) + 1, dtype=np.int64)
     np.cumsum([len(w) for w in words], out=offsets[1:])
     flat = np.concatenate(words) if words else np.zeros((0, 1), dtype=np.int64)

@@ -18,7 +18,12 @@ STORAGE
   slot's key (engine ``e`` is bit ``e % 64`` of word ``e // 64``). A live slot
   has at least one bit set; when its last engine drops the key the slot
   becomes a TOMBSTONE with zero bits. ``(W + 1 + NW) * 8`` bytes per slot,
-  whatever the number of engines sharing the key.
+  whatever the number of engines sharing the key. With the numba backend
+  ``keys`` and ``bits`` are the two column ranges of one table int64 ``[C, W
+  + 1 + NW]`` (``FleetIndex._table``, allocated by numpy for transparent huge
+  pages): a slot's engine set lies beside its key, so a block scanned costs
+  one cache miss (and, with 2 MiB pages, rarely a TLB miss). The torch
+  backend keeps them as two contiguous tables (its kernels index them flat).
 * ``entries``: a :class:`KeyIndex` of the pairs (engine, key) as keys
   ``(group * E + engine, hash)`` (so group ids are at most
   :attr:`FleetIndex.max_group_id`): each engine's own store, which the
@@ -32,9 +37,10 @@ COST OF A LOOKUP
 
 * Full attention (a layout whose only SpecGroup is full attention, not
   fine-grained; numba): one probe per block and member group, the engine sets
-  ANDed block by block until no engine is left
-  (``kernels/fleet_numba.full_runs``), then vLLM's closed-form full-attention
-  hit per engine. The cost grows with the blocks scanned, not with E x
+  ANDed block by block until no engine is left, then vLLM's closed-form
+  full-attention hit per engine, all in one kernel call
+  (``kernels/fleet_numba.full_hits``, the next blocks' home rows
+  prefetched, the next request's first ones too). The cost grows with the blocks scanned, not with E x
   blocks (E only adds ``ceil(E / 64)`` words per block and the ``[B, E]``
   output).
 * Every other layout (sliding window, Mamba, chunked local, several
@@ -119,11 +125,25 @@ class _NumbaOps:
 
         return fleet_numba, hash_index_numba
 
-    def find(self, keys, W, g, h):
-        return self.kernels()[1].find(keys, W, g, h)
+    def find(self, table, W, g, h):
+        return torch.from_numpy(
+            self.kernels()[0].find_keys(table.numpy(), g.numpy(), h.numpy())
+        )
 
-    def insert(self, keys, W, g, h) -> int:
-        return int(self.kernels()[1].insert(keys, W, g, h).sum().item())
+    def insert(self, table, W, g, h) -> int:
+        return self.kernels()[0].insert_keys(table.numpy(), g.numpy(), h.numpy())
+
+    @staticmethod
+    def new_tables(cap, W, NW, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One table int64 ``[cap, W + 1 + NW]`` (keys, then engine sets: one
+        cache line or two per slot scanned) and its two column views."""
+        # Allocated by numpy, which asks Linux for transparent huge pages on
+        # large arrays (torch's CPU allocator does not): a scan probes slots
+        # at random in tens of MB, and with 4 KiB pages each probe also
+        # misses the TLB; 2 MiB pages halve a cold batch's scan time here.
+        table = torch.from_numpy(np.zeros((cap, W + 1 + NW), dtype=np.int64))
+        table[:, 0] = EMPTY
+        return table, table[:, : W + 1], table[:, W + 1 :]
 
     def set_bits(self, bits, slots, engines, E) -> np.ndarray:
         new = self.kernels()[0].set_bits(bits.numpy(), slots.numpy(), engines.numpy())
@@ -154,11 +174,18 @@ class _TorchOps:
 
         return fleet_torch
 
-    def find(self, keys, W, g, h):
-        return find_slots(keys, W, g, h)
+    def find(self, table, W, g, h):
+        return find_slots(table, W, g, h)
 
-    def insert(self, keys, W, g, h) -> int:
-        return int(insert_table(keys, W, g, h).sum().item())
+    def insert(self, table, W, g, h) -> int:
+        return int(insert_table(table, W, g, h).sum().item())
+
+    @staticmethod
+    def new_tables(cap, W, NW, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two tables (the torch kernels read contiguous ones): the keys (also
+        the table probed) and the engine sets."""
+        keys = new_table(cap, W, dev)
+        return keys, keys, torch.zeros((cap, NW), dtype=torch.int64, device=dev)
 
     def set_bits(self, bits, slots, engines, E) -> np.ndarray:
         return self.kernels().set_bits(bits, slots, engines, E).numpy()
@@ -330,12 +357,18 @@ class FleetIndex:
         self.hash_bytes = hash_bytes
         self.W = num_words(hash_bytes)
         self.NW = (num_engines + 63) // 64
-        self.keys = keys
-        self.bits = bits
-        self.entries = entries
-        self._active = active.to("cpu").clone()
         self._backend = backend
         self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
+        # The table probed (numba: keys and engine sets side by side, a row
+        # per slot) and its views ``keys`` / ``bits``.
+        self._table, self.keys, self.bits = self._ops.new_tables(
+            keys.shape[0], self.W, self.NW, keys.device
+        )
+        self.keys.copy_(keys)
+        self.bits.copy_(bits)
+        self.entries = entries
+        self._active = active.to("cpu").clone()
+        self._live = self.live_words()
         self.max_load = max_load
         self._size = size
         self._tombstones = tombs
@@ -512,14 +545,13 @@ class FleetIndex:
         live = (self.keys[:, 0] >= 0).nonzero().squeeze(1)
         g = self.keys[live, 0].contiguous()
         h = self.keys[live, 1:].contiguous()
-        keys = new_table(capacity, self.W, self.device)
-        stored = self._ops.insert(keys, self.W, g, h)
+        table, keys, bits = self._ops.new_tables(capacity, self.W, self.NW, self.device)
+        stored = self._ops.insert(table, self.W, g, h)
         if stored != self._size:  # pragma: no cover - would be a bug
             raise RuntimeError(f"rehash stored {stored} keys, expected {self._size}")
-        slots = self._ops.find(keys, self.W, g, h)
-        bits = torch.zeros((capacity, self.NW), dtype=torch.int64, device=self.device)
+        slots = self._ops.find(table, self.W, g, h)
         bits[slots] = self.bits[live]
-        self.keys, self.bits = keys, bits
+        self._table, self.keys, self.bits = table, keys, bits
         self._tombstones = 0
         self._version += 1
 
@@ -537,14 +569,14 @@ class FleetIndex:
         if self._size + self._tombstones + n > self._limit(self.capacity):
             # Count the keys that are really new before growing, so that
             # re-adding known keys never inflates the table.
-            absent = self._ops.find(self.keys, self.W, g, h) < 0
+            absent = self._ops.find(self._table, self.W, g, h) < 0
             ga, ha = g[absent].contiguous(), h[absent].contiguous()
             scratch = new_table(_next_pow2(2 * ga.shape[0] + 1), self.W, self.device)
             n_new = self._ops.insert(scratch, self.W, ga, ha)
             if self._size + self._tombstones + n_new > self._limit(self.capacity):
                 self._rehash(self._capacity_for(n_new))
-        self._size += self._ops.insert(self.keys, self.W, g, h)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        self._size += self._ops.insert(self._table, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         new = self._ops.set_bits(self.bits, slots, e, self.num_engines)
         self.entries.add(g * self.num_engines + e, h)
         self._per_engine += new
@@ -558,7 +590,7 @@ class FleetIndex:
         e, g, h = self._entries(engine_ids, group_ids, hashes, need_active=False)
         if g.shape[0] == 0:
             return 0
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         gone, freed = self._ops.clear_bits(
             self.keys, self.bits, slots, e, self.num_engines
         )
@@ -589,6 +621,7 @@ class FleetIndex:
         e = self._engine(engine)
         cleared = self.clear_engine(e)
         self._active[e] = False
+        self._live = self.live_words()
         return cleared
 
     def add_engine(self, engine: int) -> None:
@@ -596,6 +629,7 @@ class FleetIndex:
         e = self._engine(engine)
         if not bool(self._active[e]):
             self._active[e] = True
+            self._live = self.live_words()
             self._version += 1
 
     def clear(self) -> None:
@@ -614,7 +648,7 @@ class FleetIndex:
         e, g, h = self._entries(engine_ids, group_ids, hashes, need_active=False)
         if g.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         hit = slots >= 0
         words = torch.zeros_like(e)
         words[hit] = self.bits[slots[hit], e[hit] >> 6]
@@ -623,7 +657,7 @@ class FleetIndex:
     def holders(self, group_ids: Any, hashes: Any) -> torch.Tensor:
         """Which engines hold each key: bool ``[N, E]`` on the index's device."""
         g, h = normalize_keys(group_ids, hashes, self.hash_bytes, self.device)
-        slots = self._ops.find(self.keys, self.W, g, h)
+        slots = self._ops.find(self._table, self.W, g, h)
         words = torch.zeros((g.shape[0], self.NW), dtype=torch.int64,
                             device=self.device)  # fmt: skip
         hit = slots >= 0
@@ -790,7 +824,7 @@ class FleetIndex:
         if pad and bool(((live[:, -1] & pad) != 0).any()):
             raise ValueError("state['keys'] has nonzero padding bits")
         found = self._ops.find(
-            keys, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
+            self._table, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
         )
         if not torch.equal(found.to(live_slots.device), live_slots):
             raise ValueError(
@@ -921,7 +955,51 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
+# (id(plan), nw, drop, lookup) -> (plan, members, params): keyed by identity
+# (an engine keeps its plan), since hashing a ScanPlan costs more than the
+# lookup itself on a cold call; the plan held keeps its id from being reused.
+_FULL_PARAMS: dict[tuple[int, int, bool, bool], tuple[Any, Any, Any]] = {}
+
+
+def _full_params(plan: ScanPlan, nw: int, drop: bool, lookup: bool):
+    """The fused numba kernel's constant arguments for one plan: (member
+    group ids int64 ``[M]``, params int64 ``[6]``)."""
+    key = (id(plan), nw, drop, lookup)
+    hit = _FULL_PARAMS.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1], hit[2]
+    if len(_FULL_PARAMS) >= 64:
+        _FULL_PARAMS.clear()
+    sg = plan.spec_groups[0]
+    members = np.array(sg.group_ids, dtype=np.int64)
+    params = np.array([nw, sg.scale, sg.block_size, plan.alignment, drop, lookup],
+                      dtype=np.int64)  # fmt: skip
+    members.flags.writeable = params.flags.writeable = False
+    _FULL_PARAMS[key] = (plan, members, params)
+    return members, params
+
+
+def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.ndarray:
+    """:func:`_fleet_full` on the CPU: one call of the fused kernel (runs and
+    hits), straight from the batch's arrays, since a router's per-call cost
+    is a large part of a batch's when the table's rows are few per request."""
+    from kvhit.kernels import fleet_numba
+
+    plan = engine.plan
+    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
+    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
+    rows, offsets, lengths = batch.host_arrays()
+    return fleet_numba.full_hits(
+        fleet._table.numpy(), rows, offsets, lengths, lens.numpy(), members,
+        fleet._live, params, fleet.num_engines,
+    )  # fmt: skip
+
+
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
+    """The joint full-attention scan on any device (torch ops), then vLLM's
+    hit per engine."""
+    from kvhit.kernels import fleet_torch
+
     plan = engine.plan
     sg = plan.spec_groups[0]
     bs, align = sg.block_size, plan.alignment
@@ -929,23 +1007,11 @@ def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     lens = lens.cpu().numpy()
     n_units = view.lengths.cpu().numpy()
     bound = lens // align * align if lookup else lens
-    if fleet.backend == "numba":
-        from kvhit.kernels import fleet_numba
-
-        runs = fleet_numba.full_runs(
-            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
-            view.offsets.numpy(), n_units, bound // bs, sg.scale,
-            np.array(sg.group_ids, dtype=np.int64), fleet.live_words(),
-            fleet.num_engines,
-        )  # fmt: skip
-    else:
-        from kvhit.kernels import fleet_torch
-
-        runs = fleet_torch.full_runs(
-            fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
-            torch.from_numpy(bound // bs), sg.scale, sg.group_ids, fleet._active,
-            fleet.num_engines,
-        ).cpu().numpy()  # fmt: skip
+    runs = fleet_torch.full_runs(
+        fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+        torch.from_numpy(bound // bs), sg.scale, sg.group_ids, fleet._active,
+        fleet.num_engines,
+    ).cpu().numpy()  # fmt: skip
     hit = _full_hits(runs, bs, align, drop)
     if not lookup:
         return hit
@@ -1117,10 +1183,14 @@ def fleet_find(
     B, E = len(batch), fleet.num_engines
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=engine.device)
-    view = batch.view()
     if _full_path(engine, fleet, lookup):
-        hit = _fleet_full(engine, view, lens, fleet, apply_eagle, lookup)
+        if fleet.backend == "numba":
+            return torch.from_numpy(
+                _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
+            )
+        hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit).to(engine.device)
+    view = batch.view()
     if fleet.backend == "numba":
         return torch.from_numpy(
             _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)
@@ -1180,9 +1250,9 @@ def prefix_blocks(
         from kvhit.kernels import fleet_numba
 
         runs = fleet_numba.full_runs(
-            fleet.keys.numpy(), fleet.bits.numpy(), view.rows.numpy(),
+            fleet._table.numpy(), fleet.NW, view.rows.numpy(),
             view.offsets.numpy(), n_units, ends, scale, members,
-            fleet.live_words(), E,
+            fleet._live, E,
         )  # fmt: skip
         return torch.from_numpy(runs)
     # Any device: each (group, hash) probed once, then the runs on the host.

@@ -1,12 +1,16 @@
 """FleetIndex kernels on the CPU, compiled by numba.
 
-A :class:`kvhit.coordinator.fleet.FleetIndex` is two arrays with one row per
-slot: ``keys`` int64 ``[C, W + 1]``, a KeyIndex table holding every key that
-at least one engine holds (layout of ``coordinator/key_index.py``; probed with
-:func:`kvhit.kernels.probe_numba.table_find`), and ``bits`` int64 ``[C, NW]``,
-the set of engines holding that slot's key (engine ``e`` is bit ``e % 64`` of
-word ``e // 64``). One probe per (group, hash) therefore answers for every
-engine.
+On the CPU a :class:`kvhit.coordinator.fleet.FleetIndex` is one table with one
+row per slot: ``table`` int64 ``[C, W + 1 + NW]``, whose first ``W + 1``
+columns are a KeyIndex table holding every key that at least one engine holds
+(layout of ``coordinator/key_index.py``; probed with
+:func:`kvhit.kernels.probe_numba.table_find`, which reads only those
+columns), and whose last ``NW`` columns are the set of engines holding that
+slot's key (engine ``e`` is bit ``e % 64`` of word ``e // 64``). One probe per
+(group, hash) therefore answers for every engine, and the engine set lies in
+the key's own row: a block scanned costs one cache miss, not two. The
+FleetIndex's ``keys`` and ``bits`` are views of the two column ranges; the
+kernels that take them separately accept such strided views.
 
 Launchers take numpy arrays (the coordinator passes zero-copy views of its CPU
 tensors) and do not validate: the FleetIndex checks every argument first.
@@ -24,36 +28,38 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.probe_numba import key_slot_hash, table_find
+from kvhit.kernels.probe_numba import key_slot_hash, slot_holds_key, table_find
 
 __all__ = [
     "clear_bits",
     "clear_engine",
+    "find_keys",
+    "full_hits",
     "full_runs",
+    "insert_keys",
     "probe_bits",
     "set_bits",
 ]
 
 _JIT = {"cache": True, "nogil": True}
-# Blocks ahead of the current one whose home slot (key row and engine-set row)
-# is prefetched. A block costs two cache misses into tables far larger than
+# Blocks ahead of the current one whose home slot (key and engine set, one
+# row) is prefetched. A block costs a cache miss into a table far larger than
 # the caches when a batch's slots are not cached already (the common case: a
 # router sees each request once); the next blocks' keys are known in advance.
 _AHEAD = 16
 
 
 @intrinsic
-def _prefetch_row(typingctx, table, slot):
-    """Hint the CPU to start loading ``table[slot, 0]`` (a read); no effect
+def _prefetch_cell(typingctx, table, slot, col):
+    """Hint the CPU to start loading ``table[slot, col]`` (a read); no effect
     on results (the same hint as ``kernels/hash_index_numba.py``'s)."""
-    sig = types.void(table, slot)
+    sig = types.void(table, slot, col)
 
     def codegen(context, builder, signature, args):
         aty = signature.args[0]
         ary = context.make_array(aty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
         ptr = cgutils.get_item_pointer(
-            context, builder, aty, ary, [args[1], zero], wraparound=False
+            context, builder, aty, ary, [args[1], args[2]], wraparound=False
         )
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
@@ -68,14 +74,96 @@ def _prefetch_row(typingctx, table, slot):
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_block(keys, bits, gid, rows, row):
-    s = key_slot_hash(gid, rows, row) & (keys.shape[0] - 1)
-    _prefetch_row(keys, s)
-    _prefetch_row(bits, s)
+def _prefetch_block(table, gid, rows, row):
+    """Prefetch the home row of key ``(gid, rows[row])``: its first and last
+    word (a row not a power of two in size may straddle two cache lines).
+    Returns the home slot."""
+    s = key_slot_hash(gid, rows, row) & (table.shape[0] - 1)
+    _prefetch_cell(table, s, 0)
+    _prefetch_cell(table, s, table.shape[1] - 1)
+    return s
+
+
+@numba.njit(inline="always", **_JIT)
+def _find_from(table, slot, gid, rows, r):
+    """``probe_numba.table_find`` from a home slot computed already (by the
+    prefetch): the slot of key ``(gid, rows[r])`` or -1."""
+    cap = table.shape[0]
+    mask = cap - 1
+    for _ in range(cap):
+        g = table[slot, 0]
+        if g == gid:
+            if slot_holds_key(table, slot, rows, r):
+                return slot
+        elif g == _EMPTY:
+            return -1
+        slot = (slot + 1) & mask
+    return -1
 
 
 _TOMB = np.int64(TOMBSTONE)
 _EMPTY = np.int64(EMPTY)
+
+
+@numba.njit(**_JIT)
+def _find_keys(table, gids, hashes, out):
+    for r in range(gids.shape[0]):
+        if r + _AHEAD < gids.shape[0]:
+            _prefetch_block(table, gids[r + _AHEAD], hashes, r + _AHEAD)
+        out[r] = table_find(table, gids[r], hashes, r)
+
+
+def find_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """Slot of each key ``(gids[r], hashes[r])`` in ``table`` (int64 ``[C, W +
+    1 + NW]``, the key in its first ``W + 1`` columns), or -1 where absent:
+    int64 ``[N]``. ``hashes``: int64 ``[N, W]``."""
+    out = np.empty(gids.shape[0], dtype=np.int64)
+    if gids.shape[0]:
+        _find_keys(table, gids, hashes, out)
+    return out
+
+
+@numba.njit(**_JIT)
+def _insert_keys(table, gids, hashes, out):
+    """``kernels/hash_index_numba.py``'s insert on the key columns of a wider
+    row (the same probe sequence and EMPTY-only claims, so that table_find and
+    the KeyIndex kernels agree on where a key lies). Returns the first row
+    that found no free slot, or -1."""
+    cap = table.shape[0]
+    mask = cap - 1
+    W = hashes.shape[1]
+    for r in range(gids.shape[0]):
+        gid = gids[r]
+        slot = key_slot_hash(gid, hashes, r) & mask
+        placed = False
+        for _ in range(cap):
+            g = table[slot, 0]
+            if g == _EMPTY:
+                # Only EMPTY slots are claimed, never tombstones: the key may
+                # sit further along, behind the tombstone.
+                for j in range(W):
+                    table[slot, 1 + j] = hashes[r, j]
+                table[slot, 0] = gid
+                out[r] = 1
+                placed = True
+                break
+            if g == gid and slot_holds_key(table, slot, hashes, r):
+                placed = True
+                break
+            slot = (slot + 1) & mask
+        if not placed:
+            return r
+    return -1
+
+
+def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
+    """Insert keys into ``table`` (as :func:`find_keys`) in place, each once;
+    returns the number newly stored. The caller leaves room (an EMPTY slot on
+    every probe path); RuntimeError if some key found no free slot."""
+    out = np.zeros(gids.shape[0], dtype=np.int8)
+    if gids.shape[0] and _insert_keys(table, gids, hashes, out) >= 0:
+        raise RuntimeError("insert: the table has no free slot for some keys")
+    return int(out.sum())
 
 
 @numba.njit(**_JIT)
@@ -195,49 +283,139 @@ def probe_bits(
     return out
 
 
-@numba.njit(**_JIT)
-def _full_runs(keys, bits, rows, offsets, lengths, ends, scale, members, live, runs):
-    nw = bits.shape[1]
+@numba.njit(inline="always", **_JIT)
+def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r, ring):
+    """Prefetch the first blocks of request ``r`` (so that no request starts
+    on an empty pipeline: issued while the previous one is scanned); their
+    home slots go to ``ring[block]``."""
+    for a in range(min(_AHEAD, ends[r], lengths[r] // scale)):
+        ring[a] = _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
+
+
+@numba.njit(inline="always", **_JIT)
+def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r, ring):
+    """runs[r, e] = the leading run of request ``r``'s blocks (block ``i``
+    keyed by row ``off + (i + 1) * scale - 1``, at most ``end``) that engine
+    ``e`` holds in every member group, for each engine of ``acc`` (an engine
+    set, overwritten); other entries untouched. ``ring[i % _AHEAD]`` holds
+    block ``i``'s home slot in ``members[0]`` (from its prefetch, so that
+    each key is hashed once) for the first blocks on entry."""
+    nw = acc.shape[0]
     n_eng = runs.shape[1]
     n_mem = members.shape[0]
+    g0 = members[0]
+    i = 0
+    while i < end:
+        row = off + (i + 1) * scale - 1
+        j = i % _AHEAD
+        home = ring[j]
+        if i + _AHEAD < end:
+            ring[j] = _prefetch_block(table, g0, rows, row + _AHEAD * scale)
+        s = _find_from(table, home, g0, rows, row)
+        alive = False
+        for k in range(nw):
+            prev = acc[k]
+            if prev == 0:
+                # Every engine of this word has already stopped.
+                continue
+            cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
+            # A merged SpecGroup: the key must be in every member group.
+            m = 1
+            while cur != 0 and m < n_mem:
+                t = table_find(table, members[m], rows, row)
+                cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
+                m += 1
+            if cur != prev:
+                # Engines whose run ends at block i.
+                _store_bits(runs, r, k, prev & ~cur, i, n_eng)
+                acc[k] = cur
+            if cur != 0:
+                alive = True
+        if not alive:
+            break
+        i += 1
+    for k in range(nw):
+        _store_bits(runs, r, k, acc[k], i, n_eng)
+
+
+@numba.njit(**_JIT)
+def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
+    b0 = table.shape[1] - nw
     acc = np.empty(nw, dtype=np.int64)
-    for r in range(offsets.shape[0]):
-        off = offsets[r]
+    ring = np.empty(_AHEAD, dtype=np.int64)
+    nxt = np.empty(_AHEAD, dtype=np.int64)
+    n_req = offsets.shape[0]
+    if n_req:
+        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0,
+                          nxt)  # fmt: skip
+    for r in range(n_req):
+        ring, nxt = nxt, ring
+        if r + 1 < n_req:
+            _prefetch_request(table, members[0], rows, offsets, lengths, ends,
+                              scale, r + 1, nxt)  # fmt: skip
+        acc[:] = live
         end = min(ends[r], lengths[r] // scale)
-        for k in range(nw):
-            acc[k] = live[k]
-        for a in range(min(_AHEAD, end)):
-            _prefetch_block(keys, bits, members[0], rows, off + (a + 1) * scale - 1)
-        i = 0
-        while i < end:
-            row = off + (i + 1) * scale - 1
-            if i + _AHEAD < end:
-                _prefetch_block(keys, bits, members[0], rows, row + _AHEAD * scale)
-            s = table_find(keys, members[0], rows, row)
-            alive = False
-            for k in range(nw):
-                prev = acc[k]
-                if prev == 0:
-                    # Every engine of this word has already stopped.
-                    continue
-                cur = np.int64(0) if s < 0 else prev & bits[s, k]
-                # A merged SpecGroup: the key must be in every member group.
-                m = 1
-                while cur != 0 and m < n_mem:
-                    t = table_find(keys, members[m], rows, row)
-                    cur = np.int64(0) if t < 0 else cur & bits[t, k]
-                    m += 1
-                if cur != prev:
-                    # Engines whose run ends at block i.
-                    _store_bits(runs, r, k, prev & ~cur, i, n_eng)
-                    acc[k] = cur
-                if cur != 0:
-                    alive = True
-            if not alive:
-                break
-            i += 1
-        for k in range(nw):
-            _store_bits(runs, r, k, acc[k], i, n_eng)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r,
+                     ring)  # fmt: skip
+
+
+@numba.njit(inline="always", **_JIT)
+def _hit_of_run(run, bs, align, drop):
+    """``coordinator/fleet.py``'s ``_full_hits`` for one run (vLLM's
+    full-attention hit, ``reference.full_attention_hit`` without the
+    fine-grained tail): ``run * bs``, less ``min(align, bs)`` under the EAGLE
+    drop, aligned down."""
+    hit = run * bs
+    if drop:
+        hit = hit - min(align, bs) if hit > 0 else 0
+    return hit - hit % align
+
+
+@numba.njit(**_JIT)
+def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
+    nw = params[0]
+    scale = params[1]
+    bs = params[2]
+    align = params[3]
+    drop = params[4] != 0
+    lookup = params[5] != 0
+    b0 = table.shape[1] - nw
+    n_req = offsets.shape[0]
+    n_eng = out.shape[1]
+    ends = np.empty(n_req, dtype=np.int64)
+    for r in range(n_req):
+        bound = lens[r] // align * align if lookup else lens[r]
+        ends[r] = bound // bs
+    acc = np.empty(nw, dtype=np.int64)
+    ring = np.empty(_AHEAD, dtype=np.int64)
+    nxt = np.empty(_AHEAD, dtype=np.int64)
+    g0 = members[0]
+    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
+    for r in range(n_req):
+        ring, nxt = nxt, ring
+        if r + 1 < n_req:
+            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1,
+                              nxt)  # fmt: skip
+        acc[:] = live
+        end = min(ends[r], lengths[r] // scale)
+        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r,
+                     ring)  # fmt: skip
+        # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
+        n_tok = lens[r]
+        again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
+        ok = lengths[r] > 0 and (n_tok // align * align if lookup else n_tok) > 0
+        for e in range(n_eng):
+            run = out[r, e]
+            hit = _hit_of_run(run, bs, align, drop)
+            if lookup:
+                # The store worker's rule: a hit covering the whole prompt is
+                # re-derived at num_tokens - 1 (the run clipped to it).
+                if hit >= n_tok:
+                    hit = _hit_of_run(min(run, again // bs), bs, align, drop)
+                    hit = hit if again > 0 else 0
+                if not ok:
+                    hit = 0
+            out[r, e] = hit
 
 
 # ctz by de Bruijn multiplication: numba has no count-trailing-zeros intrinsic.
@@ -261,8 +439,8 @@ def _store_bits(runs, r, k, word, value, n_eng):
 
 
 def full_runs(
-    keys: np.ndarray,
-    bits: np.ndarray,
+    table: np.ndarray,
+    num_words: int,
     rows: np.ndarray,
     offsets: np.ndarray,
     lengths: np.ndarray,
@@ -273,7 +451,8 @@ def full_runs(
     num_engines: int,
 ) -> np.ndarray:
     """Per request and engine, the leading run of full-attention blocks the
-    engine holds (the leading-run phase of ``reference.full_attention_hit``,
+    engine holds (``table`` int64 ``[C, W + 1 + num_words]``: keys, then
+    engine sets; the leading-run phase of ``reference.full_attention_hit``,
     as ``kernels/scan_numba.py``'s ``_leading_run``): int64 ``[R, E]``.
 
     Block ``i`` of request ``r`` is keyed by hash row ``offsets[r] + (i + 1) *
@@ -285,6 +464,35 @@ def full_runs(
     """
     runs = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
     if offsets.shape[0]:
-        _full_runs(keys, bits, rows, offsets, lengths, ends, np.int64(scale),
-                   members, live, runs)  # fmt: skip
+        _full_runs(table, np.int64(num_words), rows, offsets, lengths, ends,
+                   np.int64(scale), members, live, runs)  # fmt: skip
     return runs
+
+
+def full_hits(
+    table: np.ndarray,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    lens: np.ndarray,
+    members: np.ndarray,
+    live: np.ndarray,
+    params: np.ndarray,
+    num_engines: int,
+) -> np.ndarray:
+    """vLLM's full-attention hit of every request against every engine, in
+    one pass (``coordinator/fleet.py``'s ``_fleet_full`` on the runs of
+    :func:`full_runs`, fused so that a call costs one dispatch and no
+    temporaries): int64 ``[B, E]``.
+
+    ``table`` as :func:`full_runs`; ``rows`` int64 ``[T, W]``, ``offsets``
+    and ``lengths`` int64 ``[B]`` a HashBatch's ``host_arrays()``; ``lens`` int64
+    ``[B]`` the max lengths (or, ``lookup``, the prompt lengths); ``members``
+    the SpecGroup's group ids; ``live`` int64 ``[NW]`` the active engines;
+    ``params`` int64 ``[6]``: (NW, scale, block size, alignment, EAGLE drop,
+    lookup).
+    """
+    out = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
+    if out.shape[0]:
+        _full_hits(table, rows, offsets, lengths, lens, members, live, params, out)
+    return out

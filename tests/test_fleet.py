@@ -117,9 +117,9 @@ def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
     calls = []
-    real = fleet_numba.full_runs
+    real = fleet_numba.full_hits
     monkeypatch.setattr(
-        fleet_numba, "full_runs", lambda *a, **k: calls.append(1) or real(*a, **k)
+        fleet_numba, "full_hits", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     layout = make_layout("llama")
     reqs = [chained_hashes(1, 8), chained_hashes(2, 5)]
@@ -435,6 +435,35 @@ def test_state_dict_round_trip_and_corruption():
 
 
 # -- routing ------------------------------------------------------------------------------
+
+
+def test_numba_engine_sets_lie_beside_their_keys_and_survive_torch_save():
+    # The numba layout: each slot's engine set in its key's row (one table,
+    # keys and bits its column views), through growth and a save/load cycle
+    # (state_dict hands out the views; torch.save keeps what they show).
+    import io
+
+    rng = random.Random(5)
+    h = chained_hashes(7, 400)
+    fleet = FleetIndex(70, 8, capacity=4)
+    for e in range(70):
+        fleet.add(e, rng.randrange(2), rng.sample(h, 30))
+    row = fleet.keys.stride(0)
+    assert row == fleet.bits.stride(0) == fleet.W + 1 + fleet.NW
+    assert fleet.bits.data_ptr() == fleet.keys.data_ptr() + (fleet.W + 1) * 8
+    buf = io.BytesIO()
+    torch.save(fleet.state_dict(), buf)
+    buf.seek(0)
+    copy = FleetIndex.from_state_dict(torch.load(buf))
+    assert _same(_snapshot(copy), _snapshot(fleet))
+    assert copy.bits.data_ptr() == copy.keys.data_ptr() + (copy.W + 1) * 8
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    batch = HashBatch.from_bytes([h[:40], h[100:180], []], 8)
+    lens = [640, 1280, 0]
+    assert torch.equal(
+        engine.fleet_hits(batch, lens, copy), engine.fleet_hits(batch, lens, fleet)
+    )
 
 
 def test_route_cost_model_and_ties():
