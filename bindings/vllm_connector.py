@@ -69,6 +69,7 @@ from kvhit.bindings.mooncake import (
     BatchedLookup,
     MooncakeKeys,
     StoreError,
+    TailKeyLookup,
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
@@ -301,51 +302,36 @@ class KvhitLookupServer:
         self, items: Sequence[tuple[int, int, bytes]]
     ) -> list[MooncakeLookupResult]:
         """:meth:`resolve` for the wire format: ``(num_tokens, hash_len,
-        hashes joined)`` per request."""
-        widths = set()
+        hashes joined)`` per request. The socket's input is checked here,
+        once; what is built from it travels unchecked.
+
+        Raises:
+            ValueError: an item whose blob is not a whole number of hashes,
+                or a negative count (nothing was asked).
+        """
+        by_width: dict[int, list[int]] = {}
         for i, (n, hlen, blob) in enumerate(items):
-            if hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
+            if n < 0 or hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
                 raise ValueError(
-                    f"request {i}: {len(blob)} bytes of {hlen}-byte hashes"
+                    f"request {i}: {n} tokens, {len(blob)} bytes of {hlen}-byte hashes"
                 )
             if n > 0 and blob:
-                widths.add(hlen)
-        if self.fallback_reason is None and len(widths) == 1:
-            width = widths.pop()
-            if width % 8 == 0:
-                # The common case: one width of whole words; the joined
-                # blobs are the batch's hash words (no per-hash bytes).
-                return self._resolve_blobs(width, items)
-        reqs: list[tuple[int, list[bytes]]] = []
-        for n, hlen, blob in items:
-            hashes = (
-                [blob[o : o + hlen] for o in range(0, len(blob), hlen)] if hlen else []
-            )
-            reqs.append((n, hashes))
-        return self.resolve(reqs)
-
-    def resolve(
-        self, requests: Sequence[tuple[int, Sequence[bytes]]]
-    ) -> list[MooncakeLookupResult]:
-        """Per request ``(num_tokens, block_hashes)``, what
-        ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` returns.
-
-        One ``batch_is_exist`` for the batch (one per distinct hash width);
-        a store error answers hits of 0 for the batch, logged.
-        """
+                by_width.setdefault(hlen, []).append(i)
         with self._lock:
             self.num_batches += 1
-            self.num_requests += len(requests)
+            self.num_requests += len(items)
             if self.fallback_reason is not None:
-                return [self._vllm_lookup(n, h) for n, h in requests]
-            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(requests)
-            by_width: dict[int, list[int]] = {}
-            for i, (n, hashes) in enumerate(requests):
-                if n > 0 and len(hashes):
-                    by_width.setdefault(len(hashes[0]), []).append(i)
+                return [
+                    self._vllm_lookup(n, _split(blob, hlen)) for n, hlen, blob in items
+                ]
+            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
             for width, idx in by_width.items():
                 try:
-                    results = self._resolve_width(width, [requests[i] for i in idx])
+                    batch, ntok = _joined_batch(items, idx, width)
+                    bl = self._lookup_for(width)
+                    results = self._answer(
+                        bl.lookup_with_tail_keys_unchecked(batch, ntok)
+                    )
                 except StoreError as exc:
                     self.last_error = exc
                     logger.error("kvhit lookup: store error, batch misses: %s", exc)
@@ -358,42 +344,26 @@ class KvhitLookupServer:
                     out[i] = r
             return out
 
-    def _resolve_blobs(
-        self, width: int, items: Sequence[tuple[int, int, bytes]]
+    def resolve(
+        self, requests: Sequence[tuple[int, Sequence[bytes]]]
     ) -> list[MooncakeLookupResult]:
-        """:meth:`resolve` for packed requests all of ``width``-byte hashes
-        (``width % 8 == 0``), validated by :meth:`resolve_packed`."""
-        with self._lock:
-            self.num_batches += 1
-            self.num_requests += len(items)
-            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
-            idx = [i for i, (n, _, blob) in enumerate(items) if n > 0 and blob]
-            if not idx:
-                return out
-            blobs = [items[i][2] for i in idx]
-            lens = np.fromiter((len(b) for b in blobs), np.int64, len(idx)) // width
-            offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offsets[1:])
-            words = np.frombuffer(b"".join(blobs), dtype="<i8")
-            batch = HashBatch(
-                torch.from_numpy(words.astype(np.int64).reshape(-1, width // 8)),
-                torch.from_numpy(offsets),
-                width,
-            )
-            ntok = torch.tensor([items[i][0] for i in idx], dtype=torch.int64)
-            try:
-                results = self._answer(self._lookup_for(width), batch, ntok)
-            except StoreError as exc:
-                self.last_error = exc
-                logger.error("kvhit lookup: store error, batch misses: %s", exc)
-                return out
-            except Exception as exc:
-                self.last_error = exc
-                logger.exception("kvhit lookup failed; answering misses")
-                return out
-            for i, r in zip(idx, results, strict=True):
-                out[i] = r
-            return out
+        """Per request ``(num_tokens, block_hashes)``, what
+        ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` returns.
+
+        One ``batch_is_exist`` for the batch (one per distinct hash width);
+        a store error answers hits of 0 for the batch, logged. Packs each
+        request as its client does and goes through :meth:`resolve_packed`.
+
+        Raises:
+            ValueError: a request whose hashes differ in width.
+        """
+        items = []
+        for i, (n, hashes) in enumerate(requests):
+            item = _wire_item(n, hashes)
+            if any(len(x) != item[1] for x in hashes):
+                raise ValueError(f"request {i}: block hashes of different widths")
+            items.append(item)
+        return self.resolve_packed(items)
 
     def _vllm_lookup(self, n: int, hashes: Sequence[bytes]) -> MooncakeLookupResult:
         try:
@@ -418,34 +388,9 @@ class KvhitLookupServer:
             self._lookups[width] = bl
         return bl
 
-    def _resolve_width(
-        self, width: int, requests: Sequence[tuple[int, Sequence[bytes]]]
-    ) -> list[MooncakeLookupResult]:
-        bl = self._lookup_for(width)
-        lists = [list(h) for _, h in requests]
-        if width % 8 == 0 and all(len(x) == width for h in lists for x in h):
-            lens = np.array([len(h) for h in lists], dtype=np.int64)
-            offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offsets[1:])
-            blob = b"".join(b"".join(h) for h in lists)
-            words = np.frombuffer(blob, dtype="<i8").reshape(-1, width // 8)
-            batch = HashBatch(
-                torch.from_numpy(words.astype(np.int64)),
-                torch.from_numpy(offsets),
-                width,
-            )
-        else:
-            batch = HashBatch.from_bytes(lists, width)
-        ntok = torch.tensor([n for n, _ in requests], dtype=torch.int64)
-        return self._answer(bl, batch, ntok)
-
     @staticmethod
-    def _answer(
-        bl: BatchedLookup, batch: HashBatch, ntok: torch.Tensor
-    ) -> list[MooncakeLookupResult]:
-        """Per request of ``batch`` (``ntok`` int64 ``[B]``), what the
-        worker's ``lookup`` returns."""
-        res = bl.lookup_with_tail_keys(batch, ntok)
+    def _answer(res: TailKeyLookup) -> list[MooncakeLookupResult]:
+        """Per request of ``res``, what the worker's ``lookup`` returns."""
         hits = res.hit_lengths.tolist()
         tails = res.tail_key_boundaries.tolist()
         out: list[MooncakeLookupResult] = []
@@ -486,6 +431,45 @@ class _WorkerStore:
         if record is not None:
             record("lookup_exists", time.perf_counter() - t0, len(keys))
         return out
+
+
+def _wire_item(num_tokens: int, hashes: Sequence[bytes]) -> tuple[int, int, bytes]:
+    """One request on the wire: ``(num_tokens, hash width, hashes joined)``."""
+    return num_tokens, len(hashes[0]) if hashes else 0, b"".join(hashes)
+
+
+def _split(blob: bytes, width: int) -> list[bytes]:
+    """A joined blob as its ``width``-byte hashes (vLLM's own lookup path
+    takes a list)."""
+    return [blob[o : o + width] for o in range(0, len(blob), width)] if width else []
+
+
+def _joined_batch(
+    items: Sequence[tuple[int, int, bytes]], idx: list[int], width: int
+) -> tuple[HashBatch, torch.Tensor]:
+    """The requests ``idx`` of checked wire ``items`` (all of ``width``-byte
+    hashes) as one :class:`HashBatch` straight from their joined blobs (no
+    per-hash bytes objects), and their ``num_tokens`` (int64 ``[B]``).
+
+    Rows are little-endian words, the last one zero-padded when ``width`` is
+    not a multiple of 8, as ``HashBatch.from_bytes`` packs them."""
+    blobs = [items[i][2] for i in idx]
+    lens = np.fromiter((len(b) for b in blobs), np.int64, len(idx)) // width
+    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    # A bytearray join: one copy, and a writable buffer for torch.
+    raw = np.frombuffer(bytearray().join(blobs), dtype=np.uint8).reshape(-1, width)
+    words_w = -(-width // 8)
+    if width % 8:
+        padded = np.zeros((raw.shape[0], 8 * words_w), dtype=np.uint8)
+        padded[:, :width] = raw
+        raw = padded
+    words = raw.view("<i8").astype(np.int64, copy=False)
+    batch = HashBatch.from_trusted(
+        torch.from_numpy(np.ascontiguousarray(words)), torch.from_numpy(offsets), width
+    )
+    ntok = torch.from_numpy(np.fromiter((items[i][0] for i in idx), np.int64, len(idx)))
+    return batch, ntok
 
 
 # -- scheduler side --------------------------------------------------------------------
@@ -551,8 +535,7 @@ class KvhitLookupClient:
     def _batch(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes]):
         # Packed here, in the scheduler's thread: ``(req_id, (num_tokens,
         # hash width, hashes joined))``, the wire format.
-        hs = block_hashes
-        items = [(req_id, (num_tokens, len(hs[0]) if hs else 0, b"".join(hs)))]
+        items = [(req_id, _wire_item(num_tokens, block_hashes))]
         results, align = self.results, self.align
         for rid, req in self.tracked.items():
             if len(items) >= self.max_batch:
@@ -565,8 +548,7 @@ class KvhitLookupClient:
                 or req.status not in _LOOKED_UP
             ):
                 continue
-            hs = req.block_hashes
-            items.append((rid, (req.num_tokens, len(hs[0]) if hs else 0, b"".join(hs))))
+            items.append((rid, _wire_item(req.num_tokens, req.block_hashes)))
         return items
 
     # -- the lookup ----------------------------------------------------------------
