@@ -491,6 +491,9 @@ class StoreSync:
         self.num_forgotten = 0
         # The keys the last exclusive refresh wrote (what the index holds).
         self._written: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A store call past its timeout that has not returned (set when done).
+        self._late_call: threading.Event | None = None
+        self._late_since = 0.0
 
     @property
     def last_candidates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -667,9 +670,22 @@ class StoreSync:
 
         The call runs in a daemon thread of its own, so a store that never
         answers costs one parked thread, never the caller; an answer that
-        arrives after the deadline is dropped with the thread.
+        arrives after the deadline is dropped with the thread. While a call
+        that timed out has not returned, the store is not asked again: the
+        next refreshes raise StoreError at once (a hung store costs one
+        timeout, not one per step, and parks one thread, not one per step).
         """
         n_keys = len(key_list)
+        late = self._late_call
+        if late is not None:
+            if not late.is_set():
+                ago = time.monotonic() - self._late_since
+                raise StoreError(
+                    f"batch_is_exist: the call that timed out {ago:.1f} s ago has "
+                    "not returned; not asking the store again until it does",
+                    n_keys,
+                )
+            self._late_call = None
         if self.timeout_s is None:
             try:
                 return self.store.batch_is_exist(key_list)
@@ -691,6 +707,7 @@ class StoreSync:
 
         threading.Thread(target=call, name="kvhit-store-call", daemon=True).start()
         if not done.wait(self.timeout_s):
+            self._late_call, self._late_since = done, time.monotonic()
             raise StoreError(
                 f"batch_is_exist did not answer for {n_keys} keys within "
                 f"{self.timeout_s} s (timeout_s); the late answer is discarded",

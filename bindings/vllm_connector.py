@@ -35,7 +35,10 @@ This is the only kvhit module that imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -78,7 +81,11 @@ from kvhit.coordinator.packing import HashBatch
 
 __all__ = [
     "CONNECTOR_NAME",
+    "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_MAX_BATCH",
+    "DEFAULT_RETRY_S",
+    "DEFAULT_STORE_TIMEOUT_S",
+    "MAX_SERVER_CRASHES",
     "KvhitLookupClient",
     "KvhitLookupServer",
     "KvhitMooncakeStoreConnector",
@@ -91,13 +98,30 @@ logger = init_logger(__name__)
 CONNECTOR_NAME = "KvhitMooncakeStoreConnector"
 #: Requests one lookup message resolves at most (``kvhit_max_batch``).
 DEFAULT_MAX_BATCH = 4096
-#: Seconds the scheduler waits for a batch's answer (``kvhit_lookup_timeout_s``)
-#: before it treats every request of the batch as a miss.
-DEFAULT_LOOKUP_TIMEOUT_S = 30.0
+#: Seconds a synchronous ``schedule()`` waits at most for a batch's answer
+#: (``kvhit_lookup_timeout_s``) before it treats every request of the batch
+#: as a miss, whatever the store or the server does.
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+#: Seconds worker rank 0 gives one ``batch_is_exist`` (``kvhit_store_timeout_s``)
+#: before it answers the batch with misses; below the lookup timeout, so a
+#: slow store yields an answer of misses in time, not a client timeout.
+DEFAULT_STORE_TIMEOUT_S = 0.5
+#: Seconds after a batch went unanswered (the server itself stalled) during
+#: which the client answers misses without asking (``kvhit_lookup_retry_s``);
+#: the server's late reply, when it comes, ends that at once.
+DEFAULT_RETRY_S = 5.0
 
 _REQUEST = msgspec.msgpack.Encoder()
+# Messages: the client's DEALER sends ``[b"", seq (8 bytes), payload]`` and
+# the server's ROUTER replies with the same envelope; a REQ client (``[b"",
+# payload]``, no seq) is answered ``[b"", reply]``.
+_SEQ = struct.Struct("<Q")
+#: Consecutive crashes of the serving loop after which the server answers
+#: through vLLM's own per-request lookup.
+MAX_SERVER_CRASHES = 3
 _DECODE_REQUEST = msgspec.msgpack.Decoder(list[tuple[int, int, bytes]])
 _DECODE_REPLY = msgspec.msgpack.Decoder(list[bytes])
+_EMPTY_REPLY = msgspec.msgpack.encode([])
 #: The statuses whose requests a batch resolves (with no computed tokens and
 #: at least an alignment's worth of tokens).
 _LOOKED_UP = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -141,6 +165,11 @@ class KvhitLookupServer:
             :meth:`resolve` directly pass ``False``).
         backend: the ``LookupEngine`` backend ("auto": the device default).
 
+    ``kvhit_store_timeout_s`` (``kv_connector_extra_config``, default
+    :data:`DEFAULT_STORE_TIMEOUT_S`) bounds one ``batch_is_exist``: past it
+    the batch is answered with misses, and while that call has not returned
+    the store is not asked again (the following batches are misses at once).
+
     Per batch it makes one deduplicated ``batch_is_exist`` over
     ``worker.store`` and answers every request with what
     ``MooncakeStoreWorker.lookup`` returns. It always replies: a store error
@@ -149,6 +178,12 @@ class KvhitLookupServer:
     store layout kvhit does not model, e.g. TP-sharded), or the worker is
     capacity-only, every request goes through vLLM's own
     ``worker.lookup``; that is logged once.
+
+    The serving loop survives anything a batch raises (it replies misses).
+    Should the loop itself fail, it is restarted, the batch in hand is
+    answered with misses and the cause logged once; after
+    :data:`MAX_SERVER_CRASHES` failures in a row the server answers through
+    vLLM's per-request ``worker.lookup`` instead (``fallback_reason``).
     """
 
     def __init__(
@@ -168,7 +203,11 @@ class KvhitLookupServer:
         self._lock = threading.Lock()
         self.num_batches = 0
         self.num_requests = 0
+        self.num_crashes = 0
         self.last_error: BaseException | None = None
+        self.store_timeout_s: float = _positive(
+            _extra(vllm_config), "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float
+        )
         try:
             self._build()
         except Exception as exc:  # any layout kvhit cannot serve
@@ -176,8 +215,10 @@ class KvhitLookupServer:
         if self.fallback_reason is None:
             try:
                 # vLLM's default block hash (sha256) is 32 bytes: build that
-                # engine now, not in the first step's lookup.
+                # engine now, and compile its kernels on a batch of our own,
+                # not in the first step's lookup (which has a deadline).
                 self._lookup_for(32)
+                self._warm_up(32)
             except Exception as exc:
                 self.fallback_reason = f"{type(exc).__name__}: {exc}"
         if self.fallback_reason is not None:
@@ -248,7 +289,8 @@ class KvhitLookupServer:
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
         self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.REP)
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(path)
         self.running = True
         self.thread = threading.Thread(
@@ -257,44 +299,102 @@ class KvhitLookupServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        assert self.socket is not None
+        """The serving thread: runs :meth:`_serve_loop`, restarting it when
+        it fails (the batch in hand is answered with misses)."""
+        seen: set[str] = set()
+        crashes_in_a_row = 0
+        while self.running:
+            self._in_hand: list[bytes] | None = None
+            self._served = False
+            try:
+                self._serve_loop()
+                return
+            except BaseException as exc:  # a daemon thread must not die silently
+                if not self.running:
+                    return
+                self.num_crashes += 1
+                crashes_in_a_row = 1 if self._served else crashes_in_a_row + 1
+                self.last_error = exc
+                cause = f"{type(exc).__name__}: {exc}"
+                if cause not in seen:  # once per cause, with its traceback
+                    seen.add(cause)
+                    logger.error(
+                        "kvhit lookup server: serving loop failed (%s); "
+                        "answering the batch with misses and restarting",
+                        cause,
+                        exc_info=exc,
+                    )
+                if crashes_in_a_row >= MAX_SERVER_CRASHES and not self.fallback_reason:
+                    self.fallback_reason = (
+                        f"the serving loop failed {crashes_in_a_row} times in a "
+                        f"row, last: {cause}"
+                    )
+                    logger.error(
+                        "kvhit: batched lookup disabled, answering with vLLM's "
+                        "per-request MooncakeStoreWorker.lookup: %s",
+                        self.fallback_reason,
+                    )
+                head = self._in_hand
+                if head is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.socket.send_multipart([*head, _EMPTY_REPLY])  # type: ignore[union-attr]
+                time.sleep(0.01)
+
+    def _serve_loop(self) -> None:
+        sock = self.socket
+        assert sock is not None
         poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
         while self.running:
             try:
                 if not poller.poll(100):
                     continue
-                frame = self.socket.recv(copy=True)
+                frames = sock.recv_multipart(copy=True)
             except zmq.ZMQError:
                 if not self.running:
                     return
                 logger.exception("kvhit lookup server: receive failed")
                 continue
+            # [identity, b"", (seq,) payload]: everything before the payload
+            # goes back with the reply.
+            head, frame = frames[:-1], frames[-1]
+            self._in_hand = head
             reply: list[bytes] = []
             try:
                 items = _DECODE_REQUEST.decode(frame)
                 reply = [encode_lookup_response(r) for r in self.resolve_packed(items)]
             except Exception as exc:
-                # Never leave the REQ side waiting: an empty reply reads as
+                # Never leave the client waiting: an empty reply reads as
                 # hits of 0 for the whole batch.
                 self.last_error = exc
                 logger.exception("kvhit lookup server: bad batch, replying misses")
-            try:
-                self.socket.send(msgspec.msgpack.encode(reply))
-            except zmq.ZMQError:
-                if not self.running:
-                    return
+            self._send_reply(head, msgspec.msgpack.encode(reply))
+            self._in_hand = None
+            self._served = True
+
+    def _send_reply(self, head: list[bytes], payload: bytes) -> None:
+        try:
+            self.socket.send_multipart([*head, payload])  # type: ignore[union-attr]
+        except zmq.ZMQError:
+            if self.running:
                 logger.exception("kvhit lookup server: reply failed")
 
     def close(self) -> None:
-        """Stop serving and remove the socket file."""
+        """Stop serving, remove the socket file and end the ZMQ context."""
         self.running = False
         if self.thread is not None:
-            self.thread.join(timeout=2.0)
+            self.thread.join(timeout=5.0)
+            if self.thread.is_alive():
+                # Closing a socket under a thread still using it aborts the
+                # process (a ZMQ assertion): leave it to the daemon thread.
+                logger.warning("kvhit lookup server: thread did not stop")
+                return
         if self.socket is not None:
             self.socket.close(linger=0)
+            self.socket = None
             if os.path.exists(self._ipc_path):
                 os.unlink(self._ipc_path)
+            self.ctx.term()
 
     # -- answering -----------------------------------------------------------------
 
@@ -373,6 +473,19 @@ class KvhitLookupServer:
             logger.exception("vLLM's worker lookup failed; answering a miss")
             return MooncakeLookupResult(0)
 
+    def _warm_up(self, width: int) -> None:
+        """One lookup over a store holding every key (no store call), so the
+        kernels compile (hits and tail keys included) before serving."""
+        assert self.layout is not None and self.keys is not None
+        bl = BatchedLookup(
+            self.layout, _EveryKey(), self.keys, backend=self.backend, hash_bytes=width
+        )
+        n = 4 * self.layout.scheduler_block_size // self.layout.hash_block_size
+        blob = bytes(range(256)) * (n * width // 256 + 1)
+        item = (4 * self.layout.scheduler_block_size, width, blob[: n * width])
+        batch, ntok = _joined_batch([item, item], [0, 1], width)
+        bl.lookup_with_tail_keys_unchecked(batch, ntok)
+
     def _lookup_for(self, width: int) -> BatchedLookup:
         bl = self._lookups.get(width)
         if bl is None:
@@ -384,6 +497,7 @@ class KvhitLookupServer:
                 device="cpu",
                 backend=self.backend,
                 hash_bytes=width,
+                timeout_s=self.store_timeout_s,
             )
             self._lookups[width] = bl
         return bl
@@ -413,6 +527,13 @@ class KvhitLookupServer:
                 )
             )
         return out
+
+
+class _EveryKey:
+    """A store holding every key (the server's warm-up)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [1] * len(keys)
 
 
 class _WorkerStore:
@@ -487,6 +608,15 @@ class KvhitLookupClient:
         align: tokens a request needs before it is looked up (the scheduler's
             alignment: the hash block with partial hash hits, else the block).
         max_batch: requests one message resolves at most.
+        timeout_s: the most one batch may keep the caller waiting; past it
+            every request of the batch is a miss.
+        retry_s: after a batch went unanswered, the seconds during which
+            batches are misses without asking (unless the late reply comes
+            first, which shows the server answers again).
+
+    Every message carries a sequence number and its reply the same one: a
+    reply that comes after its batch timed out is dropped, never applied to
+    a later step.
     """
 
     def __init__(
@@ -496,14 +626,18 @@ class KvhitLookupClient:
         align: int,
         max_batch: int = DEFAULT_MAX_BATCH,
         timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self.inner = inner
         self.align = align
         self.max_batch = max_batch
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self._path = kvhit_rpc_path(vllm_config)
         self.ctx = zmq.Context()
-        self.socket = self._connect()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self._path)
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="KvhitLookupClient"
         )
@@ -512,12 +646,13 @@ class KvhitLookupClient:
         self.results: dict[str, MooncakeLookupResult] = {}
         self.pending: Future[dict[str, MooncakeLookupResult]] | None = None
         self.num_messages = 0
-
-    def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._path)
-        return sock
+        self.num_timeouts = 0
+        self.num_late = 0
+        self.num_skipped = 0
+        self._seq = 0
+        # The newest batch that timed out, while its reply has not come.
+        self.overdue: int | None = None
+        self._overdue_since = 0.0
 
     # -- tracking ------------------------------------------------------------------
 
@@ -554,30 +689,72 @@ class KvhitLookupClient:
     # -- the lookup ----------------------------------------------------------------
 
     def _send(self, items) -> dict[str, MooncakeLookupResult]:
-        """One message for the batch; any failure is a miss for each request
-        (as vLLM's client turns a failed lookup into a hit of 0)."""
-        self.num_messages += 1
-        payload = [item for _, item in items]
+        """One message for the batch, waiting at most ``timeout_s`` for its
+        reply; any failure is a miss for each request (as vLLM's client
+        turns a failed lookup into a hit of 0)."""
+        out = {rid: MooncakeLookupResult(0) for rid, _ in items}
         answers: list[MooncakeLookupResult] = []
         try:
-            self.socket.send(_REQUEST.encode(payload))
-            if not self.socket.poll(int(self.timeout_s * 1000)):
-                # A REQ socket that missed its reply cannot send again.
-                self.socket.close(linger=0)
-                self.socket = self._connect()
-                raise TimeoutError(f"no answer within {self.timeout_s} s")
-            answers = [
-                decode_lookup_response(r)
-                for r in _DECODE_REPLY.decode(self.socket.recv())
-            ]
+            self._drain()
+            if (
+                self.overdue is not None
+                and time.monotonic() - self._overdue_since < self.retry_s
+            ):
+                # The server has not answered a batch past its deadline:
+                # asking again would only wait out another timeout.
+                self.num_skipped += 1
+                return out
+            answers = self._ask([item for _, item in items])
         except Exception as exc:
             logger.error(
                 "kvhit batched lookup failed (%d requests): %s", len(items), exc
             )
-        out = {rid: MooncakeLookupResult(0) for rid, _ in items}
         for (rid, _), r in zip(items, answers, strict=False):
             out[rid] = r
         return out
+
+    def _ask(self, payload: list) -> list[MooncakeLookupResult]:
+        self.num_messages += 1
+        self._seq += 1
+        seq = _SEQ.pack(self._seq)
+        deadline = time.monotonic() + self.timeout_s
+        self.socket.send_multipart([b"", seq, _REQUEST.encode(payload)])
+        while True:
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.socket.poll(left_ms):
+                if self.overdue is None:
+                    logger.error(
+                        "kvhit batched lookup: no answer within %.3g s "
+                        "(kvhit_lookup_timeout_s); %d requests are misses, and "
+                        "batches are misses without asking until the server "
+                        "answers again (at most %.3g s)",
+                        self.timeout_s,
+                        len(payload),
+                        self.retry_s,
+                    )
+                self.num_timeouts += 1
+                self.overdue, self._overdue_since = self._seq, time.monotonic()
+                return []
+            frames = self.socket.recv_multipart()
+            if frames[-2] == seq:
+                return [
+                    decode_lookup_response(r) for r in _DECODE_REPLY.decode(frames[-1])
+                ]
+            self._late(frames)
+
+    def _drain(self) -> None:
+        """Take the replies that came after their batch timed out."""
+        while self.socket.poll(0):
+            self._late(self.socket.recv_multipart())
+
+    def _late(self, frames: list[bytes]) -> None:
+        # A reply to a batch that already counted as misses: dropped. The
+        # newest overdue one answered means the server is answering again.
+        self.num_late += 1
+        if len(frames) >= 2 and len(frames[-2]) == _SEQ.size:
+            if _SEQ.unpack(frames[-2])[0] == self.overdue:
+                self.overdue = None
+                logger.info("kvhit batched lookup: the server answers again")
 
     def lookup(
         self,
@@ -630,8 +807,9 @@ class KvhitLookupClient:
         return self.inner.reset()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=True, cancel_futures=True)
         self.socket.close(linger=0)
+        self.ctx.term()
         self.inner.close()
 
 
@@ -643,8 +821,12 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
 
     ``kv_connector_extra_config`` takes Mooncake's keys plus
     ``kvhit_max_batch`` (requests one lookup message resolves, default 4096),
-    ``kvhit_lookup_timeout_s`` (default 30) and ``kvhit_backend`` (the
-    ``LookupEngine`` backend on worker rank 0, default "auto").
+    ``kvhit_lookup_timeout_s`` (the most a synchronous ``schedule()`` waits
+    for a batch, default 1), ``kvhit_store_timeout_s`` (one
+    ``batch_is_exist`` on worker rank 0, default 0.5),
+    ``kvhit_lookup_retry_s`` (default 5, see :class:`KvhitLookupClient`) and
+    ``kvhit_backend`` (the ``LookupEngine`` backend on worker rank 0,
+    default "auto"). Late or failed answers are misses.
     """
 
     def __init__(
@@ -658,6 +840,8 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
         timeout_s = _positive(
             extra, "kvhit_lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S, float
         )
+        retry_s = _positive(extra, "kvhit_lookup_retry_s", DEFAULT_RETRY_S, float)
+        _positive(extra, "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float)
         backend = str(extra.get("kvhit_backend", "auto"))
         super().__init__(vllm_config, role, kv_cache_config)
         self.kvhit_client: KvhitLookupClient | None = None
@@ -670,7 +854,7 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
                 else sched._block_size
             )
             self.kvhit_client = KvhitLookupClient(
-                sched.client, vllm_config, align, max_batch, timeout_s
+                sched.client, vllm_config, align, max_batch, timeout_s, retry_s
             )
             sched.client = self.kvhit_client
         worker = self.connector_worker

@@ -688,7 +688,11 @@ def test_hung_store_times_out_and_late_answer_is_discarded():
     with pytest.raises(StoreError, match="timeout_s"):
         bl.lookup(batch, ntoks)
     assert time.perf_counter() - t0 < 2.0
+    # While that call is parked the store is not asked again: at once.
+    t0 = time.perf_counter()
     assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
+    assert time.perf_counter() - t0 < 0.15
+    assert "has not returned" in str(bl.last_error)
     release.set()
     time.sleep(0.05)
     # The late answer changed nothing; the next good call works as before.
