@@ -655,6 +655,23 @@ def test_non_binary_answers_are_store_errors(value):
     assert _snapshot(bl.index) == before
 
 
+@pytest.mark.parametrize(
+    "as_", [str, lambda v: str(v).encode(), lambda v: "present" if v else "absent"]
+)
+def test_string_answers_are_store_errors(as_):
+    """A store answering strings (e.g. "1"/"0") for every key: StoreError as
+    documented, the index unchanged, never a hit from it."""
+    bl, store, batch, ntoks = _primed()
+    before = _snapshot(bl.index)
+    real = store.batch_is_exist
+    store.batch_is_exist = lambda keys: [as_(v) for v in real(keys)]  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match="not a list of ints"):
+        bl.lookup(batch, ntoks)
+    assert _snapshot(bl.index) == before
+    assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
+    assert isinstance(bl.last_error, StoreError)
+
+
 def test_exact_float_and_bool_answers_are_accepted():
     """1.0 / 0.0 and True / False are exactly 1 and 0."""
     for answer_of in (float, bool):
