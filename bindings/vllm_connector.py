@@ -41,6 +41,7 @@ import os
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -204,6 +205,8 @@ class KvhitLookupServer:
         self.num_batches = 0
         self.num_requests = 0
         self.num_crashes = 0
+        self.num_failed_batches = 0
+        self._failing_since: int | None = None
         self.last_error: BaseException | None = None
         self.store_timeout_s: float = _positive(
             _extra(vllm_config), "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float
@@ -320,9 +323,9 @@ class KvhitLookupServer:
                     seen.add(cause)
                     logger.error(
                         "kvhit lookup server: serving loop failed (%s); "
-                        "answering the batch with misses and restarting",
+                        "answering the batch with misses and restarting\n%s",
                         cause,
-                        exc_info=exc,
+                        _trace(exc),
                     )
                 if crashes_in_a_row >= MAX_SERVER_CRASHES and not self.fallback_reason:
                     self.fallback_reason = (
@@ -367,7 +370,9 @@ class KvhitLookupServer:
                 # Never leave the client waiting: an empty reply reads as
                 # hits of 0 for the whole batch.
                 self.last_error = exc
-                logger.exception("kvhit lookup server: bad batch, replying misses")
+                logger.error(
+                    "kvhit lookup server: bad batch, replying misses: %s", str(exc)
+                )
             self._send_reply(head, msgspec.msgpack.encode(reply))
             self._in_hand = None
             self._served = True
@@ -432,17 +437,39 @@ class KvhitLookupServer:
                     results = self._answer(
                         bl.lookup_with_tail_keys_unchecked(batch, ntok)
                     )
-                except StoreError as exc:
-                    self.last_error = exc
-                    logger.error("kvhit lookup: store error, batch misses: %s", exc)
-                    continue
                 except Exception as exc:
-                    self.last_error = exc
-                    logger.exception("kvhit lookup failed; answering misses")
+                    self._failed(exc)
                     continue
+                self._succeeded()
                 for i, r in zip(idx, results, strict=True):
                     out[i] = r
             return out
+
+    def _failed(self, exc: Exception) -> None:
+        """A batch answered with misses because of ``exc``: logged when an
+        outage starts (the traceback too unless it is a StoreError), counted
+        while it lasts. Log records hold only text: a handler that keeps
+        records must not keep every failed batch's frames alive."""
+        self.last_error = exc
+        self.num_failed_batches += 1
+        if self._failing_since is None:
+            self._failing_since = self.num_failed_batches
+            what = "store error" if isinstance(exc, StoreError) else "lookup failed"
+            logger.error(
+                "kvhit lookup: %s, batch answered with misses (further failures "
+                "are counted, not logged, until a batch succeeds): %s%s",
+                what,
+                f"{type(exc).__name__}: {exc}",
+                "" if isinstance(exc, StoreError) else "\n" + _trace(exc),
+            )
+
+    def _succeeded(self) -> None:
+        if self._failing_since is not None:
+            logger.warning(
+                "kvhit lookup: the store answers again after %d failed batches",
+                self.num_failed_batches - self._failing_since + 1,
+            )
+            self._failing_since = None
 
     def resolve(
         self, requests: Sequence[tuple[int, Sequence[bytes]]]
@@ -469,8 +496,7 @@ class KvhitLookupServer:
         try:
             return self.worker.lookup(n, list(hashes))
         except Exception as exc:  # vLLM's server thread would die here
-            self.last_error = exc
-            logger.exception("vLLM's worker lookup failed; answering a miss")
+            self._failed(exc)
             return MooncakeLookupResult(0)
 
     def _warm_up(self, width: int) -> None:
@@ -552,6 +578,10 @@ class _WorkerStore:
         if record is not None:
             record("lookup_exists", time.perf_counter() - t0, len(keys))
         return out
+
+
+def _trace(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 def _wire_item(num_tokens: int, hashes: Sequence[bytes]) -> tuple[int, int, bytes]:
@@ -707,7 +737,7 @@ class KvhitLookupClient:
             answers = self._ask([item for _, item in items])
         except Exception as exc:
             logger.error(
-                "kvhit batched lookup failed (%d requests): %s", len(items), exc
+                "kvhit batched lookup failed (%d requests): %s", len(items), str(exc)
             )
         for (rid, _), r in zip(items, answers, strict=False):
             out[rid] = r
@@ -793,7 +823,7 @@ class KvhitLookupClient:
         try:
             got = future.result()
         except Exception as exc:  # _send catches everything; a cancel lands here
-            logger.error("kvhit batched lookup failed: %s", exc)
+            logger.error("kvhit batched lookup failed: %s", str(exc))
             return
         # Requests finished meanwhile are not answered.
         self.results.update((r, v) for r, v in got.items() if r in self.tracked)

@@ -127,11 +127,13 @@ def test_slow_store_under_and_over_the_store_timeout(h):
     report("slow store", waits)
 
 
-def test_hung_store_bounded_then_hits_return(h):
+def test_hung_store_bounded_then_hits_return(h, caplog):
     """A store that stops answering (a frozen master) mid-run: every step
-    within the bound, misses only; hits return after it resumes."""
+    within the bound, misses only; hits return after it resumes. The outage
+    is logged once, not once per step."""
     d, store, reqs = setup(h, 2)
     waits = []
+    caplog.set_level(logging.WARNING)
     try:
         for i in range(6):
             d.add(f"a{i}", reqs[i])
@@ -160,6 +162,10 @@ def test_hung_store_bounded_then_hits_return(h):
     finally:
         d.side.close()
     assert max(waits) < BOUND_S + SLACK_S
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("kvhit")]
+    assert sum("store error, batch answered with misses" in m for m in msgs) == 1
+    assert sum("answers again after" in m for m in msgs) == 1
+    assert d.side.servers[-1].num_failed_batches > 1
     report("hung store", waits)
 
 
