@@ -119,8 +119,9 @@ def main(argv=None) -> int:
     if any(s <= 0 for s in args.sizes) or args.reps <= 0:
         ap.error("--sizes and --reps must be positive")
 
-    import vllm_oracle as vo
     from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
+
+    from kvhit.bench import vllm_oracle as vo
 
     why = mooncake_unavailable()
     mods, reason = vo.load_vllm()

@@ -7,25 +7,36 @@ step on the CPU at tiny sizes, the Triton kernels under ``TRITON_INTERPRET=1``
 (timings meaningless), so the script itself is tested in the CPU suite
 (``tests/test_gpu_check.py``).
 
-Steps, in order: preflight (GPU, driver, CUDA, torch, triton, commit, a ptxas
-the driver accepts); per preset the workload built once, directly as tensors
-on the device (random hash words with shared prefixes, a store holding the
-keys the worker asks about up to a random stored length, with eviction
-holes), then parity of the triton lookup against the scalar reference (and the
-numba backend when importable) on a sample, the lookup timed eagerly and under
-CUDA-graph replay; KeyIndex inserts/s and probes/s for 32-byte keys at load
-0.5; a summary table last, ready to paste into ``bench/RESULTS.md``.
+Steps, in order: preflight (GPU, driver, CUDA, torch, triton, numba, commit,
+the Triton features the kernels need, a ptxas the driver accepts); KeyIndex
+inserts/s and probes/s for 32-byte keys at load 0.5; per preset, smallest
+first, the workload built once, directly as tensors on the
+device (random hash words with shared prefixes, a store holding the keys the
+worker asks about up to a random stored length, with eviction holes), the
+lookup timed eagerly (its first call, compile included, apart) and under
+CUDA-graph replay, then parity of the triton lookup against the scalar
+reference (and the numba backend when it imports) on a sample; a summary
+table last,
+ready to paste into ``bench/RESULTS.md``.
 
-Run: ``python -m kvhit.bench.gpu_check [--dry-run] [--presets a,b]``. Exit
-code 0 when every step passed or skipped, 1 on a parity mismatch or a failed
-step.
+Nothing measured is lost to a timeout: every step prints its time when it
+ends, every result row is printed and appended to ``results.jsonl`` in
+``--out`` as soon as it exists, and with ``--budget`` a step that would start
+past the budget is SKIPped so the summary still prints.
+
+Run: ``python -m kvhit.bench.gpu_check [--dry-run] [--presets a,b] [--out DIR]
+[--budget S]``; ``--env-line`` prints the one-line environment (and exits 2
+when a Triton feature the kernels need is missing). Exit code 0 when every
+step passed or skipped, 1 on a parity mismatch or a failed step.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -40,9 +51,10 @@ __all__ = ["Config", "main", "run"]
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of one run. The defaults are the DESIGN.md GPU target."""
+    """Sizes of one run. The defaults are the GPU target (ARCHITECTURE.md)."""
 
-    presets: tuple[str, ...] = ("dsv4-flash", "qwen3-next", "gemma3", "llama")
+    # Smallest first (run() sorts by size anyway): a timeout costs the largest.
+    presets: tuple[str, ...] = ("llama", "gemma3", "qwen3-next", "dsv4-flash")
     requests: int = 4096
     max_tokens: int = 131072
     hash_bytes: int = 32
@@ -51,9 +63,13 @@ class Config:
     key_index_keys: int = 1 << 23
     dry_run: bool = False
     seed: int = 0
+    # Seconds the run may take; a step that would start later is SKIPped.
+    budget_s: float | None = None
+    # Folder for results.jsonl (one line per result row, written at once).
+    out_dir: str | None = None
 
     @staticmethod
-    def dry(presets: tuple[str, ...] = ("dsv4-flash", "llama")) -> Config:
+    def dry(presets: tuple[str, ...] = ("llama", "dsv4-flash")) -> Config:
         return Config(
             presets=presets,
             requests=4,
@@ -74,6 +90,18 @@ class Report:
     rows: list[dict] = field(default_factory=list)
     key_index: list[dict] = field(default_factory=list)
     failed: bool = False
+    start: float = field(default_factory=time.perf_counter)
+    results_path: str | None = None
+
+    def emit(self, kind: str, **fields) -> None:
+        """Print one result row and append it to ``results.jsonl`` now, so a
+        timeout later loses nothing measured."""
+        row = {"kind": kind, **fields}
+        line = json.dumps(row, default=str)
+        say(f"result {line}")
+        if self.results_path:
+            with open(self.results_path, "a") as f:
+                f.write(line + "\n")
 
 
 def say(msg: str) -> None:
@@ -107,9 +135,9 @@ def _ptxas_version(path: str) -> tuple[int, int] | None:
 
 
 def _pick_ptxas(env: dict[str, str]) -> None:
-    """Triton 3.9 compiles sm_90+ with its bundled CUDA 13.x ptxas, whose
-    cubins a driver older than CUDA 13 refuses: then point Triton at a system
-    ptxas the driver accepts, if there is one."""
+    """Triton compiles with the ptxas it bundles (CUDA 12.8 in 3.6, 13.x in
+    3.9), whose cubins a driver older than that CUDA refuses: then point
+    Triton at a system ptxas the driver accepts, if there is one."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -137,18 +165,34 @@ def _pick_ptxas(env: dict[str, str]) -> None:
     )
 
 
+def numba_status() -> str:
+    """numba's version, "absent", or "broken (...)" when it is installed but
+    does not import (e.g. beside a numpy newer than it supports)."""
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:
+        return "absent"
+    try:
+        import numba
+    except Exception as exc:  # noqa: BLE001 - any import failure means "broken"
+        return f"broken ({exc.__class__.__name__}: {str(exc)[:80]})"
+    return numba.__version__
+
+
 def preflight(cfg: Config) -> dict[str, str]:
-    """GPU, driver, CUDA, torch, triton, commit; picks the ptxas."""
+    """Python, GPU, driver, CUDA, torch, triton, numba, commit, the Triton
+    features the kernels need; picks the ptxas."""
     import torch
 
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env["python"] = platform.python_version()
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         drv = _driver_cuda_version()
         env["driver"] = _nvidia_smi_driver() or "unknown"
         env["driver cuda"] = f"{drv[0]}.{drv[1]}" if drv else "unknown"
     else:
-        env["gpu"] = "none (CPU dry run: Triton interpreter)"
+        env["gpu"] = "none (CPU dry run: Triton interpreter)" if cfg.dry_run else "none"
     env["cuda"] = str(torch.version.cuda)
     env["torch"] = torch.__version__
     try:
@@ -157,10 +201,30 @@ def preflight(cfg: Config) -> dict[str, str]:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = "missing"
+        env["triton features"] = "missing: triton"
+    else:
+        from kvhit.kernels.launch import missing_features
+
+        missing = missing_features()
+        env["triton features"] = (
+            "missing: " + ", ".join(missing) if missing else "all present"
+        )
+    env["numba"] = numba_status()
     env["commit"] = _commit()
     if torch.cuda.is_available():
         _pick_ptxas(env)
     return env
+
+
+def env_line(env: dict[str, str]) -> str:
+    """The environment in one line (the first line gpu_check.sh prints)."""
+    return (
+        f"python {env.get('python')} | torch {env.get('torch')} | triton "
+        f"{env.get('triton')} | numba {env.get('numba')} | CUDA {env.get('cuda')} "
+        f"| driver {env.get('driver', '-')} (CUDA {env.get('driver cuda', '-')}) "
+        f"| GPU {env.get('gpu')} | commit {env.get('commit')} | triton features: "
+        f"{env.get('triton features')}"
+    )
 
 
 def _nvidia_smi_driver() -> str | None:
@@ -266,8 +330,14 @@ def build_workload(preset: str, cfg: Config, device) -> Workload:
     keep = torch.rand(gids.shape[0], generator=gen).to(device) >= 0.05
     gids, cand_rows = gids[keep], cand_rows[keep]
     # Room for every key at load <= 0.5: the table never grows (or moves),
-    # which a captured CUDA graph needs.
-    index = KeyIndex(cfg.hash_bytes, capacity=max(4 * gids.shape[0], 64), device=device)
+    # which a captured CUDA graph needs. The triton backend on the CPU too
+    # (the dry run's interpreter): this checks the Triton kernels.
+    index = KeyIndex(
+        cfg.hash_bytes,
+        capacity=max(4 * gids.shape[0], 64),
+        device=device,
+        backend="triton",
+    )
     index.add(gids, words[cand_rows])
     return Workload(preset, layout, batch, num_tokens, index)
 
@@ -305,11 +375,14 @@ def _timed(fn, repeats: int, device) -> float:
     return median(times)
 
 
-def check_parity(w: Workload, got, cfg: Config) -> tuple[str, float]:
+def check_parity(
+    w: Workload, got, cfg: Config, numba: bool = True
+) -> tuple[str, float]:
     """The triton lookup ``got`` (int64 [B]) against the scalar reference on
     ``cfg.sample`` requests spread over the batch, and against the numba
-    backend on the same sample when numba is importable. Returns ``(verdict,
-    reference seconds per request)``; raises AssertionError on a mismatch."""
+    backend on the same sample when ``numba`` and numba imports. Returns
+    ``(verdict, reference seconds per request)``; raises AssertionError on a
+    mismatch."""
     import torch
 
     from kvhit.coordinator.packing import HashBatch, pack_hashes, unpack_hashes
@@ -341,16 +414,21 @@ def check_parity(w: Workload, got, cfg: Config) -> tuple[str, float]:
         if want != got_l[r]:
             bad.append((r, got_l[r], want))
     verdict = f"ref {len(sample) - len(bad)}/{len(sample)}"
-    try:
-        from kvhit.coordinator.engine import LookupEngine
-
-        numba = LookupEngine(w.layout, backend="numba", device="cpu")
-    except (ImportError, ValueError, TypeError):
+    if not numba or not numba_status()[:1].isdigit():
         verdict += ", numba SKIP"
     else:
+        from kvhit.coordinator.engine import LookupEngine
+        from kvhit.coordinator.key_index import KeyIndex
+
+        engine = LookupEngine(w.layout, backend="numba", device="cpu")
+        # A host copy: the workload's index stays where it is (a captured
+        # graph and the later steps read it there).
+        host = KeyIndex.from_table(
+            w.index.table.cpu(), w.index.hash_bytes, read_only=True, backend="torch"
+        )
         sub = HashBatch.from_bytes(lists, w.batch.hash_bytes)
         nt = torch.tensor([ntok[r] for r in sample], dtype=torch.int64)
-        nb = numba.lookup(sub, nt, w.index.to("cpu")).tolist()
+        nb = engine.lookup(sub, nt, host).tolist()
         same = sum(a == got_l[r] for a, r in zip(nb, sample, strict=True))
         verdict += f", numba {same}/{len(sample)}"
         if same != len(sample):
@@ -372,7 +450,11 @@ def time_lookup(w: Workload, cfg: Config) -> dict:
     backend = TritonBackend(ScanPlan.from_layout(w.layout), device)
     view = w.batch.view()
     out = {}
+    t0 = time.perf_counter()
     eager = backend.lookup(view, w.num_tokens, w.index)
+    _sync(device)
+    # The first call compiles the kernel variant (or loads it from cache).
+    out["first_call_s"] = time.perf_counter() - t0
     out["result"] = eager
     out["eager_s"] = _timed(
         lambda: backend.lookup(view, w.num_tokens, w.index), cfg.repeats, device
@@ -418,7 +500,7 @@ def time_key_index(cfg: Config, device) -> dict:
     gids = torch.zeros(2 * n, dtype=torch.int64, device=device)
 
     def insert():
-        index = KeyIndex(32, capacity=2 * n, device=device)
+        index = KeyIndex(32, capacity=2 * n, device=device, backend="triton")
         _sync(device)
         t0 = time.perf_counter()
         index.add(gids[:n], words[:n])
@@ -454,19 +536,41 @@ def time_key_index(cfg: Config, device) -> dict:
 # -- the run ---------------------------------------------------------------------
 
 
-def _step(report: Report, name: str, fn):
-    """Run one step; record PASS / FAIL and its time, never raise."""
+def _step(report: Report, name: str, fn, cfg: Config | None = None):
+    """Run one step; record PASS / FAIL / SKIP and its time, never raise. A
+    step that would start past ``cfg.budget_s`` is SKIPped."""
+    elapsed = time.perf_counter() - report.start
+    if cfg is not None and cfg.budget_s is not None and elapsed > cfg.budget_s:
+        say(f"== {name}: SKIP (budget of {cfg.budget_s:.0f} s spent)")
+        report.steps.append((name, "SKIP", 0.0))
+        return None
     t0 = time.perf_counter()
     say(f"== {name}")
     try:
         out = fn()
     except Exception:  # noqa: BLE001 - one failed step must not hide the rest
         traceback.print_exc()
-        report.steps.append((name, "FAIL", time.perf_counter() - t0))
+        status = "FAIL"
         report.failed = True
-        return None
-    report.steps.append((name, "PASS", time.perf_counter() - t0))
+        out = None
+    else:
+        status = "PASS"
+    secs = time.perf_counter() - t0
+    report.steps.append((name, status, secs))
+    say(
+        f"== {name}: {status} in {secs:.1f} s "
+        f"({time.perf_counter() - report.start:.1f} s so far)"
+    )
     return out
+
+
+def preset_size(preset: str, cfg: Config) -> int:
+    """Keys a preset's workload holds, roughly (hash units times groups): the
+    run goes smallest first."""
+    from kvhit.bench.workloads import make_layout
+
+    layout = make_layout(preset)
+    return cfg.max_tokens // layout.hash_block_size * (len(layout.groups) + 1)
 
 
 def _fmt_s(s: float | None) -> str:
@@ -490,16 +594,17 @@ def summary(report: Report, cfg: Config) -> str:
         f"{cfg.hash_bytes}-byte hashes; medians of {cfg.repeats} runs"
         + (" (DRY RUN on the CPU: timings meaningless)" if cfg.dry_run else ""),
         "",
-        "| preset | hashes | keys | lookup eager | engine eager | lookup graph "
-        "| ref/request | x ref (graph or eager) | parity |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| preset | hashes | keys | first call (compile) | lookup eager "
+        "| engine eager | lookup graph | ref/request | x ref (graph or eager) "
+        "| parity |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.rows:
         t = r.get("graph_s") or r.get("eager_s")
         x = r["ref_per_req"] * cfg.requests / t if t and r.get("ref_per_req") else 0
         lines.append(
             f"| {r['preset']} | {r['hashes']} | {r['keys']} | "
-            f"{_fmt_s(r.get('eager_s'))} | {_fmt_s(r.get('engine_s'))} | "
+            f"{_fmt_s(r.get('first_call_s'))} | {_fmt_s(r.get('eager_s'))} | {_fmt_s(r.get('engine_s'))} | "
             f"{_fmt_s(r.get('graph_s'))} | "
             f"{_fmt_s(r.get('ref_per_req'))} | {x:.0f}x | {r.get('parity', '-')} |"
         )
@@ -528,13 +633,26 @@ def run(cfg: Config) -> Report:
     import torch
 
     report = Report()
+    if cfg.out_dir:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        report.results_path = os.path.join(cfg.out_dir, "results.jsonl")
     report.env = preflight(cfg)
     for k, v in report.env.items():
         say(f"  {k:12} {v}")
+    report.emit("env", **report.env)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    for preset in cfg.presets:
+    # KeyIndex first: seconds, and a DESIGN.md target a timeout must not cost.
+    ki = _step(report, "KeyIndex", lambda: time_key_index(cfg, device), cfg)
+    if ki is not None:
+        report.key_index.append(ki)
+        report.emit("key_index", **ki)
+    presets = sorted(cfg.presets, key=lambda p: preset_size(p, cfg))
+    for preset in presets:
         w = _step(
-            report, f"{preset}: build", lambda p=preset: build_workload(p, cfg, device)
+            report,
+            f"{preset}: build",
+            lambda p=preset: build_workload(p, cfg, device),
+            cfg,
         )
         if w is None:
             continue
@@ -545,24 +663,24 @@ def run(cfg: Config) -> Report:
         }
         report.rows.append(row)
         timing = _step(
-            report, f"{preset}: lookup timing", lambda w=w: time_lookup(w, cfg)
+            report, f"{preset}: lookup timing", lambda w=w: time_lookup(w, cfg), cfg
         )
         if timing is None:
             continue
         row.update({k: v for k, v in timing.items() if k != "result"})
+        report.emit("lookup", **row)
         par = _step(
             report,
             f"{preset}: parity",
             lambda w=w, t=timing: check_parity(w, t["result"], cfg),
+            cfg,
         )
         if par is not None:
             row["parity"], row["ref_per_req"] = par
+            report.emit("parity", preset=preset, parity=par[0], ref_per_req=par[1])
         del w
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    ki = _step(report, "KeyIndex", lambda: time_key_index(cfg, device))
-    if ki is not None:
-        report.key_index.append(ki)
     return report
 
 
@@ -572,7 +690,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default=None, help="comma-separated presets")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--out", default=None, help="folder for results.jsonl")
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds; later steps SKIP"
+    )
+    parser.add_argument(
+        "--env-line",
+        action="store_true",
+        help="print the environment in one line; exit 2 if a Triton feature "
+        "the kernels need is missing",
+    )
     args = parser.parse_args(argv)
+    if args.env_line:
+        env = preflight(Config())
+        print(env_line(env), flush=True)
+        if env.get("triton features") != "all present":
+            say(
+                f"FAIL: triton {env.get('triton')} lacks what the kernels need "
+                f"({env.get('triton features')}; kvhit needs triton >= 3.6, "
+                "see kernels/launch.py FEATURES)"
+            )
+            return 2
+        return 0
     cfg = Config.dry() if args.dry_run else Config()
     changes = {}
     if args.presets:
@@ -581,6 +720,10 @@ def main(argv: list[str] | None = None) -> int:
         changes["requests"] = args.requests
     if args.max_tokens:
         changes["max_tokens"] = args.max_tokens
+    if args.out:
+        changes["out_dir"] = args.out
+    if args.budget:
+        changes["budget_s"] = args.budget
     if changes:
         cfg = Config(**{**cfg.__dict__, **changes})
     import torch
@@ -596,7 +739,11 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["TRITON_INTERPRET"] = "1"
     report = run(cfg)
     print()
-    print(summary(report, cfg), flush=True)
+    text = summary(report, cfg)
+    print(text, flush=True)
+    if cfg.out_dir:
+        with open(os.path.join(cfg.out_dir, "summary.md"), "w") as f:
+            f.write(text + "\n")
     return 1 if report.failed else 0
 
 

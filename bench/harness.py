@@ -11,18 +11,20 @@ What it holds, in the order a sweep uses it:
   ``LookupEngine.lookup`` on an already packed batch. A backend whose engine
   cannot be built (unknown name, wrong device) is skipped with the reason.
   ``"vllm"`` is vLLM 0.33.0's own per-request ``MooncakeStoreWorker.lookup``
-  through the test oracle (``tests/vllm_oracle.py``, imported by path only
+  through the vLLM oracle (:mod:`kvhit.bench.vllm_oracle`, imported only
   when asked for);
 * the parity check: every answer equal to the reference loop's on a sample
   (exact; :class:`MismatchError` otherwise);
 * timing: medians (numpy) after a warm-up call;
 * the sweep over presets x batch sizes x backends, giving one
-  :class:`ResultRow` per measurement, written to JSON once and plotted.
+  :class:`ResultRow` per measurement, written to JSON once and plotted;
+* the peer column (``--peer dynamo``, :func:`peer_sweep`): Dynamo's KV-router
+  indexer beside kvhit on the shipped conversation trace, answers asserted
+  equal, lookup time per request and store throughput from one run.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -31,12 +33,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvhit.bench.peers import DYNAMO, PEERS, DynamoIndex, as_u64, load_dynamo
 from kvhit.bench.workloads import (
     PRESETS,
     TrafficConfig,
@@ -71,7 +73,6 @@ BACKENDS = (REFERENCE, *ENGINE_BACKENDS)
 VLLM = "vllm"
 DEFAULT_BATCH_SIZES = (1, 8, 64, 1024, 4096)
 #: Where the vLLM oracle lives in a source checkout.
-VLLM_ORACLE_PATH = Path(__file__).resolve().parents[1] / "tests" / "vllm_oracle.py"
 
 
 class MismatchError(Exception):
@@ -217,20 +218,11 @@ def make_runner(
 
 
 def load_vllm_oracle() -> tuple[ModuleType | None, str]:
-    """``tests/vllm_oracle.py`` with vLLM 0.33.0 imported, or ``(None, why)``.
+    """:mod:`kvhit.bench.vllm_oracle` with vLLM 0.33.0 imported, or
+    ``(None, why)``; only when a run asks for the vLLM column (importing vLLM
+    takes several seconds)."""
+    from kvhit.bench import vllm_oracle as mod
 
-    The oracle is test code, so it is imported by path, and only when a run
-    asks for the vLLM column (importing vLLM takes several seconds).
-    """
-    mod = sys.modules.get("vllm_oracle")
-    if mod is None:
-        if not VLLM_ORACLE_PATH.is_file():
-            return None, f"needs a source checkout ({VLLM_ORACLE_PATH} is absent)"
-        spec = importlib.util.spec_from_file_location("vllm_oracle", VLLM_ORACLE_PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["vllm_oracle"] = mod  # its dataclasses look themselves up
-        spec.loader.exec_module(mod)
     mods, why = mod.load_vllm()
     return (mod, "") if mods is not None else (None, why)
 
@@ -380,8 +372,12 @@ class SweepConfig:
     sample: int = 64
     vllm: bool = False
     key_index: bool = False
+    peer: str | None = None
+    peer_limit: int | None = None
 
     def __post_init__(self) -> None:
+        if self.peer is not None and self.peer not in PEERS:
+            raise ValueError(f"unknown peer {self.peer!r}; choose from {PEERS}")
         if not self.presets:
             raise ValueError("presets must not be empty")
         for p in self.presets:
@@ -412,6 +408,7 @@ class SweepResult:
     skipped: tuple[Skip, ...]
     probes: tuple[ProbeRow, ...]
     environment: dict[str, str]
+    peers: tuple[PeerRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document :func:`write_json` writes."""
@@ -435,10 +432,12 @@ class SweepResult:
                 "reference_cap": cfg.reference_cap,
                 "sample": cfg.sample,
                 "vllm": cfg.vllm,
+                "peer": cfg.peer,
             },
             "results": [asdict(r) for r in self.rows],
             "skipped": [asdict(s) for s in self.skipped],
             "key_index": [asdict(p) for p in self.probes],
+            "peers": [asdict(p) for p in self.peers],
         }
 
 
@@ -517,8 +516,20 @@ def sweep(
                 probes.append(probe_rate(ctx.full, ctx.index, config.repeats))
         bar.set_postfix_str(f"{preset} B={b}")
         rows.extend(_measure_batch(config, ctx, b))
+    peers: list[PeerRow] = []
+    if config.peer is not None:
+        peers, skip = peer_sweep(
+            config.peer, config.batch_sizes, limit=config.peer_limit, quiet=quiet
+        )
+        if skip is not None:
+            skips.append(skip)
     return SweepResult(
-        config, tuple(rows), tuple(_unique(skips)), tuple(probes), environment_info()
+        config,
+        tuple(rows),
+        tuple(_unique(skips)),
+        tuple(probes),
+        environment_info(),
+        tuple(peers),
     )
 
 
@@ -541,7 +552,9 @@ def _vllm_for(config: SweepConfig, skips: list[Skip], quiet: bool) -> ModuleType
     if not config.vllm:
         return None
     if not quiet:
-        sys.stderr.write("kvhit bench: importing vLLM 0.33.0 (tests/vllm_oracle.py)\n")
+        sys.stderr.write(
+            "kvhit bench: importing vLLM 0.33.0 (kvhit.bench.vllm_oracle)\n"
+        )
     oracle, why = load_vllm_oracle()
     if oracle is None:
         skips.append(Skip(VLLM, why))
@@ -671,6 +684,262 @@ def _rows(
             )
         )
     return rows
+
+
+# ---------------------------------------------------------------------------
+# The peer column: Dynamo's indexer beside kvhit on the shipped trace
+# ---------------------------------------------------------------------------
+
+#: The peer comparison's layout: one full-attention group whose block is the
+#: trace's 512 tokens, so every trace block is one key, as Dynamo sees it.
+PEER_BLOCK_SIZE = 512
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """kvhit and a peer on the trace replayed in steps of ``batch_size``.
+
+    Attributes:
+        peer: the peer's name (``"dynamo"``).
+        batch_size: requests per step (the last step may be shorter).
+        requests: requests replayed (each checked: ``mismatches`` is 0, or
+            the sweep raised :class:`MismatchError`).
+        kvhit_lookup_s: kvhit's seconds per request, the median over the
+            steps of a step's time / its requests: ``HashBatch.from_ints``
+            from Python int lists plus ``find_longest_cache_hit``.
+        kvhit_pack_s: the ``from_ints`` part of it (median likewise).
+        peer_lookup_s: the peer's seconds per request (one call each; median
+            likewise).
+        lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
+        kvhit_mean_s, peer_mean_s: the means (total time / requests).
+        kvhit_store_bps, peer_store_bps: blocks stored per second (each
+            request's blocks past its hit, as a worker emits them).
+        blocks_stored: blocks each stored over the run.
+        hit_blocks: blocks both found (equal by construction of the check).
+    """
+
+    peer: str
+    batch_size: int
+    requests: int
+    kvhit_lookup_s: float
+    kvhit_pack_s: float
+    peer_lookup_s: float
+    lookup_ratio: float
+    kvhit_store_bps: float
+    peer_store_bps: float
+    blocks_stored: int
+    hit_blocks: int
+    kvhit_mean_s: float = 0.0
+    peer_mean_s: float = 0.0
+    mismatches: int = 0
+
+
+def peer_sweep(
+    peer: str,
+    batch_sizes: Sequence[int],
+    limit: int | None = None,
+    quiet: bool = True,
+    trace: str | os.PathLike[str] | None = None,
+) -> tuple[list[PeerRow], Skip | None]:
+    """kvhit against ``peer`` on the conversation trace (or ``trace``).
+
+    For each batch size ``B`` the trace is replayed in order in steps of
+    ``B`` requests on a fresh store: each step is looked up against what
+    earlier steps stored (kvhit: ``HashBatch.from_ints`` of the requests'
+    Python int lists and ``LookupEngine.find_longest_cache_hit``, one numba
+    thread, 8-byte keys; the peer: one call per request), the answers are
+    compared (:class:`MismatchError` on any difference), then each request's
+    blocks past its hit are stored in both (kvhit: one ``KeyIndex.add`` per
+    step; the peer: one event per request). Layout: one FullAttention group of
+    :data:`PEER_BLOCK_SIZE` tokens. Returns the rows, or ``([], Skip)`` when
+    the peer cannot be imported.
+    """
+    import torch
+
+    from kvhit.bench.traces import SHIPPED_TRACE, hash_block_ids, hash_words, load_trace
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch
+    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
+
+    if peer != DYNAMO:
+        raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
+    tree_cls, why = load_dynamo()
+    if tree_cls is None:
+        return [], Skip(peer, why)
+    bs = PEER_BLOCK_SIZE
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=bs))],
+        scheduler_block_size=bs,
+        hash_block_size=bs,
+    )
+    requests = load_trace(trace or SHIPPED_TRACE, limit)
+    words = [hash_words(*hash_block_ids(r, bs), 1)[:, 0] for r in requests]
+    ints = [w.tolist() for w in words]  # what a caller holds: Python ints
+    chains = [as_u64(w) for w in words]
+    max_lengths = [len(c) * bs for c in ints]
+    rows = []
+    bar = _peer_bar(len(batch_sizes) * len(requests), quiet)
+    with _numba_threads(1):
+        engine = LookupEngine(layout, backend="numba", device="cpu")
+        for b in sorted(set(batch_sizes)):
+            rows.append(
+                _peer_run(
+                    peer, b, engine, KeyIndex(8, 1 << 20), DynamoIndex(tree_cls),
+                    ints, chains, max_lengths, HashBatch, torch, bar,
+                )
+            )  # fmt: skip
+    if bar is not None:
+        bar.close()
+    return rows, None
+
+
+def _peer_bar(total: int, quiet: bool) -> Any:
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="  peer", unit="req", leave=False)
+
+
+class _numba_threads:
+    """numba's thread count set for a block (restored after)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.old = n, None
+
+    def __enter__(self) -> None:
+        import numba
+
+        self.old = numba.get_num_threads()
+        numba.set_num_threads(min(self.n, numba.config.NUMBA_NUM_THREADS))
+
+    def __exit__(self, *exc: object) -> None:
+        import numba
+
+        numba.set_num_threads(self.old)
+
+
+def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch,
+              torch, bar) -> PeerRow:  # fmt: skip
+    """One batch size of :func:`peer_sweep`. Side by side, step by step: a
+    step is looked up by kvhit, then by the peer, the answers compared, then
+    stored in both; so each pays what switching to it costs in a scheduler
+    that does other work between steps (the peer's hop to its indexer thread
+    included)."""
+    perf = time.perf_counter
+    n = len(ints)
+    # Warm-up, untimed: compiled kernels loaded, both paths exercised once.
+    warm = HashBatch.from_ints([ints[0]])
+    engine.find_longest_cache_hit(warm, [max_lengths[0]], index, apply_eagle=False)
+    tree.find([chains[0]])
+    t_store = t_peer_store = 0.0
+    # Per step, seconds per request: medians resist the load spikes of a
+    # shared machine better than totals.
+    look: list[float] = []
+    pack: list[float] = []
+    them: list[float] = []
+    stored = hit_blocks = 0
+    steps_len = [min(n, lo + b) - lo for lo in range(0, n, b)]
+    for lo in range(0, n, b):
+        hi = min(n, lo + b)
+        reqs, mls, chs = ints[lo:hi], max_lengths[lo:hi], chains[lo:hi]
+        t0 = perf()
+        batch = HashBatch.from_ints(reqs)
+        t1 = perf()
+        hits = engine.find_longest_cache_hit(batch, mls, index, apply_eagle=False)
+        t2 = perf()
+        theirs = tree.find(chs)
+        t3 = perf()
+        pack.append((t1 - t0) / (hi - lo))
+        look.append((t2 - t0) / (hi - lo))
+        them.append((t3 - t2) / (hi - lo))
+        mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
+        if mine != theirs:
+            bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
+            raise MismatchError(
+                f"{peer} disagrees with kvhit at B={b}: "
+                + ", ".join(
+                    f"request {lo + i}: {peer}={theirs[i]} kvhit={mine[i]} blocks"
+                    for i in bad
+                )
+            )
+        hit_blocks += sum(mine)
+        # Store each request's blocks past its hit (a worker's new blocks).
+        t0 = perf()
+        rows, offs, lens = batch.host_arrays()
+        take = peer_rows_past(offs, lens, np.array(mine, dtype=np.int64))
+        if take.size:
+            index.add(
+                torch.zeros(take.size, dtype=torch.int64),
+                torch.from_numpy(rows[take]),
+            )
+        t1 = perf()
+        for ch, m in zip(chs, mine, strict=True):
+            if m < len(ch):
+                tree.store_after(ch[m - 1] if m else None, ch[m:])
+        t_peer_store += perf() - t1
+        t_store += t1 - t0
+        stored += int(take.size)
+        if bar is not None:
+            bar.update(hi - lo)
+    return PeerRow(
+        peer=peer,
+        batch_size=b,
+        requests=n,
+        kvhit_lookup_s=float(np.median(look)),
+        kvhit_pack_s=float(np.median(pack)),
+        peer_lookup_s=float(np.median(them)),
+        lookup_ratio=float(np.median(them) / max(np.median(look), 1e-12)),
+        kvhit_store_bps=stored / max(t_store, 1e-12),
+        peer_store_bps=stored / max(t_peer_store, 1e-12),
+        blocks_stored=stored,
+        hit_blocks=hit_blocks,
+        kvhit_mean_s=float(np.dot(look, steps_len)) / n,
+        peer_mean_s=float(np.dot(them, steps_len)) / n,
+    )
+
+
+def peer_rows_past(
+    starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray
+) -> np.ndarray:
+    """Rows ``starts[i] + skip[i] .. starts[i] + lengths[i] - 1`` of every
+    request ``i``, concatenated (int64), without a Python loop."""
+    counts = np.maximum(lengths - skip, 0)
+    total = int(counts.sum())
+    first = starts + skip
+    # Each run's first row, minus where the run starts in the output.
+    base = np.repeat(first - (np.cumsum(counts) - counts), counts)
+    return base + np.arange(total, dtype=np.int64)
+
+
+def format_peer_table(rows: Sequence[PeerRow]) -> str:
+    """The peer rows as text (the issue's table layout)."""
+    if not rows:
+        return ""
+    peer = rows[0].peer
+    lines = [
+        f"kvhit vs {peer} on the conversation trace ({rows[0].requests} requests in "
+        f"order, steps of B; FullAttention({PEER_BLOCK_SIZE}), 8-byte keys, one "
+        "numba thread; kvhit includes from_ints packing; per request: median "
+        "over steps, mean in brackets)",
+        f"  {'B':>5} {'kvhit/req':>20} {'(pack)':>9} {peer + '/req':>21} "
+        f"{'ratio':>7} {'store kvhit':>12} {'store ' + peer:>13}",
+    ]
+    for r in rows:
+        kv = f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})"
+        them = f"{fmt_time(r.peer_lookup_s)} ({fmt_time(r.peer_mean_s)})"
+        lines.append(
+            f"  {r.batch_size:>5} {kv:>20} {fmt_time(r.kvhit_pack_s):>9} "
+            f"{them:>21} {r.lookup_ratio:>6.1f}x "
+            f"{fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
+            f"{fmt_count(r.peer_store_bps) + ' b/s':>13}"
+        )
+    lines.append(
+        f"  answers: {peer} == kvhit on every request at every B (0 mismatches; "
+        f"{rows[0].hit_blocks} blocks hit at B={rows[0].batch_size})"
+    )
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------

@@ -34,6 +34,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvhit.coordinator.candidates import (
+    first_occurrences,
+    format_keys,
+    host_worker_candidates,
+)
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
@@ -259,22 +264,6 @@ def candidate_rows(
     return tuple(torch.from_numpy(a) for a in compiled)  # type: ignore[return-value]
 
 
-def _numba_kernels() -> Any:
-    """``kvhit.kernels.candidates_numba`` (numba is a hard dependency;
-    imported on first use so importing this module stays light)."""
-    from kvhit.kernels import candidates_numba
-
-    return candidates_numba
-
-
-def _plan_rows(plan: ScanPlan, cols: Sequence[str]) -> np.ndarray:
-    """int64 ``[C, len(cols)]``: the cacheable groups' ``CandidatePlan``s."""
-    rows = [
-        [int(getattr(cp, c)) for c in cols] for cp in plan.candidates if cp.cacheable
-    ]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), len(cols))
-
-
 def compiled_candidates(
     plan: ScanPlan, offsets: np.ndarray, num_tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -282,15 +271,7 @@ def compiled_candidates(
     (``kernels/candidates_numba.py``, mirroring ``worker_candidates``):
     ``(group_ids, rows, request)`` int64 ``[K]``.
     ``offsets`` int64 ``[B + 1]``, ``num_tokens`` int64 ``[B]`` (>= 0)."""
-    nb = _numba_kernels()
-    return nb.worker_candidates_nb(
-        np.ascontiguousarray(offsets, dtype=np.int64),
-        np.ascontiguousarray(num_tokens, dtype=np.int64),
-        _plan_rows(plan, nb.CAND_PLAN_COLS),
-        bool(plan.partial),
-        int(plan.hash_block_size),
-        int(plan.alignment),
-    )
+    return host_worker_candidates(plan, offsets, num_tokens)
 
 
 # -- refresh ---------------------------------------------------------------------
@@ -565,7 +546,7 @@ class StoreSync:
         # Dedup on the CPU: the key strings are built there anyway.
         words = batch.hashes.cpu().numpy()
         # First occurrences, in candidate (group-major) order.
-        first = _numba_kernels().first_occurrences_nb(g_all, r_all, words)
+        first = first_occurrences(g_all, r_all, words)
         u_g, u_h = g_all[first], words[r_all[first]]
         bounds = np.searchsorted(u_g, np.arange(self.layout.num_groups + 1))
         # Within a pair, namespaces in rank_namespaces order (as vLLM lays
@@ -648,8 +629,7 @@ class StoreSync:
         """Every key string of the distinct pairs ``(u_g, u_h)`` (sorted by
         group, ``bounds`` their group bounds): pair-major, namespaces in
         ``rank_namespaces`` order."""
-        nb = _numba_kernels()
-        blob = nb.key_blob_nb(u_h, u_g, self.hash_bytes, *self._key_bytes)
+        blob = format_keys(u_h, u_g, self.hash_bytes, *self._key_bytes)
         # One str and one split for all keys: one object per key.
         text = str(memoryview(blob), "utf-8")
         if self._key_lens is None:

@@ -1,4 +1,6 @@
-"""The one protocol every LookupEngine backend implements.
+"""The one protocol every LookupEngine backend implements, and the one
+"auto" rule (:func:`auto_backend`) that KeyIndex, LookupEngine and the
+bindings resolve ``backend="auto"`` with.
 
 :class:`~kvhit.coordinator.engine.LookupEngine` validates every input, then
 hands the backend it chose at construction a :class:`RaggedView` and int64
@@ -13,6 +15,7 @@ module import time).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -22,7 +25,21 @@ if TYPE_CHECKING:
     from kvhit.coordinator.packing import RaggedView
     from kvhit.coordinator.plan import ScanPlan
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "auto_backend"]
+
+
+def auto_backend(device: torch.device) -> str:
+    """The backend ``backend="auto"`` picks on ``device``, for a KeyIndex and
+    a LookupEngine alike: triton on CUDA, numba on the CPU (torch where numba
+    is not installed: the GPU machine may have none), torch on any other
+    device (MPS, XPU: its torch ops run anywhere; no compiled kernel family of
+    ours does, and triton must never be picked there)."""
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        # find_spec imports nothing: numba is paid for only where it runs.
+        return "numba" if importlib.util.find_spec("numba") is not None else "torch"
+    return "torch"
 
 
 @runtime_checkable
@@ -44,7 +61,7 @@ class Backend(Protocol):
         index: KeyIndex | None,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every request's longest cache hit and its load-mask triples.
+        """Every request's longest cache hit and its load-mask spans.
 
         Args:
             view: ``R`` requests; with ``view.token_lens`` set, only keys the
@@ -54,7 +71,7 @@ class Backend(Protocol):
             apply_eagle: apply the EAGLE last-block drop.
 
         Returns:
-            ``(hit int64 [R], triples int64 [R, G, 3])``: per group ``g`` the
+            ``(hit int64 [R], mask_spans int64 [R, G, 3])``: per group ``g`` the
             load mask as ``(length, lo, hi)``, ``mask[c] = lo <= c < hi`` for
             ``c < length`` (see ``coordinator/plan.py``).
         """

@@ -1,72 +1,30 @@
-"""The store worker's candidate keys, batched in torch.
+"""The store worker's candidate keys for a batch: what it asks the store.
 
 vLLM's ``MooncakeStoreWorker.lookup`` asks the store only about some keys
-(``ReferenceCoordinator.lookup_candidates`` spells the rule per request); these
-functions give the same keys for a whole batch from its CSR offsets, without
-a Python loop over requests. The engine (``lookup_candidates``, the triton
-backend's ``any candidate`` test) and ``bindings/mooncake.py`` (the keys it
-sends to a real store) use them.
+(``ReferenceCoordinator.lookup_candidates`` spells the rule per request);
+:func:`worker_candidates` lists the same keys for a whole batch from its CSR
+offsets, without a Python loop over requests, with the torch family's
+candidate rule (:mod:`kvhit.kernels.candidates_torch`, which the torch scanner
+uses too). The engine's ``lookup_candidates`` and ``bindings/mooncake.py`` (the
+keys it sends to a real store) call it.
 
 All tensors are int64 on one device unless said otherwise.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvhit.coordinator.masks import sparse_window_chunk, sparse_window_mask
-from kvhit.coordinator.plan import CandidatePlan, ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.kernels.candidates_torch import candidate_units
 
 __all__ = [
-    "asked_chunks",
-    "candidate_units",
-    "has_candidates",
-    "in_lookup_mask",
+    "first_occurrences",
+    "format_keys",
+    "host_worker_candidates",
     "worker_candidates",
 ]
-
-
-def asked_chunks(
-    plan: ScanPlan, cp: CandidatePlan, lens: torch.Tensor, token_lens: torch.Tensor
-) -> torch.Tensor:
-    """int64 [R]: how many leading chunks of group ``cp`` (with partial hash
-    hits: hash units) the store worker's loop walks, for requests of ``lens``
-    hashes (int64 [R]) looked up at ``token_lens`` tokens (int64 [R], aligned
-    to the hit alignment); sparse groups ask only the chunks
-    :func:`in_lookup_mask` keeps among them. :meth:`ScanPlan.asked_chunks`
-    (``masks.asked_chunks``) on tensors."""
-    return plan.asked_chunks(cp, lens, token_lens)
-
-
-def in_lookup_mask(cp: CandidatePlan, chunks: torch.Tensor) -> torch.Tensor:
-    """bool, shaped as ``chunks``: whether each chunk (int64) of a sparse
-    (sliding-window) group is in its lookup mask: the ``need`` blocks before
-    each scheduler boundary, shifted by one block for EAGLE
-    (``masks.sparse_window_mask`` with ``cp``'s numbers)."""
-    return sparse_window_mask(chunks, cp.per_segment, cp.need, cp.shift)
-
-
-def candidate_units(
-    plan: ScanPlan, lens: torch.Tensor, token_lens: torch.Tensor, gid: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every hash unit the store worker asks about for group ``gid`` in
-    requests of ``lens`` hashes (int64 [R]) looked up at ``token_lens`` tokens
-    (int64 [R], aligned): ``(owner, unit)``, each int64 [M], ``owner`` a
-    request index in ``[0, R)``, ``unit`` a hash position in it."""
-    cp = plan.candidates[gid]
-    dev = lens.device
-    count = torch.clamp(asked_chunks(plan, cp, lens, token_lens), min=0)
-    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), count)
-    chunks = (
-        torch.arange(owner.numel(), device=dev)
-        - (torch.cumsum(count, 0) - count)[owner]
-    )
-    if plan.partial:
-        return owner, chunks
-    if cp.sparse:
-        keep = in_lookup_mask(cp, chunks)
-        owner, chunks = owner[keep], chunks[keep]
-    return owner, (chunks + 1) * cp.scale - 1
 
 
 def worker_candidates(
@@ -78,33 +36,62 @@ def worker_candidates(
     int64 [B]. Needs only the offsets, not the hashes."""
     align = plan.alignment
     starts = offsets[:-1]
-    lens = offsets[1:] - offsets[:-1]
+    lengths = offsets[1:] - offsets[:-1]
     token_lens = torch.div(num_tokens, align, rounding_mode="floor") * align
     gids, rows = [], []
     for cp in plan.candidates:
         if not cp.cacheable:
             continue
-        owner, unit = candidate_units(plan, lens, token_lens, cp.group_id)
+        owner, unit = candidate_units(plan, lengths, token_lens, cp.group_id)
         rows.append(starts[owner] + unit)
         gids.append(torch.full_like(owner, cp.group_id))
     return torch.cat(gids), torch.cat(rows)
 
 
-def has_candidates(
-    plan: ScanPlan, lens: torch.Tensor, token_lens: torch.Tensor
-) -> torch.Tensor:
-    """bool [R]: whether the store worker asks about any key at all, for
-    requests of ``lens`` hashes looked up at ``token_lens`` tokens (int64
-    [R]). No host sync."""
-    anyc = torch.zeros_like(token_lens, dtype=torch.bool)
-    for cp in plan.candidates:
-        if not cp.cacheable:
-            continue
-        asked = asked_chunks(plan, cp, lens, token_lens)
-        if plan.partial or not cp.sparse:
-            anyc |= asked > 0
-        elif cp.need > 0:
-            # Something is asked iff the lowest chunk of the sparse lookup
-            # mask is below the limit.
-            anyc |= asked > sparse_window_chunk(0, cp.per_segment, cp.need, cp.shift)
-    return anyc
+# -- the host (numba) family, for a store binding (imported on first use) --------
+
+
+def host_worker_candidates(
+    plan: ScanPlan, offsets: np.ndarray, num_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`worker_candidates` on host arrays through the numba family
+    (``kernels/candidates_numba.py``), plus each key's request:
+    ``(group_ids, rows, request)`` int64 ``[K]``. ``offsets`` int64
+    ``[B + 1]``, ``num_tokens`` int64 ``[B]`` (>= 0)."""
+    from kvhit.kernels.candidates_numba import worker_candidates_nb
+
+    return worker_candidates_nb(
+        np.ascontiguousarray(offsets, dtype=np.int64),
+        np.ascontiguousarray(num_tokens, dtype=np.int64),
+        plan_tensors(plan, "cpu")[1].numpy(),
+        bool(plan.partial),
+        int(plan.hash_block_size),
+        int(plan.alignment),
+    )
+
+
+def first_occurrences(
+    gids: np.ndarray, rows: np.ndarray, hashes: np.ndarray
+) -> np.ndarray:
+    """Indices (int64 ``[U]``, in order) of the first occurrence of each
+    distinct key ``(gids[i], hashes[rows[i]])``: ``gids``, ``rows`` int64
+    ``[K]``, ``hashes`` int64 ``[N, W]`` (numba; keys compared word by word)."""
+    from kvhit.kernels.candidates_numba import first_occurrences_nb
+
+    return first_occurrences_nb(gids, rows, hashes)
+
+
+def format_keys(
+    words: np.ndarray,
+    gids: np.ndarray,
+    hash_bytes: int,
+    pref_blob: np.ndarray,
+    pref_offs: np.ndarray,
+    group_pref: np.ndarray,
+) -> np.ndarray:
+    """Store key bytes ``prefix + hash.hex()`` for each key and each prefix of
+    its group, ``\\n``-separated: uint8 ``[L]`` (numba,
+    ``kernels/format_keys_numba.py``, whose docstring gives the arguments)."""
+    from kvhit.kernels.format_keys_numba import format_keys_nb
+
+    return format_keys_nb(words, gids, hash_bytes, pref_blob, pref_offs, group_pref)

@@ -1,8 +1,8 @@
 """The one set of device and tensor argument checks for coordinator/ and bindings/.
 
 Every public entry point validates its input before changing anything and
-raises an error naming the argument (DESIGN.md, STYLE.md "one shared
-validation helper set"). These helpers are that validation, written once:
+raises an error naming the argument (ARCHITECTURE.md, "Where input is
+validated"). These helpers are that validation, written once:
 
 - :func:`check_device`: a device argument as the ``torch.device`` tensors made
   there report, refusing devices that hold no data (``meta``) or that this
@@ -10,6 +10,8 @@ validation helper set"). These helpers are that validation, written once:
 - :func:`check_tensor`: a tensor argument's metadata (type, data, dtype, number
   of dimensions, device), never its values: no host sync, so it is usable
   inside a custom op or a CUDA graph capture.
+- :func:`check_mask_size`: a batch of mask lengths whose masks would need more
+  memory than :data:`MAX_MASK_ENTRIES` allows, refused before allocating.
 
 Kernel launchers in ``kernels/`` may not import ``coordinator/``; they share
 ``kernels/checks.py`` instead.
@@ -21,7 +23,32 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_device", "check_tensor"]
+__all__ = ["MAX_MASK_ENTRIES", "check_device", "check_mask_size", "check_tensor"]
+
+#: The most entries (requests x chunks of the widest group) one batched mask
+#: may have: 2**28, i.e. 256 MiB of bool mask and 2 GiB of the int64 chunk
+#: indices built beside it. A real batch stays far below (4096 requests of
+#: 128K tokens at block size 16 is 2**25); a length past it is a unit mix-up
+#: (bytes for tokens) or garbage, and would otherwise fail deep inside torch
+#: or exhaust the host's memory.
+MAX_MASK_ENTRIES = 1 << 28
+
+
+def check_mask_size(lengths: torch.Tensor, block_size: int, name: str) -> None:
+    """Refuse (ValueError naming ``name``) mask lengths whose batched masks
+    would hold more than :data:`MAX_MASK_ENTRIES` entries: ``lengths`` int64
+    ``[B]`` tokens, ``block_size`` the smallest block size (the widest
+    mask). Reads ``lengths.max()`` once (a host sync)."""
+    if lengths.numel() == 0:
+        return
+    widest = int(lengths.max().item()) // block_size
+    entries = widest * lengths.numel()
+    if entries > MAX_MASK_ENTRIES:
+        raise ValueError(
+            f"{name}: masks of {lengths.numel()} requests up to "
+            f"{int(lengths.max().item())} tokens need {entries} entries, more "
+            f"than MAX_MASK_ENTRIES = 2**28 (coordinator/checks.py)"
+        )
 
 
 def check_device(device: Any, name: str = "device") -> torch.device:

@@ -32,16 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import Backend
+from kvhit.coordinator.backend import Backend, auto_backend
 from kvhit.coordinator.candidates import worker_candidates
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.coordinator.checks import check_device, check_mask_size, check_tensor
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
-from kvhit.coordinator.masks import cdiv
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import CacheLayout
+from kvhit.kernels.contract import cdiv
 
 # Backend name -> "module:class", imported when an engine first asks for it (so
 # neither numba nor triton is imported by building another backend).
@@ -54,16 +53,6 @@ BACKEND_CLASSES: dict[str, str] = {
 BACKENDS = ("auto", *BACKEND_CLASSES)
 
 _INT64_MAX = (1 << 63) - 1
-
-
-def auto_backend(device: torch.device) -> str:
-    """The backend ``backend="auto"`` picks on ``device``: triton on CUDA, numba
-    on the CPU, torch on any other device (its torch ops run anywhere)."""
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        return "numba"
-    return "torch"
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -220,7 +209,7 @@ class LookupEngine:
         self.backend = backend
         self.cpu_threads = cpu_threads
         self.plan = ScanPlan.from_layout(layout)
-        self.reference = ReferenceCoordinator(layout)
+        self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: Backend = backend_class(backend)(self.plan, device)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
@@ -372,6 +361,87 @@ class LookupEngine:
             return self._empty()
         return self.impl.find(batch.view(), max_lengths, index, bool(apply_eagle))
 
+    # -- the host path: the numba backend without torch in the loop ---------
+    #
+    # A scheduler step of one request costs ~1.5 us in the compiled kernel;
+    # the generic path around it (a RaggedView of torch tensors, five
+    # tensor->numpy views, the lengths as a tensor) cost ~10 us more. Here the
+    # batch's numpy arrays are built once per batch (HashBatch.host_arrays),
+    # the plan's rows once per engine and the table's view once per table
+    # tensor, and the arguments were validated by the public method.
+
+    def _host_kernels(self) -> tuple[Any, np.ndarray, np.ndarray]:
+        """The numba kernel module (imported on first use, as the numba
+        backend does) and the plan's rows as numpy, cached per engine."""
+        cached = self.__dict__.get("_host_kernels_cache")
+        if cached is None:
+            from kvhit.coordinator.plan import plan_tensors
+            from kvhit.kernels import scan_numba
+
+            sg, cand = plan_tensors(self.plan, self.device)
+            cached = (scan_numba, sg.numpy(), cand.numpy())
+            self._host_kernels_cache = cached
+        return cached
+
+    def _host_table(self, index: KeyIndex) -> np.ndarray:
+        """``index.table`` as numpy, re-viewed only when the index replaced
+        its table tensor (growth, rehash) or another index comes."""
+        table = index.table
+        cached = self.__dict__.get("_host_table_cache")
+        if cached is not None and cached[0] is table:
+            return cached[1]
+        arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+        self._host_table_cache = (table, arr)
+        return arr
+
+    def _host_lengths(self, value: Any, name: str, n: int) -> np.ndarray:
+        """:meth:`_lengths` as a numpy array (a scheduler step's few Python
+        ints go straight to numpy)."""
+        if (
+            type(value) is list
+            and len(value) == n
+            and n <= 16
+            and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
+        ):
+            return np.array(value, dtype=np.int64)
+        return self._lengths(value, name, n).numpy()
+
+    def _host_find(
+        self,
+        batch: HashBatch,
+        max_lengths: np.ndarray,
+        index: KeyIndex,
+        apply_eagle: bool,
+        lookup: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``NumbaBackend.find`` (``lookup=False``) or ``NumbaBackend.lookup``
+        (True) on host arrays; the same kernels, the same arguments."""
+        kernels, sg, cand = self._host_kernels()
+        rows, starts, lengths = batch.host_arrays()
+        plan = self.plan
+        table = self._host_table(index)
+        parallel = getattr(self.impl, "parallel", None)
+        if lookup:
+            hit = kernels.lookup_hits(
+                rows, starts, lengths, max_lengths, sg, cand, table=table,
+                hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+                partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+                parallel=parallel,
+            )  # fmt: skip
+            return hit, None
+        return kernels.find_hits(
+            rows, starts, lengths, max_lengths, sg, cand, table=table,
+            token_lens=None, hash_block_size=plan.hash_block_size,
+            alignment=plan.alignment, partial=plan.partial,
+            simple_hybrid=plan.simple_hybrid, apply_eagle=bool(apply_eagle),
+            parallel=parallel,
+        )  # fmt: skip
+
+    def _host_path(self, batch: HashBatch) -> bool:
+        """Whether this call takes the host path: numba on the CPU, a
+        non-empty batch."""
+        return self.backend == "numba" and len(batch) > 0
+
     # -- public API -----------------------------------------------------------
 
     def find_longest_cache_hit(
@@ -396,8 +466,16 @@ class LookupEngine:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
         self._check_batch(batch, index)
-        max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-        hit, mask_spans = self._find(batch, max_lengths, index, apply_eagle)
+        if self._host_path(batch):
+            ml = self._host_lengths(max_lengths, "max_lengths", len(batch))
+            hit_np, spans_np = self._host_find(batch, ml, index, apply_eagle, False)
+            hit, mask_spans = torch.from_numpy(hit_np), spans_np
+            if not with_masks:
+                return LookupResult(hit)
+            mask_spans = torch.from_numpy(spans_np)
+        else:
+            max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
+            hit, mask_spans = self._find(batch, max_lengths, index, apply_eagle)
         if not with_masks:
             return LookupResult(hit)
         masks, lengths = _expand_mask_spans(mask_spans)
@@ -438,6 +516,9 @@ class LookupEngine:
             ``num_tokens - 1`` so the last token is recomputed.
         """
         self._check_batch(batch, index)
+        if self._host_path(batch):
+            n = self._host_lengths(num_tokens, "num_tokens", len(batch))
+            return torch.from_numpy(self._host_find(batch, n, index, True, True)[0])
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
         return self.lookup_unchecked(batch, num_tokens, index)
 
@@ -482,6 +563,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         start = (
             torch.zeros_like(aligned)
             if start_tokens is None
@@ -502,6 +584,7 @@ class LookupEngine:
         aligned = self._lengths(
             aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
         )
+        check_mask_size(aligned, self._min_block_size, "aligned_lens")
         return self._reachable(
             aligned, torch.zeros_like(aligned), None, None, store=False
         )
@@ -563,6 +646,5 @@ __all__ = [
     "LookupEngine",
     "LookupResult",
     "MaskBatch",
-    "auto_backend",
     "backend_class",
 ]

@@ -55,12 +55,14 @@ probes the table directly; this is the contract it relies on. The numbers
   fixed-capacity index (``growable=False``) never replaces its tensor: it
   purges tombstones by copying the rebuilt table into the same storage.
 
-* Implementations: ``kvhit.kernels.hash_index`` (Triton device functions
-  ``hash_init``, ``hash_mix``, ``hash_finish``, ``slot_hash``, ``find_slots``,
-  ``probe_keys`` and launchers), ``kvhit.kernels.probe_numba`` /
-  ``kvhit.kernels.hash_index_numba`` (numba, CPU), and this module's torch
-  mirror: :func:`slot_hash`, :func:`find_slots`, :func:`probe_table`,
-  :func:`insert_table`, :func:`erase_table`.
+* Implementations, one kernel family each, with the same launchers
+  (``find``, ``probe``, ``insert``, ``erase``, ``rehash``; see
+  :data:`KERNEL_MODULES`): ``kvhit.kernels.hash_index`` (Triton; also the
+  device functions ``hash_init``, ``hash_mix``, ``hash_finish``,
+  ``slot_hash``, ``find_slots``, ``probe_keys`` the scan kernel calls),
+  ``kvhit.kernels.hash_index_numba`` with ``kvhit.kernels.probe_numba``
+  (numba, CPU) and ``kvhit.kernels.hash_index_torch`` (torch, any device).
+  A KeyIndex binds one of them when it is built.
 
 Memory: the table is the only per-slot state, ``(W + 1) * 8`` bytes per slot,
 so ``(W + 1) * 8 / load`` bytes per key.
@@ -70,55 +72,47 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
+import importlib
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvhit.coordinator.backend import auto_backend
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
-from kvhit.kernels.contract import (
-    BUSY,
-    EMPTY,
-    LOW33,
-    LOW35,
-    M1,
-    M2,
-    M3,
-    SEED,
-    TOMBSTONE,
-)
+from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.hash_index_torch import new_table
+from kvhit.kernels.hash_index_torch import probe as probe_table
 
 __all__ = [
     "BACKENDS",
-    "BUSY",
-    "EMPTY",
     "MAX_CAPACITY",
     "MAX_LOAD_RANGE",
-    "TOMBSTONE",
     "CapacityError",
+    "KERNEL_MODULES",
     "KeyIndex",
     "ReadOnlyIndexError",
-    "erase_table",
-    "find_slots",
-    "insert_table",
-    "new_table",
+    "hash_kernels",
     "normalize_keys",
     "probe_table",
     "resolve_backend",
-    "slot_hash",
 ]
 
-# Transient claim markers of the torch insert are <= _MARKER0, below every
-# sentinel; they never outlive one insert_table call.
-_MARKER0 = BUSY - 1
-
+#: Backend -> its hash-index kernel module (the same launchers in each:
+#: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
+#: index first binds it: coordinator/ never imports triton or numba before.
+KERNEL_MODULES: Mapping[str, str] = {
+    "numba": "kvhit.kernels.hash_index_numba",
+    "torch": "kvhit.kernels.hash_index_torch",
+    "triton": "kvhit.kernels.hash_index",
+}
 #: Backends a KeyIndex accepts.
-BACKENDS = ("auto", "numba", "torch", "triton")
+BACKENDS = ("auto", *sorted(KERNEL_MODULES))
 #: Bounds of ``max_load``: below 0.05 a table is mostly air (1e-9 would ask
 #: for 43 GB on the first add); above 0.95 linear probing chains explode and
 #: an EMPTY slot must always remain.
@@ -136,194 +130,6 @@ class CapacityError(RuntimeError):
 
 class ReadOnlyIndexError(TypeError):
     """A mutator was called on a read-only KeyIndex (:meth:`KeyIndex.from_table`)."""
-
-
-# --------------------------------------------------------------------------
-# Table primitives (torch). No validation: callers pass int64, contiguous
-# tensors on the table's device, as the contract above says.
-# --------------------------------------------------------------------------
-
-
-def new_table(capacity: int, W: int, device: torch.device | str) -> torch.Tensor:
-    """An empty table: int64 ``[capacity, W + 1]``, column 0 EMPTY, words 0."""
-    table = torch.zeros((capacity, W + 1), dtype=torch.int64, device=device)
-    table[:, 0] = EMPTY
-    return table
-
-
-def slot_hash(group_ids: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
-    """The 64-bit slot hash of keys (mask with ``capacity - 1`` for the slot).
-
-    group_ids: int64 ``[N]``; hashes: int64 ``[N, W]``. Returns int64 ``[N]``.
-    Bit-identical with :func:`kvhit.kernels.contract.slot_hash` and the
-    Triton and numba kernels.
-    """
-    h = (group_ids ^ SEED) * M1
-    for j in range(hashes.shape[1]):
-        x = (h ^ hashes[:, j]) * M2
-        h = x ^ ((x >> 31) & LOW33)
-    x = h ^ ((h >> 29) & LOW35)
-    x = x * M3
-    return x ^ ((x >> 31) & LOW33)
-
-
-def find_slots(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-) -> torch.Tensor:
-    """Slot of each key in ``table``, or -1 where absent: int64 ``[N]``.
-
-    table: int64 ``[capacity, W + 1]``; group_ids: int64 ``[N]``; hashes:
-    int64 ``[N, W]``. Vectorised probe rounds over a shrinking set of keys
-    still searching.
-    """
-    n = group_ids.shape[0]
-    dev = table.device
-    out = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    if n == 0:
-        return out
-    cap = table.shape[0]
-    cap_mask = cap - 1
-    gcol = table[:, 0]
-    pos = slot_hash(group_ids, hashes) & cap_mask
-    idx = torch.arange(n, device=dev)
-    gid, key = group_ids, hashes
-    # Windows of consecutive slots per round: most keys resolve in the first
-    # few slots, and for small batches a round costs the same handful of
-    # tensor ops whatever its width, so wide windows cut the rounds a long
-    # probe chain needs. Large batches start one slot wide, where gathering
-    # the extra slots costs more than the rounds it saves (measured on CPU).
-    window = 1 if n > 8192 else 4
-    scanned = 0
-    while scanned < cap:
-        width = min(window, cap - scanned)
-        offs = torch.arange(width, device=dev)
-        slots = (pos[:, None] + offs[None, :]) & cap_mask
-        g = gcol[slots]
-        # Words are compared only where the group matches.
-        cand = (g == gid[:, None]).nonzero()
-        full = torch.zeros_like(g, dtype=torch.bool)
-        if cand.numel():
-            ci, ck = cand[:, 0], cand[:, 1]
-            cs = slots[ci, ck]
-            ok = (table.index_select(0, cs)[:, 1:] == key.index_select(0, ci)).all(1)
-            full[ci[ok], ck[ok]] = True
-        stop = full | (g == EMPTY)
-        any_stop = stop.any(dim=1)
-        first = stop.to(torch.int8).argmax(dim=1)
-        rows = torch.arange(idx.numel(), device=dev)
-        hit = any_stop & full[rows, first]
-        out[idx[hit]] = slots[rows[hit], first[hit]]
-        keep = (~any_stop).nonzero().squeeze(1)
-        if keep.numel() == 0:
-            break
-        idx = idx.index_select(0, keep)
-        gid = gid.index_select(0, keep)
-        key = key.index_select(0, keep)
-        pos = (pos.index_select(0, keep) + width) & cap_mask
-        scanned += width
-        window *= 2
-    return out
-
-
-def probe_table(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-) -> torch.Tensor:
-    """Membership of keys in a KeyIndex table: bool ``[N]``.
-
-    table: int64 ``[capacity, W + 1]`` (``index.table``); group_ids: int64
-    ``[N]``; hashes: int64 ``[N, W]``; all on one device. No validation.
-    """
-    return find_slots(table, W, group_ids, hashes) >= 0
-
-
-def insert_table(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-) -> torch.Tensor:
-    """Insert keys into ``table`` in place; bool ``[N]``, True where stored.
-
-    Keys already present and repeats within the batch are stored once (the
-    count of new keys is ``result.sum()``). The caller must leave room (an
-    EMPTY slot on every probe path). Same semantics as the Triton insert.
-    """
-    n = group_ids.shape[0]
-    stored = torch.zeros(n, dtype=torch.bool, device=table.device)
-    if n == 0:
-        return stored
-    cap_mask = table.shape[0] - 1
-    flat = table.view(-1)
-    stride = W + 1
-    pos = slot_hash(group_ids, hashes) & cap_mask
-    idx = torch.arange(n, device=table.device)
-    gid, key = group_ids, hashes
-    # A key advances or settles each round, except once per slot after losing
-    # a claim; more rounds than that means the table had no EMPTY slot left.
-    for _ in range(2 * table.shape[0] + 1):
-        if idx.numel() == 0:
-            break
-        g = table[:, 0].index_select(0, pos)
-        same = g == gid
-        cand = same.nonzero().squeeze(1)
-        if cand.numel():
-            words = table.index_select(0, pos.index_select(0, cand))[:, 1:]
-            same[cand] = (words == key.index_select(0, cand)).all(dim=1)
-        empty = g == EMPTY
-        won = torch.zeros_like(empty)
-        e = empty.nonzero().squeeze(1)
-        if e.numel():
-            # Several keys may want one EMPTY slot: each writes a distinct
-            # marker, the minimum stays, and the key whose marker stayed wins.
-            # Losers stay on the slot and compare with the winner next round,
-            # which is also how repeats of one key are stored only once.
-            pe = pos.index_select(0, e)
-            marker = _MARKER0 - torch.arange(e.numel(), device=table.device)
-            flat.scatter_reduce_(0, pe * stride, marker, reduce="amin")
-            w = e[flat.index_select(0, pe * stride) == marker]
-            pw = pos.index_select(0, w)
-            table.index_copy_(
-                0,
-                pw,
-                torch.cat([gid.index_select(0, w)[:, None], key.index_select(0, w)], 1),
-            )
-            won[w] = True
-            stored[idx.index_select(0, w)] = True
-        done = same | won
-        advance = ~done & ~empty
-        pos = torch.where(advance, (pos + 1) & cap_mask, pos)
-        keep = (~done).nonzero().squeeze(1)
-        idx = idx.index_select(0, keep)
-        gid = gid.index_select(0, keep)
-        key = key.index_select(0, keep)
-        pos = pos.index_select(0, keep)
-    if idx.numel():
-        raise RuntimeError("insert: the table has no free slot for some keys")
-    return stored
-
-
-def erase_table(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-) -> int:
-    """Replace keys by tombstones in place; returns the number removed."""
-    slots = find_slots(table, W, group_ids, hashes)
-    slots = torch.unique(slots[slots >= 0])
-    table[:, 0].index_fill_(0, slots, TOMBSTONE)
-    return int(slots.numel())
-
-
-# --------------------------------------------------------------------------
-# KeyIndex
-# --------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------
@@ -510,31 +316,28 @@ def _check_count(value: Any, name: str) -> int:
     return int(value)
 
 
-@functools.cache
-def _numba_available() -> bool:
-    # find_spec does not import numba: a GPU machine with only torch and
-    # triton, or a CPU user of the torch backend, never pays for it.
-    return importlib.util.find_spec("numba") is not None
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
-    :data:`BACKENDS`): "auto" is numba on the CPU (torch where numba is not
-    installed), triton on CUDA, torch elsewhere (MPS, XPU: no kernel family of
-    ours runs there, and triton must never be picked for them). An explicit
+    :data:`BACKENDS`): "auto" is :func:`~kvhit.coordinator.backend.auto_backend`
+    (numba on the CPU, triton on CUDA, torch elsewhere: MPS, XPU, where no
+    kernel family of ours runs and triton must never be picked). An explicit
     backend is returned as is, or ValueError where it cannot run (numba off
     the CPU, triton off CUDA and the CPU interpreter)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if device.type == "cpu":
-            return "numba" if _numba_available() else "torch"
-        return "triton" if device.type == "cuda" else "torch"
+        return auto_backend(device)
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba' runs on the CPU only, device is {device}")
     if backend == "triton" and device.type not in ("cuda", "cpu"):
         raise ValueError(f"backend 'triton' needs a CUDA device, device is {device}")
     return backend
+
+
+def hash_kernels(backend: str) -> ModuleType:
+    """The hash-index kernel module of a resolved ``backend`` ("numba",
+    "torch" or "triton"; see :data:`KERNEL_MODULES`), imported now."""
+    return importlib.import_module(KERNEL_MODULES[backend])
 
 
 def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int) -> str:
@@ -547,6 +350,32 @@ def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int)
     )
     h.update(memoryview(data).cast("B"))
     return h.hexdigest()
+
+
+def _checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
+    """Which part of a state whose checksum failed disagrees. The checksum
+    signs the table bytes and the counts together, so the counts the table
+    itself holds are tried in place of the fields: a field that differs from
+    them is named, and is the whole story when the table's own counts sign it;
+    otherwise the table's bytes (or the checksum itself: one signature cannot
+    tell the two apart) changed."""
+    col = table[:, 0]
+    held = {
+        "size": int((col >= 0).sum().item()),
+        "tombstones": int((col == TOMBSTONE).sum().item()),
+    }
+    wrong = [
+        f"state[{field!r}] ({state[field]}; the table holds {n})"
+        for field, n in held.items()
+        if state[field] != n
+    ]
+    signed = _table_checksum(
+        table, state["hash_bytes"], held["size"], held["tombstones"]
+    )
+    if wrong and state["checksum"] == signed:
+        return " and ".join(wrong) + " was"
+    table_part = "state['table'] (its bytes, shape or hash_bytes) or state['checksum']"
+    return " and ".join([*wrong, table_part]) + " was"
 
 
 def _check_table_tensor(table: Any, W: int, name: str) -> int:
@@ -665,6 +494,7 @@ class KeyIndex:
         self.max_load = max_load
         self._backend = backend
         self.table = table
+        self._bind(table.device)
         # None for a read-only view over a table whose counts are not known.
         self._size = size
         self._tombstones = tombstones
@@ -742,7 +572,20 @@ class KeyIndex:
     def backend(self) -> str:
         """The backend in use on the current device: "numba", "torch" or
         "triton"."""
-        return resolve_backend(self._backend, self.device)
+        return self._resolved
+
+    def _bind(self, device: torch.device) -> None:
+        """Bind the kernel family that runs on ``device`` (at construction
+        and when :meth:`to` moves the table)."""
+        self._resolved = resolve_backend(self._backend, device)
+        self.__dict__.pop("_kernels", None)
+
+    @functools.cached_property
+    def _kernels(self) -> ModuleType:
+        # The bound family's module, imported on first use rather than when
+        # the index is built: an index that is never probed (or one built
+        # inside a custom op) does not pay for importing numba or triton.
+        return hash_kernels(self._resolved)
 
     @property
     def growable(self) -> bool:
@@ -802,44 +645,10 @@ class KeyIndex:
                 "(KeyIndex.from_table(..., read_only=True))"
             )
 
-    # -- backend dispatch ---------------------------------------------------
-
-    def _kernels(self):
-        # Imported here, never at module import: coordinator/ must not pull
-        # in triton or numba unless that backend actually runs.
-        if self.backend == "numba":
-            from kvhit.kernels import hash_index_numba
-
-            return hash_index_numba
-        from kvhit.kernels import hash_index
-
-        return hash_index
-
-    def _find_slots(
-        self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        if self.backend == "torch":
-            return find_slots(table, self.W, g, h)
-        return self._kernels().find(table, self.W, g, h)
-
-    def _find(
-        self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        if self.backend == "torch":
-            return probe_table(table, self.W, g, h)
-        return self._kernels().probe(table, self.W, g, h)
+    # -- kernel calls (the module bound by _bind) --------------------------
 
     def _insert(self, table: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> int:
-        if self.backend == "torch":
-            stored = insert_table(table, self.W, g, h)
-        else:
-            stored = self._kernels().insert(table, self.W, g, h)
-        return int(stored.sum().item())
-
-    def _erase(self, g: torch.Tensor, h: torch.Tensor) -> int:
-        if self.backend == "torch":
-            return erase_table(self.table, self.W, g, h)
-        return int(self._kernels().erase(self.table, self.W, g, h).sum().item())
+        return int(self._kernels.insert(table, self.W, g, h).sum().item())
 
     # -- sizing ----------------------------------------------------------------
 
@@ -880,23 +689,14 @@ class KeyIndex:
         per distinct key (several times faster than ``torch.unique(dim=0)``
         on rows)."""
         scratch = new_table(_next_pow2(2 * g.shape[0] + 1), self.W, self.device)
-        if self.backend == "torch":
-            first = insert_table(scratch, self.W, g, h)
-        else:
-            first = self._kernels().insert(scratch, self.W, g, h)
+        first = self._kernels.insert(scratch, self.W, g, h)
         return g[first].contiguous(), h[first].contiguous()
 
     def _rebuilt(self, capacity: int) -> torch.Tensor:
         """A new table of ``capacity`` slots holding every live key; the live
         table is only read."""
         table = new_table(capacity, self.W, self.device)
-        if self.backend == "numba":
-            stored = self._kernels().rehash(self.table, self.W, table)
-        else:
-            live = self.table[self.table[:, 0] >= 0]
-            stored = self._insert(
-                table, live[:, 0].contiguous(), live[:, 1:].contiguous()
-            )
+        stored = self._kernels.rehash(self.table, self.W, table)
         if stored != len(self):  # pragma: no cover - would be a bug
             raise RuntimeError(f"rehash stored {stored} keys, expected {len(self)}")
         return table
@@ -1026,14 +826,24 @@ class KeyIndex:
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
-            absent = ~self._find(self.table, g, h)
+            absent = ~self._kernels.probe(self.table, self.W, g, h)
             g, h = g[absent].contiguous(), h[absent].contiguous()
             if g.shape[0] == 0:
                 return 0
             g, h = self._distinct(g, h)
             if not self.has_room_for(g.shape[0]):
                 self._rehash(self._capacity_for(g.shape[0]))
-        added = self._insert(self.table, g, h)
+        try:
+            added = self._insert(self.table, g, h)
+        except RuntimeError:
+            # A failed insert (triton: hash_index.InsertError, the table full
+            # or a BUSY wait ran out) stored the batch's other keys: count
+            # the table again so len() and the tombstones match it.
+            col = self.table[:, 0]
+            self._size = int((col >= 0).sum().item())
+            self._tombstones = int((col == TOMBSTONE).sum().item())
+            self._version += 1
+            raise
         self._size += added
         if added:
             self._version += 1
@@ -1045,7 +855,7 @@ class KeyIndex:
         self._check_writable("remove")
         if g.shape[0] == 0:
             return 0
-        removed = self._erase(g, h)
+        removed = int(self._kernels.erase(self.table, self.W, g, h).sum().item())
         self._size -= removed
         self._tombstones += removed
         if removed:
@@ -1057,7 +867,7 @@ class KeyIndex:
         g, h = self.normalize_keys(group_ids, hashes)
         if g.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
-        return self._find(self.table, g, h)
+        return self._kernels.probe(self.table, self.W, g, h)
 
     def __contains__(self, key: object) -> bool:
         """``(group_id, hash_bytes) in index``."""
@@ -1096,7 +906,7 @@ class KeyIndex:
                 f"KeyIndex has a fixed table (growable=False): cannot move it "
                 f"from {self.device} to {dev}"
             )
-        resolve_backend(self._backend, dev)
+        self._bind(dev)
         self.table = self.table.to(dev)
         self._version += 1
         return self
@@ -1148,8 +958,14 @@ class KeyIndex:
         for field in (*fields, "checksum"):
             if field not in state:
                 raise ValueError(f"state: missing field {field!r}")
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(f"state: unsupported version {state['version']!r}")
+        version = state["version"]
+        if type(version) is not int or version != _STATE_VERSION:
+            # Only the layout this code writes is read: a table saved under
+            # another version may hash or pack keys differently.
+            raise ValueError(
+                f"state: unknown version {version!r} (this kvhit reads version "
+                f"{_STATE_VERSION} only)"
+            )
         hash_bytes = state["hash_bytes"]
         W = num_words(hash_bytes)
         max_load = _check_max_load(state["max_load"])
@@ -1165,8 +981,8 @@ class KeyIndex:
         resolve_backend(backend, dev)
         if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(
-                "state: checksum mismatch: the table or its counts were changed "
-                "or corrupted after state_dict()"
+                f"state: checksum mismatch: {_checksum_culprit(state, table)} "
+                "changed or corrupted after state_dict()"
             )
         table = table.to(dev, copy=True).contiguous()
         obj = cls.__new__(cls)
@@ -1199,8 +1015,8 @@ class KeyIndex:
         pad = padding_mask(self.hash_bytes)
         if pad and bool(((live[:, -1] & pad) != 0).any()):
             raise ValueError("state['table'] has nonzero padding bits")
-        found = self._find_slots(
-            table, live[:, 0].contiguous(), live[:, 1:].contiguous()
+        found = self._kernels.find(
+            table, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
         )
         if not torch.equal(found, live_slots):
             raise ValueError(

@@ -5,18 +5,18 @@ vLLM dispatches each merged group to the manager registered for its spec class
 this table. A :class:`SpecKind` says everything the rest of kvhit needs to know
 about one kind: its name (``spec.kind``), its kernel code (``KIND_*`` of
 :mod:`kvhit.kernels.contract`), its spec class, the vLLM spec classes that map
-to it, its reference scan and masks (functions of
-:mod:`kvhit.coordinator.reference`, the oracle), the kind-specific numbers
+to it, its reference scan and masks (the oracle's manager ports in
+:mod:`kvhit.coordinator.managers`), the kind-specific numbers
 :class:`~kvhit.coordinator.plan.ScanPlan` derives for it, and the few flags
 vLLM's coordinator branches on. The reference, the plan and the vLLM binding
 look kinds up here (:func:`kind_of`, :data:`KINDS_BY_NAME`) and never branch on
 a spec type.
 
-The vectorised scans (the torch backend and the Triton/numba kernels) branch
+The vectorised scans (the torch, Triton and numba kernels) branch
 on ``SpecKind.code``; a new kind needs its closed form there too (see
 CONTRIBUTING.md, "Adding a spec type"). The engine's batched store and lookup
 masks are entries here too (``batched_store_mask``,
-``batched_reachable_mask``), built on :mod:`kvhit.coordinator.masks`.
+``batched_reachable_mask``), built on :mod:`kvhit.kernels.masks`.
 """
 
 from __future__ import annotations
@@ -27,16 +27,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kvhit.coordinator import reference as ref
-from kvhit.coordinator.masks import (
-    mamba_replay_mask,
-    mamba_segment_mask,
-    sliding_window_need,
-    sparse_window_mask,
-    swa_replay_mask,
-    swa_segment_chunks,
-)
-from kvhit.coordinator.specs import (
+from kvhit.coordinator import managers
+from kvhit.coordinator.spec_types import (
     ChunkedLocal,
     FullAttention,
     Mamba,
@@ -44,6 +36,14 @@ from kvhit.coordinator.specs import (
     Spec,
 )
 from kvhit.kernels.contract import KIND_CHUNKED, KIND_FULL, KIND_MAMBA, KIND_SWA
+from kvhit.kernels.masks import (
+    mamba_replay_mask,
+    mamba_segment_mask,
+    sliding_window_need,
+    sparse_window_mask,
+    swa_replay_mask,
+    swa_segment_chunks,
+)
 
 __all__ = [
     "KINDS",
@@ -57,8 +57,8 @@ __all__ = [
 
 #: ``scan(raw, max_length, group_ids, pool, spec, hash_block_size, drop_eagle,
 #: hit_alignment) -> (blocks per member group, hit length)``: the kind's
-#: ``find_longest_cache_hit`` port (see :func:`reference.full_attention_hit`).
-ScanFn = Callable[..., ref.ScanResult]
+#: ``find_longest_cache_hit`` port (see :func:`managers.full_attention_hit`).
+ScanFn = Callable[..., managers.ScanResult]
 #: ``mask(spec, start_block, end_block, scheduler_block_size, use_eagle,
 #: retention_interval, boundaries) -> list[bool] | None`` (``None``: every
 #: block): the kind's ``reachable_block_mask`` port.
@@ -109,7 +109,7 @@ class SpecKind:
             other SpecGroup is a "simple hybrid" (one round).
         takes_proof_margin: an EAGLE SpecGroup of this kind may look one proof
             margin past the current hit (Mamba may not: its state there would
-            be unverified).
+            be unverified; vllm-project/vllm PR #45614).
     """
 
     name: str
@@ -154,7 +154,7 @@ def _chunked_plan_fields(spec: ChunkedLocal) -> Mapping[str, int]:
 def _swa_candidate_fields(
     spec: SlidingWindow, scheduler_block_size: int, eagle: bool
 ) -> Mapping[str, int | bool]:
-    """The sliding window's lookup mask (``reference.
+    """The sliding window's lookup mask (``managers.
     sliding_window_reachable_mask`` without retention) as numbers."""
     block_size = spec.block_size
     if scheduler_block_size % block_size:
@@ -172,14 +172,14 @@ def _swa_candidate_fields(
 def _every_chunk_batched(
     spec: Spec, chunks: Any, inside: Any, *_: object
 ) -> tuple[Any, bool]:
-    """:data:`BatchedMaskFn` of ``reference.every_block_reachable``."""
+    """:data:`BatchedMaskFn` of ``managers.every_block_reachable``."""
     return inside.clone(), True
 
 
 def _no_chunk_batched(
     spec: Spec, chunks: Any, inside: Any, *_: object
 ) -> tuple[Any, bool]:
-    """:data:`BatchedMaskFn` of ``reference.no_block_stored``."""
+    """:data:`BatchedMaskFn` of ``managers.no_block_stored``."""
     return inside.new_zeros(inside.shape), False
 
 
@@ -192,7 +192,7 @@ def _swa_batched_mask(
     retention_interval: int | None,
     boundaries: Sequence[Any],
 ) -> tuple[Any, bool]:
-    """:data:`BatchedMaskFn` of ``reference.sliding_window_reachable_mask``."""
+    """:data:`BatchedMaskFn` of ``managers.sliding_window_reachable_mask``."""
     block_size = spec.block_size
     if scheduler_block_size % block_size:
         return inside.clone(), True
@@ -224,7 +224,7 @@ def _mamba_batched_mask(
     retention_interval: int | None,
     boundaries: Sequence[Any],
 ) -> tuple[Any, bool]:
-    """:data:`BatchedMaskFn` of ``reference.mamba_reachable_mask``."""
+    """:data:`BatchedMaskFn` of ``managers.mamba_reachable_mask``."""
     if retention_interval is None:
         return inside.clone(), True
     block_size = spec.block_size
@@ -248,9 +248,9 @@ KINDS: tuple[SpecKind, ...] = (
         code=KIND_FULL,
         spec_type=FullAttention,
         vllm_names=("FullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"),
-        scan=ref.full_attention_hit,
-        reachable_mask=ref.every_block_reachable,
-        store_mask=ref.every_block_reachable,
+        scan=managers.full_attention_hit,
+        reachable_mask=managers.every_block_reachable,
+        store_mask=managers.every_block_reachable,
         batched_reachable_mask=_every_chunk_batched,
         batched_store_mask=_every_chunk_batched,
         plan_fields=_no_fields,
@@ -264,9 +264,9 @@ KINDS: tuple[SpecKind, ...] = (
         code=KIND_SWA,
         spec_type=SlidingWindow,
         vllm_names=("SlidingWindowSpec", "SlidingWindowMLASpec"),
-        scan=ref.sliding_window_hit,
-        reachable_mask=ref.sliding_window_reachable_mask,
-        store_mask=ref.sliding_window_reachable_mask,
+        scan=managers.sliding_window_hit,
+        reachable_mask=managers.sliding_window_reachable_mask,
+        store_mask=managers.sliding_window_reachable_mask,
         batched_reachable_mask=_swa_batched_mask,
         batched_store_mask=_swa_batched_mask,
         plan_fields=_swa_plan_fields,
@@ -280,9 +280,9 @@ KINDS: tuple[SpecKind, ...] = (
         code=KIND_MAMBA,
         spec_type=Mamba,
         vllm_names=("MambaSpec",),
-        scan=ref.mamba_hit,
-        reachable_mask=ref.mamba_reachable_mask,
-        store_mask=ref.no_block_stored,
+        scan=managers.mamba_hit,
+        reachable_mask=managers.mamba_reachable_mask,
+        store_mask=managers.no_block_stored,
         batched_reachable_mask=_mamba_batched_mask,
         batched_store_mask=_no_chunk_batched,
         plan_fields=_no_fields,
@@ -296,9 +296,9 @@ KINDS: tuple[SpecKind, ...] = (
         code=KIND_CHUNKED,
         spec_type=ChunkedLocal,
         vllm_names=("ChunkedLocalAttentionSpec",),
-        scan=ref.chunked_local_hit,
-        reachable_mask=ref.every_block_reachable,
-        store_mask=ref.every_block_reachable,
+        scan=managers.chunked_local_hit,
+        reachable_mask=managers.every_block_reachable,
+        store_mask=managers.every_block_reachable,
         batched_reachable_mask=_every_chunk_batched,
         batched_store_mask=_every_chunk_batched,
         plan_fields=_chunked_plan_fields,
@@ -321,6 +321,9 @@ def _check_table(kinds: Sequence[SpecKind]) -> None:
     for what, values in (("name", names), ("code", codes), ("vLLM name", vllm)):
         if len(set(values)) != len(values):
             raise AssertionError(f"duplicate spec-kind {what} in {values}")
+    for k in kinds:
+        if k.spec_type.kind != k.name:
+            raise AssertionError(f"{k.spec_type.__name__}.kind is not {k.name!r}")
 
 
 _check_table(KINDS)

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.triton_backend import plan_tensors
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
@@ -81,7 +80,7 @@ class NumbaBackend:
         index: KeyIndex | None,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``Backend.find``: ``(hit int64 [R], triples int64 [R, G, 3])``."""
+        """See ``Backend.find``: ``(hit int64 [R], mask_spans int64 [R, G, 3])``."""
         from kvhit.kernels.scan_numba import find_hits
 
         plan = self.plan

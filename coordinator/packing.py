@@ -13,12 +13,18 @@ owns rows ``offsets[i]:offsets[i + 1]``), both on one device.
 Packing goes through one ``bytearray().join`` and ``numpy.frombuffer``; per-hash
 Python work is limited to C-level ``map(len, ...)`` / ``list.extend`` calls, so a
 1024 x 4000-hash batch packs in well under a second.
+
+Integer hashes (vLLM's KV events, Dynamo, request traces: one int64 per block)
+go in through :meth:`HashBatch.from_ints`: the int is the key's first
+little-endian word, i.e. the same key as ``from_bytes`` of its 8 little-endian
+two's-complement bytes followed by zero bytes up to ``hash_bytes``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -37,6 +43,22 @@ __all__ = [
 ]
 
 _BytesLike = bytes | bytearray | memoryview
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# check_device's answers, by argument: a device argument is parsed (and a
+# tensor made on it) once per process, not on every batch (~3 us a call).
+_CHECKED_DEVICES: dict[Any, torch.device] = {}
+
+
+def _device(device: Any) -> torch.device:
+    """``check_device(device)``, remembered for the valid (hashable) ones."""
+    try:
+        return _CHECKED_DEVICES[device]
+    except (KeyError, TypeError):
+        dev = check_device(device)
+        if isinstance(device, str | torch.device) and len(_CHECKED_DEVICES) < 64:
+            _CHECKED_DEVICES[device] = dev
+        return dev
 
 
 def num_words(hash_bytes: int) -> int:
@@ -189,6 +211,96 @@ def unpack_hashes(hashes: torch.Tensor, hash_bytes: int) -> list[bytes]:
     return [blob[i : i + hash_bytes] for i in range(0, n * hash_bytes, hash_bytes)]
 
 
+def _bad_int(v: Any, where: str) -> Exception | None:
+    """Why ``v`` cannot be an int64 hash (None if it can)."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+        return TypeError(f"{where}: expected an int hash, got {type(v).__name__}")
+    if not _INT64_MIN <= int(v) <= _INT64_MAX:
+        return ValueError(f"{where}: {int(v)} is outside int64 [-2**63, 2**63)")
+    return None
+
+
+def _ints_of_list(
+    flat: list[Any], requests: list[Any], lengths: list[int], first: int
+) -> np.ndarray:
+    """``flat`` (the items of the requests from ``first`` on, in order) as int64
+    ``[len(flat)]``; on a bad item, raise naming its request and position. The
+    common case (only Python ints, all in range) costs one C-level type scan
+    and one conversion."""
+    if set(map(type, flat)) <= {int}:
+        try:
+            return np.fromiter(flat, dtype=np.int64, count=len(flat))
+        except OverflowError:
+            pass
+    # Slow path, on error or numpy scalars: find the first bad item.
+    k, i = 0, first
+    while k < len(flat):
+        for pos in range(lengths[i]):
+            exc = _bad_int(flat[k], f"request {i}, position {pos}")
+            if exc is not None:
+                raise exc
+            k += 1
+        i += 1
+    return np.array([int(v) for v in flat], dtype=np.int64)
+
+
+def _ints_of_mixed(requests: list[Any]) -> tuple[list[int], np.ndarray]:
+    """:meth:`HashBatch.from_ints`' values of requests that are not all lists:
+    ``(lengths, int64 values [total])``, errors naming request and position."""
+    parts: list[np.ndarray] = []
+    flat: list[Any] = []
+    first = 0  # the request flat's items start at
+    lengths = [0] * len(requests)
+    # Python-int requests are gathered in one list and converted by one
+    # numpy call; numpy requests are checked by dtype and concatenated.
+    # The int list is flushed before each array, so values stay in
+    # request order.
+    for i, req in enumerate(requests):
+        if isinstance(req, np.ndarray):
+            if flat:
+                parts.append(_ints_of_list(flat, requests, lengths, first))
+                flat = []
+            parts.append(_ints_of_array(req, i))
+            lengths[i] = req.shape[0]
+            first = i + 1
+            continue
+        if not isinstance(req, list | tuple):
+            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
+        flat.extend(req)
+        lengths[i] = len(req)
+    if flat or not parts:
+        parts.append(_ints_of_list(flat, requests, lengths, first))
+    if len(parts) > 1:
+        values = np.concatenate(parts)
+    elif first == 0:
+        values = parts[0]  # made here from Python ints
+    else:
+        values = parts[0].copy()  # a caller's array: never alias it
+    return lengths, values
+
+
+def _ints_of_array(req: np.ndarray, i: int) -> np.ndarray:
+    """A numpy request as int64 ``[n]``; raise naming request ``i`` unless it is
+    1-D with integer values inside int64."""
+    if req.ndim != 1:
+        raise ValueError(
+            f"request {i}: an array of hashes must be 1-D, got shape {list(req.shape)}"
+        )
+    if req.dtype.kind not in "iu":
+        raise TypeError(
+            f"request {i}: expected integer hashes, got an array of dtype {req.dtype}"
+        )
+    if req.dtype.kind == "u" and req.dtype.itemsize == 8 and req.size:
+        big = req > np.uint64(_INT64_MAX)
+        if big.any():
+            pos = int(np.argmax(big))
+            raise ValueError(
+                f"request {i}, position {pos}: {int(req[pos])} is outside int64 "
+                "[-2**63, 2**63) (reinterpret uint64 hashes with .view(np.int64))"
+            )
+    return req.astype(np.int64, copy=False)
+
+
 @dataclass(frozen=True, eq=False)
 class RaggedView:
     """A batch of requests' hashes as the backends read it; built in one
@@ -301,7 +413,7 @@ class HashBatch:
         length is not ``hash_bytes``.
         """
         w = num_words(hash_bytes)
-        device = check_device(device)
+        device = _device(device)
         requests = _as_list(requests, "requests", "a sequence of sequences of bytes")
         flat: list[_BytesLike] = []
         lengths = np.zeros(len(requests), dtype=np.int64)
@@ -330,6 +442,77 @@ class HashBatch:
         )
 
     @classmethod
+    def from_ints(
+        cls,
+        requests: Sequence[Sequence[int] | np.ndarray],
+        hash_bytes: int = 8,
+        device: torch.device | str = "cpu",
+    ) -> HashBatch:
+        """Pack per-request integer hashes (one int64 per block) into a batch.
+
+        Args:
+            requests: ``B`` requests, each a sequence of Python ints (or numpy
+                integers) or a 1-D numpy integer array, every value in
+                ``[-2**63, 2**63)``.
+            hash_bytes: key width. The int is the key's first little-endian
+                word: ``from_ints([[v]], n)`` is the same key as
+                ``from_bytes([[v.to_bytes(8, "little", signed=True) +
+                bytes(n - 8)]], n)`` for ``n >= 8`` (later words zero). With
+                ``n < 8`` a value must fit in ``n`` bytes, ``0 <= v <
+                2**(8 * n)``, so no bit of it is lost.
+            device: where the batch is built.
+
+        Returns the batch, ``hashes`` int64 ``[total, ceil(hash_bytes / 8)]``.
+
+        Raises TypeError (an item that is not an integer, bools included; a
+        request that is not a sequence) or ValueError (a value outside int64 or
+        not fitting ``hash_bytes``), naming the request and position.
+        """
+        w = num_words(hash_bytes)
+        device = _device(device)
+        if isinstance(requests, np.ndarray) or not isinstance(requests, list):
+            requests = _as_list(requests, "requests", "a sequence of sequences of ints")
+        if set(map(type, requests)) <= {list}:
+            # The common case, all lists of ints: C-level loops only.
+            lengths = list(map(len, requests))
+            values = _ints_of_list(
+                list(chain.from_iterable(requests)), requests, lengths, 0
+            )
+        else:
+            lengths, values = _ints_of_mixed(requests)
+        # accumulate + one array: np.cumsum of a short list costs ~3 us.
+        offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+        if hash_bytes < 8 and values.size:
+            bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
+            if bad.any():
+                k = int(np.argmax(bad))
+                i = int(np.searchsorted(offsets, k, side="right")) - 1
+                raise ValueError(
+                    f"request {i}, position {k - int(offsets[i])}: {int(values[k])} "
+                    f"does not fit in hash_bytes={hash_bytes} bytes (need 0 <= v "
+                    f"< 2**{8 * hash_bytes})"
+                )
+        if w == 1:
+            words = values.reshape(-1, 1)
+        else:
+            words = np.zeros((values.shape[0], w), dtype=np.int64)
+            words[:, 0] = values
+        hashes, offs = torch.from_numpy(words), torch.from_numpy(offsets)
+        if device.type != "cpu":
+            return cls.from_trusted(hashes.to(device), offs.to(device), hash_bytes)
+        # from_trusted's fields, plus the numba backend's host view from the
+        # arrays in hand (no torch round trip on the first lookup); one
+        # __dict__ update costs a fraction of four frozen-dataclass setattrs.
+        batch = object.__new__(cls)
+        batch.__dict__.update(
+            hashes=hashes,
+            offsets=offs,
+            hash_bytes=hash_bytes,
+            _host=(words, offsets[:-1], np.array(lengths, dtype=np.int64)),
+        )
+        return batch
+
+    @classmethod
     def from_trusted(
         cls, hashes: torch.Tensor, offsets: torch.Tensor, hash_bytes: int
     ) -> HashBatch:
@@ -346,6 +529,26 @@ class HashBatch:
         object.__setattr__(obj, "offsets", offsets)
         object.__setattr__(obj, "hash_bytes", hash_bytes)
         return obj
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A CPU batch as numpy arrays sharing its memory, built once per
+        batch: ``(rows int64 [total, W], starts int64 [B], lengths int64
+        [B])`` (``starts[i] = offsets[i]``, ``lengths[i] = offsets[i + 1] -
+        offsets[i]``). What the numba backend reads; like :meth:`view`, it
+        assumes the batch's tensors are not modified in place.
+
+        Raises ValueError when the batch is not on the CPU.
+        """
+        host = self.__dict__.get("_host")
+        if host is None:
+            if self.hashes.device.type != "cpu":
+                raise ValueError(
+                    f"host_arrays: the batch is on {self.hashes.device}, not the CPU"
+                )
+            on = self.offsets.numpy()
+            host = (self.hashes.numpy(), on[:-1], np.diff(on))
+            object.__setattr__(self, "_host", host)
+        return host
 
     def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
         """The batch as every backend reads it (see :class:`RaggedView`).

@@ -1,13 +1,14 @@
 """A layout flattened into the numbers the batched backends scan with.
 
-The torch backend and the Triton kernels both work from a :class:`ScanPlan`:
+Every batched backend works from a :class:`ScanPlan` (the torch kernels read
+it by attribute, the Triton and numba kernels its rows, :func:`plan_tensors`):
 small integer tables, one row per SpecGroup and one per KV-cache group, derived
 once from a :class:`CacheLayout`. Every rule of the scalar reference that the
 backends need is expressed here in closed form (see the per-kind notes below),
-so the two backends cannot drift apart in how they read the layout. What is
+so the backends cannot drift apart in how they read the layout. What is
 particular to a kind (its code, its own fields) comes from the spec-kind
 registry, :mod:`kvhit.coordinator.kinds`; the mask and limit formulas from
-:mod:`kvhit.coordinator.masks`.
+:mod:`kvhit.kernels.masks`.
 
 Per-kind scan rules, with ``bs`` the block size, ``A`` the hit alignment and
 ``period = A / gcd(bs, A)`` (a block count ``L`` is aligned iff
@@ -33,29 +34,23 @@ iff ``lo <= c < hi``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import gcd
 
+import torch
+
 from kvhit.coordinator.kinds import kind_of
-from kvhit.coordinator.masks import IntLike, asked_chunks
 from kvhit.coordinator.specs import CacheLayout, SpecGroup
 from kvhit.kernels.contract import (
     CAND_COLS,
-    KIND_CHUNKED,
-    KIND_FULL,
-    KIND_MAMBA,
-    KIND_SWA,
-    cdiv,
 )
+from kvhit.kernels.masks import IntLike, asked_chunks
 
 __all__ = [
-    "KIND_CHUNKED",
-    "KIND_FULL",
-    "KIND_MAMBA",
-    "KIND_SWA",
     "CandidatePlan",
     "ScanPlan",
     "SpecGroupPlan",
-    "cdiv",
+    "plan_tensors",
 ]
 
 
@@ -211,7 +206,7 @@ class ScanPlan:
             )
         return rows
 
-    def candidate_rows(self) -> list[list[int]]:
+    def candidates_as_rows(self) -> list[list[int]]:
         """One int row per group for kernels (``CandidatePlan.as_row``):
         cacheable, block_size, scale, sparse, per_segment, need, shift,
         group_id."""
@@ -223,8 +218,31 @@ class ScanPlan:
         """How many leading chunks of group ``cp`` (with partial hash hits:
         hash units) the store worker's loop walks for prompts of
         ``num_hashes`` hashes looked up at ``token_len`` tokens (ints, or int64
-        tensors of one shape): :func:`kvhit.coordinator.masks.asked_chunks`
+        tensors of one shape): :func:`kvhit.kernels.masks.asked_chunks`
         with this plan's numbers."""
         if self.partial:
             return asked_chunks(num_hashes, token_len, self.hash_block_size, 1, False)
         return asked_chunks(num_hashes, token_len, cp.block_size, cp.scale, cp.sparse)
+
+
+@lru_cache(maxsize=64)
+def _plan_tensors_cached(
+    plan: ScanPlan, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sg_rows = torch.tensor(plan.as_rows(), dtype=torch.int64, device=device)
+    cand_rows = torch.tensor(
+        plan.candidates_as_rows(), dtype=torch.int64, device=device
+    )
+    return sg_rows, cand_rows
+
+
+def plan_tensors(
+    plan: ScanPlan, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan as the Triton and numba kernels read it: ``sg_rows`` int64
+    ``[S, SG_MEMBERS + M]`` (``plan.as_rows()``) and ``cand_rows`` int64
+    ``[G, CAND_WIDTH]`` (``plan.candidates_as_rows()``: one row per group,
+    columns ``kernels/contract.py``'s ``CAND_COLS``). Cached per (plan,
+    device), so a steady stream of batches copies nothing to the device but
+    the batch itself."""
+    return _plan_tensors_cached(plan, torch.device(device))

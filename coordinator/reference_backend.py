@@ -2,7 +2,7 @@
 
 Loops :class:`ReferenceCoordinator` over the requests with the index's keys as
 a Python set, and answers in the ``Backend`` protocol's terms (load masks as
-``(length, lo, hi)`` triples), so the engine treats it like any other backend.
+``(length, lo, hi)`` mask spans), so the engine treats it like any other backend.
 It is the baseline the others are measured against, not a fast path.
 """
 
@@ -80,8 +80,8 @@ class ReferenceBackend:
         hash_bytes = view.rows.shape[1] * 8
         flat = unpack_hashes(view.rows.cpu(), hash_bytes)
         offs = view.offsets.cpu().tolist()
-        lens = view.lengths.cpu().tolist()
-        return [flat[o : o + n] for o, n in zip(offs, lens, strict=True)]
+        lengths = view.lengths.cpu().tolist()
+        return [flat[o : o + n] for o, n in zip(offs, lengths, strict=True)]
 
     def find(
         self,
@@ -90,7 +90,7 @@ class ReferenceBackend:
         index: KeyIndex | None,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``Backend.find``: ``(hit int64 [R], triples int64 [R, G, 3])``.
+        """See ``Backend.find``: ``(hit int64 [R], mask_spans int64 [R, G, 3])``.
 
         Raises:
             ValueError: where the reference raises (a scan past the hashes).

@@ -1,4 +1,8 @@
-"""The cache-layout model: KV-cache group specs, groups and the merged layout.
+"""The cache-layout model: KV-cache groups and the merged layout.
+
+The spec classes are defined in :mod:`kvhit.coordinator.spec_types` (below the
+spec-kind registry, which the layout reads) and exported from here too, where
+callers build layouts from them.
 
 Mirrors how vLLM 0.33.0's ``MooncakeStoreCoordinator`` sees a model's KV cache:
 groups with equal (coverage) specs merge into one :class:`SpecGroup`, which hits
@@ -11,81 +15,33 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvhit.coordinator.kinds import SpecKind
+from kvhit.coordinator.kinds import SpecKind, kind_of
+from kvhit.coordinator.spec_types import (
+    SPEC_TYPES,
+    ChunkedLocal,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
+    Spec,
+)
 
-
-def _registry_entry(spec: object) -> SpecKind:
-    # The registry (coordinator/kinds.py) imports this module for the spec
-    # classes, so it is looked up when first needed.
-    from kvhit.coordinator.kinds import kind_of
-
-    return kind_of(spec)
-
-
-class _RegisteredKind:
-    """A spec's ``kind``: its name in the spec-kind registry."""
-
-    __slots__ = ()
-
-    @property
-    def kind(self) -> str:
-        """``"full"``, ``"sliding_window"``, ``"mamba"`` or ``"chunked_local"``
-        (``coordinator/kinds.py``)."""
-        return _registry_entry(self).name
-
-
-@dataclass(frozen=True)
-class FullAttention(_RegisteredKind):
-    """Full attention (MHA, MLA, ...): a hit is a contiguous run from token 0.
-
-    ``tag`` keeps otherwise equal specs apart (vLLM does not merge e.g. an MLA
-    group with an MHA group of the same block size).
-    """
-
-    block_size: int
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class SlidingWindow(_RegisteredKind):
-    """Sliding-window attention over the last ``sliding_window`` tokens.
-
-    ``extra_retained_tokens`` widens the window that an external hit must
-    restore (the multi-module MTP re-prefill tail below the window).
-    """
-
-    block_size: int
-    sliding_window: int
-    extra_retained_tokens: int = 0
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class Mamba(_RegisteredKind):
-    """A recurrent (Mamba/linear-attention) state: block ``p`` is the state
-    after ``(p + 1) * block_size`` tokens."""
-
-    block_size: int
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class ChunkedLocal(_RegisteredKind):
-    """Chunked local attention over ``attention_chunk_size``-token chunks."""
-
-    block_size: int
-    attention_chunk_size: int
-    tag: Hashable = None
-
-
-Spec = FullAttention | SlidingWindow | Mamba | ChunkedLocal
-_SPEC_TYPES = (FullAttention, SlidingWindow, Mamba, ChunkedLocal)
+__all__ = [
+    "CacheLayout",
+    "ChunkedLocal",
+    "FullAttention",
+    "Group",
+    "GroupIds",
+    "Mamba",
+    "SlidingWindow",
+    "Spec",
+    "SpecGroup",
+    "coverage_spec",
+    "eagle_proof_margin",
+]
 
 
 @dataclass(frozen=True)
@@ -138,7 +94,7 @@ class SpecGroup:
     @property
     def spec_kind(self) -> SpecKind:
         """The spec's entry in the spec-kind registry (``coordinator/kinds.py``)."""
-        return _registry_entry(self.spec)
+        return kind_of(self.spec)
 
     @property
     def block_size(self) -> int:
@@ -149,7 +105,7 @@ class SpecGroup:
     def supports_fine_grained(self) -> bool:
         """Whether vLLM's manager for this spec probes hash-unit boundaries
         inside a block when partial hash hits are on (full attention, Mamba)."""
-        return _registry_entry(self.spec).fine_grained
+        return kind_of(self.spec).fine_grained
 
 
 def coverage_spec(spec: Spec) -> Spec:
@@ -201,6 +157,7 @@ class CacheLayout:
             ``scheduler_block_size`` boundaries.
 
     Raises:
+        TypeError: ``groups`` is not a sequence of :class:`Group`.
         ValueError: naming the group and the rule, for every layout vLLM 0.33.0
             would refuse or assert on at lookup time.
     """
@@ -214,6 +171,10 @@ class CacheLayout:
         retention_interval: int | None = None,
         partial_hash_hits: bool = False,
     ) -> None:
+        if isinstance(groups, str | bytes) or not isinstance(groups, Iterable):
+            raise TypeError(
+                "groups must be a sequence of Group, got " + type(groups).__name__
+            )
         groups = tuple(groups)
         self.groups: tuple[Group, ...] = groups
         self.scheduler_block_size = scheduler_block_size
@@ -301,7 +262,7 @@ class CacheLayout:
                 raise TypeError(f"groups[{i}] must be a Group, got {type(g).__name__}")
             label = _group_label(i, g)
             spec = g.spec
-            if not isinstance(spec, _SPEC_TYPES):
+            if not isinstance(spec, SPEC_TYPES):
                 raise TypeError(
                     f"{label}: spec must be one of FullAttention, SlidingWindow, "
                     f"Mamba, ChunkedLocal; got {type(spec).__name__}"
@@ -362,12 +323,14 @@ class CacheLayout:
             for m_spec, m_ids, m_eagle in merged:
                 if m_spec == spec:
                     m_ids.append(i)
+                    # One EAGLE member makes the whole SpecGroup EAGLE (missed
+                    # by vLLM's Mooncake store: vllm-project/vllm PR #49069).
                     m_eagle[0] = m_eagle[0] or bool(g.eagle)
                     break
             else:
                 merged.append((spec, [i], [bool(g.eagle)]))
         # Stable: full attention first, the rest in group order.
-        merged.sort(key=lambda e: not _registry_entry(e[0]).is_full_attention)
+        merged.sort(key=lambda e: not kind_of(e[0]).is_full_attention)
         all_eagle = self.use_eagle and not any(e[2][0] for e in merged)
         return tuple(
             SpecGroup(spec, GroupIds(ids), all_eagle or eagle[0])

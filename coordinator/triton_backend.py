@@ -7,6 +7,10 @@ launch of :func:`kvhit.kernels.scan.scan_hits` and ``lookup`` one launch of
 convergence loop and the store worker's two searches run inside the kernel).
 Neither makes a host sync, so both can be captured in a CUDA graph; ``lookup``
 runs one torch op besides the launch (its output allocation), ``find`` two.
+The plan's device tensors are built with the backend (the engine), never on
+a call: building them inside a CUDA-graph capture is illegal, so a call on
+another device than the backend's during a capture is refused with a clear
+error instead.
 
 Launch parameters (``BLOCK``, ``NUM_WARPS``, ``MAXNREG``) are chosen once, with
 their reasons, at the top of ``kernels/scan.py``.
@@ -17,38 +21,25 @@ import time); the kernel module is imported on the first call.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import RaggedView
 
-__all__ = ["TritonBackend", "plan_tensors"]
+__all__ = ["TritonBackend", "stream_capturing"]
 
 
-@lru_cache(maxsize=64)
-def _plan_tensors_cached(
-    plan: ScanPlan, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    sg_rows = torch.tensor(plan.as_rows(), dtype=torch.int64, device=device)
-    cand_rows = torch.tensor(plan.candidate_rows(), dtype=torch.int64, device=device)
-    return sg_rows, cand_rows
-
-
-def plan_tensors(
-    plan: ScanPlan, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan as the kernel reads it: ``sg_rows`` int64 ``[S, SG_MEMBERS +
-    M]`` (``plan.as_rows()``) and ``cand_rows`` int64 ``[G, CAND_WIDTH]`` (one
-    row per group, columns ``kernels/contract.py``'s ``CAND_COLS``). Cached per
-    (plan, device), so a steady stream of batches copies nothing to the device
-    but the batch itself."""
-    return _plan_tensors_cached(plan, torch.device(device))
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device``'s kind is capturing a graph
+    (CUDA graphs; False where the device kind has no such notion)."""
+    module = getattr(torch, device.type, None)
+    capturing = getattr(module, "is_current_stream_capturing", None)
+    return bool(capturing is not None and capturing())
 
 
 class TritonBackend:
@@ -66,6 +57,39 @@ class TritonBackend:
             raise TypeError(f"plan must be a ScanPlan, got {type(plan).__name__}")
         self.plan = plan
         self.device = torch.device(device)
+        sg_rows, cand_rows = plan_tensors(plan, self.device)
+        # Keyed by the device the tensors report ("cuda" -> "cuda:<n>"), the
+        # spelling views report too.
+        self._plan_rows = {sg_rows.device: (sg_rows, cand_rows)}
+        # Kernel variants called at least once (compiled and loaded).
+        self._warm: set[tuple] = set()
+
+    def _warm_up(self, device: torch.device, variant: tuple) -> None:
+        """Refuse the first call of a kernel variant during a graph capture:
+        that call compiles and loads the kernel, which cannot be captured."""
+        if variant not in self._warm and stream_capturing(device):
+            raise RuntimeError(
+                f"TritonBackend: the first {variant[0]} call of this kernel "
+                "variant is inside a CUDA-graph capture; it compiles and loads "
+                "the kernel, which cannot be captured. Call it once before "
+                "capturing (a warm-up)"
+            )
+
+    def _rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's tensors on ``device``: built with the backend; built
+        here for another device, except during a graph capture (illegal)."""
+        rows = self._plan_rows.get(device)
+        if rows is None:
+            if stream_capturing(device):
+                raise RuntimeError(
+                    f"TritonBackend: a call on {device} during a CUDA-graph "
+                    f"capture, but the backend was built for {self.device}: the "
+                    "plan's device tensors would be built inside the capture "
+                    f"(illegal). Build the engine on {device}, or call it once "
+                    "on that device before capturing"
+                )
+            rows = self._plan_rows[device] = plan_tensors(self.plan, device)
+        return rows
 
     def _table(self, index: KeyIndex | None, view: RaggedView) -> torch.Tensor | None:
         if index is None:
@@ -97,8 +121,16 @@ class TritonBackend:
         [R], triples int64 [R, G, 3])``, one launch, no host sync."""
         from kvhit.kernels.scan import scan_hits
 
-        sg_rows, cand_rows = plan_tensors(self.plan, view.device)
-        return scan_hits(
+        sg_rows, cand_rows = self._rows(view.device)
+        variant = (
+            "find",
+            view.rows.shape[1],
+            index is None,
+            view.token_lens is None,
+            bool(apply_eagle),
+        )
+        self._warm_up(view.device, variant)
+        out = scan_hits(
             view.rows,
             view.offsets,
             view.lengths,
@@ -110,6 +142,8 @@ class TritonBackend:
             apply_eagle=apply_eagle,
             **self._plan_kwargs(),
         )
+        self._warm.add(variant)
+        return out
 
     def lookup(
         self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
@@ -121,8 +155,10 @@ class TritonBackend:
 
         if view.token_lens is not None:
             raise ValueError("lookup derives token_lens itself: view.token_lens set")
-        sg_rows, cand_rows = plan_tensors(self.plan, view.device)
-        return worker_lookup(
+        sg_rows, cand_rows = self._rows(view.device)
+        variant = ("lookup", view.rows.shape[1])
+        self._warm_up(view.device, variant)
+        out = worker_lookup(
             view.rows,
             view.offsets,
             view.lengths,
@@ -132,3 +168,5 @@ class TritonBackend:
             table=self._table(index, view),
             **self._plan_kwargs(),
         )
+        self._warm.add(variant)
+        return out

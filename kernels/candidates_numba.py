@@ -1,7 +1,12 @@
-"""The store worker's candidate keys, their dedup and their key bytes, in numba.
+"""The store worker's candidate keys and their dedup, in numba.
 
-One host step of ``KvhitLookupServer`` (``bindings/mooncake.py``) on the CPU:
+The numba family's candidate rule (vLLM's ``MooncakeStoreWorker.lookup``
+asks the store only about some keys; ``ReferenceCoordinator.lookup_candidates``
+spells the rule per request), written once here:
 
+* :func:`asked_chunks_nb` / :func:`in_lookup_mask_nb`: how many leading chunks
+  the worker walks, and whether a sparse group's chunk is in its lookup mask
+  (``kernels/masks.py``'s ``asked_chunks`` and ``sparse_window_mask``);
 * :func:`worker_candidates_nb` mirrors
   ``coordinator/candidates.py::worker_candidates`` (every ``(group, hash row)``
   the store worker asks about, grouped by group, then request, duplicates
@@ -9,14 +14,13 @@ One host step of ``KvhitLookupServer`` (``bindings/mooncake.py``) on the CPU:
 * :func:`first_occurrences_nb`: the first occurrence of each distinct
   ``(group, hash words)`` among them, through an open-addressing table keyed
   by the KeyIndex slot hash (``kernels/probe_numba.py``), equal keys compared
-  word by word, never on the hash alone;
-* :func:`key_blob_nb`: ``prefix + hash.hex()`` for each distinct pair and
-  each of its group's prefixes, written as one ``\\n``-separated byte string
-  (one ``decode`` + ``split`` gives the key strings).
+  word by word, never on the hash alone.
 
-The plan arrives as int64 arrays (one row per cacheable group, columns
-:data:`CAND_PLAN_COLS`), so each kernel compiles once whatever the layout.
-Importing this module imports numba (its callers import it lazily).
+The plan arrives as the contract's candidate rows (int64 ``[G, CAND_WIDTH]``,
+columns ``kernels/contract.py``'s ``CAND_COLS``, ``ScanPlan.candidates_as_rows``,
+the rows the Triton and numba scans read), so each kernel compiles once
+whatever the layout. Importing this module imports numba (its callers import
+it lazily).
 """
 
 from __future__ import annotations
@@ -24,46 +28,64 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvhit.kernels.contract import (
+    CAND_BLOCK_SIZE,
+    CAND_CACHEABLE,
+    CAND_GROUP_ID,
+    CAND_NEED,
+    CAND_PER_SEGMENT,
+    CAND_SCALE,
+    CAND_SHIFT,
+    CAND_SPARSE,
+)
 from kvhit.kernels.probe_numba import key_slot_hash
 
 __all__ = [
-    "CAND_PLAN_COLS",
+    "asked_chunks_nb",
     "first_occurrences_nb",
-    "key_blob_nb",
+    "in_lookup_mask_nb",
     "worker_candidates_nb",
 ]
 
-#: Columns of the per-group plan rows :func:`worker_candidates_nb` reads
-#: (``CandidatePlan`` fields of the prefix-cacheable groups, in plan order).
-CAND_PLAN_COLS = (
-    "group_id",
-    "block_size",
-    "scale",
-    "sparse",
-    "per_segment",
-    "need",
-    "shift",
-)
-
-_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _asked(partial, hbs, block_size, scale, sparse, n, tl):
-    # coordinator/candidates.py::asked_chunks, clamped at 0 as candidate_units.
+def asked_chunks_nb(partial, hbs, block_size, scale, sparse, num_hashes, token_len):
+    """How many leading chunks (hash units, with partial hash hits) the store
+    worker walks for a prompt of ``num_hashes`` hashes looked up at
+    ``token_len`` tokens: ``kernels/masks.py::asked_chunks``, clamped at 0 as
+    ``kernels/candidates_torch.py::candidate_units``."""
     if partial:
-        lim = min(n, tl // hbs)
+        lim = min(num_hashes, token_len // hbs)
     else:
-        lim = min(n // scale, -((-tl) // block_size))
+        lim = min(num_hashes // scale, -((-token_len) // block_size))
         if sparse:
-            lim = min(lim, tl // block_size)
+            lim = min(lim, token_len // block_size)
     return max(lim, 0)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _in_mask(c, per_segment, need, shift):
-    # coordinator/candidates.py::in_lookup_mask (c - shift >= 0 when tested).
+def in_lookup_mask_nb(c, per_segment, need, shift):
+    """Whether chunk ``c`` of a sparse (sliding-window) group is in its lookup
+    mask: ``kernels/masks.py::sparse_window_mask``."""
     return c >= shift and (c - shift) % per_segment >= per_segment - need
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _asked(plan, q, num_hashes, num_tokens, partial, hbs, align):
+    # asked_chunks_nb for candidate row q, at num_tokens aligned down.
+    token_len = (num_tokens // align) * align
+    return asked_chunks_nb(
+        partial, hbs, plan[q, CAND_BLOCK_SIZE], plan[q, CAND_SCALE],
+        plan[q, CAND_SPARSE] != 0, num_hashes, token_len,
+    )  # fmt: skip
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _in_mask(plan, q, c):
+    # in_lookup_mask_nb with candidate row q's numbers.
+    return in_lookup_mask_nb(
+        c, plan[q, CAND_PER_SEGMENT], plan[q, CAND_NEED], plan[q, CAND_SHIFT]
+    )
 
 
 @numba.njit(cache=True, nogil=True)
@@ -73,7 +95,8 @@ def worker_candidates_nb(offsets, num_tokens, plan, partial, hbs, align):
     Args:
         offsets: int64 ``[B + 1]`` CSR offsets.
         num_tokens: int64 ``[B]``, >= 0.
-        plan: int64 ``[C, len(CAND_PLAN_COLS)]``, the cacheable groups.
+        plan: int64 ``[G, CAND_WIDTH]``, every group's candidate row
+            (contract ``CAND_COLS``); groups not prefix cacheable are skipped.
         partial: partial hash hits (every hash unit below the aligned length
             is asked, no mask).
         hbs: hash block size; align: the layout's alignment.
@@ -83,35 +106,40 @@ def worker_candidates_nb(offsets, num_tokens, plan, partial, hbs, align):
         then request, as ``worker_candidates`` (``request`` owns each row).
     """
     B = num_tokens.shape[0]
-    C = plan.shape[0]
+    G = plan.shape[0]
     total = 0
-    for q in range(C):
-        bs, sc, sp = plan[q, 1], plan[q, 2], plan[q, 3] != 0
-        p, need, shift = plan[q, 4], plan[q, 5], plan[q, 6]
+    for q in range(G):
+        if plan[q, CAND_CACHEABLE] == 0:
+            continue
+        sp = plan[q, CAND_SPARSE] != 0
         for b in range(B):
-            tl = (num_tokens[b] // align) * align
-            cnt = _asked(partial, hbs, bs, sc, sp, offsets[b + 1] - offsets[b], tl)
+            cnt = _asked(
+                plan, q, offsets[b + 1] - offsets[b], num_tokens[b], partial, hbs, align
+            )
             if partial or not sp:
                 total += cnt
             else:
                 for c in range(cnt):
-                    if _in_mask(c, p, need, shift):
+                    if _in_mask(plan, q, c):
                         total += 1
     gids = np.empty(total, dtype=np.int64)
     rows = np.empty(total, dtype=np.int64)
     req = np.empty(total, dtype=np.int64)
     k = 0
-    for q in range(C):
-        g, bs, sc, sp = plan[q, 0], plan[q, 1], plan[q, 2], plan[q, 3] != 0
-        p, need, shift = plan[q, 4], plan[q, 5], plan[q, 6]
+    for q in range(G):
+        if plan[q, CAND_CACHEABLE] == 0:
+            continue
+        g, sc = plan[q, CAND_GROUP_ID], plan[q, CAND_SCALE]
+        sp = plan[q, CAND_SPARSE] != 0
         for b in range(B):
             start = offsets[b]
-            tl = (num_tokens[b] // align) * align
-            cnt = _asked(partial, hbs, bs, sc, sp, offsets[b + 1] - start, tl)
+            cnt = _asked(
+                plan, q, offsets[b + 1] - start, num_tokens[b], partial, hbs, align
+            )
             for c in range(cnt):
                 if partial:
                     unit = c
-                elif sp and not _in_mask(c, p, need, shift):
+                elif sp and not _in_mask(plan, q, c):
                     continue
                 else:
                     unit = (c + 1) * sc - 1
@@ -157,39 +185,3 @@ def first_occurrences_nb(gids, rows, hashes):
                     break
             s = (s + 1) & mask
     return out[:u]
-
-
-@numba.njit(cache=True, nogil=True)
-def key_blob_nb(words, gids, hash_bytes, pref_blob, pref_offs, group_pref):
-    """The key strings' bytes: for each pair ``i`` (``words`` int64 ``[N, W]``
-    little-endian hash words, ``gids`` int64 ``[N]``) and each prefix ``p`` of
-    its group (``pref_blob[pref_offs[p]:pref_offs[p + 1]]``, ``p`` in
-    ``group_pref[g]:group_pref[g + 1]``), ``prefix + hex(hash bytes)``, keys
-    separated by ``\n`` (none after the last): uint8 ``[L]``."""
-    N = words.shape[0]
-    size = 0
-    for i in range(N):
-        g = gids[i]
-        for p in range(group_pref[g], group_pref[g + 1]):
-            size += pref_offs[p + 1] - pref_offs[p] + 2 * hash_bytes + 1
-    out = np.empty(max(size - 1, 0), dtype=np.uint8)
-    hexd = _HEX
-    # Each hash's hex once, copied under each of its group's prefixes.
-    hx = np.empty(2 * hash_bytes, dtype=np.uint8)
-    k = 0
-    for i in range(N):
-        g = gids[i]
-        for byte in range(hash_bytes):
-            v = (words[i, byte >> 3] >> ((byte & 7) * 8)) & 0xFF
-            hx[2 * byte] = hexd[v >> 4]
-            hx[2 * byte + 1] = hexd[v & 15]
-        for p in range(group_pref[g], group_pref[g + 1]):
-            if k:
-                out[k] = 10
-                k += 1
-            a, b = pref_offs[p], pref_offs[p + 1]
-            out[k : k + b - a] = pref_blob[a:b]
-            k += b - a
-            out[k : k + 2 * hash_bytes] = hx
-            k += 2 * hash_bytes
-    return out

@@ -1,7 +1,7 @@
 """The one set of tensor argument checks for the kernel launchers in kernels/.
 
 Launchers validate every tensor and name the argument; the kernels then assume
-valid input (STYLE.md). ``kernels/`` may not import ``coordinator/``, so its
+valid input (ARCHITECTURE.md, "Where input is validated"). ``kernels/`` may not import ``coordinator/``, so its
 launchers share these helpers rather than ``coordinator/checks.py``. Both
 read metadata only (no host sync). Imports no triton or numba.
 """

@@ -16,7 +16,8 @@ What lives here:
 * the spec-kind codes (``KIND_*``);
 * the columns of a SpecGroup row (``SG_*``, then the member group ids from
   ``SG_MEMBERS``) and of a per-group candidate row (``CAND_*``), as
-  ``coordinator/plan.py`` builds them;
+  ``coordinator/plan.py`` builds them: the one candidate layout the Triton
+  scan, the numba scan and ``kernels/candidates_numba.py`` read;
 * :func:`cdiv`.
 """
 

@@ -43,12 +43,16 @@ import triton.language as tl
 from kvhit.kernels import contract
 from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
+from kvhit.kernels.launch import device_guard
 
 __all__ = [
     "BUSY",
     "EMPTY",
     "TOMBSTONE",
     "BUSY_WAIT_LIMIT",
+    "INSERT_FULL",
+    "INSERT_WAIT",
+    "InsertError",
     "erase",
     "find",
     "find_slots",
@@ -56,8 +60,10 @@ __all__ = [
     "hash_init",
     "hash_mix",
     "insert",
+    "insert_gave_up",
     "probe",
     "probe_keys",
+    "rehash",
     "slot_hash",
 ]
 
@@ -75,11 +81,20 @@ _BUSY: tl.constexpr = tl.constexpr(BUSY)
 # A compare value no slot ever holds: a CAS against it is a pure atomic read.
 _NEVER_C: tl.constexpr = tl.constexpr(contract.NEVER)
 
-#: Rounds an insert lane may wait on BUSY slots in all, on top of visiting
-#: every slot once, before it gives up (the launcher raises). A live inserter
-#: publishes its slot within the same loop round it claimed it, so a wait
-#: lasts a round or two; a slot still BUSY after this many was left by a
-#: crashed or concurrent writer and must not make the kernel spin forever.
+#: Codes of :func:`insert_gave_up` (and of the insert kernel's output).
+INSERT_FULL = -1
+INSERT_WAIT = -2
+_FULL_C: tl.constexpr = tl.constexpr(INSERT_FULL)
+_WAIT_C: tl.constexpr = tl.constexpr(INSERT_WAIT)
+
+#: Rounds an insert lane may wait on BUSY slots in all before it gives up.
+#: A running inserter publishes its slot a few instructions after claiming
+#: it, but its warp may be descheduled meanwhile (another CTA, a preempted
+#: context), so a lane that gives up is not proof of a dead writer: the
+#: launcher launches the lanes that gave up again, after the kernel ended,
+#: when every slot the batch claimed is published. Only a slot still BUSY
+#: then (a crashed or concurrent writer) makes ``insert`` raise, and it must
+#: not make the kernel spin forever.
 BUSY_WAIT_LIMIT = 1024
 
 
@@ -120,19 +135,40 @@ def slot_hash(gids, key_ptr, rows, mask, W: tl.constexpr):
 
 
 @triton.jit
-def find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
+def find_slots(
+    table_ptr,
+    cap_mask,
+    gids,
+    key_ptr,
+    rows,
+    mask,
+    W: tl.constexpr,
+    ACQUIRE: tl.constexpr = True,
+):
     """Slot holding each key of a block, or -1 when absent.
 
     table_ptr: the KeyIndex table (int64 ``[cap_mask + 1, W + 1]``, contiguous);
     cap_mask: capacity - 1 (int); gids: int64 [BLOCK]; key_ptr/rows: keys as in
-    :func:`slot_hash`; mask: int1 [BLOCK], lanes to look up. Returns int64
-    [BLOCK] (-1 for masked lanes).
+    :func:`slot_hash`; mask: int1 [BLOCK], lanes to look up; ACQUIRE
+    (constexpr): how column 0 is read, see below. Returns int64 [BLOCK] (-1
+    for masked lanes).
 
-    Column 0 is read with acquire semantics, pairing with the inserter's
-    release-publish of the group id, so a lane that sees a group id also sees
-    that slot's words. BUSY slots are passed over: the key being written there
-    is not in the table yet, and no other key can sit behind a slot that was
-    EMPTY until that insert claimed it.
+    Memory order of the column-0 read (Triton 3.6 has no ``atomic_load``):
+
+    * ``ACQUIRE=True`` (the default, for a kernel that may run while an
+      insert writes the table, e.g. on another stream): an
+      ``atomic_or(ptr, 0, sem="acquire")``, a read-modify-write that changes
+      nothing, pairing with the inserter's release-publish of the group id,
+      so a lane that sees a group id also sees that slot's words.
+    * ``ACQUIRE=False``: a plain load, for kernels stream-ordered after every
+      insert they must see (the launchers below: ``KeyIndex`` launches them on
+      the stream its inserts ran on, and a kernel boundary orders all of one
+      kernel's writes before the next kernel's reads). Cheaper on the
+      latency-bound probe chain, and no write to the table.
+
+    BUSY slots are passed over: the key being written there is not in the
+    table yet, and no other key can sit behind a slot that was EMPTY until
+    that insert claimed it.
     """
     pos = slot_hash(gids, key_ptr, rows, mask, W) & cap_mask
     slot = tl.zeros_like(gids) - 1
@@ -141,7 +177,10 @@ def find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
     steps = tl.zeros_like(gids)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         row = table_ptr + pos * (W + 1)
-        g = tl.atomic_load(row, mask=active, sem="acquire")
+        if ACQUIRE:
+            g = tl.atomic_or(row, tl.zeros_like(gids), mask=active, sem="acquire")
+        else:
+            g = tl.load(row, mask=active, other=_EMPTY)
         hit = active & (g == gids)
         for j in tl.static_range(W):
             t = tl.load(row + 1 + j, mask=hit, other=0)
@@ -156,9 +195,18 @@ def find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
 
 
 @triton.jit
-def probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, mask, W: tl.constexpr):
+def probe_keys(
+    table_ptr,
+    cap_mask,
+    gids,
+    key_ptr,
+    rows,
+    mask,
+    W: tl.constexpr,
+    ACQUIRE: tl.constexpr = True,
+):
     """Membership of a block of keys: int1 [BLOCK]. Arguments as find_slots."""
-    return find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W) >= 0
+    return find_slots(table_ptr, cap_mask, gids, key_ptr, rows, mask, W, ACQUIRE) >= 0
 
 
 @triton.jit
@@ -175,7 +223,27 @@ def _probe_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
-    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    # Plain loads: stream-ordered after the inserts (find_slots).
+    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
+    tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def _probe_acquire_kernel(
+    table_ptr,
+    cap_mask,
+    gid_ptr,
+    key_ptr,
+    out_ptr,
+    n,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    # Acquire reads: an insert may be running on another stream (find_slots).
+    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, True)
     tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
 
 
@@ -193,8 +261,29 @@ def _find_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    # Plain loads: stream-ordered after the inserts (find_slots).
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
     tl.store(out_ptr + rows, slot, mask=valid)
+
+
+@triton.jit
+def insert_gave_up(visited, waited, cap_mask, WAITS: tl.constexpr):
+    """Why insert lanes stop without a slot: int8 [BLOCK], 0 (not given up),
+    :data:`INSERT_FULL` after stepping past every slot (``visited``, int64
+    [BLOCK], > ``cap_mask``: no EMPTY slot on the probe path, a full or
+    corrupt table) or :data:`INSERT_WAIT` after ``waited`` (int32 [BLOCK])
+    rounds waiting on BUSY slots exceed ``WAITS``.
+
+    The two bounds are compared apart, never summed: ``cap_mask`` arrives as
+    an i32 argument up to 2**31 - 1 (Triton types a launch int by its value),
+    and ``cap_mask + WAITS`` in i32 wraps negative for a table of 2**31
+    slots (an 80 GiB table fits one H200), which failed every lane at once.
+    ``visited`` is int64, so ``visited > cap_mask`` compares in int64.
+    """
+    full = visited > cap_mask
+    code = tl.where(full, _FULL_C, 0)
+    code = tl.where(~full & (waited > WAITS), _WAIT_C, code)
+    return code.to(tl.int8)
 
 
 @triton.jit
@@ -209,8 +298,9 @@ def _insert_kernel(
     BLOCK: tl.constexpr,
     WAITS: tl.constexpr,
 ):
-    # out: 1 = inserted here, 0 = already present, -1 = no free slot (corrupt
-    # or over-full table; the launcher raises).
+    # out: 1 = inserted here, 0 = already present, INSERT_FULL = no free slot
+    # (corrupt or over-full table), INSERT_WAIT = gave up waiting on a BUSY
+    # slot (the launcher retries those lanes).
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
@@ -220,11 +310,12 @@ def _insert_kernel(
     busy_v = tl.full([BLOCK], _BUSY, tl.int64)
     active = valid
     inserted = rows < 0
-    # Every round counts, waits on BUSY included: at most cap_mask + 1 slots
-    # visited plus WAITS rounds spent waiting, so a slot left BUSY ends the
-    # lane (reported as failed) instead of spinning forever.
-    steps = tl.zeros([BLOCK], tl.int64)
-    limit = cap_mask + WAITS
+    code = tl.zeros([BLOCK], tl.int8)
+    # Slots stepped past (int64: see insert_gave_up) and rounds spent waiting
+    # on BUSY slots, bounded apart: a slot left BUSY ends the lane (reported,
+    # retried by the launcher) instead of spinning forever.
+    visited = tl.zeros([BLOCK], tl.int64)
+    waited = tl.zeros([BLOCK], tl.int32)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         row = table_ptr + pos * (W + 1)
         # One CAS per step is both the read (acquire) and the claim; lanes that
@@ -253,16 +344,15 @@ def _insert_kernel(
         done = claimed | same
         inserted = inserted | claimed
         advance = active & ~done & ~wait
-        steps = tl.where(active & ~done, steps + 1, steps)
+        visited = tl.where(advance, visited + 1, visited)
+        waited = tl.where(wait, waited + 1, waited)
         pos = tl.where(advance, (pos + 1) & cap_mask, pos)
-        failed = active & ~done & (steps > limit)
+        why = insert_gave_up(visited, waited, cap_mask, WAITS)
+        failed = active & ~done & (why != 0)
+        code = tl.where(failed, why, code)
         active = active & ~done & ~failed
-        tl.store(out_ptr + rows, tl.full([BLOCK], -1, tl.int8), mask=failed)
-    tl.store(
-        out_ptr + rows,
-        inserted.to(tl.int8),
-        mask=valid & (inserted | (steps <= limit)),
-    )
+    code = tl.where(inserted, 1, code)
+    tl.store(out_ptr + rows, code.to(tl.int8), mask=valid)
 
 
 @triton.jit
@@ -279,7 +369,9 @@ def _erase_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
+    # Plain loads: stream-ordered after the inserts (find_slots); erasing
+    # lanes only race each other, and the atomic_min below decides that race.
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
     found = slot >= 0
     # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a CAS
     # cannot be masked: not-found lanes would all hit one slot). A found
@@ -326,9 +418,10 @@ def _launch(
     if n:
         block = _block()
         grid = (triton.cdiv(n, block),)
-        kernel[grid](
-            table, cap_mask, group_ids, hashes, out, n, W=W, BLOCK=block, **meta
-        )
+        with device_guard(table.device):
+            kernel[grid](
+                table, cap_mask, group_ids, hashes, out, n, W=W, BLOCK=block, **meta
+            )
     return out
 
 
@@ -341,14 +434,53 @@ def find(
 
 
 def probe(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    concurrent: bool = False,
 ) -> torch.Tensor:
     """Membership of keys: bool [N].
 
     table: int64 [capacity, W + 1]; group_ids: int64 [N]; hashes: int64 [N, W];
-    all contiguous, on one device.
+    all contiguous, on one device. ``concurrent``: an insert into ``table``
+    may run meanwhile (another stream): read the group ids with acquire
+    atomics (``find_slots(ACQUIRE=True)``, a read-modify-write per step)
+    instead of plain loads, which are right when every insert to see was
+    launched before on the current stream.
     """
-    return _launch(_probe_kernel, table, W, group_ids, hashes).bool()
+    kernel = _probe_acquire_kernel if concurrent else _probe_kernel
+    return _launch(kernel, table, W, group_ids, hashes).bool()
+
+
+class InsertError(RuntimeError):
+    """An insert that could not store every key of its batch.
+
+    Attributes: ``table_full``, the number of keys that found no EMPTY slot
+    on their probe path (the table is full or corrupt); ``wait_ran_out``, the
+    number that gave up on a slot still BUSY after every retry (left by a
+    crashed or concurrent writer). The other keys of the batch were stored:
+    a caller that keeps counts (``KeyIndex``) must count the table again.
+    """
+
+    def __init__(self, table_full: int, wait_ran_out: int, busy_wait_limit: int):
+        self.table_full = table_full
+        self.wait_ran_out = wait_ran_out
+        why = []
+        if table_full:
+            why.append(
+                f"{table_full} keys found no free slot: the table is full (or "
+                "corrupt): no EMPTY slot on their probe path"
+            )
+        if wait_ran_out:
+            why.append(
+                f"{wait_ran_out} keys found no free slot: a wait ran out, on a "
+                f"slot left BUSY for {busy_wait_limit} rounds through a retry "
+                "(a crashed or concurrent writer)"
+            )
+        super().__init__(
+            "insert: " + "; ".join(why) + "; the batch's other keys were stored"
+        )
 
 
 def insert(
@@ -366,9 +498,12 @@ def insert(
     new keys is ``result.sum()``. The caller must leave room: the table needs
     an EMPTY slot on every probe path (KeyIndex keeps load <= max_load < 1).
     Arguments as :func:`probe`; ``busy_wait_limit``: rounds a key may wait on
-    BUSY slots in all (a compile-time constant of the kernel). Raises
-    RuntimeError if a key found no free slot or waited past the limit (a slot
-    left BUSY by a crashed writer).
+    BUSY slots per launch (a compile-time constant of the kernel). Keys that
+    gave up waiting are launched again, as long as each launch stores or
+    finds at least one of them (the slot they waited on was published when
+    the previous launch ended). Raises :class:`InsertError` (a RuntimeError)
+    when keys found no free slot or a slot stayed BUSY through a launch that
+    made no progress; the batch's other keys are then stored.
     """
     if isinstance(busy_wait_limit, bool) or not isinstance(busy_wait_limit, int):
         raise TypeError(
@@ -377,12 +512,27 @@ def insert(
     if busy_wait_limit < 1:
         raise ValueError(f"busy_wait_limit must be >= 1, got {busy_wait_limit}")
     out = _launch(_insert_kernel, table, W, group_ids, hashes, WAITS=busy_wait_limit)
-    if out.numel() and bool((out < 0).any()):
-        raise RuntimeError(
-            "insert: some keys found no free slot (the table is full, or a slot "
-            f"stayed BUSY for {busy_wait_limit} rounds: a crashed or concurrent "
-            "writer)"
+    if not out.numel() or not bool((out < 0).any()):
+        return out > 0
+    idx = (out == INSERT_WAIT).nonzero().squeeze(1)
+    while idx.numel():
+        again = _launch(
+            _insert_kernel,
+            table,
+            W,
+            group_ids[idx].contiguous(),
+            hashes[idx].contiguous(),
+            WAITS=busy_wait_limit,
         )
+        out[idx] = again
+        stuck = again == INSERT_WAIT
+        if int(stuck.sum()) == idx.numel():
+            break  # no progress: the slot is BUSY for good
+        idx = idx[stuck]
+    full = int((out == INSERT_FULL).sum())
+    wait = int((out == INSERT_WAIT).sum())
+    if full or wait:
+        raise InsertError(full, wait, busy_wait_limit)
     return out > 0
 
 
@@ -393,3 +543,15 @@ def erase(
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
     return _launch(_erase_kernel, table, W, group_ids, hashes) > 0
+
+
+def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
+    """Copy every live key of ``table`` into ``new`` in place; returns the
+    number copied (the launcher every hash-index kernel family has).
+
+    table: a valid KeyIndex table, int64 ``[C, W + 1]``; new: an empty table
+    on the same device with room for every key. Tombstones are dropped.
+    """
+    live = table[table[:, 0] >= 0]
+    stored = insert(new, W, live[:, 0].contiguous(), live[:, 1:].contiguous())
+    return int(stored.sum().item())

@@ -94,6 +94,7 @@ import triton.language as tl
 from kvhit.kernels import contract as kc
 from kvhit.kernels.checks import check_int64
 from kvhit.kernels.hash_index import slot_hash
+from kvhit.kernels.launch import device_guard, fix_interpreter
 
 __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
 
@@ -973,35 +974,39 @@ def _launch(
         return hit, tri
     n_sg, sg_w = sg_rows.shape
     # Unused pointer arguments still need a tensor on the device.
-    _scan_kernel[(n_req,)](
-        hashes,
-        offsets,
-        lens,
-        lengths[1],
-        token_len if token_len is not None else lens,
-        table if table is not None else hashes,
-        (table.shape[0] - 1) if table is not None else 0,
-        sg_rows,
-        cand_rows,
-        hit,
-        tri,
-        n_sg,
-        num_groups,
-        hash_block_size,
-        alignment,
-        int(partial),
-        int(simple_hybrid),
-        W=hashes.shape[1],
-        HAS_INDEX=table is not None,
-        HAS_TL=lookup or token_len is not None,
-        APPLY_EAGLE=bool(apply_eagle) or lookup,
-        LOOKUP=lookup,
-        BLOCK=block,
-        S_PAD=_pow2(n_sg),
-        SG_W=sg_w,
-        num_warps=NUM_WARPS,
-        maxnreg=MAXNREG,
-    )
+    # Triton 3.6's interpreter cannot range() over a runtime scalar, and
+    # Triton launches on the current device, not the table's (launch.py).
+    fix_interpreter()
+    with device_guard(hashes.device):
+        _scan_kernel[(n_req,)](
+            hashes,
+            offsets,
+            lens,
+            lengths[1],
+            token_len if token_len is not None else lens,
+            table if table is not None else hashes,
+            (table.shape[0] - 1) if table is not None else 0,
+            sg_rows,
+            cand_rows,
+            hit,
+            tri,
+            n_sg,
+            num_groups,
+            hash_block_size,
+            alignment,
+            int(partial),
+            int(simple_hybrid),
+            W=hashes.shape[1],
+            HAS_INDEX=table is not None,
+            HAS_TL=lookup or token_len is not None,
+            APPLY_EAGLE=bool(apply_eagle) or lookup,
+            LOOKUP=lookup,
+            BLOCK=block,
+            S_PAD=_pow2(n_sg),
+            SG_W=sg_w,
+            num_warps=NUM_WARPS,
+            maxnreg=MAXNREG,
+        )
     return hit, tri
 
 

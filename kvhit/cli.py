@@ -1,4 +1,4 @@
-"""``kvhit`` command line: ``kvhit demo`` and ``kvhit bench``.
+"""``kvhit`` command line: ``kvhit demo``, ``kvhit bench`` and ``kvhit replay``.
 
 A thin layer over the benchmark harness (``kvhit.bench.harness``, the file
 ``bench/harness.py``): this module parses and checks arguments, calls the
@@ -9,7 +9,9 @@ requests of up to 16K tokens), resolves it with ``LookupEngine(backend="auto")``
 (triton on CUDA, numba on the CPU), checks a sample against the reference loop
 and prints hit rates, the first-call and steady-state latency and the speedup.
 ``bench`` sweeps presets x batch sizes x backends, checking parity before
-timing anything.
+timing anything. ``replay`` replays a public request trace (the Mooncake
+conversation trace by default) in scheduler steps against the exact rules
+(``kvhit.bench.replay``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from kvhit import __version__
 from kvhit.bench import harness
+from kvhit.bench import replay as replay_mod
 from kvhit.bench.harness import (
     BACKENDS,
     DEFAULT_BATCH_SIZES,
@@ -254,6 +257,8 @@ def sweep_config(
         sample=args.sample,
         vllm=args.vllm,
         key_index=args.key_index,
+        peer=args.peer,
+        peer_limit=args.peer_limit,
     )
     return config, skipped
 
@@ -263,6 +268,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config, skipped = sweep_config(args)
     result = harness.sweep(config, quiet=args.quiet, skipped=skipped)
     out.write("\n" + harness.format_table(result))
+    if result.peers:
+        out.write("\n" + harness.format_peer_table(result.peers))
     out.flush()
     if args.json:
         harness.write_json(args.json, result)
@@ -270,6 +277,73 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.plot:
         harness.plot(result, args.plot)
         err.write(f"kvhit bench: wrote {args.plot}\n")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# kvhit replay
+# ---------------------------------------------------------------------------
+
+
+def replay_config(args: argparse.Namespace) -> replay_mod.ReplayConfig:
+    """The replay configuration of ``kvhit replay``'s arguments."""
+    return replay_mod.ReplayConfig(
+        trace=Path(args.trace),
+        preset=args.preset,
+        trace_block_size=args.trace_block_size,
+        step_ms=args.step_ms,
+        speedup=args.speedup,
+        batch=args.batch,
+        store_blocks=args.store_blocks,
+        limit=args.limit,
+        reference_requests=args.reference_requests,
+        peer=args.peer,
+    )
+
+
+def cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``kvhit replay``: the trace replayed, checked, timed and summarised."""
+    config = replay_config(args)
+    try:
+        requests = replay_mod.load_trace(
+            config.trace, config.limit, config.trace_block_size
+        )
+    except (ValueError, OSError) as exc:  # the trace is an argument: exit 2
+        err.write(
+            f"kvhit replay: error: argument TRACE (read with --trace-block-size "
+            f"{config.trace_block_size}): {exc}\n"
+        )
+        return EXIT_USAGE
+    err.write(
+        f"kvhit replay: {len(requests)} requests of {config.trace.name} on "
+        f"{config.preset}\n"
+    )
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="  replay", unit="req", leave=False)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        result = replay_mod.replay(config, progress=progress, requests=requests)
+    finally:
+        if bar is not None:
+            bar.close()
+    out.write("\n" + replay_mod.format_report(result))
+    out.flush()
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+        err.write(f"kvhit replay: wrote {args.json}\n")
+    if args.plot:
+        replay_mod.plot_replay(result, args.plot)
+        err.write(f"kvhit replay: wrote {args.plot}\n")
     return EXIT_OK
 
 
@@ -301,6 +375,39 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
         return items
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _check_plot(parser: argparse.ArgumentParser, path: str | None) -> None:
+    _check_output(parser, "--plot", path)
+    if path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(
+                "argument --plot: needs matplotlib, which is not installed; "
+                "pip install 'kvhit[plot]' (or matplotlib), or drop --plot "
+                "(--json FILE keeps the figures)"
+            )
+
+
+def _check_replay_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    trace = Path(args.trace)
+    if not trace.is_file():
+        parser.error(f"argument TRACE: {args.trace} is not a file")
+    _check_output(parser, "--json", args.json)
+    _check_plot(parser, args.plot)
 
 
 def _check_workload_args(
@@ -504,8 +611,8 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         "--vllm",
         action="store_true",
         help="add vLLM 0.33.0's own per-request MooncakeStoreWorker.lookup (store "
-        "answered from memory); needs the vLLM oracle (.ci/install-vllm-oracle) "
-        "and a source checkout: tests/vllm_oracle.py is imported by path",
+        "answered from memory); needs the vLLM oracle (.ci/install-vllm-oracle: "
+        "<venv>/kvhit-vllm-oracle or $KVHIT_VLLM_ORACLE_DIR)",
     )
     bench.add_argument(
         "--reference-cap",
@@ -514,6 +621,21 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         help="largest batch the (slow) per-request loops are timed and fully "
         "checked at; above it, --sample requests are checked and their "
         "per-request time extrapolated (default 1024)",
+    )
+    bench.add_argument(
+        "--peer",
+        choices=list(harness.PEERS),
+        default=None,
+        help="also run a peer index beside kvhit on the shipped conversation "
+        "trace (one FullAttention(512) group, steps of each batch size, answers "
+        "asserted equal: a mismatch exits 1): dynamo, from the 'peers' extra "
+        "(ai-dynamo-runtime); skipped with the reason when absent",
+    )
+    bench.add_argument(
+        "--peer-limit",
+        type=_int_at_least(1),
+        default=None,
+        help="replay only the first N trace requests for --peer (default all)",
     )
     bench.add_argument(
         "--key-index",
@@ -530,8 +652,103 @@ def _add_bench(sub: Any, presets_help: str) -> None:
     bench.set_defaults(handler=cmd_bench, check=_check_bench_args, command_parser=bench)
 
 
+def _add_replay(sub: Any, presets_help: str) -> None:
+    replay = sub.add_parser(
+        "replay",
+        help="replay a request trace with the exact hybrid rules; hit rates",
+        description=textwrap.fill(
+            "Replays a Mooncake-format request trace (JSONL, plain or .gz; the "
+            "shipped FAST'25 conversation trace by default) in scheduler steps: "
+            "each trace block is expanded into the preset's hash blocks, every "
+            "step is looked up with vLLM's exact store-worker rule "
+            "(LookupEngine on a KeyIndex) and what vLLM's saving worker keeps "
+            "for each served prompt is stored. Prints the hit rate (tokens "
+            "served from the store / prompt tokens) beside what a "
+            "full-attention-only index (Dynamo's, llm-d's view) would claim on "
+            "the same store, and the per-step lookup time beside the reference "
+            "loop's (on a sample of steps, answers checked)."
+        ),
+        epilog=f"presets:{presets_help}\n\n{EXIT_CODES}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument(
+        "trace",
+        metavar="TRACE",
+        nargs="?",
+        default=str(replay_mod.SHIPPED_TRACE),
+        help="trace file (default: the shipped Mooncake conversation trace)",
+    )
+    replay.add_argument(
+        "--preset", choices=list(PRESETS), default="dsv4-flash", help="cache layout"
+    )
+    replay.add_argument(
+        "--trace-block-size",
+        type=_int_at_least(1),
+        default=replay_mod.TRACE_BLOCK_SIZE,
+        help="tokens per trace hash_ids entry (default 512)",
+    )
+    replay.add_argument(
+        "--step-ms",
+        type=_positive_float,
+        default=100.0,
+        help="scheduler step window in ms of replay time (default 100)",
+    )
+    replay.add_argument(
+        "--speedup",
+        type=_positive_float,
+        default=1.0,
+        help="trace time runs this many times faster (default 1)",
+    )
+    replay.add_argument(
+        "--batch",
+        type=_int_at_least(1),
+        default=None,
+        help="fixed steps of this many requests in trace order (instead of "
+        "--step-ms windows)",
+    )
+    replay.add_argument(
+        "--store-blocks",
+        type=_int_at_least(1),
+        default=None,
+        help="keep at most this many keys in the store, LRU (a hit refreshes "
+        "the keys it loads); default unbounded",
+    )
+    replay.add_argument(
+        "--limit",
+        type=_int_at_least(1),
+        default=None,
+        help="replay only the first N requests",
+    )
+    replay.add_argument(
+        "--reference-requests",
+        type=_int_at_least(0),
+        default=replay_mod.REFERENCE_REQUESTS,
+        help="about how many requests (whole steps spread over the run) the "
+        f"reference loop checks and is timed on (default "
+        f"{replay_mod.REFERENCE_REQUESTS}; 0: none)",
+    )
+    replay.add_argument(
+        "--peer",
+        choices=list(replay_mod.PEERS),
+        default=None,
+        help="run a peer index beside kvhit: dynamo (the 'peers' extra, "
+        "ai-dynamo-runtime); skipped with the reason when absent",
+    )
+    replay.add_argument("--json", metavar="FILE", help="write results as JSON")
+    replay.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="hit rate over time (claimed vs exact) and step latency (needs "
+        "matplotlib)",
+    )
+    replay.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    replay.set_defaults(
+        handler=cmd_replay, check=_check_replay_args, command_parser=replay
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvhit`` argument parser (``demo`` and ``bench`` subcommands)."""
+    """The ``kvhit`` argument parser (``demo``, ``bench`` and ``replay``)."""
     presets_help = "".join(
         textwrap.fill(
             f"{p.name}: {p.description}",
@@ -552,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub, presets_help)
     _add_bench(sub, presets_help)
+    _add_replay(sub, presets_help)
     return parser
 
 

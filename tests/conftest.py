@@ -63,6 +63,26 @@ def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that imports numba (directly or through a kvhit module)
+    is skipped, not an error, where numba does not import: the GPU machine's
+    twin in CI (.ci/device-twin) has none, and the machine's may fail."""
+    outcome = yield
+    report = outcome.get_result()
+    text = str(report.longrepr)
+    if (
+        report.failed
+        and isinstance(collector, pytest.Module)
+        and "ImportError" in text  # ModuleNotFoundError's message says it too
+        and ("No module named 'numba'" in text or "numba/" in text)
+    ):
+        # Absent, or installed but failing to import (the GPU machine's numba
+        # beside a numpy newer than it supports).
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, "Skipped: numba does not import")
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return

@@ -838,9 +838,105 @@ TORCH_OPS = [
 ]
 
 
+def _state_dict(**changes: Any) -> dict[str, Any]:
+    state = dict(_index().state_dict())
+    state.update(changes)
+    return state
+
+
+def _bumped(field: str, by: int) -> dict[str, Any]:
+    state = _index().state_dict()
+    return _state_dict(**{field: state[field] + by})
+
+
+def _flipped_table() -> dict[str, Any]:
+    state = _index().state_dict()
+    table = state["table"].clone()
+    live = int((table[:, 0] >= 0).nonzero()[0])
+    table[live, 1] ^= 1
+    return _state_dict(table=table)
+
+
+# Issue 22, item 4: the coordinator's leftovers of the bad-input contract.
+LEFTOVERS = [
+    Case(
+        "from_state_dict-version-unknown",
+        lambda _: KeyIndex.from_state_dict(_state_dict(version=3)),
+        ValueError,
+        "unknown version 3",
+    ),
+    Case(
+        "from_state_dict-version-float",
+        lambda _: KeyIndex.from_state_dict(_state_dict(version=2.0)),
+        ValueError,
+        "unknown version 2.0",
+    ),
+    Case(
+        "from_state_dict-checksum-size",
+        lambda _: KeyIndex.from_state_dict(_bumped("size", 1)),
+        ValueError,
+        r"checksum mismatch: state\['size'\] \(4; the table holds 3\)",
+    ),
+    Case(
+        "from_state_dict-checksum-tombstones",
+        lambda _: KeyIndex.from_state_dict(_bumped("tombstones", 2)),
+        ValueError,
+        r"checksum mismatch: state\['tombstones'\] \(2; the table holds 0\)",
+    ),
+    Case(
+        "from_state_dict-checksum-table",
+        lambda _: KeyIndex.from_state_dict(_flipped_table()),
+        ValueError,
+        r"checksum mismatch: state\['table'\] \(its bytes, shape or hash_bytes\)",
+    ),
+    Case(
+        "from_state_dict-checksum-itself",
+        lambda _: KeyIndex.from_state_dict(_state_dict(checksum="0" * 32)),
+        ValueError,
+        r"checksum mismatch: state\['table'\] .* or state\['checksum'\] was",
+    ),
+    Case(
+        "CacheLayout-groups-None",
+        lambda _: CacheLayout(groups=None, scheduler_block_size=16, hash_block_size=16),
+        TypeError,
+        "groups must be a sequence of Group, got NoneType",
+    ),
+    Case(
+        "store_masks-aligned_lens-huge",
+        lambda s: s[0].store_masks([16, 1 << 40]),
+        ValueError,
+        "aligned_lens: .* MAX_MASK_ENTRIES",
+        _engine_state,
+    ),
+    Case(
+        "lookup_masks-aligned_lens-huge",
+        lambda s: s[0].lookup_masks([1 << 33] * 64),
+        ValueError,
+        "aligned_lens: .* MAX_MASK_ENTRIES",
+        _engine_state,
+    ),
+    Case(
+        "KeyIndex-device-cuda-absent",
+        lambda _: KeyIndex(16, device="cuda"),
+        ValueError,
+        "device 'cuda' is not available here",
+        skip=None if NO_CUDA else "CUDA is available",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     "case",
-    _params(KEY_INDEX + HASH_BATCH + ENGINE + LAYOUT + EVENTS + MOONCAKE + TORCH_OPS),
+    _params(
+        KEY_INDEX
+        + HASH_BATCH
+        + ENGINE
+        + LAYOUT
+        + EVENTS
+        + MOONCAKE
+        + TORCH_OPS
+        + LEFTOVERS
+    ),
 )
 def test_bad_input_is_refused_and_changes_nothing(case: Case) -> None:
     _run(case)
@@ -914,3 +1010,27 @@ def test_cli_bad_argument_is_a_usage_error(
     err = capsys.readouterr().err
     assert code == 2, f"exit {code}: {err[-500:]}"
     assert case.match in err and "Traceback" not in err
+
+
+def test_mask_bound_admits_a_large_real_batch() -> None:
+    """MAX_MASK_ENTRIES leaves room for real batches: 64 requests of 128K
+    tokens at block size 16 (2**19 entries) give masks as before."""
+    from kvhit.coordinator.checks import MAX_MASK_ENTRIES
+
+    engine = LookupEngine(_layout(), backend="torch")
+    masks = engine.lookup_masks([1 << 17] * 64)
+    assert masks.lengths[0].tolist() == [(1 << 17) // 16] * 64
+    assert 64 * (1 << 17) // 16 <= MAX_MASK_ENTRIES
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")
+def test_cuda_absent_is_the_same_error_for_index_and_engine() -> None:
+    errors = []
+    for build in (
+        lambda: KeyIndex(16, device="cuda"),
+        lambda: LookupEngine(_layout(), device="cuda"),
+    ):
+        with pytest.raises(ValueError) as info:
+            build()
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]

@@ -5,7 +5,8 @@
 random layouts (tests/strategies.py), empty and single-request batches,
 partial hash hits and non-power-of-two sizes; ``first_occurrences_nb`` exactly
 the first occurrence of each distinct key, forced slot-hash collisions
-included; ``key_blob_nb`` exactly ``prefix + bytes.hex()``.
+included; ``format_keys_nb`` (kernels/format_keys_numba.py) exactly
+``prefix + bytes.hex()``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
 
 nb = pytest.importorskip("kvhit.kernels.candidates_numba")
+fk = pytest.importorskip("kvhit.kernels.format_keys_numba")
 
 SETTINGS = settings(
     max_examples=150,
@@ -133,7 +135,7 @@ def test_first_occurrences_under_slot_collisions(monkeypatch):
 
 @SETTINGS
 @given(st.sampled_from([8, 16, 32]), st.integers(0, 50), st.integers(0, 2**32))
-def test_key_blob_matches_key_strings(hash_bytes, n, seed):
+def test_format_keys_matches_key_strings(hash_bytes, n, seed):
     rng = np.random.default_rng(seed)
     words = rng.integers(-(2**63), 2**63 - 1, size=(n, hash_bytes // 8)).astype(
         np.int64
@@ -145,7 +147,7 @@ def test_key_blob_matches_key_strings(hash_bytes, n, seed):
     np.cumsum([len(h) for h in heads], out=po[1:])
     gp = np.array([0, 2, 3, 3], dtype=np.int64)
     blob = np.frombuffer(b"".join(heads), dtype=np.uint8).copy()
-    got = nb.key_blob_nb(words, gids, hash_bytes, blob, po, gp)
+    got = fk.format_keys_nb(words, gids, hash_bytes, blob, po, gp)
     want = []
     for i in range(n):
         for p in keys.prefixes(int(gids[i])):

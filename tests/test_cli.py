@@ -370,7 +370,7 @@ def test_quick_and_explicit_batch_sizes() -> None:
     assert cli.sweep_config(args)[0].batch_sizes == (2, 8)
 
 
-def test_the_cli_imports_only_the_harness_from_bench() -> None:
+def test_the_cli_imports_only_the_harness_and_replay_from_bench() -> None:
     import ast
 
     tree = ast.parse(Path(cli.__file__).read_text())
@@ -382,7 +382,8 @@ def test_the_cli_imports_only_the_harness_from_bench() -> None:
             names.update(a.name for a in node.names)
     from_bench = {n for n in names if n.startswith("kvhit.bench.")}
     assert from_bench and all(
-        n == "kvhit.bench.harness" or n.startswith("kvhit.bench.harness.")
+        n in ("kvhit.bench.harness", "kvhit.bench.replay")
+        or n.startswith("kvhit.bench.harness.")
         for n in from_bench
     ), from_bench
 

@@ -137,7 +137,7 @@ def test_store_and_lookup_masks_parity(layout, data):
     assert got == [ref.lookup_mask(a) for a in aligned]
 
 
-# -- the seed regressions of DESIGN.md, through every backend ------------------
+# -- the seed regressions of ARCHITECTURE.md, through every backend ------------
 
 SEED_BACKENDS = ["numba", "numba-threads", "torch", "reference", "triton"]
 

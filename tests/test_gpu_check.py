@@ -3,14 +3,17 @@ sizes, the triton lookup under the interpreter (about 15 s here)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kvhit.bench import gpu_check
 
 
-def test_dry_run_runs_every_step(capsys):
-    assert gpu_check.main(["--dry-run", "--presets", "dsv4-flash,llama"]) == 0
+def test_dry_run_runs_every_step(capsys, tmp_path):
+    argv = ["--dry-run", "--presets", "dsv4-flash,llama", "--out", str(tmp_path)]
+    assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
     table = out[out.index("### GPU check") :]
     for step in ("dsv4-flash: build", "dsv4-flash: lookup timing", "llama: parity"):
@@ -18,6 +21,62 @@ def test_dry_run_runs_every_step(capsys):
     assert "| KeyIndex | PASS |" in table
     assert "| dsv4-flash | " in table and "ref 4/4" in table
     assert "commit" in table and "triton" in table
+    # Each step's time is printed as it ends; the smallest preset runs first.
+    assert "== llama: lookup timing: PASS in " in out
+    assert out.index("== llama: build") < out.index("== dsv4-flash: build")
+    # Every result row reached results.jsonl, in the order it was measured.
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").open()]
+    kinds = [(r["kind"], r.get("preset")) for r in rows]
+    assert kinds == [
+        ("env", None),
+        ("key_index", None),
+        ("lookup", "llama"),
+        ("parity", "llama"),
+        ("lookup", "dsv4-flash"),
+        ("parity", "dsv4-flash"),
+    ]
+    assert rows[2]["first_call_s"] > 0 and rows[2]["eager_s"] > 0
+    assert (tmp_path / "summary.md").read_text().startswith("### GPU check")
+
+
+def test_env_line_names_everything(capsys):
+    assert gpu_check.main(["--env-line"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    for word in ("python", "torch", "triton", "numba", "CUDA", "driver", "GPU"):
+        assert word in line
+    assert "commit" in line and "triton features: all present" in line
+
+
+def test_env_line_stops_on_a_missing_triton_feature(capsys, monkeypatch):
+    from kvhit.kernels import launch
+
+    monkeypatch.setattr(launch, "missing_features", lambda: ["atomic_or(sem)"])
+    assert gpu_check.main(["--env-line"]) == 2
+    out = capsys.readouterr().out
+    assert "triton features: missing: atomic_or(sem)" in out.splitlines()[0]
+    assert "FAIL: triton" in out and "needs triton >= 3.6" in out
+
+
+def test_a_spent_budget_skips_the_remaining_steps(capsys):
+    cfg = gpu_check.Config(
+        **{**gpu_check.Config.dry(("llama",)).__dict__, "budget_s": 0.0}
+    )
+    report = gpu_check.run(cfg)
+    assert [s[1] for s in report.steps] == ["SKIP", "SKIP"]  # KeyIndex, build
+    assert not report.failed
+    assert "| llama: build | SKIP |" in gpu_check.summary(report, cfg)
+
+
+def test_parity_keeps_the_workload_index_where_it_is(monkeypatch):
+    from kvhit import KeyIndex
+
+    cfg = gpu_check.Config.dry(("llama",))
+    w = gpu_check.build_workload("llama", cfg, torch.device("cpu"))
+    table = w.index.table
+    got = gpu_check.time_lookup(w, cfg)["result"]
+    monkeypatch.setattr(KeyIndex, "to", lambda *a: pytest.fail("index moved"))
+    gpu_check.check_parity(w, got, cfg)
+    assert w.index.table is table
 
 
 def test_parity_step_catches_a_wrong_answer():

@@ -16,7 +16,7 @@ from strategies import ALL_KINDS
 from kvhit.bench.workloads import PRESETS
 from kvhit.bindings.vllm import UNMODELLED_VLLM_SPECS, layout_from_vllm, spec_kind
 from kvhit.coordinator import kinds as K
-from kvhit.coordinator import reference, specs
+from kvhit.coordinator import managers, specs
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.kernels import contract
 
@@ -84,7 +84,7 @@ def test_flags_match_vllm_managers():
     assert [n for n, k in by.items() if k.fine_grained] == ["full", "mamba"]
     assert [n for n, k in by.items() if k.is_full_attention] == ["full"]
     assert [n for n, k in by.items() if not k.takes_proof_margin] == ["mamba"]
-    assert by["mamba"].store_mask is reference.no_block_stored
+    assert by["mamba"].store_mask is managers.no_block_stored
 
 
 def test_scan_and_mask_functions_share_one_signature():
@@ -114,7 +114,7 @@ def test_scan_and_mask_functions_share_one_signature():
         )
     }
     for f in [k.scan for k in K.KINDS] + mask_fns:
-        assert f.__module__ == reference.__name__, f
+        assert f.__module__ == managers.__name__, f
 
 
 def test_vllm_names_map_to_their_kind():
@@ -153,6 +153,7 @@ def test_vllm_stand_in_builds_the_registered_spec_type():
 
 _NO_SPEC_BRANCHES = (
     "coordinator/reference.py",
+    "coordinator/managers.py",
     "coordinator/plan.py",
     "bindings/vllm.py",
 )
@@ -230,7 +231,7 @@ def test_plan_rows_are_pinned(preset):
     plan = ScanPlan.from_layout(PRESETS[preset].layout())
     sg_rows, cand_rows = PINNED_ROWS[preset]
     assert plan.as_rows() == sg_rows
-    assert plan.candidate_rows() == cand_rows
+    assert plan.candidates_as_rows() == cand_rows
     assert all(len(r) == contract.CAND_WIDTH for r in cand_rows)
     for row, sg in zip(sg_rows, plan.spec_groups, strict=True):
         assert row[contract.SG_PERIOD] == sg.period
@@ -253,7 +254,7 @@ def test_chunked_local_row_carries_its_chunk():
         [0, 8, 2, 0, 0, 0, 1, 0, 0, 1, 0],
         [3, 8, 2, 0, 0, 0, 1, 0, 32, 1, 1],
     ]
-    assert plan.candidate_rows() == [
+    assert plan.candidates_as_rows() == [
         [1, 8, 2, 0, 0, 0, 0, 0],
         [1, 8, 2, 0, 0, 0, 0, 1],
         [0, 8, 2, 0, 0, 0, 0, 2],

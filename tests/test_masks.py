@@ -1,23 +1,25 @@
-"""coordinator/masks.py: each formula gives the same answer on Python ints and
+"""kernels/masks.py: each formula gives the same answer on Python ints and
 on int64 torch tensors (the reference and the plan use the ints, the batched
 backends the tensors), and matches the rule it is written from."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhit.coordinator import masks
-from kvhit.coordinator.masks import (
+from kvhit.kernels import contract, masks
+from kvhit.kernels.contract import cdiv
+from kvhit.kernels.masks import (
     asked_chunks,
-    cdiv,
     mamba_replay_mask,
     mamba_segment_mask,
     minimum,
@@ -27,7 +29,6 @@ from kvhit.coordinator.masks import (
     swa_replay_mask,
     swa_segment_chunks,
 )
-from kvhit.kernels import contract
 
 CHUNKS = list(range(-3, 70))
 
@@ -46,11 +47,23 @@ def _elementwise(fn, columns: list[list[int]]) -> None:
 
 
 def test_one_cdiv_everywhere():
-    from kvhit.coordinator import plan, reference
+    from kvhit.coordinator import managers, reference
 
     assert masks.cdiv is contract.cdiv
+    assert managers.cdiv is contract.cdiv
     assert reference.cdiv is contract.cdiv
-    assert plan.cdiv is contract.cdiv
+    # Nobody writes its own (the compiled kernels' spelled-out copies aside).
+    root = Path(__file__).resolve().parent.parent
+    defined = [
+        str(path.relative_to(root))
+        for folder in ("kvhit", "kernels", "coordinator", "bindings", "bench")
+        for path in (root / folder).rglob("*.py")
+        if any(
+            isinstance(node, ast.FunctionDef) and node.name == "cdiv"
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
+    assert defined == ["kernels/contract.py"]
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 7, 64])
@@ -188,7 +201,7 @@ def test_asked_chunks_partial_hash_hits_form():
 
 def test_masks_module_needs_no_torch():
     code = (
-        "import sys; import kvhit.coordinator.masks, kvhit.coordinator.kinds, "
+        "import sys; import kvhit.kernels.masks, kvhit.coordinator.kinds, "
         "kvhit.coordinator.reference; "
         "sys.exit(int(any(m in sys.modules for m in ('torch', 'triton', 'numba'))))"
     )

@@ -213,7 +213,7 @@ def test_key_strings_match_vllm_format():
 def test_key_strings_match_real_vllm():
     import importlib
 
-    import vllm_oracle as vo
+    from kvhit.bench import vllm_oracle as vo
 
     mods, reason = vo.load_vllm()
     if mods is None:

@@ -1,4 +1,4 @@
-"""No module imports another module's underscore names (STYLE.md: private
+"""No module imports another module's underscore names (CONTRIBUTING.md: private
 means private to its module; a name another module needs is public and
 documented)."""
 

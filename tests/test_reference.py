@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, layouts, saved_keys, store_from_masks
 
-from kvhit.coordinator.reference import ReferenceCoordinator, cdiv, replay_boundaries
+from kvhit.coordinator.reference import ReferenceCoordinator, replay_boundaries
 from kvhit.coordinator.specs import (
     CacheLayout,
     ChunkedLocal,
@@ -24,6 +24,7 @@ from kvhit.coordinator.specs import (
     Mamba,
     SlidingWindow,
 )
+from kvhit.kernels.contract import cdiv
 
 H = chained_hashes(7, 64)  # one shared prompt; tests slice it
 
@@ -51,7 +52,7 @@ def hit(layout, n_hashes, max_length, exists, apply_eagle=True):
 
 
 # ---------------------------------------------------------------------------
-# Seed regressions (DESIGN.md)
+# Seed regressions (ARCHITECTURE.md)
 # ---------------------------------------------------------------------------
 
 

@@ -1,15 +1,21 @@
-"""Registers and spills of the scan kernel's main variants on sm_90, without a GPU.
+"""Registers and spills of every Triton kernel, compiled ahead of time without a GPU.
 
-Triton compiles the kernel outside the interpreter for ``GPUTarget("cuda", 90,
-32)``, and the PTX is assembled again with ``ptxas -v`` (the ptxas Triton
-itself uses for sm_90) to read the register count and the spill bytes. The
-variants are the engine's: ``find`` with and without an index and with and
-without the store worker's restriction (``token_lens``), ``find`` without
-EAGLE, and the worker ``lookup`` (``LOOKUP``), for a dsv4-flash-like layout
-(W = 4 words, 4 SpecGroups, 2 members at most).
+Triton compiles each kernel outside the interpreter for ``GPUTarget("cuda",
+arch, 32)`` into a cubin, exactly as it would on that GPU (its own ptxas and
+flags, a fresh cache so ptxas really runs), and ptxas's ``-v`` log (Triton's
+``dump_ptxas_log``) gives the register count and the spill bytes. The scan
+kernel's variants are the engine's: ``find`` with and without an index and
+with and without the store worker's restriction (``token_lens``), ``find``
+without EAGLE, and the worker ``lookup`` (``LOOKUP``), for a dsv4-flash-like
+layout (W = 4 words, 4 SpecGroups, 2 members at most); then the KeyIndex
+kernels of ``kernels/hash_index.py`` (probe with plain and acquire reads,
+find, insert, erase; 32-byte keys).
 
-Run as a script (``python tests/test_scan_registers.py``, TRITON_INTERPRET
-unset) to print the table.
+The CPU suite checks sm_90 with the installed Triton. Run as a script
+(``python tests/test_scan_registers.py [--arch 90,100]``, TRITON_INTERPRET
+unset) to print the table and exit 1 on a spill or a lookup variant over
+:data:`LOOKUP_MAX_REGS`: ``.ci/check-triton-floor`` does so for sm_90 and
+sm_100 with the newest Triton and with 3.6.0 (``.ci/device-twin``).
 
 Measured on Triton 3.9 (its ptxas 13.4, with Triton's ptxas flags), sm_90,
 registers per thread and spill-store bytes, before issue 13's restructuring
@@ -33,32 +39,72 @@ local memory, and ptxas aims one-warp CTAs at 64 registers. The kernel now
 divides in 32 bits and declares ``.maxnreg 128`` (``kernels/scan.py``,
 ``MAXNREG``); the lookup variant got under 128 by keeping no mask state and
 recomputing a SpecGroup's derived numbers after its probe loops.
+
+Issue 17 (Triton 3.6.0, the GPU machine's: ptxas 12.8, 12.9 for sm_100), registers
+per thread, no spills anywhere; sm_90 / sm_100:
+
+=======================  ===========  ===========
+variant                  3.9.0        3.6.0
+=======================  ===========  ===========
+find index               97 / 97      106 / 98
+find index no-eagle      90 / 90      96 / 90
+find                     78 / 78      80 / 80
+load masks               70 / 70      72 / 72
+find index token_lens    118 / 118    118 / 118
+find token_lens          120 / 120    118 / 118
+lookup                   120 / 120    120 / 120
+KeyIndex probe           26 / 26      27 / 27
+KeyIndex probe acquire   26 / 26      27 / 27
+KeyIndex find            26 / 26      28 / 28
+KeyIndex insert          32 / 32      32 / 32
+KeyIndex erase           26 / 26      27 / 27
+=======================  ===========  ===========
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from conftest import compile_outside_interpreter
+# As a script under PYTHONSAFEPATH=1 (.ci/device-twin) the script's folder is
+# not on sys.path by itself.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import compile_outside_interpreter  # noqa: E402
 
 # The lookup variant's register budget: 128 per thread keeps 16 one-warp
 # programs resident per SM partition budget (65536 / 128 / 32).
 LOOKUP_MAX_REGS = 128
 
 _SCRIPT = r"""
-import json, re, subprocess, tempfile
+import contextlib, io, json, os, re, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # ptxas must really run
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from kvhit.kernels import scan
+from kvhit.kernels import hash_index, scan
 
-kernel = scan._scan_kernel
+triton.knobs.nvidia.dump_ptxas_log = True
+ARCHS = [int(a) for a in sys.argv[1].split(",")]
+
+
+def compile_one(kernel, sig, cx, arch, options):
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx),
+                             target=GPUTarget("cuda", arch, 32), options=options)
+    assert out.asm["cubin"], kernel.__name__
+    text = log.getvalue()
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                       text).groups()
+    return dict(regs=regs, spill_stores=int(st), spill_loads=int(ld))
+
+
 consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
           "SG_W"]
 sig = {}
-for name in kernel.arg_names:
+for name in scan._scan_kernel.arg_names:
     if name in consts:
         sig[name] = "constexpr"
     elif name.endswith("_ptr"):
@@ -76,50 +122,79 @@ variants = {
     "find token_lens": (0, 1, 1, 0),
     "lookup": (1, 1, 1, 1),
 }
-for name, (has_index, has_tl, eagle, lookup) in variants.items():
-    cx = dict(W=4, HAS_INDEX=bool(has_index), HAS_TL=bool(has_tl),
-              APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
-              BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
-    out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx),
-                         target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": scan.NUM_WARPS,
-                                  "maxnreg": scan.MAXNREG})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(out.asm["ptx"])
-        f.flush()
-        res = subprocess.run([get_ptxas(90).path, "-v", "-lineinfo",
-                              "--regAllocOptLevel=2", "--gpu-name", "sm_90a",
-                              f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True)
-    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
-                       res.stderr).groups()
-    print(json.dumps(dict(variant=name, regs=regs, spill_stores=int(st),
-                          spill_loads=int(ld))))
+for arch in ARCHS:
+    for name, (has_index, has_tl, eagle, lookup) in variants.items():
+        cx = dict(W=4, HAS_INDEX=bool(has_index), HAS_TL=bool(has_tl),
+                  APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
+                  BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+        row = compile_one(scan._scan_kernel, sig, cx, arch,
+                          {"num_warps": scan.NUM_WARPS, "maxnreg": scan.MAXNREG})
+        print(json.dumps(dict(kernel="scan", variant=name, arch=arch, **row)))
+    # The KeyIndex kernels as their launcher builds them (_launch: BLOCK 128,
+    # Triton's default 4 warps; a cap_mask past 2**31 - 1 arrives as i64).
+    # "probe acquire": find_slots' concurrent-reader read (atomic_or acquire).
+    for name, kernel, extra in (
+        ("probe", hash_index._probe_kernel, {}),
+        ("probe acquire", hash_index._probe_acquire_kernel, {}),
+        ("find", hash_index._find_kernel, {}),
+        ("insert", hash_index._insert_kernel,
+         {"WAITS": hash_index.BUSY_WAIT_LIMIT}),
+        ("erase", hash_index._erase_kernel, {}),
+    ):
+        ksig = {n: "*i64" for n in ("table_ptr", "gid_ptr", "key_ptr")}
+        ksig.update(out_ptr="*i64" if name == "find" else "*i8",
+                    cap_mask="i64", n="i32", W="constexpr", BLOCK="constexpr")
+        cx = dict(W=4, BLOCK=128, **extra)
+        ksig.update(dict.fromkeys(extra, "constexpr"))
+        row = compile_one(kernel, ksig, cx, arch, {"num_warps": 4})
+        print(json.dumps(dict(kernel="key_index", variant=name, arch=arch, **row)))
 """
 
 
-def measure() -> list[dict]:
-    """Registers and spill bytes of every variant (one dict per variant)."""
-    out = compile_outside_interpreter(_SCRIPT)
+def measure(archs: tuple[int, ...] = (90,)) -> list[dict]:
+    """Registers and spill bytes of every kernel (one dict per kernel variant
+    and arch: kernel, variant, arch, regs, spill_stores, spill_loads)."""
+    arg = ",".join(str(a) for a in archs)
+    out = compile_outside_interpreter(_SCRIPT.replace("sys.argv[1]", repr(arg)))
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def test_scan_variants_fit_registers_without_spills():
-    rows = measure()
-    assert len(rows) == 7
+def problems(rows: list[dict]) -> list[str]:
+    """What the rows break: a spill anywhere, the lookup over its budget."""
+    bad = []
+    for r in rows:
+        where = f"{r['kernel']} {r['variant']} sm_{r['arch']}"
+        if r["spill_stores"] or r["spill_loads"]:
+            bad.append(f"{where}: spills {r['spill_stores']} B / {r['spill_loads']} B")
+        if r["variant"] == "lookup" and r["regs"] > LOOKUP_MAX_REGS:
+            bad.append(f"{where}: {r['regs']} registers > {LOOKUP_MAX_REGS}")
+    return bad
+
+
+def test_kernels_fit_registers_without_spills():
+    rows = measure((90,))
+    assert len(rows) == 7 + 5
     for row in rows:
         print(row)
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    assert not spilling, spilling
-    (lookup,) = [r for r in rows if r["variant"] == "lookup"]
-    assert lookup["regs"] <= LOOKUP_MAX_REGS, lookup
+    assert not problems(rows), problems(rows)
+    assert {r["variant"] for r in rows} >= {"lookup", "insert", "find"}
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    for row in measure():
+    archs = (90,)
+    if "--arch" in sys.argv:
+        archs = tuple(int(a) for a in sys.argv[sys.argv.index("--arch") + 1].split(","))
+    import triton
+
+    print(f"triton {triton.__version__}: registers and spills per kernel")
+    rows = measure(archs)
+    for row in rows:
         print(
-            f"{row['variant']:<24} {row['regs']:>4} regs  "
-            f"{row['spill_stores']:>4} B spill stores  {row['spill_loads']:>4} B loads"
+            f"sm_{row['arch']:<4} {row['kernel']:<10} {row['variant']:<24} "
+            f"{row['regs']:>4} regs  {row['spill_stores']:>4} B spill stores  "
+            f"{row['spill_loads']:>4} B loads"
         )
+    bad = problems(rows)
+    for b in bad:
+        print(f"FAIL: {b}")
+    sys.exit(1 if bad else 0)

@@ -41,8 +41,8 @@ from kvhit import (
     SlidingWindow,
 )
 from kvhit.bench.workloads import make_layout
-from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.triton_backend import TritonBackend, plan_tensors
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.coordinator.triton_backend import TritonBackend
 from kvhit.kernels import contract
 
 MAX_HASHES = 40
@@ -157,7 +157,7 @@ def test_small_block_matches_reference(device, data, apply_eagle):
 
 
 # ---------------------------------------------------------------------------
-# Edge cases (the DESIGN.md seed regressions run through every backend in
+# Edge cases (the ARCHITECTURE.md seed regressions run through every backend in
 # test_engine.py)
 # ---------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """TritonBackend's cost outside the kernel: torch ops, launches, host syncs.
 
-The GPU targets of DESIGN.md (a 4096-request lookup in well under a
+The GPU targets of ARCHITECTURE.md (a 4096-request lookup in well under a
 millisecond, capturable in a CUDA graph) need ``TritonBackend.lookup`` to be
 one launch, with no host sync and a handful of torch ops around it. These
 tests count on the CPU (interpreter) what would cost host time on a GPU:

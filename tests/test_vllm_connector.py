@@ -22,8 +22,9 @@ import random
 import time
 
 import pytest
-import vllm_oracle as vo
 import vllm_sched_harness
+
+from kvhit.bench import vllm_oracle as vo
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """``BatchedLookup.lookup_with_tail_keys`` against vLLM 0.33.0's real
 ``MooncakeStoreWorker.lookup`` and ``_tail_key_boundaries`` (through
-tests/vllm_oracle.py), on random layouts of every kind, partial hash hits
+bench/vllm_oracle.py), on random layouts of every kind, partial hash hits
 included, and random store contents: hits and tail key boundaries equal for
 every request of a batch; where vLLM's ``_tail_key_boundaries`` asserts, kvhit
 reports -1 (the connector answers a miss there).
@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm_oracle as vo
 
+from kvhit.bench import vllm_oracle as vo
 from kvhit.bindings.mooncake import BatchedLookup, MooncakeKeys, TailKeyLookup
 from kvhit.coordinator.packing import HashBatch
 

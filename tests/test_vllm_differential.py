@@ -1,7 +1,7 @@
 """Differential test: kvhit's ReferenceCoordinator against vLLM 0.33.0 itself.
 
 vLLM's real ``MooncakeStoreCoordinator`` and ``MooncakeStoreWorker.lookup`` run
-on the CPU through ``tests/vllm_oracle.py`` (install it with
+on the CPU through ``kvhit.bench.vllm_oracle`` (bench/vllm_oracle.py) (install it with
 ``.ci/install-vllm-oracle``; without it these tests skip, saying why).
 
 Every generated case is a random layout (1-5 groups of all four kinds, merged
@@ -29,9 +29,10 @@ import sys
 from collections import Counter
 
 import pytest
-import vllm_oracle as vo
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvhit.bench import vllm_oracle as vo
 
 EXAMPLES = int(os.environ.get("KVHIT_DIFF_EXAMPLES", "3000"))
 STRICT_TAIL_KEYS = os.environ.get("KVHIT_DIFF_STRICT_TAIL_KEYS", "") not in ("", "0")
@@ -62,7 +63,7 @@ def make_ref(vllm_mods):
 
 
 def test_oracle_runs_vllm_seed_regressions(vllm_mods):
-    """The oracle itself reproduces DESIGN.md's seed regressions."""
+    """The oracle itself reproduces ARCHITECTURE.md's seed regressions."""
     for name, got, want in vo.seed_checks(vllm_mods):
         assert got == want, name
 
@@ -123,7 +124,7 @@ def test_kvhit_layouts_match_vllm_merging(vllm_mods, make_ref):
 def test_reference_matches_vllm(vllm_mods, make_ref, seed):
     # One seed per case: hypothesis drawing every choice (st.randoms) is ~10x
     # slower and shrinks poorly here; the failure message prints the whole
-    # case, and `python tests/vllm_oracle.py` replays seeds in bulk.
+    # case, and `python -m kvhit.bench.vllm_oracle` replays seeds in bulk.
     case = vo.random_case(random.Random(seed))
     res = vo.run_case(case, make_ref, vllm_mods)
     _TALLY.update(res.tally)
@@ -133,7 +134,7 @@ def test_reference_matches_vllm(vllm_mods, make_ref, seed):
         m = res.mismatches[0]
         pytest.fail(
             f"kvhit differs from vLLM 0.33.0 ({len(res.mismatches)} calls; replay: "
-            f"python tests/vllm_oracle.py --replay {seed}):\n" + m.describe(),
+            f"python -m kvhit.bench.vllm_oracle --replay {seed}):\n" + m.describe(),
             pytrace=False,
         )
     if STRICT_TAIL_KEYS:

@@ -23,8 +23,9 @@ import threading
 import time
 
 import pytest
-import vllm_oracle as vo
 from test_vllm_connector import fill_store, prompts
+
+from kvhit.bench import vllm_oracle as vo
 
 #: The bound the tests configure (the default is 1 s; smaller keeps them fast).
 BOUND_S = 0.6

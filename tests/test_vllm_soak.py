@@ -27,8 +27,9 @@ import threading
 import time
 
 import pytest
-import vllm_oracle as vo
 from test_vllm_connector import prompts
+
+from kvhit.bench import vllm_oracle as vo
 
 STEPS = int(__import__("os").environ.get("KVHIT_SOAK_STEPS", 10_000))
 FAULT_EVERY = 1_000

@@ -24,8 +24,9 @@ import json
 import random
 
 import pytest
-import vllm_oracle as vo
 import vllm_sched_harness
+
+from kvhit.bench import vllm_oracle as vo
 
 
 @pytest.fixture(scope="module")

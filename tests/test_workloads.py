@@ -43,7 +43,7 @@ def test_presets_are_valid_layouts() -> None:
 
 
 def test_dsv4_seed_regression_3_holds_on_the_preset() -> None:
-    # DESIGN.md seed regression 3, built from the preset: guards the preset.
+    # ARCHITECTURE.md seed regression 3, built from the preset: guards the preset.
     layout = make_layout("dsv4-flash")
     ref = ReferenceCoordinator(layout)
     hashes = [i.to_bytes(8, "little") for i in range(768 // 4)]

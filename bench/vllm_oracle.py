@@ -1,5 +1,9 @@
 """The vLLM oracle: vLLM 0.33.0's real external-store hit code, run on the CPU.
 
+Part of the package (``kvhit.bench.vllm_oracle``) so that ``kvhit bench
+--vllm`` works from an installed kvhit; the differential tests import it from
+here too. It imports vLLM only inside :func:`load_vllm`, never at import time.
+
 kvhit's reference (``kvhit.coordinator.reference``) reimplements the cache-hit
 semantics of vLLM 0.33.0's Mooncake store connector. This module runs the
 *real* vLLM code on the same inputs so that a differential test can compare the
@@ -25,8 +29,8 @@ that is normally importable (a full install) is used as is.
 
 Command line::
 
-    python tests/vllm_oracle.py --check          # import + DESIGN.md seed cases
-    python tests/vllm_oracle.py --cases 5000     # random differential cases
+    python -m kvhit.bench.vllm_oracle --check       # import + seed regressions
+    python -m kvhit.bench.vllm_oracle --cases 5000  # random differential cases
         [--seed S] [--show-tally]
 
 The layout the oracle takes is duck-typed on kvhit's ``CacheLayout``: an object
@@ -1141,12 +1145,13 @@ def kvhit_factory() -> tuple[Callable[[LayoutParams], Any] | None, str]:
 
 
 # ---------------------------------------------------------------------------
-# Seed regressions of DESIGN.md, through vLLM itself
+# The seed regressions (ARCHITECTURE.md), through vLLM itself
 # ---------------------------------------------------------------------------
 
 
 def seed_checks(mods: VllmModules) -> list[tuple[str, Any, Any]]:
-    """``(name, got, want)`` for DESIGN.md's three seed regressions, on vLLM."""
+    """``(name, got, want)`` for the three seed regressions (ARCHITECTURE.md,
+    "Seed regressions"), on vLLM."""
     out = []
     hs = [bytes([i]) * 8 for i in range(1, 5)]
     lay1 = LayoutParams([Group(FullAttention(16)), Group(Mamba(16))], 16, 16, True)

@@ -8,8 +8,12 @@ comparison gives a bool tensor that ``&``, ``|`` and arithmetic accept. Mixed
 arguments (a tensor of chunks, int sizes) broadcast as usual. Nothing here
 imports torch.
 
-The kernels (Triton, numba) cannot call Python functions, so they keep their
-own spelled-out copies; each copy cites the function here that it mirrors.
+It sits in ``kernels/`` beside the contract because every layer calls it: the
+torch kernels (:mod:`kvhit.kernels.scan_torch`,
+:mod:`kvhit.kernels.candidates_torch`) on tensors, the reference, the spec-kind
+registry and the plan in ``coordinator/`` on ints. The compiled kernels
+(Triton, numba) cannot call Python functions, so they keep their own
+spelled-out copies; each copy cites the function here that it mirrors.
 
 Names: a *chunk* is a block of the group (``block_size`` tokens; its key is
 the last hash inside it); a *segment* is ``per_segment`` consecutive chunks
@@ -27,7 +31,6 @@ from kvhit.kernels.contract import cdiv
 __all__ = [
     "IntLike",
     "asked_chunks",
-    "cdiv",
     "mamba_replay_mask",
     "mamba_segment_mask",
     "minimum",

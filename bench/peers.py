@@ -1,0 +1,99 @@
+"""Peers: the indexes a user would pick instead of kvhit, driven side by side.
+
+One peer today, NVIDIA Dynamo's KV-router indexer (``--peer dynamo``): its
+Python binding ships in the ``ai-dynamo-runtime`` wheel (Rust inside; the
+``peers`` extra, ``pip install 'kvhit[peers]'``). Its radix tree takes vLLM-style
+KV events and answers one request per call with the number of leading blocks
+it holds, full attention only::
+
+    tree = dynamo._core.RadixTree()
+    tree.apply_event(worker_id, json_bytes)   # {"event_id": n, "data":
+        # {"stored": {"parent_hash": h | null, "blocks": [{"block_hash": h,
+        # "tokens_hash": h}, ...]}}}
+    tree.find_matches([h, ...]).scores        # {(worker_id, dp_rank): blocks}
+
+Dynamo's block hashes are unsigned 64-bit ints; kvhit's keys are int64 words,
+so a key goes to Dynamo as ``word & (2**64 - 1)`` (the same 8 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DYNAMO", "PEERS", "DynamoIndex", "load_dynamo"]
+
+DYNAMO = "dynamo"
+#: Peer names ``--peer`` accepts.
+PEERS = (DYNAMO,)
+_WORKER = 0
+
+
+def load_dynamo() -> tuple[Any, str]:
+    """``(RadixTree class, "")`` when ``ai-dynamo-runtime`` imports here, else
+    ``(None, why)`` (the reason a run prints when it skips the peer)."""
+    try:
+        from dynamo._core import RadixTree
+    except Exception as exc:  # ImportError, or a wheel built for another ABI
+        return None, (
+            f"ai-dynamo-runtime is not importable ({type(exc).__name__}: {exc}); "
+            "pip install 'kvhit[peers]'"
+        )
+    return RadixTree, ""
+
+
+def as_u64(words: np.ndarray) -> list[int]:
+    """int64 ``[n]`` key words as Dynamo's unsigned block hashes."""
+    return np.ascontiguousarray(words, dtype=np.int64).view(np.uint64).tolist()
+
+
+class DynamoIndex:
+    """One worker's blocks in a Dynamo ``RadixTree``.
+
+    Args:
+        tree_cls: ``RadixTree`` (from :func:`load_dynamo`).
+    """
+
+    def __init__(self, tree_cls: Any) -> None:
+        self.tree = tree_cls()
+        self.event_id = 0
+
+    def store(self, chains: Sequence[list[int]]) -> int:
+        """One ``stored`` event per chain (a prompt's block hashes from its
+        first block, u64), as a worker emits them; returns the blocks sent."""
+        apply, n = self.tree.apply_event, 0
+        for chain in chains:
+            if not chain:
+                continue
+            self.event_id += 1
+            blocks = [{"block_hash": h, "tokens_hash": h} for h in chain]
+            event = {
+                "event_id": self.event_id,
+                "data": {"stored": {"parent_hash": None, "blocks": blocks}},
+            }
+            apply(_WORKER, json.dumps(event).encode())
+            n += len(chain)
+        return n
+
+    def store_after(self, parent: int | None, blocks: list[int]) -> None:
+        """One ``stored`` event: ``blocks`` (u64) continuing the block
+        ``parent`` (None: from the root), as a worker reports new blocks."""
+        self.event_id += 1
+        event = {
+            "event_id": self.event_id,
+            "data": {
+                "stored": {
+                    "parent_hash": parent,
+                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in blocks],
+                }
+            },
+        }
+        self.tree.apply_event(_WORKER, json.dumps(event).encode())
+
+    def find(self, chains: Sequence[list[int]]) -> list[int]:
+        """Leading blocks held, per chain: one ``find_matches`` each."""
+        find = self.tree.find_matches
+        return [find(c).scores.get((_WORKER, 0), 0) for c in chains]

@@ -1,0 +1,130 @@
+"""What every Triton launcher of kvhit shares: the device guard, the features
+the kernels need, and a fix for Triton 3.6's interpreter.
+
+Triton 3.6.0 is the oldest Triton kvhit supports (``pyproject.toml``): it is
+what the GPU machine this project is lent has installed, with no way to
+upgrade it. :data:`FEATURES` names what the kernels use that an older Triton
+may lack, :func:`missing_features` checks them (``bench/gpu_check.py`` stops
+on a missing one), and ``.ci/device-twin`` compiles and runs every kernel
+under 3.6.0 in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import re
+
+import torch
+
+__all__ = ["FEATURES", "device_guard", "fix_interpreter", "missing_features"]
+
+#: What the kernels need from Triton beyond its core, and where:
+#: ``atomic_cas`` / ``atomic_xchg(sem=)`` the insert's claim and publish,
+#: ``atomic_min(sem=)`` the erase, ``atomic_or(sem=)`` the acquire read of
+#: ``find_slots(ACQUIRE=True)`` (Triton 3.6 has no ``atomic_load``),
+#: ``debug_barrier`` the insert's words-before-group-id order,
+#: ``static_range`` every unrolled word loop, and the ``maxnreg`` launch
+#: option the scan kernel's register budget (``kernels/scan.py``).
+FEATURES = (
+    "atomic_cas",
+    "atomic_xchg(sem)",
+    "atomic_min(sem)",
+    "atomic_or(sem)",
+    "debug_barrier",
+    "static_range",
+    "maxnreg",
+)
+
+
+def _has_sem(fn: object) -> bool:
+    try:
+        return "sem" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _has_maxnreg() -> bool:
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return any(f.name == "maxnreg" for f in dataclasses.fields(CUDAOptions))
+
+
+def feature_table() -> dict[str, bool]:
+    """Each name of :data:`FEATURES` -> whether the installed Triton has it.
+    Imports triton."""
+    import triton.language as tl
+
+    table = {}
+    for name in FEATURES:
+        if name == "maxnreg":
+            table[name] = _has_maxnreg()
+        elif name.endswith("(sem)"):
+            fn = getattr(tl, name[: -len("(sem)")], None)
+            table[name] = fn is not None and _has_sem(fn)
+        else:
+            table[name] = hasattr(tl, name)
+    return table
+
+
+def missing_features() -> list[str]:
+    """The names of :data:`FEATURES` the installed Triton lacks (empty when it
+    can build every kvhit kernel)."""
+    return [name for name, ok in feature_table().items() if not ok]
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current device of its kind while a kernel launches.
+
+    Triton launches on the current device's current stream, not on the
+    device of its tensor arguments: a table on ``cuda:1`` launched while
+    ``cuda:0`` is current would be read through device 0's context (illegal
+    addresses). A no-op for the CPU (the interpreter) and for a device
+    without an index; device-agnostic (``torch.get_device_module``).
+    """
+    if device.type == "cpu" or device.index is None:
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device.index)
+
+
+def _version(v: str) -> tuple[int, int]:
+    major, minor = (int(x) for x in re.findall(r"\d+", v)[:2])
+    return major, minor
+
+
+_interpreter_fixed = False
+
+
+def fix_interpreter() -> None:
+    """Let Triton 3.6's interpreter run ``for i in range(n)`` over a runtime
+    scalar ``n``; a no-op unless ``TRITON_INTERPRET=1`` and Triton < 3.8.
+
+    The 3.6 interpreter holds every scalar as a one-element 1-d numpy array
+    and converts it for ``range`` with ``int(array)``, which numpy 2 refuses
+    (``TypeError: only 0-dimensional arrays can be converted to Python
+    scalars``); 3.8 squeezes first. The scan kernel loops over SpecGroups,
+    members and groups with such ranges, compiled fine by every Triton, so
+    the fix belongs to the interpreter: its per-launch patch of
+    ``tl.tensor`` is wrapped to convert with ``.item()`` instead. Idempotent.
+    """
+    global _interpreter_fixed
+    if _interpreter_fixed or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    import triton
+    from triton.runtime import interpreter
+
+    _interpreter_fixed = True
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or _version(triton.__version__) >= (3, 8):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched

@@ -1,0 +1,268 @@
+"""The package's layers, read from the source (ARCHITECTURE.md, "Layers").
+
+Every module under kernels/, coordinator/, bindings/, bench/ and kvhit/ is
+parsed (not imported) and each import statement found, at module level or
+inside a function, is checked against the layering:
+
+- kernels/ imports nothing from coordinator/, bindings/ or bench/;
+- coordinator/ imports nothing from bindings/ or bench/;
+- bindings/ reach kernels/ only through coordinator/;
+- nothing in the package imports from tests/ (nor puts tests/ on sys.path);
+- the graph of kvhit's modules, drawn from every import that runs (at module
+  level or inside a function: a function-level import only hides a cycle;
+  not those under ``if TYPE_CHECKING``), has no cycle;
+- coordinator/ imports neither triton nor numba at module level.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: folder -> the package it is installed as (pyproject's package-dir).
+PACKAGES = {
+    "kvhit": "kvhit",
+    "kernels": "kvhit.kernels",
+    "coordinator": "kvhit.coordinator",
+    "bindings": "kvhit.bindings",
+    "bench": "kvhit.bench",
+}
+TEST_MODULES = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+#: Benchmark scripts run from a source checkout that start the test suite's
+#: real-store fixtures (tests/mooncake_fixture.py, tests/vllm_sched_harness.py).
+#: They are the only package files allowed to reach tests/; each name listed
+#: here is a module of tests/ they import.
+CHECKOUT_SCRIPTS = {
+    "kvhit.bench.bench_mooncake_refresh": {"mooncake_fixture"},
+    "kvhit.bench.bench_vllm_step": {"mooncake_fixture", "vllm_sched_harness"},
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # the imported module (absolute, dotted)
+    line: int
+    at_import_time: bool  # module level and outside ``if TYPE_CHECKING``
+    type_only: bool = False  # under ``if TYPE_CHECKING``: never runs
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    stem = [] if rel.stem == "__init__" else [rel.stem]
+    return ".".join([PACKAGES[rel.parts[0]], *rel.parts[1:-1], *stem])
+
+
+def _all_modules() -> dict[str, Path]:
+    out = {}
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            out[_module_name(path)] = path
+    return out
+
+
+MODULES = _all_modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    is_pkg = MODULES.get(module, Path()).name == "__init__.py"
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str, tree: ast.Module) -> list[Import]:
+    found: list[Import] = []
+
+    def visit(nodes: list[ast.stmt], top: bool, typing: bool = False) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend(
+                    Import(a.name, node.lineno, top, typing) for a in node.names
+                )
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node)
+                for a in node.names:
+                    # ``from pkg import mod`` imports the submodule pkg.mod.
+                    sub = f"{base}.{a.name}"
+                    target = sub if sub in MODULES else base
+                    found.append(Import(target, node.lineno, top, typing))
+            elif isinstance(node, ast.If) and _is_type_checking(node):
+                visit(node.body, False, True)
+                visit(node.orelse, top, typing)
+            elif isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                # A class body runs at import time; a function body does not.
+                visit(node.body, top and isinstance(node, ast.ClassDef), typing)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    child = getattr(node, field, None)
+                    if isinstance(child, list):
+                        body = [c for c in child if isinstance(c, ast.AST)]
+                        visit(body, top, typing)
+
+    visit(tree.body, True)
+    return found
+
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+IMPORTS = {m: _imports(m, _parse(p)) for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in {
+        "kernels", "coordinator", "bindings", "bench",
+    } else "kvhit"  # fmt: skip
+
+
+def _in(target: str, layer: str) -> bool:
+    return target == f"kvhit.{layer}" or target.startswith(f"kvhit.{layer}.")
+
+
+def test_every_folder_is_read():
+    layers = {_layer(m) for m in MODULES}
+    assert layers == {"kvhit", "kernels", "coordinator", "bindings", "bench"}
+    assert "kvhit.coordinator.reference" in MODULES
+    assert any(
+        i.target == "kvhit.kernels.contract" for i in IMPORTS["kvhit.kernels.scan"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        ("kernels", ("coordinator", "bindings", "bench")),
+        ("coordinator", ("bindings", "bench")),
+    ],
+)
+def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
+    bad = [
+        f"{m}:{i.line} imports {i.target}"
+        for m, imports in IMPORTS.items()
+        if _layer(m) == layer
+        for i in imports
+        if any(_in(i.target, f) for f in forbidden)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_bindings_reach_kernels_only_through_the_coordinator():
+    bad = [
+        f"{m}:{i.line} imports {i.target}"
+        for m, imports in IMPORTS.items()
+        if _layer(m) == "bindings"
+        for i in imports
+        if _in(i.target, "kernels")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_in_the_package_reaches_into_tests():
+    bad = []
+    for m, imports in IMPORTS.items():
+        allowed = CHECKOUT_SCRIPTS.get(m, set())
+        for i in imports:
+            top = i.target.split(".")[0]
+            if top in TEST_MODULES and top not in allowed:
+                bad.append(f"{m}:{i.line} imports {i.target}")
+        if m in CHECKOUT_SCRIPTS:
+            continue
+        for node in ast.walk(_parse(MODULES[m])):
+            # A path to tests/ (``ROOT / "tests"``, ``sys.path.insert(...)``)
+            # in code; docstrings and comments may name test files.
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.rstrip("/") == "tests"
+            ):
+                bad.append(f"{m}:{node.lineno} names the tests/ folder")
+    assert not bad, "\n".join(bad)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    return {
+        m: {i.target for i in imports if not i.type_only and i.target in MODULES} - {m}
+        for m, imports in IMPORTS.items()
+    }
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = _find_cycle(_module_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_inside_functions_are_seen():
+    tree = ast.parse(
+        "import os\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import numba\n"
+        "def f():\n    from kvhit.coordinator import reference\n"
+        "try:\n    import triton\nexcept ImportError:\n    pass\n"
+    )
+    got = {
+        (i.target, i.at_import_time, i.type_only)
+        for i in _imports("kvhit.kernels.x", tree)
+    }
+    assert got == {
+        ("os", True, False),
+        ("typing", True, False),
+        ("numba", False, True),
+        ("kvhit.coordinator.reference", False, False),
+        ("triton", True, False),
+    }
+
+
+def test_coordinator_imports_no_compiler_at_import_time():
+    bad = [
+        f"{m}:{i.line} imports {i.target}"
+        for m, imports in IMPORTS.items()
+        if _layer(m) == "coordinator"
+        for i in imports
+        if i.at_import_time and i.target.split(".")[0] in {"triton", "numba"}
+    ]
+    assert not bad, "\n".join(bad)

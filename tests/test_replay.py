@@ -1,0 +1,221 @@
+"""``kvhit replay`` and bench/replay.py on slices of the shipped trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhit import cli
+from kvhit.bench import replay as rp
+from kvhit.bench.harness import MismatchError
+from kvhit.bench.peers import load_dynamo
+from kvhit.bench.traces import TraceRequest, load_trace
+from kvhit.bench.workloads import PRESETS
+
+TRACE = load_trace(limit=240)
+HAVE_DYNAMO = load_dynamo()[0] is not None
+
+
+def _req(ts: int) -> TraceRequest:
+    import numpy as np
+
+    return TraceRequest(ts, 512, 1, np.array([ts], dtype=np.int64))
+
+
+def test_steps_of_windows_and_fixed_batches() -> None:
+    reqs = [_req(t) for t in (0, 50, 99, 100, 250, 251, 1000)]
+    assert rp.steps_of(reqs, 100, 1, None) == [[0, 1, 2], [3], [4, 5], [6]]
+    # speedup 10: a 100 ms step covers 1 s of trace time.
+    assert rp.steps_of(reqs, 100, 10, None) == [[0, 1, 2, 3, 4, 5], [6]]
+    assert rp.steps_of(reqs, 100, 1, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    # Out-of-order timestamps: each falls in its window, in arrival order.
+    shuffled = [_req(t) for t in (150, 10, 120)]
+    assert rp.steps_of(shuffled, 100, 1, None) == [[1], [2, 0]]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_replays_checked_by_the_reference(preset: str) -> None:
+    # Every step checked by the reference loop (MismatchError otherwise).
+    cfg = rp.ReplayConfig(preset=preset, reference_requests=len(TRACE))
+    res = rp.replay(cfg, requests=TRACE[:120])
+    assert res.requests == 120 and res.reference_requests == 120
+    assert res.prompt_tokens == sum(r.input_length for r in TRACE[:120])
+    assert 0 < res.hit_tokens <= res.prompt_tokens
+    assert res.store_keys > 0
+    if preset == "llama":  # full attention only: the claim is the exact hit
+        assert res.claimed_tokens == res.hit_tokens
+    if preset == "dsv4-flash":  # hybrid + EAGLE: the claim overstates it
+        assert res.claimed_tokens > res.hit_tokens
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_bounded_store_evicts_and_stays_exact(preset: str) -> None:
+    cfg = rp.ReplayConfig(preset=preset, store_blocks=5000, reference_requests=240)
+    res = rp.replay(cfg, requests=TRACE[:120])
+    assert res.store_keys <= 5000 and res.evicted_keys > 0
+    free = rp.replay(rp.ReplayConfig(preset=preset), requests=TRACE[:120])
+    assert res.hit_tokens <= free.hit_tokens
+
+
+def test_a_wrong_answer_is_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.coordinator.engine import LookupEngine
+
+    real = LookupEngine.lookup
+
+    def off_by_one(self, batch, num_tokens, index):
+        return real(self, batch, num_tokens, index) + 16
+
+    monkeypatch.setattr(LookupEngine, "lookup", off_by_one)
+    with pytest.raises(MismatchError, match="reference"):
+        rp.replay(rp.ReplayConfig(preset="llama"), requests=TRACE[:40])
+
+
+def test_config_validates() -> None:
+    for bad in (
+        {"preset": "nope"},
+        {"step_ms": 0},
+        {"speedup": -1},
+        {"batch": 0},
+        {"store_blocks": 0},
+        {"reference_requests": -1},
+        {"peer": "sglang"},
+    ):
+        with pytest.raises(ValueError):
+            rp.ReplayConfig(**bad)
+
+
+def test_cli_replay_json_and_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["replay", "--preset", "qwen3-next", "--limit", "80", "-q"]
+    assert cli.main([*argv, "--json", str(out), "--batch", "8"]) == cli.EXIT_OK
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 80 and doc["steps"] == 10
+    assert doc["hit_rate"] == doc["hit_tokens"] / doc["prompt_tokens"]
+    assert "full-attention claim" in capsys.readouterr().out
+    # Bad arguments: exit 2 before any work.
+    for bad in (
+        ["replay", str(tmp_path / "missing.jsonl")],
+        ["replay", "--step-ms", "0"],
+        ["replay", "--speedup", "nan"],
+        ["replay", "--batch", "0"],
+        ["replay", "--peer", "sglang"],
+        ["replay", "--json", str(tmp_path / "no" / "x.json")],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(bad)
+        assert exc.value.code == cli.EXIT_USAGE, bad
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1]}\n')
+    assert cli.main(["replay", str(bad_trace), "-q"]) == cli.EXIT_USAGE
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_cli_mismatch_exits_1_and_internal_error_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def mismatch(*a, **k):
+        raise MismatchError("kvhit=1 reference=0")
+
+    monkeypatch.setattr(rp, "replay", mismatch)
+    assert cli.main(["replay", "--limit", "5", "-q"]) == cli.EXIT_MISMATCH
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rp, "replay", broken)
+    assert cli.main(["replay", "--limit", "5", "-q"]) == cli.EXIT_INTERNAL
+    assert "boom" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    argv = ["replay", "--preset", "gemma3", "--limit", "60", "-q", "--plot", str(png)]
+    assert cli.main(argv) == cli.EXIT_OK
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+@pytest.mark.parametrize("preset", ["llama", "dsv4-flash"])
+def test_dynamo_peer_agrees_on_a_trace_slice(preset: str) -> None:
+    res = rp.replay(rp.ReplayConfig(preset=preset, peer="dynamo"), requests=TRACE)
+    assert res.peer_skipped is None and res.peer_checked == len(TRACE)
+    assert res.peer_blocks_stored > 0
+    assert all(s.peer_lookup_s is not None for s in res.steps)
+    if preset == "llama":
+        assert res.claimed_tokens == res.hit_tokens
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_dynamo_disagreeing_is_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench.peers import DynamoIndex
+
+    real = DynamoIndex.find
+    monkeypatch.setattr(
+        DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
+    )
+    with pytest.raises(MismatchError, match="dynamo"):
+        rp.replay(rp.ReplayConfig(preset="llama", peer="dynamo"), requests=TRACE[:20])
+
+
+def test_peer_absent_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(rp, "load_dynamo", lambda: (None, "not installed here"))
+    res = rp.replay(rp.ReplayConfig(preset="llama", peer="dynamo"), requests=TRACE[:20])
+    assert res.peer_skipped == "not installed here" and res.peer_checked == 0
+    assert "skipped: not installed here" in rp.format_report(res)
+
+
+# -- kvhit bench --peer dynamo (bench/harness.py) -----------------------------
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_bench_peer_column_on_a_trace_slice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b.json"
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "1,8", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit",
+            "150", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_OK
+    assert "kvhit vs dynamo" in capsys.readouterr().out
+    peers = json.loads(out.read_text())["peers"]
+    assert [p["batch_size"] for p in peers] == [1, 8]
+    assert all(p["requests"] == 150 and p["mismatches"] == 0 for p in peers)
+    # A step does not see its own stores: bigger steps hit no more.
+    assert peers[0]["hit_blocks"] >= peers[1]["hit_blocks"] > 0
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench.peers import DynamoIndex
+
+    real = DynamoIndex.find
+    monkeypatch.setattr(
+        DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
+    )
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "4", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit", "20"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_MISMATCH
+
+
+def test_bench_peer_absent_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import harness
+
+    monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
+    rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
+    assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
+
+
+def test_rows_past() -> None:
+    import numpy as np
+
+    from kvhit.bench import harness
+
+    got = harness.peer_rows_past(
+        np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
+    )
+    assert got.tolist() == [1, 2, 8, 9]
