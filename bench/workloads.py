@@ -123,11 +123,14 @@ def _llama() -> CacheLayout:
 
 @dataclass(frozen=True)
 class Preset:
-    """A named cache layout the benchmarks and the CLI know."""
+    """A named cache layout the benchmarks and the CLI know, and the traffic
+    shape its workloads take (``"serving"``: the multi-turn model of the
+    module docstring; ``"long-hit"``: :func:`generate_long_hit`)."""
 
     name: str
     description: str
     factory: Callable[[], CacheLayout] = field(repr=False)
+    traffic: Literal["serving", "long-hit"] = "serving"
 
     def layout(self) -> CacheLayout:
         return self.factory()
@@ -154,6 +157,14 @@ PRESETS: dict[str, Preset] = {
             _gemma3,
         ),
         Preset("llama", "plain full attention: Full 16; hash 16", _llama),
+        Preset(
+            "dsv4-longhit",
+            "dsv4-flash's layout under long-hit traffic: 16 max-tokens system "
+            "prompts (Zipf 1), prompts max/8..max uniform sharing 25/50/90/100 % "
+            "of a system prompt, half of them stored, 2 % evicted",
+            _dsv4_flash,
+            traffic="long-hit",
+        ),
     )
 }
 
@@ -532,6 +543,8 @@ def generate(
         layout, name = preset, preset_name or "custom"
     else:
         layout, name = make_layout(preset), preset
+        if PRESETS[preset].traffic == "long-hit":
+            return generate_long_hit(layout, cfg, progress, name)
     hbs = layout.hash_block_size
     rng = random.Random(cfg.seed)
     hasher = _Hasher(cfg.hash_bytes, cfg.seed)
@@ -626,6 +639,115 @@ def generate(
             history_requests=n_hist,
             keys_stored=keys_stored,
             keys_suffix_evicted=suffix_evicted,
+            keys_random_evicted=n_random,
+            seconds=time.perf_counter() - t0,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class LongHitShape:
+    """The long-hit traffic shape (issue 20), in fractions of the config's
+    ``max_tokens`` so that one shape serves every prompt scale (16,384 tokens,
+    the CLI's default, gives the issue's numbers).
+
+    Attributes:
+        num_system_prompts: system prompts of ``max_tokens`` tokens each.
+        zipf_s: Zipf exponent of the system-prompt choice.
+        min_fraction: shortest prompt as a fraction of ``max_tokens`` (prompt
+            lengths are uniform in ``[max(min_tokens, max_tokens *
+            min_fraction), max_tokens]``).
+        shared_fractions: a request shares one of these fractions (uniformly
+            chosen) of its prompt with its system prompt; the rest is unique.
+        stored_fraction: fraction of the batch's requests whose
+            ``store_mask`` keys the store holds (served earlier).
+        random_evict_fraction: fraction of the store's keys then removed at
+            random.
+    """
+
+    num_system_prompts: int = 16
+    zipf_s: float = 1.0
+    min_fraction: float = 0.125
+    shared_fractions: tuple[float, ...] = (0.25, 0.5, 0.9, 1.0)
+    stored_fraction: float = 0.5
+    random_evict_fraction: float = 0.02
+
+
+LONG_HIT = LongHitShape()
+
+
+def generate_long_hit(
+    layout: CacheLayout,
+    config: TrafficConfig | None = None,
+    progress: ProgressFn | None = None,
+    preset_name: str = "long-hit",
+    shape: LongHitShape = LONG_HIT,
+) -> Workload:
+    """A long-hit workload: long prompts that mostly repeat one of a few long
+    system prompts, against a large store (hits are long, the table is far
+    past the caches).
+
+    Of ``config`` only ``num_requests``, ``min_tokens``, ``max_tokens``,
+    ``hash_bytes`` and ``seed`` apply; the rest of the shape is ``shape``.
+    The store holds what ``ReferenceCoordinator.store_mask`` keeps (plus Mamba
+    states, as :func:`generate`) for a random ``stored_fraction`` of the
+    batch's own requests, minus ``random_evict_fraction`` of its keys.
+    At the defaults and 4096 requests of dsv4-flash's layout that is ~600K
+    keys, the shape of issue 20.
+    """
+    cfg = config or TrafficConfig()
+    t0 = time.perf_counter()
+    hbs = layout.hash_block_size
+    rng = random.Random(cfg.seed)
+    hasher = _Hasher(cfg.hash_bytes, cfg.seed)
+    hi = cfg.max_tokens
+    lo = min(hi, max(cfg.min_tokens, int(hi * shape.min_fraction)))
+    sys_units = hi // hbs
+    sys_streams = [_Stream(hasher) for _ in range(shape.num_system_prompts)]
+    zipf_cum = list(
+        itertools.accumulate(
+            1.0 / (k + 1) ** shape.zipf_s for k in range(shape.num_system_prompts)
+        )
+    )
+    hash_lists: list[list[bytes]] = []
+    num_tokens: list[int] = []
+    tick = _Progress(progress, "traffic", cfg.num_requests)
+    for r in range(cfg.num_requests):
+        k = bisect.bisect_left(zipf_cum, rng.random() * zipf_cum[-1])
+        length = rng.randint(lo, hi)
+        frac = shape.shared_fractions[rng.randrange(len(shape.shared_fractions))]
+        units = length // hbs
+        # Whole hash units only: a unit straddling the shared part holds
+        # unique tokens too.
+        shared = min(units, int(length * frac) // hbs)
+        prefix = sys_streams[k].ensure(sys_units)[:shared]
+        hash_lists.append(_Stream(hasher, prefix).ensure(units))
+        num_tokens.append(length)
+        tick(r + 1)
+    ref = ReferenceCoordinator(layout)
+    store: dict[Key, None] = {}
+    n_stored = round(cfg.num_requests * shape.stored_fraction)
+    served = sorted(rng.sample(range(cfg.num_requests), n_stored))
+    tick = _Progress(progress, "store", n_stored)
+    for i, r in enumerate(served):
+        _store_request(ref, layout, store, hash_lists[r], num_tokens[r], 0)
+        tick(i + 1)
+    keys_stored = len(store)
+    n_random = int(len(store) * shape.random_evict_fraction)
+    if n_random:
+        for key in rng.sample(list(store), n_random):
+            del store[key]
+    return Workload(
+        preset=preset_name,
+        layout=layout,
+        config=cfg,
+        hash_lists=tuple(hash_lists),
+        num_tokens=tuple(num_tokens),
+        store_keys=frozenset(store),
+        stats=WorkloadStats(
+            history_requests=n_stored,
+            keys_stored=keys_stored,
+            keys_suffix_evicted=0,
             keys_random_evicted=n_random,
             seconds=time.perf_counter() - t0,
         ),

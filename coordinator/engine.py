@@ -639,6 +639,44 @@ class LookupEngine:
             dense.append(is_dense)
         return MaskBatch(tuple(masks), tuple(lengths), tuple(dense))
 
+    # -- fleets of engines (coordinator/fleet.py) ---------------------------------
+
+    def fleet_hits(
+        self,
+        batch: HashBatch,
+        max_lengths: torch.Tensor | Sequence[int],
+        fleet: Any,
+        apply_eagle: bool = True,
+    ) -> torch.Tensor:
+        """:meth:`find_longest_cache_hit` of every request against every
+        engine of ``fleet`` (a :class:`~kvhit.coordinator.fleet.FleetIndex`),
+        one call: int64 ``[B, E]``, entry ``[b, e]`` the hit against engine
+        ``e``'s keys alone (0 for an engine removed from the fleet).
+        ``max_lengths``: int64 ``[B]``. See ``coordinator/fleet.py`` for the
+        cost per layout."""
+        from kvhit.coordinator.fleet import check_fleet, fleet_find
+
+        self._check_batch(batch, None, need_index=False)
+        check_fleet(fleet, batch, self.device)
+        max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
+        return fleet_find(self, batch, max_lengths, fleet, bool(apply_eagle))
+
+    def fleet_lookup(
+        self,
+        batch: HashBatch,
+        num_tokens: torch.Tensor | Sequence[int],
+        fleet: Any,
+    ) -> torch.Tensor:
+        """:meth:`lookup` (the store worker's rule, ``num_tokens - 1`` for a
+        whole-prompt hit) of every request against every engine of ``fleet``:
+        int64 ``[B, E]``; ``num_tokens`` int64 ``[B]``."""
+        from kvhit.coordinator.fleet import check_fleet, fleet_find
+
+        self._check_batch(batch, None, need_index=False)
+        check_fleet(fleet, batch, self.device)
+        num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
+        return fleet_find(self, batch, num_tokens, fleet, True, lookup=True)
+
 
 __all__ = [
     "BACKENDS",

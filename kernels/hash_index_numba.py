@@ -24,14 +24,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.probe_numba import key_slot_hash, slot_holds_key, table_find
+from kvhit.kernels.probe_numba import (
+    key_slot_hash,
+    prefetch_row,
+    slot_holds_key,
+    table_find,
+)
 
 __all__ = ["erase", "find", "insert", "probe", "rehash"]
 
@@ -44,36 +45,11 @@ _TOMBSTONE = np.int64(TOMBSTONE)
 _AHEAD = 8
 
 
-@intrinsic
-def _prefetch_row(typingctx, table, slot):
-    """Hint the CPU to start loading ``table[slot, 0]`` (a read, kept in all
-    cache levels); no effect on results."""
-    sig = types.void(table, slot)
-
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        ptr = cgutils.get_item_pointer(
-            context, builder, aty, ary, [args[1], zero], wraparound=False
-        )
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # (address, rw=read, locality=3 (keep), cache=data)
-        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
-        builder.call(fn, [*args, ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @numba.njit(inline="always", cache=True, nogil=True)
 def _prefetch_home(table, gids, keys, r):
     """Prefetch the home slot of key ``r`` when there is such a key."""
     if r < gids.shape[0]:
-        _prefetch_row(table, key_slot_hash(gids[r], keys, r) & (table.shape[0] - 1))
+        prefetch_row(table, key_slot_hash(gids[r], keys, r) & (table.shape[0] - 1))
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -160,7 +136,7 @@ def _rehash_kernel(old, new):
     for s in range(old.shape[0]):
         ahead = s + _AHEAD
         if ahead < old.shape[0] and old[ahead, 0] >= 0:
-            _prefetch_row(new, key_slot_hash(old[ahead, 0], words, ahead) & mask)
+            prefetch_row(new, key_slot_hash(old[ahead, 0], words, ahead) & mask)
         gid = old[s, 0]
         if gid < 0:
             continue

@@ -13,10 +13,34 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, LOW33, LOW35, M1, M2, M3, SEED
 
-__all__ = ["key_slot_hash", "slot_holds_key", "table_find"]
+__all__ = [
+    "COUNT_COLS",
+    "C_HITS",
+    "C_LINES",
+    "C_PROBES",
+    "C_SLOTS",
+    "key_slot_hash",
+    "prefetch_row",
+    "slot_holds_key",
+    "table_find",
+    "table_find_counted",
+]
+
+# Counter columns of :func:`table_find_counted`: probes, probes that found
+# their key, table slots visited, 64-byte cache lines touched.
+C_PROBES = 0
+C_HITS = 1
+C_SLOTS = 2
+C_LINES = 3
+COUNT_COLS = 4
+_LINE = 64
 
 _SEED = np.int64(SEED)
 _M1 = np.int64(M1)
@@ -25,6 +49,31 @@ _M3 = np.int64(M3)
 _LOW33 = np.int64(LOW33)
 _LOW35 = np.int64(LOW35)
 _EMPTY = np.int64(EMPTY)
+
+
+@intrinsic
+def prefetch_row(typingctx, arr, i):
+    """Hint the CPU to start loading ``arr[i, 0]`` (a 2-D array; a read, kept
+    in all cache levels); no effect on results."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aty, ary, [args[1], zero], wraparound=False
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # (address, rw=read, locality=3 (keep), cache=data)
+        args = [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3)]
+        builder.call(fn, [*args, ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -69,3 +118,45 @@ def table_find(table, gid, keys, r):
             return -1
         slot = (slot + 1) & mask
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def table_find_counted(table, gid, keys, r, cnt, base):
+    """:func:`table_find`, counting into ``cnt[base + C_*]`` (int64): one
+    probe, whether it hit, the slots it visited and the distinct 64-byte
+    lines it read (column 0 of every visited slot, and the key words it
+    compared; the table's first row taken as line-aligned). An instrument
+    (``kvhit.kernels.scan_numba.count_probes``), never on the fast path."""
+    cap = table.shape[0]
+    mask = cap - 1
+    width = table.shape[1]
+    slot = key_slot_hash(gid, keys, r) & mask
+    cnt[base + C_PROBES] += 1
+    last = -1
+    found = -1
+    for _ in range(cap):
+        cnt[base + C_SLOTS] += 1
+        line = (slot * width * 8) // _LINE
+        if line != last:
+            cnt[base + C_LINES] += 1
+            last = line
+        g = table[slot, 0]
+        if g == gid:
+            same = True
+            for j in range(keys.shape[1]):
+                line = ((slot * width + 1 + j) * 8) // _LINE
+                if line != last:
+                    cnt[base + C_LINES] += 1
+                    last = line
+                if table[slot, 1 + j] != keys[r, j]:
+                    same = False
+                    break
+            if same:
+                found = slot
+                break
+        elif g == _EMPTY:
+            break
+        slot = (slot + 1) & mask
+    if found >= 0:
+        cnt[base + C_HITS] += 1
+    return found

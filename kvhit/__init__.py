@@ -24,11 +24,14 @@ _EXPORTS: dict[str, str] = {
     "KeyIndex": "kvhit.coordinator.key_index",
     "LookupEngine": "kvhit.coordinator.engine",
     "LookupResult": "kvhit.coordinator.engine",
+    "FleetIndex": "kvhit.coordinator.fleet",
+    "route": "kvhit.coordinator.fleet",
 }
 
 __all__ = [
     "CacheLayout",
     "ChunkedLocal",
+    "FleetIndex",
     "FullAttention",
     "Group",
     "HashBatch",
@@ -39,10 +42,12 @@ __all__ = [
     "ReferenceCoordinator",
     "SlidingWindow",
     "SpecGroup",
+    "route",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvhit.coordinator.engine import LookupEngine, LookupResult
+    from kvhit.coordinator.fleet import FleetIndex, route
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
     from kvhit.coordinator.reference import ReferenceCoordinator

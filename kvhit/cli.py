@@ -770,6 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub, presets_help)
     _add_bench(sub, presets_help)
     _add_replay(sub, presets_help)
+    from kvhit.bench.route import add_route_parser  # `kvhit route` (issue 19)
+
+    add_route_parser(sub)
     return parser
 
 

@@ -10,6 +10,7 @@ load-mask triples included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,10 +28,24 @@ from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_triple
+from kvhit.kernels import scan_numba
 from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
 THREADS = [False, True]
+
+
+@contextlib.contextmanager
+def _prefetching(on: bool):
+    """Force the scans' prefetching on (every batch size) or leave the
+    launcher's batch-size rule: small hypothesis batches never reach it."""
+    saved = scan_numba.PREFETCH_MIN_REQUESTS
+    if on:
+        scan_numba.PREFETCH_MIN_REQUESTS = 0
+    try:
+        yield
+    finally:
+        scan_numba.PREFETCH_MIN_REQUESTS = saved
 
 
 def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
@@ -41,6 +56,7 @@ def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
     ]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("parallel", THREADS)
 @settings(max_examples=EXAMPLES)
 @given(
@@ -50,7 +66,7 @@ def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
     with_index=st.booleans(),
 )
 def test_find_triples_match_the_reference_backend(
-    parallel, data, apply_eagle, restrict, with_index
+    parallel, prefetch, data, apply_eagle, restrict, with_index
 ):
     """Hits and load-mask triples, with and without an index and the store
     worker's candidate restriction (token_lens), equal the reference's."""
@@ -74,30 +90,35 @@ def test_find_triples_match_the_reference_backend(
         want_hit, want_tri = ref_b.find(view, max_lengths, index, apply_eagle)
     except ValueError:
         return  # the reference refuses (a scan past the hashes)
-    hit, tri = numba_b.find(view, max_lengths, index, apply_eagle)
+    with _prefetching(prefetch):
+        hit, tri = numba_b.find(view, max_lengths, index, apply_eagle)
     assert hit.dtype == tri.dtype == torch.int64
     assert hit.tolist() == want_hit.tolist()
     assert _masks(tri) == _masks(want_tri)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("parallel", THREADS)
 @settings(max_examples=EXAMPLES)
 @given(data=case(max_requests=6))
-def test_lookup_matches_the_reference(parallel, data):
+def test_lookup_matches_the_reference(parallel, prefetch, data):
     layout, requests, exists, lens = data
     backend = NumbaBackend(ScanPlan.from_layout(layout), torch.device("cpu"))
     backend.parallel = parallel
     batch = HashBatch.from_bytes(requests, 8, "cpu")
-    got = backend.lookup(
-        batch.view(), torch.tensor(lens, dtype=torch.int64), key_index(exists)
-    )
+    with _prefetching(prefetch):
+        got = backend.lookup(
+            batch.view(), torch.tensor(lens, dtype=torch.int64), key_index(exists)
+        )
     ref = ReferenceCoordinator(layout)
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
     assert got.tolist() == want
 
 
 @pytest.mark.parametrize("parallel", [False, True, None])
-@pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama"])
+@pytest.mark.parametrize(
+    "preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama", "dsv4-longhit"]
+)
 def test_workload_batches_match_the_reference(preset, parallel):
     """A serving-like batch (shared prefixes, multi-turn growth, evictions) of
     more requests than the threading threshold, and a permutation of it."""
@@ -180,3 +201,75 @@ def test_numba_is_imported_only_by_its_first_use():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _count(layout, requests, lens, exists):
+    from kvhit.coordinator.plan import plan_tensors
+    from kvhit.kernels.scan_numba import count_probes
+
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    view = HashBatch.from_bytes(requests, 8, "cpu").view()
+    return count_probes(
+        view.rows.numpy(), view.offsets.numpy(), view.lengths.numpy(),
+        np.asarray(lens, dtype=np.int64), sg.numpy(), cand.numpy(),
+        table=key_index(exists).table.numpy(),
+        hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+        partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+    )  # fmt: skip
+
+
+def test_count_probes_counts_a_full_attention_run():
+    """Full attention over 10 blocks with the first 6 stored: 6 hits and the
+    miss that ends the run, each a probe of at least one slot and line."""
+    from kvhit.kernels.probe_numba import (
+        C_HITS,
+        C_LINES,
+        C_PROBES,
+        C_SLOTS,
+        COUNT_COLS,
+    )
+
+    layout = make_layout("llama")
+    hashes = [bytes([i + 1]) * 8 for i in range(10)]
+    hit, counts = _count(layout, [hashes], [160], {(0, h) for h in hashes[:6]})
+    assert hit.tolist() == [96]
+    assert counts[0, C_PROBES] == 7 and counts[0, C_HITS] == 6
+    assert counts[0, C_SLOTS] >= 7 and counts[0, C_LINES] >= 7
+    assert counts.shape == (1, COUNT_COLS + 1) and counts[0, COUNT_COLS] == 7
+
+
+def test_count_probes_answers_as_the_lookup_and_meets_the_floor():
+    from kvhit.bench.probe_count import probe_floor
+    from kvhit.kernels.probe_numba import C_PROBES, COUNT_COLS
+
+    wl = generate("dsv4-longhit", TrafficConfig(num_requests=24, max_tokens=2048))
+    requests = [list(h) for h in wl.hash_lists]
+    short = [[h[:8] for h in hl] for hl in requests]
+    exists = {(g, h[:8]) for g, h in wl.store_keys}
+    hit, counts = _count(wl.layout, short, list(wl.num_tokens), exists)
+    ref = ReferenceCoordinator(wl.layout)
+    want = [
+        ref.lookup(n, hl, exists) for hl, n in zip(short, wl.num_tokens, strict=True)
+    ]
+    assert hit.tolist() == want and any(want)
+    # Per SpecGroup columns add up to the probes.
+    assert (counts[:, COUNT_COLS:].sum(axis=1) == counts[:, C_PROBES]).all()
+    floor = probe_floor(wl, want)
+    assert all(c >= f for c, f in zip(counts[:, C_PROBES].tolist(), floor, strict=True))
+
+
+def test_probe_count_table():
+    """bench/probe_count.py's table: per-request means that add up."""
+    from kvhit.bench.probe_count import main, measure
+
+    wl = generate("dsv4-longhit", TrafficConfig(num_requests=16, max_tokens=2048))
+    t = measure(wl, repeats=2)
+    assert t.requests == 16
+    assert t.probes == pytest.approx(t.hits + t.misses)
+    assert t.probes == pytest.approx(sum(t.probes_by_group))
+    assert t.probes >= t.floor > 0
+    assert len(t.floor_by_group) == len(wl.layout.spec_groups)
+    assert t.slots_per_probe >= 1 and t.lines_per_probe >= 1
+    assert t.fixed_call_us > 0
+    assert main(["--requests", "4", "--preset", "llama"]) == 0

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvhit.bench.workloads import (
+    LONG_HIT,
     PRESETS,
     TrafficConfig,
     Workload,
     environment_info,
     generate,
+    generate_long_hit,
     make_layout,
 )
 from kvhit.coordinator.packing import pack_hashes
@@ -109,18 +112,36 @@ def test_hash_width_is_configurable(hash_bytes: int) -> None:
     assert {len(h) for hs in w.hash_lists for h in hs} == {hash_bytes}
 
 
+def _long_hit(preset: str) -> bool:
+    return PRESETS[preset].traffic == "long-hit"
+
+
 def test_store_is_non_empty_and_has_holes(workload: Workload) -> None:
     st = workload.stats
     assert workload.store_keys
-    assert st.keys_suffix_evicted > 0 and st.keys_random_evicted > 0
+    # Long-hit traffic evicts at random only (no suffix eviction).
+    assert st.keys_suffix_evicted > 0 or _long_hit(workload.preset)
+    assert st.keys_random_evicted > 0
     assert len(workload.store_keys) < st.keys_stored
     # Holes are visible to lookups: some hits shrink once evictions happen.
-    full = generate(
-        workload.preset,
-        TrafficConfig(
-            **{**SMALL.__dict__, "suffix_evict_prob": 0.0, "random_evict_fraction": 0.0}
-        ),
-    )
+    if _long_hit(workload.preset):
+        full = generate_long_hit(
+            workload.layout,
+            SMALL,
+            preset_name=workload.preset,
+            shape=replace(LONG_HIT, random_evict_fraction=0.0),
+        )
+    else:
+        full = generate(
+            workload.preset,
+            TrafficConfig(
+                **{
+                    **SMALL.__dict__,
+                    "suffix_evict_prob": 0.0,
+                    "random_evict_fraction": 0.0,
+                }
+            ),
+        )
     assert full.hash_lists == workload.hash_lists
     assert workload.store_keys < full.store_keys
     holed = workload.reference_lookup()
@@ -219,3 +240,49 @@ def test_environment_info_names_the_versions() -> None:
     info = environment_info()
     for key in ("date", "machine", "python", "torch", "triton", "numba"):
         assert info[key], key
+
+
+def test_long_hit_shape() -> None:
+    # Issue 20's shape at a small scale: dsv4-flash's layout, prompts
+    # max/8..max tokens sharing 25/50/90/100 % with one of 16 system prompts
+    # of max tokens, the store from half the requests, 2 % evicted.
+    cfg = TrafficConfig(num_requests=200, max_tokens=4096, seed=3)
+    w = generate("dsv4-longhit", cfg)
+    assert w.preset == "dsv4-longhit"
+    assert w.layout == make_layout("dsv4-flash")
+    hbs = w.layout.hash_block_size
+    assert all(512 <= n <= 4096 for n in w.num_tokens)
+    assert len(set(w.num_tokens)) > 100  # uniform, not a few values
+    assert w.stats.history_requests == 100
+    assert w.stats.keys_random_evicted == int(w.stats.keys_stored * 0.02)
+    # Requests on one system prompt agree on a prefix of one of the four
+    # fractions; none shares more than its fraction allows.
+    firsts: dict[bytes, list[int]] = {}
+    for i, h in enumerate(w.hash_lists):
+        firsts.setdefault(h[0], []).append(i)
+    assert 1 < len(firsts) <= 16
+    # Zipf(1): the most popular system prompt carries the most requests.
+    sizes = sorted((len(v) for v in firsts.values()), reverse=True)
+    assert sizes[0] > 3 * sizes[-1]
+    fractions = set()
+    for members in firsts.values():
+        ref = max(members, key=lambda i: w.num_tokens[i])
+        for i in members:
+            if i == ref:
+                continue
+            a, b = w.hash_lists[i], w.hash_lists[ref]
+            n = min(len(a), len(b))
+            common = next((k for k in range(n) if a[k] != b[k]), n)
+            fractions.add(round(common * hbs / w.num_tokens[i], 2))
+    assert {0.25, 0.5, 0.9, 1.0} & fractions
+    # Long hits: most stored requests' answers cover most of their prompt.
+    hits = w.reference_lookup()
+    assert sum(hits) > 0.4 * sum(w.num_tokens)
+
+
+def test_long_hit_is_deterministic_and_listed() -> None:
+    cfg = TrafficConfig(num_requests=40, max_tokens=2048, seed=5)
+    a, b = generate("dsv4-longhit", cfg), generate("dsv4-longhit", cfg)
+    assert a.hash_lists == b.hash_lists and a.store_keys == b.store_keys
+    assert PRESETS["dsv4-longhit"].traffic == "long-hit"
+    assert PRESETS["dsv4-flash"].traffic == "serving"

@@ -1,0 +1,282 @@
+"""Fleet scoring benchmark: B requests against E engines, and beside Dynamo.
+
+Workload (Mooncake conversation trace, ``bench/traces.py``): the first
+``warm`` requests are served round-robin by E engines, each engine saving
+what the store worker writes for its requests (``bench/route.py``'s
+:func:`saved_keys`); the next ``B`` requests are the batch scored against
+every engine. The same keys are spread over E engines at every E, so the
+sweep isolates the cost of E.
+
+Every timing is preceded by a parity check: ``fleet_hits`` equals a
+per-engine ``find_longest_cache_hit`` against that engine's keys alone (a
+KeyIndex each) for every request and engine, and on full attention (no
+EAGLE) each engine's hit in blocks equals Dynamo's ``RadixTree.find_matches``
+score for that worker, fed the same stores as KV events.
+
+Run ``python -m kvhit.bench.bench_fleet [--quick]``; prints Markdown tables
+of medians and ratios measured side by side in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvhit.bench.harness import MismatchError
+from kvhit.bench.peers import as_u64, load_dynamo
+from kvhit.bench.route import saved_keys, trace_batch
+from kvhit.bench.traces import load_trace
+from kvhit.bench.workloads import make_layout
+from kvhit.coordinator.engine import LookupEngine
+from kvhit.coordinator.fleet import FleetIndex
+from kvhit.coordinator.packing import HashBatch
+
+__all__ = [
+    "FleetWorkload",
+    "build_workload",
+    "dynamo_available",
+    "dynamo_tree",
+    "dynamo_scores",
+    "main",
+    "pack",
+]
+
+
+class FleetWorkload:
+    """Per-request hash words of the query batch, the prompt lengths, and the
+    stores: ``stores[e]`` = (group ids, hash words) of engine ``e``'s keys,
+    ``chains[e]`` the prompts (hash words) engine ``e`` served."""
+
+    def __init__(self, layout, words, tokens, served, served_tokens, engines):
+        self.layout = layout
+        self.words: list[np.ndarray] = words
+        self.tokens: np.ndarray = tokens
+        self.served: list[np.ndarray] = served
+        self.served_tokens: np.ndarray = served_tokens
+        self.engines = engines
+
+    def owner(self, i: int) -> int:
+        """The engine that served warm request ``i`` (round-robin)."""
+        return i % self.engines
+
+
+def build_workload(preset: str, engines: int, warm: int, batch: int,
+                   hash_bytes: int = 8) -> FleetWorkload:  # fmt: skip
+    """The trace's first ``warm`` requests served round-robin by ``engines``
+    engines, and the next ``batch`` as the query batch."""
+    layout = make_layout(preset)
+    reqs = load_trace(limit=warm + batch)
+    served, served_tokens = (
+        reqs[:warm],
+        np.array([r.input_length for r in reqs[:warm]], dtype=np.int64),
+    )
+    wb, _ = trace_batch(served, layout, hash_bytes)
+    offs = wb.offsets.numpy()
+    chains = [wb.hashes.numpy()[offs[i] : offs[i + 1]] for i in range(warm)]
+    qb, tokens = trace_batch(reqs[warm:], layout, hash_bytes)
+    qo = qb.offsets.numpy()
+    words = [qb.hashes.numpy()[qo[i] : qo[i + 1]] for i in range(len(tokens))]
+    return FleetWorkload(layout, words, tokens, chains, served_tokens, engines)
+
+
+def fill_fleet(engine: LookupEngine, wl: FleetWorkload, hash_bytes: int = 8,
+               chunk: int = 256) -> FleetIndex:  # fmt: skip
+    """A FleetIndex holding every engine's saved keys."""
+    fleet = FleetIndex(wl.engines, hash_bytes, capacity=1 << 16)
+    for lo in range(0, len(wl.served), chunk):
+        part = wl.served[lo : lo + chunk]
+        batch = pack(part, hash_bytes)
+        g, rows = saved_keys(engine, batch, wl.served_tokens[lo : lo + chunk])
+        req = torch.searchsorted(batch.offsets[1:], rows, right=True)
+        owner = (req + lo) % wl.engines
+        fleet.add(owner, g, batch.hashes[rows])
+    return fleet
+
+
+def pack(words: Sequence[np.ndarray], hash_bytes: int = 8) -> HashBatch:
+    """Per-request hash words -> a validated HashBatch (what a router does
+    with the hashes it computed for each request)."""
+    offsets = np.zeros(len(words) + 1, dtype=np.int64)
+    np.cumsum([len(w) for w in words], out=offsets[1:])
+    flat = np.concatenate(words) if words else np.zeros((0, 1), dtype=np.int64)
+    return HashBatch(torch.from_numpy(flat), torch.from_numpy(offsets), hash_bytes)
+
+
+def dynamo_available() -> bool:
+    """Whether ``ai-dynamo-runtime`` (``dynamo._core.RadixTree``) imports."""
+    return load_dynamo()[0] is not None
+
+
+def dynamo_tree(wl: FleetWorkload, full_blocks: Callable[[int], int]) -> Any:
+    """A Dynamo RadixTree fed, per served request, one ``stored`` event with
+    the chain of its first ``full_blocks(i)`` block hashes (as u64) from the
+    root, from worker ``owner(i)``."""
+    tree = load_dynamo()[0]()
+    for i, words in enumerate(wl.served):
+        n = full_blocks(i)
+        if n <= 0:
+            continue
+        hashes = as_u64(words[:n, 0])
+        event = {"event_id": i + 1, "data": {"stored": {"parent_hash": None,
+                 "blocks": [{"block_hash": h, "tokens_hash": h} for h in hashes]}}}  # fmt: skip
+        tree.apply_event(wl.owner(i), json.dumps(event).encode())
+    return tree
+
+
+def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.ndarray:
+    """Dynamo's matched blocks per request and worker: int64 ``[B, E]``."""
+    out = np.zeros((len(words), engines), dtype=np.int64)
+    for b, w in enumerate(words):
+        scores = tree.find_matches(as_u64(w[:, 0])).scores
+        for (worker, _rank), n in scores.items():
+            out[b, worker] = n
+    return out
+
+
+# Read before every timed call of the Dynamo comparison, so that each starts
+# with cold caches, as a router's lookup of requests it has not seen does
+# (64 MiB: more than the last-level cache).
+_EVICT = np.ones(64 << 17)
+
+
+def _interleaved_us(fa: Callable[[], Any], fb: Callable[[], Any],
+                    repeats: int) -> tuple[float, float]:  # fmt: skip
+    """Medians of ``fa`` and ``fb`` timed alternately (a load change on a
+    shared machine hits both alike), each after evicting the caches."""
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        _EVICT.sum()
+        t0 = time.perf_counter()
+        fa()
+        ta.append(time.perf_counter() - t0)
+        _EVICT.sum()
+        t0 = time.perf_counter()
+        fb()
+        tb.append(time.perf_counter() - t0)
+    return statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+
+
+def check_parity(engine: LookupEngine, fleet: FleetIndex, batch: HashBatch,
+                 lens: np.ndarray) -> torch.Tensor:  # fmt: skip
+    """fleet_hits, checked against one KeyIndex per engine; raises MismatchError."""
+    got = engine.fleet_hits(batch, lens, fleet)
+    for e in range(fleet.num_engines):
+        want = engine.find_longest_cache_hit(
+            batch, lens, fleet.key_index(e)
+        ).hit_lengths
+        if not torch.equal(got[:, e], want):
+            raise MismatchError(f"engine {e}: {got[:, e].tolist()} != {want.tolist()}")
+    return got
+
+
+def sweep(preset: str, engines: Sequence[int], warm: int, batch: int,
+          repeats: int, out) -> None:  # fmt: skip
+    """fleet_hits at B = ``batch`` for each E, ratio to the first E; the E
+    are timed in turn within each repeat (a load change hits all alike)."""
+    calls = []
+    for E in engines:
+        wl = build_workload(preset, E, warm, batch)
+        engine = LookupEngine(wl.layout)
+        fleet = fill_fleet(engine, wl)
+        check_parity(engine, fleet, pack(wl.words), wl.tokens)
+        calls.append(lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
+            pack(wl.words), wl.tokens, fleet))  # fmt: skip
+    times: list[list[float]] = [[] for _ in calls]
+    for fn in calls:
+        fn()
+    for _ in range(repeats):
+        for k, fn in enumerate(calls):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    rows, base = [], None
+    for E, t in zip(engines, times, strict=True):
+        us = statistics.median(t) * 1e6
+        base = base or us
+        rows.append((E, us, us / base))
+        print(f"  {preset} E={E}: {us:.0f} us", file=sys.stderr)
+    out.write(f"\n{preset}: B = {batch} against E engines ({warm} served requests "
+              "spread round-robin), fleet_hits incl. packing, median\n\n")  # fmt: skip
+    out.write(
+        "| E | us per batch | us per request | vs first E |\n|---:|---:|---:|---:|\n"
+    )
+    for E, us, ratio in rows:
+        out.write(f"| {E} | {us:.0f} | {us / batch:.1f} | {ratio:.2f}x |\n")
+
+
+def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
+                  out) -> None:  # fmt: skip
+    """Full attention (llama: Full 16, hash 16, no EAGLE): per-engine hits in
+    blocks equal Dynamo's scores; time per request side by side."""
+    rows = []
+    for E in engines:
+        wl = build_workload("llama", E, warm, batch)
+        engine = LookupEngine(wl.layout)
+        fleet = fill_fleet(engine, wl)
+        bs = wl.layout.spec_groups[0].block_size
+        align = wl.layout.alignment
+        tree = dynamo_tree(
+            wl, lambda i, wl=wl, a=align, bs=bs: int(wl.served_tokens[i]) // a * a // bs
+        )
+        qb = pack(wl.words)
+        got = check_parity(engine, fleet, qb, wl.tokens)
+        dyn = dynamo_scores(tree, wl.words, E)
+        if not np.array_equal(got.numpy() // bs, dyn):
+            bad = int((got.numpy() // bs != dyn).sum())
+            raise MismatchError(
+                f"E={E}: {bad} (request, engine) pairs differ from Dynamo"
+            )
+        ours, theirs = _interleaved_us(
+            lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
+                pack(wl.words), wl.tokens, fleet),
+            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.words, E),
+            repeats,
+        )  # fmt: skip
+        rows.append((E, ours / batch, theirs / batch, int((dyn > 0).sum())))
+        print(f"  dynamo E={E}: ours {ours:.0f} us, dynamo {theirs:.0f} us",
+              file=sys.stderr)  # fmt: skip
+    out.write(f"\nllama (full attention), B = {batch}: kvhit fleet_hits vs Dynamo "
+              "RadixTree.find_matches, per request, packing included, caches evicted "
+              "before each call, median; 0 mismatches\n\n")  # fmt: skip
+    out.write("| E | kvhit us/request | Dynamo us/request | speedup | "
+              "(request, engine) pairs with a hit |\n|---:|---:|---:|---:|---:|\n")  # fmt: skip
+    for E, a, b, n in rows:
+        out.write(f"| {E} | {a:.2f} | {b:.2f} | {b / a:.1f}x | {n} |\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the E sweep (llama, dsv4-flash, qwen3-next) and the Dynamo table."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small warm set, few repeats")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--warm", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--presets", default="llama,dsv4-flash,qwen3-next")
+    p.add_argument("--engines", default="1,8,64,256")
+    args = p.parse_args(argv)
+    warm, repeats = (256, 5) if args.quick else (args.warm, args.repeats)
+    engines = [int(e) for e in args.engines.split(",")]
+    out = sys.stdout
+    torch.set_num_threads(1)
+    for preset in args.presets.split(","):
+        if preset:
+            sweep(preset, engines, warm, args.batch, repeats, out)
+    if dynamo_available():
+        versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
+                      args.batch, repeats, out)  # fmt: skip
+    else:
+        out.write("\n(Dynamo not importable: pip install ai-dynamo-runtime)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""FleetIndex and LookupEngine.fleet_hits / fleet_lookup: every request against
+every engine, checked against a per-engine loop of the scalar reference."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import key_index
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import (
+    case,
+    chained_hashes,
+    layouts,
+    saved_keys,
+    stores,
+)
+
+from kvhit import (
+    FleetIndex,
+    HashBatch,
+    KeyIndex,
+    LookupEngine,
+    ReferenceCoordinator,
+    route,
+)
+from kvhit.bench.workloads import make_layout
+from kvhit.coordinator.fleet import state_checksum
+
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60"))
+
+
+def make_fleet(stores_, width=8, backend="auto", capacity=16, num_engines=None):
+    """A FleetIndex holding ``stores_[e]`` for engine ``e`` (sorted adds)."""
+    fleet = FleetIndex(
+        num_engines or len(stores_), width, capacity=capacity, backend=backend
+    )
+    for e, keys in enumerate(stores_):
+        keys = sorted(keys)
+        if keys:
+            fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
+    return fleet
+
+
+def expected(layout, requests, stores_, lens, apply_eagle=True, lookup=False):
+    ref = ReferenceCoordinator(layout)
+    out = []
+    for r, n in zip(requests, lens, strict=True):
+        row = []
+        for keys in stores_:
+            if lookup:
+                row.append(ref.lookup(n, r, keys))
+            else:
+                row.append(ref.find_longest_cache_hit(r, n, keys, apply_eagle)[1])
+        out.append(row)
+    return out
+
+
+def _check(layout, requests, stores_, lens, engine_backend="numba",
+           fleet_backend="auto", apply_eagle=True):  # fmt: skip
+    engine = LookupEngine(layout, backend=engine_backend)
+    fleet = make_fleet(stores_, backend=fleet_backend)
+    batch = HashBatch.from_bytes(requests, 8)
+    got = engine.fleet_hits(batch, lens, fleet, apply_eagle=apply_eagle)
+    assert got.dtype == torch.int64 and list(got.shape) == [len(requests), len(stores_)]
+    assert got.tolist() == expected(layout, requests, stores_, lens, apply_eagle)
+    got = engine.fleet_lookup(batch, lens, fleet)
+    assert got.tolist() == expected(layout, requests, stores_, lens, lookup=True)
+
+
+@st.composite
+def fleet_case(draw, layout_strategy=None):
+    """``case()`` plus 0-3 more engines' stores (``stores()`` of the same
+    requests: none, all, random, prefix, saved, mixed)."""
+    layout, requests, exists, lens = draw(case(layout_strategy))
+    more = draw(st.integers(0, 3))
+    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
+    return layout, requests, stores_, lens
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=fleet_case(), apply_eagle=st.booleans())
+def test_fleet_parity_every_layout(data, apply_eagle):
+    layout, requests, stores_, lens = data
+    _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    data=fleet_case(layouts(kinds=("full",), allow_scratch_groups=False)),
+    apply_eagle=st.booleans(),
+)
+def test_fleet_parity_full_attention(data, apply_eagle):
+    # Mostly the joint bitset scan (one non-fine full SpecGroup).
+    layout, requests, stores_, lens = data
+    _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
+
+
+@pytest.mark.parametrize("engine_backend", ["torch", "reference"])
+@pytest.mark.parametrize("full", [False, True])
+@settings(max_examples=max(EXAMPLES // 4, 10), deadline=None)
+@given(data=st.data())
+def test_fleet_parity_other_backends(engine_backend, full, data):
+    # The torch table operations (what runs off the CPU): the joint
+    # full-attention scan as torch ops (full) and the per-engine path through
+    # other engine backends.
+    layouts_ = layouts(kinds=("full",), allow_scratch_groups=False) if full else None
+    layout, requests, stores_, lens = data.draw(fleet_case(layouts_))
+    _check(layout, requests, stores_, lens, engine_backend, fleet_backend="torch")
+
+
+def test_joint_scan_is_taken_for_full_attention(monkeypatch):
+    from kvhit.kernels import fleet_numba
+
+    calls = []
+    real = fleet_numba.full_runs
+    monkeypatch.setattr(
+        fleet_numba, "full_runs", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    layout = make_layout("llama")
+    reqs = [chained_hashes(1, 8), chained_hashes(2, 5)]
+    _check(layout, reqs, [{(0, h) for h in reqs[0][:5]}, set()], [128, 80])
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
+@pytest.mark.parametrize("num_engines", [1, 3, 70, 130])
+def test_presets_many_engines(preset, num_engines):
+    # More than 64 engines: several bitset words; engines holding saved
+    # prefixes of shared-prefix requests, some evicted keys, some empty.
+    layout = make_layout(preset)
+    rng = random.Random(num_engines)
+    hbs = layout.hash_block_size
+    scale = max(1, 64 // hbs)
+    reqs = []
+    for i in range(9):
+        base = chained_hashes(i % 3, rng.randint(0, 6) * scale)
+        reqs.append(chained_hashes(10 + i, rng.randint(0, 6) * scale, prefix=base))
+    stores_ = []
+    for _ in range(num_engines):
+        keys = set()
+        for r in reqs:
+            if rng.random() < 0.3:
+                cut = layout.align(rng.randint(0, len(r) * hbs))
+                keys |= {k for k in saved_keys(layout, r, cut) if rng.random() > 0.05}
+        stores_.append(keys)
+    lens = [len(r) * hbs for r in reqs]
+    lens[0] = layout.align(lens[0])
+    _check(layout, reqs, stores_, lens)
+
+
+@pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next"])
+@pytest.mark.parametrize("engine_backend", ["numba", "torch", "reference"])
+def test_one_engine_equals_find_longest_cache_hit(preset, engine_backend):
+    layout = make_layout(preset)
+    rng = random.Random(7)
+    hbs = layout.hash_block_size
+    reqs = [chained_hashes(i % 2, rng.randint(0, 40)) for i in range(6)] + [[]]
+    keys = set()
+    for r in reqs[:4]:
+        keys |= saved_keys(layout, r, layout.align(len(r) * hbs))
+    keys = {k for k in sorted(keys) if rng.random() > 0.1}
+    engine = LookupEngine(layout, backend=engine_backend)
+    batch = HashBatch.from_bytes(reqs, 8)
+    lens = [len(r) * hbs for r in reqs]
+    fleet = make_fleet([keys])
+    index = key_index(keys)
+    single = engine.find_longest_cache_hit(batch, lens, index).hit_lengths
+    assert engine.fleet_hits(batch, lens, fleet)[:, 0].tolist() == single.tolist()
+    single = engine.lookup(batch, lens, index)
+    assert engine.fleet_lookup(batch, lens, fleet)[:, 0].tolist() == single.tolist()
+    # The engine's keys as a KeyIndex give the same answers.
+    assert fleet.key_index(0).contains(*index.keys()).all()
+    assert len(fleet.key_index(0)) == len(index) == len(keys)
+
+
+def test_empty_batch_and_empty_fleet():
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    fleet = FleetIndex(3, 8)
+    empty = HashBatch.from_bytes([], 8)
+    assert list(engine.fleet_hits(empty, [], fleet).shape) == [0, 3]
+    batch = HashBatch.from_bytes([chained_hashes(0, 4), []], 8)
+    assert engine.fleet_hits(batch, [64, 0], fleet).tolist() == [[0, 0, 0]] * 2
+    assert engine.fleet_lookup(batch, [64, 0], fleet).tolist() == [[0, 0, 0]] * 2
+
+
+# -- mutation: engines and keys coming and going -----------------------------------
+
+
+def _snapshot(fleet):
+    return (
+        fleet.keys.clone(),
+        fleet.bits.clone(),
+        fleet.active,
+        len(fleet),
+        fleet.tombstones,
+        fleet.engine_sizes(),
+    )
+
+
+def _same(a, b):
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("seed", range(4))
+def test_mid_stream_against_a_model(backend, seed):
+    rng = random.Random(seed)
+    layout = make_layout("dsv4-flash" if seed % 2 else "llama")
+    hbs = layout.hash_block_size
+    E = [3, 9, 66, 5][seed]
+    reqs = [chained_hashes(i % 3, rng.randint(1, 80), prefix=chained_hashes(
+        i % 2, rng.randint(0, 40))) for i in range(6)]  # fmt: skip
+    universe = sorted({(g, h) for r in reqs for h in r
+                       for g in range(layout.num_groups)})  # fmt: skip
+    model = [set() for _ in range(E)]
+    active = [True] * E
+    fleet = FleetIndex(E, 8, capacity=4, backend=backend)
+    engine = LookupEngine(layout)
+    batch = HashBatch.from_bytes(reqs, 8)
+    lens = [len(r) * hbs for r in reqs]
+    for step in range(40):
+        op = rng.choice(["add", "add", "add", "remove", "clear", "leave", "join"])
+        e = rng.randrange(E)
+        if op == "add" and active[e]:
+            if rng.random() < 0.5:
+                r = rng.choice(reqs)
+                ks = sorted(
+                    saved_keys(layout, r, layout.align(rng.randint(0, len(r) * hbs)))
+                )
+            else:
+                ks = rng.sample(universe, rng.randint(0, 30))
+            ks = ks + ks[: len(ks) // 3]  # repeats inside a batch
+            n = fleet.add(e, [g for g, _ in ks], [h for _, h in ks])
+            assert n == len(set(ks) - model[e])
+            model[e] |= set(ks)
+        elif op == "add":
+            before = _snapshot(fleet)
+            with pytest.raises(ValueError, match="engine_ids"):
+                fleet.add(e, [0], [reqs[0][0]] if reqs[0] else [b"\0" * 8])
+            assert _same(before, _snapshot(fleet))
+        elif op == "remove":
+            ks = rng.sample(universe, rng.randint(0, 40))
+            n = fleet.remove(e, [g for g, _ in ks], [h for _, h in ks])
+            assert n == len(set(ks) & model[e])
+            model[e] -= set(ks)
+        elif op == "clear":
+            assert fleet.clear_engine(e) == len(model[e])
+            model[e] = set()
+        elif op == "leave":
+            assert fleet.remove_engine(e) == len(model[e])
+            model[e] = set()
+            active[e] = False
+        else:
+            fleet.add_engine(e)
+            active[e] = True
+        assert fleet.active.tolist() == active
+        assert fleet.engine_sizes().tolist() == [len(m) for m in model]
+        assert len(fleet) == len(set().union(*model))
+        if step % 8 == 7:
+            want = expected(layout, reqs, model, lens)
+            want = [[w if active[e] else 0 for e, w in enumerate(row)] for row in want]
+            assert engine.fleet_hits(batch, lens, fleet).tolist() == want
+            g = [k[0] for k in universe]
+            h = [k[1] for k in universe]
+            held = fleet.holders(g, h)
+            assert held.tolist() == [[k in m for m in model] for k in universe]
+            e = rng.randrange(E)
+            assert fleet.contains(e, g, h).tolist() == [k in model[e] for k in universe]
+            eg, eh = fleet.engine_keys(e)
+            assert len(eg) == len(model[e])
+    # The state survives a round trip, and the copy answers the same.
+    copy = FleetIndex.from_state_dict(fleet.state_dict(), backend=backend)
+    assert _same(_snapshot(copy), _snapshot(fleet))
+    assert torch.equal(
+        engine.fleet_hits(batch, lens, copy), engine.fleet_hits(batch, lens, fleet)
+    )
+
+
+def test_growth_keeps_every_key():
+    rng = np.random.default_rng(0)
+    fleet = FleetIndex(70, 16, capacity=1)
+    words = rng.integers(-(2**63), 2**63, size=(3000, 2), dtype=np.int64)
+    engines = rng.integers(0, 70, size=3000)
+    pairs = set(zip(engines.tolist(), map(tuple, words.tolist()), strict=True))
+    assert fleet.add(engines, 0, words) == len(pairs)
+    assert fleet.capacity >= 2 * len(fleet)
+    assert fleet.contains(engines, 0, words).all()
+    # Re-adding known keys never grows the table.
+    cap = fleet.capacity
+    assert fleet.add(engines, 0, words) == 0
+    assert fleet.capacity == cap
+
+
+# -- bad input: refused, nothing changed --------------------------------------------
+
+
+def test_bad_inputs_change_nothing():
+    h = chained_hashes(0, 4)
+    fleet = make_fleet([{(0, h[0]), (1, h[1])}, {(0, h[2])}])
+    before = _snapshot(fleet)
+    cases = [
+        (ValueError, "engine_ids", lambda: fleet.add(2, [0], [h[0]])),
+        (ValueError, "engine_ids", lambda: fleet.add([0, -1], [0, 0], h[:2])),
+        (ValueError, "engine_ids", lambda: fleet.add(np.array([0, 5]), 0, h[:2])),
+        (ValueError, "engine_ids", lambda: fleet.remove(torch.tensor([3]), 0, h[:1])),
+        (
+            TypeError,
+            "engine_ids",
+            lambda: fleet.add(torch.tensor([0], dtype=torch.int32), 0, h[:1]),
+        ),  # noqa: E501
+        (TypeError, "engine_ids", lambda: fleet.add(np.array([0.0]), 0, h[:1])),
+        (TypeError, "engine_ids", lambda: fleet.add([0.5], 0, h[:1])),
+        (TypeError, "engine_ids", lambda: fleet.add(True, 0, h[:1])),
+        (ValueError, "engine_ids", lambda: fleet.add([0, 1, 0], 0, h[:2])),
+        (TypeError, "group_ids", lambda: fleet.add(0, torch.tensor([0.0]), h[:1])),
+        (ValueError, "group_ids", lambda: fleet.add(0, [-1], h[:1])),
+        (ValueError, "hash", lambda: fleet.add(0, 0, [b"short"])),
+        (TypeError, "hashes", lambda: fleet.add(0, 0, np.zeros((1, 1), np.float32))),
+        (ValueError, "engine", lambda: fleet.clear_engine(2)),
+        (TypeError, "engine", lambda: fleet.remove_engine("0")),
+        (ValueError, "engine", lambda: fleet.add_engine(-1)),
+    ]
+    for exc, match, fn in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+        assert _same(before, _snapshot(fleet)), match
+    with pytest.raises(ValueError, match="group_ids"):
+        fleet.add(0, [fleet.max_group_id + 1], h[:1])
+    assert _same(before, _snapshot(fleet))
+    with pytest.raises(ValueError, match="num_engines"):
+        FleetIndex(0, 8)
+    with pytest.raises(ValueError, match="backend"):
+        FleetIndex(2, 8, backend="triton")
+    with pytest.raises(ValueError, match="max_load"):
+        FleetIndex(2, 8, max_load=1.0)
+
+
+def test_lookup_bad_inputs():
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    fleet = FleetIndex(2, 8)
+    batch = HashBatch.from_bytes([chained_hashes(0, 2)], 8)
+    with pytest.raises(TypeError, match="fleet"):
+        engine.fleet_hits(batch, [32], key_index([]))
+    with pytest.raises(ValueError, match="hash width"):
+        engine.fleet_hits(batch, [32], FleetIndex(2, 16))
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.fleet_hits(batch, [-1], fleet)
+    with pytest.raises(TypeError, match="num_tokens"):
+        engine.fleet_lookup(batch, [1.5], fleet)
+    with pytest.raises(TypeError, match="batch"):
+        engine.fleet_hits([[b"\0" * 8]], [32], fleet)
+
+
+# -- persistence ----------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_and_corruption():
+    rng = random.Random(3)
+    h = chained_hashes(0, 60)
+    fleet = FleetIndex(67, 8, capacity=8)
+    for e in range(67):
+        ks = rng.sample(h, 10)
+        fleet.add(e, rng.randrange(3), ks)
+    fleet.remove(5, 0, h)
+    fleet.remove_engine(66)
+    good = fleet.state_dict()
+    copy = FleetIndex.from_state_dict(good)
+    assert _same(_snapshot(copy), _snapshot(fleet))
+    assert copy.keys.data_ptr() != fleet.keys.data_ptr()
+
+    def signed(**changes):
+        state = dict(good)
+        state.update(changes)
+        state["checksum"] = state_checksum(state)
+        return state
+
+    live = (good["keys"][:, 0] >= 0).nonzero().squeeze(1)
+    empty = (good["keys"][:, 0] == -1).nonzero().squeeze(1)
+    s0 = int(live[0])
+
+    def edit(name, fn):
+        t = good[name].clone()
+        fn(t)
+        return t
+
+    # A flipped bit anywhere is caught by the checksum.
+    with pytest.raises(ValueError, match="checksum"):
+        FleetIndex.from_state_dict(
+            {
+                **good,
+                "bits": edit("bits", lambda t: t.__setitem__((s0, 0), t[s0, 0] ^ 4)),
+            }
+        )  # noqa: E501
+    with pytest.raises(ValueError, match="checksum"):
+        FleetIndex.from_state_dict({**good, "size": good["size"] + 1})
+    with pytest.raises(ValueError, match="missing"):
+        FleetIndex.from_state_dict({k: v for k, v in good.items() if k != "checksum"})
+    # A writer with a bug: signed, but structurally wrong.
+    bad_states = {
+        "no engine": signed(bits=edit("bits", lambda t: t[s0].zero_())),
+        "past num_engines": signed(
+            bits=edit("bits", lambda t: t.__setitem__((s0, 1), t[s0, 1] | (1 << 40)))
+        ),  # noqa: E501
+        "inactive": signed(
+            bits=edit("bits", lambda t: t.__setitem__((s0, 1), t[s0, 1] | 4))
+        ),  # noqa: E501
+        "EMPTY": signed(
+            bits=edit("bits", lambda t: t.__setitem__((int(empty[0]), 0), 1))
+        ),  # noqa: E501
+        "reachable": signed(
+            keys=edit("keys", lambda t: t.__setitem__((s0, 1), t[s0, 1] ^ 1))
+        ),  # noqa: E501
+        "fields say": signed(size=good["size"] - 1),
+        "sentinels": signed(keys=edit("keys", lambda t: t.__setitem__((s0, 0), -7))),
+        "shape": signed(bits=good["bits"][:, :1].contiguous()),
+    }
+    other = FleetIndex(67, 8)
+    other.add(0, 0, h[:3])
+    bad_states["does not hold exactly"] = signed(entries=other.state_dict()["entries"])
+    for match, state in bad_states.items():
+        with pytest.raises(ValueError, match=match):
+            FleetIndex.from_state_dict(state)
+    with pytest.raises(TypeError, match="bits"):
+        FleetIndex.from_state_dict(signed(bits=good["bits"].to(torch.int32)))
+
+
+# -- routing ------------------------------------------------------------------------------
+
+
+def test_route_cost_model_and_ties():
+    hits = torch.tensor([[0, 64, 64], [32, 32, 32], [0, 0, 0], [-1, -1, 16]])
+    # Longest hit wins; a tie in cost goes to the longer hit, then the lower
+    # load, then the lower id.
+    got = route(hits, block_size=16, update_loads=False)
+    assert got.tolist() == [1, 0, 0, 2]
+    # Load counts against the overlap: engine 1 is 4 blocks busier.
+    got = route(hits[:1], loads=[0.0, 5.0, 4.0], block_size=16, update_loads=False)
+    assert got.tolist() == [2]
+    got = route(hits[:1], loads=[0.0, 5.0, 4.0], block_size=16, overlap_weight=2.0,
+                update_loads=False)  # fmt: skip
+    assert got.tolist() == [2]
+    got = route(hits[:1], loads=[0.0, 5.0, 5.0], block_size=16, overlap_weight=0.0,
+                update_loads=False)  # fmt: skip
+    assert got.tolist() == [0]
+    # Placements add load: identical all-miss requests spread out.
+    got = route(torch.zeros((3, 3), dtype=torch.int64), prompt_tokens=[32] * 3,
+                block_size=16)  # fmt: skip
+    assert got.tolist() == [0, 1, 2]
+    assert route(torch.full((1, 2), -1)).tolist() == [-1]
+    with pytest.raises(TypeError, match="hits"):
+        route(torch.zeros((1, 2), dtype=torch.int32))
+    with pytest.raises(ValueError, match="loads"):
+        route(hits, loads=[0.0])
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        route(hits, prompt_tokens=[0, 0, 0, 0])
+
+
+def test_key_index_of_an_engine_is_a_plain_key_index():
+    fleet = make_fleet([{(0, b"a" * 8)}, {(1, b"b" * 8)}])
+    idx = fleet.key_index(1)
+    assert isinstance(idx, KeyIndex)
+    assert (1, b"b" * 8) in idx and (0, b"a" * 8) not in idx
+
+
+def test_fine_grained_hit_inside_the_first_block():
+    # Partial hash hits: an engine holding only hash unit 1 of block 0 hits
+    # 32 tokens (the fine tail); one holding nothing of block 0 hits 0 even
+    # with later blocks stored.
+    from kvhit import CacheLayout, FullAttention, Group, Mamba
+
+    h = chained_hashes(5, 12)
+    for groups in ([Group(FullAttention(64))],
+                   [Group(FullAttention(64)), Group(Mamba(64))]):  # fmt: skip
+        layout = CacheLayout(groups, 64, 16, partial_hash_hits=True)
+        stores_ = [
+            {(g, h[1]) for g in range(len(groups))},
+            {(g, x) for g in range(len(groups)) for x in h[4:]},
+            {(g, x) for g in range(len(groups)) for x in h[:7]},
+        ]
+        _check(layout, [h, h[:3]], stores_, [192, 48])
+        engine = LookupEngine(layout)
+        got = engine.fleet_hits(
+            HashBatch.from_bytes([h], 8), [192], make_fleet(stores_)
+        )
+        assert got.tolist() == [[32, 0, 112]]
+
+
+@pytest.mark.parametrize("preset", ["llama", "dsv4-flash"])
+def test_torch_fleet_behind_the_triton_backend(preset):
+    # What runs on CUDA (torch table operations; llama: the joint scan as
+    # torch ops, dsv4-flash: the per-engine path through the Triton backend),
+    # here under TRITON_INTERPRET=1 at a small size.
+    layout = make_layout(preset)
+    rng = random.Random(0)
+    hbs = layout.hash_block_size
+    reqs = [chained_hashes(i % 2, rng.randint(0, 80)) for i in range(4)]
+    stores_ = [saved_keys(layout, r, layout.align(len(r) * hbs)) for r in reqs[:3]]
+    _check(layout, reqs, stores_, [len(r) * hbs for r in reqs], "triton", "torch")
+
+
+def test_merged_full_attention_groups_past_64_engines():
+    # Two equal full-attention groups merge into one SpecGroup: a block needs
+    # its key in both; 70 engines take two engine-set words.
+    from kvhit import CacheLayout, FullAttention, Group
+
+    layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+    assert len(layout.spec_groups) == 1
+    rng = random.Random(11)
+    reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(6)]
+    stores_ = []
+    for _ in range(70):
+        keys = set()
+        for r in reqs:
+            cut = rng.randint(0, len(r))
+            for g in (0, 1):
+                keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
+        stores_.append(keys)
+    _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
