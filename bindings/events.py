@@ -1,47 +1,12 @@
 """Follow vLLM 0.33.0 KV-cache events into a :class:`~kvhit.KeyIndex`.
 
-vLLM publishes what enters and leaves its KV caches (GPU block pool, host
-pools, the Mooncake store connector) through ``ZmqEventPublisher``
-(``vllm/distributed/kv_events.py``). This module decodes that stream with its
-own msgspec structs (no vLLM import) and keeps a KeyIndex equal to the set of
-``(group_id, block_hash)`` keys the chosen tier holds.
-
-Wire format (vLLM 0.33.0, read from the source):
-
-- PUB socket, multipart ``(topic, seq, payload)``: ``topic`` the configured
-  UTF-8 topic (default ``""``), ``seq`` an 8-byte big-endian unsigned counter
-  starting at 0 per publisher process, ``payload`` a msgpack ``KVEventBatch``.
-- ``KVEventBatch`` is ``array_like``: ``[ts, events]`` or
-  ``[ts, events, data_parallel_rank]`` (``omit_defaults``). Each event is a
-  msgpack *map* tagged ``{"type": "BlockStored" | "BlockRemoved" |
-  "AllBlocksCleared", ...}`` with default-valued optional fields omitted.
-- Block hashes are ``bytes`` or ``int``: with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
-  set (**the default, 1**) ``maybe_convert_block_hash`` publishes
-  ``int.from_bytes(hash, "big") & (2**64 - 1)``, i.e. only the *last 8 bytes*
-  of the hash read big-endian. That is invertible only for hashes of at most 8
-  bytes (``int.to_bytes(width, "big")``); a 16- or 32-byte index cannot be
-  keyed from it without fingerprint matching, which kvhit forbids, so
-  :func:`apply` raises ``ValueError`` and vLLM must run with
-  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` to publish full hashes.
-- ``medium``: ``"GPU"`` (block pool), ``"CPU"`` (host pools), and the Mooncake
-  store connector publishes ``"cpu"`` (lower case, ``store/worker.py``) for
-  the external store. Matching is exact, so ``medium="cpu"`` follows the store
-  and not the host pools. The store connector emits only ``BlockStored`` in
-  0.33.0: store evictions are *not* published.
-- ``AllBlocksCleared`` carries no medium; in 0.33.0 only block pools emit it
-  (``reset_prefix_cache``). Honouring it can only lose hits, never invent them,
-  so it clears by default (``honor_clears=False`` keeps a store index across
-  GPU prefix-cache resets).
-- Replay: a ROUTER socket. The client sends ``[b"", start_seq]`` (8-byte
-  big-endian) from a DEALER (a REQ socket would accept only the first of the
-  many replies); the ROUTER answers ``[b"", topic, seq, payload]`` for every
-  buffered batch with ``seq >= start_seq`` (the last ``buffer_steps``, 10 000
-  by default), then the end marker ``[b"", b"", (-1).to_bytes(8, signed),
-  b""]``. There is no heartbeat, so a lost *last* batch is only noticed at the
-  next batch or by an idle probe (``idle_probe_s``). The follower asks from
-  the last batch it applied, which must come back byte for byte (batches
-  carry their creation time, so a restarted publisher's batch of the same seq
-  differs): that is how a restart is told from a gap.
+:class:`EventFollower` subscribes to vLLM's ``ZmqEventPublisher`` (PUB
+stream plus ROUTER replay), orders and repairs the stream, and commits each
+drained run of batches to the index. The wire schema, its decoding and
+:func:`apply` live in ``bindings/kv_events.py`` (see its docstring for the
+wire format); their public names are re-exported here, so
+``from kvhit.bindings.events import EventFollower, MEDIUM_MOONCAKE_STORE``
+and ``events.apply`` keep working.
 """
 
 from __future__ import annotations
@@ -53,23 +18,41 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-try:
-    import msgspec
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "kvhit.bindings.events needs msgspec (and pyzmq for EventFollower): "
-        "pip install 'kvhit[events]'"
-    ) from exc
-
 import torch
 
-from kvhit.coordinator.key_index import KeyIndex
-from kvhit.coordinator.packing import pack_hashes
+from kvhit.bindings.kv_events import (
+    END_SEQ,
+    INT64_LIMIT,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_MOONCAKE_STORE,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    ApplyStats,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventPlan,
+    KVCacheEvent,
+    KVEventBatch,
+    MalformedPayload,
+    apply,
+    check_bool,
+    check_int,
+    check_seconds,
+    commit_plan,
+    decode_batch,
+    encode_batch,
+    hash_to_bytes,
+    index_hash_bytes,
+    media_set,
+    plan_events,
+)
 
 __all__ = [
     "END_SEQ",
@@ -93,458 +76,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-#: What vLLM 0.33.0's Mooncake store connector puts in ``BlockStored.medium``.
-MEDIUM_MOONCAKE_STORE = "cpu"
-
-#: Sequence frame of the replay end marker (``ZmqEventPublisher.END_SEQ``).
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-# vLLM's ExternalBlockHash: sha256/xxhash digest bytes, or the int form.
-ExternalBlockHash = bytes | int
-
-
-# --- event structs: field names, order, types and options mirror vLLM 0.33.0
-# exactly, so decode(payload) re-encodes to the same bytes (tested).
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A batch of events as published; ``array_like`` = a msgpack array."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the event union; the tag is ``"type": <class name>``."""
-
-
-class BlockStored(KVCacheEvent):
-    """Blocks now cached in ``medium``; one key per hash in ``block_hashes``."""
-
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    """Blocks no longer cached in ``medium``."""
-
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    """Every block of the publisher's prefix cache was dropped."""
-
-
-class KVEventBatch(EventBatch):
-    """The payload type of every PUB message and replay reply."""
-
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-class MalformedPayload(ValueError):
-    """A payload that is not a vLLM 0.33.0 ``KVEventBatch``."""
-
-
-_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
-    """Decode one payload; raises :class:`MalformedPayload` on any defect."""
-    try:
-        return _DECODER.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedPayload(f"not a KVEventBatch: {exc}") from None
-
-
-def encode_batch(batch: EventBatch) -> bytes:
-    """Encode a batch exactly as vLLM's publisher does (for tests and tools)."""
-    return _ENCODER.encode(batch)
-
-
-def hash_to_bytes(block_hash: ExternalBlockHash, hash_bytes: int) -> bytes:
-    """Turn a published block hash into the index's ``hash_bytes``-wide key.
-
-    ``bytes`` must already have the width. An ``int`` is vLLM's
-    ``int.from_bytes(hash, "big") & (2**64 - 1)``: the last 8 bytes of the
-    hash, so it is inverted with ``to_bytes(hash_bytes, "big")`` when
-    ``hash_bytes <= 8`` and is a ``ValueError`` otherwise (the other bytes are
-    gone, and matching on a 64-bit fingerprint could load the wrong KV).
-    """
-    if isinstance(block_hash, bytes | bytearray | memoryview):
-        block_hash = bytes(block_hash)
-        if len(block_hash) != hash_bytes:
-            raise ValueError(
-                f"block hash has {len(block_hash)} bytes, index expects "
-                f"hash_bytes={hash_bytes}"
-            )
-        return block_hash
-    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
-        if hash_bytes > 8:
-            raise ValueError(
-                f"int block hash {block_hash:#x} is the low 64 bits of the hash "
-                f"(vLLM VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, the default); it "
-                f"cannot be widened to hash_bytes={hash_bytes}. Run vLLM with "
-                f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 to publish full hashes."
-            )
-        if block_hash < 0:
-            raise ValueError(f"int block hash {block_hash} is negative")
-        try:
-            return block_hash.to_bytes(hash_bytes, "big")
-        except OverflowError:
-            raise ValueError(
-                f"int block hash {block_hash:#x} does not fit hash_bytes={hash_bytes}"
-            ) from None
-    raise TypeError(f"block hash must be bytes or int, got {type(block_hash).__name__}")
-
-
-# --- planning: a run of events reduced to its net effect on a set.
-
-
-@dataclass
-class _Plan:
-    """Net effect of events applied in order to a set of keys.
-
-    For a set, the state of a key after a sequence of adds/removes is decided by
-    the last of them, and a clear erases everything before it. So any run of
-    events is exactly: optionally clear, then remove the keys whose last event
-    is a remove, then add the keys whose last event is an add. The two key sets
-    are disjoint, so the KeyIndex sees at most three calls however the events
-    interleave, and an add then remove of one key ends removed.
-    """
-
-    clear: bool = False
-    ops: dict[tuple[int, bytes], bool] = field(default_factory=dict)  # True = add
-    events: int = 0  # events that passed the filter
-    skipped: int = 0  # events filtered out (medium, or ignored clears)
-
-    def merge(self, later: _Plan) -> None:
-        """Append ``later`` (which happened after ``self``)."""
-        if later.clear:
-            self.clear = True
-            self.ops = later.ops
-        else:
-            self.ops.update(later.ops)  # later ops win, as in sequence
-        self.events += later.events
-        self.skipped += later.skipped
-
-
-_INT64_LIMIT = 1 << 63
-
-
-def _media(
-    medium: str | Collection[str] | None, name: str = "medium"
-) -> frozenset[str] | None:
-    """``medium`` as a set of tier names; TypeError naming ``name`` otherwise."""
-    if medium is None:
-        return None
-    if isinstance(medium, str):
-        return frozenset((medium,))
-    if isinstance(medium, bytes | bytearray) or not isinstance(medium, Iterable):
-        raise TypeError(
-            f"{name} must be None, a str or a collection of str, got "
-            f"{type(medium).__name__}"
-        )
-    media = tuple(medium)
-    for pos, m in enumerate(media):
-        if not isinstance(m, str):
-            raise TypeError(
-                f"{name}, position {pos}: must be a str, got {type(m).__name__}"
-            )
-    return frozenset(media)
-
-
-def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi)``; TypeError/ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo or (hi is not None and value >= hi):
-        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_seconds(value: Any, name: str, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"{name} must be a number of seconds, got {type(value).__name__}"
-        )
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-    return float(value)
-
-
-def _plan(
-    events: Iterable[KVCacheEvent],
-    hash_bytes: int,
-    media: frozenset[str] | None,
-    honor_clears: bool,
-    default_group_id: int,
-) -> _Plan:
-    """Reduce ``events`` to a :class:`_Plan`, validating every field first.
-
-    Nothing is mutated: a bad event raises TypeError/ValueError naming its
-    position in ``events``, the field and (for a hash) its position in
-    ``block_hashes``, so the caller applies all of a batch or none of it.
-    """
-    plan = _Plan()
-    ops = plan.ops
-    for pos, ev in enumerate(events):
-        kind = type(ev)
-        if kind is BlockStored or kind is BlockRemoved:
-            where = f"event {pos} ({kind.__name__})"
-            medium = ev.medium
-            if medium is not None and not isinstance(medium, str):
-                raise TypeError(
-                    f"{where}: medium must be a str or None, got {type(medium).__name__}"
-                )
-            if media is not None and medium not in media:
-                plan.skipped += 1
-                continue
-            # Events without group_idx come from single-group publishers.
-            gid = default_group_id if ev.group_idx is None else ev.group_idx
-            if isinstance(gid, bool) or not isinstance(gid, int):
-                raise TypeError(
-                    f"{where}: group_idx must be an int, got {type(gid).__name__}"
-                )
-            # KeyIndex reserves negative ids as slot sentinels; ids are int64.
-            if not 0 <= gid < _INT64_LIMIT:
-                raise ValueError(f"{where}: group_idx {gid} is not in [0, 2**63)")
-            hashes = ev.block_hashes
-            if not isinstance(hashes, list | tuple):
-                raise TypeError(
-                    f"{where}: block_hashes must be a list, got {type(hashes).__name__}"
-                )
-            op = kind is BlockStored
-            for j, h in enumerate(hashes):
-                # Fast path: vLLM's bytes hashes are already keys.
-                if type(h) is not bytes or len(h) != hash_bytes:
-                    try:
-                        h = hash_to_bytes(h, hash_bytes)
-                    except (TypeError, ValueError) as exc:
-                        raise type(exc)(f"{where}, block_hashes[{j}]: {exc}") from None
-                ops[(gid, h)] = op
-            plan.events += 1
-        elif kind is AllBlocksCleared:
-            if honor_clears:
-                plan.clear = True
-                ops.clear()
-                plan.events += 1
-            else:
-                plan.skipped += 1
-        else:
-            raise TypeError(
-                f"events, position {pos}: not a KV cache event: {kind.__name__}"
-            )
-    return plan
-
-
-@dataclass
-class ApplyStats:
-    """What one :func:`apply` (or one follower commit) changed.
-
-    ``keys_added`` / ``keys_removed`` count keys whose presence changed (a
-    store of a key already present adds nothing; a clear removes every key
-    that was present), not keys named by the events.
-    """
-
-    events: int = 0
-    skipped: int = 0
-    keys_added: int = 0
-    keys_removed: int = 0
-    cleared: bool = False
-
-
-def _index_hash_bytes(index: Any) -> int:
-    hb = getattr(index, "hash_bytes", None)
-    if isinstance(hb, bool) or not isinstance(hb, int):
-        raise TypeError("index must expose an int `hash_bytes` (a kvhit KeyIndex)")
-    return hb
-
-
-@dataclass
-class _Keys:
-    """A plan's keys as the KeyIndex takes them: int64 ``[N]`` and ``[N, W]``."""
-
-    removes: tuple[torch.Tensor, torch.Tensor] | None
-    adds: tuple[torch.Tensor, torch.Tensor] | None
-
-    @property
-    def n_adds(self) -> int:
-        return 0 if self.adds is None else self.adds[0].shape[0]
-
-
-def _tensors(plan: _Plan, hash_bytes: int, device: Any) -> _Keys:
-    """Pack the plan's keys (validated by ``_plan``) before any mutation."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    for want in (False, True):
-        keys = [k for k, add in plan.ops.items() if add is want]
-        if not keys:
-            out.append(None)
-            continue
-        gids, hashes = zip(*keys, strict=True)
-        out.append(
-            (
-                torch.tensor(gids, dtype=torch.int64, device=device),
-                pack_hashes(hashes, hash_bytes).to(device),
-            )
-        )
-    return _Keys(out[0], out[1])
-
-
-def _new_keys(index: KeyIndex, plan: _Plan, keys: _Keys) -> int | None:
-    """How many keys committing ``plan`` adds to ``index`` when that makes
-    ``index.add`` rehash; None when the table has room.
-
-    Mirrors the growth rule of :meth:`KeyIndex.add`: a rehash happens when
-    ``live + tombstones + new keys`` exceeds ``floor(max_load * capacity)``
-    (removes turn live keys into tombstones, so they do not change the sum).
-    The exact count of new keys costs one probe, paid only near the limit.
-    """
-    if keys.adds is None:
-        return None
-    limit = math.floor(index.max_load * index.capacity)
-    if plan.clear:
-        return keys.n_adds if keys.n_adds > limit else None
-    used = len(index) + index.tombstones
-    if used + keys.n_adds <= limit:
-        return None
-    new = int((~index.contains(*keys.adds)).sum().item())
-    return new if used + new > limit else None
-
-
-def _grown_copy(
-    index: KeyIndex, plan: _Plan, keys: _Keys, n_new: int
-) -> tuple[KeyIndex, int, int]:
-    """A rehashed copy of ``index`` (``KeyIndex.grown_for``) with ``plan``
-    applied; ``index`` is only read. Returns (copy, keys removed, keys added).
-    A fixed-capacity index refuses (CapacityError): nothing changed."""
-    grown = index.grown_for(n_new)
-    if plan.clear:
-        grown.clear()
-    removed = grown.remove(*keys.removes) if keys.removes is not None else 0
-    added = grown.add(*keys.adds) if keys.adds is not None else 0
-    return grown, removed, added
-
-
-def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
-    """Make ``index`` hold ``grown``'s table in O(1), under the caller's lock
-    (``KeyIndex.adopt``: the old table is handed back in ``grown`` and freed
-    when the caller drops it, after the lock); False, nothing changed, if
-    ``index`` changed since ``grown`` was built (keys would be lost)."""
-    try:
-        index.adopt(grown)
-    except ValueError:
-        return False
-    return True
-
-
-def _commit(
-    index: Any, plan: _Plan, lock: Any = None, sync: bool = False
-) -> ApplyStats:
-    """Apply a validated plan: at most one clear, one remove and one add.
-
-    Everything that can fail on input (packing the keys) happens before the
-    index is touched. When the adds would grow the table, the grown table is
-    built *outside* ``lock`` (``index`` is only read; the caller must be its
-    only writer meanwhile) and swapped in under it, so readers holding the
-    lock wait O(1), not a rehash, and a failure while building (out of
-    memory, a fixed-capacity index) leaves ``index`` as it was.
-    """
-    lock = lock if lock is not None else contextlib.nullcontext()
-    device = getattr(index, "device", "cpu")
-    keys = _tensors(plan, _index_hash_bytes(index), device)
-    grown = None
-    if isinstance(index, KeyIndex):
-        n_new = _new_keys(index, plan, keys)
-        if n_new is not None:
-            grown = _grown_copy(index, plan, keys, n_new)
-    with lock:
-        cleared = len(index) if plan.clear else 0
-        if grown is not None and _adopt(index, grown[0]):
-            removed, added = cleared + grown[1], grown[2]
-        else:  # no growth, or another writer changed the index meanwhile
-            removed = added = 0
-            if plan.clear:
-                removed = cleared
-                index.clear()
-            # Removes first: the index never needs room for keys about to leave.
-            if keys.removes is not None:
-                removed += index.remove(*keys.removes)
-            if keys.adds is not None:
-                added = index.add(*keys.adds)
-        if sync and torch.device(device).type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-    # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
-    # here, after the lock: freeing a large table takes a while.
-    del grown
-    return ApplyStats(plan.events, plan.skipped, added, removed, plan.clear)
-
-
-def apply(
-    index: Any,
-    events: Iterable[KVCacheEvent] | KVEventBatch,
-    medium: str | Collection[str] | None = None,
-    *,
-    honor_clears: bool = True,
-    default_group_id: int = 0,
-) -> ApplyStats:
-    """Apply events, in order, to ``index`` (a KeyIndex or the same API),
-    atomically: all of them or, on any error, none.
-
-    Stores add ``(group_idx, hash)`` keys, removes remove them, clears clear.
-    ``medium`` keeps only events of that tier (a string or a collection; exact
-    match, ``None`` = all). ``group_idx=None`` maps to ``default_group_id``.
-    The whole batch is validated and reduced to its net effect (see
-    ``_Plan``) before the index is touched; it then gets at most one clear,
-    one remove and one add call. A bad argument or event (wrong hash width,
-    int hash on a >8-byte index, a group id outside ``[0, 2**63)``, a
-    non-string medium) raises ``TypeError``/``ValueError`` naming the event's
-    position and field, and leaves the index exactly as it was.
-    """
-    hash_bytes = _index_hash_bytes(index)
-    media = _media(medium)
-    _check_bool(honor_clears, "honor_clears")
-    _check_int(default_group_id, "default_group_id", 0, _INT64_LIMIT)
-    if isinstance(events, EventBatch):
-        events = events.events
-    if isinstance(events, KVCacheEvent) or not isinstance(events, Iterable):
-        raise TypeError(
-            "events must be a KVEventBatch or an iterable of KV cache events, "
-            f"got {type(events).__name__}"
-        )
-    plan = _plan(events, hash_bytes, media, honor_clears, default_group_id)
-    return _commit(index, plan)
 
 
 # --- the follower.
@@ -571,7 +102,7 @@ class _Msg:
 class _Pending:
     """Batches decoded in order but not yet committed."""
 
-    plan: _Plan = field(default_factory=_Plan)
+    plan: EventPlan = field(default_factory=EventPlan)
     batches: int = 0
 
 
@@ -669,11 +200,11 @@ class EventFollower:
                 )
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
-        media = _media(medium)
-        _check_bool(honor_clears, "honor_clears")
-        _check_int(default_group_id, "default_group_id", 0, _INT64_LIMIT)
+        media = media_set(medium)
+        check_bool(honor_clears, "honor_clears")
+        check_int(default_group_id, "default_group_id", 0, INT64_LIMIT)
         if start_seq is not None:
-            _check_int(start_seq, "start_seq", 0, 1 << 64)
+            check_int(start_seq, "start_seq", 0, 1 << 64)
         if lock is not None and not (
             callable(getattr(lock, "__enter__", None))
             and callable(getattr(lock, "__exit__", None))
@@ -681,18 +212,18 @@ class EventFollower:
             raise TypeError(
                 f"lock must be a lock (a context manager), got {type(lock).__name__}"
             )
-        _check_seconds(replay_timeout_s, "replay_timeout_s")
-        _check_seconds(idle_probe_s, "idle_probe_s", optional=True)
-        _check_int(max_drain, "max_drain", 1)
-        _check_int(rcvhwm, "rcvhwm", 0, 1 << 31)  # ZMQ: 0 = no limit
+        check_seconds(replay_timeout_s, "replay_timeout_s")
+        check_seconds(idle_probe_s, "idle_probe_s", optional=True)
+        check_int(max_drain, "max_drain", 1)
+        check_int(rcvhwm, "rcvhwm", 0, 1 << 31)  # ZMQ: 0 = no limit
         # poll_ms bounds how fast stop() returns (its default timeout is 5 s);
         # 0 would spin, < 0 block forever.
-        _check_int(poll_ms, "poll_ms", 1, 1001)
+        check_int(poll_ms, "poll_ms", 1, 1001)
         if on_commit is not None and not callable(on_commit):
             raise TypeError(
                 f"on_commit must be callable, got {type(on_commit).__name__}"
             )
-        _check_int(reorder_window, "reorder_window", 0)
+        check_int(reorder_window, "reorder_window", 0)
         if isinstance(reorder_wait_s, bool) or not isinstance(
             reorder_wait_s, int | float
         ):
@@ -703,7 +234,7 @@ class EventFollower:
             raise ValueError(
                 f"reorder_wait_s must be >= 0 and finite, got {reorder_wait_s}"
             )
-        self._hash_bytes = _index_hash_bytes(index)
+        self._hash_bytes = index_hash_bytes(index)
 
         import zmq  # imported here so apply() works without pyzmq
 
@@ -770,7 +301,7 @@ class EventFollower:
 
     def start(self, timeout_s: float = 5.0) -> EventFollower:
         """Start the thread; returns once its SUB socket is connected."""
-        _check_seconds(timeout_s, "timeout_s")
+        check_seconds(timeout_s, "timeout_s")
         if self._thread is not None:
             raise RuntimeError("EventFollower already started")
         self._ctx = self._zmq.Context()
@@ -788,7 +319,7 @@ class EventFollower:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (bounded join) and release the sockets."""
-        _check_seconds(timeout_s, "timeout_s")
+        check_seconds(timeout_s, "timeout_s")
         thread, self._thread = self._thread, None
         self._stop.set()
         if thread is not None:
@@ -849,7 +380,7 @@ class EventFollower:
 
     def wait_for_seq(self, seq: int, timeout_s: float) -> bool:
         """Block until batch ``seq`` has been applied (or skipped); bounded."""
-        _check_int(seq, "seq", -1)
+        check_int(seq, "seq", -1)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
             raise TypeError(
                 f"timeout_s must be a number, got {type(timeout_s).__name__}"
@@ -1071,7 +602,7 @@ class EventFollower:
             self.last_error = f"seq {msg.seq}: {exc}"
             return
         try:
-            plan = _plan(
+            plan = plan_events(
                 batch.events,
                 self._hash_bytes,
                 self._media,
@@ -1087,14 +618,14 @@ class EventFollower:
         pending.batches += 1
 
     def _flush(self, pending: _Pending) -> None:
-        """Commit ``pending`` (O(1) under the lock, see ``_commit``).
+        """Commit ``pending`` (O(1) under the lock, see ``commit_plan``).
 
         Also publishes ``next_seq`` as committed, for :meth:`wait_for_seq`.
         """
         plan = pending.plan
         if pending.batches or plan.clear or plan.ops or plan.skipped:
             try:
-                stats = _commit(self.index, plan, self.lock, sync=True)
+                stats = commit_plan(self.index, plan, self.lock, sync=True)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory
                 self.apply_errors += 1
                 self.stale = True
@@ -1109,7 +640,7 @@ class EventFollower:
                 self.commits += 1
                 if self.on_commit is not None:
                     self.on_commit(stats)
-        pending.plan, pending.batches = _Plan(), 0
+        pending.plan, pending.batches = EventPlan(), 0
         with self._progress:
             self.committed_seq = self.next_seq
             self._progress.notify_all()

@@ -34,13 +34,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvhit.coordinator.candidates import worker_candidates
+from kvhit.coordinator.candidates import (
+    first_occurrences,
+    format_keys,
+    host_worker_candidates,
+)
 from kvhit.coordinator.packing import HashBatch
-from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
 
 __all__ = [
-    "FINGERPRINT_MIX",
     "BatchedLookup",
     "MooncakeKeys",
     "RankNamespace",
@@ -50,11 +53,9 @@ __all__ = [
     "TailKeyLookup",
     "candidate_rows",
     "compiled_candidates",
-    "key_strings",
     "model_name_for_vllm",
     "rank_namespaces_for_vllm",
     "tail_key_boundaries",
-    "unique_pairs",
 ]
 
 #: Seconds a ``batch_is_exist`` call may take before it counts as failed.
@@ -242,8 +243,8 @@ def candidate_rows(
     """The keys the store worker asks for each request, as rows of a batch.
 
     The worker's loop over lookup masks (or over every hash unit with partial
-    hash hits), for a whole batch at once: the engine's
-    :func:`~kvhit.coordinator.candidates.worker_candidates`, on the CPU.
+    hash hits), for a whole batch at once, on the CPU: the numba twin of
+    :func:`~kvhit.coordinator.candidates.worker_candidates`.
 
     Args:
         layout: the cache layout.
@@ -260,41 +261,17 @@ def candidate_rows(
     offs = torch.as_tensor(offsets, dtype=torch.int64).cpu()
     ntok = torch.as_tensor(num_tokens, dtype=torch.int64).cpu()
     compiled = compiled_candidates(plan, offs.numpy(), ntok.numpy())
-    if compiled is not None:
-        return tuple(torch.from_numpy(a) for a in compiled)  # type: ignore[return-value]
-    with torch.inference_mode():
-        gids, rows = worker_candidates(plan, offs, ntok)
-        request = torch.searchsorted(offs, rows, right=True) - 1
-    return gids.clone(), rows.clone(), request.clone()
-
-
-def _numba_kernels() -> Any:
-    """``kvhit.kernels.candidates_numba``, or ``None`` without numba."""
-    try:
-        from kvhit.kernels import candidates_numba
-    except ImportError:  # numba not installed: the torch path
-        return None
-    return candidates_numba
+    return tuple(torch.from_numpy(a) for a in compiled)  # type: ignore[return-value]
 
 
 def compiled_candidates(
     plan: ScanPlan, offsets: np.ndarray, num_tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`candidate_rows` on numpy arrays through the numba kernel
     (``kernels/candidates_numba.py``, mirroring ``worker_candidates``):
-    ``(group_ids, rows, request)`` int64 ``[K]``, or ``None`` without numba.
+    ``(group_ids, rows, request)`` int64 ``[K]``.
     ``offsets`` int64 ``[B + 1]``, ``num_tokens`` int64 ``[B]`` (>= 0)."""
-    nb = _numba_kernels()
-    if nb is None:
-        return None
-    return nb.worker_candidates_nb(
-        np.ascontiguousarray(offsets, dtype=np.int64),
-        np.ascontiguousarray(num_tokens, dtype=np.int64),
-        plan_tensors(plan, "cpu")[1].numpy(),
-        bool(plan.partial),
-        int(plan.hash_block_size),
-        int(plan.alignment),
-    )
+    return host_worker_candidates(plan, offsets, num_tokens)
 
 
 # -- refresh ---------------------------------------------------------------------
@@ -358,55 +335,6 @@ def _as_num_tokens(num_tokens: Any, batch: HashBatch) -> torch.Tensor:
     return t
 
 
-#: Multiplier folding a key into the 1-D fingerprint :func:`unique_pairs` sorts
-#: (0x9E3779B97F4A7C15 as int64).
-FINGERPRINT_MIX = np.int64(-7046029254386353131)
-
-
-def unique_pairs(gids: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """Indices of one occurrence of each distinct ``(gids[i], words[i])``.
-
-    gids: int64 ``[K]``; words: int64 ``[K, W]``. Sorts a 1-D fingerprint
-    (far cheaper than a lexicographic sort of ``[K, W + 1]`` rows), then checks
-    every row against the first of its fingerprint run, all words and the
-    group: keys merge only when they are equal, never on a fingerprint alone.
-    Should two distinct keys share a fingerprint, the exact row sort decides.
-    """
-    n = gids.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        fp = words[:, 0] ^ (gids * FINGERPRINT_MIX)
-        if words.shape[1] > 1:
-            fp = fp ^ (words[:, 1] * FINGERPRINT_MIX)
-    order = np.argsort(fp)
-    sfp = fp[order]
-    start = np.ones(n, dtype=bool)
-    start[1:] = sfp[1:] != sfp[:-1]
-    # Rows of one fingerprint run are contiguous in sorted order: each equal
-    # to its predecessor means all equal to the run's head (one gather, and
-    # slices for the neighbours, instead of gathering every row's head).
-    sg, sw = gids[order], words[order]
-    same = (sg[1:] == sg[:-1]) & (sw[1:] == sw[:-1]).all(1)
-    if bool((same | start[1:]).all()):
-        return order[start]
-    rows = np.column_stack([gids, words])
-    _, idx = np.unique(rows, axis=0, return_index=True)
-    return idx.astype(np.int64)
-
-
-def key_strings(head: str, words: np.ndarray, hash_bytes: int) -> list[str]:
-    """``head + hash.hex()`` for each packed hash (int64 ``[N, W]``): one
-    ``bytes.hex`` with a separator every hash and one ``str.split`` give the
-    hex strings; building the N key objects is what is left (~0.3 us each)."""
-    n = words.shape[0]
-    if n == 0:
-        return []
-    raw = np.ascontiguousarray(words.astype("<i8", copy=False)).view(np.uint8)
-    blob = np.ascontiguousarray(raw.reshape(n, -1)[:, :hash_bytes]).tobytes()
-    return [head + hx for hx in blob.hex("\n", hash_bytes).split("\n")]
-
-
 class StoreSync:
     """Keeps a :class:`KeyIndex` in step with a Mooncake store for a batch.
 
@@ -434,6 +362,8 @@ class StoreSync:
             count the keys written and dropped by the rewrite). Faster, and
             the index never holds more than one step's keys; ``forget_after``
             is then moot.
+        plan: ``ScanPlan.from_layout(layout)`` when the caller has one (a
+            :class:`BatchedLookup` shares its engine's), else built here.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -450,6 +380,7 @@ class StoreSync:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         forget_after: int | None = DEFAULT_FORGET_AFTER,
         exclusive: bool = False,
+        plan: ScanPlan | None = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -496,10 +427,11 @@ class StoreSync:
         self.index = index
         self.layout = layout
         self.hash_bytes: int = index.hash_bytes
-        self._plan = ScanPlan.from_layout(layout)
+        if plan is not None and not isinstance(plan, ScanPlan):
+            raise TypeError(f"plan must be a ScanPlan, got {type(plan).__name__}")
+        self._plan = plan if plan is not None else ScanPlan.from_layout(layout)
         self._num_ns = np.array([len(ns) for ns in keys.rank_namespaces], np.int64)
-        # The key prefixes as bytes for the numba key writer (None: a prefix
-        # holds a newline, the separator it splits on).
+        # The key prefixes as bytes for the numba key writer.
         heads = [
             f"{p}@".encode() for g in range(keys.num_groups) for p in keys.prefixes(g)
         ]
@@ -508,14 +440,23 @@ class StoreSync:
                   out=group_pref[1:])  # fmt: skip
         pref_offs = np.zeros(len(heads) + 1, dtype=np.int64)
         np.cumsum([len(h) for h in heads], out=pref_offs[1:])
-        self._key_bytes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (
-            None
+        self._key_bytes = (
+            np.frombuffer(b"".join(heads) or b"\0", dtype=np.uint8).copy(),
+            pref_offs,
+            group_pref,
+        )
+        # A prefix holding a newline (the writer's separator) is cut by key
+        # lengths instead of split: per group, each namespace's key length.
+        self._key_lens: list[np.ndarray] | None = (
+            [
+                np.array(
+                    [len(f"{p}@") + 2 * self.hash_bytes + 1 for p in keys.prefixes(g)],
+                    dtype=np.int64,
+                )
+                for g in range(keys.num_groups)
+            ]
             if any(b"\n" in h for h in heads)
-            else (
-                np.frombuffer(b"".join(heads) or b"\0", dtype=np.uint8).copy(),
-                pref_offs,
-                group_pref,
-            )
+            else None
         )
         self.timeout_s: float | None = None if timeout_s is None else float(timeout_s)
         self.forget_after: int | None = forget_after
@@ -525,12 +466,23 @@ class StoreSync:
             maxlen=forget_after or 1
         )
         self._refreshes = 0
-        #: ``(group_ids, rows)`` of the last successful refresh's candidates
-        #: (see :meth:`candidates`), for the tail key boundaries.
-        self.last_candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+        # ``(group_ids, rows)`` int64 [K] of the last successful refresh's
+        # candidates, kept as the kernel wrote them (numpy).
+        self._last_cand: tuple[np.ndarray, np.ndarray] | None = None
         self.num_forgotten = 0
         # The keys the last exclusive refresh wrote (what the index holds).
         self._written: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A store call past its timeout that has not returned (set when done).
+        self._late_call: threading.Event | None = None
+        self._late_since = 0.0
+
+    @property
+    def last_candidates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(group_ids, rows)``, int64 ``[K]`` on the CPU: the last
+        successful refresh's candidates (see :meth:`candidates`), or None."""
+        if self._last_cand is None:
+            return None
+        return tuple(torch.from_numpy(a) for a in self._last_cand)  # type: ignore[return-value]
 
     def _check_batch(self, batch: HashBatch) -> None:
         if not isinstance(batch, HashBatch):
@@ -564,20 +516,27 @@ class StoreSync:
             StoreError: the existence call failed (index unchanged).
             ValueError, TypeError: bad arguments (index unchanged).
         """
-        t0 = time.perf_counter()
-        self.last_candidates = None
+        self._last_cand = None
         self._check_batch(batch)
-        nt = _as_num_tokens(num_tokens, batch)
+        return self.refresh_unchecked(batch, _as_num_tokens(num_tokens, batch))
+
+    def refresh_unchecked(
+        self, batch: HashBatch, num_tokens: torch.Tensor
+    ) -> RefreshStats:
+        """:meth:`refresh` with **no argument checks**, for inputs kvhit built
+        and checked itself: ``batch`` of this index's ``hash_bytes``,
+        ``num_tokens`` int64 ``[B]`` >= 0 on the CPU.
+
+        Raises:
+            StoreError: the existence call failed (index unchanged).
+        """
+        t0 = time.perf_counter()
+        self._last_cand = None
         offs = batch.offsets.cpu().numpy()
-        compiled = compiled_candidates(self._plan, offs, nt.numpy())
-        if compiled is None:
-            gids_t, rows_t, _ = candidate_rows(self.layout, offs, nt, self._plan)
-            g_all, r_all = gids_t.numpy(), rows_t.numpy()
-        else:
-            g_all, r_all, _ = compiled
+        g_all, r_all, _ = compiled_candidates(self._plan, offs, num_tokens.numpy())
         num_candidates = int(g_all.shape[0])
         if num_candidates == 0:
-            self.last_candidates = (torch.from_numpy(g_all), torch.from_numpy(r_all))
+            self._last_cand = (g_all, r_all)
             return RefreshStats(
                 len(batch), 0, 0, 0, 0, 0, 0, 0, 0, 0.0, time.perf_counter() - t0
             )
@@ -586,21 +545,13 @@ class StoreSync:
         )
         # Dedup on the CPU: the key strings are built there anyway.
         words = batch.hashes.cpu().numpy()
-        nb = _numba_kernels() if compiled is not None else None
-        if nb is not None:
-            # First occurrences, in candidate (group-major) order.
-            first = nb.first_occurrences_nb(g_all, r_all, words)
-            u_g, u_h = g_all[first], words[r_all[first]]
-        else:
-            hashes = words[r_all]
-            first = unique_pairs(g_all, hashes)
-            # Group-major, so each group's keys come from one comprehension.
-            first = first[np.argsort(g_all[first], kind="stable")]
-            u_g, u_h = g_all[first], hashes[first]
+        # First occurrences, in candidate (group-major) order.
+        first = first_occurrences(g_all, r_all, words)
+        u_g, u_h = g_all[first], words[r_all[first]]
         bounds = np.searchsorted(u_g, np.arange(self.layout.num_groups + 1))
         # Within a pair, namespaces in rank_namespaces order (as vLLM lays
         # them out).
-        key_list = self._key_list(u_g, u_h, bounds, nb)
+        key_list = self._key_list(u_g, u_h, bounds)
         n_keys = len(key_list)
 
         t_rpc = time.perf_counter()
@@ -644,19 +595,20 @@ class StoreSync:
             else:
                 self.index.clear()
             put_g, put_h = tg[keep], th[keep]
-            added = self.index.add(put_g, put_h) if put_g.shape[0] else 0
+            # Keys this refresh built from a checked batch: no second check.
+            added = self.index.add_trusted(put_g, put_h) if put_g.shape[0] else 0
             self._written = (put_g, put_h)
         else:
             # One probe, then touch only what changed: in a steady state most
             # answers agree with the index already.
             inside = self.index.contains(tg, th)
             new, stale = keep & ~inside, ~keep & inside
-            added = self.index.add(tg[new], th[new]) if bool(new.any()) else 0
+            added = self.index.add_trusted(tg[new], th[new]) if bool(new.any()) else 0
             removed = (
                 self.index.remove(tg[stale], th[stale]) if bool(stale.any()) else 0
             )
             self._remember(u_g, u_h)
-        self.last_candidates = (torch.from_numpy(g_all), torch.from_numpy(r_all))
+        self._last_cand = (g_all, r_all)
         return RefreshStats(
             num_requests=len(batch),
             num_candidates=num_candidates,
@@ -672,40 +624,48 @@ class StoreSync:
         )
 
     def _key_list(
-        self, u_g: np.ndarray, u_h: np.ndarray, bounds: np.ndarray, nb: Any
+        self, u_g: np.ndarray, u_h: np.ndarray, bounds: np.ndarray
     ) -> list[str]:
         """Every key string of the distinct pairs ``(u_g, u_h)`` (sorted by
         group, ``bounds`` their group bounds): pair-major, namespaces in
         ``rank_namespaces`` order."""
-        if nb is not None and self._key_bytes is not None:
-            from kvhit.kernels.format_keys_numba import format_keys_nb
-
-            blob = format_keys_nb(u_h, u_g, self.hash_bytes, *self._key_bytes)
-            # One str and one split for all keys: one object per key.
-            return str(memoryview(blob), "utf-8").split("\n")
-        key_list: list[str] = []
-        for g in range(self.layout.num_groups):
-            lo, hi = int(bounds[g]), int(bounds[g + 1])
-            if lo == hi:
-                continue
-            per_ns = [
-                key_strings(f"{p}@", u_h[lo:hi], self.hash_bytes)
-                for p in self.keys.prefixes(g)
+        blob = format_keys(u_h, u_g, self.hash_bytes, *self._key_bytes)
+        # One str and one split for all keys: one object per key.
+        text = str(memoryview(blob), "utf-8")
+        if self._key_lens is None:
+            return text.split("\n") if text else []
+        # A prefix holds the separator: cut at the keys' known lengths.
+        lens = np.concatenate(
+            [
+                np.tile(self._key_lens[g], int(bounds[g + 1] - bounds[g]))
+                for g in range(self.layout.num_groups)
             ]
-            if len(per_ns) == 1:
-                key_list.extend(per_ns[0])
-            else:
-                key_list.extend([k for ks in zip(*per_ns, strict=True) for k in ks])
-        return key_list
+            or [np.zeros(0, np.int64)]
+        )
+        ends = np.cumsum(lens).tolist()
+        return [text[e - n : e - 1] for e, n in zip(ends, lens.tolist(), strict=True)]
 
     def _call_store(self, key_list: list[str]) -> Any:
         """``store.batch_is_exist(key_list)``, bounded by ``timeout_s``.
 
         The call runs in a daemon thread of its own, so a store that never
         answers costs one parked thread, never the caller; an answer that
-        arrives after the deadline is dropped with the thread.
+        arrives after the deadline is dropped with the thread. While a call
+        that timed out has not returned, the store is not asked again: the
+        next refreshes raise StoreError at once (a hung store costs one
+        timeout, not one per step, and parks one thread, not one per step).
         """
         n_keys = len(key_list)
+        late = self._late_call
+        if late is not None:
+            if not late.is_set():
+                ago = time.monotonic() - self._late_since
+                raise StoreError(
+                    f"batch_is_exist: the call that timed out {ago:.1f} s ago has "
+                    "not returned; not asking the store again until it does",
+                    n_keys,
+                )
+            self._late_call = None
         if self.timeout_s is None:
             try:
                 return self.store.batch_is_exist(key_list)
@@ -727,6 +687,7 @@ class StoreSync:
 
         threading.Thread(target=call, name="kvhit-store-call", daemon=True).start()
         if not done.wait(self.timeout_s):
+            self._late_call, self._late_since = done, time.monotonic()
             raise StoreError(
                 f"batch_is_exist did not answer for {n_keys} keys within "
                 f"{self.timeout_s} s (timeout_s); the late answer is discarded",
@@ -754,9 +715,9 @@ class StoreSync:
             return
         g = np.concatenate([r[0] for r in self._recent])
         h = np.concatenate([r[1] for r in self._recent])
-        first = unique_pairs(g, h)
-        seen = KeyIndex(self.hash_bytes, max(16, 2 * len(first)), "cpu")
-        seen.add(torch.from_numpy(g[first]), torch.from_numpy(h[first]))
+        # Repeats across refreshes are fine: an insert is idempotent.
+        seen = KeyIndex(self.hash_bytes, max(16, 2 * len(g)), "cpu")
+        seen.add_trusted(torch.from_numpy(g), torch.from_numpy(np.ascontiguousarray(h)))
         kg_c, kh_c = kg.cpu(), kh.cpu()
         idle = ~seen.contains(kg_c, kh_c)
         if bool(idle.any()):
@@ -884,7 +845,7 @@ def tail_key_boundaries(
         ValueError: ``hit_lengths`` of the wrong shape, negative, or past a
             request's hashes.
     """
-    B, G, hbs = len(batch), layout.num_groups, layout.hash_block_size
+    B, hbs = len(batch), layout.hash_block_size
     hits = torch.as_tensor(hit_lengths).cpu()
     if hits.is_floating_point() or hits.dtype == torch.bool:
         raise TypeError(f"hit_lengths must be integers, got {hits.dtype}")
@@ -903,13 +864,30 @@ def tail_key_boundaries(
             f"hit_lengths[{bad}] = {int(h_np[bad])} does not end on a hash of "
             f"request {bad} ({int(lens[bad])} hashes of {hbs} tokens)"
         )
+    cg, cr = (t.cpu().numpy() for t in candidates)
+    return torch.from_numpy(_tail_boundaries(layout, batch, h_np, index, cg, cr))
+
+
+def _tail_boundaries(
+    layout: CacheLayout,
+    batch: HashBatch,
+    h_np: np.ndarray,
+    index: Any,
+    cg: np.ndarray,
+    cr: np.ndarray,
+) -> np.ndarray:
+    """:func:`tail_key_boundaries` on checked input: ``h_np`` int64 ``[B]``
+    (the engine's hits), ``(cg, cr)`` the refresh's candidates as numpy."""
+    B, G, hbs = len(batch), layout.num_groups, layout.hash_block_size
+    offs = batch.offsets.cpu().numpy()
+    lens = offs[1:] - offs[:-1]
+    last = h_np // hbs - 1
     out = np.zeros((B, G), dtype=np.int64)
     req = np.nonzero(h_np > 0)[0]
     groups = [g for g, grp in enumerate(layout.groups) if grp.prefix_cacheable]
     if req.size == 0 or not groups:
-        return torch.from_numpy(out)
+        return out
     total = int(offs[-1])
-    cg, cr = (t.cpu().numpy() for t in candidates)
     cand_codes = cg * max(total, 1) + cr
     words = batch.hashes.cpu()
     dev = index.device
@@ -991,7 +969,7 @@ def tail_key_boundaries(
             np.minimum.at(first, who[hit_here], idx[hit_here])
             found = first != none
             out[mr[found], mg[found]] = (first[found] + 1) * hbs
-    return torch.from_numpy(out)
+    return out
 
 
 # -- the scheduler API ------------------------------------------------------------
@@ -1053,6 +1031,7 @@ class BatchedLookup:
             timeout_s=timeout_s,
             forget_after=forget_after,
             exclusive=own_index,
+            plan=self.engine.plan,
         )
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None
@@ -1070,11 +1049,17 @@ class BatchedLookup:
                 no hit is computed from it.
             ValueError, TypeError: bad arguments (nothing asked or changed).
         """
-        stats = self.sync.refresh(batch, num_tokens)
-        self.last_stats = stats
-        nt = _as_num_tokens(num_tokens, batch).to(self.device)
-        hits = self.engine.lookup(batch.to(self.device), nt, self.index)
-        return hits.to(batch.device)
+        self.sync._check_batch(batch)
+        nt = _as_num_tokens(num_tokens, batch)
+        return self._hits(batch, nt).to(batch.device)
+
+    def _hits(self, batch: HashBatch, nt: torch.Tensor) -> torch.Tensor:
+        """One refresh and the engine's rule on checked input (``nt`` int64
+        ``[B]`` >= 0 on the CPU): int64 ``[B]`` on the engine's device."""
+        self.last_stats = self.sync.refresh_unchecked(batch, nt)
+        return self.engine.lookup_unchecked(
+            batch.to(self.device), nt.to(self.device), self.index
+        )
 
     def lookup_with_tail_keys(self, batch: HashBatch, num_tokens: Any) -> TailKeyLookup:
         """:meth:`lookup` plus each request's tail key boundaries: for every
@@ -1091,15 +1076,29 @@ class BatchedLookup:
         Raises:
             StoreError, ValueError, TypeError: as :meth:`lookup`.
         """
-        hits = self.lookup(batch, num_tokens).cpu()
-        cand = self.sync.last_candidates
-        if cand is None or len(batch) == 0 or not bool((hits > 0).any()):
+        self.sync._check_batch(batch)
+        nt = _as_num_tokens(num_tokens, batch)
+        return self.lookup_with_tail_keys_unchecked(batch, nt)
+
+    def lookup_with_tail_keys_unchecked(
+        self, batch: HashBatch, num_tokens: torch.Tensor
+    ) -> TailKeyLookup:
+        """:meth:`lookup_with_tail_keys` with **no argument checks**, for a
+        batch kvhit packed itself (``HashBatch.from_trusted``) of this
+        lookup's ``hash_bytes`` and ``num_tokens`` int64 ``[B]`` >= 0 on the
+        CPU, e.g. ``KvhitLookupServer`` after checking its socket's input.
+
+        Raises:
+            StoreError: the store could not answer (no hit computed).
+        """
+        hits = self._hits(batch, num_tokens).cpu()
+        h_np = hits.numpy()
+        cand = self.sync._last_cand
+        if cand is None or len(batch) == 0 or not bool((h_np > 0).any()):
             tails = torch.zeros(len(batch), self.layout.num_groups, dtype=torch.int64)
             return TailKeyLookup(hits, tails)
-        tails = tail_key_boundaries(
-            self.layout, batch.to("cpu"), hits, self.index, cand
-        )
-        return TailKeyLookup(hits, tails)
+        tails = _tail_boundaries(self.layout, batch.to("cpu"), h_np, self.index, *cand)
+        return TailKeyLookup(hits, torch.from_numpy(tails))
 
     def lookup_one(self, num_tokens: int, block_hashes: Sequence[bytes]) -> int:
         """Drop-in for the store worker's ``lookup(num_tokens, block_hashes)``

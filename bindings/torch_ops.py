@@ -47,7 +47,7 @@ import torch
 
 from kvhit.coordinator.checks import check_tensor
 from kvhit.coordinator.engine import LookupEngine
-from kvhit.coordinator.key_index import KeyIndex, probe_table
+from kvhit.coordinator.key_index import KeyIndex, hash_kernels, probe_table
 from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.coordinator.specs import CacheLayout
 
@@ -300,9 +300,7 @@ def _probe_op(
     if table.device.type == "cuda":
         # Imported on first use: importing triton is slow and CPU users of
         # this module never need it.
-        from kvhit.kernels import hash_index
-
-        return hash_index.probe(table.contiguous(), W, group_ids, hashes)
+        return hash_kernels("triton").probe(table.contiguous(), W, group_ids, hashes)
     return probe_table(table.contiguous(), W, group_ids, hashes)
 
 

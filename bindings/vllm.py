@@ -259,10 +259,18 @@ def layout_from_vllm(
     ``Group.eagle``.
 
     Raises:
+        TypeError: ``kv_cache_groups`` is not a sequence of groups.
         ValueError: an unknown spec class (named), a prefix-cacheable spec
             whose vLLM manager kvhit does not model, or any layout
             :class:`CacheLayout` refuses.
     """
+    if isinstance(kv_cache_groups, str | bytes) or not isinstance(
+        kv_cache_groups, Sequence
+    ):
+        raise TypeError(
+            "kv_cache_groups must be a sequence of vLLM KVCacheGroupSpec, got "
+            f"{type(kv_cache_groups).__name__}"
+        )
     groups = [_to_kvhit_group(i, g) for i, g in enumerate(kv_cache_groups)]
     return CacheLayout(
         groups,

@@ -35,9 +35,13 @@ This is the only kvhit module that imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import struct
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -69,6 +73,7 @@ from kvhit.bindings.mooncake import (
     BatchedLookup,
     MooncakeKeys,
     StoreError,
+    TailKeyLookup,
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
@@ -77,7 +82,11 @@ from kvhit.coordinator.packing import HashBatch
 
 __all__ = [
     "CONNECTOR_NAME",
+    "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_MAX_BATCH",
+    "DEFAULT_RETRY_S",
+    "DEFAULT_STORE_TIMEOUT_S",
+    "MAX_SERVER_CRASHES",
     "KvhitLookupClient",
     "KvhitLookupServer",
     "KvhitMooncakeStoreConnector",
@@ -90,13 +99,30 @@ logger = init_logger(__name__)
 CONNECTOR_NAME = "KvhitMooncakeStoreConnector"
 #: Requests one lookup message resolves at most (``kvhit_max_batch``).
 DEFAULT_MAX_BATCH = 4096
-#: Seconds the scheduler waits for a batch's answer (``kvhit_lookup_timeout_s``)
-#: before it treats every request of the batch as a miss.
-DEFAULT_LOOKUP_TIMEOUT_S = 30.0
+#: Seconds a synchronous ``schedule()`` waits at most for a batch's answer
+#: (``kvhit_lookup_timeout_s``) before it treats every request of the batch
+#: as a miss, whatever the store or the server does.
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+#: Seconds worker rank 0 gives one ``batch_is_exist`` (``kvhit_store_timeout_s``)
+#: before it answers the batch with misses; below the lookup timeout, so a
+#: slow store yields an answer of misses in time, not a client timeout.
+DEFAULT_STORE_TIMEOUT_S = 0.5
+#: Seconds after a batch went unanswered (the server itself stalled) during
+#: which the client answers misses without asking (``kvhit_lookup_retry_s``);
+#: the server's late reply, when it comes, ends that at once.
+DEFAULT_RETRY_S = 5.0
 
 _REQUEST = msgspec.msgpack.Encoder()
+# Messages: the client's DEALER sends ``[b"", seq (8 bytes), payload]`` and
+# the server's ROUTER replies with the same envelope; a REQ client (``[b"",
+# payload]``, no seq) is answered ``[b"", reply]``.
+_SEQ = struct.Struct("<Q")
+#: Consecutive crashes of the serving loop after which the server answers
+#: through vLLM's own per-request lookup.
+MAX_SERVER_CRASHES = 3
 _DECODE_REQUEST = msgspec.msgpack.Decoder(list[tuple[int, int, bytes]])
 _DECODE_REPLY = msgspec.msgpack.Decoder(list[bytes])
+_EMPTY_REPLY = msgspec.msgpack.encode([])
 #: The statuses whose requests a batch resolves (with no computed tokens and
 #: at least an alignment's worth of tokens).
 _LOOKED_UP = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -140,6 +166,11 @@ class KvhitLookupServer:
             :meth:`resolve` directly pass ``False``).
         backend: the ``LookupEngine`` backend ("auto": the device default).
 
+    ``kvhit_store_timeout_s`` (``kv_connector_extra_config``, default
+    :data:`DEFAULT_STORE_TIMEOUT_S`) bounds one ``batch_is_exist``: past it
+    the batch is answered with misses, and while that call has not returned
+    the store is not asked again (the following batches are misses at once).
+
     Per batch it makes one deduplicated ``batch_is_exist`` over
     ``worker.store`` and answers every request with what
     ``MooncakeStoreWorker.lookup`` returns. It always replies: a store error
@@ -148,6 +179,12 @@ class KvhitLookupServer:
     store layout kvhit does not model, e.g. TP-sharded), or the worker is
     capacity-only, every request goes through vLLM's own
     ``worker.lookup``; that is logged once.
+
+    The serving loop survives anything a batch raises (it replies misses).
+    Should the loop itself fail, it is restarted, the batch in hand is
+    answered with misses and the cause logged once; after
+    :data:`MAX_SERVER_CRASHES` failures in a row the server answers through
+    vLLM's per-request ``worker.lookup`` instead (``fallback_reason``).
     """
 
     def __init__(
@@ -167,7 +204,13 @@ class KvhitLookupServer:
         self._lock = threading.Lock()
         self.num_batches = 0
         self.num_requests = 0
+        self.num_crashes = 0
+        self.num_failed_batches = 0
+        self._failing_since: int | None = None
         self.last_error: BaseException | None = None
+        self.store_timeout_s: float = _positive(
+            _extra(vllm_config), "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float
+        )
         try:
             self._build()
         except Exception as exc:  # any layout kvhit cannot serve
@@ -175,8 +218,10 @@ class KvhitLookupServer:
         if self.fallback_reason is None:
             try:
                 # vLLM's default block hash (sha256) is 32 bytes: build that
-                # engine now, not in the first step's lookup.
+                # engine now, and compile its kernels on a batch of our own,
+                # not in the first step's lookup (which has a deadline).
                 self._lookup_for(32)
+                self._warm_up(32)
             except Exception as exc:
                 self.fallback_reason = f"{type(exc).__name__}: {exc}"
         if self.fallback_reason is not None:
@@ -247,7 +292,8 @@ class KvhitLookupServer:
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
         self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.REP)
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(path)
         self.running = True
         self.thread = threading.Thread(
@@ -256,44 +302,104 @@ class KvhitLookupServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        assert self.socket is not None
+        """The serving thread: runs :meth:`_serve_loop`, restarting it when
+        it fails (the batch in hand is answered with misses)."""
+        seen: set[str] = set()
+        crashes_in_a_row = 0
+        while self.running:
+            self._in_hand: list[bytes] | None = None
+            self._served = False
+            try:
+                self._serve_loop()
+                return
+            except BaseException as exc:  # a daemon thread must not die silently
+                if not self.running:
+                    return
+                self.num_crashes += 1
+                crashes_in_a_row = 1 if self._served else crashes_in_a_row + 1
+                self.last_error = exc
+                cause = f"{type(exc).__name__}: {exc}"
+                if cause not in seen:  # once per cause, with its traceback
+                    seen.add(cause)
+                    logger.error(
+                        "kvhit lookup server: serving loop failed (%s); "
+                        "answering the batch with misses and restarting\n%s",
+                        cause,
+                        _trace(exc),
+                    )
+                if crashes_in_a_row >= MAX_SERVER_CRASHES and not self.fallback_reason:
+                    self.fallback_reason = (
+                        f"the serving loop failed {crashes_in_a_row} times in a "
+                        f"row, last: {cause}"
+                    )
+                    logger.error(
+                        "kvhit: batched lookup disabled, answering with vLLM's "
+                        "per-request MooncakeStoreWorker.lookup: %s",
+                        self.fallback_reason,
+                    )
+                head = self._in_hand
+                if head is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.socket.send_multipart([*head, _EMPTY_REPLY])  # type: ignore[union-attr]
+                time.sleep(0.01)
+
+    def _serve_loop(self) -> None:
+        sock = self.socket
+        assert sock is not None
         poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
         while self.running:
             try:
                 if not poller.poll(100):
                     continue
-                frame = self.socket.recv(copy=True)
+                frames = sock.recv_multipart(copy=True)
             except zmq.ZMQError:
                 if not self.running:
                     return
                 logger.exception("kvhit lookup server: receive failed")
                 continue
+            # [identity, b"", (seq,) payload]: everything before the payload
+            # goes back with the reply.
+            head, frame = frames[:-1], frames[-1]
+            self._in_hand = head
             reply: list[bytes] = []
             try:
                 items = _DECODE_REQUEST.decode(frame)
                 reply = [encode_lookup_response(r) for r in self.resolve_packed(items)]
             except Exception as exc:
-                # Never leave the REQ side waiting: an empty reply reads as
+                # Never leave the client waiting: an empty reply reads as
                 # hits of 0 for the whole batch.
                 self.last_error = exc
-                logger.exception("kvhit lookup server: bad batch, replying misses")
-            try:
-                self.socket.send(msgspec.msgpack.encode(reply))
-            except zmq.ZMQError:
-                if not self.running:
-                    return
+                logger.error(
+                    "kvhit lookup server: bad batch, replying misses: %s", str(exc)
+                )
+            self._send_reply(head, msgspec.msgpack.encode(reply))
+            self._in_hand = None
+            self._served = True
+
+    def _send_reply(self, head: list[bytes], payload: bytes) -> None:
+        try:
+            self.socket.send_multipart([*head, payload])  # type: ignore[union-attr]
+        except zmq.ZMQError:
+            if self.running:
                 logger.exception("kvhit lookup server: reply failed")
 
     def close(self) -> None:
-        """Stop serving and remove the socket file."""
+        """Stop serving, remove the socket file and end the ZMQ context."""
         self.running = False
         if self.thread is not None:
-            self.thread.join(timeout=2.0)
+            self.thread.join(timeout=5.0)
+            if self.thread.is_alive():
+                # Closing a socket under a thread still using it aborts the
+                # process (a ZMQ assertion): leave it to the daemon thread.
+                logger.warning("kvhit lookup server: thread did not stop")
+                return
         if self.socket is not None:
             self.socket.close(linger=0)
+            self.socket = None
             if os.path.exists(self._ipc_path):
                 os.unlink(self._ipc_path)
+            self.ctx.term()
 
     # -- answering -----------------------------------------------------------------
 
@@ -301,28 +407,69 @@ class KvhitLookupServer:
         self, items: Sequence[tuple[int, int, bytes]]
     ) -> list[MooncakeLookupResult]:
         """:meth:`resolve` for the wire format: ``(num_tokens, hash_len,
-        hashes joined)`` per request."""
-        widths = set()
+        hashes joined)`` per request. The socket's input is checked here,
+        once; what is built from it travels unchecked.
+
+        Raises:
+            ValueError: an item whose blob is not a whole number of hashes,
+                or a negative count (nothing was asked).
+        """
+        by_width: dict[int, list[int]] = {}
         for i, (n, hlen, blob) in enumerate(items):
-            if hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
+            if n < 0 or hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
                 raise ValueError(
-                    f"request {i}: {len(blob)} bytes of {hlen}-byte hashes"
+                    f"request {i}: {n} tokens, {len(blob)} bytes of {hlen}-byte hashes"
                 )
             if n > 0 and blob:
-                widths.add(hlen)
-        if self.fallback_reason is None and len(widths) == 1:
-            width = widths.pop()
-            if width % 8 == 0:
-                # The common case: one width of whole words; the joined
-                # blobs are the batch's hash words (no per-hash bytes).
-                return self._resolve_blobs(width, items)
-        reqs: list[tuple[int, list[bytes]]] = []
-        for n, hlen, blob in items:
-            hashes = (
-                [blob[o : o + hlen] for o in range(0, len(blob), hlen)] if hlen else []
+                by_width.setdefault(hlen, []).append(i)
+        with self._lock:
+            self.num_batches += 1
+            self.num_requests += len(items)
+            if self.fallback_reason is not None:
+                return [
+                    self._vllm_lookup(n, _split(blob, hlen)) for n, hlen, blob in items
+                ]
+            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
+            for width, idx in by_width.items():
+                try:
+                    batch, ntok = _joined_batch(items, idx, width)
+                    bl = self._lookup_for(width)
+                    results = self._answer(
+                        bl.lookup_with_tail_keys_unchecked(batch, ntok)
+                    )
+                except Exception as exc:
+                    self._failed(exc)
+                    continue
+                self._succeeded()
+                for i, r in zip(idx, results, strict=True):
+                    out[i] = r
+            return out
+
+    def _failed(self, exc: Exception) -> None:
+        """A batch answered with misses because of ``exc``: logged when an
+        outage starts (the traceback too unless it is a StoreError), counted
+        while it lasts. Log records hold only text: a handler that keeps
+        records must not keep every failed batch's frames alive."""
+        self.last_error = exc
+        self.num_failed_batches += 1
+        if self._failing_since is None:
+            self._failing_since = self.num_failed_batches
+            what = "store error" if isinstance(exc, StoreError) else "lookup failed"
+            logger.error(
+                "kvhit lookup: %s, batch answered with misses (further failures "
+                "are counted, not logged, until a batch succeeds): %s%s",
+                what,
+                f"{type(exc).__name__}: {exc}",
+                "" if isinstance(exc, StoreError) else "\n" + _trace(exc),
             )
-            reqs.append((n, hashes))
-        return self.resolve(reqs)
+
+    def _succeeded(self) -> None:
+        if self._failing_since is not None:
+            logger.warning(
+                "kvhit lookup: the store answers again after %d failed batches",
+                self.num_failed_batches - self._failing_since + 1,
+            )
+            self._failing_since = None
 
     def resolve(
         self, requests: Sequence[tuple[int, Sequence[bytes]]]
@@ -331,77 +478,39 @@ class KvhitLookupServer:
         ``MooncakeStoreWorker.lookup(num_tokens, block_hashes)`` returns.
 
         One ``batch_is_exist`` for the batch (one per distinct hash width);
-        a store error answers hits of 0 for the batch, logged.
-        """
-        with self._lock:
-            self.num_batches += 1
-            self.num_requests += len(requests)
-            if self.fallback_reason is not None:
-                return [self._vllm_lookup(n, h) for n, h in requests]
-            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(requests)
-            by_width: dict[int, list[int]] = {}
-            for i, (n, hashes) in enumerate(requests):
-                if n > 0 and len(hashes):
-                    by_width.setdefault(len(hashes[0]), []).append(i)
-            for width, idx in by_width.items():
-                try:
-                    results = self._resolve_width(width, [requests[i] for i in idx])
-                except StoreError as exc:
-                    self.last_error = exc
-                    logger.error("kvhit lookup: store error, batch misses: %s", exc)
-                    continue
-                except Exception as exc:
-                    self.last_error = exc
-                    logger.exception("kvhit lookup failed; answering misses")
-                    continue
-                for i, r in zip(idx, results, strict=True):
-                    out[i] = r
-            return out
+        a store error answers hits of 0 for the batch, logged. Packs each
+        request as its client does and goes through :meth:`resolve_packed`.
 
-    def _resolve_blobs(
-        self, width: int, items: Sequence[tuple[int, int, bytes]]
-    ) -> list[MooncakeLookupResult]:
-        """:meth:`resolve` for packed requests all of ``width``-byte hashes
-        (``width % 8 == 0``), validated by :meth:`resolve_packed`."""
-        with self._lock:
-            self.num_batches += 1
-            self.num_requests += len(items)
-            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
-            idx = [i for i, (n, _, blob) in enumerate(items) if n > 0 and blob]
-            if not idx:
-                return out
-            blobs = [items[i][2] for i in idx]
-            lens = np.fromiter((len(b) for b in blobs), np.int64, len(idx)) // width
-            offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offsets[1:])
-            words = np.frombuffer(b"".join(blobs), dtype="<i8")
-            batch = HashBatch(
-                torch.from_numpy(words.astype(np.int64).reshape(-1, width // 8)),
-                torch.from_numpy(offsets),
-                width,
-            )
-            ntok = torch.tensor([items[i][0] for i in idx], dtype=torch.int64)
-            try:
-                results = self._answer(self._lookup_for(width), batch, ntok)
-            except StoreError as exc:
-                self.last_error = exc
-                logger.error("kvhit lookup: store error, batch misses: %s", exc)
-                return out
-            except Exception as exc:
-                self.last_error = exc
-                logger.exception("kvhit lookup failed; answering misses")
-                return out
-            for i, r in zip(idx, results, strict=True):
-                out[i] = r
-            return out
+        Raises:
+            ValueError: a request whose hashes differ in width.
+        """
+        items = []
+        for i, (n, hashes) in enumerate(requests):
+            item = _wire_item(n, hashes)
+            if any(len(x) != item[1] for x in hashes):
+                raise ValueError(f"request {i}: block hashes of different widths")
+            items.append(item)
+        return self.resolve_packed(items)
 
     def _vllm_lookup(self, n: int, hashes: Sequence[bytes]) -> MooncakeLookupResult:
         try:
             return self.worker.lookup(n, list(hashes))
         except Exception as exc:  # vLLM's server thread would die here
-            self.last_error = exc
-            logger.exception("vLLM's worker lookup failed; answering a miss")
+            self._failed(exc)
             return MooncakeLookupResult(0)
+
+    def _warm_up(self, width: int) -> None:
+        """One lookup over a store holding every key (no store call), so the
+        kernels compile (hits and tail keys included) before serving."""
+        assert self.layout is not None and self.keys is not None
+        bl = BatchedLookup(
+            self.layout, _EveryKey(), self.keys, backend=self.backend, hash_bytes=width
+        )
+        n = 4 * self.layout.scheduler_block_size // self.layout.hash_block_size
+        blob = bytes(range(256)) * (n * width // 256 + 1)
+        item = (4 * self.layout.scheduler_block_size, width, blob[: n * width])
+        batch, ntok = _joined_batch([item, item], [0, 1], width)
+        bl.lookup_with_tail_keys_unchecked(batch, ntok)
 
     def _lookup_for(self, width: int) -> BatchedLookup:
         bl = self._lookups.get(width)
@@ -414,38 +523,14 @@ class KvhitLookupServer:
                 device="cpu",
                 backend=self.backend,
                 hash_bytes=width,
+                timeout_s=self.store_timeout_s,
             )
             self._lookups[width] = bl
         return bl
 
-    def _resolve_width(
-        self, width: int, requests: Sequence[tuple[int, Sequence[bytes]]]
-    ) -> list[MooncakeLookupResult]:
-        bl = self._lookup_for(width)
-        lists = [list(h) for _, h in requests]
-        if width % 8 == 0 and all(len(x) == width for h in lists for x in h):
-            lens = np.array([len(h) for h in lists], dtype=np.int64)
-            offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offsets[1:])
-            blob = b"".join(b"".join(h) for h in lists)
-            words = np.frombuffer(blob, dtype="<i8").reshape(-1, width // 8)
-            batch = HashBatch(
-                torch.from_numpy(words.astype(np.int64)),
-                torch.from_numpy(offsets),
-                width,
-            )
-        else:
-            batch = HashBatch.from_bytes(lists, width)
-        ntok = torch.tensor([n for n, _ in requests], dtype=torch.int64)
-        return self._answer(bl, batch, ntok)
-
     @staticmethod
-    def _answer(
-        bl: BatchedLookup, batch: HashBatch, ntok: torch.Tensor
-    ) -> list[MooncakeLookupResult]:
-        """Per request of ``batch`` (``ntok`` int64 ``[B]``), what the
-        worker's ``lookup`` returns."""
-        res = bl.lookup_with_tail_keys(batch, ntok)
+    def _answer(res: TailKeyLookup) -> list[MooncakeLookupResult]:
+        """Per request of ``res``, what the worker's ``lookup`` returns."""
         hits = res.hit_lengths.tolist()
         tails = res.tail_key_boundaries.tolist()
         out: list[MooncakeLookupResult] = []
@@ -470,6 +555,13 @@ class KvhitLookupServer:
         return out
 
 
+class _EveryKey:
+    """A store holding every key (the server's warm-up)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [1] * len(keys)
+
+
 class _WorkerStore:
     """The worker's store handle, read at call time (``close`` clears it)."""
 
@@ -488,6 +580,49 @@ class _WorkerStore:
         return out
 
 
+def _trace(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def _wire_item(num_tokens: int, hashes: Sequence[bytes]) -> tuple[int, int, bytes]:
+    """One request on the wire: ``(num_tokens, hash width, hashes joined)``."""
+    return num_tokens, len(hashes[0]) if hashes else 0, b"".join(hashes)
+
+
+def _split(blob: bytes, width: int) -> list[bytes]:
+    """A joined blob as its ``width``-byte hashes (vLLM's own lookup path
+    takes a list)."""
+    return [blob[o : o + width] for o in range(0, len(blob), width)] if width else []
+
+
+def _joined_batch(
+    items: Sequence[tuple[int, int, bytes]], idx: list[int], width: int
+) -> tuple[HashBatch, torch.Tensor]:
+    """The requests ``idx`` of checked wire ``items`` (all of ``width``-byte
+    hashes) as one :class:`HashBatch` straight from their joined blobs (no
+    per-hash bytes objects), and their ``num_tokens`` (int64 ``[B]``).
+
+    Rows are little-endian words, the last one zero-padded when ``width`` is
+    not a multiple of 8, as ``HashBatch.from_bytes`` packs them."""
+    blobs = [items[i][2] for i in idx]
+    lens = np.fromiter((len(b) for b in blobs), np.int64, len(idx)) // width
+    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    # A bytearray join: one copy, and a writable buffer for torch.
+    raw = np.frombuffer(bytearray().join(blobs), dtype=np.uint8).reshape(-1, width)
+    words_w = -(-width // 8)
+    if width % 8:
+        padded = np.zeros((raw.shape[0], 8 * words_w), dtype=np.uint8)
+        padded[:, :width] = raw
+        raw = padded
+    words = raw.view("<i8").astype(np.int64, copy=False)
+    batch = HashBatch.from_trusted(
+        torch.from_numpy(np.ascontiguousarray(words)), torch.from_numpy(offsets), width
+    )
+    ntok = torch.from_numpy(np.fromiter((items[i][0] for i in idx), np.int64, len(idx)))
+    return batch, ntok
+
+
 # -- scheduler side --------------------------------------------------------------------
 
 
@@ -503,6 +638,15 @@ class KvhitLookupClient:
         align: tokens a request needs before it is looked up (the scheduler's
             alignment: the hash block with partial hash hits, else the block).
         max_batch: requests one message resolves at most.
+        timeout_s: the most one batch may keep the caller waiting; past it
+            every request of the batch is a miss.
+        retry_s: after a batch went unanswered, the seconds during which
+            batches are misses without asking (unless the late reply comes
+            first, which shows the server answers again).
+
+    Every message carries a sequence number and its reply the same one: a
+    reply that comes after its batch timed out is dropped, never applied to
+    a later step.
     """
 
     def __init__(
@@ -512,14 +656,18 @@ class KvhitLookupClient:
         align: int,
         max_batch: int = DEFAULT_MAX_BATCH,
         timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self.inner = inner
         self.align = align
         self.max_batch = max_batch
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self._path = kvhit_rpc_path(vllm_config)
         self.ctx = zmq.Context()
-        self.socket = self._connect()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self._path)
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="KvhitLookupClient"
         )
@@ -528,12 +676,13 @@ class KvhitLookupClient:
         self.results: dict[str, MooncakeLookupResult] = {}
         self.pending: Future[dict[str, MooncakeLookupResult]] | None = None
         self.num_messages = 0
-
-    def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._path)
-        return sock
+        self.num_timeouts = 0
+        self.num_late = 0
+        self.num_skipped = 0
+        self._seq = 0
+        # The newest batch that timed out, while its reply has not come.
+        self.overdue: int | None = None
+        self._overdue_since = 0.0
 
     # -- tracking ------------------------------------------------------------------
 
@@ -551,8 +700,7 @@ class KvhitLookupClient:
     def _batch(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes]):
         # Packed here, in the scheduler's thread: ``(req_id, (num_tokens,
         # hash width, hashes joined))``, the wire format.
-        hs = block_hashes
-        items = [(req_id, (num_tokens, len(hs[0]) if hs else 0, b"".join(hs)))]
+        items = [(req_id, _wire_item(num_tokens, block_hashes))]
         results, align = self.results, self.align
         for rid, req in self.tracked.items():
             if len(items) >= self.max_batch:
@@ -565,37 +713,78 @@ class KvhitLookupClient:
                 or req.status not in _LOOKED_UP
             ):
                 continue
-            hs = req.block_hashes
-            items.append((rid, (req.num_tokens, len(hs[0]) if hs else 0, b"".join(hs))))
+            items.append((rid, _wire_item(req.num_tokens, req.block_hashes)))
         return items
 
     # -- the lookup ----------------------------------------------------------------
 
     def _send(self, items) -> dict[str, MooncakeLookupResult]:
-        """One message for the batch; any failure is a miss for each request
-        (as vLLM's client turns a failed lookup into a hit of 0)."""
-        self.num_messages += 1
-        payload = [item for _, item in items]
+        """One message for the batch, waiting at most ``timeout_s`` for its
+        reply; any failure is a miss for each request (as vLLM's client
+        turns a failed lookup into a hit of 0)."""
+        out = {rid: MooncakeLookupResult(0) for rid, _ in items}
         answers: list[MooncakeLookupResult] = []
         try:
-            self.socket.send(_REQUEST.encode(payload))
-            if not self.socket.poll(int(self.timeout_s * 1000)):
-                # A REQ socket that missed its reply cannot send again.
-                self.socket.close(linger=0)
-                self.socket = self._connect()
-                raise TimeoutError(f"no answer within {self.timeout_s} s")
-            answers = [
-                decode_lookup_response(r)
-                for r in _DECODE_REPLY.decode(self.socket.recv())
-            ]
+            self._drain()
+            if (
+                self.overdue is not None
+                and time.monotonic() - self._overdue_since < self.retry_s
+            ):
+                # The server has not answered a batch past its deadline:
+                # asking again would only wait out another timeout.
+                self.num_skipped += 1
+                return out
+            answers = self._ask([item for _, item in items])
         except Exception as exc:
             logger.error(
-                "kvhit batched lookup failed (%d requests): %s", len(items), exc
+                "kvhit batched lookup failed (%d requests): %s", len(items), str(exc)
             )
-        out = {rid: MooncakeLookupResult(0) for rid, _ in items}
         for (rid, _), r in zip(items, answers, strict=False):
             out[rid] = r
         return out
+
+    def _ask(self, payload: list) -> list[MooncakeLookupResult]:
+        self.num_messages += 1
+        self._seq += 1
+        seq = _SEQ.pack(self._seq)
+        deadline = time.monotonic() + self.timeout_s
+        self.socket.send_multipart([b"", seq, _REQUEST.encode(payload)])
+        while True:
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.socket.poll(left_ms):
+                if self.overdue is None:
+                    logger.error(
+                        "kvhit batched lookup: no answer within %.3g s "
+                        "(kvhit_lookup_timeout_s); %d requests are misses, and "
+                        "batches are misses without asking until the server "
+                        "answers again (at most %.3g s)",
+                        self.timeout_s,
+                        len(payload),
+                        self.retry_s,
+                    )
+                self.num_timeouts += 1
+                self.overdue, self._overdue_since = self._seq, time.monotonic()
+                return []
+            frames = self.socket.recv_multipart()
+            if frames[-2] == seq:
+                return [
+                    decode_lookup_response(r) for r in _DECODE_REPLY.decode(frames[-1])
+                ]
+            self._late(frames)
+
+    def _drain(self) -> None:
+        """Take the replies that came after their batch timed out."""
+        while self.socket.poll(0):
+            self._late(self.socket.recv_multipart())
+
+    def _late(self, frames: list[bytes]) -> None:
+        # A reply to a batch that already counted as misses: dropped. The
+        # newest overdue one answered means the server is answering again.
+        self.num_late += 1
+        if len(frames) >= 2 and len(frames[-2]) == _SEQ.size:
+            if _SEQ.unpack(frames[-2])[0] == self.overdue:
+                self.overdue = None
+                logger.info("kvhit batched lookup: the server answers again")
 
     def lookup(
         self,
@@ -634,7 +823,7 @@ class KvhitLookupClient:
         try:
             got = future.result()
         except Exception as exc:  # _send catches everything; a cancel lands here
-            logger.error("kvhit batched lookup failed: %s", exc)
+            logger.error("kvhit batched lookup failed: %s", str(exc))
             return
         # Requests finished meanwhile are not answered.
         self.results.update((r, v) for r, v in got.items() if r in self.tracked)
@@ -648,8 +837,9 @@ class KvhitLookupClient:
         return self.inner.reset()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=True, cancel_futures=True)
         self.socket.close(linger=0)
+        self.ctx.term()
         self.inner.close()
 
 
@@ -661,8 +851,12 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
 
     ``kv_connector_extra_config`` takes Mooncake's keys plus
     ``kvhit_max_batch`` (requests one lookup message resolves, default 4096),
-    ``kvhit_lookup_timeout_s`` (default 30) and ``kvhit_backend`` (the
-    ``LookupEngine`` backend on worker rank 0, default "auto").
+    ``kvhit_lookup_timeout_s`` (the most a synchronous ``schedule()`` waits
+    for a batch, default 1), ``kvhit_store_timeout_s`` (one
+    ``batch_is_exist`` on worker rank 0, default 0.5),
+    ``kvhit_lookup_retry_s`` (default 5, see :class:`KvhitLookupClient`) and
+    ``kvhit_backend`` (the ``LookupEngine`` backend on worker rank 0,
+    default "auto"). Late or failed answers are misses.
     """
 
     def __init__(
@@ -676,6 +870,8 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
         timeout_s = _positive(
             extra, "kvhit_lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S, float
         )
+        retry_s = _positive(extra, "kvhit_lookup_retry_s", DEFAULT_RETRY_S, float)
+        _positive(extra, "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float)
         backend = str(extra.get("kvhit_backend", "auto"))
         super().__init__(vllm_config, role, kv_cache_config)
         self.kvhit_client: KvhitLookupClient | None = None
@@ -688,7 +884,7 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
                 else sched._block_size
             )
             self.kvhit_client = KvhitLookupClient(
-                sched.client, vllm_config, align, max_batch, timeout_s
+                sched.client, vllm_config, align, max_batch, timeout_s, retry_s
             )
             sched.client = self.kvhit_client
         worker = self.connector_worker

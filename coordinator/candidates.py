@@ -13,12 +13,18 @@ All tensors are int64 on one device unless said otherwise.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels.candidates_torch import candidate_units
 
-__all__ = ["worker_candidates"]
+__all__ = [
+    "first_occurrences",
+    "format_keys",
+    "host_worker_candidates",
+    "worker_candidates",
+]
 
 
 def worker_candidates(
@@ -40,3 +46,52 @@ def worker_candidates(
         rows.append(starts[owner] + unit)
         gids.append(torch.full_like(owner, cp.group_id))
     return torch.cat(gids), torch.cat(rows)
+
+
+# -- the host (numba) family, for a store binding (imported on first use) --------
+
+
+def host_worker_candidates(
+    plan: ScanPlan, offsets: np.ndarray, num_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`worker_candidates` on host arrays through the numba family
+    (``kernels/candidates_numba.py``), plus each key's request:
+    ``(group_ids, rows, request)`` int64 ``[K]``. ``offsets`` int64
+    ``[B + 1]``, ``num_tokens`` int64 ``[B]`` (>= 0)."""
+    from kvhit.kernels.candidates_numba import worker_candidates_nb
+
+    return worker_candidates_nb(
+        np.ascontiguousarray(offsets, dtype=np.int64),
+        np.ascontiguousarray(num_tokens, dtype=np.int64),
+        plan_tensors(plan, "cpu")[1].numpy(),
+        bool(plan.partial),
+        int(plan.hash_block_size),
+        int(plan.alignment),
+    )
+
+
+def first_occurrences(
+    gids: np.ndarray, rows: np.ndarray, hashes: np.ndarray
+) -> np.ndarray:
+    """Indices (int64 ``[U]``, in order) of the first occurrence of each
+    distinct key ``(gids[i], hashes[rows[i]])``: ``gids``, ``rows`` int64
+    ``[K]``, ``hashes`` int64 ``[N, W]`` (numba; keys compared word by word)."""
+    from kvhit.kernels.candidates_numba import first_occurrences_nb
+
+    return first_occurrences_nb(gids, rows, hashes)
+
+
+def format_keys(
+    words: np.ndarray,
+    gids: np.ndarray,
+    hash_bytes: int,
+    pref_blob: np.ndarray,
+    pref_offs: np.ndarray,
+    group_pref: np.ndarray,
+) -> np.ndarray:
+    """Store key bytes ``prefix + hash.hex()`` for each key and each prefix of
+    its group, ``\\n``-separated: uint8 ``[L]`` (numba,
+    ``kernels/format_keys_numba.py``, whose docstring gives the arguments)."""
+    from kvhit.kernels.format_keys_numba import format_keys_nb
+
+    return format_keys_nb(words, gids, hash_bytes, pref_blob, pref_offs, group_pref)

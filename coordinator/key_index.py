@@ -811,6 +811,14 @@ class KeyIndex:
         cannot take the new keys.
         """
         g, h = self.normalize_keys(group_ids, hashes)
+        return self.add_trusted(g, h)
+
+    def add_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+        """:meth:`add` with **no key validation**, for keys kvhit built
+        itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0,
+        ``hashes`` int64 ``[N, W]`` with zero padding bits, both contiguous
+        on this index's device), e.g. a store refresh's present keys."""
+        g, h = group_ids, hashes
         self._check_writable("add")
         if g.shape[0] == 0:
             return 0

@@ -247,6 +247,12 @@ def test_unknown_spec_class_is_named():
         layout_from_vllm([grp(RSWASpec(block_size=16))], 16, 16)
 
 
+@pytest.mark.parametrize("groups", [None, 5, "full", iter(())])
+def test_groups_that_are_not_a_sequence_are_named(groups):
+    with pytest.raises(TypeError, match="kv_cache_groups"):
+        layout_from_vllm(groups, 16, 16)
+
+
 def test_layout_errors_pass_through():
     # vLLM asserts on chunked local + EAGLE; kvhit refuses at build time.
     spec = ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=64)

@@ -164,7 +164,6 @@ def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="fixed by bind branch (issue 21)")
 def test_bindings_reach_kernels_only_through_the_coordinator():
     bad = [
         f"{m}:{i.line} imports {i.target}"

@@ -619,24 +619,6 @@ def test_dsv4_1024_step_figures(capsys):
         print("\n" + "\n".join(lines))
 
 
-def test_dedup_is_exact_under_fingerprint_collisions():
-    from kvhit.bindings.mooncake import FINGERPRINT_MIX, unique_pairs
-
-    np = pytest.importorskip("numpy")
-    x = np.int64(0x1234)
-    # (0, x) and (1, x ^ MIX) share a fingerprint but are different keys.
-    gids = np.array([0, 1, 0, 1, 2], dtype=np.int64)
-    words = np.array(
-        [[x], [x ^ FINGERPRINT_MIX], [x], [x ^ FINGERPRINT_MIX], [x]], dtype=np.int64
-    )
-    idx = unique_pairs(gids, words)
-    got = sorted((int(gids[i]), int(words[i, 0])) for i in idx)
-    assert got == sorted(
-        {(int(g), int(w[0])) for g, w in zip(gids, words, strict=True)}
-    )
-    assert len(idx) == 3
-
-
 # -- issue 12: answers that are not 0/1, hung stores ----------------------------
 
 
@@ -673,6 +655,23 @@ def test_non_binary_answers_are_store_errors(value):
     assert _snapshot(bl.index) == before
 
 
+@pytest.mark.parametrize(
+    "as_", [str, lambda v: str(v).encode(), lambda v: "present" if v else "absent"]
+)
+def test_string_answers_are_store_errors(as_):
+    """A store answering strings (e.g. "1"/"0") for every key: StoreError as
+    documented, the index unchanged, never a hit from it."""
+    bl, store, batch, ntoks = _primed()
+    before = _snapshot(bl.index)
+    real = store.batch_is_exist
+    store.batch_is_exist = lambda keys: [as_(v) for v in real(keys)]  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match="not a list of ints"):
+        bl.lookup(batch, ntoks)
+    assert _snapshot(bl.index) == before
+    assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
+    assert isinstance(bl.last_error, StoreError)
+
+
 def test_exact_float_and_bool_answers_are_accepted():
     """1.0 / 0.0 and True / False are exactly 1 and 0."""
     for answer_of in (float, bool):
@@ -706,7 +705,11 @@ def test_hung_store_times_out_and_late_answer_is_discarded():
     with pytest.raises(StoreError, match="timeout_s"):
         bl.lookup(batch, ntoks)
     assert time.perf_counter() - t0 < 2.0
+    # While that call is parked the store is not asked again: at once.
+    t0 = time.perf_counter()
     assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
+    assert time.perf_counter() - t0 < 0.15
+    assert "has not returned" in str(bl.last_error)
     release.set()
     time.sleep(0.05)
     # The late answer changed nothing; the next good call works as before.
@@ -775,15 +778,41 @@ def test_index_stays_bounded_over_a_soak(shared):
     assert len(store.keys) > 3 * max(sizes)
 
 
-@pytest.mark.parametrize("head", ["m@tp_rank:0@g:1@", "préfixe✓@m@", "a\nb@", ""])
-def test_key_strings_fast_path_matches_format(head):
-    from kvhit.bindings.mooncake import key_strings
-
+@pytest.mark.parametrize("prefix", ["", "tenant", "préfixe✓", "a\nb", "\n"])
+def test_store_asked_keys_match_format(prefix):
+    """The one call asks ``prefix + hash.hex()`` for every namespace of each
+    distinct candidate, whatever the prefix holds (a newline included: the
+    numba key writer separates keys with one)."""
+    layout = LAYOUTS["hybrid_mamba_partial"]()
+    keys = MooncakeKeys(
+        "m\n", [[(0, 0, 0, 0), (1, 0, 0, 0)], [(0, 0, 0, 0)], [(0, 0, 0, 0)]],
+        cache_prefix=prefix,
+    )  # fmt: skip
     rng = random.Random(3)
     for hb in (8, 16, 20, 32):
-        hashes = [rng.randbytes(hb) for _ in range(37)]
-        words = HashBatch.from_bytes([hashes], hb).hashes.numpy()
-        assert key_strings(head, words, hb) == [head + h.hex() for h in hashes]
+        reqs = [
+            [rng.randbytes(hb) for _ in range(rng.randrange(0, 9))] for _ in range(5)
+        ]
+        reqs.append(reqs[0])  # duplicates across requests are asked once
+        store = FakeStore()
+        index = KeyIndex(hb, 64)
+        sync = StoreSync(store, keys, index, layout)
+        asked = []
+        store.batch_is_exist = lambda ks, a=asked: a.extend(ks) or [0] * len(ks)
+        batch = HashBatch.from_bytes(reqs, hb)
+        ntok = [4 * len(r) for r in reqs]
+        sync.refresh(batch, ntok)
+        g, r = sync.candidates(batch, ntok)
+        words = batch.to_bytes()
+        flat = [h for req in words for h in req]
+        want = []
+        for gi, ri in dict.fromkeys(zip(g.tolist(), r.tolist(), strict=True)):
+            ks = keys.keys(gi, flat[ri])
+            if ks[0] not in want:
+                want += ks
+        assert sorted(asked) == sorted(want) and len(asked) == len(set(asked))
+        head = f"{prefix}@m\n@" if prefix else "m\n@"
+        assert asked and all(k.startswith(head) for k in asked)
 
 
 def test_exclusive_index_holds_exactly_the_last_steps_present_keys():

@@ -336,6 +336,39 @@ def test_server_store_error_gives_misses_and_replies(harness):
     assert "master gone" in repr(server.last_error)
 
 
+def test_server_mixed_widths_one_path(harness):
+    """Requests of 32-byte and 20-byte hashes (a width of no whole words) in
+    one batch: each width's joined blobs become one HashBatch, one store call
+    per width, answers equal vLLM's worker per request."""
+    from kvhit.bindings.vllm_connector import KvhitLookupServer
+
+    h = harness
+    rng = random.Random(8)
+    store = h.CountingStore()
+    vc, worker = _server_setup(h, store)
+    reqs = prompts(rng, 8)
+    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    batch = []
+    for i, t in enumerate(reqs):
+        hs = list(h.make_request("x", t, worker.hash_block_size, 1).block_hashes)
+        if i % 2:
+            hs = [x[:20] for x in hs]
+            for prefixes in worker._lookup_key_prefixes:
+                for x in hs[: rng.randrange(len(hs) + 1)]:
+                    store.keys.update(f"{p}@{x.hex()}" for p in prefixes)
+        batch.append((len(t), hs))
+    batch.append((0, []))
+    want = [worker.lookup(n, hs) if n else None for n, hs in batch]
+    server = KvhitLookupServer(worker, vc, start=False)
+    c0 = store.calls
+    got = server.resolve(batch)
+    assert store.calls - c0 == 2
+    assert got[:-1] == want[:-1] and got[-1].hit_length == 0
+    assert any(r.hit_length for r in got[1::2]) and any(r.hit_length for r in got[::2])
+    with pytest.raises(ValueError, match="request 0"):
+        server.resolve([(16, [b"a" * 32, b"b" * 20])])
+
+
 def test_server_falls_back_when_keys_differ(harness, caplog):
     from kvhit.bindings.vllm_connector import KvhitLookupServer
 

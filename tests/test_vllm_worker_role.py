@@ -88,6 +88,7 @@ def world(tmp_path_factory):
             try:
                 with set_current_vllm_config(vc):
                     ensure_model_parallel_initialized(1, 1)
+                h.master = master  # the fault tests stop and restart it
                 yield h
             finally:
                 destroy_model_parallel()
@@ -288,3 +289,186 @@ def test_real_worker_lookup_vs_kvhit(world, case_i):
         h.stop_vllm_lookup_server(worker.lookup_server, vc)
         conn.shutdown()
         assert worker.store is None
+
+
+# -- faults against the real master --------------------------------------------------
+
+#: The connector's defaults: a schedule() waits at most 1 s for the store.
+BOUND_S = 1.0
+#: Over the bound: the Scheduler's own work and a loaded 2-core host.
+SLACK_S = 0.5
+
+
+def _end_to_end(h, tag: str):
+    """vLLM's real Scheduler with the kvhit connector (scheduler role) and the
+    connector's worker role over the real master, on one config: every
+    lookup crosses the connector's IPC socket to the KvhitLookupServer the
+    worker role started. Returns (driver, worker, close)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvhit.bindings.vllm_connector import KvhitMooncakeStoreConnector
+
+    case = h.LAYOUTS[1]
+    extra = {"lookup_rpc_port": h.next_port(), "cache_prefix": tag,
+             "load_async": False}  # fmt: skip
+    vc = h.vllm_config("KvhitMooncakeStoreConnector", case, extra, 16, 512,
+                       module_path=h.KVHIT_MODULE)  # fmt: skip
+    kvc = h.kv_cache_config(case, 400)
+    bs, hbs = h.resolve_sizes(kvc, vc)
+    vc.cache_config.num_gpu_blocks = 400
+    conn = KvhitMooncakeStoreConnector(vc, KVConnectorRole.WORKER, kvc)
+    worker = conn.connector_worker
+    assert conn.kvhit_server is not None and conn.kvhit_server.fallback_reason is None
+    sched = Scheduler(vllm_config=vc, kv_cache_config=kvc, log_stats=True,
+                      structured_output_manager=StructuredOutputManager(vc),
+                      block_size=bs, hash_block_size=hbs)  # fmt: skip
+    side = h.Side("kvhit", sched, worker, [], hbs)
+    driver = h.Driver(side)
+
+    def close():
+        side.close()
+        h.stop_vllm_lookup_server(worker.lookup_server, vc)
+        conn.shutdown()
+
+    return driver, worker, conn.kvhit_server, close
+
+
+def _hits(rec) -> list[int]:
+    return [a[3].hit_length for a in rec.answers if a[3] is not None]
+
+
+def _stored_prompts(h, worker, rng, n: int):
+    reqs = prompts(rng, n)
+    hashes = [list(h.make_request("x", t, worker.hash_block_size, 1).block_hashes)
+              for t in reqs]  # fmt: skip
+    keys = store_keys(rng, worker, hashes, None)
+    assert worker.store.put_batch(keys, [b"kv" * 8] * len(keys)) == 0
+    return reqs
+
+
+def _report(name: str, waits: list[float]) -> None:
+    print(f"\n[{name}] steps {len(waits)}, worst schedule() {max(waits):.3f} s")
+
+
+def test_master_sigstop_then_sigcont(world):
+    """The master frozen (SIGSTOP) for 3x the store timeout mid-run: no
+    schedule() waits longer than the bound, the requests looked up meanwhile
+    get misses, hits come back after SIGCONT equal to vLLM's worker."""
+    import os
+    import signal
+    import time
+
+    h = world
+    rng = random.Random(7)
+    d, worker, server, close = _end_to_end(h, "sigstop")
+    waits = []
+    pid = h.master.proc.pid
+    try:
+        reqs = _stored_prompts(h, worker, rng, 30)
+        k = 0
+
+        def step():
+            nonlocal k
+            for _ in range(3):
+                d.add(f"r{k}", reqs[k % len(reqs)])
+                k += 1
+            rec = d.step()
+            waits.append(rec.wait_s)
+            return rec
+
+        recs = [step() for _ in range(3)]
+        assert all(d.truth(r) == [] for r in recs) and any(_hits(r) for r in recs)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t_end = time.monotonic() + 3 * server.store_timeout_s
+            while time.monotonic() < t_end:
+                rec = step()
+                assert all(x == 0 for x in _hits(rec))
+                assert rec.wait_s < BOUND_S + SLACK_S
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        back = False
+        while not back and time.monotonic() < deadline:
+            # Misses until the parked call returns and the store answers.
+            rec = step()
+            back = any(_hits(rec))
+        assert back, f"no hit within 20 s of SIGCONT (last error {server.last_error!r})"
+        recs = [step() for _ in range(3)]
+        assert all(d.truth(r) == [] for r in [rec, *recs])
+    finally:
+        close()
+    assert max(waits) < BOUND_S + SLACK_S
+    _report("master SIGSTOP/SIGCONT", waits)
+
+
+def test_master_killed_and_restarted_empty(world):
+    """The master killed, then restarted empty on the same address: misses
+    meanwhile, each step within the bound; never a hit for a key the new
+    master lacks; then the connector either serves the new master's keys
+    (reconnected) or keeps answering misses with the store error logged."""
+    import signal
+    import time
+
+    from kvhit.bindings.mooncake import StoreError
+
+    h = world
+    rng = random.Random(8)
+    d, worker, server, close = _end_to_end(h, "restart")
+    waits = []
+    try:
+        reqs = _stored_prompts(h, worker, rng, 30)
+        k = 0
+
+        def step():
+            nonlocal k
+            for _ in range(3):
+                d.add(f"r{k}", reqs[k % len(reqs)])
+                k += 1
+            rec = d.step()
+            waits.append(rec.wait_s)
+            return rec
+
+        recs = [step() for _ in range(3)]
+        assert all(d.truth(r) == [] for r in recs) and any(_hits(r) for r in recs)
+        h.master.proc.send_signal(signal.SIGKILL)
+        h.master.proc.wait(10)
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            assert all(x == 0 for x in _hits(step()))
+        h.master.start()  # same address, empty
+        t_end = time.monotonic() + 6
+        while time.monotonic() < t_end:
+            assert all(x == 0 for x in _hits(step())), "a hit the new master lacks"
+        # One prompt's keys into the new master, through the worker's handle.
+        fresh = [rng.randrange(3, 1000) for _ in range(96)]
+        hashes = list(
+            h.make_request("x", fresh, worker.hash_block_size, 1).block_hashes
+        )
+        keys = [f"{p}@{bytes(x).hex()}"
+                for g, ps in enumerate(worker._lookup_key_prefixes)
+                for x in hashes for p in ps]  # fmt: skip
+        rc = worker.store.put_batch(keys, [b"kv" * 8] * len(keys))
+        outcome = "put refused"
+        if rc == 0:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                d.add(f"f{k}", fresh)
+                k += 1
+                rec = d.step()
+                waits.append(rec.wait_s)
+                if any(_hits(rec)):
+                    assert d.truth(rec) == []
+                    outcome = "reconnected: hits from the new master"
+                    break
+            else:
+                outcome = "put accepted, no hit"
+        if not outcome.startswith("reconnected"):
+            assert isinstance(server.last_error, StoreError), server.last_error
+        print(f"\n[master restarted empty] {outcome}; last error {server.last_error!r}")
+    finally:
+        close()
+    assert max(waits) < BOUND_S + SLACK_S
+    _report("master killed, restarted empty", waits)

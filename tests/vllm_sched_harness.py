@@ -371,3 +371,141 @@ def model_runner_output(scheduler_output, finished_recving=None):
         pooler_output=None,
         kv_connector_output=kvo,
     )
+
+
+# -- faults ---------------------------------------------------------------------------
+
+
+class FaultStore(CountingStore):
+    """A :class:`CountingStore` that can misbehave: ``delay_s`` per call,
+    ``gate`` (a cleared ``threading.Event``: every call waits for it, at most
+    ``max_hang_s``), ``fail`` (an exception raised), ``answer`` (a callable
+    turning the keys into the answer, e.g. strings)."""
+
+    def __init__(self, keys: set[str] | None = None) -> None:
+        super().__init__(keys)
+        self.gate: threading.Event | None = None
+        self.max_hang_s = 30.0
+        self.fail: BaseException | None = None
+        self.answer = None
+        self.faulty_calls = 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        gate, fail, answer, delay = self.gate, self.fail, self.answer, self.delay_s
+        if gate is not None or fail is not None or answer is not None or delay:
+            self.faulty_calls += 1
+        if gate is not None:
+            gate.wait(self.max_hang_s)
+        if delay:
+            time.sleep(delay)
+        if fail is not None:
+            raise fail
+        with self.lock:
+            self.calls += 1
+            self.keys_asked += len(keys)
+            got = [1 if k in self.keys else 0 for k in keys]
+        return answer(got) if answer is not None else got
+
+    def heal(self) -> None:
+        gate, self.gate = self.gate, None
+        self.fail = self.answer = None
+        self.delay_s = 0.0
+        if gate is not None:
+            gate.set()
+
+
+@dataclass
+class Step:
+    """One ``schedule()``: its wall time and the kvhit client's answers
+    (``(req_id, num_tokens, block_hashes, result or None)``)."""
+
+    wait_s: float
+    answers: list = field(default_factory=list)
+    out: Any = None
+    #: of ``wait_s``, the time spent inside the kvhit client's lookups
+    lookup_s: float = 0.0
+
+
+class Driver:
+    """Steps a kvhit Side's real Scheduler, timing ``schedule()`` and
+    recording every answer the kvhit client gives."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.sched = side.scheduler
+        self.client = self.sched.connector.kvhit_client
+        self._answers: list = []
+        self._lookup_s = 0.0
+        real = self.client.lookup
+
+        def lookup(req_id, num_tokens, block_hashes, non_block=False):
+            t0 = time.perf_counter()
+            got = real(req_id, num_tokens, block_hashes, non_block)
+            self._lookup_s += time.perf_counter() - t0
+            self._answers.append((req_id, num_tokens, list(block_hashes), got))
+            return got
+
+        self.client.lookup = lookup
+        self.max_tokens = 4
+
+    def add(self, rid: str, tokens: list[int], max_tokens: int | None = None) -> None:
+        self.sched.add_request(
+            make_request(rid, tokens, self.side.hash_block_size,
+                         max_tokens or self.max_tokens)
+        )  # fmt: skip
+
+    def abort(self, rids) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.sched.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> Step:
+        self._answers = []
+        self._lookup_s = 0.0
+        t0 = time.perf_counter()
+        out = self.sched.schedule()
+        wait = time.perf_counter() - t0
+        rec = Step(wait, self._answers, out, self._lookup_s)
+        self.sched.update_from_output(out, model_runner_output(out))
+        return rec
+
+    def truth(self, rec: Step) -> list[str]:
+        """Mismatches between the step's answers and vLLM's own worker lookup
+        (``MooncakeStoreWorker.lookup``) on the store as it is now."""
+        bad = []
+        for rid, n, hashes, got in rec.answers:
+            if got is None:
+                continue
+            try:
+                want = self.side.worker.lookup(n, hashes)
+            except AssertionError:  # vLLM's _tail_key_boundaries: kvhit misses
+                want = type(got)(0)
+            if (got.hit_length, got.tail_key_boundaries) != (
+                want.hit_length,
+                want.tail_key_boundaries,
+            ):
+                bad.append(f"{rid}: kvhit {got} vLLM {want}")
+        return bad
+
+
+def resources() -> dict[str, int]:
+    """This process's threads, open fds, sockets among them, and RSS (KiB)."""
+    import os
+
+    fds = os.listdir("/proc/self/fd")
+    socks = 0
+    for fd in fds:
+        try:
+            socks += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    status = dict(
+        line.split(":", 1)
+        for line in Path("/proc/self/status").read_text().splitlines()
+    )
+    return {
+        "threads": int(status["Threads"]),
+        "fds": len(fds),
+        "sockets": socks,
+        "rss_kib": int(status["VmRSS"].split()[0]),
+    }

@@ -1,0 +1,215 @@
+"""A soak of the kvhit connector inside vLLM 0.33.0's real ``Scheduler``
+(slow: run by hand, ``-m slow -s``).
+
+10,000 steps with random arrivals (requests sharing system prompts), aborts,
+preemptions (a small block pool) and saves (keys added to the store as
+requests finish), and a store fault every ~1,000 steps, rotating: a hung
+store (1.5 s), a store slower than its timeout, a store raising, answers
+that are not ints, the server's loop failing, the store emptied. Checked:
+
+- every answer on a healthy step (no fault active, no store error or
+  timeout during it) equals vLLM's own ``MooncakeStoreWorker.lookup`` on the
+  same store: 0 mismatches;
+- every answer on a faulty step is a miss (no hit the store did not confirm);
+- no ``schedule()`` waits longer than ``kvhit_lookup_timeout_s`` (1 s) plus
+  slack;
+- threads, open fds, sockets and RSS at the start (after a warm-up) and at
+  the end: flat.
+
+It prints the start/end table.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+
+import pytest
+from test_vllm_connector import prompts
+
+from kvhit.bench import vllm_oracle as vo
+
+STEPS = int(__import__("os").environ.get("KVHIT_SOAK_STEPS", 10_000))
+FAULT_EVERY = 1_000
+BOUND_S = 1.0
+SLACK_S = 0.5
+
+
+class Boom(BaseException):
+    """A failure no handler expects."""
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    mods, reason = vo.load_vllm()
+    if mods is None:
+        pytest.skip(reason)
+    with vo.vllm_importable() as m:
+        yield m
+
+
+def save(h, rng, store, worker, tokens) -> None:
+    """Keys as a save of ``tokens`` leaves them (every group's full blocks),
+    up to a random length."""
+    hashes = h.make_request("x", tokens, worker.hash_block_size, 1).block_hashes
+    keep = rng.randrange(0, len(hashes) + 1)
+    for db, prefixes in zip(worker.token_dbs, worker._lookup_key_prefixes, strict=True):
+        per_block = db.block_size // worker.hash_block_size
+        for i in range(keep):
+            if (i + 1) % per_block == 0:
+                store.keys.update(f"{p}@{bytes(hashes[i]).hex()}" for p in prefixes)
+
+
+@pytest.mark.slow
+def test_soak(vllm_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    import vllm_sched_harness as h
+
+    rng = random.Random(2026)
+    store = h.FaultStore()
+    side = h.build_side("kvhit", h.LAYOUTS[1], store, {"load_async": False},
+                        num_blocks=64, max_num_seqs=16, max_num_batched_tokens=512)  # fmt: skip
+    worker = side.worker
+    server = side.servers[-1]
+    d = h.Driver(side)
+    client = d.client
+    pool = prompts(rng, 200)
+    for t in rng.sample(pool, 60):
+        save(h, rng, store, worker, t)
+    real_lookup_for = server._lookup_for
+    crash = {"left": 0}
+
+    def lookup_for(width):
+        if crash["left"]:
+            crash["left"] -= 1
+            raise Boom("injected")
+        return real_lookup_for(width)
+
+    server._lookup_for = lookup_for
+    faults = ["hang", "slow", "raise", "strings", "crash", "empty"]
+    fault_log = []
+    active: str | None = None
+    fault_until = 0
+    gate: threading.Event | None = None
+    healthy = faulty = compared = hits_served = 0
+    mismatches: list[str] = []
+    unconfirmed: list[str] = []
+    worst = 0.0
+    worst_at: tuple = ()
+    rss: list = []
+    preempted = aborted = 0
+    start = None
+    n = 0
+    next_fault = FAULT_EVERY + rng.randrange(-100, 100)
+    # What vLLM's EngineCore does once built (freeze_gc_heap): the start-up
+    # heap is left out of every later collection.
+    gc.collect()
+    gc.freeze()
+    try:
+        for step in range(STEPS):
+            if step == 500:
+                gc.collect()
+                start = h.resources()
+            if step % 1000 == 0:
+                rss.append((step, h.resources()["rss_kib"] // 1024))
+            # A fault every ~FAULT_EVERY steps, rotating.
+            if step == next_fault:
+                next_fault += FAULT_EVERY + rng.randrange(-100, 100)
+                active = faults[len(fault_log) % len(faults)]
+                fault_log.append((step, active))
+                if active == "hang":
+                    gate = threading.Event()
+                    store.gate = gate
+                    fault_until = time.monotonic() + 1.5
+                elif active == "slow":
+                    store.delay_s = 0.7
+                    fault_until = step + 15
+                elif active == "raise":
+                    store.fail = ConnectionError("master gone")
+                    fault_until = step + 50
+                elif active == "strings":
+                    store.answer = lambda got: [str(x) for x in got]
+                    fault_until = step + 20
+                elif active == "crash":
+                    crash["left"] = 1
+                    fault_until = step + 1
+                else:  # the store emptied: not a fault of kvhit's, truth holds
+                    store.keys.clear()
+                    active = None
+            for _ in range(rng.choices((0, 1, 2, 3), (35, 40, 20, 5))[0]):
+                d.add(f"q{n}", rng.choice(pool), rng.randrange(2, 24))
+                n += 1
+            live = list(d.sched.requests)
+            if live and rng.random() < 0.08:
+                gone = rng.sample(live, min(len(live), rng.randrange(1, 3)))
+                d.abort(gone)
+                aborted += len(gone)
+            if step % 25 == 0:
+                save(h, rng, store, worker, rng.choice(pool))
+            err0 = server.last_error
+            c0 = (client.num_timeouts, client.num_skipped)
+            rec = d.step()
+            if rec.wait_s > worst:
+                worst, worst_at = rec.wait_s, (step, round(rec.lookup_s, 3), active)
+            preempted += len(rec.out.preempted_req_ids or ())
+            clean = (
+                active is None
+                and server.last_error is err0
+                and (client.num_timeouts, client.num_skipped) == c0
+            )
+            if clean:
+                healthy += 1
+                bad = d.truth(rec)
+                mismatches += [f"step {step}: {b}" for b in bad]
+                compared += sum(a[3] is not None for a in rec.answers)
+                hits_served += sum(
+                    a[3] is not None and a[3].hit_length > 0 for a in rec.answers
+                )
+            else:
+                faulty += 1
+                unconfirmed += [
+                    f"step {step} {active}: {a[0]} {a[3]}"
+                    for a in rec.answers
+                    if active is not None and a[3] is not None and a[3].hit_length
+                ]
+            if active is not None:
+                over = (
+                    time.monotonic() >= fault_until
+                    if active == "hang"
+                    else step + 1 >= fault_until
+                )
+                if over:
+                    store.heal()
+                    gate = None
+                    active = None
+        # Let parked store calls return before measuring.
+        store.heal()
+        time.sleep(1.0)
+        gc.collect()
+        end = h.resources()
+    finally:
+        side.close()
+        gc.unfreeze()
+    rows = [
+        f"{'':10} {'start':>10} {'end':>10}",
+        *(f"{k:10} {start[k]:>10} {end[k]:>10}" for k in start),
+    ]
+    print(
+        "\n[soak] steps {}, healthy {} ({} answers compared, {} hits), faulty {}, "
+        "mismatches {}, unconfirmed hits {}, worst schedule() {:.3f} s "
+        "(step, lookup s, fault: {}), preemptions {}, aborts {}, requests {}\n"
+        "  faults: {}\n  RSS MiB by step: {}\n  {}".format(
+            STEPS, healthy, compared, hits_served, faulty, len(mismatches),
+            len(unconfirmed), worst, worst_at, preempted, aborted, n, fault_log,
+            rss, "\n  ".join(rows),
+        )
+    )  # fmt: skip
+    assert mismatches == [], "\n".join(mismatches[:10])
+    assert unconfirmed == [], "\n".join(unconfirmed[:10])
+    assert worst < BOUND_S + SLACK_S
+    assert len(fault_log) >= 9 and preempted and aborted and hits_served
+    assert end["threads"] <= start["threads"] + 1
+    assert end["fds"] <= start["fds"] + 2 and end["sockets"] <= start["sockets"]
+    assert end["rss_kib"] < start["rss_kib"] * 1.25
