@@ -36,8 +36,8 @@ Design (why it looks like this):
   miss in the window (no later candidate can contain it). ``BLOCK`` lanes share
   the latency of one probe chain; see :data:`BLOCK` and :data:`NUM_WARPS`.
 * **State lives in registers, and little of it.** Per-SpecGroup results are
-  ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask triples are
-  written to ``tri`` once, at the end (scalar stores and loads by different
+  ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
+  written to ``mask_spans`` once, at the end (scalar stores and loads by different
   threads of a CTA would need a barrier). Across the probe loops a SpecGroup
   scan keeps only its three search results and bound: the row's fields and
   what is derived from them are loaded and computed again where needed (an L1
@@ -63,7 +63,7 @@ Design (why it looks like this):
   included (the scan passes over BUSY, never waits on it), so a probe ends even
   on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
   where earlier members hit (an AND).
-* **The store worker's candidate restriction** (``tok_len``): a present key
+* **The store worker's candidate restriction** (``token_len``): a present key
   counts only at a position the worker asks about, or when the same hash value
   stands at such a position in the request (the worker's set holds values).
   The position test is closed-form; the value test (``_dup_candidate``) runs
@@ -79,7 +79,7 @@ Design (why it looks like this):
 
 Probes past a request's hashes are misses (the reference raises there).
 Preconditions the launcher cannot check without a device sync: for every
-request ``r``, ``offsets[r] + lens[r] <= hashes.shape[0]``; member group ids
+request ``r``, ``offsets[r] + n_units[r] <= hashes.shape[0]``; member group ids
 index ``cand_rows``; lengths are >= 0.
 """
 
@@ -227,40 +227,47 @@ def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
 @triton.jit
 def _is_candidate(ctx, units, gid):
     """int1 [N]: does the store worker ask about hash unit ``units`` (int64 [N])
-    for group ``gid`` in a lookup of ``tok_len`` tokens (by position only)?
+    for group ``gid`` in a lookup of ``token_len`` tokens (by position only)?
     Mirrors ``ReferenceCoordinator.lookup_candidates``."""
-    lens = ctx[_C_LENS]
-    tok_len = ctx[_C_TOK_LEN]
+    n_units = ctx[_C_LENS]
+    token_len = ctx[_C_TOK_LEN]
     row = ctx[_C_CANDS] + gid * _CAND_WIDTH
     bs = tl.load(row + _CAND_BLOCK_SIZE)
     s = tl.load(row + _CAND_SCALE)
     sparse = tl.load(row + _CAND_SPARSE)
-    per = tl.load(row + _CAND_PER_SEGMENT)
+    per_segment = tl.load(row + _CAND_PER_SEGMENT)
     need = tl.load(row + _CAND_NEED)
     shift = tl.load(row + _CAND_SHIFT)
     # The limits are ``masks.asked_chunks`` (``ScanPlan.asked_chunks``): with
-    # partial hash hits, then dense (the sparse one is in ``sp``).
-    in_partial = units < tl.minimum(lens, _div(tok_len, ctx[_C_HBS]))
+    # partial hash hits, then dense (the sparse one is in ``sparse_ok``).
+    in_partial = units < tl.minimum(n_units, _div(token_len, ctx[_C_HBS]))
     u1 = tl.maximum(units + 1, 0)
     c = _div(u1, s) - 1
     ok = (_rem(u1, s) == 0) & (c >= 0)
-    ok = ok & (c < tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs)))
+    ok = ok & (c < tl.minimum(_div(n_units, s), _div(token_len + bs - 1, bs)))
     # The SWA lookup mask keeps the last `need` chunks of each segment
     # (``masks.sparse_window_mask``).
-    in_seg = _fmod(c - shift, tl.maximum(per, 1)) >= per - need
-    sp = (c < _div(tok_len, bs)) & (c >= shift) & in_seg
+    in_seg = _fmod(c - shift, tl.maximum(per_segment, 1)) >= per_segment - need
+    sparse_ok = (c < _div(token_len, bs)) & (c >= shift) & in_seg
     # Broadcast before mixing with vectors: the interpreter types a bool
     # scalar-vector & / | as int64.
-    ok = ok & (((units * 0 + sparse) == 0) | sp)
+    ok = ok & (((units * 0 + sparse) == 0) | sparse_ok)
     return tl.where(ctx[_C_PARTIAL] != 0, in_partial, ok)
 
 
 @triton.jit
-def _candidate_chunk(k, sp, shift, per, nd):
+def _candidate_chunk(k, sparse_ok, shift, per_segment, need_chunks):
     """The ``k``-th candidate chunk (in increasing order) of a group: every
-    chunk, or with a sparse lookup mask the ``nd`` last of each segment."""
+    chunk, or with a sparse lookup mask the ``need_chunks`` last of each segment."""
     # The sparse branch is ``masks.sparse_window_chunk``.
-    return tl.where(sp, shift + _div(k, nd) * per + (per - nd) + _rem(k, nd), k)
+    return tl.where(
+        sparse_ok,
+        shift
+        + _div(k, need_chunks) * per_segment
+        + (per_segment - need_chunks)
+        + _rem(k, need_chunks),
+        k,
+    )
 
 
 @triton.jit
@@ -276,8 +283,8 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     segment), ``_DUP_LANES * BLOCK`` per step, one odd lane at a time.
     """
     off = ctx[_C_OFF]
-    lens = ctx[_C_LENS]
-    tok_len = ctx[_C_TOK_LEN]
+    n_units = ctx[_C_LENS]
+    token_len = ctx[_C_TOK_LEN]
     hashes_ptr = ctx[_C_HASHES]
     lane = tl.arange(0, BLOCK)
     kl = tl.arange(0, _DUP_LANES * BLOCK).to(tl.int64)
@@ -285,20 +292,22 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     bs = tl.load(row + _CAND_BLOCK_SIZE)
     s = tl.load(row + _CAND_SCALE)
     sparse = tl.load(row + _CAND_SPARSE) != 0
-    per = tl.load(row + _CAND_PER_SEGMENT)
+    per_segment = tl.load(row + _CAND_PER_SEGMENT)
     need = tl.load(row + _CAND_NEED)
     shift = tl.load(row + _CAND_SHIFT)
-    zero = lens * 0
+    zero = n_units * 0
     is_partial = ctx[_C_PARTIAL] != 0
-    sp = ~is_partial & sparse
+    sparse_ok = ~is_partial & sparse
     # Candidates are the chunks c < limit (hash units, with partial hits) that
     # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...;
     # ``limit`` is ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
-    limit = tl.minimum(_div(lens, s), _div(tok_len + bs - 1, bs))
-    limit = tl.where(sparse, tl.minimum(limit, _div(tok_len, bs)), limit)
-    limit = tl.where(is_partial, tl.minimum(lens, _div(tok_len, ctx[_C_HBS])), limit)
-    limit = tl.where(sp & (need <= 0), zero, limit)
-    nd = tl.maximum(need, 1)
+    limit = tl.minimum(_div(n_units, s), _div(token_len + bs - 1, bs))
+    limit = tl.where(sparse, tl.minimum(limit, _div(token_len, bs)), limit)
+    limit = tl.where(
+        is_partial, tl.minimum(n_units, _div(token_len, ctx[_C_HBS])), limit
+    )
+    limit = tl.where(sparse_ok & (need <= 0), zero, limit)
+    need_chunks = tl.maximum(need, 1)
     scale = tl.where(is_partial, zero + 1, s)
 
     found = lane < 0
@@ -307,10 +316,10 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     while i < BLOCK:
         u = tl.sum(tl.where(lane == i, units, 0), axis=0)
         k0 = zero
-        going = _candidate_chunk(k0, sp, shift, per, nd) < limit
+        going = _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
         hit = zero > 0
         while going:
-            c = _candidate_chunk(k0 + kl, sp, shift, per, nd)
+            c = _candidate_chunk(k0 + kl, sparse_ok, shift, per_segment, need_chunks)
             eq = c < limit
             v = off + (c + 1) * scale - 1
             for j in tl.static_range(W):
@@ -319,7 +328,9 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
                 eq = eq & (b == a)
             hit = tl.max(eq.to(tl.int32), axis=0) > 0
             k0 += _DUP_LANES * BLOCK
-            going = ~hit & (_candidate_chunk(k0, sp, shift, per, nd) < limit)
+            going = ~hit & (
+                _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
+            )
         # Broadcast before mixing with vectors (interpreter quirk, see above).
         hit_v = (tl.zeros([BLOCK], tl.int32) + hit.to(tl.int32)) != 0
         found = found | ((lane == i) & hit_v)
@@ -342,8 +353,8 @@ def _probe(
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
     present for every member group of the SpecGroup at ``sg_row``? Lanes
     outside ``mask`` or the request's hashes are misses."""
-    lens = ctx[_C_LENS]
-    valid = mask & (units >= 0) & (units < lens)
+    n_units = ctx[_C_LENS]
+    valid = mask & (units >= 0) & (units < n_units)
     rows = ctx[_C_OFF] + tl.where(valid, units, 0)
     hit = valid
     for k in range(tl.load(sg_row + _SG_N_MEMBERS)):
@@ -488,7 +499,7 @@ def _sg_searches(
     Three call sites instead of one per kind keep the inlined code small.
     """
     align = ctx[_C_ALIGN]
-    lens = ctx[_C_LENS]
+    n_units = ctx[_C_LENS]
     shape = _sg_shape(ctx, sg_row, bound, drop)
     kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
     is_full = kind == _FULL
@@ -503,7 +514,7 @@ def _sg_searches(
     # null blocks before the last attention chunk.
     a_start = tl.where(is_chunk, sb, zero)
     a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
-    a_end = tl.where(is_full, tl.minimum(m, _div(lens, fscale)), a_end)
+    a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
     n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK)
 
@@ -511,8 +522,8 @@ def _sg_searches(
     # unit inside the next block; Mamba: the rightmost aligned state
     # (fine-grained: hash unit); sliding window: a run of need_eff blocks.
     first = n * fscale
-    f_top = tl.minimum(tl.minimum(first + fscale - 1, _div(bound, align)), lens) - 1
-    b_top = tl.where(is_mamba, tl.minimum(_div(bound, align), lens) - 1, zero - 1)
+    f_top = tl.minimum(tl.minimum(first + fscale - 1, _div(bound, align)), n_units) - 1
+    b_top = tl.where(is_mamba, tl.minimum(_div(bound, align), n_units) - 1, zero - 1)
     b_top = tl.where(is_swa | (is_mamba & ~fine), m - 1, b_top)
     b_top = tl.where(is_full, tl.where(fine, f_top, zero - 1), b_top)
     unit_level = fine & (is_full | is_mamba)
@@ -537,7 +548,7 @@ def _sg_searches(
 @triton.jit
 def _sg_result(ctx, sg_row, bound, drop, n, j, p):
     """A SpecGroup scan's answer from its searches: ``(hit, length, lo, hi)``,
-    the hit in tokens and the members' load-mask triple."""
+    the hit in tokens and the members' load-mask span."""
     align = ctx[_C_ALIGN]
     shape = _sg_shape(ctx, sg_row, bound, drop)
     kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
@@ -612,14 +623,14 @@ def _converge(
     """The multi-SpecGroup convergence loop up to ``max_len`` tokens (none when
     ``max_len < 0``, then the hit is ``max_len``): ``(hit, sg_len, sg_lo,
     sg_hi)``, the hit in tokens and, when ``MASKS``, each SpecGroup's mask
-    triple (``S_PAD``-wide vectors; zeros otherwise)."""
-    lens = ctx[_C_LENS]
+    span (``S_PAD``-wide vectors; zeros otherwise)."""
+    n_units = ctx[_C_LENS]
     n_sg = ctx[_C_N_SG]
-    zero = lens * 0
+    zero = n_units * 0
     multi = n_sg > 1
     sidx = tl.arange(0, S_PAD)
     zs = tl.zeros([S_PAD], tl.int64)
-    # Per SpecGroup: hit in tokens, eagle_verified, load-mask triple.
+    # Per SpecGroup: hit in tokens, eagle_verified, load-mask span.
     sg_hit = zs
     verified = zs
     sg_len = zs
@@ -645,7 +656,7 @@ def _converge(
                 margin = tl.load(row + _SG_MARGIN)
                 bound = curr
                 if multi & (margin > 0) & (drop != 0):
-                    bound = tl.minimum(curr + margin, lens * ctx[_C_HBS])
+                    bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
                 n, j, p = _sg_searches(
                     ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK
                 )
@@ -671,7 +682,7 @@ def _converge(
 @triton.jit
 def _store_masks(
     ctx,
-    tri_ptr,
+    mask_spans_ptr,
     r,
     n_groups,
     hit_length,
@@ -679,7 +690,7 @@ def _store_masks(
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
-    """Write every member group's load-mask triple to ``tri[r]``; ``masks`` is
+    """Write every member group's load-mask span to ``mask_spans[r]``; ``masks`` is
     ``(sg_len, sg_lo, sg_hi)`` from :func:`_converge`."""
     sg_len, sg_lo, sg_hi = masks
     n_sg = ctx[_C_N_SG]
@@ -697,7 +708,7 @@ def _store_masks(
             hi = length
         for k in range(tl.load(row + _SG_N_MEMBERS)):
             gid = tl.load(row + _SG_MEMBERS + k)
-            out = tri_ptr + (r * n_groups + gid) * 3
+            out = mask_spans_ptr + (r * n_groups + gid) * 3
             tl.store(out + 0, length)
             tl.store(out + 1, lo)
             tl.store(out + 2, hi)
@@ -709,10 +720,10 @@ def _asks_any(ctx, n_groups):
     ``ReferenceCoordinator.lookup``'s ``if not candidates: return 0``): per
     prefix-cacheable group, the chunks it walks, and for a sparse lookup mask
     whether they reach its lowest kept chunk."""
-    lens = ctx[_C_LENS]
-    tok_len = ctx[_C_TOK_LEN]
+    n_units = ctx[_C_LENS]
+    token_len = ctx[_C_TOK_LEN]
     partial = ctx[_C_PARTIAL] != 0
-    anyc = lens < 0
+    anyc = n_units < 0
     for gid in range(n_groups):
         row = ctx[_C_CANDS] + gid * _CAND_WIDTH
         bs = tl.load(row + _CAND_BLOCK_SIZE)
@@ -722,10 +733,12 @@ def _asks_any(ctx, n_groups):
         lowest = tl.load(row + _CAND_SHIFT) + tl.load(row + _CAND_PER_SEGMENT) - need
         # ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
         asked = tl.minimum(
-            _div(lens, tl.load(row + _CAND_SCALE)), _div(tok_len + bs - 1, bs)
+            _div(n_units, tl.load(row + _CAND_SCALE)), _div(token_len + bs - 1, bs)
         )
-        asked = tl.where(sparse, tl.minimum(asked, _div(tok_len, bs)), asked)
-        asked = tl.where(partial, tl.minimum(lens, _div(tok_len, ctx[_C_HBS])), asked)
+        asked = tl.where(sparse, tl.minimum(asked, _div(token_len, bs)), asked)
+        asked = tl.where(
+            partial, tl.minimum(n_units, _div(token_len, ctx[_C_HBS])), asked
+        )
         dense = partial | ~sparse
         here = tl.where(dense, asked > 0, (need > 0) & (asked > lowest))
         anyc = anyc | ((tl.load(row + _CAND_CACHEABLE) != 0) & here)
@@ -744,17 +757,17 @@ def _worker_lookup(
     SG_W: tl.constexpr,
 ):
     """The store worker's answer for a prompt of ``num_tokens`` tokens, with
-    the candidate restriction at ``ctx``'s ``tok_len`` (the aligned length).
+    the candidate restriction at ``ctx``'s ``token_len`` (the aligned length).
     Mirrors ``ReferenceCoordinator.lookup``: a hit covering the whole prompt
     is searched again at ``align(num_tokens - 1)``, still restricted to the
     keys asked at the original length. The second search reuses the loop, so
     the convergence code is inlined once."""
     align = ctx[_C_ALIGN]
-    tok_len = ctx[_C_TOK_LEN]
+    token_len = ctx[_C_TOK_LEN]
     zero = num_tokens * 0
-    ok = (ctx[_C_LENS] > 0) & (tok_len > 0) & _asks_any(ctx, n_groups)
+    ok = (ctx[_C_LENS] > 0) & (token_len > 0) & _asks_any(ctx, n_groups)
     usable = _div(tl.maximum(num_tokens - 1, 0), align) * align
-    bound = tl.where(ok, tok_len, zero - 1)
+    bound = tl.where(ok, token_len, zero - 1)
     out = zero
     searching = ok
     while searching:
@@ -774,7 +787,7 @@ def _worker_lookup(
 def _scan_kernel(
     hashes_ptr,
     offsets_ptr,
-    lens_ptr,
+    n_units_ptr,
     len_ptr,
     tok_len_ptr,
     table_ptr,
@@ -782,7 +795,7 @@ def _scan_kernel(
     sg_ptr,
     cand_ptr,
     hit_ptr,
-    tri_ptr,
+    mask_spans_ptr,
     n_sg,
     n_groups,
     hbs,
@@ -799,26 +812,26 @@ def _scan_kernel(
     SG_W: tl.constexpr,
 ):
     """One program per request ``r``: ``hit[r]`` and (unless ``LOOKUP``) the
-    mask triples ``tri[r]``. ``len_ptr`` holds max_lengths, or with ``LOOKUP``
+    mask spans ``mask_spans[r]``. ``len_ptr`` holds max_lengths, or with ``LOOKUP``
     the prompts' num_tokens (the worker's restriction is then derived here)."""
     r = tl.program_id(0).to(tl.int64)
-    lens = tl.load(lens_ptr + r)
+    n_units = tl.load(n_units_ptr + r)
     # Positions are divided in 32 bits (_div): lengths past _MAX_LEN tokens
     # mean the same as _MAX_LEN (no request has that many hashes' tokens).
     length = tl.minimum(tl.load(len_ptr + r), _MAX_LEN)
-    zero = lens * 0
+    zero = n_units * 0
     if LOOKUP:
-        tok_len = _div(length, align) * align
+        token_len = _div(length, align) * align
     elif HAS_TL:
-        tok_len = tl.load(tok_len_ptr + r)
+        token_len = tl.load(tok_len_ptr + r)
     else:
-        tok_len = zero
+        token_len = zero
     # Scalar arguments as tensors: Triton specialises ints equal to 1 into
     # constexprs, which a tuple cannot carry and on which `~` is Python's.
     ctx = (
         tl.load(offsets_ptr + r),
-        lens,
-        tok_len,
+        n_units,
+        token_len,
         hashes_ptr,
         table_ptr,
         zero + cap_mask,
@@ -837,7 +850,7 @@ def _scan_kernel(
             ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, True
         )
         masks = (sg_len, sg_lo, sg_hi)
-        _store_masks(ctx, tri_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
+        _store_masks(ctx, mask_spans_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
     tl.store(hit_ptr + r, hit)
 
 
@@ -877,7 +890,7 @@ def _positive_int(name: str, v: object, least: int = 1) -> None:
 def _validate(
     hashes: object,
     offsets: object,
-    lens: object,
+    n_units: object,
     lengths: tuple[str, object],
     sg_rows: object,
     cand_rows: object,
@@ -897,7 +910,7 @@ def _validate(
     if W < 1:
         raise ValueError(f"hashes must have at least one word per hash, got {W}")
     n_req = _check("offsets", offsets, 1, device).shape[0]
-    _check("lens", lens, 1, device, (n_req,))
+    _check("n_units", n_units, 1, device, (n_req,))
     _check(lengths[0], lengths[1], 1, device, (n_req,))
     if token_len is not None:
         _check("token_len", token_len, 1, device, (n_req,))
@@ -929,7 +942,7 @@ def _validate(
 def _launch(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
-    lens: torch.Tensor,
+    n_units: torch.Tensor,
     lengths: tuple[str, torch.Tensor],
     token_len: torch.Tensor | None,
     table: torch.Tensor | None,
@@ -948,12 +961,12 @@ def _launch(
     """Both launchers' work: every check (:func:`_validate`, before anything
     is allocated), the outputs, then one launch of :func:`_scan_kernel`, one
     program per request. ``lengths`` is ``(argument name, int64 [R])``.
-    Returns ``(hit int64 [R], tri int64 [R, G, 3])``; in LOOKUP mode ``tri``
-    is ``hit`` itself (the kernel never writes mask triples there)."""
+    Returns ``(hit int64 [R], mask_spans int64 [R, G, 3])``; in LOOKUP mode ``mask_spans``
+    is ``hit`` itself (the kernel never writes mask spans there)."""
     _validate(
         hashes,
         offsets,
-        lens,
+        n_units,
         lengths,
         sg_rows,
         cand_rows,
@@ -967,11 +980,13 @@ def _launch(
     n_req = offsets.shape[0]
     hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
     if lookup:
-        tri = hit
+        mask_spans = hit
     else:
-        tri = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=hashes.device)
+        mask_spans = torch.zeros(
+            n_req, num_groups, 3, dtype=torch.int64, device=hashes.device
+        )
     if not n_req:
-        return hit, tri
+        return hit, mask_spans
     n_sg, sg_w = sg_rows.shape
     # Unused pointer arguments still need a tensor on the device.
     # Triton 3.6's interpreter cannot range() over a runtime scalar, and
@@ -981,15 +996,15 @@ def _launch(
         _scan_kernel[(n_req,)](
             hashes,
             offsets,
-            lens,
+            n_units,
             lengths[1],
-            token_len if token_len is not None else lens,
+            token_len if token_len is not None else n_units,
             table if table is not None else hashes,
             (table.shape[0] - 1) if table is not None else 0,
             sg_rows,
             cand_rows,
             hit,
-            tri,
+            mask_spans,
             n_sg,
             num_groups,
             hash_block_size,
@@ -1007,13 +1022,13 @@ def _launch(
             num_warps=NUM_WARPS,
             maxnreg=MAXNREG,
         )
-    return hit, tri
+    return hit, mask_spans
 
 
 def scan_hits(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
-    lens: torch.Tensor,
+    n_units: torch.Tensor,
     max_lengths: torch.Tensor,
     sg_rows: torch.Tensor,
     cand_rows: torch.Tensor,
@@ -1028,12 +1043,12 @@ def scan_hits(
     apply_eagle: bool,
     block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest cache hit and load-mask triples of every request, one launch.
+    """Longest cache hit and load-mask spans of every request, one launch.
 
     Args:
         hashes: int64 ``[T, W]``, all requests' hash words.
         offsets: int64 ``[R]``, first row of each request in ``hashes``.
-        lens: int64 ``[R]``, hash units of each request.
+        n_units: int64 ``[R]``, hash units of each request.
         max_lengths: int64 ``[R]``, the most tokens each hit may cover (>= 0).
         sg_rows: int64 ``[S, SG_MEMBERS + M]``, one row per SpecGroup in
             ``ScanPlan.as_rows()`` order (columns ``contract.SG_COLS``, then M
@@ -1052,8 +1067,8 @@ def scan_hits(
             depend on it).
 
     Returns:
-        ``(hit int64 [R], tri int64 [R, G, 3])``: hits in tokens and each
-        group's load-mask triple ``(length, lo, hi)`` (zeros for groups outside
+        ``(hit int64 [R], mask_spans int64 [R, G, 3])``: hits in tokens and each
+        group's load-mask span ``(length, lo, hi)`` (zeros for groups outside
         every SpecGroup). Two allocations besides the launch; no host sync.
 
     Raises:
@@ -1067,7 +1082,7 @@ def scan_hits(
     return _launch(
         hashes,
         offsets,
-        lens,
+        n_units,
         ("max_lengths", max_lengths),
         token_len,
         table,
@@ -1087,7 +1102,7 @@ def scan_hits(
 def worker_lookup(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
-    lens: torch.Tensor,
+    n_units: torch.Tensor,
     num_tokens: torch.Tensor,
     sg_rows: torch.Tensor,
     cand_rows: torch.Tensor,
@@ -1118,7 +1133,7 @@ def worker_lookup(
     hit, _ = _launch(
         hashes,
         offsets,
-        lens,
+        n_units,
         ("num_tokens", num_tokens),
         None,
         table,

@@ -340,7 +340,7 @@ def _launch_args(device):
     args = dict(
         hashes=torch.zeros(6, 1, **i64),
         offsets=torch.tensor([0, 3], **i64),
-        lens=torch.tensor([3, 3], **i64),
+        n_units=torch.tensor([3, 3], **i64),
         max_lengths=torch.tensor([6, 4], **i64),
         sg_rows=sg_rows,
         cand_rows=cand_rows,
@@ -363,7 +363,7 @@ def _launch_args(device):
     [
         ("hashes", lambda t: t.to(torch.int32), TypeError),
         ("offsets", lambda t: t.to(torch.int32), TypeError),
-        ("lens", lambda t: t[:1], ValueError),
+        ("n_units", lambda t: t[:1], ValueError),
         ("max_lengths", lambda t: torch.stack([t, t], 1)[:, 0], ValueError),
         ("max_lengths", lambda t: t.tolist(), TypeError),
         ("sg_rows", lambda t: t[:, :5].contiguous(), ValueError),
@@ -371,7 +371,7 @@ def _launch_args(device):
         ("table", lambda t: t[:, :1].contiguous(), ValueError),
         ("table", lambda t: t[:12].contiguous(), ValueError),
         ("token_len", lambda t: torch.zeros(3, dtype=torch.int64), ValueError),
-        ("lens", lambda t: t.to("meta"), ValueError),
+        ("n_units", lambda t: t.to("meta"), ValueError),
         ("block", lambda t: 3, ValueError),
     ],
 )
@@ -382,7 +382,7 @@ def test_launcher_validates_arguments(device, name, bad, exc):
     if name in args:
         args[name] = bad(args[name])
     else:
-        kw[name] = bad(kw.get(name) if kw.get(name) is not None else args["lens"])
+        kw[name] = bad(kw.get(name) if kw.get(name) is not None else args["n_units"])
     with pytest.raises(exc, match=name):
         scan_hits(*args.values(), **kw)
     if name not in ("token_len", "max_lengths"):
