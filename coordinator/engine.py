@@ -410,6 +410,11 @@ class LookupEngine:
     def _host_lengths(self, value: Any, name: str, n: int) -> np.ndarray:
         """:meth:`_lengths` as a C-contiguous int64 numpy array (a scheduler
         step's few Python ints go straight to numpy)."""
+        if type(value) is list and n == 1 and len(value) == 1:
+            # One request: one check, no generator.
+            v = value[0]
+            if type(v) is int and 0 <= v <= _INT64_MAX:
+                return np.array(value, dtype=np.int64)
         if (
             type(value) is list
             and len(value) == n

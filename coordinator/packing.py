@@ -489,7 +489,10 @@ class HashBatch:
         else:
             lengths, values = _ints_of_mixed(requests)
         # accumulate + one array: np.cumsum of a short list costs ~3 us.
-        offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+        if len(lengths) == 1:
+            offsets = np.array((0, lengths[0]), dtype=np.int64)
+        else:
+            offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
         if hash_bytes < 8 and values.size:
             bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
             if bad.any():
