@@ -330,7 +330,7 @@ class LookupEngine:
             ok = not bad.any()
         else:
             ok = arr.min() >= 0
-            bad = arr < 0
+            bad = None if ok else arr < 0
         if not ok:
             i = int(np.argmax(bad))
             self._raise_bad(name, i, int(arr[i]), multiple_of)
@@ -422,6 +422,20 @@ class LookupEngine:
             and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
         ):
             return np.array(value, dtype=np.int64)
+        if (
+            type(value) is torch.Tensor
+            and value.dtype is torch.int64
+            and value.device.type == "cpu"
+            and value.dim() == 1
+            and value.shape[0] == n
+            and not value.requires_grad
+        ):
+            # A CPU int64 tensor (what a scheduler step holds): one numpy view,
+            # a few values checked in Python (numpy's min costs ~1 us). A bad
+            # value falls through to _lengths, which raises naming it.
+            arr = value.numpy()
+            if (min(arr.tolist()) if n <= 16 else int(arr.min())) >= 0:
+                return np.ascontiguousarray(arr)  # a strided tensor is copied
         # A caller's tensor may be strided: the launcher trusts its arrays.
         return np.ascontiguousarray(self._lengths(value, name, n).numpy())
 
