@@ -330,7 +330,7 @@ class LookupEngine:
             ok = not bad.any()
         else:
             ok = arr.min() >= 0
-            bad = arr < 0
+            bad = None if ok else arr < 0
         if not ok:
             i = int(np.argmax(bad))
             self._raise_bad(name, i, int(arr[i]), multiple_of)
@@ -363,40 +363,58 @@ class LookupEngine:
 
     # -- the host path: the numba backend without torch in the loop ---------
     #
-    # A scheduler step of one request costs ~1.5 us in the compiled kernel;
-    # the generic path around it (a RaggedView of torch tensors, five
-    # tensor->numpy views, the lengths as a tensor) cost ~10 us more. Here the
-    # batch's numpy arrays are built once per batch (HashBatch.host_arrays),
-    # the plan's rows once per engine and the table's view once per table
-    # tensor, and the arguments were validated by the public method.
+    # A scheduler step of one request costs ~1 us in the compiled kernel; the
+    # generic path around it (a RaggedView of torch tensors, tensor->numpy
+    # views, the launcher's dtype/contiguity checks, its allocations) cost
+    # several times that. Here the plan's rows and parameter vectors are
+    # checked and built once per engine (scan_numba.prepare_scan), the batch's
+    # arrays once per batch (HashBatch.host_arrays), the table's view once per
+    # table tensor, and the public method validated the rest, so the launcher
+    # (scan_numba.scan_prepared) checks nothing.
 
-    def _host_kernels(self) -> tuple[Any, np.ndarray, np.ndarray]:
-        """The numba kernel module (imported on first use, as the numba
-        backend does) and the plan's rows as numpy, cached per engine."""
-        cached = self.__dict__.get("_host_kernels_cache")
+    def _host_prep(self) -> tuple[Any, Any, tuple[int, int], int]:
+        """``(scan_prepared, ScanPrep, (FIND, FIND_EAGLE), LOOKUP)`` of the
+        numba kernel module (imported on first use, as the numba backend
+        does), built once per engine."""
+        cached = self.__dict__.get("_host_prep_cache")
         if cached is None:
             from kvhit.coordinator.plan import plan_tensors
-            from kvhit.kernels import scan_numba
+            from kvhit.kernels import scan_numba as sn
 
-            sg, cand = plan_tensors(self.plan, self.device)
-            cached = (scan_numba, sg.numpy(), cand.numpy())
-            self._host_kernels_cache = cached
+            plan = self.plan
+            sg, cand = plan_tensors(plan, self.device)
+            prep = sn.prepare_scan(
+                sg.numpy(), cand.numpy(), hash_block_size=plan.hash_block_size,
+                alignment=plan.alignment, partial=plan.partial,
+                simple_hybrid=plan.simple_hybrid,
+            )  # fmt: skip
+            cached = (sn.scan_prepared, prep, (sn.FIND, sn.FIND_EAGLE), sn.LOOKUP)
+            self._host_prep_cache = cached
         return cached
 
     def _host_table(self, index: KeyIndex) -> np.ndarray:
-        """``index.table`` as numpy, re-viewed only when the index replaced
-        its table tensor (growth, rehash) or another index comes."""
+        """``index.table`` as C-contiguous int64 numpy, re-viewed only when
+        the index replaced its table tensor (growth, rehash) or another index
+        comes. A table that would need a copy is copied on every call (a
+        cached copy would miss later inserts)."""
         table = index.table
         cached = self.__dict__.get("_host_table_cache")
         if cached is not None and cached[0] is table:
             return cached[1]
         arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+        if arr.dtype != np.int64 or not arr.flags.c_contiguous:
+            return np.ascontiguousarray(arr, dtype=np.int64)
         self._host_table_cache = (table, arr)
         return arr
 
     def _host_lengths(self, value: Any, name: str, n: int) -> np.ndarray:
-        """:meth:`_lengths` as a numpy array (a scheduler step's few Python
-        ints go straight to numpy)."""
+        """:meth:`_lengths` as a C-contiguous int64 numpy array (a scheduler
+        step's few Python ints go straight to numpy)."""
+        if type(value) is list and n == 1 and len(value) == 1:
+            # One request: one check, no generator.
+            v = value[0]
+            if type(v) is int and 0 <= v <= _INT64_MAX:
+                return np.array(value, dtype=np.int64)
         if (
             type(value) is list
             and len(value) == n
@@ -404,43 +422,22 @@ class LookupEngine:
             and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
         ):
             return np.array(value, dtype=np.int64)
-        return self._lengths(value, name, n).numpy()
-
-    def _host_find(
-        self,
-        batch: HashBatch,
-        max_lengths: np.ndarray,
-        index: KeyIndex,
-        apply_eagle: bool,
-        lookup: bool,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``NumbaBackend.find`` (``lookup=False``) or ``NumbaBackend.lookup``
-        (True) on host arrays; the same kernels, the same arguments."""
-        kernels, sg, cand = self._host_kernels()
-        rows, starts, lengths = batch.host_arrays()
-        plan = self.plan
-        table = self._host_table(index)
-        parallel = getattr(self.impl, "parallel", None)
-        if lookup:
-            hit = kernels.lookup_hits(
-                rows, starts, lengths, max_lengths, sg, cand, table=table,
-                hash_block_size=plan.hash_block_size, alignment=plan.alignment,
-                partial=plan.partial, simple_hybrid=plan.simple_hybrid,
-                parallel=parallel,
-            )  # fmt: skip
-            return hit, None
-        return kernels.find_hits(
-            rows, starts, lengths, max_lengths, sg, cand, table=table,
-            token_lens=None, hash_block_size=plan.hash_block_size,
-            alignment=plan.alignment, partial=plan.partial,
-            simple_hybrid=plan.simple_hybrid, apply_eagle=bool(apply_eagle),
-            parallel=parallel,
-        )  # fmt: skip
-
-    def _host_path(self, batch: HashBatch) -> bool:
-        """Whether this call takes the host path: numba on the CPU, a
-        non-empty batch."""
-        return self.backend == "numba" and len(batch) > 0
+        if (
+            type(value) is torch.Tensor
+            and value.dtype is torch.int64
+            and value.device.type == "cpu"
+            and value.dim() == 1
+            and value.shape[0] == n
+            and not value.requires_grad
+        ):
+            # A CPU int64 tensor (what a scheduler step holds): one numpy view,
+            # a few values checked in Python (numpy's min costs ~1 us). A bad
+            # value falls through to _lengths, which raises naming it.
+            arr = value.numpy()
+            if (min(arr.tolist()) if n <= 16 else int(arr.min())) >= 0:
+                return np.ascontiguousarray(arr)  # a strided tensor is copied
+        # A caller's tensor may be strided: the launcher trusts its arrays.
+        return np.ascontiguousarray(self._lengths(value, name, n).numpy())
 
     # -- public API -----------------------------------------------------------
 
@@ -466,13 +463,18 @@ class LookupEngine:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
         self._check_batch(batch, index)
-        if self._host_path(batch):
-            ml = self._host_lengths(max_lengths, "max_lengths", len(batch))
-            hit_np, spans_np = self._host_find(batch, ml, index, apply_eagle, False)
-            hit, mask_spans = torch.from_numpy(hit_np), spans_np
+        if self.backend == "numba" and len(batch):
+            # The host path (numba on the CPU, a non-empty batch).
+            rows, starts, lengths = batch.host_arrays()
+            ml = self._host_lengths(max_lengths, "max_lengths", starts.shape[0])
+            scan, prep, modes, _ = self._host_prep()
+            hit_np, spans_np = scan(
+                prep, rows, starts, lengths, ml, self._host_table(index),
+                modes[1 if apply_eagle else 0], self.impl.parallel,
+            )  # fmt: skip
             if not with_masks:
-                return LookupResult(hit)
-            mask_spans = torch.from_numpy(spans_np)
+                return LookupResult(torch.from_numpy(hit_np))
+            hit, mask_spans = torch.from_numpy(hit_np), torch.from_numpy(spans_np)
         else:
             max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
             hit, mask_spans = self._find(batch, max_lengths, index, apply_eagle)
@@ -516,9 +518,14 @@ class LookupEngine:
             ``num_tokens - 1`` so the last token is recomputed.
         """
         self._check_batch(batch, index)
-        if self._host_path(batch):
-            n = self._host_lengths(num_tokens, "num_tokens", len(batch))
-            return torch.from_numpy(self._host_find(batch, n, index, True, True)[0])
+        if self.backend == "numba" and len(batch):
+            # The host path (numba on the CPU, a non-empty batch).
+            rows, starts, lengths = batch.host_arrays()
+            n = self._host_lengths(num_tokens, "num_tokens", starts.shape[0])
+            scan, prep, _, lookup = self._host_prep()
+            hit = scan(prep, rows, starts, lengths, n, self._host_table(index),
+                       lookup, self.impl.parallel)[0]  # fmt: skip
+            return torch.from_numpy(hit)
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
         return self.lookup_unchecked(batch, num_tokens, index)
 

@@ -13,7 +13,7 @@ call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
     # A CPU tensor's numpy view shares its memory (integer tensors never
     # require grad); the launcher copies only what is not contiguous.
     return t.numpy()
+
+
+def _c(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    # An int64 CPU tensor (kvhit's own, or a length tensor the engine checked)
+    # as C-contiguous numpy: a view when it already is one (the usual case),
+    # else a copy. All scan_prepared needs beyond what the engine checked.
+    a = t.numpy() if isinstance(t, torch.Tensor) else t
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _table(index: KeyIndex) -> np.ndarray:
@@ -72,6 +80,23 @@ class NumbaBackend:
         sg_rows, cand_rows = plan_tensors(plan, device)
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
+        self._prep_cache = None
+
+    def _prep(self) -> tuple[Any, Any]:
+        """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
+        vectors checked and built once (the kernel module, and numba with
+        it, imported on the first call)."""
+        if self._prep_cache is None:
+            from kvhit.kernels import scan_numba as sn
+
+            plan = self.plan
+            prep = sn.prepare_scan(
+                self._sg, self._cand, hash_block_size=plan.hash_block_size,
+                alignment=plan.alignment, partial=plan.partial,
+                simple_hybrid=plan.simple_hybrid,
+            )  # fmt: skip
+            self._prep_cache = (sn, prep)
+        return self._prep_cache
 
     def find(
         self,
@@ -81,6 +106,16 @@ class NumbaBackend:
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``Backend.find``: ``(hit int64 [R], mask_spans int64 [R, G, 3])``."""
+        if index is not None and view.token_lens is None:
+            # The common case on the prepared launcher: the view's arrays are
+            # kvhit's own (int64; contiguous once through _c).
+            sn, prep = self._prep()
+            hit, mask_spans = sn.scan_prepared(
+                prep, _c(view.rows), _c(view.offsets), _c(view.lengths),
+                _c(max_lengths), _c(_table(index)),
+                sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
+            )  # fmt: skip
+            return torch.from_numpy(hit), torch.from_numpy(mask_spans)
         from kvhit.kernels.scan_numba import find_hits
 
         plan = self.plan
@@ -106,21 +141,9 @@ class NumbaBackend:
         self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
     ) -> torch.Tensor:
         """See ``Backend.lookup``: int64 ``[R]`` tokens to load."""
-        from kvhit.kernels.scan_numba import lookup_hits
-
-        plan = self.plan
-        out = lookup_hits(
-            _np(view.rows),
-            _np(view.offsets),
-            _np(view.lengths),
-            _np(num_tokens),
-            self._sg,
-            self._cand,
-            table=_table(index),
-            hash_block_size=plan.hash_block_size,
-            alignment=plan.alignment,
-            partial=plan.partial,
-            simple_hybrid=plan.simple_hybrid,
-            parallel=self.parallel,
-        )
+        sn, prep = self._prep()
+        out, _ = sn.scan_prepared(
+            prep, _c(view.rows), _c(view.offsets), _c(view.lengths),
+            _c(num_tokens), _c(_table(index)), sn.LOOKUP, self.parallel,
+        )  # fmt: skip
         return torch.from_numpy(out)

@@ -229,6 +229,10 @@ def _ints_of_list(
     and one conversion."""
     if set(map(type, flat)) <= {int}:
         try:
+            # np.array converts a short list faster, np.fromiter a long one;
+            # both raise OverflowError outside int64.
+            if len(flat) < 4096:
+                return np.array(flat, dtype=np.int64)
             return np.fromiter(flat, dtype=np.int64, count=len(flat))
         except OverflowError:
             pass
@@ -472,7 +476,11 @@ class HashBatch:
         device = _device(device)
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
             requests = _as_list(requests, "requests", "a sequence of sequences of ints")
-        if set(map(type, requests)) <= {list}:
+        if len(requests) == 1 and type(requests[0]) is list:
+            # One request (a scheduler step of one): its list is the flat list.
+            lengths = [len(requests[0])]
+            values = _ints_of_list(requests[0], requests, lengths, 0)
+        elif set(map(type, requests)) <= {list}:
             # The common case, all lists of ints: C-level loops only.
             lengths = list(map(len, requests))
             values = _ints_of_list(
@@ -481,7 +489,10 @@ class HashBatch:
         else:
             lengths, values = _ints_of_mixed(requests)
         # accumulate + one array: np.cumsum of a short list costs ~3 us.
-        offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+        if len(lengths) == 1:
+            offsets = np.array((0, lengths[0]), dtype=np.int64)
+        else:
+            offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
         if hash_bytes < 8 and values.size:
             bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
             if bad.any():
@@ -503,12 +514,16 @@ class HashBatch:
         # from_trusted's fields, plus the numba backend's host view from the
         # arrays in hand (no torch round trip on the first lookup); one
         # __dict__ update costs a fraction of four frozen-dataclass setattrs.
+        # One request's length is offsets[1:] (a view, no conversion).
+        host_lengths = (
+            offsets[1:] if len(lengths) == 1 else np.array(lengths, dtype=np.int64)
+        )
         batch = object.__new__(cls)
         batch.__dict__.update(
             hashes=hashes,
             offsets=offs,
             hash_bytes=hash_bytes,
-            _host=(words, offsets[:-1], np.array(lengths, dtype=np.int64)),
+            _host=(words, offsets[:-1], host_lengths),
         )
         return batch
 

@@ -101,11 +101,17 @@ from kvhit.kernels.probe_numba import (
 )
 
 __all__ = [
+    "FIND",
+    "FIND_EAGLE",
+    "LOOKUP",
     "PARALLEL_MIN_REQUESTS",
     "PREFETCH_MIN_REQUESTS",
+    "ScanPrep",
     "count_probes",
     "find_hits",
     "lookup_hits",
+    "prepare_scan",
+    "scan_prepared",
 ]
 
 # From this many requests on, the launcher threads over requests (``prange``;
@@ -736,6 +742,110 @@ def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
         raise ValueError(
             f"cand_rows must have shape [G, {CAND_WIDTH}], got {list(cand_rows.shape)}"
         )
+
+
+# The modes of :func:`scan_prepared`.
+FIND = 0
+FIND_EAGLE = 1
+LOOKUP = 2
+
+
+class ScanPrep:
+    """What every call of one plan shares, checked once (:func:`prepare_scan`):
+    the plan's rows, a parameter vector per mode and prefetch setting, and the
+    placeholders of the arguments a mode does not read. Never written: calls on
+    several threads may share one (each call allocates its own outputs and
+    scratch, since the kernels release the GIL)."""
+
+    __slots__ = ("cand", "n_groups", "n_sg", "no_tl", "prm", "sg", "tri_empty",
+                 "tri_written")  # fmt: skip
+
+    def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
+                 tri_written: bool) -> None:  # fmt: skip
+        self.sg, self.cand, self.prm = sg, cand, prm
+        self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
+        self.no_tl = np.zeros(1, np.int64)
+        # Lookup mode writes no triples: an empty array keeps the one signature.
+        self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
+        self.tri_written = tri_written
+        # Not marked read-only: numba types a read-only array apart, so each
+        # would compile another specialisation of the batch loops.
+
+
+def prepare_scan(
+    sg_rows: np.ndarray,
+    cand_rows: np.ndarray,
+    *,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+) -> ScanPrep:
+    """Check a plan's rows once and build what :func:`scan_prepared` reads.
+
+    Args:
+        sg_rows: int64 ``[S, SG_MEMBERS + M]`` (``ScanPlan.as_rows()``).
+        cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
+        hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
+
+    Raises ValueError when a row array has the wrong shape.
+    """
+    sg = np.array(sg_rows, dtype=np.int64, order="C")  # a private copy
+    cand = np.array(cand_rows, dtype=np.int64, order="C")
+    _check_rows(sg, cand)
+    hbs, align = int(hash_block_size), int(alignment)
+    part, simple = bool(partial), bool(simple_hybrid)
+    prm = tuple(
+        tuple(
+            _params(False, True, mode == FIND_EAGLE or mode == LOOKUP,
+                    mode == LOOKUP, hbs, align, part, simple, pf).copy()
+            for pf in (False, True)
+        )
+        for mode in (FIND, FIND_EAGLE, LOOKUP)
+    )  # fmt: skip
+    # find mode writes every triple of a group inside a SpecGroup; when every
+    # group is inside one, the triples need no zeroing.
+    members = {int(sg[i, SG_MEMBERS + k]) for i in range(sg.shape[0])
+               for k in range(int(sg[i, SG_N_MEMBERS]))}  # fmt: skip
+    return ScanPrep(sg, cand, prm, members == set(range(cand.shape[0])))
+
+
+def scan_prepared(
+    prep: ScanPrep,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    lens_in: np.ndarray,
+    table: np.ndarray,
+    mode: int,
+    parallel: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`find_hits` (``mode`` :data:`FIND` or :data:`FIND_EAGLE`, the
+    EAGLE drop applied) or :func:`lookup_hits` (:data:`LOOKUP`) with **no
+    checks**, for arrays kvhit built itself: every array C-contiguous int64,
+    ``rows [T, W]``, ``offsets``, ``lengths`` and ``lens_in`` (>= 0) ``[R]``,
+    ``table [C, W + 1]`` (a KeyIndex table). Anything else gives wrong answers
+    or reads out of bounds, not errors: the public functions check first.
+
+    Returns ``(hit int64 [R], tri int64 [R, G, 3])``, ``tri`` None in lookup
+    mode; both fresh arrays.
+    """
+    n = offsets.shape[0]
+    if mode == LOOKUP:
+        tri = prep.tri_empty
+    elif prep.tri_written:
+        tri = np.empty((n, prep.n_groups, 3), np.int64)
+    else:
+        tri = np.zeros((n, prep.n_groups, 3), np.int64)
+    # Every request's hit is written (lookup mode zeroes it first).
+    hit = np.empty(n, np.int64)
+    sg, cand = prep.sg, prep.cand
+    fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
+    fn(rows, offsets, lengths, lens_in, prep.no_tl, table, sg, cand,
+       prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, tri,
+       np.empty((n, prep.n_sg, _ST_COLS), np.int64),
+       np.empty((n, prep.n_groups), np.int64))  # fmt: skip
+    return hit, (None if mode == LOOKUP else tri)
 
 
 def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,

@@ -164,6 +164,46 @@ def test_table_is_read_again_after_a_rehash(parallel):
     assert engine.lookup(batch, [1600], index).tolist() == [want]
 
 
+@pytest.mark.parametrize("preset", ["dsv4-flash", "llama"])
+def test_lean_b1_path_answers_fresh_arrays(preset):
+    """The host path of one request (scan_prepared on per-engine state): the
+    same hits as the checked launchers, a result the next call does not
+    overwrite, and a strided caller tensor read correctly."""
+    wl = generate(preset, TrafficConfig(num_requests=24, max_tokens=2000, seed=5))
+    engine = LookupEngine(wl.layout, backend="numba")
+    index = wl.key_index()
+    want = wl.reference_lookup()
+    firsts = []
+    for i in range(len(wl)):
+        batch = HashBatch.from_bytes([wl.hash_lists[i]], wl.hash_bytes, "cpu")
+        got = engine.lookup(batch, [wl.num_tokens[i]], index)
+        assert got.tolist() == [want[i]]
+        hit = engine.find_longest_cache_hit(batch, [wl.num_tokens[i]], index)
+        firsts.append((got, hit.hit_lengths))
+    # Each call's tensors are its own: later calls left them alone.
+    assert [g.item() for g, _ in firsts] == want
+    for i, (_, h) in enumerate(firsts):
+        batch = HashBatch.from_bytes([wl.hash_lists[i]], wl.hash_bytes, "cpu")
+        assert (
+            h.tolist()
+            == engine.find_longest_cache_hit(
+                batch, [wl.num_tokens[i]], index
+            ).hit_lengths.tolist()
+        )
+    strided = torch.tensor([[n, -1] for n in wl.num_tokens], dtype=torch.int64)[:, 0]
+    assert not strided.is_contiguous()
+    assert engine.lookup(wl.hash_batch(), strided, index).tolist() == want
+    assert any(want)
+
+
+def test_prepare_scan_checks_the_rows_once():
+    with pytest.raises(ValueError, match="cand_rows"):
+        scan_numba.prepare_scan(
+            np.zeros((1, 20), np.int64), np.zeros((1, 1), np.int64),
+            hash_block_size=16, alignment=16, partial=False, simple_hybrid=False,
+        )  # fmt: skip
+
+
 def test_mask_triple():
     assert mask_triple([]) == (0, 0, 0)
     assert mask_triple([False, False]) == (2, 0, 0)
