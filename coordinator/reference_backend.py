@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import RaggedView
 
-__all__ = ["ReferenceBackend", "index_keys", "mask_triple"]
+__all__ = ["ReferenceBackend", "index_keys", "mask_span"]
 
 
-def mask_triple(mask: Sequence[bool]) -> tuple[int, int, int]:
+def mask_span(mask: Sequence[bool]) -> tuple[int, int, int]:
     """A load mask as ``(length, lo, hi)``: ``length`` entries, True exactly on
     ``[lo, hi)``; ``(length, 0, 0)`` when none is True.
 
@@ -111,7 +111,7 @@ class ReferenceBackend:
                 present = asked if exists is None else asked & exists
             masks, hit = ref.find_longest_cache_hit(hl, m, present, apply_eagle)
             hits.append(hit)
-            mask_spans.append([mask_triple(masks[g]) for g in range(n_groups)])
+            mask_spans.append([mask_span(masks[g]) for g in range(n_groups)])
         hit_t = torch.tensor(hits, dtype=torch.int64)
         spans_t = torch.tensor(mask_spans, dtype=torch.int64).reshape(
             len(hits), n_groups, 3

@@ -117,8 +117,8 @@ class TritonBackend:
         index: KeyIndex | None,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hits and load-mask triples, as :meth:`Backend.find`: ``(hit int64
-        [R], triples int64 [R, G, 3])``, one launch, no host sync."""
+        """Hits and load-mask spans, as :meth:`Backend.find`: ``(hit int64
+        [R], mask_spans int64 [R, G, 3])``, one launch, no host sync."""
         from kvhit.kernels.scan import scan_hits
 
         sg_rows, cand_rows = self._rows(view.device)

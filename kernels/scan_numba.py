@@ -31,7 +31,7 @@ Design (why it looks like this):
   per-request function with a mode flag, the call's flags travel as one int64
   vector, and every primitive has one call site: the cold compile is seconds,
   not minutes, and a warm process loads one cached entry point per loop.
-* **Per-request state** (each SpecGroup's hit, load-mask triple,
+* **Per-request state** (each SpecGroup's hit, load-mask span,
   ``eagle_verified`` bit and last scan) lives in a scratch row per request
   allocated once per batch, so no program allocates. The convergence loop's
   confirming rounds rescan a sliding window or Mamba SpecGroup only when its
@@ -161,22 +161,22 @@ def _cdiv(a, b):
 
 
 @numba.njit(**_JIT)
-def _candidate_limits(n_units, tok_len, cand, partial, hbs, glim):
+def _candidate_limits(n_units, token_len, cand, partial, hbs, glim):
     """Per group, how many chunks (hash units, with partial hash hits) the
-    store worker's loop walks for a lookup of ``tok_len`` tokens, into
+    store worker's loop walks for a lookup of ``token_len`` tokens, into
     ``glim`` (int64 ``[G]``); computed once per request so that a probe's
     position test costs one division. Mirrors the loop bounds of
     ``ReferenceCoordinator.lookup_candidates``."""
     # The limit is coordinator.masks.asked_chunks (ScanPlan.asked_chunks).
     for gid in range(cand.shape[0]):
         if partial:
-            glim[gid] = min(n_units, tok_len // hbs)
+            glim[gid] = min(n_units, token_len // hbs)
             continue
         bs = cand[gid, CAND_BLOCK_SIZE]
-        lim = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        lim = min(n_units // cand[gid, CAND_SCALE], _cdiv(token_len, bs))
         if cand[gid, CAND_SPARSE] != 0:
-            # The SWA lookup mask has tok_len // bs entries.
-            lim = min(lim, tok_len // bs)
+            # The SWA lookup mask has token_len // bs entries.
+            lim = min(lim, token_len // bs)
         glim[gid] = lim
 
 
@@ -587,7 +587,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
 
 
 @numba.njit(**_JIT)
-def _any_candidate(n_units, tok_len, cand, partial, hbs):
+def _any_candidate(n_units, token_len, cand, partial, hbs):
     """Whether the store worker asks about any key at all (its
     ``lookup_candidates`` is not empty)."""
     # ``asked`` is masks.asked_chunks; the lowest kept chunk is
@@ -596,16 +596,16 @@ def _any_candidate(n_units, tok_len, cand, partial, hbs):
         if cand[gid, CAND_CACHEABLE] == 0:
             continue
         if partial:
-            if min(n_units, tok_len // hbs) > 0:
+            if min(n_units, token_len // hbs) > 0:
                 return True
             continue
         bs = cand[gid, CAND_BLOCK_SIZE]
-        asked = min(n_units // cand[gid, CAND_SCALE], _cdiv(tok_len, bs))
+        asked = min(n_units // cand[gid, CAND_SCALE], _cdiv(token_len, bs))
         if cand[gid, CAND_SPARSE] == 0:
             if asked > 0:
                 return True
             continue
-        asked = min(asked, tok_len // bs)
+        asked = min(asked, token_len // bs)
         need = cand[gid, CAND_NEED]
         # The lowest chunk a sparse lookup mask keeps.
         if need > 0 and asked > (
@@ -630,11 +630,11 @@ _P_COLS = 9
 
 
 @numba.njit(**_JIT)
-def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
-             hit, tri, scratch, gscr):  # fmt: skip
-    """Request ``r``: its hit at ``max_length = lens_in[r]`` (and its load-mask
-    triples in ``tri``), or, in lookup mode, the store worker's ``lookup`` of a
-    ``lens_in[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
+def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
+             hit, mask_spans, scratch, gscr):  # fmt: skip
+    """Request ``r``: its hit at ``max_length = token_lengths[r]`` (and its load-mask
+    spans in ``mask_spans``), or, in lookup mode, the store worker's ``lookup`` of a
+    ``token_lengths[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
     only the keys it asks about at the aligned prompt length count; a hit
     covering the whole prompt is re-derived at ``num_tokens - 1`` with the
     candidate restriction still at that length."""
@@ -646,31 +646,31 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
     off = offsets[r]
     n_units = lengths[r]
     st = scratch[r]
-    max_len = lens_in[r]
+    max_len = token_lengths[r]
     if lookup:
         n_tok = max_len
-        tok_len = n_tok // align * align
+        token_len = n_tok // align * align
         has_tl = True
         # 2: probe the index and prefetch (an int: 0 no index, 1 index).
         has_index = 1 + (prm[_P_PREFETCH] != 0)
         apply_eagle = True
         hit[r] = 0
-        if n_units <= 0 or tok_len <= 0:
+        if n_units <= 0 or token_len <= 0:
             return
-        if not _any_candidate(n_units, tok_len, cand, partial, hbs):
+        if not _any_candidate(n_units, token_len, cand, partial, hbs):
             return
-        max_len = tok_len
+        max_len = token_len
     else:
         n_tok = 0
         has_tl = prm[_P_HAS_TL] != 0
-        tok_len = tok_lens[r] if has_tl else 0
+        token_len = token_lens[r] if has_tl else 0
         has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     glim = gscr[r]
     for c in range(cand.shape[0], glim.shape[0]):
         glim[c] = 0
     if has_tl:
-        _candidate_limits(n_units, tok_len, cand, partial, hbs, glim)
+        _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
     h = 0
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
@@ -689,28 +689,28 @@ def _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
         length = st[idx, _ST_LEN]
         for k in range(sg[idx, SG_N_MEMBERS]):
             gid = sg[idx, SG_MEMBERS + k]
-            tri[r, gid, 0] = length
-            tri[r, gid, 1] = st[idx, _ST_LO]
-            tri[r, gid, 2] = length
+            mask_spans[r, gid, 0] = length
+            mask_spans[r, gid, 1] = st[idx, _ST_LO]
+            mask_spans[r, gid, 2] = length
 
 
 # -- batch loops: serial and threaded twins ---------------------------------------------
 
 
 @numba.njit(**_JIT)
-def _batch_serial(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand, prm,
-                  hit, tri, scratch, gscr):  # fmt: skip
+def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
+                  hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in range(offsets.shape[0]):
-        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                 prm, hit, tri, scratch, gscr)  # fmt: skip
+        _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
+                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 @numba.njit(parallel=True, **_JIT)
-def _batch_parallel(rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                    prm, hit, tri, scratch, gscr):  # fmt: skip
+def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
+                    prm, hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
-        _request(r, rows, offsets, lengths, lens_in, tok_lens, table, sg, cand,
-                 prm, hit, tri, scratch, gscr)  # fmt: skip
+        _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
+                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
@@ -765,7 +765,7 @@ class ScanPrep:
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
         self.no_tl = np.zeros(1, np.int64)
-        # Lookup mode writes no triples: an empty array keeps the one signature.
+        # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
         self.tri_written = tri_written
         # Not marked read-only: numba types a read-only array apart, so each
@@ -803,8 +803,8 @@ def prepare_scan(
         )
         for mode in (FIND, FIND_EAGLE, LOOKUP)
     )  # fmt: skip
-    # find mode writes every triple of a group inside a SpecGroup; when every
-    # group is inside one, the triples need no zeroing.
+    # find mode writes every span of a group inside a SpecGroup; when every
+    # group is inside one, the spans need no zeroing.
     members = {int(sg[i, SG_MEMBERS + k]) for i in range(sg.shape[0])
                for k in range(int(sg[i, SG_N_MEMBERS]))}  # fmt: skip
     return ScanPrep(sg, cand, prm, members == set(range(cand.shape[0])))
@@ -815,7 +815,7 @@ def scan_prepared(
     rows: np.ndarray,
     offsets: np.ndarray,
     lengths: np.ndarray,
-    lens_in: np.ndarray,
+    token_lengths: np.ndarray,
     table: np.ndarray,
     mode: int,
     parallel: bool | None = None,
@@ -823,33 +823,33 @@ def scan_prepared(
     """:func:`find_hits` (``mode`` :data:`FIND` or :data:`FIND_EAGLE`, the
     EAGLE drop applied) or :func:`lookup_hits` (:data:`LOOKUP`) with **no
     checks**, for arrays kvhit built itself: every array C-contiguous int64,
-    ``rows [T, W]``, ``offsets``, ``lengths`` and ``lens_in`` (>= 0) ``[R]``,
+    ``rows [T, W]``, ``offsets``, ``lengths`` and ``token_lengths`` (>= 0) ``[R]``,
     ``table [C, W + 1]`` (a KeyIndex table). Anything else gives wrong answers
     or reads out of bounds, not errors: the public functions check first.
 
-    Returns ``(hit int64 [R], tri int64 [R, G, 3])``, ``tri`` None in lookup
+    Returns ``(hit int64 [R], mask_spans int64 [R, G, 3])``, ``mask_spans`` None in lookup
     mode; both fresh arrays.
     """
     n = offsets.shape[0]
     if mode == LOOKUP:
-        tri = prep.tri_empty
+        mask_spans = prep.tri_empty
     elif prep.tri_written:
-        tri = np.empty((n, prep.n_groups, 3), np.int64)
+        mask_spans = np.empty((n, prep.n_groups, 3), np.int64)
     else:
-        tri = np.zeros((n, prep.n_groups, 3), np.int64)
+        mask_spans = np.zeros((n, prep.n_groups, 3), np.int64)
     # Every request's hit is written (lookup mode zeroes it first).
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
-    fn(rows, offsets, lengths, lens_in, prep.no_tl, table, sg, cand,
-       prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, tri,
+    fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
+       prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
        np.empty((n, prep.n_groups), np.int64))  # fmt: skip
-    return hit, (None if mode == LOOKUP else tri)
+    return hit, (None if mode == LOOKUP else mask_spans)
 
 
-def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
-         prm, tri, parallel, counters=0):  # fmt: skip
+def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand_rows,
+         prm, mask_spans, parallel, counters=0):  # fmt: skip
     n_req = offsets.shape[0]
     hit = np.zeros(n_req, dtype=np.int64)
     if n_req == 0:
@@ -859,8 +859,8 @@ def _run(rows, offsets, lengths, lens_in, tok_lens, table, sg_rows, cand_rows,
     # probe counters (count_probes).
     gscr = np.empty((n_req, cand_rows.shape[0] + counters), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
-    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(lens_in), tok_lens, table,
-       sg_rows, cand_rows, prm, hit, tri, scratch, gscr)  # fmt: skip
+    fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
+       sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
     if counters:
         return hit, gscr[:, cand_rows.shape[0] :].copy()
     return hit
@@ -900,7 +900,7 @@ def find_hits(
     apply_eagle: bool,
     parallel: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Longest cache hit and load-mask triples of every request, one call.
+    """Longest cache hit and load-mask spans of every request, one call.
 
     Args:
         rows: int64 ``[T, W]``, every request's hash words.
@@ -919,23 +919,23 @@ def find_hits(
             batch size (None: from :data:`PARALLEL_MIN_REQUESTS` requests).
 
     Returns:
-        ``(hit int64 [R], tri int64 [R, G, 3])``: per group the load mask as
+        ``(hit int64 [R], mask_spans int64 [R, G, 3])``: per group the load mask as
         ``(length, lo, hi)`` (zeros for groups outside every SpecGroup).
     """
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
     n_req = offsets.shape[0]
-    tri = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
+    mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
     has_index = table is not None
     tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
     has_tl = token_lens is not None
-    tl = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
+    token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
                   int(alignment), bool(partial), bool(simple_hybrid),
                   n_req >= PREFETCH_MIN_REQUESTS)  # fmt: skip
-    hit = _run(rows, offsets, lengths, max_lengths, tl, tab, sg_rows, cand_rows,
-               prm, tri, parallel)  # fmt: skip
-    return hit, tri
+    hit = _run(rows, offsets, lengths, max_lengths, token_lens64, tab, sg_rows, cand_rows,
+               prm, mask_spans, parallel)  # fmt: skip
+    return hit, mask_spans
 
 
 def lookup_hits(
@@ -961,10 +961,10 @@ def lookup_hits(
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
                   offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
-    # No triples in lookup mode: an empty array keeps the one signature.
-    tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
+    # No spans in lookup mode: an empty array keeps the one signature.
+    mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, tri, parallel)  # fmt: skip
+                _c64(table), sg_rows, cand_rows, prm, mask_spans, parallel)  # fmt: skip
 
 
 def count_probes(
@@ -993,7 +993,7 @@ def count_probes(
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
                   offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
-    tri = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
+    mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, tri, False,
+                _c64(table), sg_rows, cand_rows, prm, mask_spans, False,
                 COUNT_COLS + sg_rows.shape[0])  # fmt: skip

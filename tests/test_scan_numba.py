@@ -27,7 +27,7 @@ from kvhit import HashBatch, LookupEngine, ReferenceCoordinator
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
-from kvhit.coordinator.reference_backend import ReferenceBackend, mask_triple
+from kvhit.coordinator.reference_backend import ReferenceBackend, mask_span
 from kvhit.kernels import scan_numba
 from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
@@ -204,13 +204,13 @@ def test_prepare_scan_checks_the_rows_once():
         )  # fmt: skip
 
 
-def test_mask_triple():
-    assert mask_triple([]) == (0, 0, 0)
-    assert mask_triple([False, False]) == (2, 0, 0)
-    assert mask_triple([False, True, True, False]) == (4, 1, 3)
-    assert mask_triple([True] * 3) == (3, 0, 3)
+def test_mask_span():
+    assert mask_span([]) == (0, 0, 0)
+    assert mask_span([False, False]) == (2, 0, 0)
+    assert mask_span([False, True, True, False]) == (4, 1, 3)
+    assert mask_span([True] * 3) == (3, 0, 3)
     with pytest.raises(ValueError, match="contiguous"):
-        mask_triple([True, False, True])
+        mask_span([True, False, True])
 
 
 def test_numba_backend_refuses_other_devices():
