@@ -12,15 +12,17 @@ Both are functional (they mutate no input and return a fresh tensor), so
 output shapes, and they run under any backend (``aot_eager``, ``inductor``).
 
 * ``probe``: membership of keys in a :class:`KeyIndex` table, bool ``[N]``.
-  Dispatch is by device: the Triton probe kernel on CUDA, the vectorised torch
-  probe (:func:`~kvhit.coordinator.key_index.probe_table`) elsewhere. The CUDA
-  path has no host synchronisation, so it can be captured in a CUDA graph.
+  The kernel family is the one ``backend="auto"`` picks for the table's
+  device (:func:`~kvhit.coordinator.backend.auto_backend`): Triton on CUDA,
+  numba on the CPU, torch elsewhere. The CUDA path has no host
+  synchronisation, so it can be captured in a CUDA graph.
 * ``lookup``: :meth:`LookupEngine.lookup` (the store worker's rule), int64
   ``[B]``. Custom ops take only tensors and primitives, so the layout travels
   as a string key naming an engine registered beforehand with
   :func:`register_layout`. With a Triton engine the op runs the worker rule in
-  one kernel launch with no host sync, so it can be captured in a CUDA graph; with the torch backend (the CPU default) it cannot: that backend
-  sizes its rounds with ``nonzero``/``.item()``.
+  one kernel launch with no host sync, so it can be captured in a CUDA graph;
+  with the numba backend (the CPU default) or the torch backend it cannot:
+  numba runs on host arrays, torch sizes its rounds with ``nonzero``/``.item()``.
 
 The ops trust their inputs' values (a CSR ``offsets`` that really is one,
 hashes with zero padding bits, a table honouring the KeyIndex contract):
@@ -45,9 +47,10 @@ from typing import Any
 
 import torch
 
+from kvhit.coordinator.backend import auto_backend
 from kvhit.coordinator.checks import check_tensor
 from kvhit.coordinator.engine import LookupEngine
-from kvhit.coordinator.key_index import KeyIndex, hash_kernels, probe_table
+from kvhit.coordinator.key_index import KeyIndex, hash_kernels
 from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.coordinator.specs import CacheLayout
 
@@ -297,11 +300,10 @@ def _probe_op(
     W = hashes.shape[1]
     group_ids = group_ids.contiguous()
     hashes = hashes.contiguous()
-    if table.device.type == "cuda":
-        # Imported on first use: importing triton is slow and CPU users of
-        # this module never need it.
-        return hash_kernels("triton").probe(table.contiguous(), W, group_ids, hashes)
-    return probe_table(table.contiguous(), W, group_ids, hashes)
+    # The one "auto" rule (coordinator.backend.auto_backend) picks the kernel
+    # family, as for a KeyIndex; its module is imported on first use.
+    kernels = hash_kernels(auto_backend(table.device))
+    return kernels.probe(table.contiguous(), W, group_ids, hashes)
 
 
 @_probe_op.register_fake

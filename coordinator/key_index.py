@@ -87,7 +87,6 @@ from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_torch import new_table
-from kvhit.kernels.hash_index_torch import probe as probe_table
 
 __all__ = [
     "BACKENDS",
@@ -99,7 +98,6 @@ __all__ = [
     "ReadOnlyIndexError",
     "hash_kernels",
     "normalize_keys",
-    "probe_table",
     "resolve_backend",
 ]
 
