@@ -27,11 +27,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 PHASES = {
     # module attribute -> phase
-    "candidate_rows": "candidates",
-    "compiled_candidates": "candidates",
-    "unique_pairs": "dedup",
-    "key_strings": "key strings",
+    "host_worker_candidates": "candidates",
+    "first_occurrences": "dedup",
     "tail_key_boundaries": "tail boundaries",
+    "_tail_boundaries": "tail boundaries",
 }
 
 
@@ -54,13 +53,11 @@ def instrument(mod, bl, acc):
     bl.sync._call_store = timed(bl.sync._call_store, "RPC")
     if hasattr(bl.sync, "_key_list"):
         bl.sync._key_list = timed(bl.sync._key_list, "key strings")
-    nb = mod._numba_kernels() if hasattr(mod, "_numba_kernels") else None
-    if nb is not None:
-        nb.first_occurrences_nb = timed(nb.first_occurrences_nb, "dedup")
     for name in ("clear", "add", "remove", "contains"):
         if hasattr(bl.index, name):
             setattr(bl.index, name, timed(getattr(bl.index, name), "index"))
-    bl.engine.lookup = timed(bl.engine.lookup, "engine")
+    for name in ("lookup", "lookup_unchecked"):
+        setattr(bl.engine, name, timed(getattr(bl.engine, name), "engine"))
 
 
 def main(argv=None) -> int:
