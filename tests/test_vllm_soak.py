@@ -113,7 +113,8 @@ def test_soak(vllm_env, tmp_path, monkeypatch):
                 gc.collect()
                 start = h.resources()
             if step % 1000 == 0:
-                rss.append((step, h.resources()["rss_kib"] // 1024))
+                # The store keeps every saved key: its growth is expected RSS growth.
+                rss.append((step, h.resources()["rss_kib"] // 1024, len(store.keys)))
             # A fault every ~FAULT_EVERY steps, rotating.
             if step == next_fault:
                 next_fault += FAULT_EVERY + rng.randrange(-100, 100)
@@ -200,7 +201,7 @@ def test_soak(vllm_env, tmp_path, monkeypatch):
         "\n[soak] steps {}, healthy {} ({} answers compared, {} hits), faulty {}, "
         "mismatches {}, unconfirmed hits {}, worst schedule() {:.3f} s "
         "(step, lookup s, fault: {}), preemptions {}, aborts {}, requests {}\n"
-        "  faults: {}\n  RSS MiB by step: {}\n  {}".format(
+        "  faults: {}\n  (step, RSS MiB, store keys): {}\n  {}".format(
             STEPS, healthy, compared, hits_served, faulty, len(mismatches),
             len(unconfirmed), worst, worst_at, preempted, aborted, n, fault_log,
             rss, "\n  ".join(rows),
