@@ -9,7 +9,8 @@ with them (``tests/test_key_index.py`` checks it). The table layout, sentinels,
 slot hash and probe sequence are the contract of
 :mod:`kvhit.coordinator.key_index` (module docstring); the constants come from
 :mod:`kvhit.kernels.contract`. :func:`new_table` builds an empty table for
-every family.
+every family and :func:`copy_table` copies one (on the CPU both allocate
+through numpy, for transparent huge pages).
 
 No validation here: the callers (``KeyIndex``, which validated its arguments,
 and the torch scanner :mod:`kvhit.kernels.scan_torch`) pass int64,
