@@ -86,7 +86,7 @@ from kvhit.coordinator.backend import auto_backend
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.hash_index_torch import new_table
+from kvhit.kernels.hash_index_torch import copy_table, new_table
 
 __all__ = [
     "BACKENDS",
@@ -905,7 +905,7 @@ class KeyIndex:
                 f"from {self.device} to {dev}"
             )
         self._bind(dev)
-        self.table = self.table.to(dev)
+        self.table = copy_table(self.table, dev)
         self._version += 1
         return self
 
@@ -982,7 +982,7 @@ class KeyIndex:
                 f"state: checksum mismatch: {_checksum_culprit(state, table)} "
                 "changed or corrupted after state_dict()"
             )
-        table = table.to(dev, copy=True).contiguous()
+        table = copy_table(table, dev)
         obj = cls.__new__(cls)
         obj._init(hash_bytes, table, backend, max_load, growable, size, tombs)
         obj._check_structure(size, tombs)

@@ -9,7 +9,8 @@ with them (``tests/test_key_index.py`` checks it). The table layout, sentinels,
 slot hash and probe sequence are the contract of
 :mod:`kvhit.coordinator.key_index` (module docstring); the constants come from
 :mod:`kvhit.kernels.contract`. :func:`new_table` builds an empty table for
-every family.
+every family and :func:`copy_table` copies one (on the CPU both allocate
+through numpy, for transparent huge pages).
 
 No validation here: the callers (``KeyIndex``, which validated its arguments,
 and the torch scanner :mod:`kvhit.kernels.scan_torch`) pass int64,
@@ -19,6 +20,7 @@ neither triton nor numba.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvhit.kernels.contract import (
@@ -33,18 +35,57 @@ from kvhit.kernels.contract import (
     TOMBSTONE,
 )
 
-__all__ = ["erase", "find", "insert", "new_table", "probe", "rehash", "slot_hash"]
+__all__ = [
+    "copy_table",
+    "erase",
+    "find",
+    "insert",
+    "new_table",
+    "probe",
+    "rehash",
+    "slot_hash",
+]
 
 # Transient claim markers of the torch insert are <= _MARKER0, below every
 # sentinel; they never outlive one insert call.
 _MARKER0 = BUSY - 1
 
 
+def _zeros(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Zeroed int64 ``shape`` on ``device``; on the CPU allocated by numpy.
+
+    numpy asks Linux for transparent huge pages (MADV_HUGEPAGE) on large
+    arrays and torch's CPU allocator does not: a lookup probes slots at
+    random in tens of MB of table, and with 4 KiB pages each probe also
+    misses the TLB. The result is an ordinary contiguous torch tensor.
+    """
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(shape, dtype=np.int64))
+    return torch.zeros(shape, dtype=torch.int64, device=device)
+
+
 def new_table(capacity: int, W: int, device: torch.device | str) -> torch.Tensor:
-    """An empty table: int64 ``[capacity, W + 1]``, column 0 EMPTY, words 0."""
-    table = torch.zeros((capacity, W + 1), dtype=torch.int64, device=device)
+    """An empty table: int64 ``[capacity, W + 1]``, column 0 EMPTY, words 0.
+
+    On the CPU its memory comes from numpy (huge pages, see :func:`_zeros`).
+    """
+    table = _zeros((capacity, W + 1), torch.device(device))
     table[:, 0] = EMPTY
     return table
+
+
+def copy_table(table: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A contiguous copy of ``table`` (int64 ``[C, W + 1]``) on ``device``.
+
+    Like ``table.to(device, copy=True)``, but a CPU copy's memory comes from
+    numpy (huge pages, see :func:`_zeros`), as :func:`new_table`'s does.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        return table.to(device, copy=True).contiguous()
+    out = _zeros(tuple(table.shape), device)
+    out.copy_(table)
+    return out
 
 
 def slot_hash(group_ids: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:

@@ -1401,3 +1401,47 @@ def test_numba_probe_throughput() -> None:
         assert hnb.probe(index.table, 4, g, h).all()
         elapsed = min(elapsed, time.perf_counter() - t0)
     assert elapsed < 0.25, f"{n} numba probes took {elapsed:.3f} s"
+
+
+def _check_host_table(ix: KeyIndex, keys: list[Key], present: set[Key]) -> None:
+    t = ix.table
+    assert t.dtype == torch.int64 and t.is_contiguous()
+    assert t.device.type == "cpu" and t.shape == (ix.capacity, ix.W + 1)
+    _check_against(ix, keys, present)
+    # A torch-allocated copy of the same bytes answers identically.
+    twin = KeyIndex.from_table(t.clone(), ix.hash_bytes, backend=ix.backend)
+    g, h = _split(keys, ix.hash_bytes, "cpu")
+    assert torch.equal(ix.contains(g, h), twin.contains(g, h))
+
+
+@pytest.mark.parametrize("cpu_backend", ["numba", "torch"])
+def test_host_tables_are_plain_int64_and_exact(cpu_backend: str) -> None:
+    """Every CPU table KeyIndex makes (constructor, growth in add, reserve,
+    grown_for/adopt, from_state_dict) has numpy-allocated memory (for huge
+    pages) yet is a contiguous int64 tensor whose answers equal a Python set's
+    and those of a torch-allocated copy of the same table."""
+    hash_bytes = 32
+    keys = _rand_keys(np.random.default_rng(20), 3000, hash_bytes)
+    stored = keys[:2000]  # keys[2000:] are never added
+    present: set[Key] = set()
+    index = KeyIndex(hash_bytes, capacity=64, backend=cpu_backend)
+    _check_host_table(index, keys, present)
+    assert (index.table[:, 0] == EMPTY).all() and (index.table[:, 1:] == 0).all()
+    caps = [index.capacity]
+    for lo in range(0, 1000, 250):  # grows from 64 slots
+        index.add(*_split(stored[lo : lo + 250], hash_bytes, "cpu"))
+        present |= set(stored[lo : lo + 250])
+        caps.append(index.capacity)
+        _check_host_table(index, keys, present)
+    assert caps[-1] > caps[0]
+    index.reserve(5000)
+    _check_host_table(index, keys, present)
+    index.add(*_split(stored[1000:1500], hash_bytes, "cpu"))
+    present |= set(stored[1000:1500])
+    index.adopt(index.grown_for(20000))
+    _check_host_table(index, keys, present)
+    index.add(*_split(stored[1500:], hash_bytes, "cpu"))
+    present |= set(stored[1500:])
+    restored = KeyIndex.from_state_dict(index.state_dict(), backend=cpu_backend)
+    assert restored.table.data_ptr() != index.table.data_ptr()
+    _check_host_table(restored, keys, present)
