@@ -1,7 +1,8 @@
 """A soak of the kvhit connector inside vLLM 0.33.0's real ``Scheduler``
 (slow: run by hand, ``-m slow -s``).
 
-10,000 steps with random arrivals (requests sharing system prompts), aborts,
+10,000 steps with random arrivals (requests sharing system prompts; at most
+MAX_LIVE in the scheduler, so the queue stays bounded), aborts,
 preemptions (a small block pool) and saves (keys added to the store as
 requests finish), and a store fault every ~1,000 steps, rotating: a hung
 store (1.5 s), a store slower than its timeout, a store raising, answers
@@ -226,4 +227,8 @@ def test_soak(vllm_env, tmp_path, monkeypatch):
     assert preempted and aborted and hits_served
     assert end["threads"] <= start["threads"] + 1
     assert end["fds"] <= start["fds"] + 2 and end["sockets"] <= start["sockets"]
-    assert end["rss_kib"] < start["rss_kib"] * 1.25
+    # Absolute, not relative: 25% of ~700 MiB let the unbounded queue's
+    # ~6 MiB per 1000 steps pass. Capped, 10,000 steps grew 6.7 MiB (the
+    # store's keys, a few one-off caches); the Python heap (tracemalloc)
+    # levels off at ~0.8 MiB above step 500.
+    assert end["rss_kib"] - start["rss_kib"] < 16 * 1024
