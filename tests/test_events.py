@@ -622,11 +622,13 @@ def test_late_batch_after_a_replayed_gap_is_a_duplicate(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, reorder_wait_s=0.0) as f:
         p = [_payload(float(i), [block_stored([K[i]])]) for i in range(4)]
-        for seq in (0, 2, 3):  # seq 1 late: repaired from the replay buffer
-            publisher.buffer.append((seq, p[seq]))
-            publisher.send_raw(_frames(seq, p[seq]))
-        publisher.buffer.append((1, p[1]))
+        # vLLM's publisher buffers every batch it publishes, a live frame
+        # that got lost included: buffered before 2 and 3 go out, so the
+        # follower's replay request can never race ahead of it.
+        publisher.buffer.extend((seq, p[seq]) for seq in range(4))
         publisher.seq = 4
+        for seq in (0, 2, 3):  # seq 1 late: repaired from the replay buffer
+            publisher.send_raw(_frames(seq, p[seq]))
         assert f.wait_for_seq(3, WAIT_S)
         publisher.send_raw(_frames(1, p[1]))  # arrives at last
         assert _wait(lambda: f.duplicates == 1)
