@@ -219,31 +219,14 @@ def _probe_kernel(
     n,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
+    ACQUIRE: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n
     gids = tl.load(gid_ptr + rows, mask=valid, other=0)
-    # Plain loads: stream-ordered after the inserts (find_slots).
-    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
-
-
-@triton.jit
-def _probe_acquire_kernel(
-    table_ptr,
-    cap_mask,
-    gid_ptr,
-    key_ptr,
-    out_ptr,
-    n,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
-    # Acquire reads: an insert may be running on another stream (find_slots).
-    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, True)
+    # ACQUIRE=False: plain loads, stream-ordered after the inserts; True:
+    # acquire reads, an insert may be running on another stream (find_slots).
+    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
     tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
 
 
@@ -449,8 +432,9 @@ def probe(
     instead of plain loads, which are right when every insert to see was
     launched before on the current stream.
     """
-    kernel = _probe_acquire_kernel if concurrent else _probe_kernel
-    return _launch(kernel, table, W, group_ids, hashes).bool()
+    return _launch(
+        _probe_kernel, table, W, group_ids, hashes, ACQUIRE=bool(concurrent)
+    ).bool()
 
 
 class InsertError(RuntimeError):

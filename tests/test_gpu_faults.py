@@ -295,9 +295,10 @@ from triton.compiler import ASTSource
 from kvhit.kernels import hash_index as k
 
 sig = {"table_ptr": "*i64", "cap_mask": "i64", "gid_ptr": "*i64", "key_ptr": "*i64",
-       "out_ptr": "*i8", "n": "i32", "W": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn=k._probe_acquire_kernel, signature=sig,
-                constexprs={"W": 4, "BLOCK": 128})
+       "out_ptr": "*i8", "n": "i32", "W": "constexpr", "BLOCK": "constexpr",
+       "ACQUIRE": "constexpr"}
+src = ASTSource(fn=k._probe_kernel, signature=sig,
+                constexprs={"W": 4, "BLOCK": 128, "ACQUIRE": True})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 print(" ".join(sorted(set(re.findall(r"(?:atom|fence)\.[\w.]+", ptx)))))
 """

@@ -864,6 +864,8 @@ for kern in (k._probe_kernel, k._find_kernel, k._insert_kernel, k._erase_kernel)
     s, c = dict(sig), {"W": 4, "BLOCK": 128}
     if kern is k._insert_kernel:
         s["WAITS"], c["WAITS"] = "constexpr", k.BUSY_WAIT_LIMIT
+    if kern is k._probe_kernel:
+        s["ACQUIRE"], c["ACQUIRE"] = "constexpr", False
     if kern is k._find_kernel:
         s["out_ptr"] = "*i64"
     src = ASTSource(fn=kern, signature=s, constexprs=c)

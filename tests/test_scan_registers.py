@@ -134,8 +134,8 @@ for arch in ARCHS:
     # Triton's default 4 warps; a cap_mask past 2**31 - 1 arrives as i64).
     # "probe acquire": find_slots' concurrent-reader read (atomic_or acquire).
     for name, kernel, extra in (
-        ("probe", hash_index._probe_kernel, {}),
-        ("probe acquire", hash_index._probe_acquire_kernel, {}),
+        ("probe", hash_index._probe_kernel, {"ACQUIRE": False}),
+        ("probe acquire", hash_index._probe_kernel, {"ACQUIRE": True}),
         ("find", hash_index._find_kernel, {}),
         ("insert", hash_index._insert_kernel,
          {"WAITS": hash_index.BUSY_WAIT_LIMIT}),
