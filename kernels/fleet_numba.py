@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.probe_numba import key_slot_hash, slot_holds_key, table_find
+from kvhit.kernels.hash_index_numba import insert_rows
+from kvhit.kernels.probe_numba import (
+    key_slot_hash,
+    prefetch_cell,
+    table_find,
+    table_find_from,
+)
 
 __all__ = [
     "clear_bits",
@@ -49,56 +51,15 @@ _JIT = {"cache": True, "nogil": True}
 _AHEAD = 16
 
 
-@intrinsic
-def _prefetch_cell(typingctx, table, slot, col):
-    """Hint the CPU to start loading ``table[slot, col]`` (a read); no effect
-    on results (the same hint as ``kernels/hash_index_numba.py``'s)."""
-    sig = types.void(table, slot, col)
-
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(
-            context, builder, aty, ary, [args[1], args[2]], wraparound=False
-        )
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # (address, rw=read, locality=3 (keep), cache=data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @numba.njit(inline="always", **_JIT)
 def _prefetch_block(table, gid, rows, row):
     """Prefetch the home row of key ``(gid, rows[row])``: its first and last
     word (a row not a power of two in size may straddle two cache lines).
     Returns the home slot."""
     s = key_slot_hash(gid, rows, row) & (table.shape[0] - 1)
-    _prefetch_cell(table, s, 0)
-    _prefetch_cell(table, s, table.shape[1] - 1)
+    prefetch_cell(table, s, 0)
+    prefetch_cell(table, s, table.shape[1] - 1)
     return s
-
-
-@numba.njit(inline="always", **_JIT)
-def _find_from(table, slot, gid, rows, r):
-    """``probe_numba.table_find`` from a home slot computed already (by the
-    prefetch): the slot of key ``(gid, rows[r])`` or -1."""
-    cap = table.shape[0]
-    mask = cap - 1
-    for _ in range(cap):
-        g = table[slot, 0]
-        if g == gid:
-            if slot_holds_key(table, slot, rows, r):
-                return slot
-        elif g == _EMPTY:
-            return -1
-        slot = (slot + 1) & mask
-    return -1
 
 
 _TOMB = np.int64(TOMBSTONE)
@@ -123,45 +84,12 @@ def find_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> np.nda
     return out
 
 
-@numba.njit(**_JIT)
-def _insert_keys(table, gids, hashes, out):
-    """``kernels/hash_index_numba.py``'s insert on the key columns of a wider
-    row (the same probe sequence and EMPTY-only claims, so that table_find and
-    the KeyIndex kernels agree on where a key lies). Returns the first row
-    that found no free slot, or -1."""
-    cap = table.shape[0]
-    mask = cap - 1
-    W = hashes.shape[1]
-    for r in range(gids.shape[0]):
-        gid = gids[r]
-        slot = key_slot_hash(gid, hashes, r) & mask
-        placed = False
-        for _ in range(cap):
-            g = table[slot, 0]
-            if g == _EMPTY:
-                # Only EMPTY slots are claimed, never tombstones: the key may
-                # sit further along, behind the tombstone.
-                for j in range(W):
-                    table[slot, 1 + j] = hashes[r, j]
-                table[slot, 0] = gid
-                out[r] = 1
-                placed = True
-                break
-            if g == gid and slot_holds_key(table, slot, hashes, r):
-                placed = True
-                break
-            slot = (slot + 1) & mask
-        if not placed:
-            return r
-    return -1
-
-
 def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
     """Insert keys into ``table`` (as :func:`find_keys`) in place, each once;
     returns the number newly stored. The caller leaves room (an EMPTY slot on
     every probe path); RuntimeError if some key found no free slot."""
     out = np.zeros(gids.shape[0], dtype=np.int8)
-    if gids.shape[0] and _insert_keys(table, gids, hashes, out) >= 0:
+    if gids.shape[0] and insert_rows(table, gids, hashes, out) >= 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return int(out.sum())
 
@@ -311,7 +239,7 @@ def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r, ring):
         home = ring[j]
         if i + _AHEAD < end:
             ring[j] = _prefetch_block(table, g0, rows, row + _AHEAD * scale)
-        s = _find_from(table, home, g0, rows, row)
+        s = table_find_from(table, home, g0, rows, row)
         alive = False
         for k in range(nw):
             prev = acc[k]

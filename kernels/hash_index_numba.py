@@ -1,11 +1,12 @@
 """numba kernels for the KeyIndex open-addressing hash table, on the CPU.
 
 The same table as the Triton kernels (``kernels/hash_index.py``) and the torch
-mirror (``coordinator/key_index.py``, whose module docstring is the layout
-contract): int64 ``[capacity, W + 1]``, column 0 a group id or a sentinel of
-:mod:`kvhit.kernels.contract`, columns 1..W the hash words, home slot
-``contract.slot_hash(...) & (capacity - 1)``, linear probing, a miss at the
-first EMPTY slot. An index built by any backend answers through any other.
+mirror (``kernels/hash_index_torch.py``; ``coordinator/key_index.py``'s module
+docstring is the layout contract): int64 ``[capacity, W + 1]``, column 0 a
+group id or a sentinel of :mod:`kvhit.kernels.contract`, columns 1..W the
+hash words, home slot ``contract.slot_hash(...) & (capacity - 1)``, linear
+probing, a miss at the first EMPTY slot. An index built by any backend
+answers through any other.
 
 The kernels are single-threaded loops over the batch (``nogil``, so other
 Python threads keep running while one works). They assume one writer: a slot
@@ -34,7 +35,7 @@ from kvhit.kernels.probe_numba import (
     table_find,
 )
 
-__all__ = ["erase", "find", "insert", "probe", "rehash"]
+__all__ = ["erase", "find", "insert", "insert_rows", "probe", "rehash"]
 
 _EMPTY = np.int64(EMPTY)
 _TOMBSTONE = np.int64(TOMBSTONE)
@@ -107,6 +108,12 @@ def _insert_kernel(table, gids, keys, out):
         if not placed:
             return r
     return -1
+
+
+#: The insert kernel on numpy arrays, for a table whose rows carry more than
+#: the key after its ``W + 1`` key columns (the fleet index's engine sets):
+#: ``insert_rows(table, gids, keys, out)`` touches only the key columns.
+insert_rows = _insert_kernel
 
 
 @numba.njit(cache=True, nogil=True)

@@ -27,9 +27,11 @@ __all__ = [
     "C_PROBES",
     "C_SLOTS",
     "key_slot_hash",
+    "prefetch_cell",
     "prefetch_row",
     "slot_holds_key",
     "table_find",
+    "table_find_from",
     "table_find_counted",
 ]
 
@@ -52,17 +54,16 @@ _EMPTY = np.int64(EMPTY)
 
 
 @intrinsic
-def prefetch_row(typingctx, arr, i):
-    """Hint the CPU to start loading ``arr[i, 0]`` (a 2-D array; a read, kept
+def prefetch_cell(typingctx, arr, i, j):
+    """Hint the CPU to start loading ``arr[i, j]`` (a 2-D array; a read, kept
     in all cache levels); no effect on results."""
-    sig = types.void(arr, i)
+    sig = types.void(arr, i, j)
 
     def codegen(context, builder, signature, args):
         aty = signature.args[0]
         ary = context.make_array(aty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
         ptr = cgutils.get_item_pointer(
-            context, builder, aty, ary, [args[1], zero], wraparound=False
+            context, builder, aty, ary, [args[1], args[2]], wraparound=False
         )
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
@@ -74,6 +75,12 @@ def prefetch_row(typingctx, arr, i):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def prefetch_row(arr, i):
+    """Hint the CPU to start loading ``arr[i, 0]``; no effect on results."""
+    prefetch_cell(arr, i, 0)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -106,9 +113,17 @@ def table_find(table, gid, keys, r):
     ``C`` a power of two), or -1 when absent. Linear probing from the home
     slot, a miss at the first EMPTY slot; TOMBSTONE and BUSY slots are passed
     over; at most ``C`` steps (a table with no EMPTY slot is corrupt)."""
+    return table_find_from(
+        table, key_slot_hash(gid, keys, r) & (table.shape[0] - 1), gid, keys, r
+    )
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def table_find_from(table, slot, gid, keys, r):
+    """:func:`table_find` from key ``r``'s home ``slot``, computed already
+    (e.g. by a caller that prefetched it)."""
     cap = table.shape[0]
     mask = cap - 1
-    slot = key_slot_hash(gid, keys, r) & mask
     for _ in range(cap):
         g = table[slot, 0]
         if g == gid:
