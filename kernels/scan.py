@@ -98,6 +98,11 @@ from kvhit.kernels.launch import device_guard, fix_interpreter
 
 __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
 
+# Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py).
+# Whether kernels are interpreted is fixed when triton decorates them, so
+# once at import is enough; no launch pays for the check.
+fix_interpreter()
+
 # -- launch parameters: every choice in one place ---------------------------------
 # Positions probed per step. 32 = one lane per thread of one warp: a probe step
 # is a few dependent global loads (column 0, then the W words), so 32 lanes
@@ -989,9 +994,7 @@ def _launch(
         return hit, mask_spans
     n_sg, sg_w = sg_rows.shape
     # Unused pointer arguments still need a tensor on the device.
-    # Triton 3.6's interpreter cannot range() over a runtime scalar, and
     # Triton launches on the current device, not the table's (launch.py).
-    fix_interpreter()
     with device_guard(hashes.device):
         _scan_kernel[(n_req,)](
             hashes,
