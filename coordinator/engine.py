@@ -473,7 +473,12 @@ class LookupEngine:
                 modes[1 if apply_eagle else 0], self.impl.parallel,
             )  # fmt: skip
             if not with_masks:
-                return LookupResult(torch.from_numpy(hit_np))
+                # The frozen dataclass's __init__ sets all three fields
+                # through object.__setattr__; the hit alone is a third of
+                # that (masks default to None on the class).
+                result = object.__new__(LookupResult)
+                result.__dict__["hit_lengths"] = torch.from_numpy(hit_np)
+                return result
             hit, mask_spans = torch.from_numpy(hit_np), torch.from_numpy(spans_np)
         else:
             max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))

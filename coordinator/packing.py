@@ -48,6 +48,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # check_device's answers, by argument: a device argument is parsed (and a
 # tensor made on it) once per process, not on every batch (~3 us a call).
 _CHECKED_DEVICES: dict[Any, torch.device] = {}
+_CPU = torch.device("cpu")
 
 
 def _device(device: Any) -> torch.device:
@@ -508,24 +509,44 @@ class HashBatch:
         else:
             words = np.zeros((values.shape[0], w), dtype=np.int64)
             words[:, 0] = values
-        hashes, offs = torch.from_numpy(words), torch.from_numpy(offsets)
         if device.type != "cpu":
-            return cls.from_trusted(hashes.to(device), offs.to(device), hash_bytes)
-        # from_trusted's fields, plus the numba backend's host view from the
-        # arrays in hand (no torch round trip on the first lookup); one
-        # __dict__ update costs a fraction of four frozen-dataclass setattrs.
-        # One request's length is offsets[1:] (a view, no conversion).
+            return cls.from_trusted(
+                torch.from_numpy(words).to(device),
+                torch.from_numpy(offsets).to(device),
+                hash_bytes,
+            )
+        # The numba backend's host view from the arrays in hand (no torch
+        # round trip on the first lookup). The public tensors are made on
+        # first access (__getattr__): a scheduler step of one request that
+        # goes straight to the numba host path never pays the two
+        # torch.from_numpy calls (~0.9 us). One __dict__ update costs a
+        # fraction of frozen-dataclass setattrs. One request's length is
+        # offsets[1:] (a view, no conversion).
         host_lengths = (
             offsets[1:] if len(lengths) == 1 else np.array(lengths, dtype=np.int64)
         )
         batch = object.__new__(cls)
         batch.__dict__.update(
-            hashes=hashes,
-            offsets=offs,
             hash_bytes=hash_bytes,
+            _lazy=(words, offsets),
             _host=(words, offsets[:-1], host_lengths),
         )
         return batch
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when ``name`` is not set: the tensors of a CPU batch
+        # from_ints built lazily, made once from the numpy arrays they share
+        # memory with.
+        if name in ("hashes", "offsets"):
+            lazy = self.__dict__.get("_lazy")
+            if lazy is not None:
+                d = self.__dict__
+                d["hashes"] = torch.from_numpy(lazy[0])
+                d["offsets"] = torch.from_numpy(lazy[1])
+                return d[name]
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
 
     @classmethod
     def from_trusted(
@@ -599,7 +620,9 @@ class HashBatch:
     @property
     def device(self) -> torch.device:
         """Device holding ``hashes`` and ``offsets``."""
-        return self.hashes.device
+        h = self.__dict__.get("hashes")
+        # Only a CPU batch's tensors are made lazily.
+        return _CPU if h is None else h.device
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -612,7 +635,10 @@ class HashBatch:
         return self.hashes.shape[0]
 
     def __len__(self) -> int:
-        return self.offsets.shape[0] - 1
+        o = self.__dict__.get("offsets")
+        if o is None:
+            return self.__dict__["_lazy"][1].shape[0] - 1
+        return o.shape[0] - 1
 
     def _request_index(self, i: int) -> int:
         if isinstance(i, bool) or not isinstance(i, int | np.integer):

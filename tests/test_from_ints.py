@@ -252,3 +252,32 @@ def test_host_arrays_share_the_batch_and_are_built_once() -> None:
     r2, s2, l2 = ints.host_arrays()
     assert r2[:, 0].tolist() == [5, 6, 7] and s2.tolist() == [0, 2]
     assert l2.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("reqs", [[[5, 6], [7]], [[9]], [[]], []])
+def test_lazily_built_tensors_behave_like_eager_ones(reqs) -> None:
+    import copy
+    import pickle
+
+    batch = HashBatch.from_ints(reqs)
+    # Before any tensor exists: length and device come from the host arrays.
+    assert "hashes" not in batch.__dict__ or not reqs
+    assert len(batch) == len(reqs) and batch.device == torch.device("cpu")
+    eager = HashBatch.from_bytes(
+        [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
+    )
+    assert torch.equal(batch.hashes, eager.hashes)
+    assert torch.equal(batch.offsets, eager.offsets)
+    # Made once, sharing the host arrays' memory.
+    assert batch.hashes is batch.hashes and batch.offsets is batch.offsets
+    if batch.total:
+        assert np.shares_memory(batch.hashes.numpy(), batch.host_arrays()[0])
+    for other in (
+        copy.copy(batch),
+        copy.deepcopy(batch),
+        pickle.loads(pickle.dumps(batch)),
+    ):
+        assert torch.equal(other.hashes, eager.hashes) and len(other) == len(reqs)
+    assert repr(batch) == repr(eager)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        batch.nope  # noqa: B018
