@@ -38,7 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvhit.bench.peers import DYNAMO, PEERS, DynamoIndex, as_u64, load_dynamo
+from kvhit.bench.peers import (
+    DYNAMO,
+    PEERS,
+    DynamoIndex,
+    as_u64,
+    busy_host,
+    load_dynamo,
+)
 from kvhit.bench.workloads import (
     PRESETS,
     TrafficConfig,
@@ -374,10 +381,15 @@ class SweepConfig:
     key_index: bool = False
     peer: str | None = None
     peer_limit: int | None = None
+    peer_host_load: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if self.peer is not None and self.peer not in PEERS:
             raise ValueError(f"unknown peer {self.peer!r}; choose from {PEERS}")
+        if not self.peer_host_load or min(self.peer_host_load) < 0:
+            raise ValueError(
+                f"peer_host_load must be >= 0 busy processes, got {self.peer_host_load}"
+            )
         if not self.presets:
             raise ValueError("presets must not be empty")
         for p in self.presets:
@@ -518,11 +530,18 @@ def sweep(
         rows.extend(_measure_batch(config, ctx, b))
     peers: list[PeerRow] = []
     if config.peer is not None:
-        peers, skip = peer_sweep(
-            config.peer, config.batch_sizes, limit=config.peer_limit, quiet=quiet
-        )
-        if skip is not None:
-            skips.append(skip)
+        for load in config.peer_host_load:
+            rows_at, skip = peer_sweep(
+                config.peer,
+                config.batch_sizes,
+                limit=config.peer_limit,
+                quiet=quiet,
+                host_load=load,
+            )
+            peers.extend(rows_at)
+            if skip is not None:
+                skips.append(skip)
+                break
     return SweepResult(
         config,
         tuple(rows),
@@ -716,6 +735,8 @@ class PeerRow:
             request's blocks past its hit, as a worker emits them).
         blocks_stored: blocks each stored over the run.
         hit_blocks: blocks both found (equal by construction of the check).
+        host_load: CPU-bound processes spinning beside the run
+            (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host).
     """
 
     peer: str
@@ -732,6 +753,7 @@ class PeerRow:
     kvhit_mean_s: float = 0.0
     peer_mean_s: float = 0.0
     mismatches: int = 0
+    host_load: int = 0
 
 
 def peer_sweep(
@@ -740,6 +762,7 @@ def peer_sweep(
     limit: int | None = None,
     quiet: bool = True,
     trace: str | os.PathLike[str] | None = None,
+    host_load: int = 0,
 ) -> tuple[list[PeerRow], Skip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
@@ -751,8 +774,9 @@ def peer_sweep(
     compared (:class:`MismatchError` on any difference), then each request's
     blocks past its hit are stored in both (kvhit: one ``KeyIndex.add`` per
     step; the peer: one event per request). Layout: one FullAttention group of
-    :data:`PEER_BLOCK_SIZE` tokens. Returns the rows, or ``([], Skip)`` when
-    the peer cannot be imported.
+    :data:`PEER_BLOCK_SIZE` tokens. ``host_load`` CPU-bound processes spin
+    during the run (:func:`~kvhit.bench.peers.busy_host`). Returns the rows,
+    or ``([], Skip)`` when the peer cannot be imported.
     """
     import torch
 
@@ -780,15 +804,14 @@ def peer_sweep(
     max_lengths = [len(c) * bs for c in ints]
     rows = []
     bar = _peer_bar(len(batch_sizes) * len(requests), quiet)
-    with _numba_threads(1):
+    with _numba_threads(1), busy_host(host_load):
         engine = LookupEngine(layout, backend="numba", device="cpu")
         for b in sorted(set(batch_sizes)):
-            rows.append(
-                _peer_run(
-                    peer, b, engine, KeyIndex(8, 1 << 20), DynamoIndex(tree_cls),
-                    ints, chains, max_lengths, HashBatch, torch, bar,
-                )
+            row = _peer_run(
+                peer, b, engine, KeyIndex(8, 1 << 20), DynamoIndex(tree_cls),
+                ints, chains, max_lengths, HashBatch, torch, bar,
             )  # fmt: skip
+            rows.append(replace(row, host_load=host_load))
     if bar is not None:
         bar.close()
     return rows, None
@@ -923,14 +946,16 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
         f"order, steps of B; FullAttention({PEER_BLOCK_SIZE}), 8-byte keys, one "
         "numba thread; kvhit includes from_ints packing; per request: median "
         "over steps, mean in brackets)",
-        f"  {'B':>5} {'kvhit/req':>20} {'(pack)':>9} {peer + '/req':>21} "
-        f"{'ratio':>7} {'store kvhit':>12} {'store ' + peer:>13}",
+        f"  {'host':>6} {'B':>5} {'kvhit/req':>20} {'(pack)':>9} "
+        f"{peer + '/req':>21} {'ratio':>7} {'store kvhit':>12} "
+        f"{'store ' + peer:>13}",
     ]
     for r in rows:
         kv = f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})"
         them = f"{fmt_time(r.peer_lookup_s)} ({fmt_time(r.peer_mean_s)})"
+        host = "quiet" if r.host_load == 0 else f"busy{r.host_load}"
         lines.append(
-            f"  {r.batch_size:>5} {kv:>20} {fmt_time(r.kvhit_pack_s):>9} "
+            f"  {host:>6} {r.batch_size:>5} {kv:>20} {fmt_time(r.kvhit_pack_s):>9} "
             f"{them:>21} {r.lookup_ratio:>6.1f}x "
             f"{fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
             f"{fmt_count(r.peer_store_bps) + ' b/s':>13}"
@@ -939,6 +964,11 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
         f"  answers: {peer} == kvhit on every request at every B (0 mismatches; "
         f"{rows[0].hit_blocks} blocks hit at B={rows[0].batch_size})"
     )
+    if any(r.host_load for r in rows):
+        lines.append(
+            "  host: quiet = nothing else started; busyN = N CPU-bound processes "
+            "spinning beside the run (--peer-host-load)"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -19,12 +19,15 @@ so a key goes to Dynamo as ``word & (2**64 - 1)`` (the same 8 bytes).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DYNAMO", "PEERS", "DynamoIndex", "load_dynamo"]
+__all__ = ["DYNAMO", "PEERS", "DynamoIndex", "busy_host", "load_dynamo"]
 
 DYNAMO = "dynamo"
 #: Peer names ``--peer`` accepts.
@@ -97,3 +100,36 @@ class DynamoIndex:
         """Leading blocks held, per chain: one ``find_matches`` each."""
         find = self.tree.find_matches
         return [find(c).scores.get((_WORKER, 0), 0) for c in chains]
+
+
+@contextmanager
+def busy_host(processes: int) -> Iterator[None]:
+    """``processes`` CPU-bound Python processes spinning while the block runs.
+
+    A scheduler shares its host with the serving engine's other work (the API
+    server, tokenizers, the model runner's host side), and the two indexes
+    differ in how they take that: kvhit answers on the caller's thread,
+    Dynamo's ``RadixTree`` hands each call to its own indexer thread and waits
+    for the answer, a hop whose wake-up waits for a free core. ``0`` spins
+    nothing (a quiet host).
+    """
+    if isinstance(processes, bool) or not isinstance(processes, int):
+        raise TypeError(f"processes must be an int, got {type(processes).__name__}")
+    if processes < 0:
+        raise ValueError(f"processes must be >= 0, got {processes}")
+    spinners = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()

@@ -259,6 +259,7 @@ def sweep_config(
         key_index=args.key_index,
         peer=args.peer,
         peer_limit=args.peer_limit,
+        peer_host_load=tuple(args.peer_host_load),
     )
     return config, skipped
 
@@ -636,6 +637,15 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         type=_int_at_least(1),
         default=None,
         help="replay only the first N trace requests for --peer (default all)",
+    )
+    bench.add_argument(
+        "--peer-host-load",
+        type=_csv(_int_at_least(0)),
+        default=[0],
+        metavar="N[,N...]",
+        help="run --peer once per N with N CPU-bound processes spinning beside "
+        "it (a busy serving host; Dynamo answers on its own thread, kvhit on "
+        "the caller's); default 0, a quiet host",
     )
     bench.add_argument(
         "--key-index",

@@ -179,14 +179,50 @@ def test_bench_peer_column_on_a_trace_slice(
     out = tmp_path / "b.json"
     argv = ["bench", "--presets", "llama", "--batch-sizes", "1,8", "--max-tokens",
             "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit",
-            "150", "--json", str(out)]  # fmt: skip
+            "150", "--peer-host-load", "0,1", "--json", str(out)]  # fmt: skip
     assert cli.main(argv) == cli.EXIT_OK
-    assert "kvhit vs dynamo" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "kvhit vs dynamo" in text and "busy1" in text
     peers = json.loads(out.read_text())["peers"]
-    assert [p["batch_size"] for p in peers] == [1, 8]
+    assert [(p["host_load"], p["batch_size"]) for p in peers] == [
+        (0, 1), (0, 8), (1, 1), (1, 8)
+    ]  # fmt: skip
     assert all(p["requests"] == 150 and p["mismatches"] == 0 for p in peers)
     # A step does not see its own stores: bigger steps hit no more.
     assert peers[0]["hit_blocks"] >= peers[1]["hit_blocks"] > 0
+    # The same answers whatever spins beside the run.
+    assert peers[0]["hit_blocks"] == peers[2]["hit_blocks"]
+
+
+def test_busy_host_spins_and_stops(tmp_path: Path) -> None:
+    import os
+
+    from kvhit.bench.peers import busy_host
+
+    def children() -> set[int]:
+        path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
+        return (
+            set(map(int, open(path).read().split())) if os.path.exists(path) else set()
+        )
+
+    before = children()
+    with busy_host(2):
+        spinning = children() - before
+        assert len(spinning) == 2 or not os.path.exists("/proc")
+    assert not (children() & spinning)
+    with pytest.raises(ValueError, match="processes"):
+        with busy_host(-1):
+            pass
+    with pytest.raises(TypeError, match="processes"):
+        with busy_host(True):
+            pass
+
+
+def test_bench_peer_host_load_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--presets", "llama", "--peer", "dynamo", "--peer-host-load", "-1"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and "--peer-host-load" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
