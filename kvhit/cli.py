@@ -23,8 +23,9 @@ import textwrap
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import numpy as np
 
@@ -59,6 +60,7 @@ exit codes:
 #: ``kvhit bench --quick``: the batch sizes and repeats of a short sweep.
 QUICK_BATCH_SIZES = (1, 64, 1024)
 QUICK_REPEATS = 3
+_C = TypeVar("_C")
 
 
 # ---------------------------------------------------------------------------
@@ -66,16 +68,21 @@ QUICK_REPEATS = 3
 # ---------------------------------------------------------------------------
 
 
+def config_from(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
+    """A configuration dataclass ``cls`` from ``given`` plus, for each field
+    not given, the argument of the same name (fields with neither keep their
+    default). Each subcommand's options are named after the fields they set,
+    so one rule maps them all."""
+    values = dict(given)
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in values and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)
+
+
 def traffic_config(args: argparse.Namespace, num_requests: int) -> TrafficConfig:
     """The workload knobs of ``args`` for a batch of ``num_requests``."""
-    return TrafficConfig(
-        num_requests=num_requests,
-        min_tokens=args.min_tokens,
-        max_tokens=args.max_tokens,
-        hash_bytes=args.hash_bytes,
-        history=args.history,
-        seed=args.seed,
-    )
+    return config_from(TrafficConfig, args, num_requests=num_requests)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -246,19 +253,15 @@ def sweep_config(
         QUICK_BATCH_SIZES if args.quick else DEFAULT_BATCH_SIZES
     )
     repeats = args.repeats or (QUICK_REPEATS if args.quick else 5)
-    config = harness.SweepConfig(
+    config = config_from(
+        harness.SweepConfig,
+        args,
         presets=presets,
         batch_sizes=tuple(sorted(set(sizes))),
         backends=backends,
         device=device,
         traffic=traffic_config(args, max(sizes)),
         repeats=repeats,
-        reference_cap=args.reference_cap,
-        sample=args.sample,
-        vllm=args.vllm,
-        key_index=args.key_index,
-        peer=args.peer,
-        peer_limit=args.peer_limit,
         peer_host_load=tuple(args.peer_host_load),
     )
     return config, skipped
@@ -288,18 +291,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def replay_config(args: argparse.Namespace) -> replay_mod.ReplayConfig:
     """The replay configuration of ``kvhit replay``'s arguments."""
-    return replay_mod.ReplayConfig(
-        trace=Path(args.trace),
-        preset=args.preset,
-        trace_block_size=args.trace_block_size,
-        step_ms=args.step_ms,
-        speedup=args.speedup,
-        batch=args.batch,
-        store_blocks=args.store_blocks,
-        limit=args.limit,
-        reference_requests=args.reference_requests,
-        peer=args.peer,
-    )
+    return config_from(replay_mod.ReplayConfig, args, trace=Path(args.trace))
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
