@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvhit.coordinator.backend import auto_backend
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.key_index import (
     MAX_CAPACITY,
@@ -199,6 +200,31 @@ class _TorchOps:
 
     def probe_bits(self, keys, bits, gids, rows) -> np.ndarray:
         return self.kernels().probe_bits(keys, bits, gids, rows).cpu().numpy()
+
+
+class _TritonOps(_TorchOps):
+    """The torch backend's tables on CUDA (``auto_backend``'s rule), driven
+    by Triton kernels: the KeyIndex kernels of ``kernels/hash_index.py`` for
+    the keys, ``kernels/fleet_triton.py`` for the engine sets."""
+
+    @staticmethod
+    def triton():
+        from kvhit.kernels import fleet_triton, hash_index
+
+        return fleet_triton, hash_index
+
+    def find(self, table, W, g, h):
+        return self.triton()[1].find(table, W, g, h)
+
+    def insert(self, table, W, g, h) -> int:
+        return int(self.triton()[1].insert(table, W, g, h).sum().item())
+
+    def set_bits(self, bits, slots, engines, E) -> np.ndarray:
+        return self.triton()[0].set_bits(bits, slots, engines, E).numpy()
+
+    def clear_bits(self, keys, bits, slots, engines, E) -> tuple[np.ndarray, int]:
+        gone, freed = self.triton()[0].clear_bits(keys, bits, slots, engines, E)
+        return gone.numpy(), freed
 
 
 def _resolve_backend(backend: Any, device: torch.device) -> str:
@@ -359,6 +385,8 @@ class FleetIndex:
         self.NW = (num_engines + 63) // 64
         self._backend = backend
         self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
+        if backend == "torch" and auto_backend(keys.device) == "triton":
+            self._ops = _TritonOps()  # the Triton fleet kernels (CUDA)
         # The table probed (numba: keys and engine sets side by side, a row
         # per slot) and its views ``keys`` / ``bits``.
         self._table, self.keys, self.bits = self._ops.new_tables(
@@ -995,6 +1023,20 @@ def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.nda
     )  # fmt: skip
 
 
+def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
+    """:func:`_fleet_full` on CUDA: one launch of the Triton kernel (runs and
+    hits), int64 ``[B, E]`` on the device."""
+    plan = engine.plan
+    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
+    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
+    dev, view = fleet.device, batch.view()
+    return fleet._ops.triton()[0].full_hits(
+        fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
+        torch.tensor(members, device=dev), torch.tensor(fleet._live, device=dev),
+        params, fleet.num_engines,
+    )  # fmt: skip
+
+
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     """The joint full-attention scan on any device (torch ops), then vLLM's
     hit per engine."""
@@ -1188,6 +1230,8 @@ def fleet_find(
             return torch.from_numpy(
                 _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
             )
+        if isinstance(fleet._ops, _TritonOps):
+            return _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup)
         hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit).to(engine.device)
     view = batch.view()
