@@ -1299,6 +1299,13 @@ def prefix_blocks(
             fleet._live, E,
         )  # fmt: skip
         return torch.from_numpy(runs)
+    if isinstance(fleet._ops, _TritonOps):
+        dev = fleet.device
+        return fleet._ops.triton()[0].full_runs(
+            fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+            torch.tensor(ends, device=dev), scale, torch.tensor(members, device=dev),
+            torch.tensor(fleet._live, device=dev), E,
+        )  # fmt: skip
     # Any device: each (group, hash) probed once, then the runs on the host.
     pb = fleet._ops.probe_bits(
         fleet.keys, fleet.bits, torch.from_numpy(members).to(fleet.device), view.rows

@@ -71,9 +71,13 @@ fix_interpreter()
 # Blocks probed per step: as kernels/scan.py's BLOCK, one probe chain's
 # latency for 32 blocks; a run usually ends inside the first steps.
 BLOCK = 32
-# Four warps: a step's [BLOCK, 64] bit matrix is 16 elements per thread (one
-# warp would hold 64 and spill on sm_90); the probe lanes are few either way.
-NUM_WARPS = 4
+# One warp per program, as kernels/scan.py: a program is scalar control flow
+# over 32 probe lanes (64 for a merged SpecGroup of two), a second warp would
+# idle in every reduction of the probe loop; more resident programs hide the
+# probe latency instead. A step's [BLOCK, 64] bit matrix is never held whole
+# (ptxas reduces it as it goes): 58-124 registers, no spills on sm_90
+# (tests/test_scan_registers.py; 4 warps: 50-71). Not yet timed on a GPU.
+NUM_WARPS = 1
 # Lanes of the engine-set update kernels.
 _UPDATE_BLOCK = 128
 

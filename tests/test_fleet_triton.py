@@ -140,15 +140,15 @@ def test_presets_past_64_engines(preset):
     assert runs == (2 if preset == "llama" else 0)
 
 
-def test_merged_groups_past_128_engines():
+def test_merged_groups_past_64_engines():
     # Two equal full-attention groups merge: a block needs its key in both
-    # (MP = 2 probe lanes per block); 130 engines take three words.
+    # (MP = 2 probe lanes per block); 70 engines take two words.
     layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
     assert len(layout.spec_groups) == 1
     rng = random.Random(11)
     reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(5)]
     stores_ = []
-    for _ in range(130):
+    for _ in range(70):
         keys = set()
         for r in reqs:
             cut = rng.randint(0, len(r))
@@ -379,3 +379,32 @@ def test_launchers_refuse_bad_arguments():
         fleet_triton.full_hits(keys, bits, *args, (2, 1, 16, 16, 0, 0), 1)
     with pytest.raises(ValueError, match="engines"):
         fleet_triton.set_bits(bits, one, one.repeat(2), 1)
+
+
+def test_prefix_blocks_equal_the_torch_fleet():
+    # The overlap score of a full-attention-only router (prefix_blocks): the
+    # Triton runs equal the torch fleet's, 70 engines, two groups counted,
+    # with and without a cap on the blocks counted.
+    from kvhit.coordinator.fleet import prefix_blocks
+
+    rng = random.Random(5)
+    reqs = [chained_hashes(i % 3, rng.randint(0, 45)) for i in range(5)]
+    stores_ = []
+    for e in range(70):
+        keys = set()
+        for r in reqs:
+            cut = rng.randint(0, len(r)) if e % 3 else len(r)
+            keys |= {(g, h) for g in (0, 1) for h in r[:cut]}
+            keys |= {(1, h) for h in r[cut : cut + 2]}
+        stores_.append(keys)
+    batch = HashBatch.from_bytes(reqs, 8)
+    torch_fleet = make_fleet(stores_)
+    torch_fleet.remove_engine(2)
+    with on_triton():
+        fleet = make_fleet(stores_)
+        fleet.remove_engine(2)
+        for cap in (None, [0, 3, 100, 40, 2]):
+            want = prefix_blocks(batch, torch_fleet, [0, 1], 1, cap)
+            got = prefix_blocks(batch, fleet, [0, 1], 1, cap)
+            assert got.tolist() == want.tolist()
+            assert int(want.max()) > 32 and not bool(want[:, 2].any())
