@@ -61,7 +61,11 @@ scan is torch ops too (every block below the bound probed once, no early
 stop, then ``[B, blocks, E]`` boolean ops), and other layouts probe each
 (group, hash) of the batch once for all engines, then run the LookupEngine's
 own backend (triton on CUDA) per engine over a small table of the batch's
-keys that engine holds. There is no Triton kernel of the fleet scans yet.
+keys that engine holds. On CUDA (``backend.auto_backend``'s rule) the same
+tables are driven by Triton kernels instead (``_TritonOps``): keys inserted
+and found by ``kernels/hash_index.py``, engine sets updated, and the joint
+full-attention scan (runs and hits in one launch) and ``prefix_blocks`` run
+by ``kernels/fleet_triton.py``; hybrid layouts keep the per-engine path.
 """
 
 from __future__ import annotations
