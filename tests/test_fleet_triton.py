@@ -408,3 +408,76 @@ def test_prefix_blocks_equal_the_torch_fleet():
             got = prefix_blocks(batch, fleet, [0, 1], 1, cap)
             assert got.tolist() == want.tolist()
             assert int(want.max()) > 32 and not bool(want[:, 2].any())
+
+
+def fleet_answers(device, layout, reqs, adds, gone, lens, E):
+    """A FleetIndex on ``device`` after ``adds`` (engine, group, hash lists)
+    and the removal of the entries ``gone`` and of one engine, and its
+    answers for ``reqs``: (fleet, [hits, lookups, prefix runs])."""
+    from kvhit.coordinator.fleet import prefix_blocks
+
+    eng, grp, hs = adds
+    fleet = FleetIndex(E, 8, capacity=64, device=device, backend="torch")
+    assert fleet.add(eng, grp, hs) > 0
+    fleet.remove([eng[i] for i in gone], [grp[i] for i in gone],
+                 [hs[i] for i in gone])  # fmt: skip
+    fleet.remove_engine(min(5, E - 1))
+    engine = LookupEngine(layout, backend="torch", device=device)
+    batch = HashBatch.from_bytes(reqs, 8).to(device)
+    groups = list(range(len(layout.groups)))
+    return fleet, [
+        engine.fleet_hits(batch, lens, fleet).cpu(),
+        engine.fleet_lookup(batch, lens, fleet).cpu(),
+        prefix_blocks(batch, fleet, groups, 1).cpu(),
+    ]
+
+
+def compare_fleets(device, n_req, max_blocks, num_engines, seed):
+    """A fleet on ``device`` driven by the Triton kernels equals a CPU fleet
+    of torch ops after the same adds and removes (repeats, keys held by many
+    engines at once, an engine removed): engine sizes, counts, hits, lookups
+    and prefix runs, for llama and a merged SpecGroup of two groups (a key
+    sometimes missing from the second). Returns the CPU fleet's answers."""
+    rng = random.Random(seed)
+    E = num_engines
+    merged = CacheLayout([Group(FullAttention(16)), Group(FullAttention(16))], 16, 16)
+    out = []
+    for layout in (make_layout("llama"), merged):
+        n_groups = len(layout.groups)
+        reqs = [chained_hashes(i % 5, rng.randint(0, max_blocks)) for i in range(n_req)]
+        eng, grp, hs = [], [], []
+        for i, r in enumerate(reqs):
+            for e in {i % E, (7 * i) % E, E - 1}:
+                for h in r[: rng.randint(0, len(r))]:
+                    for g in range(n_groups if rng.random() < 0.97 else 1):
+                        eng.append(e), grp.append(g), hs.append(h)
+        case = (reqs, (eng, grp, hs), rng.sample(range(len(hs)), len(hs) // 200),
+                [len(r) * 16 - rng.randint(0, 20) for r in reqs], E)  # fmt: skip
+        with on_triton() as calls:
+            fleet, got = fleet_answers(device, layout, *case)
+        assert len(calls) == 2
+        cpu, want = fleet_answers("cpu", layout, *case)
+        assert fleet.engine_sizes().tolist() == cpu.engine_sizes().tolist()
+        assert len(fleet) == len(cpu) and fleet.tombstones == cpu.tombstones
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        out.append(want)
+    return out
+
+
+def test_triton_fleet_equals_the_torch_fleet():
+    # compare_fleets at an interpreter's size (what the GPU test below runs
+    # at scale on CUDA).
+    answers = compare_fleets("cpu", 8, 60, 70, seed=1)
+    assert max(int(runs.max()) for _, _, runs in answers) > 32
+    assert min(int(hits.count_nonzero()) for hits, _, _ in answers) > 20
+
+
+@pytest.mark.gpu
+def test_cuda_fleet_equals_the_cpu_fleet():
+    # On a GPU (compiled kernels, real concurrency in the updates: every
+    # lane of a batch on few slots), 300 engines, B = 96 requests of up to
+    # 300 blocks (runs cross many steps of BLOCK blocks).
+    answers = compare_fleets("cuda", 96, 300, 300, seed=7)
+    assert max(int(runs.max()) for _, _, runs in answers) > 100
+    assert min(int(hits.count_nonzero()) for hits, _, _ in answers) > 200
