@@ -191,25 +191,21 @@ def _fleet_kernel(
         i0 += BLOCK
         going = (alive > 0) & (i0 < end)
     if MODE != _MODE_RUNS:
-        # Runs -> hits, in place (fleet_numba._full_hits).
+        # Runs -> hits, in place (fleet_numba._full_hits). The store
+        # worker's rule (LOOKUP): a hit covering the whole prompt is
+        # re-derived at num_tokens - 1 (``again``, aligned: the run clipped
+        # to it), and a prompt whose aligned length is 0 hits nothing.
         again = tl.maximum(n_tok - 1, 0) // align * align
-        again = tl.where(n_tok > 0, again, -1)
-        if MODE == _MODE_LOOKUP:
-            ok = (n_units > 0) & (n_tok // align * align > 0)
-        else:
-            ok = n_units >= 0
+        asks = (n_units > 0) & (n_tok // align * align > 0)
         for t in range(nw):
             e = t * 64 + lane
             em = e < n_eng
             run = tl.load(out_row + e, mask=em, other=0)
             hit = _hit_of_run(run, bs, align, DROP)
             if MODE == _MODE_LOOKUP:
-                # The store worker's rule: a hit covering the whole prompt is
-                # re-derived at num_tokens - 1 (the run clipped to it).
-                hit2 = _hit_of_run(tl.minimum(run, tl.maximum(again, 0) // bs), bs,
-                                   align, DROP)  # fmt: skip
+                hit2 = _hit_of_run(tl.minimum(run, again // bs), bs, align, DROP)
                 hit = tl.where(hit >= n_tok, tl.where(again > 0, hit2, 0), hit)
-                hit = tl.where(ok, hit, 0)
+                hit = tl.where(asks, hit, 0)
             tl.store(out_row + e, hit, mask=em)
 
 
@@ -322,6 +318,8 @@ def full_hits(
     alignment, EAGLE drop, lookup), as the numba launcher's. Every tensor
     contiguous, on the tables' device.
     """
+    if len(params) != 6:
+        raise ValueError(f"params must hold 6 ints, got {len(params)}")
     nw, scale, bs, align, drop, lookup = (int(p) for p in params)
     if nw != bits.shape[1]:
         raise ValueError(f"params[0] (NW) is {nw} but bits has {bits.shape[1]} words")

@@ -375,6 +375,8 @@ def test_launchers_refuse_bad_arguments():
                                one, 1)  # fmt: skip
     with pytest.raises(ValueError, match="num_engines"):
         fleet_triton.full_runs(keys, bits, *args[:4], 1, *args[4:], 65)
+    with pytest.raises(ValueError, match="params"):
+        fleet_triton.full_hits(keys, bits, *args, (1, 1, 16, 16, 0), 1)
     with pytest.raises(ValueError, match="NW"):
         fleet_triton.full_hits(keys, bits, *args, (2, 1, 16, 16, 0, 0), 1)
     with pytest.raises(ValueError, match="engines"):
