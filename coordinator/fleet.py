@@ -1033,11 +1033,10 @@ def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
     plan = engine.plan
     drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
     members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
-    dev, view = fleet.device, batch.view()
+    view = batch.view()
     return fleet._ops.triton()[0].full_hits(
         fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
-        torch.tensor(members, device=dev), torch.tensor(fleet._live, device=dev),
-        params, fleet.num_engines,
+        members, fleet._live, params, fleet.num_engines,
     )  # fmt: skip
 
 
@@ -1304,11 +1303,9 @@ def prefix_blocks(
         )  # fmt: skip
         return torch.from_numpy(runs)
     if isinstance(fleet._ops, _TritonOps):
-        dev = fleet.device
         return fleet._ops.triton()[0].full_runs(
             fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
-            torch.tensor(ends, device=dev), scale, torch.tensor(members, device=dev),
-            torch.tensor(fleet._live, device=dev), E,
+            torch.tensor(ends, device=fleet.device), scale, members, fleet._live, E,
         )  # fmt: skip
     # Any device: each (group, hash) probed once, then the runs on the host.
     pb = fleet._ops.probe_bits(

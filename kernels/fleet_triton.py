@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -240,6 +241,30 @@ def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:
     return w1 - 1, bits.shape[1], dev
 
 
+# Device copies of the small constant arrays a launch takes as numpy (a
+# SpecGroup's members, the live engine set), by value: a copy to the device
+# is a synchronous host round trip, and the same few values recur on every
+# call of a router.
+_DEVICE_CONSTS: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+
+
+def _on_device(x: object, device: torch.device) -> object:
+    """``x`` itself unless it is a numpy array: then an int64 tensor on
+    ``device`` holding it (cached by value; read only)."""
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.dtype != np.int64:
+        raise TypeError(f"numpy arguments must be int64, got {x.dtype}")
+    key = (x.tobytes() + bytes([x.ndim]), device)
+    t = _DEVICE_CONSTS.get(key)
+    if t is None:
+        if len(_DEVICE_CONSTS) >= 256:
+            _DEVICE_CONSTS.clear()
+        t = torch.tensor(x, device=device)
+        _DEVICE_CONSTS[key] = t
+    return t
+
+
 def _scan(
     mode: int,
     keys: torch.Tensor,
@@ -248,8 +273,8 @@ def _scan(
     offsets: torch.Tensor,
     lengths: torch.Tensor,
     lens: torch.Tensor,
-    members: torch.Tensor,
-    live: torch.Tensor,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
     num_engines: int,
     scale: int,
     block_size: int,
@@ -266,6 +291,7 @@ def _scan(
         check_int64(t, name, dim=1, device=dev, device_of="keys")
         if t.shape[0] != B:
             raise ValueError(f"{name} must have shape [{B}], got {list(t.shape)}")
+    members, live = _on_device(members, dev), _on_device(live, dev)
     M = check_int64(members, "members", dim=1, device=dev, device_of="keys").shape[0]
     if M < 1:
         raise ValueError("members must name at least one group")
@@ -300,8 +326,8 @@ def full_hits(
     offsets: torch.Tensor,
     lengths: torch.Tensor,
     lens: torch.Tensor,
-    members: torch.Tensor,
-    live: torch.Tensor,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
     params: Sequence[int],
     num_engines: int,
 ) -> torch.Tensor:
@@ -316,7 +342,8 @@ def full_hits(
     int64 ``[M]`` the SpecGroup's group ids; ``live`` int64 ``[NW]`` the
     active engines as an engine set; ``params``: (NW, scale, block size,
     alignment, EAGLE drop, lookup), as the numba launcher's. Every tensor
-    contiguous, on the tables' device.
+    contiguous, on the tables' device; ``members`` and ``live`` may be int64
+    numpy arrays instead (copied to the device once per value, cached).
     """
     if len(params) != 6:
         raise ValueError(f"params must hold 6 ints, got {len(params)}")
@@ -336,8 +363,8 @@ def full_runs(
     lengths: torch.Tensor,
     ends: torch.Tensor,
     scale: int,
-    members: torch.Tensor,
-    live: torch.Tensor,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
     num_engines: int,
 ) -> torch.Tensor:
     """Per request and engine, the leading run of blocks the engine holds in

@@ -15,6 +15,7 @@ import random
 from contextlib import contextmanager
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -273,8 +274,10 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
         return torch.tensor(x, dtype=torch.int64)
 
     rows_t = torch.tensor(rows, dtype=torch.int64).reshape(T, W)
+    # members and live as tensors, or as numpy arrays (copied once, cached).
+    consts = (t(members), live) if seed % 2 else (t(members).numpy(), live.numpy())
     got = fleet_triton.full_runs(table, bits, rows_t, t(offsets), t(lengths), t(ends),
-                                 scale, t(members), live, E)  # fmt: skip
+                                 scale, *consts, E)  # fmt: skip
     want = model_runs(present, rows, offsets, lengths, ends, scale, members,
                       live_int, E)  # fmt: skip
     assert got.tolist() == want
@@ -375,6 +378,8 @@ def test_launchers_refuse_bad_arguments():
                                one, 1)  # fmt: skip
     with pytest.raises(ValueError, match="num_engines"):
         fleet_triton.full_runs(keys, bits, *args[:4], 1, *args[4:], 65)
+    with pytest.raises(TypeError, match="int64"):
+        fleet_triton.full_runs(keys, bits, *args[:4], 1, np.zeros(1, np.int32), one, 1)
     with pytest.raises(ValueError, match="params"):
         fleet_triton.full_hits(keys, bits, *args, (1, 1, 16, 16, 0), 1)
     with pytest.raises(ValueError, match="NW"):
