@@ -230,6 +230,9 @@ class _TritonOps(_TorchOps):
         gone, freed = self.triton()[0].clear_bits(keys, bits, slots, engines, E)
         return gone.numpy(), freed
 
+    def probe_bits(self, keys, bits, gids, rows) -> np.ndarray:
+        return self.triton()[0].probe_bits(keys, bits, gids, rows).cpu().numpy()
+
 
 def _resolve_backend(backend: Any, device: torch.device) -> str:
     if not isinstance(backend, str) or backend not in FLEET_BACKENDS:

@@ -62,6 +62,7 @@ __all__ = [
     "clear_bits",
     "full_hits",
     "full_runs",
+    "probe_bits",
     "set_bits",
 ]
 
@@ -425,6 +426,23 @@ def _tombstone_kernel(keys_ptr, bits_ptr, slot_ptr, gone_ptr, freed_ptr, n, nw,
     tl.store(freed_ptr + i, (empty & (old >= 0)).to(tl.int8), mask=i < n)
 
 
+@triton.jit
+def _probe_bits_kernel(keys_ptr, cap_mask, bits_ptr, gid_ptr, rows_ptr, out_ptr,
+                       n_rows, n, nw, W: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    # Lane i: key (gids[i // n_rows], rows[i % n_rows]); its engine set goes
+    # to out[i, :] (zeros where absent).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(gid_ptr + i // n_rows, mask=ok, other=0)
+    # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
+    slot = find_slots(keys_ptr, cap_mask, g, rows_ptr, i % n_rows, ok, W, False)
+    for k in range(nw):
+        w = tl.load(bits_ptr + tl.where(slot >= 0, slot, 0) * nw + k,
+                    mask=slot >= 0, other=0)  # fmt: skip
+        tl.store(out_ptr + i * nw + k, w, mask=ok)
+
+
 def _check_update(bits: object, slots: object, engines: object,
                   num_engines: object) -> tuple[int, int]:  # fmt: skip
     """(N, NW) of an engine-set update; errors name the argument."""
@@ -491,3 +509,27 @@ def clear_bits(
                                     BLOCK=_UPDATE_BLOCK)  # fmt: skip
     per_engine = torch.bincount(engines[gone != 0].cpu(), minlength=num_engines)
     return per_engine, int(freed.sum().item())
+
+
+def probe_bits(
+    keys: torch.Tensor, bits: torch.Tensor, gids: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The engine set of every key ``(gids[i], rows[t])``: int64 ``[G, T,
+    NW]`` on the tables' device (zero where no engine holds it), one launch
+    (:func:`kvhit.kernels.fleet_torch.probe_bits`). ``gids`` int64 ``[G]``,
+    ``rows`` int64 ``[T, W]``, contiguous, on the tables' device."""
+    W, NW, dev = _check_tables(keys, bits)
+    G = check_int64(gids, "gids", dim=1, device=dev, device_of="keys").shape[0]
+    rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
+    if rows.shape[1] != W:
+        raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
+    T = rows.shape[0]
+    out = torch.empty((G, T, NW), dtype=torch.int64, device=dev)
+    n = G * T
+    if n:
+        with device_guard(dev):
+            _probe_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
+                keys, keys.shape[0] - 1, bits, gids, rows, out, T, n, NW, W=W,
+                BLOCK=_UPDATE_BLOCK,
+            )  # fmt: skip
+    return out

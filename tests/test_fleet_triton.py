@@ -362,6 +362,29 @@ def test_set_bits_counts_repeats_once_and_bit_63():
     assert keys[:, 0].tolist() == [0, TOMBSTONE, 0, TOMBSTONE]
 
 
+def test_probe_bits_equal_the_torch_ops():
+    # Every (group, row) pair's engine set, absent keys and groups included,
+    # 130 engines (three words), rows repeated; B = 0 rows too.
+    from kvhit.kernels import fleet_torch
+
+    rng = random.Random(2)
+    reqs = [chained_hashes(i, 9) for i in range(3)]
+    stores_ = [{(rng.randint(0, 2), h) for r in reqs for h in r if rng.random() < 0.5}
+               for _ in range(130)]  # fmt: skip
+    fleet = make_fleet(stores_)
+    rows = HashBatch.from_bytes(reqs + [reqs[0][:4]], 8).view().rows
+    held = 0
+    for gids in ([0, 1, 2, 3], [2], []):
+        g = torch.tensor(gids, dtype=torch.int64)
+        for r in (rows, rows[:0]):
+            want = fleet_torch.probe_bits(fleet.keys, fleet.bits, g, r)
+            got = fleet_triton.probe_bits(fleet.keys, fleet.bits, g, r)
+            assert list(got.shape) == [len(gids), r.shape[0], 3]
+            assert torch.equal(got, want)
+            held += int(want.count_nonzero())
+    assert held > 20
+
+
 def test_launchers_refuse_bad_arguments():
     keys, bits = new_table(8, W, "cpu"), torch.zeros((8, 1), dtype=torch.int64)
     rows = torch.zeros((3, W), dtype=torch.int64)

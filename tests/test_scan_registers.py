@@ -185,10 +185,13 @@ for arch in ARCHS:
         print(json.dumps(dict(kernel="fleet", variant=name, arch=arch, **row)))
     for name, kernel in (("set bits", fleet_triton._set_bits_kernel),
                          ("clear bits", fleet_triton._clear_bits_kernel),
-                         ("tombstone", fleet_triton._tombstone_kernel)):
+                         ("tombstone", fleet_triton._tombstone_kernel),
+                         ("probe bits", fleet_triton._probe_bits_kernel)):
         ksig = {n: ("*i8" if n in ("new_ptr", "gone_ptr", "freed_ptr") else "*i64")
                 for n in kernel.arg_names if n.endswith("_ptr")}
         ksig.update(n="i32", nw="i32", BLOCK="constexpr")
+        if "cap_mask" in kernel.arg_names:
+            ksig.update(cap_mask="i64", n_rows="i32")
         cx = dict(BLOCK=128)
         if "W" in kernel.arg_names:
             ksig["W"] = "constexpr"
@@ -220,7 +223,7 @@ def problems(rows: list[dict]) -> list[str]:
 
 def test_kernels_fit_registers_without_spills():
     rows = measure((90,))
-    assert len(rows) == 7 + 5 + 7
+    assert len(rows) == 7 + 5 + 8
     for row in rows:
         print(row)
     assert not problems(rows), problems(rows)
