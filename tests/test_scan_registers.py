@@ -12,7 +12,7 @@ kernels of ``kernels/hash_index.py`` (probe with plain and acquire reads,
 find, insert, erase; 32-byte keys); then the fleet kernels of
 ``kernels/fleet_triton.py`` (the joint full-attention scan: runs, find hits,
 worker lookup, lookup over a merged SpecGroup of two groups; the engine-set
-updates).
+updates and probe).
 
 The CPU suite checks sm_90 with the installed Triton. Run as a script
 (``python tests/test_scan_registers.py [--arch 90,100]``, TRITON_INTERPRET
@@ -76,6 +76,7 @@ fleet lookup merged      124 / 125    50 / 50
 fleet set bits           18 / 18      18 / 18
 fleet clear bits         18 / 18      18 / 18
 fleet tombstone          16 / 14      16 / 14
+fleet probe bits         26 / 26      28 / 28
 =======================  ===========  ===========
 """
 
