@@ -89,6 +89,7 @@ class Report:
     steps: list[tuple[str, str, float]] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     key_index: list[dict] = field(default_factory=list)
+    fleet: list[dict] = field(default_factory=list)
     failed: bool = False
     start: float = field(default_factory=time.perf_counter)
     results_path: str | None = None
@@ -533,6 +534,58 @@ def time_key_index(cfg: Config, device) -> dict:
     return out
 
 
+def time_fleet(cfg: Config, device) -> list[dict]:
+    """``LookupEngine.fleet_lookup`` of B = 64 requests (``cfg.requests`` if
+    fewer) of the llama layout against E = 1, 8, 64, 256 engines (on CUDA
+    the Triton fleet kernel, ``kernels/fleet_triton.py``): every request
+    shares a system prompt (its first quarter) and engine ``r % E`` holds a
+    random prefix of request ``r``. Each E is checked first against the same
+    keys in a CPU fleet (torch ops), then timed (median per batch)."""
+    import torch
+
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.fleet import FleetIndex
+    from kvhit.coordinator.packing import HashBatch, num_words
+
+    layout = make_layout("llama")
+    hbs = layout.hash_block_size
+    W = num_words(cfg.hash_bytes)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 2)
+    B, units = min(64, cfg.requests), min(max(cfg.max_tokens // hbs, 1), 2048)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (B, units, W), generator=gen)
+    words[:, : units // 4] = words[0, : units // 4]
+    offsets = torch.arange(B + 1, dtype=torch.int64) * units
+    host = HashBatch(words.reshape(B * units, W), offsets, cfg.hash_bytes)
+    batch = HashBatch(host.hashes.to(device), offsets.to(device), cfg.hash_bytes)
+    num_tokens = torch.full((B,), units * hbs, dtype=torch.int64)
+    held = torch.randint(0, units + 1, (B,), generator=gen)
+    req = torch.repeat_interleave(torch.arange(B), held)
+    pos = torch.arange(req.shape[0]) - (torch.cumsum(held, 0) - held)[req]
+    keys = words[req, pos]
+    gids = torch.zeros_like(req)
+    engine = LookupEngine(layout, backend="auto", device=device)
+    cpu_engine = LookupEngine(layout, backend="torch")
+    n_tok = num_tokens.to(device)
+    out = []
+    for E in (1, 8, 64, 256):
+        fleets = []
+        for dev in (device, torch.device("cpu")):
+            fleet = FleetIndex(E, cfg.hash_bytes, capacity=4 * max(len(keys), 16),
+                               device=dev, backend="torch")  # fmt: skip
+            fleet.add((req % E).to(dev), gids.to(dev), keys.to(dev))
+            fleets.append(fleet)
+        want = cpu_engine.fleet_lookup(host, num_tokens, fleets[1])
+        got = engine.fleet_lookup(batch, n_tok, fleets[0])
+        if not torch.equal(got.cpu(), want):
+            raise AssertionError(f"fleet_lookup differs from the CPU fleet at E = {E}")
+        t = _timed(lambda f=fleets[0]: engine.fleet_lookup(batch, n_tok, f),
+                   cfg.repeats, device)  # fmt: skip
+        out.append({"engines": E, "requests": B, "hashes": B * units,
+                    "batch_s": t, "hits": int((want > 0).sum())})  # fmt: skip
+    return out
+
+
 # -- the run ---------------------------------------------------------------------
 
 
@@ -620,6 +673,15 @@ def summary(report: Report, cfg: Config) -> str:
                 else ""
             )
         )
+    if report.fleet:
+        f0 = report.fleet[0]
+        lines.append("")
+        lines.append(
+            f"fleet_lookup, llama, B = {f0['requests']}, {f0['hashes']} hashes: "
+            + ", ".join(
+                f"E = {f['engines']}: {_fmt_s(f['batch_s'])}" for f in report.fleet
+            )
+        )
     lines.append("")
     lines.append("| step | status | seconds |")
     lines.append("|---|---|---|")
@@ -681,6 +743,10 @@ def run(cfg: Config) -> Report:
         del w
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    fleet = _step(report, "fleet", lambda: time_fleet(cfg, device), cfg)
+    for row in fleet or ():
+        report.fleet.append(row)
+        report.emit("fleet", **row)
     return report
 
 

@@ -61,7 +61,11 @@ scan is torch ops too (every block below the bound probed once, no early
 stop, then ``[B, blocks, E]`` boolean ops), and other layouts probe each
 (group, hash) of the batch once for all engines, then run the LookupEngine's
 own backend (triton on CUDA) per engine over a small table of the batch's
-keys that engine holds. There is no Triton kernel of the fleet scans yet.
+keys that engine holds. On CUDA (``backend.auto_backend``'s rule) the same
+tables are driven by Triton kernels instead (``_TritonOps``): keys inserted
+and found by ``kernels/hash_index.py``, engine sets updated, and the joint
+full-attention scan (runs and hits in one launch) and ``prefix_blocks`` run
+by ``kernels/fleet_triton.py``; hybrid layouts keep the per-engine path.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvhit.coordinator.backend import auto_backend
 from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.coordinator.key_index import (
     MAX_CAPACITY,
@@ -199,6 +204,34 @@ class _TorchOps:
 
     def probe_bits(self, keys, bits, gids, rows) -> np.ndarray:
         return self.kernels().probe_bits(keys, bits, gids, rows).cpu().numpy()
+
+
+class _TritonOps(_TorchOps):
+    """The torch backend's tables on CUDA (``auto_backend``'s rule), driven
+    by Triton kernels: the KeyIndex kernels of ``kernels/hash_index.py`` for
+    the keys, ``kernels/fleet_triton.py`` for the engine sets."""
+
+    @staticmethod
+    def triton():
+        from kvhit.kernels import fleet_triton, hash_index
+
+        return fleet_triton, hash_index
+
+    def find(self, table, W, g, h):
+        return self.triton()[1].find(table, W, g, h)
+
+    def insert(self, table, W, g, h) -> int:
+        return int(self.triton()[1].insert(table, W, g, h).sum().item())
+
+    def set_bits(self, bits, slots, engines, E) -> np.ndarray:
+        return self.triton()[0].set_bits(bits, slots, engines, E).numpy()
+
+    def clear_bits(self, keys, bits, slots, engines, E) -> tuple[np.ndarray, int]:
+        gone, freed = self.triton()[0].clear_bits(keys, bits, slots, engines, E)
+        return gone.numpy(), freed
+
+    def probe_bits(self, keys, bits, gids, rows) -> np.ndarray:
+        return self.triton()[0].probe_bits(keys, bits, gids, rows).cpu().numpy()
 
 
 def _resolve_backend(backend: Any, device: torch.device) -> str:
@@ -359,6 +392,8 @@ class FleetIndex:
         self.NW = (num_engines + 63) // 64
         self._backend = backend
         self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
+        if backend == "torch" and auto_backend(keys.device) == "triton":
+            self._ops = _TritonOps()  # the Triton fleet kernels (CUDA)
         # The table probed (numba: keys and engine sets side by side, a row
         # per slot) and its views ``keys`` / ``bits``.
         self._table, self.keys, self.bits = self._ops.new_tables(
@@ -995,6 +1030,19 @@ def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.nda
     )  # fmt: skip
 
 
+def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
+    """:func:`_fleet_full` on CUDA: one launch of the Triton kernel (runs and
+    hits), int64 ``[B, E]`` on the device."""
+    plan = engine.plan
+    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
+    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
+    view = batch.view()
+    return fleet._ops.triton()[0].full_hits(
+        fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
+        members, fleet._live, params, fleet.num_engines,
+    )  # fmt: skip
+
+
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
     """The joint full-attention scan on any device (torch ops), then vLLM's
     hit per engine."""
@@ -1188,6 +1236,8 @@ def fleet_find(
             return torch.from_numpy(
                 _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
             )
+        if isinstance(fleet._ops, _TritonOps):
+            return _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup)
         hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit).to(engine.device)
     view = batch.view()
@@ -1255,6 +1305,11 @@ def prefix_blocks(
             fleet._live, E,
         )  # fmt: skip
         return torch.from_numpy(runs)
+    if isinstance(fleet._ops, _TritonOps):
+        return fleet._ops.triton()[0].full_runs(
+            fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+            torch.tensor(ends, device=fleet.device), scale, members, fleet._live, E,
+        )  # fmt: skip
     # Any device: each (group, hash) probed once, then the runs on the host.
     pb = fleet._ops.probe_bits(
         fleet.keys, fleet.bits, torch.from_numpy(members).to(fleet.device), view.rows

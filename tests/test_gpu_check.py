@@ -19,6 +19,7 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
     for step in ("dsv4-flash: build", "dsv4-flash: lookup timing", "llama: parity"):
         assert f"| {step} | PASS |" in table
     assert "| KeyIndex | PASS |" in table
+    assert "| fleet | PASS |" in table and "E = 256:" in table
     assert "| dsv4-flash | " in table and "ref 4/4" in table
     assert "commit" in table and "triton" in table
     # Each step's time is printed as it ends; the smallest preset runs first.
@@ -27,14 +28,18 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
     # Every result row reached results.jsonl, in the order it was measured.
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").open()]
     kinds = [(r["kind"], r.get("preset")) for r in rows]
-    assert kinds == [
-        ("env", None),
-        ("key_index", None),
-        ("lookup", "llama"),
-        ("parity", "llama"),
-        ("lookup", "dsv4-flash"),
-        ("parity", "dsv4-flash"),
-    ]
+    assert (
+        kinds
+        == [
+            ("env", None),
+            ("key_index", None),
+            ("lookup", "llama"),
+            ("parity", "llama"),
+            ("lookup", "dsv4-flash"),
+            ("parity", "dsv4-flash"),
+        ]
+        + [("fleet", None)] * 4
+    )
     assert rows[2]["first_call_s"] > 0 and rows[2]["eager_s"] > 0
     assert (tmp_path / "summary.md").read_text().startswith("### GPU check")
 
@@ -62,7 +67,8 @@ def test_a_spent_budget_skips_the_remaining_steps(capsys):
         **{**gpu_check.Config.dry(("llama",)).__dict__, "budget_s": 0.0}
     )
     report = gpu_check.run(cfg)
-    assert [s[1] for s in report.steps] == ["SKIP", "SKIP"]  # KeyIndex, build
+    # KeyIndex, build, fleet
+    assert [s[1] for s in report.steps] == ["SKIP", "SKIP", "SKIP"]
     assert not report.failed
     assert "| llama: build | SKIP |" in gpu_check.summary(report, cfg)
 

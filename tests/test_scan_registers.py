@@ -9,7 +9,10 @@ with and without the store worker's restriction (``token_lens``), ``find``
 without EAGLE, and the worker ``lookup`` (``LOOKUP``), for a dsv4-flash-like
 layout (W = 4 words, 4 SpecGroups, 2 members at most); then the KeyIndex
 kernels of ``kernels/hash_index.py`` (probe with plain and acquire reads,
-find, insert, erase; 32-byte keys).
+find, insert, erase; 32-byte keys); then the fleet kernels of
+``kernels/fleet_triton.py`` (the joint full-attention scan: runs, find hits,
+worker lookup, lookup over a merged SpecGroup of two groups; the engine-set
+updates and probe).
 
 The CPU suite checks sm_90 with the installed Triton. Run as a script
 (``python tests/test_scan_registers.py [--arch 90,100]``, TRITON_INTERPRET
@@ -59,6 +62,22 @@ KeyIndex find            26 / 26      28 / 28
 KeyIndex insert          32 / 32      32 / 32
 KeyIndex erase           26 / 26      27 / 27
 =======================  ===========  ===========
+
+The fleet kernels (issue 19, one warp for the scan, four for the updates),
+no spills anywhere; sm_90 / sm_100:
+
+=======================  ===========  ===========
+variant                  3.9.0        3.6.0
+=======================  ===========  ===========
+fleet runs               58 / 58      66 / 66
+fleet find               61 / 56      66 / 66
+fleet lookup             64 / 65      96 / 96
+fleet lookup merged      124 / 125    50 / 50
+fleet set bits           18 / 18      18 / 18
+fleet clear bits         18 / 18      18 / 18
+fleet tombstone          16 / 14      16 / 14
+fleet probe bits         26 / 26      28 / 28
+=======================  ===========  ===========
 """
 
 from __future__ import annotations
@@ -82,7 +101,7 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # ptxas must really run
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvhit.kernels import hash_index, scan
+from kvhit.kernels import fleet_triton, hash_index, scan
 
 triton.knobs.nvidia.dump_ptxas_log = True
 ARCHS = [int(a) for a in sys.argv[1].split(",")]
@@ -148,6 +167,38 @@ for arch in ARCHS:
         ksig.update(dict.fromkeys(extra, "constexpr"))
         row = compile_one(kernel, ksig, cx, arch, {"num_warps": 4})
         print(json.dumps(dict(kernel="key_index", variant=name, arch=arch, **row)))
+    # The fleet kernels of kernels/fleet_triton.py as its launchers build
+    # them: the joint full-attention scan (runs, find hits, worker lookup; a
+    # merged SpecGroup of two groups: MP 2) and the engine-set updates.
+    fsig = {}
+    for name in fleet_triton._fleet_kernel.arg_names:
+        if name in ("W", "MODE", "DROP", "MP", "BLOCK"):
+            fsig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            fsig[name] = "*i64"
+        else:
+            fsig[name] = "i64" if name == "cap_mask" else "i32"
+    for name, (mode, mp) in (("runs", (0, 1)), ("find", (1, 1)),
+                             ("lookup", (2, 1)), ("lookup merged", (2, 2))):
+        cx = dict(W=4, MODE=mode, DROP=True, MP=mp, BLOCK=fleet_triton.BLOCK)
+        row = compile_one(fleet_triton._fleet_kernel, fsig, cx, arch,
+                          {"num_warps": fleet_triton.NUM_WARPS})
+        print(json.dumps(dict(kernel="fleet", variant=name, arch=arch, **row)))
+    for name, kernel in (("set bits", fleet_triton._set_bits_kernel),
+                         ("clear bits", fleet_triton._clear_bits_kernel),
+                         ("tombstone", fleet_triton._tombstone_kernel),
+                         ("probe bits", fleet_triton._probe_bits_kernel)):
+        ksig = {n: ("*i8" if n in ("new_ptr", "gone_ptr", "freed_ptr") else "*i64")
+                for n in kernel.arg_names if n.endswith("_ptr")}
+        ksig.update(n="i32", nw="i32", BLOCK="constexpr")
+        if "cap_mask" in kernel.arg_names:
+            ksig.update(cap_mask="i64", n_rows="i32")
+        cx = dict(BLOCK=128)
+        if "W" in kernel.arg_names:
+            ksig["W"] = "constexpr"
+            cx["W"] = 4
+        row = compile_one(kernel, ksig, cx, arch, {"num_warps": 4})
+        print(json.dumps(dict(kernel="fleet", variant=name, arch=arch, **row)))
 """
 
 
@@ -173,7 +224,7 @@ def problems(rows: list[dict]) -> list[str]:
 
 def test_kernels_fit_registers_without_spills():
     rows = measure((90,))
-    assert len(rows) == 7 + 5
+    assert len(rows) == 7 + 5 + 8
     for row in rows:
         print(row)
     assert not problems(rows), problems(rows)

@@ -1,0 +1,535 @@
+"""FleetIndex kernels on CUDA, in Triton: the joint full-attention scan of
+:mod:`kvhit.kernels.fleet_numba` (runs and vLLM's hits of every request
+against every engine, one launch) and the engine-set updates.
+
+The tables are the FleetIndex's on a non-CPU device (``coordinator/fleet.py``,
+STORAGE), two contiguous tensors:
+
+* ``keys``: int64 ``[C, W + 1]``, a KeyIndex table (``coordinator/key_index.py``)
+  of every key some engine holds, probed with
+  :func:`kvhit.kernels.hash_index.find_slots` (plain reads: a lookup is
+  stream-ordered after the mutations it must see);
+* ``bits``: int64 ``[C, NW]``, ``NW = ceil(E / 64)``, the set of engines
+  holding each slot's key (engine ``e`` is bit ``e % 64`` of word ``e // 64``).
+
+The keys themselves are inserted, found and erased by the KeyIndex kernels of
+:mod:`kvhit.kernels.hash_index` (the same layout), not by copies of them.
+
+Design of the scan (:func:`full_hits`, :func:`full_runs`):
+
+* **One program per request, one probe per block and member group for every
+  engine.** A step probes ``BLOCK`` consecutive blocks of the request at once
+  (for a merged SpecGroup, ``BLOCK`` lanes per member group in the same
+  vector: ``MP * BLOCK`` lanes), then, for each 64-engine word of the engine
+  set, ANDs the members' words of each block and finds, for each of the 64
+  engines, its first block without the key (a ``[BLOCK, 64]`` bit matrix and a
+  min over the blocks). The probes are shared by every word: E only adds
+  words, not probes.
+* **The runs live in the output row.** A request's state per engine is its
+  run so far; an engine is still running iff its run equals the blocks
+  scanned so far (and it is live), so no other state is kept, whatever E. The
+  row is read back by the next step after a barrier (a CTA's threads may hold
+  different elements). A word whose engines have all stopped is skipped, and
+  the scan stops when no engine runs.
+* **Hits in place.** After the scan the program turns its runs into vLLM's
+  hits (``coordinator/fleet.py``'s ``_full_hits`` and the store worker's
+  ``num_tokens - 1`` rule), as ``fleet_numba._full_hits`` does.
+* **Integer division.** Triton's ``//`` and ``%`` truncate on a GPU and floor
+  under the interpreter: every operand here is non-negative.
+
+Launchers take tensors on the tables' device and check their metadata (type,
+dtype, shape, contiguity, device); the FleetIndex has checked the values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kvhit.kernels.checks import check_int64
+from kvhit.kernels.contract import TOMBSTONE
+from kvhit.kernels.hash_index import find_slots
+from kvhit.kernels.launch import device_guard, fix_interpreter
+
+__all__ = [
+    "BLOCK",
+    "NUM_WARPS",
+    "clear_bits",
+    "full_hits",
+    "full_runs",
+    "probe_bits",
+    "set_bits",
+]
+
+# Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py);
+# once at import, as kernels/scan.py.
+fix_interpreter()
+
+# Blocks probed per step: as kernels/scan.py's BLOCK, one probe chain's
+# latency for 32 blocks; a run usually ends inside the first steps.
+BLOCK = 32
+# One warp per program, as kernels/scan.py: a program is scalar control flow
+# over 32 probe lanes (64 for a merged SpecGroup of two), a second warp would
+# idle in every reduction of the probe loop; more resident programs hide the
+# probe latency instead. A step's [BLOCK, 64] bit matrix is never held whole
+# (ptxas reduces it as it goes): 58-124 registers, no spills on sm_90
+# (tests/test_scan_registers.py; 4 warps: 50-71). Not yet timed on a GPU.
+NUM_WARPS = 1
+# Lanes of the engine-set update kernels.
+_UPDATE_BLOCK = 128
+
+_MODE_RUNS: tl.constexpr = tl.constexpr(0)
+_MODE_FIND: tl.constexpr = tl.constexpr(1)
+_MODE_LOOKUP: tl.constexpr = tl.constexpr(2)
+_TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
+
+
+@triton.jit
+def _and(a, b):
+    return a & b
+
+
+@triton.jit
+def _block_words(bits_ptr, nw, t, slots, member, n_mem, MP: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """Word ``t`` of each block's engine set, ANDed over the member groups:
+    int64 [BLOCK]. ``slots`` int64 [MP * BLOCK]: lane ``m * BLOCK + i`` is
+    block ``i``'s slot in member ``m`` (-1: absent, or a block past the end);
+    lanes of members ``>= n_mem`` are padding."""
+    w = tl.load(bits_ptr + tl.where(slots >= 0, slots, 0) * nw + t, mask=slots >= 0,
+                other=0)  # fmt: skip
+    if MP == 1:
+        return w
+    # Padding members hold every engine (the AND's identity).
+    w = tl.where(member < n_mem, w, -1)
+    return tl.reduce(tl.reshape(w, (MP, BLOCK)), 0, _and)
+
+
+@triton.jit
+def _hit_of_run(run, bs, align, DROP: tl.constexpr):
+    """``coordinator/fleet.py``'s ``_full_hits`` for runs (vLLM's
+    full-attention hit, ``reference.full_attention_hit`` without the
+    fine-grained tail; ``fleet_numba._hit_of_run``): ``run * bs``, less
+    ``min(align, bs)`` under the EAGLE drop, aligned down. ``run >= 0``."""
+    hit = run * bs
+    if DROP:
+        hit = tl.where(hit > 0, hit - tl.minimum(align, bs), 0)
+    return hit - hit % align
+
+
+@triton.jit
+def _fleet_kernel(
+    keys_ptr,
+    cap_mask,
+    bits_ptr,
+    rows_ptr,
+    off_ptr,
+    len_ptr,
+    lens_ptr,
+    mem_ptr,
+    n_mem,
+    live_ptr,
+    out_ptr,
+    n_eng,
+    nw,
+    scale,
+    bs,
+    align,
+    W: tl.constexpr,
+    MODE: tl.constexpr,
+    DROP: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    off = tl.load(off_ptr + r)
+    n_units = tl.load(len_ptr + r)
+    n_tok = tl.load(lens_ptr + r)
+    # The blocks a run may reach (fleet_numba._full_hits' ``ends``).
+    if MODE == _MODE_RUNS:
+        end = n_tok
+    elif MODE == _MODE_LOOKUP:
+        end = n_tok // align * align // bs
+    else:
+        end = n_tok // bs
+    end = tl.minimum(end, n_units // scale)
+    out_row = out_ptr + r * n_eng
+    lane = tl.arange(0, 64)
+    j = tl.arange(0, MP * BLOCK)
+    blk_of = (j % BLOCK).to(tl.int64)
+    member = j // BLOCK
+    gids = tl.load(mem_ptr + member, mask=member < n_mem, other=0)
+    step = tl.arange(0, BLOCK)[:, None]
+    i0 = end * 0
+    going = end > 0
+    while going:
+        blk = i0 + blk_of
+        probe = (blk < end) & (member < n_mem)
+        units = off + (blk + 1) * scale - 1
+        # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
+        slots = find_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, W,
+                           False)  # fmt: skip
+        alive = (i0 * 0).to(tl.int32)
+        for t in range(nw):
+            e = t * 64 + lane
+            em = e < n_eng
+            run = tl.load(out_row + e, mask=em, other=0)
+            live = (tl.load(live_ptr + t) >> lane) & 1
+            still = em & (run == i0) & (live == 1)
+            if tl.max(still.to(tl.int32), axis=0) > 0:
+                words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
+                held = ((words[:, None] >> lane[None, :]) & 1) == 1
+                first = tl.min(tl.where(held, BLOCK, step), axis=0)
+                run = tl.where(still, i0 + first, run)
+                tl.store(out_row + e, run, mask=em)
+                alive += tl.sum((still & (first == BLOCK)).to(tl.int32), axis=0)
+        # The next step (or the hits below) reads the row other threads wrote.
+        tl.debug_barrier()
+        i0 += BLOCK
+        going = (alive > 0) & (i0 < end)
+    if MODE != _MODE_RUNS:
+        # Runs -> hits, in place (fleet_numba._full_hits). The store
+        # worker's rule (LOOKUP): a hit covering the whole prompt is
+        # re-derived at num_tokens - 1 (``again``, aligned: the run clipped
+        # to it), and a prompt whose aligned length is 0 hits nothing.
+        again = tl.maximum(n_tok - 1, 0) // align * align
+        asks = (n_units > 0) & (n_tok // align * align > 0)
+        for t in range(nw):
+            e = t * 64 + lane
+            em = e < n_eng
+            run = tl.load(out_row + e, mask=em, other=0)
+            hit = _hit_of_run(run, bs, align, DROP)
+            if MODE == _MODE_LOOKUP:
+                hit2 = _hit_of_run(tl.minimum(run, again // bs), bs, align, DROP)
+                hit = tl.where(hit >= n_tok, tl.where(again > 0, hit2, 0), hit)
+                hit = tl.where(asks, hit, 0)
+            tl.store(out_row + e, hit, mask=em)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:
+    """(W, NW, device) of a FleetIndex's device tables; errors name them."""
+    keys = check_int64(keys, "keys", dim=2)
+    dev = keys.device
+    bits = check_int64(bits, "bits", dim=2, device=dev, device_of="keys")
+    cap, w1 = keys.shape
+    if cap < 1 or cap & (cap - 1) or w1 < 2:
+        raise ValueError(
+            f"keys must have shape [capacity, W + 1], capacity a power of two, "
+            f"W >= 1, got {list(keys.shape)}"
+        )
+    if bits.shape[0] != cap or bits.shape[1] < 1:
+        raise ValueError(
+            f"bits must have shape [{cap}, NW >= 1], got {list(bits.shape)}"
+        )
+    if dev.type == "cpu" and not _interpreting():
+        raise ValueError(
+            "keys is on the CPU: the Triton kernels need a GPU, or "
+            "TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return w1 - 1, bits.shape[1], dev
+
+
+# Device copies of the small constant arrays a launch takes as numpy (a
+# SpecGroup's members, the live engine set), by value: a copy to the device
+# is a synchronous host round trip, and the same few values recur on every
+# call of a router.
+_DEVICE_CONSTS: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+
+
+def _on_device(x: object, device: torch.device) -> object:
+    """``x`` itself unless it is a numpy array: then an int64 tensor on
+    ``device`` holding it (cached by value; read only)."""
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.dtype != np.int64:
+        raise TypeError(f"numpy arguments must be int64, got {x.dtype}")
+    key = (x.tobytes() + bytes([x.ndim]), device)
+    t = _DEVICE_CONSTS.get(key)
+    if t is None:
+        if len(_DEVICE_CONSTS) >= 256:
+            _DEVICE_CONSTS.clear()
+        t = torch.tensor(x, device=device)
+        _DEVICE_CONSTS[key] = t
+    return t
+
+
+def _scan(
+    mode: int,
+    keys: torch.Tensor,
+    bits: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    lens: torch.Tensor,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
+    num_engines: int,
+    scale: int,
+    block_size: int,
+    alignment: int,
+    drop: bool,
+    lens_name: str,
+) -> torch.Tensor:
+    W, NW, dev = _check_tables(keys, bits)
+    rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
+    if rows.shape[1] != W:
+        raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
+    B = check_int64(offsets, "offsets", dim=1, device=dev, device_of="keys").shape[0]
+    for name, t in (("lengths", lengths), (lens_name, lens)):
+        check_int64(t, name, dim=1, device=dev, device_of="keys")
+        if t.shape[0] != B:
+            raise ValueError(f"{name} must have shape [{B}], got {list(t.shape)}")
+    members, live = _on_device(members, dev), _on_device(live, dev)
+    M = check_int64(members, "members", dim=1, device=dev, device_of="keys").shape[0]
+    if M < 1:
+        raise ValueError("members must name at least one group")
+    check_int64(live, "live", dim=1, device=dev, device_of="keys")
+    if live.shape[0] != NW:
+        raise ValueError(f"live must have shape [{NW}], got {list(live.shape)}")
+    if isinstance(num_engines, bool) or not isinstance(num_engines, int):
+        raise TypeError(f"num_engines must be an int, got {num_engines!r}")
+    if not 0 < num_engines <= NW * 64 or num_engines <= (NW - 1) * 64:
+        raise ValueError(f"num_engines must need exactly {NW} words, got {num_engines}")
+    for name, v in (("scale", scale), ("block_size", block_size),
+                    ("alignment", alignment)):  # fmt: skip
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
+    if B == 0:
+        return out
+    with device_guard(dev):
+        _fleet_kernel[(B,)](
+            keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lens, members, M,
+            live, out, num_engines, NW, scale, block_size, alignment,
+            W=W, MODE=mode, DROP=bool(drop), MP=_pow2(M), BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
+def full_hits(
+    keys: torch.Tensor,
+    bits: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    lens: torch.Tensor,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
+    params: Sequence[int],
+    num_engines: int,
+) -> torch.Tensor:
+    """vLLM's full-attention hit of every request against every engine, one
+    launch (:func:`kvhit.kernels.fleet_numba.full_hits` on the device
+    tables): int64 ``[B, E]`` on the tables' device.
+
+    ``keys`` int64 ``[C, W + 1]`` and ``bits`` int64 ``[C, NW]`` a
+    FleetIndex's tables; ``rows`` int64 ``[T, W]``, ``offsets`` and
+    ``lengths`` int64 ``[B]`` a batch's RaggedView; ``lens`` int64 ``[B]``,
+    >= 0, the max lengths (or, ``lookup``, the prompt lengths); ``members``
+    int64 ``[M]`` the SpecGroup's group ids; ``live`` int64 ``[NW]`` the
+    active engines as an engine set; ``params``: (NW, scale, block size,
+    alignment, EAGLE drop, lookup), as the numba launcher's. Every tensor
+    contiguous, on the tables' device; ``members`` and ``live`` may be int64
+    numpy arrays instead (copied to the device once per value, cached).
+    """
+    if len(params) != 6:
+        raise ValueError(f"params must hold 6 ints, got {len(params)}")
+    nw, scale, bs, align, drop, lookup = (int(p) for p in params)
+    if nw != bits.shape[1]:
+        raise ValueError(f"params[0] (NW) is {nw} but bits has {bits.shape[1]} words")
+    mode = 2 if lookup else 1
+    return _scan(mode, keys, bits, rows, offsets, lengths, lens, members, live,
+                 num_engines, scale, bs, align, bool(drop), "lens")  # fmt: skip
+
+
+def full_runs(
+    keys: torch.Tensor,
+    bits: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    ends: torch.Tensor,
+    scale: int,
+    members: torch.Tensor | np.ndarray,
+    live: torch.Tensor | np.ndarray,
+    num_engines: int,
+) -> torch.Tensor:
+    """Per request and engine, the leading run of blocks the engine holds in
+    every member group (:func:`kvhit.kernels.fleet_numba.full_runs` on the
+    device tables): int64 ``[B, E]``. Block ``i`` of request ``r`` is keyed
+    by hash row ``offsets[r] + (i + 1) * scale - 1``; runs stop at
+    ``min(ends[r], lengths[r] // scale)`` blocks (``ends`` int64 ``[B]``, >=
+    0). Other arguments as :func:`full_hits`."""
+    return _scan(0, keys, bits, rows, offsets, lengths, ends, members, live,
+                 num_engines, scale, 1, 1, False, "ends")  # fmt: skip
+
+
+# -- engine-set updates -----------------------------------------------------------
+
+
+@triton.jit
+def _set_bits_kernel(bits_ptr, slot_ptr, eng_ptr, new_ptr, n, nw,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    s = tl.load(slot_ptr + i, mask=ok, other=0)
+    e = tl.load(eng_ptr + i, mask=ok, other=0)
+    b = tl.full([BLOCK], 1, tl.int64) << (e & 63)
+    # One atomic read-modify-write per lane: of repeats of one (slot, engine)
+    # in the batch exactly one lane sees the bit unset, so it counts once.
+    old = tl.atomic_or(bits_ptr + s * nw + (e >> 6), b, mask=ok, sem="relaxed")
+    tl.store(new_ptr + i, ((old & b) == 0).to(tl.int8), mask=ok)
+
+
+@triton.jit
+def _clear_bits_kernel(bits_ptr, slot_ptr, eng_ptr, gone_ptr, n, nw,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(slot_ptr + i, mask=i < n, other=-1)
+    ok = (i < n) & (s >= 0)
+    e = tl.load(eng_ptr + i, mask=ok, other=0)
+    b = tl.full([BLOCK], 1, tl.int64) << (e & 63)
+    old = tl.atomic_and(bits_ptr + tl.where(ok, s, 0) * nw + (e >> 6), ~b, mask=ok,
+                        sem="relaxed")  # fmt: skip
+    tl.store(gone_ptr + i, (ok & ((old & b) != 0)).to(tl.int8), mask=i < n)
+
+
+@triton.jit
+def _tombstone_kernel(keys_ptr, bits_ptr, slot_ptr, gone_ptr, freed_ptr, n, nw,
+                      W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # After _clear_bits_kernel (a kernel boundary orders its writes before
+    # these reads): a slot left with no engine becomes a TOMBSTONE, as
+    # KeyIndex's erase. Lanes that cleared a bit of one slot all see its final
+    # bits; the exchange returns the group id to exactly one of them.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = tl.load(gone_ptr + i, mask=i < n, other=0) != 0
+    s = tl.load(slot_ptr + i, mask=ok, other=0)
+    empty = ok
+    for k in range(nw):
+        empty = empty & (tl.load(bits_ptr + s * nw + k, mask=empty, other=0) == 0)
+    tomb = tl.full([BLOCK], _TOMBSTONE_C, tl.int64)
+    old = tl.atomic_xchg(keys_ptr + s * (W + 1), tomb, mask=empty, sem="relaxed")
+    tl.store(freed_ptr + i, (empty & (old >= 0)).to(tl.int8), mask=i < n)
+
+
+@triton.jit
+def _probe_bits_kernel(keys_ptr, cap_mask, bits_ptr, gid_ptr, rows_ptr, out_ptr,
+                       n_rows, n, nw, W: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    # Lane i: key (gids[i // n_rows], rows[i % n_rows]); its engine set goes
+    # to out[i, :] (zeros where absent).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(gid_ptr + i // n_rows, mask=ok, other=0)
+    # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
+    slot = find_slots(keys_ptr, cap_mask, g, rows_ptr, i % n_rows, ok, W, False)
+    for k in range(nw):
+        w = tl.load(bits_ptr + tl.where(slot >= 0, slot, 0) * nw + k,
+                    mask=slot >= 0, other=0)  # fmt: skip
+        tl.store(out_ptr + i * nw + k, w, mask=ok)
+
+
+def _check_update(bits: object, slots: object, engines: object,
+                  num_engines: object) -> tuple[int, int]:  # fmt: skip
+    """(N, NW) of an engine-set update; errors name the argument."""
+    bits = check_int64(bits, "bits", dim=2)
+    dev = bits.device
+    n = check_int64(slots, "slots", dim=1, device=dev, device_of="bits").shape[0]
+    check_int64(engines, "engines", dim=1, device=dev, device_of="bits")
+    if engines.shape[0] != n:
+        raise ValueError(f"engines must have shape [{n}], got {list(engines.shape)}")
+    if isinstance(num_engines, bool) or not isinstance(num_engines, int):
+        raise TypeError(f"num_engines must be an int, got {num_engines!r}")
+    if not 0 < num_engines <= bits.shape[1] * 64:
+        raise ValueError(
+            f"num_engines must be in [1, {bits.shape[1] * 64}], got {num_engines}"
+        )
+    if dev.type == "cpu" and not _interpreting():
+        raise ValueError(
+            "bits is on the CPU: the Triton kernels need a GPU, or "
+            "TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return n, bits.shape[1]
+
+
+def set_bits(
+    bits: torch.Tensor, slots: torch.Tensor, engines: torch.Tensor, num_engines: int
+) -> torch.Tensor:
+    """Set engine ``engines[r]``'s bit of slot ``slots[r]`` (``bits`` int64
+    ``[C, NW]``; ``slots``, ``engines`` int64 ``[N]``, every slot a live
+    key's, every engine below ``num_engines``): one launch. Returns int64
+    ``[E]`` (CPU): the bits newly set per engine (a repeat in the batch
+    counts once), as :func:`kvhit.kernels.fleet_torch.set_bits`."""
+    n, nw = _check_update(bits, slots, engines, num_engines)
+    new = torch.zeros(n, dtype=torch.int8, device=bits.device)
+    if n:
+        with device_guard(bits.device):
+            _set_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
+                bits, slots, engines, new, n, nw, BLOCK=_UPDATE_BLOCK
+            )
+    return torch.bincount(engines[new != 0].cpu(), minlength=num_engines)
+
+
+def clear_bits(
+    keys: torch.Tensor,
+    bits: torch.Tensor,
+    slots: torch.Tensor,
+    engines: torch.Tensor,
+    num_engines: int,
+) -> tuple[torch.Tensor, int]:
+    """Clear engine ``engines[r]``'s bit of slot ``slots[r]`` (-1: an absent
+    key, skipped); a slot left with no engine becomes a TOMBSTONE (``keys``
+    int64 ``[C, W + 1]``). Two launches. Returns (int64 ``[E]`` (CPU), the
+    bits cleared per engine; the number of slots tombstoned), as
+    :func:`kvhit.kernels.fleet_torch.clear_bits`."""
+    W, _, _ = _check_tables(keys, bits)
+    n, nw = _check_update(bits, slots, engines, num_engines)
+    gone = torch.zeros(n, dtype=torch.int8, device=bits.device)
+    freed = torch.zeros(n, dtype=torch.int8, device=bits.device)
+    if n:
+        grid = (triton.cdiv(n, _UPDATE_BLOCK),)
+        with device_guard(bits.device):
+            _clear_bits_kernel[grid](bits, slots, engines, gone, n, nw,
+                                     BLOCK=_UPDATE_BLOCK)  # fmt: skip
+            _tombstone_kernel[grid](keys, bits, slots, gone, freed, n, nw, W=W,
+                                    BLOCK=_UPDATE_BLOCK)  # fmt: skip
+    per_engine = torch.bincount(engines[gone != 0].cpu(), minlength=num_engines)
+    return per_engine, int(freed.sum().item())
+
+
+def probe_bits(
+    keys: torch.Tensor, bits: torch.Tensor, gids: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The engine set of every key ``(gids[i], rows[t])``: int64 ``[G, T,
+    NW]`` on the tables' device (zero where no engine holds it), one launch
+    (:func:`kvhit.kernels.fleet_torch.probe_bits`). ``gids`` int64 ``[G]``,
+    ``rows`` int64 ``[T, W]``, contiguous, on the tables' device."""
+    W, NW, dev = _check_tables(keys, bits)
+    G = check_int64(gids, "gids", dim=1, device=dev, device_of="keys").shape[0]
+    rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
+    if rows.shape[1] != W:
+        raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
+    T = rows.shape[0]
+    out = torch.empty((G, T, NW), dtype=torch.int64, device=dev)
+    n = G * T
+    if n:
+        with device_guard(dev):
+            _probe_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
+                keys, keys.shape[0] - 1, bits, gids, rows, out, T, n, NW, W=W,
+                BLOCK=_UPDATE_BLOCK,
+            )  # fmt: skip
+    return out
