@@ -58,6 +58,9 @@ class FleetWorkload:
     def __init__(self, layout, words, tokens, served, served_tokens, engines):
         self.layout = layout
         self.words: list[np.ndarray] = words
+        # The same hashes one-dimensional, as a router holds a request's
+        # block hashes (what both sides of the Dynamo comparison are given).
+        self.ints: list[np.ndarray] = [np.ascontiguousarray(w[:, 0]) for w in words]
         self.tokens: np.ndarray = tokens
         self.served: list[np.ndarray] = served
         self.served_tokens: np.ndarray = served_tokens
@@ -107,7 +110,9 @@ def pack(words: Sequence[np.ndarray], hash_bytes: int = 8) -> HashBatch:
     (each request's one-word hashes checked, then concatenated) when a hash
     is one word, else the constructor on the concatenated words."""
     if num_words(hash_bytes) == 1:
-        return HashBatch.from_ints([w[:, 0] for w in words], hash_bytes)
+        return HashBatch.from_ints(
+            [w if w.ndim == 1 else w[:, 0] for w in words], hash_bytes
+        )
     offsets = np.zeros(len(words) + 1, dtype=np.int64)
     np.cumsum([len(w) for w in words], out=offsets[1:])
     flat = np.concatenate(words) if words else np.zeros((0, 1), dtype=np.int64)
@@ -139,7 +144,7 @@ def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.nd
     """Dynamo's matched blocks per request and worker: int64 ``[B, E]``."""
     out = np.zeros((len(words), engines), dtype=np.int64)
     for b, w in enumerate(words):
-        scores = tree.find_matches(as_u64(w[:, 0])).scores
+        scores = tree.find_matches(as_u64(w if w.ndim == 1 else w[:, 0])).scores
         for (worker, _rank), n in scores.items():
             out[b, worker] = n
     return out
@@ -241,8 +246,8 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             )
         ours, theirs = _interleaved_us(
             lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-                pack(wl.words), wl.tokens, fleet),
-            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.words, E),
+                pack(wl.ints), wl.tokens, fleet),
+            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.ints, E),
             repeats,
         )  # fmt: skip
         rows.append((E, ours / batch, theirs / batch, int((dyn > 0).sum())))

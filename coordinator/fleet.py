@@ -99,6 +99,7 @@ __all__ = [
     "FleetIndex",
     "check_fleet",
     "fleet_find",
+    "fleet_full_host",
     "prefix_blocks",
     "route",
     "state_checksum",
@@ -364,6 +365,7 @@ class FleetIndex:
         self._table, self.keys, self.bits = self._ops.new_tables(
             keys.shape[0], self.W, self.NW, keys.device
         )
+        self._table_np = self._host_view()
         self.keys.copy_(keys)
         self.bits.copy_(bits)
         self.entries = entries
@@ -375,6 +377,11 @@ class FleetIndex:
         # Per engine, how many keys it holds (kept exact by every mutation).
         self._per_engine = np.zeros(num_engines, dtype=np.int64)
         self._version = 0
+
+    def _host_view(self) -> np.ndarray | None:
+        """The numba table as numpy (a view, kept beside the tensor so that a
+        lookup makes no torch call for it), None on the torch backend."""
+        return self._table.numpy() if self._backend == "numba" else None
 
     # -- properties -----------------------------------------------------------
 
@@ -552,6 +559,7 @@ class FleetIndex:
         slots = self._ops.find(table, self.W, g, h)
         bits[slots] = self.bits[live]
         self._table, self.keys, self.bits = table, keys, bits
+        self._table_np = self._host_view()
         self._tombstones = 0
         self._version += 1
 
@@ -930,12 +938,11 @@ def check_fleet(fleet: Any, batch: HashBatch, device: torch.device) -> None:
         )
 
 
-def _full_path(engine: LookupEngine, fleet: FleetIndex, lookup: bool) -> bool:
+def _full_path(plan: ScanPlan, lookup: bool) -> bool:
     """Whether the joint full-attention scan answers this layout exactly: one
     SpecGroup, full attention, not fine-grained (for the worker's lookup,
     every member group prefix-cacheable, so every probed key is one the
     worker asks about)."""
-    plan = engine.plan
     if len(plan.spec_groups) != 1:
         return False
     sg = plan.spec_groups[0]
@@ -955,44 +962,120 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
-# (id(plan), nw, drop, lookup) -> (plan, members, params): keyed by identity
-# (an engine keeps its plan), since hashing a ScanPlan costs more than the
-# lookup itself on a cold call; the plan held keeps its id from being reused.
-_FULL_PARAMS: dict[tuple[int, int, bool, bool], tuple[Any, Any, Any]] = {}
+class _HostPlan:
+    """What the fused numba kernel needs of one engine's plan, built once per
+    plan: whether the joint full-attention scan answers it (``full`` for
+    ``fleet_hits``, ``full_lookup`` for ``fleet_lookup``; see
+    :func:`_full_path`), its member group ids (int64 ``[M]``) and the kernel's
+    ``params`` for E engines and each (EAGLE drop, lookup) pair."""
+
+    __slots__ = ("full", "full_lookup", "members", "use_eagle", "kernels", "_params",
+                 "_base")  # fmt: skip
+
+    def __init__(self, engine: LookupEngine) -> None:
+        from kvhit.kernels import fleet_numba
+
+        plan = engine.plan
+        # The kernel module, held so that a lookup runs no import statement.
+        self.kernels = fleet_numba
+        self.full = _full_path(plan, False)
+        self.full_lookup = _full_path(plan, True)
+        sg = plan.spec_groups[0]
+        self.use_eagle = bool(sg.use_eagle)
+        self.members = np.array(sg.group_ids, dtype=np.int64)
+        self.members.flags.writeable = False
+        self._base = (sg.scale, sg.block_size, plan.alignment)
+        # (NW, E, drop, lookup) -> params int64 [7] (read-only)
+        self._params: dict[tuple[int, int, bool, bool], np.ndarray] = {}
+
+    def params(self, nw: int, num_engines: int, drop: bool, lookup: bool) -> np.ndarray:
+        """``kernels/fleet_numba.full_hits_checked``'s params: (NW, scale,
+        block size, alignment, EAGLE drop, lookup, E), int64 ``[7]``."""
+        key = (nw, num_engines, drop, lookup)
+        got = self._params.get(key)
+        if got is None:
+            got = np.array([nw, *self._base, drop, lookup, num_engines], dtype=np.int64)
+            got.flags.writeable = False
+            if len(self._params) >= 64:
+                self._params.clear()
+            self._params[key] = got
+        return got
 
 
-def _full_params(plan: ScanPlan, nw: int, drop: bool, lookup: bool):
-    """The fused numba kernel's constant arguments for one plan: (member
-    group ids int64 ``[M]``, params int64 ``[6]``)."""
-    key = (id(plan), nw, drop, lookup)
-    hit = _FULL_PARAMS.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1], hit[2]
-    if len(_FULL_PARAMS) >= 64:
-        _FULL_PARAMS.clear()
-    sg = plan.spec_groups[0]
-    members = np.array(sg.group_ids, dtype=np.int64)
-    params = np.array([nw, sg.scale, sg.block_size, plan.alignment, drop, lookup],
-                      dtype=np.int64)  # fmt: skip
-    members.flags.writeable = params.flags.writeable = False
-    _FULL_PARAMS[key] = (plan, members, params)
-    return members, params
+# id(plan) -> (plan, _HostPlan): keyed by identity (an engine keeps its plan),
+# since hashing a ScanPlan costs more than a cold lookup; the plan held keeps
+# its id from being reused.
+_HOST_PLANS: dict[int, tuple[ScanPlan, _HostPlan]] = {}
 
 
-def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.ndarray:
-    """:func:`_fleet_full` on the CPU: one call of the fused kernel (runs and
-    hits), straight from the batch's arrays, since a router's per-call cost
-    is a large part of a batch's when the table's rows are few per request."""
-    from kvhit.kernels import fleet_numba
-
+def _host_plan(engine: LookupEngine) -> _HostPlan:
     plan = engine.plan
-    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
-    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
-    rows, offsets, lengths = batch.host_arrays()
-    return fleet_numba.full_hits(
-        fleet._table.numpy(), rows, offsets, lengths, lens.numpy(), members,
-        fleet._live, params, fleet.num_engines,
+    got = _HOST_PLANS.get(id(plan))
+    if got is not None and got[0] is plan:
+        return got[1]
+    if len(_HOST_PLANS) >= 64:
+        _HOST_PLANS.clear()
+    host = _HostPlan(engine)
+    _HOST_PLANS[id(plan)] = (plan, host)
+    return host
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def fleet_full_host(
+    engine: LookupEngine,
+    batch: Any,
+    lens: Any,
+    fleet: Any,
+    apply_eagle: bool,
+    lookup: bool,
+) -> torch.Tensor | None:
+    """``LookupEngine.fleet_hits`` / ``fleet_lookup`` (``lookup``) on the
+    router's common path, checked and answered at the cost of one kernel
+    dispatch: a CPU ``batch`` (a :class:`HashBatch` whose host arrays exist,
+    as :meth:`HashBatch.from_ints` builds them), ``lens`` an int64 numpy
+    array ``[B]`` or a CPU int64 tensor, a numba ``fleet`` of the batch's hash
+    width, a full-attention layout. Returns int64 ``[B, E]``, or None when
+    any of that does not hold or ``lens`` holds a negative value: the caller
+    then takes the general path, which validates everything and raises
+    naming the bad argument. Nothing is modified either way.
+
+    A router scores each batch once, with caches cold: each further Python
+    or torch call there costs ~10-20 us, as much as scanning a request. So
+    every check here is a type or attribute test on objects kvhit built
+    (the batch's host arrays, the fleet's table, the plan's parameters,
+    cached per plan), and ``lens``' values are checked inside the kernel.
+    """
+    if type(fleet) is not FleetIndex or fleet._backend != "numba":
+        return None
+    if type(batch) is not HashBatch or batch.hash_bytes != fleet.hash_bytes:
+        return None
+    host = _host_plan(engine)
+    if not (host.full_lookup if lookup else host.full) or engine.device.type != "cpu":
+        return None
+    if type(lens) is torch.Tensor:
+        if lens.dtype is not torch.int64 or lens.requires_grad or lens.is_cuda:
+            return None
+        lens = lens.numpy() if lens.device.type == "cpu" else None
+        if lens is None:
+            return None
+    elif type(lens) is not np.ndarray or lens.dtype is not _INT64:
+        return None
+    try:
+        # Cached on the batch (from_ints builds them); raises off the CPU.
+        rows, offsets, lengths = batch.host_arrays()
+    except ValueError:
+        return None
+    if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
+        return None
+    drop = host.use_eagle and (apply_eagle or lookup)
+    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
+    bad, out = host.kernels.full_hits_checked(
+        fleet._table_np, rows, offsets, lengths, lens, host.members, fleet._live,
+        params,
     )  # fmt: skip
+    return None if bad >= 0 else torch.from_numpy(out)
 
 
 def _fleet_full(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray:
@@ -1183,11 +1266,12 @@ def fleet_find(
     B, E = len(batch), fleet.num_engines
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=engine.device)
-    if _full_path(engine, fleet, lookup):
+    if _full_path(engine.plan, lookup):
         if fleet.backend == "numba":
-            return torch.from_numpy(
-                _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
-            )
+            hit = fleet_full_host(engine, batch, lens, fleet, apply_eagle, lookup)
+            if hit is None:  # pragma: no cover - the inputs were checked
+                raise RuntimeError("fleet_find: checked inputs refused")
+            return hit
         hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)
         return torch.from_numpy(hit).to(engine.device)
     view = batch.view()

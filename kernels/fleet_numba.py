@@ -37,6 +37,7 @@ __all__ = [
     "clear_engine",
     "find_keys",
     "full_hits",
+    "full_hits_checked",
     "full_runs",
     "insert_keys",
     "probe_bits",
@@ -44,10 +45,15 @@ __all__ = [
 ]
 
 _JIT = {"cache": True, "nogil": True}
-# Blocks ahead of the current one whose home slot (key and engine set, one
-# row) is prefetched. A block costs a cache miss into a table far larger than
-# the caches when a batch's slots are not cached already (the common case: a
-# router sees each request once); the next blocks' keys are known in advance.
+# Blocks whose home rows are loaded together before the run logic reads them
+# (:func:`_gather_tile`): a request's first tile, and the most. A block costs
+# a cache miss into a table far larger than the caches when a batch's slots
+# are not cached already (the common case: a router sees each request once).
+# Most runs end within the first tile; the blocks a tile loads past a run's
+# end are wasted reads, so the first tile is small and later ones double.
+_TILE0 = 16
+_TILE = 64
+# Blocks ahead of the current one whose home row :func:`_find_keys` prefetches.
 _AHEAD = 16
 
 
@@ -212,79 +218,130 @@ def probe_bits(
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r, ring):
-    """Prefetch the first blocks of request ``r`` (so that no request starts
-    on an empty pipeline: issued while the previous one is scanned); their
-    home slots go to ``ring[block]``."""
-    for a in range(min(_AHEAD, ends[r], lengths[r] // scale)):
-        ring[a] = _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
+def _gather_tile(table, gid, rows, row0, scale, n, slots):
+    """Start loading a tile of ``n`` blocks (block ``j`` keyed by row ``row0 +
+    j * scale``): ``slots[j]`` = its key's home slot, and the home rows
+    prefetched (their first and last word: a row not a power of two in size
+    may straddle two cache lines).
+
+    Hashes first, then the prefetches in a loop of their own: a tight loop
+    of independent prefetches keeps every cache miss of the tile in flight
+    at once (a router's batch is cold: each block is a miss into a table far
+    larger than the caches), where prefetches issued between the probes'
+    data-dependent branches leave most of the latency exposed."""
+    mask = table.shape[0] - 1
+    last = table.shape[1] - 1
+    for j in range(n):
+        slots[j] = key_slot_hash(gid, rows, row0 + j * scale) & mask
+    for j in range(n):
+        prefetch_cell(table, slots[j], 0)
+        prefetch_cell(table, slots[j], last)
 
 
 @numba.njit(inline="always", **_JIT)
-def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r, ring):
+def _request_end(offsets, lengths, ends, scale, r):
+    """(first row, blocks to scan at most) of request ``r``."""
+    return offsets[r] + scale - 1, min(ends[r], lengths[r] // scale)
+
+
+@numba.njit(inline="always", **_JIT)
+def _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, slots):
     """runs[r, e] = the leading run of request ``r``'s blocks (block ``i``
-    keyed by row ``off + (i + 1) * scale - 1``, at most ``end``) that engine
-    ``e`` holds in every member group, for each engine of ``acc`` (an engine
-    set, overwritten); other entries untouched. ``ring[i % _AHEAD]`` holds
-    block ``i``'s home slot in ``members[0]`` (from its prefetch, so that
-    each key is hashed once) for the first blocks on entry."""
+    keyed by row ``row0 + i * scale``, at most ``end``) that engine ``e``
+    holds in every member group, for each engine of ``acc`` (an engine set,
+    overwritten); other entries untouched.
+
+    Blocks are scanned in tiles: :func:`_gather_tile` (hashes, prefetches),
+    then the run logic on the cached rows. The caller gathered the first
+    tile (``min(_TILE0, end)`` blocks) into ``slots`` (int64 ``[_TILE]``,
+    scratch for the later tiles), during the previous request's logic;
+    later tiles double up to ``_TILE``. Blocks a tile loads past the run's
+    end are read but not used."""
     nw = acc.shape[0]
     n_eng = runs.shape[1]
     n_mem = members.shape[0]
     g0 = members[0]
     i = 0
-    while i < end:
-        row = off + (i + 1) * scale - 1
-        j = i % _AHEAD
-        home = ring[j]
-        if i + _AHEAD < end:
-            ring[j] = _prefetch_block(table, g0, rows, row + _AHEAD * scale)
-        s = table_find_from(table, home, g0, rows, row)
-        alive = False
+    n = min(_TILE0, end)
+    if nw == 1 and n_mem == 1:
+        # The common case (at most 64 engines, one member group): the engine
+        # set in a register.
+        cur = acc[0]
+        while cur != 0 and i < end:
+            if i > 0:
+                n = min(2 * n, _TILE, end - i)
+                _gather_tile(table, g0, rows, row0 + i * scale, scale, n, slots)
+            for j in range(n):
+                s = table_find_from(table, slots[j], g0, rows, row0 + (i + j) * scale)
+                nxt = np.int64(0) if s < 0 else cur & table[s, b0]
+                if nxt != cur:
+                    # Engines whose run ends at block i + j.
+                    _store_bits(runs, r, 0, cur & ~nxt, i + j, n_eng)
+                    cur = nxt
+                    if cur == 0:
+                        break
+            i += n
+        if cur != 0:
+            _store_bits(runs, r, 0, cur, end, n_eng)
+        return
+    alive = True
+    while alive and i < end:
+        if i > 0:
+            n = min(2 * n, _TILE, end - i)
+            _gather_tile(table, g0, rows, row0 + i * scale, scale, n, slots)
+        for j in range(n):
+            row = row0 + (i + j) * scale
+            s = table_find_from(table, slots[j], g0, rows, row)
+            alive = False
+            for k in range(nw):
+                prev = acc[k]
+                if prev == 0:
+                    # Every engine of this word has already stopped.
+                    continue
+                cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
+                # A merged SpecGroup: the key must be in every member group.
+                m = 1
+                while cur != 0 and m < n_mem:
+                    t = table_find(table, members[m], rows, row)
+                    cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
+                    m += 1
+                if cur != prev:
+                    # Engines whose run ends at block i + j.
+                    _store_bits(runs, r, k, prev & ~cur, i + j, n_eng)
+                    acc[k] = cur
+                if cur != 0:
+                    alive = True
+            if not alive:
+                break
+        i += n
+    if alive:
         for k in range(nw):
-            prev = acc[k]
-            if prev == 0:
-                # Every engine of this word has already stopped.
-                continue
-            cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
-            # A merged SpecGroup: the key must be in every member group.
-            m = 1
-            while cur != 0 and m < n_mem:
-                t = table_find(table, members[m], rows, row)
-                cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
-                m += 1
-            if cur != prev:
-                # Engines whose run ends at block i.
-                _store_bits(runs, r, k, prev & ~cur, i, n_eng)
-                acc[k] = cur
-            if cur != 0:
-                alive = True
-        if not alive:
-            break
-        i += 1
-    for k in range(nw):
-        _store_bits(runs, r, k, acc[k], i, n_eng)
+            _store_bits(runs, r, k, acc[k], end, n_eng)
+
+
+@numba.njit(inline="always", **_JIT)
+def _gather_first(table, g0, rows, offsets, lengths, ends, scale, r, slots):
+    """:func:`_gather_tile` of request ``r``'s first tile."""
+    row0, end = _request_end(offsets, lengths, ends, scale, r)
+    _gather_tile(table, g0, rows, row0, scale, min(_TILE0, end), slots)
 
 
 @numba.njit(**_JIT)
 def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
     b0 = table.shape[1] - nw
     acc = np.empty(nw, dtype=np.int64)
-    ring = np.empty(_AHEAD, dtype=np.int64)
-    nxt = np.empty(_AHEAD, dtype=np.int64)
+    cur = np.empty(_TILE, dtype=np.int64)
+    nxt = np.empty(_TILE, dtype=np.int64)
     n_req = offsets.shape[0]
-    if n_req:
-        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0,
-                          nxt)  # fmt: skip
+    g0 = members[0]
+    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
     for r in range(n_req):
-        ring, nxt = nxt, ring
+        cur, nxt = nxt, cur
         if r + 1 < n_req:
-            _prefetch_request(table, members[0], rows, offsets, lengths, ends,
-                              scale, r + 1, nxt)  # fmt: skip
+            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
         acc[:] = live
-        end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r,
-                     ring)  # fmt: skip
+        row0, end = _request_end(offsets, lengths, ends, scale, r)
+        _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, cur)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -315,19 +372,18 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         bound = lens[r] // align * align if lookup else lens[r]
         ends[r] = bound // bs
     acc = np.empty(nw, dtype=np.int64)
-    ring = np.empty(_AHEAD, dtype=np.int64)
-    nxt = np.empty(_AHEAD, dtype=np.int64)
+    cur = np.empty(_TILE, dtype=np.int64)
+    nxt = np.empty(_TILE, dtype=np.int64)
     g0 = members[0]
-    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
+    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
     for r in range(n_req):
-        ring, nxt = nxt, ring
+        cur, nxt = nxt, cur
         if r + 1 < n_req:
-            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1,
-                              nxt)  # fmt: skip
+            # The next request's first tile loads during this one's logic.
+            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
         acc[:] = live
-        end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r,
-                     ring)  # fmt: skip
+        row0, end = _request_end(offsets, lengths, ends, scale, r)
+        _run_request(table, b0, rows, row0, end, scale, members, acc, out, r, cur)
         # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
@@ -395,6 +451,23 @@ def full_runs(
         _full_runs(table, np.int64(num_words), rows, offsets, lengths, ends,
                    np.int64(scale), members, live, runs)  # fmt: skip
     return runs
+
+
+@numba.njit(**_JIT)
+def full_hits_checked(table, rows, offsets, lengths, lens, members, live, params):
+    """:func:`full_hits` for a router's per-batch call, at the cost of one
+    dispatch (no Python wrapper): ``lens`` (int64 ``[B]``, any stride) is
+    checked here, before anything is read, and the output allocated here.
+    ``params`` int64 ``[7]``: :func:`full_hits`' six, then the number of
+    engines E. Returns ``(-1, hits int64 [B, E])``, or ``(r, int64 [0, 0])``
+    when ``lens[r]`` is the first negative length (nothing scanned)."""
+    for r in range(lens.shape[0]):
+        if lens[r] < 0:
+            return r, np.zeros((0, 0), dtype=np.int64)
+    out = np.zeros((offsets.shape[0], params[6]), dtype=np.int64)
+    if out.shape[0]:
+        _full_hits(table, rows, offsets, lengths, lens, members, live, params, out)
+    return -1, out
 
 
 def full_hits(

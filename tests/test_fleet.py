@@ -117,14 +117,70 @@ def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
     calls = []
-    real = fleet_numba.full_hits
+    real = fleet_numba.full_hits_checked
     monkeypatch.setattr(
-        fleet_numba, "full_hits", lambda *a, **k: calls.append(1) or real(*a, **k)
+        fleet_numba,
+        "full_hits_checked",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
     )
     layout = make_layout("llama")
     reqs = [chained_hashes(1, 8), chained_hashes(2, 5)]
     _check(layout, reqs, [{(0, h) for h in reqs[0][:5]}, set()], [128, 80])
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("num_engines", [14, 70])
+def test_long_runs_cross_the_kernel_tiles(num_engines):
+    # The fused kernel loads blocks in tiles of 16, 32, 64, 64, ... and the
+    # next request's first tile early: runs ending on each side of every
+    # tile boundary, past the last one, at the prompt's end, and requests
+    # of no blocks or one between long ones.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(7, 300), [], chained_hashes(7, 1), chained_hashes(8, 200)]
+    cuts = [0, 1, 15, 16, 17, 47, 48, 49, 111, 112, 113, 175, 176, 177, 299, 300]
+    stores_ = [{(0, h) for h in reqs[0][: cuts[e % len(cuts)]]}
+               | {(0, h) for h in reqs[3][: cuts[-1 - e % len(cuts)]]}
+               for e in range(num_engines)]  # fmt: skip
+    fleet = make_fleet(stores_, capacity=1024)
+    batch = HashBatch.from_bytes(reqs, 8)
+    for lens in ([300 * 16, 0, 16, 200 * 16], [177 * 16 + 5, 16, 0, 49 * 16]):
+        got = engine.fleet_hits(batch, np.array(lens), fleet)
+        assert got.tolist() == expected(layout, reqs, stores_, lens)
+        got = engine.fleet_lookup(batch, np.array(lens), fleet)
+        assert got.tolist() == expected(layout, reqs, stores_, lens, lookup=True)
+
+
+def test_router_path_takes_numpy_and_tensor_lengths():
+    # A router's call: a from_ints batch and numpy lengths go straight to the
+    # fused kernel (lengths checked inside it); every other length type the
+    # general path takes. All answer alike; a negative length is refused
+    # naming the argument, whichever path saw it.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    fleet = make_fleet(stores_)
+    ints = [np.array([int.from_bytes(h, "little", signed=True) for h in r],
+                     dtype=np.int64) for r in reqs]  # fmt: skip
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    want = expected(layout, reqs, stores_, lens)
+    want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
+    strided = np.repeat(np.array(lens, dtype=np.int64), 2)[::2]
+    for value in (np.array(lens), np.array(lens, dtype=np.int32), strided,
+                  torch.tensor(lens), lens):  # fmt: skip
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+        assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+    for bad in (np.array([144, -1, 16, 33]), torch.tensor([144, 80, 16, -5])):
+        with pytest.raises(ValueError, match="max_lengths"):
+            engine.fleet_hits(batch, bad, fleet)
+        with pytest.raises(ValueError, match="num_tokens"):
+            engine.fleet_lookup(batch, bad, fleet)
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.fleet_hits(batch, np.array(lens[:3]), fleet)
+    with pytest.raises(ValueError, match="hash width"):
+        engine.fleet_hits(batch, np.array(lens), FleetIndex(3, 16))
 
 
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
