@@ -94,6 +94,7 @@ if TYPE_CHECKING:
     from kvhit.coordinator.engine import LookupEngine
 
 __all__ = [
+    "CLASS_MIN_ENGINES",
     "FLEET_BACKENDS",
     "EngineView",
     "FleetIndex",
@@ -1219,12 +1220,16 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
     plan = engine.plan
     B, E = len(view), fleet.num_engines
     cand, sg_rows = _engine_plans(plan, E)
-    may = _first_block_holders(plan, view, fleet)
     active = fleet._active.numpy()
-    if may is None:
-        may = np.broadcast_to(active, (B, E))
+    sg = plan.spec_groups[0]
+    runs = None
+    if sg.kind == KIND_FULL and not sg.fine:
+        # The first block held (in every member) is a leading run of >= 1.
+        runs = _first_runs(plan, view, fleet)
+        may = (runs > 0) & active
     else:
-        may = may & active
+        may = _first_block_holders(plan, view, fleet)
+        may = np.broadcast_to(active, (B, E)) if may is None else may & active
     out = np.zeros((B, E), dtype=np.int64)
     rows = view.rows.numpy()
     offs, lengths, lens_np = view.offsets.numpy(), view.lengths.numpy(), lens.numpy()
@@ -1232,6 +1237,13 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
     kw = dict(hash_block_size=plan.hash_block_size, alignment=plan.alignment,
               partial=plan.partial, simple_hybrid=plan.simple_hybrid,
               parallel=False)  # fmt: skip
+    rep = None
+    if sg.kind == KIND_FULL and (may.sum(axis=1) >= CLASS_MIN_ENGINES).any():
+        # Scan one engine per class of engines that must answer alike.
+        if runs is None:
+            runs = _first_runs(plan, view, fleet)
+        rep = _engine_classes(plan, view, fleet, may, runs)
+        may = rep == np.arange(E)[None, :]
     for e in np.flatnonzero(may.any(axis=0)):
         r = np.flatnonzero(may[:, e])
         args = (rows, offs[r], lengths[r], lens_np[r], sg_rows[e], cand)
@@ -1241,7 +1253,59 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
             out[r, e] = scan_numba.find_hits(
                 *args, table=table, token_lens=None, apply_eagle=apply_eagle, **kw
             )[0]
+    if rep is not None:
+        hit = rep >= 0
+        out[hit] = np.take_along_axis(out, np.maximum(rep, 0), axis=1)[hit]
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Every group id of the plan and the step of the rows a scan may probe
+    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each."""
+    gids, steps = [], []
+    for sg in plan.spec_groups:
+        for g in sg.group_ids:
+            gids.append(g)
+            steps.append(1 if sg.fine else sg.scale)
+    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64)
+
+
+#: Hybrid layouts: a request that fewer engines than this may hit scans
+#: every one of them; from this many on, engines that must answer alike
+#: share one scan (``kernels/fleet_numba.engine_classes``). Below it the
+#: classes (a probe per key a scan might read) cost more than the scans they
+#: save (B = 64, Mooncake trace: they lose at E = 8, win from E = 16).
+CLASS_MIN_ENGINES = 12
+
+
+def _first_runs(plan, view, fleet) -> np.ndarray:
+    """The first SpecGroup's (full attention) leading run of blocks per
+    request and engine, unbounded: int64 ``[B, E]`` (one joint scan)."""
+    from kvhit.kernels import fleet_numba
+
+    sg = plan.spec_groups[0]
+    lengths = view.lengths.numpy()
+    return fleet_numba.full_runs(
+        fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(), lengths,
+        lengths // sg.scale, sg.scale, np.array(sg.group_ids, dtype=np.int64),
+        fleet._live, fleet.num_engines,
+    )  # fmt: skip
+
+
+def _engine_classes(plan, view, fleet, may, runs) -> np.ndarray:
+    """``kernels/fleet_numba.engine_classes`` for a plan whose first
+    SpecGroup is full attention (``runs`` its :func:`_first_runs`): rep int64
+    ``[B, E]``, the engine whose scan answers for ``(r, e)``, -1 where
+    ``may`` is False."""
+    from kvhit.kernels import fleet_numba
+
+    gids, steps = _class_groups(plan)
+    return fleet_numba.engine_classes(
+        fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(),
+        view.lengths.numpy(), runs, np.ascontiguousarray(may),
+        plan.spec_groups[0].scale, gids, steps, CLASS_MIN_ENGINES,
+    )  # fmt: skip
 
 
 def fleet_find(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import key_index
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import (
     case,
@@ -98,6 +98,31 @@ def test_fleet_parity_full_attention(data, apply_eagle):
     # Mostly the joint bitset scan (one non-fine full SpecGroup).
     layout, requests, stores_, lens = data
     _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
+
+
+@settings(
+    max_examples=max(EXAMPLES // 2, 10),
+    deadline=None,
+    # The patch is the same for every example.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_engine_classes_share_scans_exactly(data, monkeypatch):
+    # Hybrid layouts past CLASS_MIN_ENGINES engines scan one engine per class
+    # of engines that must answer alike. Forced on here at any E, with
+    # engines that repeat another's store (real classes) and engines that
+    # differ from it by one key, as saved by the worker or at random.
+    from kvhit.coordinator import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
+    layout, requests, stores_, lens = data.draw(fleet_case())
+    n_more = data.draw(st.integers(1, 5))
+    for _ in range(n_more):
+        base = set(stores_[data.draw(st.integers(0, len(stores_) - 1))])
+        if base and data.draw(st.booleans()):
+            base.discard(data.draw(st.sampled_from(sorted(base))))
+        stores_.append(base)
+    _check(layout, requests, stores_, lens, apply_eagle=data.draw(st.booleans()))
 
 
 @pytest.mark.parametrize("engine_backend", ["torch", "reference"])
