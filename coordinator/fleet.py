@@ -39,20 +39,30 @@ COST OF A LOOKUP
   fine-grained; numba): one probe per block and member group, the engine sets
   ANDed block by block until no engine is left, then vLLM's closed-form
   full-attention hit per engine, all in one kernel call
-  (``kernels/fleet_numba.full_hits``, the next blocks' home rows
-  prefetched, the next request's first ones too). The cost grows with the blocks scanned, not with E x
-  blocks (E only adds ``ceil(E / 64)`` words per block and the ``[B, E]``
-  output).
+  (``kernels/fleet_numba.full_hits_checked``: blocks loaded in tiles, hashes
+  then a tight prefetch loop then the run logic on cached rows; the next
+  request's first tile during this one's logic). The cost grows with the
+  blocks scanned, not with E x blocks (E only adds ``ceil(E / 64)`` words per
+  block and the ``[B, E]`` output). A router's call (a ``from_ints`` batch,
+  numpy or CPU tensor lengths) is checked and answered by
+  :func:`fleet_full_host` at the cost of one kernel dispatch.
 * Every other layout (sliding window, Mamba, chunked local, several
   SpecGroups, fine-grained hits; numba): the single-engine numba scan of
   ``kernels/scan_numba.py`` (vLLM's whole rule) per (request, engine) pair
   that may hit, reading ``entries`` with the plan's group ids renamed ``g *
   E + e``. With a full-attention first SpecGroup only the engines holding a
   request's first block (any hash unit of it, fine-grained) may hit it, found
-  with one joint probe per request; other pairs are 0. Without one every
-  active engine is scanned. This costs E x the single-engine scan at worst
-  (every engine holding every request's first block, as on the Mooncake
-  conversation trace whose prompts share their first block).
+  with one joint probe per request; other pairs are 0. And there, for a
+  request that at least :data:`CLASS_MIN_ENGINES` engines may hit, engines
+  that must answer alike share one scan
+  (``kernels/fleet_numba.engine_classes``): a scan reads keys only below the
+  first SpecGroup's run, so engines are grouped by that run, then split by
+  each key below it that some but not all of them hold, one probe per key
+  for all engines. The cost is then the keys below the runs plus one scan
+  per class: on the Mooncake trace, where engines share the prompts' first
+  blocks and one engine holds a conversation's earlier turn, a handful of
+  classes a request whatever E. Without a full-attention first SpecGroup
+  every active engine is scanned (E x the single-engine scan).
 
 Backends: numba on the CPU (the kernels of ``kernels/fleet_numba.py``,
 compiled); on any other device (``backend="torch"``) the table operations run
