@@ -176,6 +176,41 @@ def test_long_runs_cross_the_kernel_tiles(num_engines):
         assert got.tolist() == expected(layout, reqs, stores_, lens, lookup=True)
 
 
+def fleet_table(fleet):
+    """A copy of the numba fleet's joint table (keys, then engine sets)."""
+    return torch.cat([fleet.keys, fleet.bits], dim=1).numpy()
+
+
+def test_fused_kernel_entry_points_agree():
+    # full_hits (the launcher with its output passed in) and full_hits_checked
+    # (the router path's single dispatch) are one kernel; the latter refuses
+    # a negative length before reading anything.
+    from kvhit.kernels import fleet_numba
+
+    reqs = [chained_hashes(3, 70), chained_hashes(4, 3), []]
+    fleet = make_fleet([{(0, h) for h in reqs[0][:40]}, {(0, h) for h in reqs[1]}])
+    rows, offsets, lengths = HashBatch.from_bytes(reqs, 8).host_arrays()
+    members = np.array([0], dtype=np.int64)
+    live = fleet.live_words()
+    for lookup in (0, 1):
+        params = np.array([1, 1, 16, 16, 1, lookup, 2], dtype=np.int64)
+        lens = np.array([70 * 16, 48, 0], dtype=np.int64)
+        want = fleet_numba.full_hits(
+            fleet_table(fleet), rows, offsets, lengths, lens, members, live,
+            params[:6], 2,
+        )  # fmt: skip
+        bad, got = fleet_numba.full_hits_checked(
+            fleet_table(fleet), rows, offsets, lengths, lens, members, live, params
+        )
+        assert bad == -1 and np.array_equal(got, want)
+        assert want[0].tolist() == [40 * 16 - 16, 0]  # the EAGLE drop
+        bad, got = fleet_numba.full_hits_checked(
+            fleet_table(fleet), rows, offsets, lengths, np.array([5, -2, -1]),
+            members, live, params,
+        )  # fmt: skip
+        assert bad == 1 and got.size == 0
+
+
 def test_router_path_takes_numpy_and_tensor_lengths():
     # A router's call: a from_ints batch and numpy lengths go straight to the
     # fused kernel (lengths checked inside it); every other length type the
