@@ -58,6 +58,9 @@ class FleetWorkload:
     def __init__(self, layout, words, tokens, served, served_tokens, engines):
         self.layout = layout
         self.words: list[np.ndarray] = words
+        # The same hashes one-dimensional, as a router holds a request's
+        # block hashes (what both sides of the Dynamo comparison are given).
+        self.ints: list[np.ndarray] = [np.ascontiguousarray(w[:, 0]) for w in words]
         self.tokens: np.ndarray = tokens
         self.served: list[np.ndarray] = served
         self.served_tokens: np.ndarray = served_tokens
@@ -107,7 +110,9 @@ def pack(words: Sequence[np.ndarray], hash_bytes: int = 8) -> HashBatch:
     (each request's one-word hashes checked, then concatenated) when a hash
     is one word, else the constructor on the concatenated words."""
     if num_words(hash_bytes) == 1:
-        return HashBatch.from_ints([w[:, 0] for w in words], hash_bytes)
+        return HashBatch.from_ints(
+            [w if w.ndim == 1 else w[:, 0] for w in words], hash_bytes
+        )
     offsets = np.zeros(len(words) + 1, dtype=np.int64)
     np.cumsum([len(w) for w in words], out=offsets[1:])
     flat = np.concatenate(words) if words else np.zeros((0, 1), dtype=np.int64)
@@ -139,7 +144,7 @@ def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.nd
     """Dynamo's matched blocks per request and worker: int64 ``[B, E]``."""
     out = np.zeros((len(words), engines), dtype=np.int64)
     for b, w in enumerate(words):
-        scores = tree.find_matches(as_u64(w[:, 0])).scores
+        scores = tree.find_matches(as_u64(w if w.ndim == 1 else w[:, 0])).scores
         for (worker, _rank), n in scores.items():
             out[b, worker] = n
     return out
@@ -152,8 +157,8 @@ _EVICT = np.ones(64 << 17)
 
 
 def _interleaved_us(fa: Callable[[], Any], fb: Callable[[], Any],
-                    repeats: int) -> tuple[float, float]:  # fmt: skip
-    """Medians of ``fa`` and ``fb`` timed alternately (a load change on a
+                    repeats: int) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Times (us) of ``fa`` and ``fb`` timed alternately (a load change on a
     shared machine hits both alike), each after evicting the caches."""
     fa(), fb()
     ta, tb = [], []
@@ -166,7 +171,7 @@ def _interleaved_us(fa: Callable[[], Any], fb: Callable[[], Any],
         t0 = time.perf_counter()
         fb()
         tb.append(time.perf_counter() - t0)
-    return statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+    return [t * 1e6 for t in ta], [t * 1e6 for t in tb]
 
 
 def check_parity(engine: LookupEngine, fleet: FleetIndex, batch: HashBatch,
@@ -241,20 +246,28 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             )
         ours, theirs = _interleaved_us(
             lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-                pack(wl.words), wl.tokens, fleet),
-            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.words, E),
+                HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet),
+            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.ints, E),
             repeats,
         )  # fmt: skip
-        rows.append((E, ours / batch, theirs / batch, int((dyn > 0).sum())))
-        print(f"  dynamo E={E}: ours {ours:.0f} us, dynamo {theirs:.0f} us",
-              file=sys.stderr)  # fmt: skip
-    out.write(f"\nllama (full attention), B = {batch}: kvhit fleet_hits vs Dynamo "
-              "RadixTree.find_matches, per request, packing included, caches evicted "
-              "before each call, median; 0 mismatches\n\n")  # fmt: skip
-    out.write("| E | kvhit us/request | Dynamo us/request | speedup | "
-              "(request, engine) pairs with a hit |\n|---:|---:|---:|---:|---:|\n")  # fmt: skip
-    for E, a, b, n in rows:
-        out.write(f"| {E} | {a:.2f} | {b:.2f} | {b / a:.1f}x | {n} |\n")
+        per_req = [
+            f(t) / batch
+            for t in (ours, theirs)
+            for f in (statistics.median, statistics.mean)
+        ]
+        rows.append((E, *per_req, int((dyn > 0).sum())))
+        print(f"  dynamo E={E}: ours {per_req[0]:.2f} us/request, dynamo "
+              f"{per_req[2]:.2f}", file=sys.stderr)  # fmt: skip
+    out.write(f"\nllama (full attention), B = {batch}: kvhit fleet_hits (from_ints "
+              "packing included) vs Dynamo RadixTree.find_matches (u64 list "
+              f"conversion included), us per request, {repeats} alternating repeats "
+              "in one process, caches evicted before each call; 0 mismatches\n\n")  # fmt: skip
+    out.write("| E | kvhit median | kvhit mean | Dynamo median | Dynamo mean | "
+              "speedup (medians) | speedup (means) | (request, engine) pairs with a "
+              "hit |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n")  # fmt: skip
+    for E, am, aa, bm, ba, n in rows:
+        out.write(f"| {E} | {am:.2f} | {aa:.2f} | {bm:.2f} | {ba:.2f} | "
+                  f"{bm / am:.1f}x | {ba / aa:.1f}x | {n} |\n")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -666,12 +666,18 @@ class LookupEngine:
         ``e``'s keys alone (0 for an engine removed from the fleet).
         ``max_lengths``: int64 ``[B]``. See ``coordinator/fleet.py`` for the
         cost per layout."""
-        from kvhit.coordinator.fleet import check_fleet, fleet_find
-
+        fleet_mod = _fleet_module()
+        # A router's call (from_ints batch, numpy lengths, full attention):
+        # checked and answered in one kernel dispatch; else the checks below.
+        hit = fleet_mod.fleet_full_host(
+            self, batch, max_lengths, fleet, bool(apply_eagle), False
+        )
+        if hit is not None:
+            return hit
         self._check_batch(batch, None, need_index=False)
-        check_fleet(fleet, batch, self.device)
+        fleet_mod.check_fleet(fleet, batch, self.device)
         max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-        return fleet_find(self, batch, max_lengths, fleet, bool(apply_eagle))
+        return fleet_mod.fleet_find(self, batch, max_lengths, fleet, bool(apply_eagle))
 
     def fleet_lookup(
         self,
@@ -682,12 +688,28 @@ class LookupEngine:
         """:meth:`lookup` (the store worker's rule, ``num_tokens - 1`` for a
         whole-prompt hit) of every request against every engine of ``fleet``:
         int64 ``[B, E]``; ``num_tokens`` int64 ``[B]``."""
-        from kvhit.coordinator.fleet import check_fleet, fleet_find
-
+        fleet_mod = _fleet_module()
+        hit = fleet_mod.fleet_full_host(self, batch, num_tokens, fleet, True, True)
+        if hit is not None:
+            return hit
         self._check_batch(batch, None, need_index=False)
-        check_fleet(fleet, batch, self.device)
+        fleet_mod.check_fleet(fleet, batch, self.device)
         num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
-        return fleet_find(self, batch, num_tokens, fleet, True, lookup=True)
+        return fleet_mod.fleet_find(self, batch, num_tokens, fleet, True, lookup=True)
+
+
+def _fleet_module() -> Any:
+    """``kvhit.coordinator.fleet``, imported on first use (it imports this
+    module) and kept, so that a lookup pays no import statement."""
+    global _FLEET
+    if _FLEET is None:
+        from kvhit.coordinator import fleet
+
+        _FLEET = fleet
+    return _FLEET
+
+
+_FLEET: Any = None
 
 
 __all__ = [

@@ -39,20 +39,30 @@ COST OF A LOOKUP
   fine-grained; numba): one probe per block and member group, the engine sets
   ANDed block by block until no engine is left, then vLLM's closed-form
   full-attention hit per engine, all in one kernel call
-  (``kernels/fleet_numba.full_hits``, the next blocks' home rows
-  prefetched, the next request's first ones too). The cost grows with the blocks scanned, not with E x
-  blocks (E only adds ``ceil(E / 64)`` words per block and the ``[B, E]``
-  output).
+  (``kernels/fleet_numba.full_hits_checked``: blocks loaded in tiles, hashes
+  then a tight prefetch loop then the run logic on cached rows; the next
+  request's first tile during this one's logic). The cost grows with the
+  blocks scanned, not with E x blocks (E only adds ``ceil(E / 64)`` words per
+  block and the ``[B, E]`` output). A router's call (a ``from_ints`` batch,
+  numpy or CPU tensor lengths) is checked and answered by
+  :func:`fleet_full_host` at the cost of one kernel dispatch.
 * Every other layout (sliding window, Mamba, chunked local, several
   SpecGroups, fine-grained hits; numba): the single-engine numba scan of
   ``kernels/scan_numba.py`` (vLLM's whole rule) per (request, engine) pair
   that may hit, reading ``entries`` with the plan's group ids renamed ``g *
   E + e``. With a full-attention first SpecGroup only the engines holding a
   request's first block (any hash unit of it, fine-grained) may hit it, found
-  with one joint probe per request; other pairs are 0. Without one every
-  active engine is scanned. This costs E x the single-engine scan at worst
-  (every engine holding every request's first block, as on the Mooncake
-  conversation trace whose prompts share their first block).
+  with one joint probe per request; other pairs are 0. And there, for a
+  request that at least :data:`CLASS_MIN_ENGINES` engines may hit, engines
+  that must answer alike share one scan
+  (``kernels/fleet_numba.engine_classes``): a scan reads keys only below the
+  first SpecGroup's run, so engines are grouped by that run, then split by
+  each key below it that some but not all of them hold, one probe per key
+  for all engines. The cost is then the keys below the runs plus one scan
+  per class: on the Mooncake trace, where engines share the prompts' first
+  blocks and one engine holds a conversation's earlier turn, a handful of
+  classes a request whatever E. Without a full-attention first SpecGroup
+  every active engine is scanned (E x the single-engine scan).
 
 Backends: numba on the CPU (the kernels of ``kernels/fleet_numba.py``,
 compiled); on any other device (``backend="torch"``) the table operations run
@@ -99,11 +109,13 @@ if TYPE_CHECKING:
     from kvhit.coordinator.engine import LookupEngine
 
 __all__ = [
+    "CLASS_MIN_ENGINES",
     "FLEET_BACKENDS",
     "EngineView",
     "FleetIndex",
     "check_fleet",
     "fleet_find",
+    "fleet_full_host",
     "prefix_blocks",
     "route",
     "state_checksum",
@@ -399,6 +411,7 @@ class FleetIndex:
         self._table, self.keys, self.bits = self._ops.new_tables(
             keys.shape[0], self.W, self.NW, keys.device
         )
+        self._table_np = self._host_view()
         self.keys.copy_(keys)
         self.bits.copy_(bits)
         self.entries = entries
@@ -410,6 +423,11 @@ class FleetIndex:
         # Per engine, how many keys it holds (kept exact by every mutation).
         self._per_engine = np.zeros(num_engines, dtype=np.int64)
         self._version = 0
+
+    def _host_view(self) -> np.ndarray | None:
+        """The numba table as numpy (a view, kept beside the tensor so that a
+        lookup makes no torch call for it), None on the torch backend."""
+        return self._table.numpy() if self._backend == "numba" else None
 
     # -- properties -----------------------------------------------------------
 
@@ -587,6 +605,7 @@ class FleetIndex:
         slots = self._ops.find(table, self.W, g, h)
         bits[slots] = self.bits[live]
         self._table, self.keys, self.bits = table, keys, bits
+        self._table_np = self._host_view()
         self._tombstones = 0
         self._version += 1
 
@@ -965,12 +984,11 @@ def check_fleet(fleet: Any, batch: HashBatch, device: torch.device) -> None:
         )
 
 
-def _full_path(engine: LookupEngine, fleet: FleetIndex, lookup: bool) -> bool:
+def _full_path(plan: ScanPlan, lookup: bool) -> bool:
     """Whether the joint full-attention scan answers this layout exactly: one
     SpecGroup, full attention, not fine-grained (for the worker's lookup,
     every member group prefix-cacheable, so every probed key is one the
     worker asks about)."""
-    plan = engine.plan
     if len(plan.spec_groups) != 1:
         return False
     sg = plan.spec_groups[0]
@@ -990,56 +1008,133 @@ def _full_hits(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     return hit - hit % align
 
 
-# (id(plan), nw, drop, lookup) -> (plan, members, params): keyed by identity
-# (an engine keeps its plan), since hashing a ScanPlan costs more than the
-# lookup itself on a cold call; the plan held keeps its id from being reused.
-_FULL_PARAMS: dict[tuple[int, int, bool, bool], tuple[Any, Any, Any]] = {}
+class _HostPlan:
+    """What the fused numba kernel needs of one engine's plan, built once per
+    plan: whether the joint full-attention scan answers it (``full`` for
+    ``fleet_hits``, ``full_lookup`` for ``fleet_lookup``; see
+    :func:`_full_path`), its member group ids (int64 ``[M]``) and the kernel's
+    ``params`` for E engines and each (EAGLE drop, lookup) pair."""
+
+    __slots__ = ("full", "full_lookup", "members", "use_eagle", "kernels", "_params",
+                 "_base")  # fmt: skip
+
+    def __init__(self, engine: LookupEngine) -> None:
+        from kvhit.kernels import fleet_numba
+
+        plan = engine.plan
+        # The kernel module, held so that a lookup runs no import statement.
+        self.kernels = fleet_numba
+        self.full = _full_path(plan, False)
+        self.full_lookup = _full_path(plan, True)
+        sg = plan.spec_groups[0]
+        self.use_eagle = bool(sg.use_eagle)
+        self.members = np.array(sg.group_ids, dtype=np.int64)
+        self.members.flags.writeable = False
+        self._base = (sg.scale, sg.block_size, plan.alignment)
+        # (NW, E, drop, lookup) -> params int64 [7] (read-only)
+        self._params: dict[tuple[int, int, bool, bool], np.ndarray] = {}
+
+    def params(self, nw: int, num_engines: int, drop: bool, lookup: bool) -> np.ndarray:
+        """``kernels/fleet_numba.full_hits_checked``'s params: (NW, scale,
+        block size, alignment, EAGLE drop, lookup, E), int64 ``[7]``."""
+        key = (nw, num_engines, drop, lookup)
+        got = self._params.get(key)
+        if got is None:
+            got = np.array([nw, *self._base, drop, lookup, num_engines], dtype=np.int64)
+            got.flags.writeable = False
+            if len(self._params) >= 64:
+                self._params.clear()
+            self._params[key] = got
+        return got
 
 
-def _full_params(plan: ScanPlan, nw: int, drop: bool, lookup: bool):
-    """The fused numba kernel's constant arguments for one plan: (member
-    group ids int64 ``[M]``, params int64 ``[6]``)."""
-    key = (id(plan), nw, drop, lookup)
-    hit = _FULL_PARAMS.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1], hit[2]
-    if len(_FULL_PARAMS) >= 64:
-        _FULL_PARAMS.clear()
-    sg = plan.spec_groups[0]
-    members = np.array(sg.group_ids, dtype=np.int64)
-    params = np.array([nw, sg.scale, sg.block_size, plan.alignment, drop, lookup],
-                      dtype=np.int64)  # fmt: skip
-    members.flags.writeable = params.flags.writeable = False
-    _FULL_PARAMS[key] = (plan, members, params)
-    return members, params
+# id(plan) -> (plan, _HostPlan): keyed by identity (an engine keeps its plan),
+# since hashing a ScanPlan costs more than a cold lookup; the plan held keeps
+# its id from being reused.
+_HOST_PLANS: dict[int, tuple[ScanPlan, _HostPlan]] = {}
 
 
-def _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup) -> np.ndarray:
-    """:func:`_fleet_full` on the CPU: one call of the fused kernel (runs and
-    hits), straight from the batch's arrays, since a router's per-call cost
-    is a large part of a batch's when the table's rows are few per request."""
-    from kvhit.kernels import fleet_numba
-
+def _host_plan(engine: LookupEngine) -> _HostPlan:
     plan = engine.plan
-    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
-    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
-    rows, offsets, lengths = batch.host_arrays()
-    return fleet_numba.full_hits(
-        fleet._table.numpy(), rows, offsets, lengths, lens.numpy(), members,
-        fleet._live, params, fleet.num_engines,
+    got = _HOST_PLANS.get(id(plan))
+    if got is not None and got[0] is plan:
+        return got[1]
+    if len(_HOST_PLANS) >= 64:
+        _HOST_PLANS.clear()
+    host = _HostPlan(engine)
+    _HOST_PLANS[id(plan)] = (plan, host)
+    return host
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def fleet_full_host(
+    engine: LookupEngine,
+    batch: Any,
+    lens: Any,
+    fleet: Any,
+    apply_eagle: bool,
+    lookup: bool,
+) -> torch.Tensor | None:
+    """``LookupEngine.fleet_hits`` / ``fleet_lookup`` (``lookup``) on the
+    router's common path, checked and answered at the cost of one kernel
+    dispatch: a CPU ``batch`` (a :class:`HashBatch` whose host arrays exist,
+    as :meth:`HashBatch.from_ints` builds them), ``lens`` an int64 numpy
+    array ``[B]`` or a CPU int64 tensor, a numba ``fleet`` of the batch's hash
+    width, a full-attention layout. Returns int64 ``[B, E]``, or None when
+    any of that does not hold or ``lens`` holds a negative value: the caller
+    then takes the general path, which validates everything and raises
+    naming the bad argument. Nothing is modified either way.
+
+    A router scores each batch once, with caches cold: each further Python
+    or torch call there costs ~10-20 us, as much as scanning a request. So
+    every check here is a type or attribute test on objects kvhit built
+    (the batch's host arrays, the fleet's table, the plan's parameters,
+    cached per plan), and ``lens``' values are checked inside the kernel.
+    """
+    if type(fleet) is not FleetIndex or fleet._backend != "numba":
+        return None
+    if type(batch) is not HashBatch or batch.hash_bytes != fleet.hash_bytes:
+        return None
+    host = _host_plan(engine)
+    if not (host.full_lookup if lookup else host.full) or engine.device.type != "cpu":
+        return None
+    if type(lens) is torch.Tensor:
+        if lens.dtype is not torch.int64 or lens.requires_grad or lens.is_cuda:
+            return None
+        lens = lens.numpy() if lens.device.type == "cpu" else None
+        if lens is None:
+            return None
+    elif type(lens) is not np.ndarray or lens.dtype is not _INT64:
+        return None
+    try:
+        # Cached on the batch (from_ints builds them); raises off the CPU.
+        rows, offsets, lengths = batch.host_arrays()
+    except ValueError:
+        return None
+    if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
+        return None
+    drop = host.use_eagle and (apply_eagle or lookup)
+    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
+    bad, out = host.kernels.full_hits_checked(
+        fleet._table_np, rows, offsets, lengths, lens, host.members, fleet._live,
+        params,
     )  # fmt: skip
+    return None if bad >= 0 else torch.from_numpy(out)
 
 
 def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
     """:func:`_fleet_full` on CUDA: one launch of the Triton kernel (runs and
     hits), int64 ``[B, E]`` on the device."""
-    plan = engine.plan
-    drop = plan.spec_groups[0].use_eagle and (apply_eagle or lookup)
-    members, params = _full_params(plan, fleet.NW, bool(drop), bool(lookup))
+    host = _host_plan(engine)
+    drop = host.use_eagle and (apply_eagle or lookup)
+    # The Triton launcher takes E apart: the first six of the numba params.
+    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)[:6]
     view = batch.view()
     return fleet._ops.triton()[0].full_hits(
         fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
-        members, fleet._live, params, fleet.num_engines,
+        host.members, fleet._live, params, fleet.num_engines,
     )  # fmt: skip
 
 
@@ -1184,12 +1279,16 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
     plan = engine.plan
     B, E = len(view), fleet.num_engines
     cand, sg_rows = _engine_plans(plan, E)
-    may = _first_block_holders(plan, view, fleet)
     active = fleet._active.numpy()
-    if may is None:
-        may = np.broadcast_to(active, (B, E))
+    sg = plan.spec_groups[0]
+    runs = None
+    if sg.kind == KIND_FULL and not sg.fine:
+        # The first block held (in every member) is a leading run of >= 1.
+        runs = _first_runs(plan, view, fleet)
+        may = (runs > 0) & active
     else:
-        may = may & active
+        may = _first_block_holders(plan, view, fleet)
+        may = np.broadcast_to(active, (B, E)) if may is None else may & active
     out = np.zeros((B, E), dtype=np.int64)
     rows = view.rows.numpy()
     offs, lengths, lens_np = view.offsets.numpy(), view.lengths.numpy(), lens.numpy()
@@ -1197,6 +1296,13 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
     kw = dict(hash_block_size=plan.hash_block_size, alignment=plan.alignment,
               partial=plan.partial, simple_hybrid=plan.simple_hybrid,
               parallel=False)  # fmt: skip
+    rep = None
+    if sg.kind == KIND_FULL and (may.sum(axis=1) >= CLASS_MIN_ENGINES).any():
+        # Scan one engine per class of engines that must answer alike.
+        if runs is None:
+            runs = _first_runs(plan, view, fleet)
+        rep = _engine_classes(plan, view, fleet, may, runs)
+        may = rep == np.arange(E)[None, :]
     for e in np.flatnonzero(may.any(axis=0)):
         r = np.flatnonzero(may[:, e])
         args = (rows, offs[r], lengths[r], lens_np[r], sg_rows[e], cand)
@@ -1206,7 +1312,59 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
             out[r, e] = scan_numba.find_hits(
                 *args, table=table, token_lens=None, apply_eagle=apply_eagle, **kw
             )[0]
+    if rep is not None:
+        hit = rep >= 0
+        out[hit] = np.take_along_axis(out, np.maximum(rep, 0), axis=1)[hit]
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Every group id of the plan and the step of the rows a scan may probe
+    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each."""
+    gids, steps = [], []
+    for sg in plan.spec_groups:
+        for g in sg.group_ids:
+            gids.append(g)
+            steps.append(1 if sg.fine else sg.scale)
+    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64)
+
+
+#: Hybrid layouts: a request that fewer engines than this may hit scans
+#: every one of them; from this many on, engines that must answer alike
+#: share one scan (``kernels/fleet_numba.engine_classes``). Below it the
+#: classes (a probe per key a scan might read) cost more than the scans they
+#: save (B = 64, Mooncake trace: they lose at E = 8, win from E = 16).
+CLASS_MIN_ENGINES = 12
+
+
+def _first_runs(plan, view, fleet) -> np.ndarray:
+    """The first SpecGroup's (full attention) leading run of blocks per
+    request and engine, unbounded: int64 ``[B, E]`` (one joint scan)."""
+    from kvhit.kernels import fleet_numba
+
+    sg = plan.spec_groups[0]
+    lengths = view.lengths.numpy()
+    return fleet_numba.full_runs(
+        fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(), lengths,
+        lengths // sg.scale, sg.scale, np.array(sg.group_ids, dtype=np.int64),
+        fleet._live, fleet.num_engines,
+    )  # fmt: skip
+
+
+def _engine_classes(plan, view, fleet, may, runs) -> np.ndarray:
+    """``kernels/fleet_numba.engine_classes`` for a plan whose first
+    SpecGroup is full attention (``runs`` its :func:`_first_runs`): rep int64
+    ``[B, E]``, the engine whose scan answers for ``(r, e)``, -1 where
+    ``may`` is False."""
+    from kvhit.kernels import fleet_numba
+
+    gids, steps = _class_groups(plan)
+    return fleet_numba.engine_classes(
+        fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(),
+        view.lengths.numpy(), runs, np.ascontiguousarray(may),
+        plan.spec_groups[0].scale, gids, steps, CLASS_MIN_ENGINES,
+    )  # fmt: skip
 
 
 def fleet_find(
@@ -1231,11 +1389,12 @@ def fleet_find(
     B, E = len(batch), fleet.num_engines
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=engine.device)
-    if _full_path(engine, fleet, lookup):
+    if _full_path(engine.plan, lookup):
         if fleet.backend == "numba":
-            return torch.from_numpy(
-                _fleet_full_numba(engine, batch, lens, fleet, apply_eagle, lookup)
-            )
+            hit = fleet_full_host(engine, batch, lens, fleet, apply_eagle, lookup)
+            if hit is None:  # pragma: no cover - the inputs were checked
+                raise RuntimeError("fleet_find: checked inputs refused")
+            return hit
         if isinstance(fleet._ops, _TritonOps):
             return _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup)
         hit = _fleet_full(engine, batch.view(), lens, fleet, apply_eagle, lookup)

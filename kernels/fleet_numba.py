@@ -35,8 +35,10 @@ from kvhit.kernels.probe_numba import (
 __all__ = [
     "clear_bits",
     "clear_engine",
+    "engine_classes",
     "find_keys",
     "full_hits",
+    "full_hits_checked",
     "full_runs",
     "insert_keys",
     "probe_bits",
@@ -44,10 +46,15 @@ __all__ = [
 ]
 
 _JIT = {"cache": True, "nogil": True}
-# Blocks ahead of the current one whose home slot (key and engine set, one
-# row) is prefetched. A block costs a cache miss into a table far larger than
-# the caches when a batch's slots are not cached already (the common case: a
-# router sees each request once); the next blocks' keys are known in advance.
+# Blocks whose home rows are loaded together before the run logic reads them
+# (:func:`_gather_tile`): a request's first tile, and the most. A block costs
+# a cache miss into a table far larger than the caches when a batch's slots
+# are not cached already (the common case: a router sees each request once).
+# Most runs end within the first tile; the blocks a tile loads past a run's
+# end are wasted reads, so the first tile is small and later ones double.
+_TILE0 = 16
+_TILE = 64
+# Blocks ahead of the current one whose home row :func:`_find_keys` prefetches.
 _AHEAD = 16
 
 
@@ -212,79 +219,135 @@ def probe_bits(
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r, ring):
-    """Prefetch the first blocks of request ``r`` (so that no request starts
-    on an empty pipeline: issued while the previous one is scanned); their
-    home slots go to ``ring[block]``."""
-    for a in range(min(_AHEAD, ends[r], lengths[r] // scale)):
-        ring[a] = _prefetch_block(table, g0, rows, offsets[r] + (a + 1) * scale - 1)
+def _gather_tile(table, gid, rows, row0, scale, n, slots):
+    """Start loading a tile of ``n`` blocks (block ``j`` keyed by row ``row0 +
+    j * scale``): ``slots[j]`` = its key's home slot, and the home rows
+    prefetched (their first word and the next row's last: a row not a power
+    of two in size may straddle two cache lines; measured 2-6% faster cold
+    than the home row's own last word).
+
+    Hashes first, then the prefetches in a loop of their own: a tight loop
+    of independent prefetches keeps every cache miss of the tile in flight
+    at once (a router's batch is cold: each block is a miss into a table far
+    larger than the caches), where prefetches issued between the probes'
+    data-dependent branches leave most of the latency exposed."""
+    mask = table.shape[0] - 1
+    last = table.shape[1] - 1
+    for j in range(n):
+        slots[j] = key_slot_hash(gid, rows, row0 + j * scale) & mask
+    for j in range(n):
+        prefetch_cell(table, slots[j], 0)
+        # The next row's last word: the home row's second line if it
+        # straddles two, and where linear probing goes on (a home slot holds
+        # another key about a third of the time at the default load).
+        prefetch_cell(table, (slots[j] + 1) & mask, last)
 
 
 @numba.njit(inline="always", **_JIT)
-def _run_request(table, b0, rows, off, end, scale, members, acc, runs, r, ring):
+def _request_end(offsets, lengths, ends, scale, r):
+    """(first row, blocks to scan at most) of request ``r``."""
+    return offsets[r] + scale - 1, min(ends[r], lengths[r] // scale)
+
+
+@numba.njit(inline="always", **_JIT)
+def _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, slots):
     """runs[r, e] = the leading run of request ``r``'s blocks (block ``i``
-    keyed by row ``off + (i + 1) * scale - 1``, at most ``end``) that engine
-    ``e`` holds in every member group, for each engine of ``acc`` (an engine
-    set, overwritten); other entries untouched. ``ring[i % _AHEAD]`` holds
-    block ``i``'s home slot in ``members[0]`` (from its prefetch, so that
-    each key is hashed once) for the first blocks on entry."""
+    keyed by row ``row0 + i * scale``, at most ``end``) that engine ``e``
+    holds in every member group, for each engine of ``acc`` (an engine set,
+    overwritten); other entries untouched.
+
+    Blocks are scanned in tiles: :func:`_gather_tile` (hashes, prefetches),
+    then the run logic on the cached rows. The caller gathered the first
+    tile (``min(_TILE0, end)`` blocks) into ``slots`` (int64 ``[_TILE]``,
+    scratch for the later tiles), during the previous request's logic;
+    later tiles double up to ``_TILE``. Blocks a tile loads past the run's
+    end are read but not used. (Gathering the next tile before a tile's
+    logic, speculatively, measured no faster: the waste offsets the gain.)"""
     nw = acc.shape[0]
     n_eng = runs.shape[1]
     n_mem = members.shape[0]
     g0 = members[0]
     i = 0
-    while i < end:
-        row = off + (i + 1) * scale - 1
-        j = i % _AHEAD
-        home = ring[j]
-        if i + _AHEAD < end:
-            ring[j] = _prefetch_block(table, g0, rows, row + _AHEAD * scale)
-        s = table_find_from(table, home, g0, rows, row)
-        alive = False
+    n = min(_TILE0, end)
+    if nw == 1 and n_mem == 1:
+        # The common case (at most 64 engines, one member group): the engine
+        # set in a register.
+        cur = acc[0]
+        while cur != 0 and i < end:
+            if i > 0:
+                n = min(2 * n, _TILE, end - i)
+                _gather_tile(table, g0, rows, row0 + i * scale, scale, n, slots)
+            for j in range(n):
+                s = table_find_from(table, slots[j], g0, rows, row0 + (i + j) * scale)
+                nxt = np.int64(0) if s < 0 else cur & table[s, b0]
+                if nxt != cur:
+                    # Engines whose run ends at block i + j.
+                    _store_bits(runs, r, 0, cur & ~nxt, i + j, n_eng)
+                    cur = nxt
+                    if cur == 0:
+                        break
+            i += n
+        if cur != 0:
+            _store_bits(runs, r, 0, cur, end, n_eng)
+        return
+    alive = True
+    while alive and i < end:
+        if i > 0:
+            n = min(2 * n, _TILE, end - i)
+            _gather_tile(table, g0, rows, row0 + i * scale, scale, n, slots)
+        for j in range(n):
+            row = row0 + (i + j) * scale
+            s = table_find_from(table, slots[j], g0, rows, row)
+            alive = False
+            for k in range(nw):
+                prev = acc[k]
+                if prev == 0:
+                    # Every engine of this word has already stopped.
+                    continue
+                cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
+                # A merged SpecGroup: the key must be in every member group.
+                m = 1
+                while cur != 0 and m < n_mem:
+                    t = table_find(table, members[m], rows, row)
+                    cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
+                    m += 1
+                if cur != prev:
+                    # Engines whose run ends at block i + j.
+                    _store_bits(runs, r, k, prev & ~cur, i + j, n_eng)
+                    acc[k] = cur
+                if cur != 0:
+                    alive = True
+            if not alive:
+                break
+        i += n
+    if alive:
         for k in range(nw):
-            prev = acc[k]
-            if prev == 0:
-                # Every engine of this word has already stopped.
-                continue
-            cur = np.int64(0) if s < 0 else prev & table[s, b0 + k]
-            # A merged SpecGroup: the key must be in every member group.
-            m = 1
-            while cur != 0 and m < n_mem:
-                t = table_find(table, members[m], rows, row)
-                cur = np.int64(0) if t < 0 else cur & table[t, b0 + k]
-                m += 1
-            if cur != prev:
-                # Engines whose run ends at block i.
-                _store_bits(runs, r, k, prev & ~cur, i, n_eng)
-                acc[k] = cur
-            if cur != 0:
-                alive = True
-        if not alive:
-            break
-        i += 1
-    for k in range(nw):
-        _store_bits(runs, r, k, acc[k], i, n_eng)
+            _store_bits(runs, r, k, acc[k], end, n_eng)
+
+
+@numba.njit(inline="always", **_JIT)
+def _gather_first(table, g0, rows, offsets, lengths, ends, scale, r, slots):
+    """:func:`_gather_tile` of request ``r``'s first tile."""
+    row0, end = _request_end(offsets, lengths, ends, scale, r)
+    _gather_tile(table, g0, rows, row0, scale, min(_TILE0, end), slots)
 
 
 @numba.njit(**_JIT)
 def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
     b0 = table.shape[1] - nw
     acc = np.empty(nw, dtype=np.int64)
-    ring = np.empty(_AHEAD, dtype=np.int64)
-    nxt = np.empty(_AHEAD, dtype=np.int64)
+    cur = np.empty(_TILE, dtype=np.int64)
+    nxt = np.empty(_TILE, dtype=np.int64)
     n_req = offsets.shape[0]
-    if n_req:
-        _prefetch_request(table, members[0], rows, offsets, lengths, ends, scale, 0,
-                          nxt)  # fmt: skip
+    g0 = members[0]
+    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
     for r in range(n_req):
-        ring, nxt = nxt, ring
+        cur, nxt = nxt, cur
         if r + 1 < n_req:
-            _prefetch_request(table, members[0], rows, offsets, lengths, ends,
-                              scale, r + 1, nxt)  # fmt: skip
+            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
         acc[:] = live
-        end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, runs, r,
-                     ring)  # fmt: skip
+        row0, end = _request_end(offsets, lengths, ends, scale, r)
+        _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, cur)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -315,25 +378,31 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         bound = lens[r] // align * align if lookup else lens[r]
         ends[r] = bound // bs
     acc = np.empty(nw, dtype=np.int64)
-    ring = np.empty(_AHEAD, dtype=np.int64)
-    nxt = np.empty(_AHEAD, dtype=np.int64)
+    cur = np.empty(_TILE, dtype=np.int64)
+    nxt = np.empty(_TILE, dtype=np.int64)
     g0 = members[0]
-    _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
+    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
     for r in range(n_req):
-        ring, nxt = nxt, ring
+        cur, nxt = nxt, cur
         if r + 1 < n_req:
-            _prefetch_request(table, g0, rows, offsets, lengths, ends, scale, r + 1,
-                              nxt)  # fmt: skip
+            # The next request's first tile loads during this one's logic.
+            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
         acc[:] = live
-        end = min(ends[r], lengths[r] // scale)
-        _run_request(table, b0, rows, offsets[r], end, scale, members, acc, out, r,
-                     ring)  # fmt: skip
+        row0, end = _request_end(offsets, lengths, ends, scale, r)
+        _run_request(table, b0, rows, row0, end, scale, members, acc, out, r, cur)
         # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
         ok = lengths[r] > 0 and (n_tok // align * align if lookup else n_tok) > 0
+        last_run = np.int64(-1)
+        last_hit = np.int64(0)
         for e in range(n_eng):
             run = out[r, e]
+            if run == last_run:
+                # Engines' runs repeat (most stop at the same block): the
+                # divisions below cost more than the scan of a cached block.
+                out[r, e] = last_hit
+                continue
             hit = _hit_of_run(run, bs, align, drop)
             if lookup:
                 # The store worker's rule: a hit covering the whole prompt is
@@ -344,6 +413,8 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
                 if not ok:
                     hit = 0
             out[r, e] = hit
+            last_run = run
+            last_hit = hit
 
 
 # ctz by de Bruijn multiplication: numba has no count-trailing-zeros intrinsic.
@@ -397,6 +468,23 @@ def full_runs(
     return runs
 
 
+@numba.njit(**_JIT)
+def full_hits_checked(table, rows, offsets, lengths, lens, members, live, params):
+    """:func:`full_hits` for a router's per-batch call, at the cost of one
+    dispatch (no Python wrapper): ``lens`` (int64 ``[B]``, any stride) is
+    checked here, before anything is read, and the output allocated here.
+    ``params`` int64 ``[7]``: :func:`full_hits`' six, then the number of
+    engines E. Returns ``(-1, hits int64 [B, E])``, or ``(r, int64 [0, 0])``
+    when ``lens[r]`` is the first negative length (nothing scanned)."""
+    for r in range(lens.shape[0]):
+        if lens[r] < 0:
+            return r, np.zeros((0, 0), dtype=np.int64)
+    out = np.zeros((offsets.shape[0], params[6]), dtype=np.int64)
+    if out.shape[0]:
+        _full_hits(table, rows, offsets, lengths, lens, members, live, params, out)
+    return -1, out
+
+
 def full_hits(
     table: np.ndarray,
     rows: np.ndarray,
@@ -424,3 +512,189 @@ def full_hits(
     if out.shape[0]:
         _full_hits(table, rows, offsets, lengths, lens, members, live, params, out)
     return out
+
+
+# -- hybrid layouts: engines that answer alike --------------------------------------
+
+
+@numba.njit(inline="always", **_JIT)
+def _low_engine(k, low):
+    """The engine of bit ``low`` (a power of two) of word ``k``."""
+    return k * 64 + _DEBRUIJN_INDEX[(low * _DEBRUIJN) >> np.uint64(58)]
+
+
+@numba.njit(inline="always", **_JIT)
+def _refine(x, label, size, cnt, remap, touched, n_class):
+    """Split every class by the engine set ``x`` (int64 ``[NW]``): the members
+    of a class that are in ``x`` move to a new class when some member is not.
+    ``size[c]`` is class ``c``'s member count; ``cnt`` / ``remap`` scratch
+    (zero / -1 on entry and exit). Returns the new number of classes."""
+    nt = 0
+    for k in range(x.shape[0]):
+        w = np.uint64(x[k])
+        while w != np.uint64(0):
+            low = w & (~w + np.uint64(1))
+            c = label[_low_engine(k, low)]
+            if cnt[c] == 0:
+                touched[nt] = c
+                nt += 1
+            cnt[c] += 1
+            w ^= low
+    for i in range(nt):
+        c = touched[i]
+        if cnt[c] < size[c]:
+            remap[c] = n_class
+            size[n_class] = cnt[c]
+            size[c] -= cnt[c]
+            n_class += 1
+    for k in range(x.shape[0]):
+        w = np.uint64(x[k])
+        while w != np.uint64(0):
+            low = w & (~w + np.uint64(1))
+            e = _low_engine(k, low)
+            if remap[label[e]] >= 0:
+                label[e] = remap[label[e]]
+            w ^= low
+    for i in range(nt):
+        cnt[touched[i]] = 0
+        remap[touched[i]] = -1
+    return n_class
+
+
+@numba.njit(**_JIT)
+def _engine_classes(table, nw, rows, offsets, lengths, runs, may, fscale, gids, steps,
+                    min_engines, rep):  # fmt: skip
+    n_req, n_eng = runs.shape
+    b0 = table.shape[1] - nw
+    label = np.zeros(n_eng, dtype=np.int64)
+    size = np.zeros(n_eng + 1, dtype=np.int64)
+    cnt = np.zeros(n_eng + 1, dtype=np.int64)
+    remap = np.full(n_eng + 1, -1, dtype=np.int64)
+    touched = np.empty(n_eng + 1, dtype=np.int64)
+    first = np.full(n_eng + 1, -1, dtype=np.int64)
+    win = np.zeros(n_eng, dtype=np.int64)
+    order = np.empty(n_eng, dtype=np.int64)
+    elig = np.zeros(nw, dtype=np.int64)
+    x = np.zeros(nw, dtype=np.int64)
+    n_grp = gids.shape[0]
+    tt = np.empty(_TILE + n_grp, dtype=np.int64)
+    gg = np.empty(_TILE + n_grp, dtype=np.int64)
+    home = np.empty(_TILE + n_grp, dtype=np.int64)
+    mask = table.shape[0] - 1
+    last = table.shape[1] - 1
+    for r in range(n_req):
+        off = offsets[r]
+        n_units = lengths[r]
+        m = 0
+        for e in range(n_eng):
+            rep[r, e] = -1
+            if may[r, e]:
+                win[e] = min(n_units, (runs[r, e] + 1) * fscale)
+                order[m] = e
+                m += 1
+        if m < min_engines:
+            # Too few engines for the probes below to pay: each its own class.
+            for i in range(m):
+                rep[r, order[i]] = order[i]
+            continue
+        by_win = order[:m][np.argsort(win[order[:m]], kind="mergesort")]
+        # First classes: the window (the leading run) alone; every member of
+        # a class then leaves the eligible set at the same row.
+        n_class = 0
+        elig[:] = 0
+        stop = 0  # rows past which no class has two members left
+        for i in range(m):
+            e = by_win[i]
+            if i == 0 or win[e] != win[by_win[i - 1]]:
+                n_class += 1
+            elif size[n_class - 1] == 1:
+                stop = win[e]
+            label[e] = n_class - 1
+            size[n_class - 1] += 1
+            elig[e >> 6] |= np.int64(1) << np.int64(e & 63)
+        p = 0
+        t0 = 0
+        while t0 < stop and n_class < m:
+            # A tile of keys (row t, group gi): home slots computed and
+            # prefetched together (see _gather_tile), then split on.
+            n = 0
+            t1 = t0
+            while t1 < stop and n + n_grp <= _TILE:
+                for gi in range(n_grp):
+                    if t1 % steps[gi] == steps[gi] - 1:
+                        tt[n] = t1
+                        gg[n] = gi
+                        home[n] = key_slot_hash(gids[gi], rows, off + t1) & mask
+                        n += 1
+                t1 += 1
+            for j in range(n):
+                prefetch_cell(table, home[j], 0)
+                prefetch_cell(table, home[j], last)
+            t0 = t1
+            for j in range(n):
+                if n_class == m:
+                    break  # every class a single engine: nothing left to split
+                t = tt[j]
+                while p < m and win[by_win[p]] <= t:
+                    e = by_win[p]
+                    elig[e >> 6] &= ~(np.int64(1) << np.int64(e & 63))
+                    p += 1
+                s = table_find_from(table, home[j], gids[gg[j]], rows, off + t)
+                some = False
+                split = False
+                for k in range(nw):
+                    xk = elig[k] & table[s, b0 + k] if s >= 0 else np.int64(0)
+                    x[k] = xk
+                    some = some or xk != 0
+                    split = split or xk != elig[k]
+                if some and split:
+                    n_class = _refine(x, label, size, cnt, remap, touched, n_class)
+        for i in range(m):
+            e = order[i]
+            c = label[e]
+            if first[c] < 0:
+                first[c] = e
+            rep[r, e] = first[c]
+        for c in range(n_class):
+            first[c] = -1
+            size[c] = 0
+
+
+def engine_classes(
+    table: np.ndarray,
+    num_words: int,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    runs: np.ndarray,
+    may: np.ndarray,
+    first_scale: int,
+    group_ids: np.ndarray,
+    steps: np.ndarray,
+    min_engines: int = 1,
+) -> np.ndarray:
+    """Engines whose single-engine scans of a request must answer alike:
+    ``rep[r, e]`` = the lowest engine of ``e``'s class for request ``r``
+    (int64 ``[B, E]``; -1 where ``may[r, e]`` (bool ``[B, E]``) is False).
+
+    A scan of request ``r`` against engine ``e`` reads only keys ``(g, row)``
+    at rows below ``W = min(lengths[r], (runs[r, e] + 1) * first_scale)``
+    (``runs``: the first SpecGroup's leading run of full-attention blocks,
+    unbounded; each later SpecGroup is asked at most the hit it left,
+    ``ReferenceCoordinator._find``), of group ``g`` at every
+    ``steps[g]``-th row (its blocks' last hash units; 1: fine-grained). Two
+    engines with the same ``W`` holding the same of those keys take the
+    same path through the scan and answer alike; so the classes are the
+    engines grouped by ``W``, split by every such key that some but not all
+    of the class hold. One probe per key (its engine set), whatever the
+    number of engines. ``table`` as :func:`full_runs`; ``rows``, ``offsets``,
+    ``lengths`` a HashBatch's ``host_arrays()``. A request with fewer than
+    ``min_engines`` engines that may hit it gets one class per engine (no
+    probe).
+    """
+    rep = np.empty(runs.shape, dtype=np.int64)
+    if runs.shape[0] and runs.shape[1]:
+        _engine_classes(table, np.int64(num_words), rows, offsets, lengths, runs,
+                        may, np.int64(first_scale), group_ids, steps,
+                        np.int64(min_engines), rep)  # fmt: skip
+    return rep

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import key_index
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import (
     case,
@@ -100,6 +100,31 @@ def test_fleet_parity_full_attention(data, apply_eagle):
     _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
 
 
+@settings(
+    max_examples=max(EXAMPLES // 2, 10),
+    deadline=None,
+    # The patch is the same for every example.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_engine_classes_share_scans_exactly(data, monkeypatch):
+    # Hybrid layouts past CLASS_MIN_ENGINES engines scan one engine per class
+    # of engines that must answer alike. Forced on here at any E, with
+    # engines that repeat another's store (real classes) and engines that
+    # differ from it by one key, as saved by the worker or at random.
+    from kvhit.coordinator import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
+    layout, requests, stores_, lens = data.draw(fleet_case())
+    n_more = data.draw(st.integers(1, 5))
+    for _ in range(n_more):
+        base = set(stores_[data.draw(st.integers(0, len(stores_) - 1))])
+        if base and data.draw(st.booleans()):
+            base.discard(data.draw(st.sampled_from(sorted(base))))
+        stores_.append(base)
+    _check(layout, requests, stores_, lens, apply_eagle=data.draw(st.booleans()))
+
+
 @pytest.mark.parametrize("engine_backend", ["torch", "reference"])
 @pytest.mark.parametrize("full", [False, True])
 @settings(max_examples=max(EXAMPLES // 4, 10), deadline=None)
@@ -117,14 +142,105 @@ def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
     calls = []
-    real = fleet_numba.full_hits
+    real = fleet_numba.full_hits_checked
     monkeypatch.setattr(
-        fleet_numba, "full_hits", lambda *a, **k: calls.append(1) or real(*a, **k)
+        fleet_numba,
+        "full_hits_checked",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
     )
     layout = make_layout("llama")
     reqs = [chained_hashes(1, 8), chained_hashes(2, 5)]
     _check(layout, reqs, [{(0, h) for h in reqs[0][:5]}, set()], [128, 80])
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("num_engines", [14, 70])
+def test_long_runs_cross_the_kernel_tiles(num_engines):
+    # The fused kernel loads blocks in tiles of 16, 32, 64, 64, ... and the
+    # next request's first tile early: runs ending on each side of every
+    # tile boundary, past the last one, at the prompt's end, and requests
+    # of no blocks or one between long ones.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(7, 300), [], chained_hashes(7, 1), chained_hashes(8, 200)]
+    cuts = [0, 1, 15, 16, 17, 47, 48, 49, 111, 112, 113, 175, 176, 177, 299, 300]
+    stores_ = [{(0, h) for h in reqs[0][: cuts[e % len(cuts)]]}
+               | {(0, h) for h in reqs[3][: cuts[-1 - e % len(cuts)]]}
+               for e in range(num_engines)]  # fmt: skip
+    fleet = make_fleet(stores_, capacity=1024)
+    batch = HashBatch.from_bytes(reqs, 8)
+    for lens in ([300 * 16, 0, 16, 200 * 16], [177 * 16 + 5, 16, 0, 49 * 16]):
+        got = engine.fleet_hits(batch, np.array(lens), fleet)
+        assert got.tolist() == expected(layout, reqs, stores_, lens)
+        got = engine.fleet_lookup(batch, np.array(lens), fleet)
+        assert got.tolist() == expected(layout, reqs, stores_, lens, lookup=True)
+
+
+def fleet_table(fleet):
+    """A copy of the numba fleet's joint table (keys, then engine sets)."""
+    return torch.cat([fleet.keys, fleet.bits], dim=1).numpy()
+
+
+def test_fused_kernel_entry_points_agree():
+    # full_hits (the launcher with its output passed in) and full_hits_checked
+    # (the router path's single dispatch) are one kernel; the latter refuses
+    # a negative length before reading anything.
+    from kvhit.kernels import fleet_numba
+
+    reqs = [chained_hashes(3, 70), chained_hashes(4, 3), []]
+    fleet = make_fleet([{(0, h) for h in reqs[0][:40]}, {(0, h) for h in reqs[1]}])
+    rows, offsets, lengths = HashBatch.from_bytes(reqs, 8).host_arrays()
+    members = np.array([0], dtype=np.int64)
+    live = fleet.live_words()
+    for lookup in (0, 1):
+        params = np.array([1, 1, 16, 16, 1, lookup, 2], dtype=np.int64)
+        lens = np.array([70 * 16, 48, 0], dtype=np.int64)
+        want = fleet_numba.full_hits(
+            fleet_table(fleet), rows, offsets, lengths, lens, members, live,
+            params[:6], 2,
+        )  # fmt: skip
+        bad, got = fleet_numba.full_hits_checked(
+            fleet_table(fleet), rows, offsets, lengths, lens, members, live, params
+        )
+        assert bad == -1 and np.array_equal(got, want)
+        assert want[0].tolist() == [40 * 16 - 16, 0]  # the EAGLE drop
+        bad, got = fleet_numba.full_hits_checked(
+            fleet_table(fleet), rows, offsets, lengths, np.array([5, -2, -1]),
+            members, live, params,
+        )  # fmt: skip
+        assert bad == 1 and got.size == 0
+
+
+def test_router_path_takes_numpy_and_tensor_lengths():
+    # A router's call: a from_ints batch and numpy lengths go straight to the
+    # fused kernel (lengths checked inside it); every other length type the
+    # general path takes. All answer alike; a negative length is refused
+    # naming the argument, whichever path saw it.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    fleet = make_fleet(stores_)
+    ints = [np.array([int.from_bytes(h, "little", signed=True) for h in r],
+                     dtype=np.int64) for r in reqs]  # fmt: skip
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    want = expected(layout, reqs, stores_, lens)
+    want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
+    strided = np.repeat(np.array(lens, dtype=np.int64), 2)[::2]
+    for value in (np.array(lens), np.array(lens, dtype=np.int32), strided,
+                  torch.tensor(lens), lens):  # fmt: skip
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+        assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+    for bad in (np.array([144, -1, 16, 33]), torch.tensor([144, 80, 16, -5])):
+        with pytest.raises(ValueError, match="max_lengths"):
+            engine.fleet_hits(batch, bad, fleet)
+        with pytest.raises(ValueError, match="num_tokens"):
+            engine.fleet_lookup(batch, bad, fleet)
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.fleet_hits(batch, np.array(lens[:3]), fleet)
+    with pytest.raises(ValueError, match="hash width"):
+        engine.fleet_hits(batch, np.array(lens), FleetIndex(3, 16))
 
 
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
