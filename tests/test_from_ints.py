@@ -281,3 +281,18 @@ def test_lazily_built_tensors_behave_like_eager_ones(reqs) -> None:
     assert repr(batch) == repr(eager)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         batch.nope  # noqa: B018
+
+
+def test_all_int64_arrays_take_one_check_and_one_copy() -> None:
+    reqs = [np.array([5, -6], dtype=np.int64), np.array([], dtype=np.int64)]
+    reqs.append(np.array([7], dtype=np.int64))
+    batch = HashBatch.from_ints(reqs)
+    assert batch.hashes[:, 0].tolist() == [5, -6, 7]
+    assert batch.offsets.tolist() == [0, 2, 2, 3]
+    assert not any(np.shares_memory(batch.hashes.numpy(), r) for r in reqs)
+    # Byte order, width and shape that are not native 1-D int64 go the
+    # checked way: the values are kept, a 2-D array is refused by request.
+    other = [np.array([5, -6], dtype=">i8"), np.array([7], dtype=np.int32)]
+    assert HashBatch.from_ints(other).hashes[:, 0].tolist() == [5, -6, 7]
+    with pytest.raises(ValueError, match="request 1: an array of hashes must be 1-D"):
+        HashBatch.from_ints([reqs[0], np.zeros((2, 1), dtype=np.int64)])
