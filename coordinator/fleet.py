@@ -65,14 +65,15 @@ COST OF A LOOKUP
   every active engine is scanned (E x the single-engine scan).
 
 Backends: numba on the CPU (the kernels of ``kernels/fleet_numba.py``,
-compiled); on any other device (``backend="torch"``) the table operations run
+compiled); with ``backend="torch"`` (any device) the table operations run
 as torch ops (the KeyIndex torch primitives). There the joint full-attention
 scan is torch ops too (every block below the bound probed once, no early
 stop, then ``[B, blocks, E]`` boolean ops), and other layouts probe each
 (group, hash) of the batch once for all engines, then run the LookupEngine's
 own backend (triton on CUDA) per engine over a small table of the batch's
-keys that engine holds. On CUDA (``backend.auto_backend``'s rule) the same
-tables are driven by Triton kernels instead (``_TritonOps``): keys inserted
+keys that engine holds. On CUDA (``backend.auto_backend``'s rule; the
+``"triton"`` backend) the same tables are driven by Triton kernels instead
+(``_TritonOps``): keys inserted
 and found by ``kernels/hash_index.py``, engine sets updated, and the joint
 full-attention scan (runs and hits in one launch) and ``prefix_blocks`` run
 by ``kernels/fleet_triton.py``; hybrid layouts keep the per-engine path.
@@ -122,7 +123,7 @@ __all__ = [
 ]
 
 #: Backends a FleetIndex accepts ("auto": numba on the CPU, torch elsewhere).
-FLEET_BACKENDS = ("auto", "numba", "torch")
+FLEET_BACKENDS = ("auto", "numba", "torch", "triton")
 #: The most engines a FleetIndex may hold (a bound on the ``[B, E]`` outputs).
 MAX_ENGINES = 1 << 16
 _STATE_VERSION = 1
@@ -246,13 +247,23 @@ class _TritonOps(_TorchOps):
         return self.triton()[0].probe_bits(keys, bits, gids, rows).cpu().numpy()
 
 
+def _entries_backend(backend: str) -> str:
+    # The entry index (a KeyIndex) of a Triton fleet shares the torch
+    # backend's layout; its few updates per call stay torch ops.
+    return "torch" if backend == "triton" else backend
+
+
 def _resolve_backend(backend: Any, device: torch.device) -> str:
     if not isinstance(backend, str) or backend not in FLEET_BACKENDS:
         raise ValueError(f"backend must be one of {FLEET_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "numba" if device.type == "cpu" else "torch"
+        if device.type == "cpu":
+            return "numba"
+        return "triton" if auto_backend(device) == "triton" else "torch"
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba' runs on the CPU only, device is {device}")
+    if backend == "triton" and auto_backend(device) != "triton":
+        raise ValueError(f"backend 'triton' runs on CUDA only, device is {device}")
     return backend
 
 
@@ -335,8 +346,9 @@ class FleetIndex:
             (doubling, with a rehash) before ``keys + tombstones`` would
             exceed ``max_load * capacity``.
         device: device of the tables; tensor arguments must be there.
-        backend: "numba" (CPU), "torch" (any device) or "auto" (numba on the
-            CPU, torch elsewhere).
+        backend: "numba" (CPU), "triton" (CUDA: the torch backend's tables
+            driven by Triton kernels), "torch" (any device) or "auto" (numba
+            on the CPU, triton on CUDA, torch elsewhere).
         max_load: the load factor bound, in ``key_index.MAX_LOAD_RANGE``.
 
     Keys are given as in :func:`kvhit.coordinator.key_index.normalize_keys`;
@@ -380,8 +392,8 @@ class FleetIndex:
         backend = _resolve_backend(backend, dev)
         cap = _next_pow2(capacity)
         nw = (num_engines + 63) // 64
-        entries = KeyIndex(hash_bytes, capacity=cap, device=dev, backend=backend,
-                           max_load=max_load)  # fmt: skip
+        entries = KeyIndex(hash_bytes, capacity=cap, device=dev,
+                           backend=_entries_backend(backend), max_load=max_load)  # fmt: skip
         self._init(
             num_engines,
             hash_bytes,
@@ -403,9 +415,13 @@ class FleetIndex:
         self.W = num_words(hash_bytes)
         self.NW = (num_engines + 63) // 64
         self._backend = backend
-        self._ops = _NumbaOps() if backend == "numba" else _TorchOps()
-        if backend == "torch" and auto_backend(keys.device) == "triton":
-            self._ops = _TritonOps()  # the Triton fleet kernels (CUDA)
+        self._ops = (
+            _NumbaOps()
+            if backend == "numba"
+            else _TritonOps()  # the Triton fleet kernels (CUDA)
+            if backend == "triton"
+            else _TorchOps()
+        )
         # The table probed (numba: keys and engine sets side by side, a row
         # per slot) and its views ``keys`` / ``bits``.
         self._table, self.keys, self.bits = self._ops.new_tables(
@@ -443,7 +459,7 @@ class FleetIndex:
 
     @property
     def backend(self) -> str:
-        """ "numba" or "torch"."""
+        """ "numba", "triton" or "torch"."""
         return self._backend
 
     @property
@@ -832,7 +848,7 @@ class FleetIndex:
                 "corrupted after state_dict()"
             )
         entries = KeyIndex.from_state_dict(state["entries"], device=dev,
-                                           backend=backend)  # fmt: skip
+                                           backend=_entries_backend(backend))  # fmt: skip
         if entries.hash_bytes != hash_bytes:
             raise ValueError("state['entries'] has another hash width")
         obj = cls.__new__(cls)

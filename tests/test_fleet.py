@@ -454,8 +454,10 @@ def test_bad_inputs_change_nothing():
     assert _same(before, _snapshot(fleet))
     with pytest.raises(ValueError, match="num_engines"):
         FleetIndex(0, 8)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="backend 'triton' runs on CUDA only"):
         FleetIndex(2, 8, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        FleetIndex(2, 8, backend="cuda")
     with pytest.raises(ValueError, match="max_load"):
         FleetIndex(2, 8, max_load=1.0)
 

@@ -58,8 +58,11 @@ def on_triton():
 
 
 def make_fleet(stores_, num_engines=None, capacity=16):
+    # Inside on_triton() the CUDA rule holds, so the fleet is a Triton one;
+    # outside, the torch fleet it is compared with.
+    triton = fleet_mod.auto_backend(torch.device("cpu")) == "triton"
     fleet = FleetIndex(num_engines or len(stores_), 8, capacity=capacity,
-                       backend="torch")  # fmt: skip
+                       backend="triton" if triton else "torch")  # fmt: skip
     for e, keys in enumerate(stores_):
         keys = sorted(keys)
         if keys:
@@ -306,7 +309,7 @@ def test_updates_against_a_model(data, E):
     # dict model's, and a slot left with no engine is a tombstone.
     hashes = [bytes([i]) * 8 for i in range(12)]
     with on_triton():
-        fleet = FleetIndex(E, 8, capacity=4, backend="torch")
+        fleet = FleetIndex(E, 8, capacity=4, backend="triton")
     model: dict[tuple[int, bytes], set[int]] = {}
     for _ in range(data.draw(st.integers(1, 4))):
         n = data.draw(st.integers(0, 12))
@@ -440,14 +443,14 @@ def test_prefix_blocks_equal_the_torch_fleet():
             assert int(want.max()) > 32 and not bool(want[:, 2].any())
 
 
-def fleet_answers(device, layout, reqs, adds, gone, lens, E):
+def fleet_answers(device, layout, reqs, adds, gone, lens, E, backend="torch"):
     """A FleetIndex on ``device`` after ``adds`` (engine, group, hash lists)
     and the removal of the entries ``gone`` and of one engine, and its
     answers for ``reqs``: (fleet, [hits, lookups, prefix runs])."""
     from kvhit.coordinator.fleet import prefix_blocks
 
     eng, grp, hs = adds
-    fleet = FleetIndex(E, 8, capacity=64, device=device, backend="torch")
+    fleet = FleetIndex(E, 8, capacity=64, device=device, backend=backend)
     assert fleet.add(eng, grp, hs) > 0
     fleet.remove([eng[i] for i in gone], [grp[i] for i in gone],
                  [hs[i] for i in gone])  # fmt: skip
@@ -484,8 +487,8 @@ def compare_fleets(device, n_req, max_blocks, num_engines, seed):
         case = (reqs, (eng, grp, hs), rng.sample(range(len(hs)), len(hs) // 200),
                 [len(r) * 16 - rng.randint(0, 20) for r in reqs], E)  # fmt: skip
         with on_triton() as calls:
-            fleet, got = fleet_answers(device, layout, *case)
-        assert len(calls) == 2
+            fleet, got = fleet_answers(device, layout, *case, backend="triton")
+        assert len(calls) == 2 and fleet.backend == "triton"
         cpu, want = fleet_answers("cpu", layout, *case)
         assert fleet.engine_sizes().tolist() == cpu.engine_sizes().tolist()
         assert len(fleet) == len(cpu) and fleet.tombstones == cpu.tombstones
