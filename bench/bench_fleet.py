@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvhit.bench.harness import MismatchError
-from kvhit.bench.peers import as_u64, load_dynamo
+from kvhit.bench.peers import as_u64, busy_host, load_dynamo
 from kvhit.bench.route import saved_keys, trace_batch
 from kvhit.bench.traces import load_trace
 from kvhit.bench.workloads import make_layout
@@ -150,6 +150,14 @@ def dynamo_scores(tree: Any, words: Sequence[np.ndarray], engines: int) -> np.nd
     return out
 
 
+def dynamo_find(tree: Any, words: Sequence[np.ndarray]) -> list[dict]:
+    """What a router gets from Dynamo for each request: ``find_matches``'s
+    scores, ``{(worker, dp_rank): blocks}`` (the u64 list conversion
+    included; turning them into a ``[B, E]`` array, as :func:`dynamo_scores`
+    does for the parity check, is not timed)."""
+    return [tree.find_matches(as_u64(w)).scores for w in words]
+
+
 # Read before every timed call of the Dynamo comparison, so that each starts
 # with cold caches, as a router's lookup of requests it has not seen does
 # (64 MiB: more than the last-level cache).
@@ -223,9 +231,11 @@ def sweep(preset: str, engines: Sequence[int], warm: int, batch: int,
 
 
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
-                  out) -> None:  # fmt: skip
+                  out, host_load: int = 0) -> None:  # fmt: skip
     """Full attention (llama: Full 16, hash 16, no EAGLE): per-engine hits in
-    blocks equal Dynamo's scores; time per request side by side."""
+    blocks equal Dynamo's scores; time per request side by side, with
+    ``host_load`` CPU-bound processes spinning beside the timed calls
+    (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host)."""
     rows = []
     for E in engines:
         wl = build_workload("llama", E, warm, batch)
@@ -244,12 +254,13 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             raise MismatchError(
                 f"E={E}: {bad} (request, engine) pairs differ from Dynamo"
             )
-        ours, theirs = _interleaved_us(
-            lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-                HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet),
-            lambda tree=tree, wl=wl, E=E: dynamo_scores(tree, wl.ints, E),
-            repeats,
-        )  # fmt: skip
+        with busy_host(host_load):
+            ours, theirs = _interleaved_us(
+                lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
+                    HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet),
+                lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints),
+                repeats,
+            )  # fmt: skip
         per_req = [
             f(t) / batch
             for t in (ours, theirs)
@@ -259,9 +270,11 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
         print(f"  dynamo E={E}: ours {per_req[0]:.2f} us/request, dynamo "
               f"{per_req[2]:.2f}", file=sys.stderr)  # fmt: skip
     out.write(f"\nllama (full attention), B = {batch}: kvhit fleet_hits (from_ints "
-              "packing included) vs Dynamo RadixTree.find_matches (u64 list "
+              "packing included) vs Dynamo RadixTree.find_matches(...).scores (u64 list "
               f"conversion included), us per request, {repeats} alternating repeats "
-              "in one process, caches evicted before each call; 0 mismatches\n\n")  # fmt: skip
+              "in one process, caches evicted before each call; host: "
+              f"{'quiet' if not host_load else f'{host_load} CPU-bound processes spinning'}"
+              "; 0 mismatches\n\n")  # fmt: skip
     out.write("| E | kvhit median | kvhit mean | Dynamo median | Dynamo mean | "
               "speedup (medians) | speedup (means) | (request, engine) pairs with a "
               "hit |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n")  # fmt: skip
@@ -279,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--presets", default="llama,dsv4-flash,qwen3-next")
     p.add_argument("--engines", default="1,8,64,256")
+    p.add_argument(
+        "--host-load",
+        default="0",
+        metavar="N[,N...]",
+        help="the Dynamo table once per N, with N CPU-bound processes "
+        "spinning beside it (default 0: a quiet host)",
+    )
     args = p.parse_args(argv)
     warm, repeats = (256, 5) if args.quick else (args.warm, args.repeats)
     engines = [int(e) for e in args.engines.split(",")]
@@ -288,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         if preset:
             sweep(preset, engines, warm, args.batch, repeats, out)
     if dynamo_available():
-        versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
-                      args.batch, repeats, out)  # fmt: skip
+        for load in (int(n) for n in args.host_load.split(",")):
+            versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
+                          args.batch, repeats, out, host_load=load)  # fmt: skip
     else:
         out.write("\n(Dynamo not importable: pip install ai-dynamo-runtime)\n")
     return 0
