@@ -95,6 +95,7 @@ from kvhit.kernels.contract import (
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
     key_slot_hash,
+    prefetch_cell,
     prefetch_row,
     table_find,
     table_find_counted,
@@ -180,10 +181,11 @@ def _candidate_limits(n_units, token_len, cand, partial, hbs, glim):
         glim[gid] = lim
 
 
-@numba.njit(**_JIT)
-def _is_candidate(u, glim, cand, gid, partial):
-    """Does the store worker ask about hash unit ``u`` for group ``gid``
-    (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
+@numba.njit(inline="always", **_JIT)
+def _is_candidate(u, blk, bscale, glim, cand, gid, partial):
+    """Does the store worker ask about hash unit ``u`` (block ``blk`` at
+    hash-unit scale ``bscale``: ``u = (blk + 1) * bscale - 1``) for group
+    ``gid`` (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
     ``ReferenceCoordinator.lookup_candidates``."""
     if cand[gid, CAND_CACHEABLE] == 0:
         return False
@@ -191,7 +193,10 @@ def _is_candidate(u, glim, cand, gid, partial):
         return u < glim[gid]
     s = cand[gid, CAND_SCALE]
     u1 = u + 1
-    if s == 1:
+    if s == bscale:
+        # The scan's own blocks (the common case): chunk ``blk``, no division.
+        c = blk
+    elif s == 1:
         c = u
     else:
         c = u1 // s - 1
@@ -258,12 +263,14 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
     return False
 
 
-@numba.njit(**_JIT)
-def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
-           partial, hbs):  # fmt: skip
-    """Is hash unit ``u`` of the request present for every member group of
-    SpecGroup ``sgi``? A merged SpecGroup hits only when every member holds
-    the hash (reference ``_Pool.hit``). Units past the hashes are misses."""
+@numba.njit(inline="always", **_JIT)
+def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
+           cand, partial, hbs):  # fmt: skip
+    """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
+    request present for every member group of SpecGroup ``sgi``? A merged
+    SpecGroup hits only when every member holds the hash (reference
+    ``_Pool.hit``). Units past the hashes are misses."""
+    u = (blk + 1) * bscale - 1
     if u < 0 or u >= n_units:
         return False
     row = off + u
@@ -271,7 +278,7 @@ def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
         gid = sg[sgi, SG_MEMBERS + k]
         # Cheapest test first: the position rule, then the table, then (only
         # for a present key at a position the worker does not ask) the value.
-        odd = has_tl and not _is_candidate(u, glim, cand, gid, partial)
+        odd = has_tl and not _is_candidate(u, blk, bscale, glim, cand, gid, partial)
         if has_index:
             # ``glim`` carries counter columns only under count_probes.
             if glim.shape[0] > cand.shape[0]:
@@ -290,7 +297,7 @@ def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
 # -- prefetching --------------------------------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     """Start the loads of probing blocks ``first..last`` (either order) of
     SpecGroup ``sgi``: their hash rows, then every member's home slot.
@@ -309,16 +316,19 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     for i in range(lo, hi + 1):
         prefetch_row(rows, off + (i + 1) * scale - 1)
     mask = table.shape[0] - 1
+    last = table.shape[1] - 1
     for i in range(lo, hi + 1):
         r = off + (i + 1) * scale - 1
         for k in range(sg[sgi, SG_N_MEMBERS]):
-            prefetch_row(table, key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask)
+            home = key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask
+            prefetch_cell(table, home, 0)
+            prefetch_cell(table, home, last)
 
 
 # -- scan primitives -------------------------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
                  table, has_index, cand, partial, hbs):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
@@ -328,14 +338,14 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
         if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
             _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
                              off, n_units, rows, table)  # fmt: skip
-        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
-                      rows, table, has_index, cand, partial, hbs):  # fmt: skip
+        if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
+                      has_index, cand, partial, hbs):  # fmt: skip
             break
         count += 1
     return count
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
                has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
@@ -350,9 +360,8 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
         miss = -1
         for d in range(need):
             b = j - d
-            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, glim,
-                          has_tl, rows, table, has_index, cand, partial,
-                          hbs):  # fmt: skip
+            if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
+                          table, has_index, cand, partial, hbs):  # fmt: skip
                 miss = b
                 break
         if miss < 0:
