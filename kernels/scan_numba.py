@@ -57,7 +57,20 @@ Design (why it looks like this):
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on; smaller batches stay in cache).
+  on; smaller batches stay in cache). Rows are cheap to fetch early (no slot
+  hash): a run's stretch after next, and, once full attention has its
+  answer, the window each sliding-window group will search first
+  (``_prefetch_windows``), so those slot hashes do not wait on their rows
+  (1.03-1.05x).
+* **Memory, not the rule, is what is left.** Measured on the long-hit
+  workload (one thread, thread time per request, B = 1024): a warm scan
+  (its lines in cache) costs ~1.25 us, the cold one ~2.7 us, i.e. ~135 lines
+  (52 probes of a hash row and 1.6 table lines) at ~11 ns each, which is
+  what this machine's memory delivers to groups of ~8 independent misses.
+  Walking 16 requests' full-attention runs together, or a pre-pass probing
+  16 requests' first windows into a memo before their scans (AMAC-style),
+  put more misses in flight but made nothing faster (1.0x, and 0.6x while
+  numba's reference counting was on).
 
 Probes past a request's hashes are misses (the reference raises there). Each
 rule that re-spells a rule of ``coordinator/reference.py`` names the reference
@@ -146,7 +159,13 @@ _ST_COLS = 7
 # A bound no scan answer is known to hold down to.
 _NEVER = 1 << 62
 
-_JIT = {"cache": True, "nogil": True}
+# No reference counting (numba's ``_nrt`` flag off): no kernel here allocates
+# or returns an array, and every array it is given outlives the call, so the
+# atomic count updates numba would place around each array it passes or
+# slices (a view per request, a dozen arrays per call) only cost time: 1.04-
+# 1.09x on long-hit lookups. The threaded loop keeps it (its scheduler may
+# allocate).
+_JIT = {"cache": True, "nogil": True, "_nrt": False}
 
 # From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), the
 # scans prefetch a sliding window's blocks before probing them and a leading
@@ -158,6 +177,8 @@ _JIT = {"cache": True, "nogil": True}
 # Stretches of 4 and 16 were no better than 8.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
 _RUN_STRETCH = 8
+_AHEAD_ROWS = True
+_AHEAD_WINDOWS = True
 
 
 @numba.njit(**_JIT)
@@ -335,6 +356,44 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
             prefetch_cell(table, home, last)
 
 
+@numba.njit(inline="always", **_JIT)
+def _prefetch_rows(first, last, scale, off, n_units, rows):
+    """Start the loads of the hash rows of probing blocks ``first..last``
+    only (no slot hashing: cheap enough to spend on blocks a scan may not
+    reach). Hints only: no effect on results."""
+    hi = min(last, n_units // scale - 1)
+    for i in range(max(first, 0), hi + 1):
+        prefetch_row(rows, off + (i + 1) * scale - 1)
+
+
+@numba.njit(**_JIT)
+def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
+    """After full attention's first scan: start the row loads of the window
+    each sliding-window SpecGroup from ``start`` on will search first, as
+    ``_find_one``'s first round goes if those windows hit (its bound carried
+    along from ``curr``, the EAGLE margin included), so their slot hashes
+    need not wait a round trip for the rows. Hints only."""
+    multi = sg.shape[0] > 1
+    for idx in range(start, sg.shape[0]):
+        if sg[idx, SG_KIND] != KIND_SWA:
+            break
+        bs = sg[idx, SG_BLOCK_SIZE]
+        q = sg[idx, SG_PERIOD]
+        drop = apply_eagle and sg[idx, SG_USE_EAGLE] != 0
+        bound = curr
+        if multi and drop:
+            bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
+        need = max(sg[idx, SG_NEED] + (1 if drop else 0), 1)
+        top = bound // bs - 1
+        if top < need - 1:
+            break
+        j = top - (top - (0 if drop else q - 1)) % q
+        if j < need - 1:
+            break
+        _prefetch_rows(j - need + 1, j, sg[idx, SG_SCALE], off, n_units, rows)
+        curr = (j if drop else j + 1) * bs
+
+
 # -- scan primitives -------------------------------------------------------------
 
 
@@ -348,6 +407,9 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
         if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
             _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
                              off, n_units, rows, table)  # fmt: skip
+            if _AHEAD_ROWS:
+                _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
+                               scale, off, n_units, rows)  # fmt: skip
         if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
                       has_index, cand, partial, hbs):  # fmt: skip
             break
@@ -581,6 +643,9 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
+                if _AHEAD_WINDOWS and kind == KIND_FULL and has_index > 1:
+                    _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
+                                      rows, hbs)  # fmt: skip
             if drop:
                 st[idx, _ST_VERIFIED] = 1
             elif hit < curr:
@@ -724,7 +789,7 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
                  prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
                     prm, hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
