@@ -67,10 +67,10 @@ Design (why it looks like this):
   (its lines in cache) costs ~1.25 us, the cold one ~2.7 us, i.e. ~135 lines
   (52 probes of a hash row and 1.6 table lines) at ~11 ns each, which is
   what this machine's memory delivers to groups of ~8 independent misses.
-  Walking 16 requests' full-attention runs together, or a pre-pass probing
-  16 requests' first windows into a memo before their scans (AMAC-style),
-  put more misses in flight but made nothing faster (1.0x, and 0.6x while
-  numba's reference counting was on).
+  Putting more misses in flight across requests (AMAC-style) did not pay:
+  walking 16 requests' full-attention runs together 1.0x; a pre-pass
+  probing 16 requests' runs and first windows into a memo that their scans
+  read 0.77x (0.5-0.7x while numba's reference counting was on).
 
 Probes past a request's hashes are misses (the reference raises there). Each
 rule that re-spells a rule of ``coordinator/reference.py`` names the reference
