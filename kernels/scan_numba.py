@@ -731,6 +731,11 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
     n_units = lengths[r]
     st = scratch[r]
     max_len = token_lengths[r]
+    glim = gscr[r]
+    # count_probes' counter columns start at zero, for a request that asks
+    # about no key too.
+    for c in range(cand.shape[0], glim.shape[0]):
+        glim[c] = 0
     if lookup:
         n_tok = max_len
         token_len = n_tok // align * align
@@ -750,9 +755,6 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         token_len = token_lens[r] if has_tl else 0
         has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
-    glim = gscr[r]
-    for c in range(cand.shape[0], glim.shape[0]):
-        glim[c] = 0
     if has_tl:
         _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
     h = 0
