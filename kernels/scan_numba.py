@@ -58,9 +58,9 @@ Design (why it looks like this):
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
   on; smaller batches stay in cache). Rows are cheap to fetch early (no slot
-  hash): a run's stretch after next, and, once full attention has its
-  answer, the window each sliding-window group will search first
-  (``_prefetch_windows``), so those slot hashes do not wait on their rows
+  hash): a run's next stretch as a stretch starts and, once full attention
+  has its answer, the window each sliding-window group will search first
+  (``_prefetch_windows``), so those slot hashes wait less on their rows
   (1.03-1.05x).
 * **Memory, not the rule, is what is left.** Measured on the long-hit
   workload (one thread, thread time per request, B = 1024): a warm scan
