@@ -45,11 +45,32 @@ Design (why it looks like this):
   does not ask about. On the long-hit workload (``bench/probe_count.py``) a
   lookup makes ~52 probes against a floor of ~46 the rule needs, 1.2 slots
   and 1.6 cache lines each: the probes are few, their misses are what costs.
+* **The probe path is inlined.** ``_probe`` and the scan primitives that
+  call it (``_leading_run``, ``_rightmost``, ``_prefetch_blocks``) are
+  ``inline="always"``: as calls, each passed a dozen arrays (seven words
+  each) per probe, which cost about a third of a warm lookup's time and kept
+  the CPU from running ahead into the next probe's loads (long-hit B = 1024,
+  thread time: warm 2.15 -> 1.47 us per request, cold 6.4 -> 3.8 us without
+  prefetching). Inlining further up (``_scan_sg``: no change; ``_find_one``:
+  2.3x slower, numba then keeps reference counting in the loops) does not pay.
 * **Blocks probed as a group are fetched as a group.** A sliding window's
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on; smaller batches stay in cache).
+  on; smaller batches stay in cache). Rows are cheap to fetch early (no slot
+  hash): a run's next stretch as a stretch starts and, once full attention
+  has its answer, the window each sliding-window group will search first
+  (``_prefetch_windows``), so those slot hashes wait less on their rows
+  (1.03-1.05x).
+* **Memory, not the rule, is what is left.** Measured on the long-hit
+  workload (one thread, thread time per request, B = 1024): a warm scan
+  (its lines in cache) costs ~1.25 us, the cold one ~2.7 us, i.e. ~135 lines
+  (52 probes of a hash row and 1.6 table lines) at ~11 ns each, which is
+  what this machine's memory delivers to groups of ~8 independent misses.
+  Putting more misses in flight across requests (AMAC-style) did not pay:
+  walking 16 requests' full-attention runs together 1.0x; a pre-pass
+  probing 16 requests' runs and first windows into a memo that their scans
+  read 0.77x (0.5-0.7x while numba's reference counting was on).
 
 Probes past a request's hashes are misses (the reference raises there). Each
 rule that re-spells a rule of ``coordinator/reference.py`` names the reference
@@ -95,6 +116,7 @@ from kvhit.kernels.contract import (
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
     key_slot_hash,
+    prefetch_cell,
     prefetch_row,
     table_find,
     table_find_counted,
@@ -137,7 +159,13 @@ _ST_COLS = 7
 # A bound no scan answer is known to hold down to.
 _NEVER = 1 << 62
 
-_JIT = {"cache": True, "nogil": True}
+# No reference counting (numba's ``_nrt`` flag off): no kernel here allocates
+# or returns an array, and every array it is given outlives the call, so the
+# atomic count updates numba would place around each array it passes or
+# slices (a view per request, a dozen arrays per call) only cost time: 1.04-
+# 1.09x on long-hit lookups. The threaded loop keeps it (its scheduler may
+# allocate).
+_JIT = {"cache": True, "nogil": True, "_nrt": False}
 
 # From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), the
 # scans prefetch a sliding window's blocks before probing them and a leading
@@ -149,6 +177,8 @@ _JIT = {"cache": True, "nogil": True}
 # Stretches of 4 and 16 were no better than 8.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
 _RUN_STRETCH = 8
+_AHEAD_ROWS = True
+_AHEAD_WINDOWS = True
 
 
 @numba.njit(**_JIT)
@@ -180,10 +210,11 @@ def _candidate_limits(n_units, token_len, cand, partial, hbs, glim):
         glim[gid] = lim
 
 
-@numba.njit(**_JIT)
-def _is_candidate(u, glim, cand, gid, partial):
-    """Does the store worker ask about hash unit ``u`` for group ``gid``
-    (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
+@numba.njit(inline="always", **_JIT)
+def _is_candidate(u, blk, bscale, glim, cand, gid, partial):
+    """Does the store worker ask about hash unit ``u`` (block ``blk`` at
+    hash-unit scale ``bscale``: ``u = (blk + 1) * bscale - 1``) for group
+    ``gid`` (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
     ``ReferenceCoordinator.lookup_candidates``."""
     if cand[gid, CAND_CACHEABLE] == 0:
         return False
@@ -191,7 +222,10 @@ def _is_candidate(u, glim, cand, gid, partial):
         return u < glim[gid]
     s = cand[gid, CAND_SCALE]
     u1 = u + 1
-    if s == 1:
+    if s == bscale:
+        # The scan's own blocks (the common case): chunk ``blk``, no division.
+        c = blk
+    elif s == 1:
         c = u
     else:
         c = u1 // s - 1
@@ -258,12 +292,14 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
     return False
 
 
-@numba.njit(**_JIT)
-def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
-           partial, hbs):  # fmt: skip
-    """Is hash unit ``u`` of the request present for every member group of
-    SpecGroup ``sgi``? A merged SpecGroup hits only when every member holds
-    the hash (reference ``_Pool.hit``). Units past the hashes are misses."""
+@numba.njit(inline="always", **_JIT)
+def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
+           cand, partial, hbs):  # fmt: skip
+    """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
+    request present for every member group of SpecGroup ``sgi``? A merged
+    SpecGroup hits only when every member holds the hash (reference
+    ``_Pool.hit``). Units past the hashes are misses."""
+    u = (blk + 1) * bscale - 1
     if u < 0 or u >= n_units:
         return False
     row = off + u
@@ -271,7 +307,7 @@ def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
         gid = sg[sgi, SG_MEMBERS + k]
         # Cheapest test first: the position rule, then the table, then (only
         # for a present key at a position the worker does not ask) the value.
-        odd = has_tl and not _is_candidate(u, glim, cand, gid, partial)
+        odd = has_tl and not _is_candidate(u, blk, bscale, glim, cand, gid, partial)
         if has_index:
             # ``glim`` carries counter columns only under count_probes.
             if glim.shape[0] > cand.shape[0]:
@@ -290,7 +326,7 @@ def _probe(u, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index, cand,
 # -- prefetching --------------------------------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     """Start the loads of probing blocks ``first..last`` (either order) of
     SpecGroup ``sgi``: their hash rows, then every member's home slot.
@@ -300,7 +336,9 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     will probe as a group (a sliding window, the next stretch of a leading
     run) are fetched together instead, so their misses overlap. The rows
     first, all of them: the slot hashes then wait for one row miss, not one
-    each. Hints only: no effect on results."""
+    each. Both ends of a home slot: a 40-byte slot straddles two 64-byte
+    lines half the time, and its key words are read right after its group
+    id. Hints only: no effect on results."""
     lo = max(min(first, last), 0)
     hi = max(first, last)
     # Only blocks keyed inside the request: block i reads hash unit
@@ -309,16 +347,57 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     for i in range(lo, hi + 1):
         prefetch_row(rows, off + (i + 1) * scale - 1)
     mask = table.shape[0] - 1
+    last = table.shape[1] - 1
     for i in range(lo, hi + 1):
         r = off + (i + 1) * scale - 1
         for k in range(sg[sgi, SG_N_MEMBERS]):
-            prefetch_row(table, key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask)
+            home = key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask
+            prefetch_cell(table, home, 0)
+            prefetch_cell(table, home, last)
+
+
+@numba.njit(inline="always", **_JIT)
+def _prefetch_rows(first, last, scale, off, n_units, rows):
+    """Start the loads of the hash rows of probing blocks ``first..last``
+    only (no slot hashing: cheap enough to spend on blocks a scan may not
+    reach). Hints only: no effect on results."""
+    hi = min(last, n_units // scale - 1)
+    for i in range(max(first, 0), hi + 1):
+        prefetch_row(rows, off + (i + 1) * scale - 1)
+
+
+@numba.njit(**_JIT)
+def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
+    """After full attention's first scan: start the row loads of the window
+    each sliding-window SpecGroup from ``start`` on will search first, as
+    ``_find_one``'s first round goes if those windows hit (its bound carried
+    along from ``curr``, the EAGLE margin included), so their slot hashes
+    need not wait a round trip for the rows. Hints only."""
+    multi = sg.shape[0] > 1
+    for idx in range(start, sg.shape[0]):
+        if sg[idx, SG_KIND] != KIND_SWA:
+            break
+        bs = sg[idx, SG_BLOCK_SIZE]
+        q = sg[idx, SG_PERIOD]
+        drop = apply_eagle and sg[idx, SG_USE_EAGLE] != 0
+        bound = curr
+        if multi and drop:
+            bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
+        need = max(sg[idx, SG_NEED] + (1 if drop else 0), 1)
+        top = bound // bs - 1
+        if top < need - 1:
+            break
+        j = top - (top - (0 if drop else q - 1)) % q
+        if j < need - 1:
+            break
+        _prefetch_rows(j - need + 1, j, sg[idx, SG_SCALE], off, n_units, rows)
+        curr = (j if drop else j + 1) * bs
 
 
 # -- scan primitives -------------------------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
                  table, has_index, cand, partial, hbs):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
@@ -328,14 +407,17 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
         if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
             _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
                              off, n_units, rows, table)  # fmt: skip
-        if not _probe((i + 1) * scale - 1, sg, sgi, off, n_units, glim, has_tl,
-                      rows, table, has_index, cand, partial, hbs):  # fmt: skip
+            if _AHEAD_ROWS:
+                _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
+                               scale, off, n_units, rows)  # fmt: skip
+        if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
+                      has_index, cand, partial, hbs):  # fmt: skip
             break
         count += 1
     return count
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
                has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
@@ -350,9 +432,8 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
         miss = -1
         for d in range(need):
             b = j - d
-            if not _probe((b + 1) * scale - 1, sg, sgi, off, n_units, glim,
-                          has_tl, rows, table, has_index, cand, partial,
-                          hbs):  # fmt: skip
+            if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
+                          table, has_index, cand, partial, hbs):  # fmt: skip
                 miss = b
                 break
         if miss < 0:
@@ -562,6 +643,9 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
+                if _AHEAD_WINDOWS and kind == KIND_FULL and has_index > 1:
+                    _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
+                                      rows, hbs)  # fmt: skip
             if drop:
                 st[idx, _ST_VERIFIED] = 1
             elif hit < curr:
@@ -647,6 +731,11 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
     n_units = lengths[r]
     st = scratch[r]
     max_len = token_lengths[r]
+    glim = gscr[r]
+    # count_probes' counter columns start at zero, for a request that asks
+    # about no key too.
+    for c in range(cand.shape[0], glim.shape[0]):
+        glim[c] = 0
     if lookup:
         n_tok = max_len
         token_len = n_tok // align * align
@@ -666,9 +755,6 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         token_len = token_lens[r] if has_tl else 0
         has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
-    glim = gscr[r]
-    for c in range(cand.shape[0], glim.shape[0]):
-        glim[c] = 0
     if has_tl:
         _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
     h = 0
@@ -705,7 +791,7 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
                  prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
                     prm, hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):

@@ -313,3 +313,50 @@ def test_probe_count_table():
     assert t.slots_per_probe >= 1 and t.lines_per_probe >= 1
     assert t.fixed_call_us > 0
     assert main(["--requests", "4", "--preset", "llama"]) == 0
+
+
+def test_count_probes_counts_nothing_for_a_request_that_asks_nothing():
+    """A request with no hashes, or one shorter than the alignment, makes no
+    probe: its counter row is zeros (not what the scratch held)."""
+    from kvhit.kernels.probe_numba import COUNT_COLS
+
+    layout = make_layout("dsv4-flash")
+    hashes = chained_hashes(41, 300)
+    keys = saved_keys(layout, hashes, 1200)
+    for _ in range(3):  # fresh scratch each call: garbage would show
+        hit, counts = _count(
+            layout, [[], hashes[:2], hashes], [0, 8, 1200], {k for k in keys}
+        )
+        assert hit[:2].tolist() == [0, 0] and hit[2] > 0
+        assert (counts[:2] == 0).all()
+        assert counts.shape == (3, COUNT_COLS + len(layout.spec_groups))
+        assert counts[2, 0] > 0
+
+
+@pytest.mark.parametrize("parallel", THREADS)
+@pytest.mark.parametrize("preset", ["dsv4-longhit", "dsv4-flash"])
+def test_prefetching_scans_answer_as_the_plain_ones(preset, parallel):
+    """Long prompts with prefetching forced on (the run stretches and the
+    rows fetched ahead, the windows fetched once full attention answers)
+    and off: the same hits as the reference, in both lookup and find."""
+    wl = generate(
+        preset,
+        TrafficConfig(num_requests=40, max_tokens=6000, hash_bytes=16, seed=11),
+    )
+    engine = LookupEngine(wl.layout, backend="numba")
+    engine.impl.parallel = parallel
+    index = wl.key_index()
+    batch = wl.hash_batch()
+    want = wl.reference_lookup()
+    found = {}
+    for on in (False, True):
+        with _prefetching(on):
+            assert engine.lookup(batch, list(wl.num_tokens), index).tolist() == want
+            found[on] = engine.find_longest_cache_hit(
+                batch, list(wl.num_tokens), index, with_masks=True
+            )
+    assert any(want)
+    assert found[True].hit_lengths.tolist() == found[False].hit_lengths.tolist()
+    assert [m.tolist() for m in found[True].masks] == [
+        m.tolist() for m in found[False].masks
+    ]
