@@ -92,3 +92,30 @@ def pytest_collection_modifyitems(config, items):
         # checkout under a folder named "gpu" would skip every test).
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# -- vLLM 0.33.0's real code (the oracle install) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """vLLM's modules importable for a test module (the oracle install,
+    ``.ci/install-vllm-oracle``); the module's tests skip, with the reason,
+    where it is absent."""
+    from kvhit.bench import vllm_oracle as vo
+
+    mods, reason = vo.load_vllm()
+    if mods is None:
+        pytest.skip(reason)
+    with vo.vllm_importable() as m:
+        yield m
+
+
+@pytest.fixture
+def sched_harness(vllm_env, tmp_path, monkeypatch):
+    """``tests/vllm_sched_harness`` (vLLM's real Scheduler, stock or with
+    kvhit's connector) with vLLM's IPC sockets in this test's tmp_path."""
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    import vllm_sched_harness
+
+    return vllm_sched_harness

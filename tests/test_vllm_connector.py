@@ -24,24 +24,10 @@ import time
 import pytest
 import vllm_sched_harness
 
-from kvhit.bench import vllm_oracle as vo
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    mods, reason = vo.load_vllm()
-    if mods is None:
-        pytest.skip(reason)
-    with vo.vllm_importable() as m:
-        yield m
-
 
 @pytest.fixture
-def harness(vllm_env, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
-    import vllm_sched_harness as h
-
-    return h
+def harness(sched_harness):
+    return sched_harness
 
 
 # -- a workload -------------------------------------------------------------------

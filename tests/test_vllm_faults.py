@@ -25,8 +25,6 @@ import time
 import pytest
 from test_vllm_connector import fill_store, prompts
 
-from kvhit.bench import vllm_oracle as vo
-
 #: The bound the tests configure (the default is 1 s; smaller keeps them fast).
 BOUND_S = 0.6
 STORE_S = 0.25
@@ -34,21 +32,9 @@ STORE_S = 0.25
 SLACK_S = 0.25
 
 
-@pytest.fixture(scope="module")
-def vllm_env():
-    mods, reason = vo.load_vllm()
-    if mods is None:
-        pytest.skip(reason)
-    with vo.vllm_importable() as m:
-        yield m
-
-
 @pytest.fixture
-def h(vllm_env, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
-    import vllm_sched_harness
-
-    return vllm_sched_harness
+def h(sched_harness):
+    return sched_harness
 
 
 def setup(
