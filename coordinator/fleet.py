@@ -1143,14 +1143,17 @@ def fleet_full_host(
 def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
     """:func:`_fleet_full` on CUDA: one launch of the Triton kernel (runs and
     hits), int64 ``[B, E]`` on the device."""
-    host = _host_plan(engine)
-    drop = host.use_eagle and (apply_eagle or lookup)
-    # The Triton launcher takes E apart: the first six of the numba params.
-    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)[:6]
+    # Not _host_plan: that holds the numba kernels, and a CUDA machine may
+    # have no numba. The launcher copies members to the device once per value.
+    plan = engine.plan
+    sg = plan.spec_groups[0]
+    drop = bool(sg.use_eagle and (apply_eagle or lookup))
+    members = np.array(sg.group_ids, dtype=np.int64)
+    params = (fleet.NW, sg.scale, sg.block_size, plan.alignment, drop, bool(lookup))
     view = batch.view()
     return fleet._ops.triton()[0].full_hits(
         fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
-        host.members, fleet._live, params, fleet.num_engines,
+        members, fleet._live, params, fleet.num_engines,
     )  # fmt: skip
 
 
