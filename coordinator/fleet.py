@@ -56,7 +56,9 @@ COST OF A LOOKUP
   request that at least :data:`CLASS_MIN_ENGINES` engines may hit, engines
   that must answer alike share one scan
   (``kernels/fleet_numba.engine_classes``): a scan reads keys only below the
-  first SpecGroup's run, so engines are grouped by that run, then split by
+  block ending the first SpecGroup's run (plus, under EAGLE, one proof
+  margin: a later SpecGroup is scanned that far past the hit it is given),
+  so engines are grouped by that run, then split by
   each key below it that some but not all of them hold, one probe per key
   for all engines. The cost is then the keys below the runs plus one scan
   per class: on the Mooncake trace, where engines share the prompts' first
@@ -1335,15 +1337,20 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=32)
-def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray]:
+def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray, int]:
     """Every group id of the plan and the step of the rows a scan may probe
-    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each."""
+    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each;
+    and the largest EAGLE proof margin in hash units (a later SpecGroup
+    under EAGLE is scanned that far past the hit it is given:
+    ``ReferenceCoordinator._round``)."""
     gids, steps = [], []
     for sg in plan.spec_groups:
         for g in sg.group_ids:
             gids.append(g)
             steps.append(1 if sg.fine else sg.scale)
-    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64)
+    hbs = plan.hash_block_size
+    margin = max(-(-sg.margin // hbs) for sg in plan.spec_groups)
+    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64), margin
 
 
 #: Hybrid layouts: a request that fewer engines than this may hit scans
@@ -1375,11 +1382,11 @@ def _engine_classes(plan, view, fleet, may, runs) -> np.ndarray:
     ``may`` is False."""
     from kvhit.kernels import fleet_numba
 
-    gids, steps = _class_groups(plan)
+    gids, steps, margin = _class_groups(plan)
     return fleet_numba.engine_classes(
         fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(),
         view.lengths.numpy(), runs, np.ascontiguousarray(may),
-        plan.spec_groups[0].scale, gids, steps, CLASS_MIN_ENGINES,
+        plan.spec_groups[0].scale, margin, gids, steps, CLASS_MIN_ENGINES,
     )  # fmt: skip
 
 
