@@ -87,7 +87,7 @@ import functools
 import hashlib
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -1458,6 +1458,10 @@ def prefix_blocks(
         raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
     check_fleet(fleet, batch, batch.device)
     scale = _check_int(scale, "scale", 1)
+    if isinstance(group_ids, str | bytes) or not isinstance(group_ids, Iterable):
+        raise TypeError(
+            f"group_ids must be a sequence of ints, got {type(group_ids).__name__}"
+        )
     gids = [_check_int(g, "group_ids", 0) for g in group_ids]
     if not gids:
         raise ValueError("group_ids must name at least one group")
@@ -1467,14 +1471,7 @@ def prefix_blocks(
     if max_blocks is None:
         ends = n_units // scale
     else:
-        ends = np.asarray(
-            max_blocks.cpu().numpy()
-            if isinstance(max_blocks, torch.Tensor)
-            else max_blocks,
-            dtype=np.int64,
-        )
-        if ends.shape != (B,) or bool((ends < 0).any()):
-            raise ValueError(f"max_blocks must be [{B}] ints >= 0")
+        ends = _max_blocks(max_blocks, B)
     members = np.array(gids, dtype=np.int64)
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=fleet.device)
@@ -1505,6 +1502,37 @@ def prefix_blocks(
         ok = np.logical_and.accumulate(held[rows], axis=0)
         runs[r] = ok.sum(axis=0)
     return torch.from_numpy(runs).to(fleet.device)
+
+
+def _max_blocks(value: Any, B: int) -> np.ndarray:
+    """:func:`prefix_blocks`' ``max_blocks`` as int64 ``[B]`` (a copy),
+    each an integer in ``[0, 2**63)``; TypeError/ValueError naming it (a
+    float or bool is refused, not truncated)."""
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        bad = next((i for i, v in enumerate(value) if not _is_int(v)), None)
+        if bad is not None:
+            raise TypeError(
+                f"max_blocks[{bad}] must be an int, got {type(value[bad]).__name__}"
+            )
+        if any(not 0 <= v < 1 << 63 for v in value):
+            raise ValueError(f"max_blocks must be [{B}] ints in [0, 2**63)")
+        arr = np.array([int(v) for v in value], dtype=np.int64)
+    else:
+        raise TypeError(
+            "max_blocks must be an int64 tensor, an integer array or a sequence "
+            f"of ints, got {type(value).__name__}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"max_blocks must hold integers, got dtype {arr.dtype}")
+    if arr.shape != (B,):
+        raise ValueError(f"max_blocks must have shape [{B}], got {list(arr.shape)}")
+    if B and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 63):
+        raise ValueError(f"max_blocks must be [{B}] ints in [0, 2**63)")
+    return arr.astype(np.int64)
 
 
 # --------------------------------------------------------------------------

@@ -817,3 +817,92 @@ def test_engine_classes_more_groups_than_a_tile():
         text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_prefix_blocks_refuses_lengths_it_would_truncate():
+    # max_blocks of floats or bools were cast to int64 (2.9 -> 2 blocks, True
+    # -> 1): a wrong score instead of an error naming the argument.
+    from kvhit.coordinator.fleet import prefix_blocks
+
+    h = chained_hashes(1, 6)
+    fleet = make_fleet([{(0, x) for x in h}, set()])
+    batch = HashBatch.from_bytes([h, h[:2]], 8)
+    assert prefix_blocks(batch, fleet, [0], 1, [3, 5]).tolist() == [[3, 0], [2, 0]]
+    assert prefix_blocks(batch, fleet, np.array([0]), 1,
+                         np.array([4, 1], np.uint8)).tolist() == [[4, 0], [1, 0]]  # fmt: skip
+    bad = [
+        (TypeError, [2.9, 1]),
+        (TypeError, [True, 1]),
+        (TypeError, np.array([2.9, 1.0])),
+        (TypeError, torch.tensor([2.5, 1.0])),
+        (TypeError, torch.tensor([True, False])),
+        (TypeError, "ab"),
+        (TypeError, 3),
+        (ValueError, [2**70, 1]),
+        (ValueError, [-1, 1]),
+        (ValueError, np.array([1, 2, 3])),
+        (ValueError, np.array([2**64 - 1, 0], dtype=np.uint64)),
+    ]
+    for exc, value in bad:
+        with pytest.raises(exc, match="max_blocks"):
+            prefix_blocks(batch, fleet, [0], 1, value)
+    with pytest.raises(TypeError, match="group_ids"):
+        prefix_blocks(batch, fleet, 0, 1)
+
+
+def test_router_path_refuses_what_the_general_path_refuses():
+    # The router path (fleet_full_host: type tests, lengths checked inside
+    # the kernel) and the general path answer alike and refuse alike: every
+    # bad input raises naming the argument, the fleet unchanged; odd but
+    # valid inputs (int32, uint64, big-endian, read-only, strided, another
+    # backend, removed engines, 70 engines) give the general path's answer.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[(e % 2)][: e % 7]} for e in range(70)]
+    fleet = make_fleet(stores_)
+    fleet.remove_engine(5)
+    ints = [np.array([int.from_bytes(h, "little", signed=True) for h in r],
+                     dtype=np.int64) for r in reqs]  # fmt: skip
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    before = _snapshot(fleet)
+    read_only = np.array(lens)
+    read_only.flags.writeable = False
+    other = make_fleet(stores_, backend="torch")
+    other.remove_engine(5)
+    for method, name in ((engine.fleet_hits, "max_lengths"),
+                         (engine.fleet_lookup, "num_tokens")):  # fmt: skip
+        want = method(batch, lens, fleet).tolist()
+        assert not any(row[5] for row in want) and any(row[1] for row in want)
+        for value in (np.array(lens, np.int32), np.array(lens, np.uint64),
+                      np.array(lens, ">i8"), read_only,
+                      np.repeat(np.array(lens), 2)[::2],
+                      torch.tensor(np.repeat(np.array(lens), 2))[::2]):  # fmt: skip
+            assert method(batch, value, fleet).tolist() == want
+        assert method(batch, np.array(lens), other).tolist() == want
+        empty = HashBatch.from_ints([], 8)
+        assert list(method(empty, np.zeros(0, np.int64), fleet).shape) == [0, 70]
+        bad = [
+            (ValueError, name, batch, np.array([144, -1, 16, 33]), fleet),
+            (ValueError, name, batch, torch.tensor([144, 80, 16, -5]), fleet),
+            (ValueError, name, batch, np.array(lens[:3]), fleet),
+            (ValueError, name, batch, np.array(lens)[:, None], fleet),
+            (ValueError, name, empty, np.zeros(1, np.int64), fleet),
+            (TypeError, name, batch, np.array(lens, float), fleet),
+            (TypeError, name, batch, np.ones(4, bool), fleet),
+            (TypeError, name, batch, [True] * 4, fleet),
+            (TypeError, name, batch, torch.tensor(lens, dtype=torch.int32), fleet),
+            (TypeError, name, batch, torch.tensor(lens, dtype=torch.float64), fleet),
+            (ValueError, name, batch, torch.zeros(4, dtype=torch.int64,
+                                                  device="meta"), fleet),
+            (ValueError, name, batch, np.array([2**64 - 1, 0, 0, 0], np.uint64),
+             fleet),
+            (ValueError, "hash width", batch, np.array(lens), FleetIndex(70, 16)),
+            (TypeError, "fleet", batch, np.array(lens), None),
+            (TypeError, "batch", reqs, np.array(lens), fleet),
+        ]  # fmt: skip
+        for exc, match, b, value, f in bad:
+            with pytest.raises(exc, match=match):
+                method(b, value, f)
+            assert _same(before, _snapshot(fleet)), match
