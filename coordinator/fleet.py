@@ -1119,7 +1119,12 @@ def fleet_full_host(
     if not (host.full_lookup if lookup else host.full) or engine.device.type != "cpu":
         return None
     if type(lens) is torch.Tensor:
-        if lens.dtype is not torch.int64 or lens.requires_grad or lens.is_cuda:
+        if (
+            lens.dtype is not torch.int64
+            or lens.layout is not torch.strided
+            or lens.requires_grad
+            or lens.is_cuda
+        ):
             return None
         lens = lens.numpy() if lens.device.type == "cpu" else None
         if lens is None:

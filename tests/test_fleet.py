@@ -896,6 +896,7 @@ def test_router_path_refuses_what_the_general_path_refuses():
             (TypeError, name, batch, torch.tensor(lens, dtype=torch.float64), fleet),
             (ValueError, name, batch, torch.zeros(4, dtype=torch.int64,
                                                   device="meta"), fleet),
+            (TypeError, name, batch, torch.tensor(lens).to_sparse(), fleet),
             (ValueError, name, batch, np.array([2**64 - 1, 0, 0, 0], np.uint64),
              fleet),
             (ValueError, "hash width", batch, np.array(lens), FleetIndex(70, 16)),
@@ -906,3 +907,27 @@ def test_router_path_refuses_what_the_general_path_refuses():
             with pytest.raises(exc, match=match):
                 method(b, value, f)
             assert _same(before, _snapshot(fleet)), match
+
+
+def test_router_path_plan_cache_survives_engines_coming_and_going():
+    # fleet_full_host caches each plan's kernel parameters by id(plan),
+    # holding the plan: engines of two layouts (block 16 / block 32) made
+    # and dropped, more than the cache holds, each answering its own rule.
+    import gc
+
+    from kvhit import CacheLayout, FullAttention, Group
+
+    h = chained_hashes(3, 8)
+    stores_ = [{(0, x) for x in h[:5]}, {(0, x) for x in h}]
+    fleet = make_fleet(stores_)
+    ints = [np.array([int.from_bytes(x, "little", signed=True) for x in h])]
+    batch = HashBatch.from_ints(ints, 8)
+    for i in range(70):
+        bs = 16 * (1 + i % 2)
+        layout = CacheLayout([Group(FullAttention(bs))], bs, 16)
+        engine = LookupEngine(layout)
+        got = engine.fleet_hits(batch, np.array([128]), fleet).tolist()
+        assert got == expected(layout, [h], stores_, [128]), i
+        del engine, layout
+        if i % 16 == 0:
+            gc.collect()
