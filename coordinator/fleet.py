@@ -1345,17 +1345,22 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
 def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray, int]:
     """Every group id of the plan and the step of the rows a scan may probe
     it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each;
-    and the largest EAGLE proof margin in hash units (a later SpecGroup
-    under EAGLE is scanned that far past the hit it is given:
-    ``ReferenceCoordinator._round``)."""
+    and how many hash units past the start of the first SpecGroup's run
+    (full attention) a later SpecGroup's scan may read: the units of the
+    first's hit past it (fine-grained: up to ``scale - 1``; else none),
+    plus the largest EAGLE proof margin (a later SpecGroup under EAGLE is
+    scanned that far past the hit it is given: ``ReferenceCoordinator._round``;
+    ``fleet_numba.engine_classes``' ``reach_rows``)."""
     gids, steps = [], []
     for sg in plan.spec_groups:
         for g in sg.group_ids:
             gids.append(g)
             steps.append(1 if sg.fine else sg.scale)
     hbs = plan.hash_block_size
-    margin = max(-(-sg.margin // hbs) for sg in plan.spec_groups)
-    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64), margin
+    first = plan.spec_groups[0]
+    reach = max(-(-sg.margin // hbs) for sg in plan.spec_groups)
+    reach += first.scale - 1 if first.fine else 0
+    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64), reach
 
 
 #: Hybrid layouts: a request that fewer engines than this may hit scans
@@ -1387,11 +1392,11 @@ def _engine_classes(plan, view, fleet, may, runs) -> np.ndarray:
     ``may`` is False."""
     from kvhit.kernels import fleet_numba
 
-    gids, steps, margin = _class_groups(plan)
+    gids, steps, reach = _class_groups(plan)
     return fleet_numba.engine_classes(
         fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(),
         view.lengths.numpy(), runs, np.ascontiguousarray(may),
-        plan.spec_groups[0].scale, margin, gids, steps, CLASS_MIN_ENGINES,
+        plan.spec_groups[0].scale, reach, gids, steps, CLASS_MIN_ENGINES,
     )  # fmt: skip
 
 

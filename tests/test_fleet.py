@@ -748,7 +748,7 @@ def test_engine_classes_engines_near_one_run(data, apply_eagle, monkeypatch):
     _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
 
 
-@pytest.mark.parametrize("later", ["sliding_window", "full"])
+@pytest.mark.parametrize("later", ["sliding_window", "full", "fine"])
 def test_engine_classes_see_a_later_groups_eagle_margin(later, monkeypatch):
     # A later SpecGroup under EAGLE is scanned one proof margin (its block)
     # past the hit the full-attention run left, so it reads a hash row past
@@ -757,7 +757,9 @@ def test_engine_classes_see_a_later_groups_eagle_margin(later, monkeypatch):
     # sliding_window: blocks of 16 then 32 tokens, the run 2 blocks (32
     # tokens), the window rows 0-2, row 3 read; full: blocks of 4 then 16
     # tokens (another tag: another SpecGroup), the run 4 blocks (16 tokens),
-    # the window rows 0-4, row 7 read.
+    # the window rows 0-4, row 7 read; fine: partial hash hits, blocks of 32
+    # then 64 tokens, the run 2 blocks and a hash unit (80 tokens), the
+    # window rows 0-5, row 7 read.
     from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
     from kvhit.coordinator import fleet as fleet_module
 
@@ -770,6 +772,13 @@ def test_engine_classes_see_a_later_groups_eagle_margin(later, monkeypatch):
         )  # fmt: skip
         base = {(0, h[0]), (0, h[1]), (1, h[1])}
         extra, lens, want = (1, h[3]), [128], [[32, 0]]
+    elif later == "fine":
+        layout = CacheLayout(
+            [Group(FullAttention(32)), Group(SlidingWindow(64, 64), eagle=True)],
+            64, 16, use_eagle=True, partial_hash_hits=True,
+        )  # fmt: skip
+        base = {(0, x) for x in h[:5]} | {(1, h[3])}
+        extra, lens, want = (1, h[7]), [128], [[64, 0]]
     else:
         layout = CacheLayout(
             [Group(FullAttention(4)), Group(FullAttention(16, tag=0)),
