@@ -102,6 +102,7 @@ def check_tensor(
     - with ``holds_data``, not a meta tensor (ValueError); custom ops pass
       False because their fake implementations run on data-less tensors;
     - of ``dtype`` (TypeError);
+    - dense, not sparse (TypeError);
     - with ``dim``, exactly that many dimensions (ValueError); callers with a
       shape that depends on other arguments check it themselves, after this;
     - with ``device``, on that device (ValueError ``"<name> is on X,
@@ -117,6 +118,8 @@ def check_tensor(
         raise TypeError(
             f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}"
         )
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
     if device is not None and t.device != device:

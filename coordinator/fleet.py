@@ -56,7 +56,9 @@ COST OF A LOOKUP
   request that at least :data:`CLASS_MIN_ENGINES` engines may hit, engines
   that must answer alike share one scan
   (``kernels/fleet_numba.engine_classes``): a scan reads keys only below the
-  first SpecGroup's run, so engines are grouped by that run, then split by
+  block ending the first SpecGroup's run (plus, under EAGLE, one proof
+  margin: a later SpecGroup is scanned that far past the hit it is given),
+  so engines are grouped by that run, then split by
   each key below it that some but not all of them hold, one probe per key
   for all engines. The cost is then the keys below the runs plus one scan
   per class: on the Mooncake trace, where engines share the prompts' first
@@ -85,7 +87,7 @@ import functools
 import hashlib
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -1117,7 +1119,12 @@ def fleet_full_host(
     if not (host.full_lookup if lookup else host.full) or engine.device.type != "cpu":
         return None
     if type(lens) is torch.Tensor:
-        if lens.dtype is not torch.int64 or lens.requires_grad or lens.is_cuda:
+        if (
+            lens.dtype is not torch.int64
+            or lens.layout is not torch.strided
+            or lens.requires_grad
+            or lens.is_cuda
+        ):
             return None
         lens = lens.numpy() if lens.device.type == "cpu" else None
         if lens is None:
@@ -1338,15 +1345,25 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=32)
-def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray]:
+def _class_groups(plan: ScanPlan) -> tuple[np.ndarray, np.ndarray, int]:
     """Every group id of the plan and the step of the rows a scan may probe
-    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each."""
+    it at (its SpecGroup's scale; 1 when fine-grained): int64 ``[G]`` each;
+    and how many hash units past the start of the first SpecGroup's run
+    (full attention) a later SpecGroup's scan may read: the units of the
+    first's hit past it (fine-grained: up to ``scale - 1``; else none),
+    plus the largest EAGLE proof margin (a later SpecGroup under EAGLE is
+    scanned that far past the hit it is given: ``ReferenceCoordinator._round``;
+    ``fleet_numba.engine_classes``' ``reach_rows``)."""
     gids, steps = [], []
     for sg in plan.spec_groups:
         for g in sg.group_ids:
             gids.append(g)
             steps.append(1 if sg.fine else sg.scale)
-    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64)
+    hbs = plan.hash_block_size
+    first = plan.spec_groups[0]
+    reach = max(-(-sg.margin // hbs) for sg in plan.spec_groups)
+    reach += first.scale - 1 if first.fine else 0
+    return np.array(gids, dtype=np.int64), np.array(steps, dtype=np.int64), reach
 
 
 #: Hybrid layouts: a request that fewer engines than this may hit scans
@@ -1378,11 +1395,11 @@ def _engine_classes(plan, view, fleet, may, runs) -> np.ndarray:
     ``may`` is False."""
     from kvhit.kernels import fleet_numba
 
-    gids, steps = _class_groups(plan)
+    gids, steps, reach = _class_groups(plan)
     return fleet_numba.engine_classes(
         fleet._table_np, fleet.NW, view.rows.numpy(), view.offsets.numpy(),
         view.lengths.numpy(), runs, np.ascontiguousarray(may),
-        plan.spec_groups[0].scale, gids, steps, CLASS_MIN_ENGINES,
+        plan.spec_groups[0].scale, reach, gids, steps, CLASS_MIN_ENGINES,
     )  # fmt: skip
 
 
@@ -1454,6 +1471,10 @@ def prefix_blocks(
         raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
     check_fleet(fleet, batch, batch.device)
     scale = _check_int(scale, "scale", 1)
+    if isinstance(group_ids, str | bytes) or not isinstance(group_ids, Iterable):
+        raise TypeError(
+            f"group_ids must be a sequence of ints, got {type(group_ids).__name__}"
+        )
     gids = [_check_int(g, "group_ids", 0) for g in group_ids]
     if not gids:
         raise ValueError("group_ids must name at least one group")
@@ -1463,14 +1484,7 @@ def prefix_blocks(
     if max_blocks is None:
         ends = n_units // scale
     else:
-        ends = np.asarray(
-            max_blocks.cpu().numpy()
-            if isinstance(max_blocks, torch.Tensor)
-            else max_blocks,
-            dtype=np.int64,
-        )
-        if ends.shape != (B,) or bool((ends < 0).any()):
-            raise ValueError(f"max_blocks must be [{B}] ints >= 0")
+        ends = _max_blocks(max_blocks, B)
     members = np.array(gids, dtype=np.int64)
     if B == 0:
         return torch.zeros((0, E), dtype=torch.int64, device=fleet.device)
@@ -1501,6 +1515,37 @@ def prefix_blocks(
         ok = np.logical_and.accumulate(held[rows], axis=0)
         runs[r] = ok.sum(axis=0)
     return torch.from_numpy(runs).to(fleet.device)
+
+
+def _max_blocks(value: Any, B: int) -> np.ndarray:
+    """:func:`prefix_blocks`' ``max_blocks`` as int64 ``[B]`` (a copy),
+    each an integer in ``[0, 2**63)``; TypeError/ValueError naming it (a
+    float or bool is refused, not truncated)."""
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        bad = next((i for i, v in enumerate(value) if not _is_int(v)), None)
+        if bad is not None:
+            raise TypeError(
+                f"max_blocks[{bad}] must be an int, got {type(value[bad]).__name__}"
+            )
+        if any(not 0 <= v < 1 << 63 for v in value):
+            raise ValueError(f"max_blocks must be [{B}] ints in [0, 2**63)")
+        arr = np.array([int(v) for v in value], dtype=np.int64)
+    else:
+        raise TypeError(
+            "max_blocks must be an int64 tensor, an integer array or a sequence "
+            f"of ints, got {type(value).__name__}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"max_blocks must hold integers, got dtype {arr.dtype}")
+    if arr.shape != (B,):
+        raise ValueError(f"max_blocks must have shape [{B}], got {list(arr.shape)}")
+    if B and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 63):
+        raise ValueError(f"max_blocks must be [{B}] ints in [0, 2**63)")
+    return arr.astype(np.int64)
 
 
 # --------------------------------------------------------------------------

@@ -562,8 +562,8 @@ def _refine(x, label, size, cnt, remap, touched, n_class):
 
 
 @numba.njit(**_JIT)
-def _engine_classes(table, nw, rows, offsets, lengths, runs, may, fscale, gids, steps,
-                    min_engines, rep):  # fmt: skip
+def _engine_classes(table, nw, rows, offsets, lengths, runs, may, fscale, reach,
+                    gids, steps, min_engines, rep):  # fmt: skip
     n_req, n_eng = runs.shape
     b0 = table.shape[1] - nw
     label = np.zeros(n_eng, dtype=np.int64)
@@ -589,7 +589,8 @@ def _engine_classes(table, nw, rows, offsets, lengths, runs, may, fscale, gids, 
         for e in range(n_eng):
             rep[r, e] = -1
             if may[r, e]:
-                win[e] = min(n_units, (runs[r, e] + 1) * fscale)
+                run = runs[r, e]
+                win[e] = min(n_units, max((run + 1) * fscale, run * fscale + reach))
                 order[m] = e
                 m += 1
         if m < min_engines:
@@ -619,7 +620,9 @@ def _engine_classes(table, nw, rows, offsets, lengths, runs, may, fscale, gids, 
             # prefetched together (see _gather_tile), then split on.
             n = 0
             t1 = t0
-            while t1 < stop and n + n_grp <= _TILE:
+            # At least one row a tile (a layout may have more groups than
+            # _TILE: the scratch arrays hold _TILE + n_grp keys).
+            while t1 < stop and (n == 0 or n + n_grp <= _TILE):
                 for gi in range(n_grp):
                     if t1 % steps[gi] == steps[gi] - 1:
                         tt[n] = t1
@@ -669,6 +672,7 @@ def engine_classes(
     runs: np.ndarray,
     may: np.ndarray,
     first_scale: int,
+    reach_rows: int,
     group_ids: np.ndarray,
     steps: np.ndarray,
     min_engines: int = 1,
@@ -678,10 +682,15 @@ def engine_classes(
     (int64 ``[B, E]``; -1 where ``may[r, e]`` (bool ``[B, E]``) is False).
 
     A scan of request ``r`` against engine ``e`` reads only keys ``(g, row)``
-    at rows below ``W = min(lengths[r], (runs[r, e] + 1) * first_scale)``
-    (``runs``: the first SpecGroup's leading run of full-attention blocks,
-    unbounded; each later SpecGroup is asked at most the hit it left,
-    ``ReferenceCoordinator._find``), of group ``g`` at every
+    at rows below ``W = min(lengths[r], max((run + 1) * first_scale, run *
+    first_scale + reach_rows))``, ``run = runs[r, e]`` (``runs``: the first
+    SpecGroup's leading run of full-attention blocks, unbounded): the first
+    SpecGroup reads blocks up to the one that ends its run, and each later
+    SpecGroup is asked at most the hit the first left (at most ``run``
+    blocks, or fine-grained ``first_scale - 1`` hash units more), an EAGLE
+    SpecGroup one proof margin past it (``ReferenceCoordinator._round``);
+    ``reach_rows`` is that bound past the run's rows in hash units. Keys of
+    group ``g`` are read at every
     ``steps[g]``-th row (its blocks' last hash units; 1: fine-grained). Two
     engines with the same ``W`` holding the same of those keys take the
     same path through the scan and answer alike; so the classes are the
@@ -695,6 +704,6 @@ def engine_classes(
     rep = np.empty(runs.shape, dtype=np.int64)
     if runs.shape[0] and runs.shape[1]:
         _engine_classes(table, np.int64(num_words), rows, offsets, lengths, runs,
-                        may, np.int64(first_scale), group_ids, steps,
-                        np.int64(min_engines), rep)  # fmt: skip
+                        may, np.int64(first_scale), np.int64(reach_rows),
+                        group_ids, steps, np.int64(min_engines), rep)  # fmt: skip
     return rep

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import key_index
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import (
     case,
@@ -673,3 +673,270 @@ def test_merged_full_attention_groups_past_64_engines():
                 keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
         stores_.append(keys)
     _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
+
+
+@st.composite
+def eagle_hybrids(draw):
+    """A full-attention group and 1-3 later groups of other kinds or block
+    sizes (often larger than the first's: an EAGLE SpecGroup is scanned one
+    of its blocks past the hit the full-attention run left), EAGLE flags at
+    random."""
+    from kvhit import CacheLayout, FullAttention, Group, Mamba, SlidingWindow
+
+    hbs = draw(st.sampled_from([1, 4, 16]))
+    factor = draw(st.sampled_from([2, 4, 6, 8]))
+    divs = [d for d in range(1, factor + 1) if factor % d == 0]
+    groups = [Group(FullAttention(hbs * draw(st.sampled_from(divs[:-1]))),
+                    eagle=draw(st.booleans()))]  # fmt: skip
+    for i in range(draw(st.integers(1, 3))):
+        bs = hbs * draw(st.sampled_from(divs))
+        spec = draw(st.sampled_from([
+            SlidingWindow(bs, draw(st.integers(1, 2 * bs))), Mamba(bs),
+            FullAttention(bs, tag=i)]))  # fmt: skip
+        groups.append(Group(spec, eagle=draw(st.booleans())))
+    try:
+        return CacheLayout(groups, hbs * factor, hbs, use_eagle=True,
+                           partial_hash_hits=draw(st.booleans()))  # fmt: skip
+    except ValueError:
+        assume(False)
+
+
+@st.composite
+def near_runs(draw):
+    """A case whose engines hold, per group, a prefix of each request cut a
+    few hash units either side of engine 0's cut (so they share the first
+    SpecGroup's run and differ in keys just above or below it, in any
+    group), some with one key more or less anywhere; half the time an EAGLE
+    hybrid layout (later SpecGroups scanned a proof margin past the hit)."""
+    layout, requests, _, lens = draw(st.one_of(case(), case(eagle_hybrids())))
+    if draw(st.booleans()):
+        # Whole prompts: hits bounded by the keys, not by the lengths.
+        lens = [len(r) * layout.hash_block_size for r in requests]
+    G = layout.num_groups
+    longest = max(len(r) for r in requests)
+    # Groups cut near one another (within two scheduler blocks): a later
+    # group's keys around the first's run are the ones a scan may read.
+    f = layout.scheduler_block_size // layout.hash_block_size
+    cut = draw(st.integers(0, longest))
+    cuts0 = [max(0, cut + draw(st.integers(-2 * f, 2 * f))) for _ in range(G)]
+    universe = sorted({(g, h) for r in requests for h in r for g in range(G)})
+    stores_ = []
+    for e in range(draw(st.integers(2, 9))):
+        delta = [0] * G if e == 0 else [draw(st.integers(-2, 3)) for _ in range(G)]
+        keys = {(g, h) for r in requests for g in range(G)
+                for h in r[: max(0, cuts0[g] + delta[g])]}  # fmt: skip
+        if e and universe and draw(st.integers(0, 3)) == 0:
+            keys ^= {draw(st.sampled_from(universe))}
+        stores_.append(keys)
+    return layout, requests, stores_, lens
+
+
+@settings(
+    max_examples=max(EXAMPLES // 2, 10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=near_runs(), apply_eagle=st.booleans())
+def test_engine_classes_engines_near_one_run(data, apply_eagle, monkeypatch):
+    # Engine classes forced on (any E) where they are hardest: engines that
+    # share the first SpecGroup's run and differ in a key near it. A key a
+    # scan reads but the classes did not split on shows as a mismatch.
+    from kvhit.coordinator import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
+    layout, requests, stores_, lens = data
+    _check(layout, requests, stores_, lens, apply_eagle=apply_eagle)
+
+
+@pytest.mark.parametrize("later", ["sliding_window", "full", "fine"])
+def test_engine_classes_see_a_later_groups_eagle_margin(later, monkeypatch):
+    # A later SpecGroup under EAGLE is scanned one proof margin (its block)
+    # past the hit the full-attention run left, so it reads a hash row past
+    # the run's window. Engines 0 and 1 share the run and every key below
+    # the window and differ in that key: they must not share a scan.
+    # sliding_window: blocks of 16 then 32 tokens, the run 2 blocks (32
+    # tokens), the window rows 0-2, row 3 read; full: blocks of 4 then 16
+    # tokens (another tag: another SpecGroup), the run 4 blocks (16 tokens),
+    # the window rows 0-4, row 7 read; fine: partial hash hits, blocks of 32
+    # then 64 tokens, the run 2 blocks and a hash unit (80 tokens), the
+    # window rows 0-5, row 7 read.
+    from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
+    from kvhit.coordinator import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
+    h = chained_hashes(1, 8)
+    if later == "sliding_window":
+        layout = CacheLayout(
+            [Group(FullAttention(16)), Group(SlidingWindow(32, 16), eagle=True)],
+            32, 16, use_eagle=True,
+        )  # fmt: skip
+        base = {(0, h[0]), (0, h[1]), (1, h[1])}
+        extra, lens, want = (1, h[3]), [128], [[32, 0]]
+    elif later == "fine":
+        layout = CacheLayout(
+            [Group(FullAttention(32)), Group(SlidingWindow(64, 64), eagle=True)],
+            64, 16, use_eagle=True, partial_hash_hits=True,
+        )  # fmt: skip
+        base = {(0, x) for x in h[:5]} | {(1, h[3])}
+        extra, lens, want = (1, h[7]), [128], [[64, 0]]
+    else:
+        layout = CacheLayout(
+            [Group(FullAttention(4)), Group(FullAttention(16, tag=0)),
+             Group(FullAttention(16, tag=1), eagle=True)],
+            16, 4, use_eagle=True,
+        )  # fmt: skip
+        base = {(0, x) for x in h[:4]} | {(1, h[3]), (1, h[7]), (2, h[3])}
+        extra, lens, want = (2, h[7]), [32], [[16, 0]]
+    stores_ = [base | {extra}, base]
+    _check(layout, [h], stores_, lens)
+    engine = LookupEngine(layout)
+    got = engine.fleet_hits(HashBatch.from_bytes([h], 8), lens, make_fleet(stores_))
+    assert got.tolist() == want
+
+
+def test_engine_classes_more_groups_than_a_tile():
+    # Engine classes probe keys in tiles of 64 (group, row) pairs: a layout
+    # of more groups than that (one full-attention group and 64 sliding-
+    # window groups merged) must still make progress (it looped forever) and
+    # answer exactly. In a child process, so that a hang fails the test.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        from test_fleet import _check, chained_hashes
+        from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
+        from kvhit.coordinator import fleet as fleet_module
+
+        layout = CacheLayout(
+            [Group(FullAttention(16))] + [Group(SlidingWindow(16, 32))] * 64, 16, 16
+        )
+        h = chained_hashes(2, 6)
+        E = fleet_module.CLASS_MIN_ENGINES + 2
+        stores_ = [
+            {(0, x) for x in h[: 2 + e % 3]}
+            | {(g, x) for g in range(1, 65) for x in h[: 1 + e % 4]}
+            for e in range(E)
+        ]
+        _check(layout, [h, h[:3]], stores_, [96, 48])
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=here, timeout=240, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_prefix_blocks_refuses_lengths_it_would_truncate():
+    # max_blocks of floats or bools were cast to int64 (2.9 -> 2 blocks, True
+    # -> 1): a wrong score instead of an error naming the argument.
+    from kvhit.coordinator.fleet import prefix_blocks
+
+    h = chained_hashes(1, 6)
+    fleet = make_fleet([{(0, x) for x in h}, set()])
+    batch = HashBatch.from_bytes([h, h[:2]], 8)
+    assert prefix_blocks(batch, fleet, [0], 1, [3, 5]).tolist() == [[3, 0], [2, 0]]
+    assert prefix_blocks(batch, fleet, np.array([0]), 1,
+                         np.array([4, 1], np.uint8)).tolist() == [[4, 0], [1, 0]]  # fmt: skip
+    bad = [
+        (TypeError, [2.9, 1]),
+        (TypeError, [True, 1]),
+        (TypeError, np.array([2.9, 1.0])),
+        (TypeError, torch.tensor([2.5, 1.0])),
+        (TypeError, torch.tensor([True, False])),
+        (TypeError, "ab"),
+        (TypeError, 3),
+        (ValueError, [2**70, 1]),
+        (ValueError, [-1, 1]),
+        (ValueError, np.array([1, 2, 3])),
+        (ValueError, np.array([2**64 - 1, 0], dtype=np.uint64)),
+    ]
+    for exc, value in bad:
+        with pytest.raises(exc, match="max_blocks"):
+            prefix_blocks(batch, fleet, [0], 1, value)
+    with pytest.raises(TypeError, match="group_ids"):
+        prefix_blocks(batch, fleet, 0, 1)
+
+
+def test_router_path_refuses_what_the_general_path_refuses():
+    # The router path (fleet_full_host: type tests, lengths checked inside
+    # the kernel) and the general path answer alike and refuse alike: every
+    # bad input raises naming the argument, the fleet unchanged; odd but
+    # valid inputs (int32, uint64, big-endian, read-only, strided, another
+    # backend, removed engines, 70 engines) give the general path's answer.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[(e % 2)][: e % 7]} for e in range(70)]
+    fleet = make_fleet(stores_)
+    fleet.remove_engine(5)
+    ints = [np.array([int.from_bytes(h, "little", signed=True) for h in r],
+                     dtype=np.int64) for r in reqs]  # fmt: skip
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    before = _snapshot(fleet)
+    read_only = np.array(lens)
+    read_only.flags.writeable = False
+    other = make_fleet(stores_, backend="torch")
+    other.remove_engine(5)
+    for method, name in ((engine.fleet_hits, "max_lengths"),
+                         (engine.fleet_lookup, "num_tokens")):  # fmt: skip
+        want = method(batch, lens, fleet).tolist()
+        assert not any(row[5] for row in want) and any(row[1] for row in want)
+        for value in (np.array(lens, np.int32), np.array(lens, np.uint64),
+                      np.array(lens, ">i8"), read_only,
+                      np.repeat(np.array(lens), 2)[::2],
+                      torch.tensor(np.repeat(np.array(lens), 2))[::2]):  # fmt: skip
+            assert method(batch, value, fleet).tolist() == want
+        assert method(batch, np.array(lens), other).tolist() == want
+        empty = HashBatch.from_ints([], 8)
+        assert list(method(empty, np.zeros(0, np.int64), fleet).shape) == [0, 70]
+        bad = [
+            (ValueError, name, batch, np.array([144, -1, 16, 33]), fleet),
+            (ValueError, name, batch, torch.tensor([144, 80, 16, -5]), fleet),
+            (ValueError, name, batch, np.array(lens[:3]), fleet),
+            (ValueError, name, batch, np.array(lens)[:, None], fleet),
+            (ValueError, name, empty, np.zeros(1, np.int64), fleet),
+            (TypeError, name, batch, np.array(lens, float), fleet),
+            (TypeError, name, batch, np.ones(4, bool), fleet),
+            (TypeError, name, batch, [True] * 4, fleet),
+            (TypeError, name, batch, torch.tensor(lens, dtype=torch.int32), fleet),
+            (TypeError, name, batch, torch.tensor(lens, dtype=torch.float64), fleet),
+            (ValueError, name, batch, torch.zeros(4, dtype=torch.int64,
+                                                  device="meta"), fleet),
+            (TypeError, name, batch, torch.tensor(lens).to_sparse(), fleet),
+            (ValueError, name, batch, np.array([2**64 - 1, 0, 0, 0], np.uint64),
+             fleet),
+            (ValueError, "hash width", batch, np.array(lens), FleetIndex(70, 16)),
+            (TypeError, "fleet", batch, np.array(lens), None),
+            (TypeError, "batch", reqs, np.array(lens), fleet),
+        ]  # fmt: skip
+        for exc, match, b, value, f in bad:
+            with pytest.raises(exc, match=match):
+                method(b, value, f)
+            assert _same(before, _snapshot(fleet)), match
+
+
+def test_router_path_plan_cache_survives_engines_coming_and_going():
+    # fleet_full_host caches each plan's kernel parameters by id(plan),
+    # holding the plan: engines of two layouts (block 16 / block 32) made
+    # and dropped, more than the cache holds, each answering its own rule.
+    import gc
+
+    from kvhit import CacheLayout, FullAttention, Group
+
+    h = chained_hashes(3, 8)
+    stores_ = [{(0, x) for x in h[:5]}, {(0, x) for x in h}]
+    fleet = make_fleet(stores_)
+    ints = [np.array([int.from_bytes(x, "little", signed=True) for x in h])]
+    batch = HashBatch.from_ints(ints, 8)
+    for i in range(70):
+        bs = 16 * (1 + i % 2)
+        layout = CacheLayout([Group(FullAttention(bs))], bs, 16)
+        engine = LookupEngine(layout)
+        got = engine.fleet_hits(batch, np.array([128]), fleet).tolist()
+        assert got == expected(layout, [h], stores_, [128]), i
+        del engine, layout
+        if i % 16 == 0:
+            gc.collect()
