@@ -426,6 +426,7 @@ class LookupEngine:
             type(value) is torch.Tensor
             and value.dtype is torch.int64
             and value.device.type == "cpu"
+            and value.layout is torch.strided
             and value.dim() == 1
             and value.shape[0] == n
             and not value.requires_grad

@@ -240,6 +240,12 @@ def test_host_path_still_validates() -> None:
         engine.lookup(batch, [64], None)
     with pytest.raises(ValueError, match="hash width"):
         engine.lookup(HashBatch.from_ints([[1]], 16), [32], index)
+    # A sparse lengths tensor is refused naming it (numpy cannot view it).
+    sparse = torch.tensor([64]).to_sparse()
+    with pytest.raises(TypeError, match="num_tokens"):
+        engine.lookup(batch, sparse, index)
+    with pytest.raises(TypeError, match="max_lengths"):
+        engine.find_longest_cache_hit(batch, sparse, index)
 
 
 def test_host_arrays_share_the_batch_and_are_built_once() -> None:
