@@ -129,7 +129,6 @@ def set_bits(bits: np.ndarray, slots: np.ndarray, engines: np.ndarray) -> np.nda
 @numba.njit(**_JIT)
 def _clear_bits(keys, bits, slots, engines, out):
     freed = 0
-    nw = bits.shape[1]
     for r in range(slots.shape[0]):
         s = slots[r]
         if s < 0:
@@ -139,18 +138,21 @@ def _clear_bits(keys, bits, slots, engines, out):
         b = np.int64(1) << np.int64(e & 63)
         if bits[s, w] & b == 0:
             continue
-        bits[s, w] &= ~b
         out[r] = 1
-        empty = True
-        for k in range(nw):
-            if bits[s, k] != 0:
-                empty = False
-                break
-        if empty:
-            # No engine holds the key any more: a tombstone, as KeyIndex's erase.
-            keys[s, 0] = _TOMB
-            freed += 1
+        freed += _drop_bit(keys, bits, s, w, b)
     return freed
+
+
+@numba.njit(inline="always", **_JIT)
+def _drop_bit(keys, bits, s, w, b):
+    """Clear bit ``b`` of word ``w`` of slot ``s`` (set); 1 if the slot is
+    left with no engine and became a tombstone (as KeyIndex's erase), else 0."""
+    bits[s, w] &= ~b
+    for k in range(bits.shape[1]):
+        if bits[s, k] != 0:
+            return 0
+    keys[s, 0] = _TOMB
+    return 1
 
 
 def clear_bits(
@@ -170,22 +172,13 @@ def clear_bits(
 def _clear_engine(keys, bits, e):
     w = e >> 6
     b = np.int64(1) << np.int64(e & 63)
-    nw = bits.shape[1]
     cleared = 0
     freed = 0
     for s in range(keys.shape[0]):
         if keys[s, 0] < 0 or bits[s, w] & b == 0:
             continue
-        bits[s, w] &= ~b
         cleared += 1
-        empty = True
-        for k in range(nw):
-            if bits[s, k] != 0:
-                empty = False
-                break
-        if empty:
-            keys[s, 0] = _TOMB
-            freed += 1
+        freed += _drop_bit(keys, bits, s, w, b)
     return cleared, freed
 
 

@@ -1042,6 +1042,16 @@ def lookup_hits(
     """The store worker's ``lookup`` for every request, one call: int64
     ``[R]`` tokens to load for prompts of ``num_tokens`` (int64 ``[R]``, >= 0)
     tokens. Arguments as :func:`find_hits` (``table`` is required)."""
+    return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
+                   hash_block_size, alignment, partial, simple_hybrid, parallel,
+                   False)  # fmt: skip
+
+
+def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
+            hash_block_size, alignment, partial, simple_hybrid, parallel,
+            count):  # fmt: skip
+    """:func:`lookup_hits`, or with ``count`` :func:`count_probes` (serial,
+    the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
@@ -1049,8 +1059,10 @@ def lookup_hits(
                   offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
+    counters = COUNT_COLS + sg_rows.shape[0] if count else 0
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, mask_spans, parallel)  # fmt: skip
+                _c64(table), sg_rows, cand_rows, prm, mask_spans,
+                False if count else parallel, counters)  # fmt: skip
 
 
 def count_probes(
@@ -1074,12 +1086,6 @@ def count_probes(
     :mod:`kvhit.kernels.probe_numba`), then the probes of each of the ``S``
     SpecGroups (one per member per block). For measuring where the time
     goes."""
-    sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
-    _check_rows(sg_rows, cand_rows)
-    prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
-                  bool(partial), bool(simple_hybrid),
-                  offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
-    mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
-    return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, mask_spans, False,
-                COUNT_COLS + sg_rows.shape[0])  # fmt: skip
+    return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
+                   hash_block_size, alignment, partial, simple_hybrid, False,
+                   True)  # fmt: skip
