@@ -452,16 +452,7 @@ def _check_bench_args(
                 f"{', '.join(BACKENDS)})"
             )
     _check_output(parser, "--json", args.json)
-    _check_output(parser, "--plot", args.plot)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "argument --plot: needs matplotlib, which is not installed; "
-                "pip install 'kvhit[plot]' (or matplotlib), or drop --plot "
-                "(--json FILE keeps the figures)"
-            )
+    _check_plot(parser, args.plot)
 
 
 def _add_workload_args(p: argparse.ArgumentParser, repeats_default: int | None) -> None:
