@@ -28,6 +28,7 @@ Public API:
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -379,6 +380,24 @@ def saved_keys(
     masks = ref.store_mask(aligned, start_token=start_token,
                            num_prompt_tokens=num_prompt_tokens)  # fmt: skip
     return store_from_masks(layout, block_hashes, aligned, masks, start_token)
+
+
+def merged_group_stores(
+    requests: Sequence[Sequence[bytes]], rng: random.Random, engines: int
+) -> list[set[Key]]:
+    """Stores of ``engines`` engines for a layout of two merged full-attention
+    groups (0 and 1): per engine and request, group 0 holds a random prefix of
+    the hashes and group 1 a random prefix of that, so a block is whole (both
+    keys present) only up to the shorter one."""
+    out = []
+    for _ in range(engines):
+        keys: set[Key] = set()
+        for r in requests:
+            cut = rng.randint(0, len(r))
+            for g in (0, 1):
+                keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
+        out.append(keys)
+    return out
 
 
 def _universe(layout: CacheLayout, requests: Sequence[Sequence[bytes]]) -> list[Key]:

@@ -16,6 +16,7 @@ from strategies import (
     case,
     chained_hashes,
     layouts,
+    merged_group_stores,
     saved_keys,
     stores,
 )
@@ -664,14 +665,7 @@ def test_merged_full_attention_groups_past_64_engines():
     assert len(layout.spec_groups) == 1
     rng = random.Random(11)
     reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(6)]
-    stores_ = []
-    for _ in range(70):
-        keys = set()
-        for r in reqs:
-            cut = rng.randint(0, len(r))
-            for g in (0, 1):
-                keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
-        stores_.append(keys)
+    stores_ = merged_group_stores(reqs, rng, 70)
     _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
 
 

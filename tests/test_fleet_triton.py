@@ -20,7 +20,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import case, chained_hashes, layouts, saved_keys, stores
+from strategies import (
+    case,
+    chained_hashes,
+    layouts,
+    merged_group_stores,
+    saved_keys,
+    stores,
+)
 
 from kvhit import (
     CacheLayout,
@@ -151,14 +158,7 @@ def test_merged_groups_past_64_engines():
     assert len(layout.spec_groups) == 1
     rng = random.Random(11)
     reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(5)]
-    stores_ = []
-    for _ in range(70):
-        keys = set()
-        for r in reqs:
-            cut = rng.randint(0, len(r))
-            for g in (0, 1):
-                keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
-        stores_.append(keys)
+    stores_ = merged_group_stores(reqs, rng, 70)
     assert check(layout, reqs, stores_, [len(r) * 16 for r in reqs]) == 2
 
 
