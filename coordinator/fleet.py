@@ -1037,11 +1037,11 @@ class _HostPlan:
                  "_base")  # fmt: skip
 
     def __init__(self, engine: LookupEngine) -> None:
-        from kvhit.kernels import fleet_numba
-
         plan = engine.plan
-        # The kernel module, held so that a lookup runs no import statement.
-        self.kernels = fleet_numba
+        # The numba kernel module, held once the numba path first needs it,
+        # so that a lookup runs no import statement (the Triton path reads
+        # the same plan on a machine that may have no numba).
+        self.kernels: Any = None
         self.full = _full_path(plan, False)
         self.full_lookup = _full_path(plan, True)
         sg = plan.spec_groups[0]
@@ -1140,7 +1140,12 @@ def fleet_full_host(
         return None
     drop = host.use_eagle and (apply_eagle or lookup)
     params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
-    bad, out = host.kernels.full_hits_checked(
+    kernels = host.kernels
+    if kernels is None:
+        from kvhit.kernels import fleet_numba as kernels
+
+        host.kernels = kernels
+    bad, out = kernels.full_hits_checked(
         fleet._table_np, rows, offsets, lengths, lens, host.members, fleet._live,
         params,
     )  # fmt: skip
@@ -1150,17 +1155,14 @@ def fleet_full_host(
 def _fleet_full_triton(engine, batch, lens, fleet, apply_eagle, lookup):
     """:func:`_fleet_full` on CUDA: one launch of the Triton kernel (runs and
     hits), int64 ``[B, E]`` on the device."""
-    # Not _host_plan: that holds the numba kernels, and a CUDA machine may
-    # have no numba. The launcher copies members to the device once per value.
-    plan = engine.plan
-    sg = plan.spec_groups[0]
-    drop = bool(sg.use_eagle and (apply_eagle or lookup))
-    members = np.array(sg.group_ids, dtype=np.int64)
-    params = (fleet.NW, sg.scale, sg.block_size, plan.alignment, drop, bool(lookup))
+    host = _host_plan(engine)
+    drop = host.use_eagle and (apply_eagle or lookup)
+    # The Triton launcher takes E apart: the first six of the numba params.
+    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)[:6]
     view = batch.view()
     return fleet._ops.triton()[0].full_hits(
         fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths, lens,
-        members, fleet._live, params, fleet.num_engines,
+        host.members, fleet._live, params, fleet.num_engines,
     )  # fmt: skip
 
 
