@@ -177,8 +177,6 @@ _JIT = {"cache": True, "nogil": True, "_nrt": False}
 # Stretches of 4 and 16 were no better than 8.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
 _RUN_STRETCH = 8
-_AHEAD_ROWS = True
-_AHEAD_WINDOWS = True
 
 
 @numba.njit(**_JIT)
@@ -407,9 +405,8 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
         if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
             _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
                              off, n_units, rows, table)  # fmt: skip
-            if _AHEAD_ROWS:
-                _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
-                               scale, off, n_units, rows)  # fmt: skip
+            _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
+                           scale, off, n_units, rows)  # fmt: skip
         if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
                       has_index, cand, partial, hbs):  # fmt: skip
             break
@@ -643,7 +640,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
-                if _AHEAD_WINDOWS and kind == KIND_FULL and has_index > 1:
+                if kind == KIND_FULL and has_index > 1:
                     _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
                                       rows, hbs)  # fmt: skip
             if drop:
