@@ -109,6 +109,58 @@ def test_bad_input_is_named(reqs, exc, where) -> None:
         HashBatch.from_ints(reqs)
 
 
+class _Index:
+    """An integer-like object that is not an int: operator.index takes it."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
+# A long list (past the short-list threshold, converted in one struct pass)
+# and a short one must refuse and accept exactly the same items.
+@pytest.mark.parametrize("n", [5, 300, 5000])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (True, TypeError),
+        (False, TypeError),
+        (np.True_, TypeError),
+        (2.0, TypeError),
+        ("3", TypeError),
+        (None, TypeError),
+        (np.float64(4.0), TypeError),
+        (1 << 63, ValueError),
+        (-(1 << 63) - 1, ValueError),
+        (np.uint64(1 << 63), ValueError),
+    ],
+)
+def test_a_bad_item_is_named_in_short_and_long_lists(n, bad, exc) -> None:
+    rng = np.random.default_rng(n)
+    reqs = [rng.integers(2, 1 << 60, n).tolist() for _ in range(3)]
+    reqs[2][n // 2] = bad
+    with pytest.raises(exc, match=f"request 2, position {n // 2}"):
+        HashBatch.from_ints(reqs)
+
+
+@pytest.mark.parametrize("n", [5, 300, 5000])
+def test_zero_one_and_integer_likes_are_kept_in_short_and_long_lists(n) -> None:
+    rng = np.random.default_rng(n)
+    reqs = [rng.integers(-(1 << 62), 1 << 62, n).tolist() for _ in range(2)]
+    # 0 and 1 are what bools convert to: the long path looks at them again.
+    reqs[0][0], reqs[0][-1], reqs[1][n // 2] = 0, 1, -1
+    want = [v for r in reqs for v in r]
+    reqs[1][1] = np.int32(7)
+    reqs[1][2] = _Index(-(1 << 63))
+    want[n + 1], want[n + 2] = 7, -(1 << 63)
+    got = HashBatch.from_ints(reqs)
+    assert got.hashes[:, 0].tolist() == want
+    assert got.offsets.tolist() == [0, n, 2 * n]
+    assert got.hashes.numpy().flags.writeable
+
+
 @pytest.mark.parametrize("hash_bytes", [1, 4, 7])
 def test_narrow_keys_refuse_values_that_do_not_fit(hash_bytes) -> None:
     top = 1 << (8 * hash_bytes)
