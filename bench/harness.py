@@ -382,10 +382,15 @@ class SweepConfig:
     peer: str | None = None
     peer_limit: int | None = None
     peer_host_load: tuple[int, ...] = (0,)
+    peer_order: tuple[str, ...] = ("separate",)
 
     def __post_init__(self) -> None:
         if self.peer is not None and self.peer not in PEERS:
             raise ValueError(f"unknown peer {self.peer!r}; choose from {PEERS}")
+        if not self.peer_order or not set(self.peer_order) <= set(PEER_ORDERS):
+            raise ValueError(
+                f"peer_order must name some of {PEER_ORDERS}, got {self.peer_order}"
+            )
         if not self.peer_host_load or min(self.peer_host_load) < 0:
             raise ValueError(
                 f"peer_host_load must be >= 0 busy processes, got {self.peer_host_load}"
@@ -530,13 +535,15 @@ def sweep(
         rows.extend(_measure_batch(config, ctx, b))
     peers: list[PeerRow] = []
     if config.peer is not None:
-        for load in config.peer_host_load:
+        runs = [(o, load) for o in config.peer_order for load in config.peer_host_load]
+        for order, load in runs:
             rows_at, skip = peer_sweep(
                 config.peer,
                 config.batch_sizes,
                 limit=config.peer_limit,
                 quiet=quiet,
                 host_load=load,
+                order=order,
             )
             peers.extend(rows_at)
             if skip is not None:
@@ -713,6 +720,11 @@ def _rows(
 #: trace's 512 tokens, so every trace block is one key, as Dynamo sees it.
 PEER_BLOCK_SIZE = 512
 
+#: The orders ``peer_sweep`` replays in: ``separate`` (kvhit's whole replay,
+#: then the peer's, each a pass of its own) or ``alternate`` (step by step,
+#: kvhit then the peer).
+PEER_ORDERS = ("separate", "alternate")
+
 
 @dataclass(frozen=True)
 class PeerRow:
@@ -737,6 +749,9 @@ class PeerRow:
         hit_blocks: blocks both found (equal by construction of the check).
         host_load: CPU-bound processes spinning beside the run
             (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host).
+        order: ``"separate"`` (each index replayed in a pass of its own) or
+            ``"alternate"`` (step by step, side by side); see
+            :data:`PEER_ORDERS`.
     """
 
     peer: str
@@ -754,6 +769,7 @@ class PeerRow:
     peer_mean_s: float = 0.0
     mismatches: int = 0
     host_load: int = 0
+    order: str = "separate"
 
 
 def peer_sweep(
@@ -763,6 +779,7 @@ def peer_sweep(
     quiet: bool = True,
     trace: str | os.PathLike[str] | None = None,
     host_load: int = 0,
+    order: str = "separate",
 ) -> tuple[list[PeerRow], Skip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
@@ -773,10 +790,13 @@ def peer_sweep(
     thread, 8-byte keys; the peer: one call per request), the answers are
     compared (:class:`MismatchError` on any difference), then each request's
     blocks past its hit are stored in both (kvhit: one ``KeyIndex.add`` per
-    step; the peer: one event per request). Layout: one FullAttention group of
-    :data:`PEER_BLOCK_SIZE` tokens. ``host_load`` CPU-bound processes spin
-    during the run (:func:`~kvhit.bench.peers.busy_host`). Returns the rows,
-    or ``([], Skip)`` when the peer cannot be imported.
+    step; the peer: one event per request, then a wait for its thread to apply
+    them). Layout: one FullAttention group of :data:`PEER_BLOCK_SIZE` tokens.
+    ``order`` (:data:`PEER_ORDERS`): ``"separate"`` replays kvhit, then the
+    peer, each in a pass of its own; ``"alternate"`` interleaves them step by
+    step. ``host_load`` CPU-bound processes spin during the run
+    (:func:`~kvhit.bench.peers.busy_host`). Returns the rows, or
+    ``([], Skip)`` when the peer cannot be imported.
     """
     import torch
 
@@ -788,6 +808,8 @@ def peer_sweep(
 
     if peer != DYNAMO:
         raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
+    if order not in PEER_ORDERS:
+        raise ValueError(f"order must be one of {PEER_ORDERS}, got {order!r}")
     tree_cls, why = load_dynamo()
     if tree_cls is None:
         return [], Skip(peer, why)
@@ -809,7 +831,7 @@ def peer_sweep(
         for b in sorted(set(batch_sizes)):
             row = _peer_run(
                 peer, b, engine, KeyIndex(8, 1 << 20), DynamoIndex(tree_cls),
-                ints, chains, max_lengths, HashBatch, torch, bar,
+                ints, chains, max_lengths, HashBatch, torch, bar, order,
             )  # fmt: skip
             rows.append(replace(row, host_load=host_load))
     if bar is not None:
@@ -844,83 +866,135 @@ class _numba_threads:
 
 
 def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch,
-              torch, bar) -> PeerRow:  # fmt: skip
-    """One batch size of :func:`peer_sweep`. Side by side, step by step: a
-    step is looked up by kvhit, then by the peer, the answers compared, then
-    stored in both; so each pays what switching to it costs in a scheduler
-    that does other work between steps (the peer's hop to its indexer thread
-    included)."""
-    perf = time.perf_counter
+              torch, bar, order) -> PeerRow:  # fmt: skip
+    """One batch size of :func:`peer_sweep`: both replays, in ``order``.
+
+    ``separate`` times each index on its own: the peer's work does not run
+    inside kvhit's timed steps or the other way round. (Dynamo's
+    ``RadixTree`` hands each call to its indexer thread, which the kernel
+    wakes on the caller's CPU: measured here, a step of kvhit right after a
+    Dynamo call ran 2-3x slower than the same step in a pass of its own.)
+    ``alternate`` interleaves them step by step, each step looked up by kvhit,
+    then by the peer, compared, then stored in both: what a host running the
+    two side by side sees."""
     n = len(ints)
     # Warm-up, untimed: compiled kernels loaded, both paths exercised once.
     warm = HashBatch.from_ints([ints[0]])
     engine.find_longest_cache_hit(warm, [max_lengths[0]], index, apply_eagle=False)
     tree.find([chains[0]])
-    t_store = t_peer_store = 0.0
-    # Per step, seconds per request: medians resist the load spikes of a
-    # shared machine better than totals.
-    look: list[float] = []
-    pack: list[float] = []
-    them: list[float] = []
-    stored = hit_blocks = 0
-    steps_len = [min(n, lo + b) - lo for lo in range(0, n, b)]
-    for lo in range(0, n, b):
-        hi = min(n, lo + b)
-        reqs, mls, chs = ints[lo:hi], max_lengths[lo:hi], chains[lo:hi]
-        t0 = perf()
-        batch = HashBatch.from_ints(reqs)
-        t1 = perf()
-        hits = engine.find_longest_cache_hit(batch, mls, index, apply_eagle=False)
-        t2 = perf()
-        theirs = tree.find(chs)
-        t3 = perf()
-        pack.append((t1 - t0) / (hi - lo))
-        look.append((t2 - t0) / (hi - lo))
-        them.append((t3 - t2) / (hi - lo))
-        mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
-        if mine != theirs:
-            bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
-            raise MismatchError(
-                f"{peer} disagrees with kvhit at B={b}: "
-                + ", ".join(
-                    f"request {lo + i}: {peer}={theirs[i]} kvhit={mine[i]} blocks"
-                    for i in bad
-                )
-            )
-        hit_blocks += sum(mine)
-        # Store each request's blocks past its hit (a worker's new blocks).
-        t0 = perf()
-        rows, offs, lens = batch.host_arrays()
-        take = peer_rows_past(offs, lens, np.array(mine, dtype=np.int64))
-        if take.size:
-            index.add(
-                torch.zeros(take.size, dtype=torch.int64),
-                torch.from_numpy(rows[take]),
-            )
-        t1 = perf()
-        for ch, m in zip(chs, mine, strict=True):
-            if m < len(ch):
-                tree.store_after(ch[m - 1] if m else None, ch[m:])
-        t_peer_store += perf() - t1
-        t_store += t1 - t0
-        stored += int(take.size)
-        if bar is not None:
-            bar.update(hi - lo)
+    steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
+    mine_at: list[list[int]] = []
+    kv = _KvhitReplay(engine, index, ints, max_lengths, HashBatch, torch)
+    them = _PeerReplay(peer, b, tree, chains)
+    if order == "alternate":
+        for lo, hi in steps:
+            mine = kv.step(lo, hi)
+            them.step(lo, hi, mine)
+            if bar is not None:
+                bar.update(hi - lo)
+    else:
+        for lo, hi in steps:
+            mine_at.append(kv.step(lo, hi))
+            if bar is not None:
+                bar.update((hi - lo) // 2)
+        for (lo, hi), mine in zip(steps, mine_at, strict=True):
+            them.step(lo, hi, mine)
+            if bar is not None:
+                bar.update(hi - lo - (hi - lo) // 2)
+    steps_len = [hi - lo for lo, hi in steps]
+    look, peer_look = np.median(kv.look), np.median(them.look)
     return PeerRow(
         peer=peer,
         batch_size=b,
         requests=n,
-        kvhit_lookup_s=float(np.median(look)),
-        kvhit_pack_s=float(np.median(pack)),
-        peer_lookup_s=float(np.median(them)),
-        lookup_ratio=float(np.median(them) / max(np.median(look), 1e-12)),
-        kvhit_store_bps=stored / max(t_store, 1e-12),
-        peer_store_bps=stored / max(t_peer_store, 1e-12),
-        blocks_stored=stored,
-        hit_blocks=hit_blocks,
-        kvhit_mean_s=float(np.dot(look, steps_len)) / n,
-        peer_mean_s=float(np.dot(them, steps_len)) / n,
+        kvhit_lookup_s=float(look),
+        kvhit_pack_s=float(np.median(kv.pack)),
+        peer_lookup_s=float(peer_look),
+        lookup_ratio=float(peer_look / max(look, 1e-12)),
+        kvhit_store_bps=kv.stored / max(kv.t_store, 1e-12),
+        peer_store_bps=kv.stored / max(them.t_store, 1e-12),
+        blocks_stored=kv.stored,
+        hit_blocks=kv.hit_blocks,
+        kvhit_mean_s=float(np.dot(kv.look, steps_len)) / n,
+        peer_mean_s=float(np.dot(them.look, steps_len)) / n,
+        order=order,
     )
+
+
+class _KvhitReplay:
+    """kvhit's side of :func:`_peer_run`, one step at a time: pack the step's
+    Python int lists, look them up, store each request's blocks past its hit
+    (a worker's new blocks). Per step, seconds per request: medians resist the
+    load spikes of a shared machine better than totals."""
+
+    def __init__(self, engine, index, ints, max_lengths, HashBatch, torch) -> None:
+        self.engine, self.index, self.ints = engine, index, ints
+        self.max_lengths, self.HashBatch, self.torch = max_lengths, HashBatch, torch
+        self.look: list[float] = []
+        self.pack: list[float] = []
+        self.t_store = 0.0
+        self.stored = self.hit_blocks = 0
+
+    def step(self, lo: int, hi: int) -> list[int]:
+        perf, torch = time.perf_counter, self.torch
+        reqs, mls = self.ints[lo:hi], self.max_lengths[lo:hi]
+        t0 = perf()
+        batch = self.HashBatch.from_ints(reqs)
+        t1 = perf()
+        hits = self.engine.find_longest_cache_hit(
+            batch, mls, self.index, apply_eagle=False
+        )
+        t2 = perf()
+        self.pack.append((t1 - t0) / (hi - lo))
+        self.look.append((t2 - t0) / (hi - lo))
+        mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
+        self.hit_blocks += sum(mine)
+        t0 = perf()
+        rows, offs, lens = batch.host_arrays()
+        take = peer_rows_past(offs, lens, np.array(mine, dtype=np.int64))
+        if take.size:
+            self.index.add(
+                torch.zeros(take.size, dtype=torch.int64),
+                torch.from_numpy(rows[take]),
+            )
+        self.t_store += perf() - t0
+        self.stored += int(take.size)
+        return mine
+
+
+class _PeerReplay:
+    """The peer's side of :func:`_peer_run`: one call per request, its answers
+    checked against kvhit's for the same step (:class:`MismatchError`), then
+    one stored event per request. Its store time includes the wait for its
+    indexer thread to apply the step's events (a lookup of one block after
+    them), since ``apply_event`` returns before the event is applied: without
+    the wait, that work would land in the next step's lookup."""
+
+    def __init__(self, peer: str, b: int, tree: DynamoIndex, chains) -> None:
+        self.peer, self.b, self.tree, self.chains = peer, b, tree, chains
+        self.look: list[float] = []
+        self.t_store = 0.0
+
+    def step(self, lo: int, hi: int, mine: list[int]) -> None:
+        perf, tree, chs = time.perf_counter, self.tree, self.chains[lo:hi]
+        t0 = perf()
+        theirs = tree.find(chs)
+        self.look.append((perf() - t0) / (hi - lo))
+        if mine != theirs:
+            bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
+            raise MismatchError(
+                f"{self.peer} disagrees with kvhit at B={self.b}: "
+                + ", ".join(
+                    f"request {lo + i}: {self.peer}={theirs[i]} kvhit={mine[i]} blocks"
+                    for i in bad
+                )
+            )
+        t0 = perf()
+        for ch, m in zip(chs, mine, strict=True):
+            if m < len(ch):
+                tree.store_after(ch[m - 1] if m else None, ch[m:])
+        tree.sync()
+        self.t_store += perf() - t0
 
 
 def peer_rows_past(
@@ -946,7 +1020,7 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
         f"order, steps of B; FullAttention({PEER_BLOCK_SIZE}), 8-byte keys, one "
         "numba thread; kvhit includes from_ints packing; per request: median "
         "over steps, mean in brackets)",
-        f"  {'host':>6} {'B':>5} {'kvhit/req':>20} {'(pack)':>9} "
+        f"  {'order':>9} {'host':>6} {'B':>5} {'kvhit/req':>20} {'(pack)':>9} "
         f"{peer + '/req':>21} {'ratio':>7} {'store kvhit':>12} "
         f"{'store ' + peer:>13}",
     ]
@@ -955,7 +1029,8 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
         them = f"{fmt_time(r.peer_lookup_s)} ({fmt_time(r.peer_mean_s)})"
         host = "quiet" if r.host_load == 0 else f"busy{r.host_load}"
         lines.append(
-            f"  {host:>6} {r.batch_size:>5} {kv:>20} {fmt_time(r.kvhit_pack_s):>9} "
+            f"  {r.order:>9} {host:>6} {r.batch_size:>5} {kv:>20} "
+            f"{fmt_time(r.kvhit_pack_s):>9} "
             f"{them:>21} {r.lookup_ratio:>6.1f}x "
             f"{fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
             f"{fmt_count(r.peer_store_bps) + ' b/s':>13}"
@@ -963,6 +1038,10 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     lines.append(
         f"  answers: {peer} == kvhit on every request at every B (0 mismatches; "
         f"{rows[0].hit_blocks} blocks hit at B={rows[0].batch_size})"
+    )
+    lines.append(
+        "  order: separate = kvhit's replay, then the peer's, each a pass of its "
+        "own; alternate = step by step, side by side (--peer-order)"
     )
     if any(r.host_load for r in rows):
         lines.append(

@@ -22,7 +22,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -263,6 +263,7 @@ def sweep_config(
         traffic=traffic_config(args, max(sizes)),
         repeats=repeats,
         peer_host_load=tuple(args.peer_host_load),
+        peer_order=tuple(dict.fromkeys(args.peer_order)),
     )
     return config, skipped
 
@@ -354,6 +355,17 @@ def _int_at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
+
+    return parse
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(choices)})"
+            )
+        return text
 
     return parse
 
@@ -629,6 +641,16 @@ def _add_bench(sub: Any, presets_help: str) -> None:
         help="run --peer once per N with N CPU-bound processes spinning beside "
         "it (a busy serving host; Dynamo answers on its own thread, kvhit on "
         "the caller's); default 0, a quiet host",
+    )
+    bench.add_argument(
+        "--peer-order",
+        type=_csv(_choice(harness.PEER_ORDERS)),
+        default=["separate"],
+        metavar="ORDER[,ORDER]",
+        help="how --peer replays the two indexes: separate (kvhit's replay, "
+        "then the peer's, each a pass of its own; default) or alternate (step "
+        "by step, side by side: each pays for the cache state the other leaves "
+        "behind); both: separate,alternate",
     )
     bench.add_argument(
         "--key-index",

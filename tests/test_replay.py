@@ -179,19 +179,35 @@ def test_bench_peer_column_on_a_trace_slice(
     out = tmp_path / "b.json"
     argv = ["bench", "--presets", "llama", "--batch-sizes", "1,8", "--max-tokens",
             "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit",
-            "150", "--peer-host-load", "0,1", "--json", str(out)]  # fmt: skip
+            "150", "--peer-host-load", "0,1", "--peer-order", "separate,alternate",
+            "--json", str(out)]  # fmt: skip
     assert cli.main(argv) == cli.EXIT_OK
     text = capsys.readouterr().out
-    assert "kvhit vs dynamo" in text and "busy1" in text
+    assert "kvhit vs dynamo" in text and "busy1" in text and "alternate" in text
     peers = json.loads(out.read_text())["peers"]
-    assert [(p["host_load"], p["batch_size"]) for p in peers] == [
-        (0, 1), (0, 8), (1, 1), (1, 8)
+    assert [(p["order"], p["host_load"], p["batch_size"]) for p in peers] == [
+        ("separate", 0, 1), ("separate", 0, 8), ("separate", 1, 1),
+        ("separate", 1, 8), ("alternate", 0, 1), ("alternate", 0, 8),
+        ("alternate", 1, 1), ("alternate", 1, 8),
     ]  # fmt: skip
     assert all(p["requests"] == 150 and p["mismatches"] == 0 for p in peers)
     # A step does not see its own stores: bigger steps hit no more.
     assert peers[0]["hit_blocks"] >= peers[1]["hit_blocks"] > 0
-    # The same answers whatever spins beside the run.
-    assert peers[0]["hit_blocks"] == peers[2]["hit_blocks"]
+    # The same answers whatever spins beside the run, in either order.
+    assert len({p["hit_blocks"] for p in peers if p["batch_size"] == 1}) == 1
+    assert len({p["hit_blocks"] for p in peers if p["batch_size"] == 8}) == 1
+
+
+def test_bench_peer_order_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--presets", "llama", "--peer", "dynamo", "--peer-order", "both"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--peer-order" in err and "alternate" in err
+    from kvhit.bench import harness
+
+    with pytest.raises(ValueError, match="order"):
+        harness.peer_sweep("dynamo", [1], limit=5, order="sideways")
 
 
 def test_busy_host_spins_and_stops(tmp_path: Path) -> None:
