@@ -871,9 +871,11 @@ def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch
 
     ``separate`` times each index on its own: the peer's work does not run
     inside kvhit's timed steps or the other way round. (Dynamo's
-    ``RadixTree`` hands each call to its indexer thread, which the kernel
-    wakes on the caller's CPU: measured here, a step of kvhit right after a
-    Dynamo call ran 2-3x slower than the same step in a pass of its own.)
+    ``RadixTree`` hands each call to its indexer thread and blocks until it
+    answers; measured here, a kvhit step that starts right after such a call
+    ran 2-3x slower than in its own pass, and ~0.2 ms of busy work in between
+    undid most of that: the CPU's state after the hand-off, not kvhit's
+    work.)
     ``alternate`` interleaves them step by step, each step looked up by kvhit,
     then by the peer, compared, then stored in both: what a host running the
     two side by side sees."""
