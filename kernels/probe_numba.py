@@ -88,9 +88,26 @@ def key_slot_hash(gid, keys, r):
     """Slot hash of key ``(gid, keys[r, :])`` (int64 ``[N, W]`` rows);
     int64 arithmetic wraps, as in the Triton kernels."""
     h = (np.int64(gid) ^ _SEED) * _M1
-    for j in range(keys.shape[1]):
-        x = (h ^ keys[r, j]) * _M2
+    w = keys.shape[1]
+    # The widths kvhit uses, 32- and 8-byte keys, unrolled: the loop's
+    # counter and exit test were a fifth of the hash, which every probe and
+    # prefetch computes (long-hit lookups 1.02-1.11x, side by side).
+    if w == 4:
+        x = (h ^ keys[r, 0]) * _M2
         h = x ^ ((x >> 31) & _LOW33)
+        x = (h ^ keys[r, 1]) * _M2
+        h = x ^ ((x >> 31) & _LOW33)
+        x = (h ^ keys[r, 2]) * _M2
+        h = x ^ ((x >> 31) & _LOW33)
+        x = (h ^ keys[r, 3]) * _M2
+        h = x ^ ((x >> 31) & _LOW33)
+    elif w == 1:
+        x = (h ^ keys[r, 0]) * _M2
+        h = x ^ ((x >> 31) & _LOW33)
+    else:
+        for j in range(w):
+            x = (h ^ keys[r, j]) * _M2
+            h = x ^ ((x >> 31) & _LOW33)
     x = h ^ ((h >> 29) & _LOW35)
     x = x * _M3
     return x ^ ((x >> 31) & _LOW33)
