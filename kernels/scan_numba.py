@@ -120,6 +120,7 @@ from kvhit.kernels.probe_numba import (
     prefetch_row,
     table_find,
     table_find_counted,
+    table_find_from,
 )
 
 __all__ = [
@@ -292,7 +293,7 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
 
 @numba.njit(inline="always", **_JIT)
 def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
-           cand, partial, hbs):  # fmt: skip
+           cand, partial, hbs, homes, hb):  # fmt: skip
     """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
     request present for every member group of SpecGroup ``sgi``? A merged
     SpecGroup hits only when every member holds the hash (reference
@@ -301,7 +302,8 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
     if u < 0 or u >= n_units:
         return False
     row = off + u
-    for k in range(sg[sgi, SG_N_MEMBERS]):
+    nm = sg[sgi, SG_N_MEMBERS]
+    for k in range(nm):
         gid = sg[sgi, SG_MEMBERS + k]
         # Cheapest test first: the position rule, then the table, then (only
         # for a present key at a position the worker does not ask) the value.
@@ -312,6 +314,11 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
                 # Per SpecGroup too: column COUNT_COLS + sgi past the limits.
                 glim[cand.shape[0] + COUNT_COLS + sgi] += 1
                 slot = table_find_counted(table, gid, rows, row, glim, cand.shape[0])
+            elif hb >= 0:
+                # The home slot _prefetch_blocks hashed already.
+                slot = table_find_from(
+                    table, homes[(blk - hb) * nm + k], gid, rows, row
+                )
             else:
                 slot = table_find(table, gid, rows, row)
             if slot < 0:
@@ -325,7 +332,7 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
+def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, homes):
     """Start the loads of probing blocks ``first..last`` (either order) of
     SpecGroup ``sgi``: their hash rows, then every member's home slot.
 
@@ -336,7 +343,12 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     first, all of them: the slot hashes then wait for one row miss, not one
     each. Both ends of a home slot: a 40-byte slot straddles two 64-byte
     lines half the time, and its key words are read right after its group
-    id. Hints only: no effect on results."""
+    id. Hints only: no effect on results.
+
+    The home slots are kept in ``homes`` (int64, per block and member from
+    block ``min(first, last)``) when they fit, so that the probes of these
+    blocks do not hash their keys again: returns that first block, or -1
+    when they were not kept (long-hit lookups 1.0-1.13x)."""
     lo = max(min(first, last), 0)
     hi = max(first, last)
     # Only blocks keyed inside the request: block i reads hash unit
@@ -346,12 +358,17 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
         prefetch_row(rows, off + (i + 1) * scale - 1)
     mask = table.shape[0] - 1
     last = table.shape[1] - 1
+    nm = sg[sgi, SG_N_MEMBERS]
+    keep = (hi - lo + 1) * nm <= homes.shape[0]
     for i in range(lo, hi + 1):
         r = off + (i + 1) * scale - 1
-        for k in range(sg[sgi, SG_N_MEMBERS]):
+        for k in range(nm):
             home = key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask
             prefetch_cell(table, home, 0)
             prefetch_cell(table, home, last)
+            if keep:
+                homes[(i - lo) * nm + k] = home
+    return lo if keep else -1
 
 
 @numba.njit(inline="always", **_JIT)
@@ -397,18 +414,19 @@ def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
 
 @numba.njit(inline="always", **_JIT)
 def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                 table, has_index, cand, partial, hbs):  # fmt: skip
+                 table, has_index, cand, partial, hbs, homes):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
     count = 0
+    hb = -1
     for i in range(start, end):
         if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
-            _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
-                             off, n_units, rows, table)  # fmt: skip
+            hb = _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg,
+                                  sgi, off, n_units, rows, table, homes)  # fmt: skip
             _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
                            scale, off, n_units, rows)  # fmt: skip
         if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
-                      has_index, cand, partial, hbs):  # fmt: skip
+                      has_index, cand, partial, hbs, homes, hb):  # fmt: skip
             break
         count += 1
     return count
@@ -416,21 +434,22 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
 
 @numba.njit(inline="always", **_JIT)
 def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
-               has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
+               has_tl, rows, table, has_index, cand, partial, hbs, homes):  # fmt: skip
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
     ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
     block ``m`` rules out every candidate whose window holds ``m``."""
     low = max(low, need - 1)
     j = top - (top - resid) % q
     while j >= low:
+        hb = -1
         if has_index > 1 and need > 1:
-            _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units, rows,
-                             table)  # fmt: skip
+            hb = _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units,
+                                  rows, table, homes)  # fmt: skip
         miss = -1
         for d in range(need):
             b = j - d
             if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                          table, has_index, cand, partial, hbs):  # fmt: skip
+                          table, has_index, cand, partial, hbs, homes, hb):  # fmt: skip
                 miss = b
                 break
         if miss < 0:
@@ -444,7 +463,7 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
 
 @numba.njit(**_JIT)
 def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
-             has_index, cand, partial, hbs, align):  # fmt: skip
+             has_index, cand, partial, hbs, align, homes):  # fmt: skip
     """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
     drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
     load mask as ``length`` entries, True on ``[lo, length)``, and the least
@@ -502,7 +521,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
                 continue
             j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
                            n_units, glim, has_tl, rows, table, has_index,
-                           cand, partial, hbs)  # fmt: skip
+                           cand, partial, hbs, homes)  # fmt: skip
             continue
         if phase == 0:
             if kind == KIND_FULL:
@@ -522,7 +541,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
             start, end, lscale = 0, min(m, need - 1), scale
         run = _leading_run(start, end, lscale, sg, sgi, off, n_units, glim,
                            has_tl, rows, table, has_index, cand, partial,
-                           hbs)  # fmt: skip
+                           hbs, homes)  # fmt: skip
         if phase == 0:
             n = run
         else:
@@ -574,7 +593,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
 @numba.njit(**_JIT)
 def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
               has_index, sg, cand, hbs, align, partial, simple_hybrid,
-              st):  # fmt: skip
+              st, homes):  # fmt: skip
     """One request's hit; each SpecGroup's result in ``st`` (int64
     ``[S, _ST_COLS]``). Mirrors ``ReferenceCoordinator._find`` (a lone
     SpecGroup: one scan of ``max_length``, no proof margin)."""
@@ -633,7 +652,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
                                                  n_units, glim, has_tl, rows,
                                                  table, has_index, cand, partial,
-                                                 hbs, align)  # fmt: skip
+                                                 hbs, align, homes)  # fmt: skip
                 st[idx, _ST_HIT] = hit
                 st[idx, _ST_LEN] = length
                 st[idx, _ST_LO] = lo
@@ -712,7 +731,7 @@ _P_COLS = 9
 
 @numba.njit(**_JIT)
 def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
-             hit, mask_spans, scratch, gscr):  # fmt: skip
+             hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
     """Request ``r``: its hit at ``max_length = token_lengths[r]`` (and its load-mask
     spans in ``mask_spans``), or, in lookup mode, the store worker's ``lookup`` of a
     ``token_lengths[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
@@ -758,7 +777,7 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
                       table, has_index, sg, cand, hbs, align, partial,
-                      simple_hybrid, st)  # fmt: skip
+                      simple_hybrid, st, hscr[r])  # fmt: skip
         if not lookup or h < n_tok:
             break
         max_len = (n_tok - 1) // align * align
@@ -782,24 +801,32 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
 
 @numba.njit(**_JIT)
 def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
-                  hit, mask_spans, scratch, gscr):  # fmt: skip
+                  hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
     for r in range(offsets.shape[0]):
         _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
+                 prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                    prm, hit, mask_spans, scratch, gscr):  # fmt: skip
+                    prm, hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
         _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
+                 prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
 
 
 _THREADS_AVAILABLE = numba.config.NUMBA_NUM_THREADS > 1
+
+
+def _homes_cols(sg: np.ndarray) -> int:
+    # Per request, room for the home slots of the longest stretch or window
+    # _prefetch_blocks hashes (a sliding window's need, EAGLE included), per
+    # member; a longer one is not kept (its probes hash again).
+    need = int(sg[:, SG_NEED].max()) + 1
+    return max(_RUN_STRETCH, need) * int(sg[:, SG_N_MEMBERS].max())
 
 
 def _threaded(n_req: int, parallel: bool | None) -> bool:
@@ -840,13 +867,14 @@ class ScanPrep:
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
 
-    __slots__ = ("cand", "n_groups", "n_sg", "no_tl", "prm", "sg", "tri_empty",
-                 "tri_written")  # fmt: skip
+    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "prm", "sg",
+                 "tri_empty", "tri_written")  # fmt: skip
 
     def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
                  tri_written: bool) -> None:  # fmt: skip
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
+        self.n_homes = _homes_cols(sg)
         self.no_tl = np.zeros(1, np.int64)
         # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
@@ -927,7 +955,8 @@ def scan_prepared(
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
        prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
-       np.empty((n, prep.n_groups), np.int64))  # fmt: skip
+       np.empty((n, prep.n_groups), np.int64),
+       np.empty((n, prep.n_homes), np.int64))  # fmt: skip
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
@@ -942,8 +971,9 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     # probe counters (count_probes).
     gscr = np.empty((n_req, cand_rows.shape[0] + counters), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
+    hscr = np.empty((n_req, _homes_cols(sg_rows)), dtype=np.int64)
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
-       sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
+       sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
     if counters:
         return hit, gscr[:, cand_rows.shape[0] :].copy()
     return hit
