@@ -57,7 +57,8 @@ Design (why it looks like this):
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on; smaller batches stay in cache). Rows are cheap to fetch early (no slot
+  on a table past the last-level cache, :data:`PREFETCH_MIN_TABLE_BYTES`;
+  smaller batches and tables stay in cache, where it only costs). Rows are cheap to fetch early (no slot
   hash): a run's next stretch as a stretch starts and, once full attention
   has its answer, the window each sliding-window group will search first
   (``_prefetch_windows``), so those slot hashes wait less on their rows
@@ -129,6 +130,7 @@ __all__ = [
     "LOOKUP",
     "PARALLEL_MIN_REQUESTS",
     "PREFETCH_MIN_REQUESTS",
+    "PREFETCH_MIN_TABLE_BYTES",
     "ScanPrep",
     "count_probes",
     "find_hits",
@@ -168,15 +170,40 @@ _NEVER = 1 << 62
 # allocate).
 _JIT = {"cache": True, "nogil": True, "_nrt": False}
 
-# From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), the
-# scans prefetch a sliding window's blocks before probing them and a leading
-# run's next _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this
-# 2-core box, one thread, thread CPU time, side by side with the scans
-# without it: long-hit 1.4-1.5x at B = 1024, 1.5-1.6x at B = 4096;
-# dsv4-flash 1.14x at B = 1024, 1.17x at B = 4096; but 0.8-0.95x at B = 64,
-# where what a batch touches stays in cache and the prefetch is extra work.
-# Stretches of 4 and 16 were no better than 8.
+# From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), and
+# on a table of at least PREFETCH_MIN_TABLE_BYTES, the scans prefetch a
+# sliding window's blocks before probing them and a leading run's next
+# _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this 2-core box,
+# one thread, thread CPU time, side by side with the scans without it:
+# long-hit 1.1x at B = 2048 and 1.25-1.3x at B = 4096 (40 and 80 MB
+# tables); but 0.8-0.95x at B = 64, where what a batch touches stays in
+# cache, and 0.75-0.85x on tables that fit the last-level cache (8-20 MB:
+# dsv4-flash, gemma3 and long-hit at B = 1024, the trace's full attention),
+# whose probes it only lengthens. Stretches of 4 and 16 were no better than 8.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
+
+
+def _l3_bytes() -> int:
+    # The last-level cache of this machine (32 MB here), from sysfs.
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) << 10 if text.endswith("K") else int(text)
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+# The least table size (bytes) that is prefetched: the last-level cache's
+# (``KVHIT_NUMBA_PREFETCH_MIN_BYTES`` overrides it).
+PREFETCH_MIN_TABLE_BYTES = int(
+    os.environ.get("KVHIT_NUMBA_PREFETCH_MIN_BYTES", str(_l3_bytes()))
+)
+
+
+def _prefetching(n_req: int, table: np.ndarray) -> bool:
+    return n_req >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
+
+
 _RUN_STRETCH = 8
 
 
@@ -953,7 +980,7 @@ def scan_prepared(
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
-       prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, mask_spans,
+       prep.prm[mode][_prefetching(n, table)], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
        np.empty((n, prep.n_groups), np.int64),
        np.empty((n, prep.n_homes), np.int64))  # fmt: skip
@@ -1045,7 +1072,7 @@ def find_hits(
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
                   int(alignment), bool(partial), bool(simple_hybrid),
-                  n_req >= PREFETCH_MIN_REQUESTS)  # fmt: skip
+                  _prefetching(n_req, tab))  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, token_lens64, tab, sg_rows, cand_rows,
                prm, mask_spans, parallel)  # fmt: skip
     return hit, mask_spans
@@ -1081,14 +1108,15 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
+    table = _c64(table)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
-                  offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
+                  _prefetching(offsets.shape[0], table))  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     counters = COUNT_COLS + sg_rows.shape[0] if count else 0
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, mask_spans,
+                table, sg_rows, cand_rows, prm, mask_spans,
                 False if count else parallel, counters)  # fmt: skip
 
 
