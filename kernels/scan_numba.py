@@ -57,8 +57,9 @@ Design (why it looks like this):
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on a table past the last-level cache, :data:`PREFETCH_MIN_TABLE_BYTES`;
-  smaller batches and tables stay in cache, where it only costs). Rows are cheap to fetch early (no slot
+  on a table of :data:`PREFETCH_MIN_TABLE_BYTES`, a quarter of the
+  last-level cache; smaller batches and tables stay in cache, where it only
+  costs). Rows are cheap to fetch early (no slot
   hash): a run's next stretch as a stretch starts and, once full attention
   has its answer, the window each sliding-window group will search first
   (``_prefetch_windows``), so those slot hashes wait less on their rows
@@ -177,9 +178,14 @@ _JIT = {"cache": True, "nogil": True, "_nrt": False}
 # one thread, thread CPU time, side by side with the scans without it:
 # long-hit 1.1x at B = 2048 and 1.25-1.3x at B = 4096 (40 and 80 MB
 # tables); but 0.8-0.95x at B = 64, where what a batch touches stays in
-# cache, and 0.75-0.85x on tables that fit the last-level cache (8-20 MB:
-# dsv4-flash, gemma3 and long-hit at B = 1024, the trace's full attention),
-# whose probes it only lengthens. Stretches of 4 and 16 were no better than 8.
+# cache. Stretches of 4 and 16 were no better than 8. On a table the
+# last-level cache holds it depends on whether it is still there when the
+# call comes: answering the same batch again (the table cached), skipping
+# it was 1.2-1.3x on 5-20 MB tables (dsv4-flash, gemma3, qwen3-next at
+# B = 1024, the trace's full attention); after 64 MB of other traffic it
+# was 0.75x (long-hit B = 1024, 20 MB), 0.9x (trace, 8 MB), 0.96-1.07x
+# (the others). Below a quarter of that cache (qwen3-next's 5 MB: 1.2x
+# cached, 1.06x after the traffic) a table is taken to stay there.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
 
 
@@ -193,10 +199,10 @@ def _l3_bytes() -> int:
         return 32 << 20
 
 
-# The least table size (bytes) that is prefetched: the last-level cache's
-# (``KVHIT_NUMBA_PREFETCH_MIN_BYTES`` overrides it).
+# The least table size (bytes) that is prefetched: a quarter of the
+# last-level cache (``KVHIT_NUMBA_PREFETCH_MIN_BYTES`` overrides it).
 PREFETCH_MIN_TABLE_BYTES = int(
-    os.environ.get("KVHIT_NUMBA_PREFETCH_MIN_BYTES", str(_l3_bytes()))
+    os.environ.get("KVHIT_NUMBA_PREFETCH_MIN_BYTES", str(_l3_bytes() // 4))
 )
 
 
