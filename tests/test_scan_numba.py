@@ -313,6 +313,7 @@ def test_probe_count_table():
     assert len(t.floor_by_group) == len(wl.layout.spec_groups)
     assert t.slots_per_probe >= 1 and t.lines_per_probe >= 1
     assert t.fixed_call_us > 0
+    assert t.cold_us > 0 and t.warm_us >= 0
     assert main(["--requests", "4", "--preset", "llama"]) == 0
 
 
