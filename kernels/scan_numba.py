@@ -806,11 +806,15 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     if has_tl:
         _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
+    # One shared row when the scans keep no home slots (see ScanPrep).
+    hr = np.int64(r)
+    if hr >= hscr.shape[0]:
+        hr = 0
     h = 0
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
                       table, has_index, sg, cand, hbs, align, partial,
-                      simple_hybrid, st, hscr[r])  # fmt: skip
+                      simple_hybrid, st, hscr[hr])  # fmt: skip
         if not lookup or h < n_tok:
             break
         max_len = (n_tok - 1) // align * align
@@ -900,14 +904,17 @@ class ScanPrep:
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
 
-    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "prm", "sg",
-                 "tri_empty", "tri_written")  # fmt: skip
+    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_homes", "no_tl", "prm",
+                 "sg", "tri_empty", "tri_written")  # fmt: skip
 
     def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
                  tri_written: bool) -> None:  # fmt: skip
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
         self.n_homes = _homes_cols(sg)
+        # Home slots are kept only by prefetching scans; the others get one
+        # row, never written, for every request.
+        self.no_homes = np.zeros((1, self.n_homes), np.int64)
         self.no_tl = np.zeros(1, np.int64)
         # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
@@ -985,11 +992,12 @@ def scan_prepared(
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
+    pf = _prefetching(n, table)
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
-       prep.prm[mode][_prefetching(n, table)], hit, mask_spans,
+       prep.prm[mode][pf], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
        np.empty((n, prep.n_groups), np.int64),
-       np.empty((n, prep.n_homes), np.int64))  # fmt: skip
+       np.empty((n, prep.n_homes), np.int64) if pf else prep.no_homes)  # fmt: skip
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
@@ -1004,7 +1012,9 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     # probe counters (count_probes).
     gscr = np.empty((n_req, cand_rows.shape[0] + counters), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
-    hscr = np.empty((n_req, _homes_cols(sg_rows)), dtype=np.int64)
+    hscr = np.empty(
+        (n_req if prm[_P_PREFETCH] else 1, _homes_cols(sg_rows)), dtype=np.int64
+    )
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
        sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
     if counters:
