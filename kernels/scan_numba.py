@@ -59,16 +59,25 @@ Design (why it looks like this):
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
   on a table of :data:`PREFETCH_MIN_TABLE_BYTES`, a quarter of the
   last-level cache; smaller batches and tables stay in cache, where it only
-  costs). Rows are cheap to fetch early (no slot
-  hash): a run's next stretch as a stretch starts and, once full attention
-  has its answer, the window each sliding-window group will search first
+  costs). The probes then start from the home slots hashed for the prefetch
+  instead of hashing again. Rows are cheap to fetch early (no slot hash): a
+  run's next stretch as a stretch starts and, once full attention has its
+  answer, the window each sliding-window group will search first
   (``_prefetch_windows``), so those slot hashes wait less on their rows
   (1.03-1.05x).
-* **Memory, not the rule, is what is left.** Measured on the long-hit
-  workload (one thread, thread time per request, B = 1024): a warm scan
-  (its lines in cache) costs ~1.25 us, the cold one ~2.7 us, i.e. ~135 lines
-  (52 probes of a hash row and 1.6 table lines) at ~11 ns each, which is
-  what this machine's memory delivers to groups of ~8 independent misses.
+* **Memory and compute, about half each.** Measured on the long-hit
+  workload (one thread, thread time per request; ``bench/probe_count.py``'s
+  ``kernel_split``): at B = 4096 (an 80 MB table, 285 MB of hash rows) a
+  cold scan costs ~2.6-3.0 us, the same scan with its lines in cache
+  ~1.25 us (~1.0-1.1 us of it without the prefetching's work), so ~135
+  lines (52 probes of a hash row and 1.6 table lines) add ~11 ns each. At
+  B = 1024 (20 MB table) the split depends on what of the table is still
+  cached: 1.3-1.8 us answering the same batch again, 3-4 us after 64 MB of
+  other traffic. In cache, a probe is a dependent chain (row load, slot
+  hash, slot load, compare) of ~20 ns; hashing blocks ahead that the scan
+  may not reach (a stretch past the run's end) costs more than its
+  parallelism gains (0.76-0.9x), as did a prefetch distance of two
+  stretches (0.7-0.9x).
   Putting more misses in flight across requests (AMAC-style) did not pay:
   walking 16 requests' full-attention runs together 1.0x; a pre-pass
   probing 16 requests' runs and first windows into a memo that their scans
