@@ -221,6 +221,12 @@ def _prefetching(n_req: int, table: np.ndarray) -> bool:
 
 _RUN_STRETCH = 8
 
+# Bits of a scan's ``has_index`` (bit 1: probe the index): prefetch, and
+# count every probe (count_probes: ``glim``'s columns past the limits are
+# counters, not kept home slots).
+_PREFETCH = 2
+_COUNTING = 4
+
 
 @numba.njit(**_JIT)
 def _cdiv(a, b):
@@ -335,7 +341,7 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
 
 @numba.njit(inline="always", **_JIT)
 def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
-           cand, partial, hbs, homes, hb):  # fmt: skip
+           cand, partial, hbs, hb):  # fmt: skip
     """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
     request present for every member group of SpecGroup ``sgi``? A merged
     SpecGroup hits only when every member holds the hash (reference
@@ -351,15 +357,15 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
         # for a present key at a position the worker does not ask) the value.
         odd = has_tl and not _is_candidate(u, blk, bscale, glim, cand, gid, partial)
         if has_index:
-            # ``glim`` carries counter columns only under count_probes.
-            if glim.shape[0] > cand.shape[0]:
+            # count_probes: ``glim``'s columns past the limits are counters.
+            if has_index >= _COUNTING:
                 # Per SpecGroup too: column COUNT_COLS + sgi past the limits.
                 glim[cand.shape[0] + COUNT_COLS + sgi] += 1
                 slot = table_find_counted(table, gid, rows, row, glim, cand.shape[0])
             elif hb >= 0:
                 # The home slot _prefetch_blocks hashed already.
                 slot = table_find_from(
-                    table, homes[(blk - hb) * nm + k], gid, rows, row
+                    table, glim[cand.shape[0] + (blk - hb) * nm + k], gid, rows, row
                 )
             else:
                 slot = table_find(table, gid, rows, row)
@@ -374,7 +380,8 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, homes):
+def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, glim,
+                     base):  # fmt: skip
     """Start the loads of probing blocks ``first..last`` (either order) of
     SpecGroup ``sgi``: their hash rows, then every member's home slot.
 
@@ -387,8 +394,9 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, hom
     lines half the time, and its key words are read right after its group
     id. Hints only: no effect on results.
 
-    The home slots are kept in ``homes`` (int64, per block and member from
-    block ``min(first, last)``) when they fit, so that the probes of these
+    The home slots are kept in ``glim`` from column ``base`` on (per block
+    and member from block ``min(first, last)``; ``base`` -1: not kept) when
+    they fit, so that the probes of these
     blocks do not hash their keys again: returns that first block, or -1
     when they were not kept (long-hit lookups 1.0-1.13x). Not for one-word
     keys, whose hash is cheaper than keeping it (the trace's full
@@ -403,7 +411,9 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, hom
     mask = table.shape[0] - 1
     last = table.shape[1] - 1
     nm = sg[sgi, SG_N_MEMBERS]
-    keep = rows.shape[1] > 1 and (hi - lo + 1) * nm <= homes.shape[0]
+    keep = (
+        base >= 0 and rows.shape[1] > 1 and (hi - lo + 1) * nm <= glim.shape[0] - base
+    )
     for i in range(lo, hi + 1):
         r = off + (i + 1) * scale - 1
         for k in range(nm):
@@ -411,7 +421,7 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, hom
             prefetch_cell(table, home, 0)
             prefetch_cell(table, home, last)
             if keep:
-                homes[(i - lo) * nm + k] = home
+                glim[base + (i - lo) * nm + k] = home
     return lo if keep else -1
 
 
@@ -453,24 +463,32 @@ def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
         curr = (j if drop else j + 1) * bs
 
 
+@numba.njit(inline="always", **_JIT)
+def _homes_base(has_index, cand):
+    # Where _prefetch_blocks keeps home slots in ``glim``: past the limits,
+    # unless those columns are count_probes' counters.
+    return -1 if has_index >= _COUNTING else cand.shape[0]
+
+
 # -- scan primitives -------------------------------------------------------------
 
 
 @numba.njit(inline="always", **_JIT)
 def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                 table, has_index, cand, partial, hbs, homes):  # fmt: skip
+                 table, has_index, cand, partial, hbs):  # fmt: skip
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
     count = 0
     hb = -1
     for i in range(start, end):
-        if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
+        if has_index & _PREFETCH and (i - start) % _RUN_STRETCH == 0:
             hb = _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg,
-                                  sgi, off, n_units, rows, table, homes)  # fmt: skip
+                                  sgi, off, n_units, rows, table, glim,
+                                  _homes_base(has_index, cand))  # fmt: skip
             _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
                            scale, off, n_units, rows)  # fmt: skip
         if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
-                      has_index, cand, partial, hbs, homes, hb):  # fmt: skip
+                      has_index, cand, partial, hbs, hb):  # fmt: skip
             break
         count += 1
     return count
@@ -478,7 +496,7 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
 
 @numba.njit(inline="always", **_JIT)
 def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
-               has_tl, rows, table, has_index, cand, partial, hbs, homes):  # fmt: skip
+               has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
     ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
     block ``m`` rules out every candidate whose window holds ``m``."""
@@ -486,14 +504,15 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
     j = top - (top - resid) % q
     while j >= low:
         hb = -1
-        if has_index > 1 and need > 1:
+        if has_index & _PREFETCH and need > 1:
             hb = _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units,
-                                  rows, table, homes)  # fmt: skip
+                                  rows, table, glim,
+                                  _homes_base(has_index, cand))  # fmt: skip
         miss = -1
         for d in range(need):
             b = j - d
             if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                          table, has_index, cand, partial, hbs, homes, hb):  # fmt: skip
+                          table, has_index, cand, partial, hbs, hb):  # fmt: skip
                 miss = b
                 break
         if miss < 0:
@@ -507,7 +526,7 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
 
 @numba.njit(**_JIT)
 def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
-             has_index, cand, partial, hbs, align, homes):  # fmt: skip
+             has_index, cand, partial, hbs, align):  # fmt: skip
     """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
     drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
     load mask as ``length`` entries, True on ``[lo, length)``, and the least
@@ -565,7 +584,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
                 continue
             j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
                            n_units, glim, has_tl, rows, table, has_index,
-                           cand, partial, hbs, homes)  # fmt: skip
+                           cand, partial, hbs)  # fmt: skip
             continue
         if phase == 0:
             if kind == KIND_FULL:
@@ -585,7 +604,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
             start, end, lscale = 0, min(m, need - 1), scale
         run = _leading_run(start, end, lscale, sg, sgi, off, n_units, glim,
                            has_tl, rows, table, has_index, cand, partial,
-                           hbs, homes)  # fmt: skip
+                           hbs)  # fmt: skip
         if phase == 0:
             n = run
         else:
@@ -637,7 +656,7 @@ def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
 @numba.njit(**_JIT)
 def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
               has_index, sg, cand, hbs, align, partial, simple_hybrid,
-              st, homes):  # fmt: skip
+              st):  # fmt: skip
     """One request's hit; each SpecGroup's result in ``st`` (int64
     ``[S, _ST_COLS]``). Mirrors ``ReferenceCoordinator._find`` (a lone
     SpecGroup: one scan of ``max_length``, no proof margin)."""
@@ -696,14 +715,14 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
                                                  n_units, glim, has_tl, rows,
                                                  table, has_index, cand, partial,
-                                                 hbs, align, homes)  # fmt: skip
+                                                 hbs, align)  # fmt: skip
                 st[idx, _ST_HIT] = hit
                 st[idx, _ST_LEN] = length
                 st[idx, _ST_LO] = lo
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
-                if kind == KIND_FULL and has_index > 1:
+                if kind == KIND_FULL and has_index & _PREFETCH:
                     _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
                                       rows, hbs)  # fmt: skip
             if drop:
@@ -770,12 +789,13 @@ _P_ALIGN = 5
 _P_PARTIAL = 6
 _P_SIMPLE_HYBRID = 7
 _P_PREFETCH = 8
-_P_COLS = 9
+_P_COUNT = 9
+_P_COLS = 10
 
 
 @numba.njit(**_JIT)
 def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
-             hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
+             hit, mask_spans, scratch, gscr):  # fmt: skip
     """Request ``r``: its hit at ``max_length = token_lengths[r]`` (and its load-mask
     spans in ``mask_spans``), or, in lookup mode, the store worker's ``lookup`` of a
     ``token_lengths[r]``-token prompt (reference ``ReferenceCoordinator.lookup``):
@@ -792,16 +812,18 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
     st = scratch[r]
     max_len = token_lengths[r]
     glim = gscr[r]
-    # count_probes' counter columns start at zero, for a request that asks
-    # about no key too.
-    for c in range(cand.shape[0], glim.shape[0]):
-        glim[c] = 0
+    counting = prm[_P_COUNT] != 0
+    if counting:
+        # count_probes' counter columns start at zero, for a request that
+        # asks about no key too.
+        for c in range(cand.shape[0], glim.shape[0]):
+            glim[c] = 0
     if lookup:
         n_tok = max_len
         token_len = n_tok // align * align
         has_tl = True
-        # 2: probe the index and prefetch (an int: 0 no index, 1 index).
-        has_index = 1 + (prm[_P_PREFETCH] != 0)
+        # Bits: 1 probe the index, _PREFETCH prefetch, _COUNTING count.
+        has_index = 1 + _PREFETCH * (prm[_P_PREFETCH] != 0) + _COUNTING * counting
         apply_eagle = True
         hit[r] = 0
         if n_units <= 0 or token_len <= 0:
@@ -813,19 +835,15 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         n_tok = 0
         has_tl = prm[_P_HAS_TL] != 0
         token_len = token_lens[r] if has_tl else 0
-        has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
+        has_index = prm[_P_HAS_INDEX] * (1 + _PREFETCH * (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     if has_tl:
         _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
-    # One shared row when the scans keep no home slots (see ScanPrep).
-    hr = np.int64(r)
-    if hr >= hscr.shape[0]:
-        hr = 0
     h = 0
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
                       table, has_index, sg, cand, hbs, align, partial,
-                      simple_hybrid, st, hscr[hr])  # fmt: skip
+                      simple_hybrid, st)  # fmt: skip
         if not lookup or h < n_tok:
             break
         max_len = (n_tok - 1) // align * align
@@ -849,18 +867,18 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
 
 @numba.njit(**_JIT)
 def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
-                  hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
+                  hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in range(offsets.shape[0]):
         _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                 prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
+                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                    prm, hit, mask_spans, scratch, gscr, hscr):  # fmt: skip
+                    prm, hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in numba.prange(offsets.shape[0]):
         _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                 prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
+                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
@@ -915,17 +933,14 @@ class ScanPrep:
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
 
-    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_homes", "no_tl", "prm",
-                 "sg", "tri_empty", "tri_written")  # fmt: skip
+    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "prm", "sg",
+                 "tri_empty", "tri_written")  # fmt: skip
 
     def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
                  tri_written: bool) -> None:  # fmt: skip
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
         self.n_homes = _homes_cols(sg)
-        # Home slots are kept only by prefetching scans; the others get one
-        # row, never written, for every request.
-        self.no_homes = np.zeros((1, self.n_homes), np.int64)
         self.no_tl = np.zeros(1, np.int64)
         # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
@@ -1003,12 +1018,12 @@ def scan_prepared(
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
-    pf = _prefetching(n, table)
+    # _prefetching, spelled out: a one-request call skips the table test.
+    pf = n >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
        prep.prm[mode][pf], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
-       np.empty((n, prep.n_groups), np.int64),
-       np.empty((n, prep.n_homes), np.int64) if pf else prep.no_homes)  # fmt: skip
+       np.empty((n, prep.n_groups + (prep.n_homes if pf else 0)), np.int64))  # fmt: skip
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
@@ -1019,15 +1034,13 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     if n_req == 0:
         return hit
     scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
-    # Per group one candidate limit; ``counters`` extra columns turn on the
-    # probe counters (count_probes).
-    gscr = np.empty((n_req, cand_rows.shape[0] + counters), dtype=np.int64)
+    # Per group one candidate limit, then count_probes' ``counters`` or the
+    # prefetching scans' home slots.
+    extra = counters or (_homes_cols(sg_rows) if prm[_P_PREFETCH] else 0)
+    gscr = np.empty((n_req, cand_rows.shape[0] + extra), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
-    hscr = np.empty(
-        (n_req if prm[_P_PREFETCH] else 1, _homes_cols(sg_rows)), dtype=np.int64
-    )
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
-       sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr, hscr)  # fmt: skip
+       sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
     if counters:
         return hit, gscr[:, cand_rows.shape[0] :].copy()
     return hit
@@ -1035,7 +1048,7 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
 
 @functools.lru_cache(maxsize=256)
 def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple,
-            prefetch):  # fmt: skip
+            prefetch, count=False):  # fmt: skip
     # Cached: a steady stream of calls reuses one (read-only) vector.
     prm = np.zeros(_P_COLS, dtype=np.int64)
     prm[_P_HAS_TL] = has_tl
@@ -1047,6 +1060,7 @@ def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple,
     prm[_P_PARTIAL] = partial
     prm[_P_SIMPLE_HYBRID] = simple
     prm[_P_PREFETCH] = prefetch
+    prm[_P_COUNT] = count
     return prm
 
 
@@ -1138,7 +1152,7 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     table = _c64(table)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
-                  _prefetching(offsets.shape[0], table))  # fmt: skip
+                  _prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     counters = COUNT_COLS + sg_rows.shape[0] if count else 0
