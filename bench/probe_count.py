@@ -6,12 +6,19 @@ prints one table. The probe counts come from the instrumented twin of the
 compiled lookup (``kvhit.kernels.scan_numba.count_probes``: the same kernel,
 counting every table probe, its slots and the 64-byte lines it reads); the
 floor is computed from each request's answer (:func:`probe_floor`).
+
+The compute / memory split (:func:`kernel_split`): the kernel's thread time
+per request on the batch (cold: its lines come from memory) against the
+same requests each asked ``k`` times in a row (every ask after the first
+finds its lines in cache): the warm time is the compute floor, the rest is
+waiting on memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +26,7 @@ import torch
 
 from kvhit.bench.workloads import TrafficConfig, Workload, generate
 from kvhit.coordinator.engine import LookupEngine
+from kvhit.coordinator.packing import RaggedView
 from kvhit.coordinator.plan import plan_tensors
 from kvhit.coordinator.specs import FullAttention, SlidingWindow
 from kvhit.kernels.masks import sliding_window_need
@@ -38,6 +46,8 @@ class ProbeTable:
     slots_per_probe: float
     lines_per_probe: float
     fixed_call_us: float
+    cold_us: float
+    warm_us: float
 
 
 def probe_floor(workload: Workload, hits: list[int]) -> list[int]:
@@ -84,6 +94,38 @@ def probe_floor_by_group(workload: Workload, hits: list[int]) -> list[list[int]]
     return out
 
 
+def kernel_split(
+    view: RaggedView,
+    num_tokens: np.ndarray,
+    lookup: Callable[[np.ndarray, np.ndarray, np.ndarray], object],
+    k: int = 4,
+    repeats: int = 5,
+) -> tuple[float, float]:
+    """``(cold, warm)`` microseconds of kernel thread time per request.
+
+    ``lookup(offsets, lengths, num_tokens)`` (int64 ``[R']`` each) runs the
+    compiled lookup over ``view``'s rows; cold is its time on the batch
+    (``view``'s offsets and lengths, ``num_tokens`` int64 ``[R]``), warm the
+    cost of a request asked again right after itself: every request
+    repeated ``k`` times in a row, ``(T_k - T_1) / ((k - 1) * R)``. Medians
+    of ``repeats`` alternating calls, each after the other's traffic."""
+    offs, lens = view.offsets.numpy(), view.lengths.numpy()
+    rep = (np.repeat(offs, k), np.repeat(lens, k), np.repeat(num_tokens, k))
+    one, many = [], []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        lookup(offs, lens, num_tokens)
+        t1 = time.thread_time()
+        lookup(*rep)
+        t2 = time.thread_time()
+        one.append(t1 - t0)
+        many.append(t2 - t1)
+    n = max(1, len(offs))
+    t_one, t_many = float(np.median(one)), float(np.median(many))
+    warm = max(0.0, t_many - t_one) / ((k - 1) * n)
+    return t_one / n * 1e6, warm * 1e6
+
+
 def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     """Probe counts of ``workload``'s batch through the instrumented kernel
     (parity-checked against the engine), and the engine's fixed cost: the
@@ -95,7 +137,7 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
         C_SLOTS,
         COUNT_COLS,
     )
-    from kvhit.kernels.scan_numba import count_probes
+    from kvhit.kernels.scan_numba import count_probes, lookup_hits
 
     engine = LookupEngine(workload.layout, backend="numba")
     index = workload.key_index("cpu")
@@ -114,6 +156,16 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     )  # fmt: skip
     if hit.tolist() != want:
         raise AssertionError("count_probes disagrees with the engine")
+    kw = dict(
+        table=index.table.numpy(), hash_block_size=plan.hash_block_size,
+        alignment=plan.alignment, partial=plan.partial,
+        simple_hybrid=plan.simple_hybrid, parallel=False,
+    )  # fmt: skip
+    rows, sg_np, cand_np = view.rows.numpy(), sg_rows.numpy(), cand_rows.numpy()
+    cold, warm = kernel_split(
+        view, num_tokens.numpy(),
+        lambda o, n, t: lookup_hits(rows, o, n, t, sg_np, cand_np, **kw),
+    )  # fmt: skip
     floor = probe_floor(workload, want)
     by_group = np.asarray(probe_floor_by_group(workload, want), dtype=float)
     probes = counts[:, C_PROBES].sum()
@@ -137,6 +189,8 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
         slots_per_probe=counts[:, C_SLOTS].sum() / max(1, probes),
         lines_per_probe=counts[:, C_LINES].sum() / max(1, probes),
         fixed_call_us=float(np.median(times)) * 1e6,
+        cold_us=cold,
+        warm_us=warm,
     )
 
 
@@ -155,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(hits {t.hits:.1f}, misses {t.misses:.1f}), floor {t.floor:.1f}, "
         f"slots/probe {t.slots_per_probe:.2f}, lines/probe {t.lines_per_probe:.2f}, "
         f"fixed cost/call {t.fixed_call_us:.1f} us"
+    )
+    print(
+        f"  kernel thread time per request: cold {t.cold_us:.2f} us, warm (its "
+        f"lines in cache) {t.warm_us:.2f} us: memory "
+        f"{max(0.0, 1 - t.warm_us / t.cold_us) if t.cold_us else 0.0:.0%}"
     )
     for i, sg in enumerate(wl.layout.spec_groups):
         print(

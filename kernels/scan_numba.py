@@ -57,16 +57,27 @@ Design (why it looks like this):
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
   home slots) before the first of them is probed, so their misses overlap as
   the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on; smaller batches stay in cache). Rows are cheap to fetch early (no slot
-  hash): a run's next stretch as a stretch starts and, once full attention
-  has its answer, the window each sliding-window group will search first
+  on a table of :data:`PREFETCH_MIN_TABLE_BYTES`, a quarter of the
+  last-level cache; smaller batches and tables stay in cache, where it only
+  costs). The probes then start from the home slots hashed for the prefetch
+  instead of hashing again. Rows are cheap to fetch early (no slot hash): a
+  run's next stretch as a stretch starts and, once full attention has its
+  answer, the window each sliding-window group will search first
   (``_prefetch_windows``), so those slot hashes wait less on their rows
   (1.03-1.05x).
-* **Memory, not the rule, is what is left.** Measured on the long-hit
-  workload (one thread, thread time per request, B = 1024): a warm scan
-  (its lines in cache) costs ~1.25 us, the cold one ~2.7 us, i.e. ~135 lines
-  (52 probes of a hash row and 1.6 table lines) at ~11 ns each, which is
-  what this machine's memory delivers to groups of ~8 independent misses.
+* **Memory and compute, about half each.** Measured on the long-hit
+  workload (one thread, thread time per request; ``bench/probe_count.py``'s
+  ``kernel_split``): at B = 4096 (an 80 MB table, 285 MB of hash rows) a
+  cold scan costs ~2.6-3.0 us, the same scan with its lines in cache
+  ~1.25 us (~1.0-1.1 us of it without the prefetching's work), so ~135
+  lines (52 probes of a hash row and 1.6 table lines) add ~11 ns each. At
+  B = 1024 (20 MB table) the split depends on what of the table is still
+  cached: 1.3-1.8 us answering the same batch again, 3-4 us after 64 MB of
+  other traffic. In cache, a probe is a dependent chain (row load, slot
+  hash, slot load, compare) of ~20 ns; hashing blocks ahead that the scan
+  may not reach (a stretch past the run's end) costs more than its
+  parallelism gains (0.76-0.9x), as did a prefetch distance of two
+  stretches (0.7-0.9x).
   Putting more misses in flight across requests (AMAC-style) did not pay:
   walking 16 requests' full-attention runs together 1.0x; a pre-pass
   probing 16 requests' runs and first windows into a memo that their scans
@@ -120,6 +131,7 @@ from kvhit.kernels.probe_numba import (
     prefetch_row,
     table_find,
     table_find_counted,
+    table_find_from,
 )
 
 __all__ = [
@@ -128,6 +140,7 @@ __all__ = [
     "LOOKUP",
     "PARALLEL_MIN_REQUESTS",
     "PREFETCH_MIN_REQUESTS",
+    "PREFETCH_MIN_TABLE_BYTES",
     "ScanPrep",
     "count_probes",
     "find_hits",
@@ -167,16 +180,52 @@ _NEVER = 1 << 62
 # allocate).
 _JIT = {"cache": True, "nogil": True, "_nrt": False}
 
-# From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), the
-# scans prefetch a sliding window's blocks before probing them and a leading
-# run's next _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this
-# 2-core box, one thread, thread CPU time, side by side with the scans
-# without it: long-hit 1.4-1.5x at B = 1024, 1.5-1.6x at B = 4096;
-# dsv4-flash 1.14x at B = 1024, 1.17x at B = 4096; but 0.8-0.95x at B = 64,
-# where what a batch touches stays in cache and the prefetch is extra work.
-# Stretches of 4 and 16 were no better than 8.
+# From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), and
+# on a table of at least PREFETCH_MIN_TABLE_BYTES, the scans prefetch a
+# sliding window's blocks before probing them and a leading run's next
+# _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this 2-core box,
+# one thread, thread CPU time, side by side with the scans without it:
+# long-hit 1.1x at B = 2048 and 1.25-1.3x at B = 4096 (40 and 80 MB
+# tables); but 0.8-0.95x at B = 64, where what a batch touches stays in
+# cache. Stretches of 4 and 16 were no better than 8. On a table the
+# last-level cache holds it depends on whether it is still there when the
+# call comes: answering the same batch again (the table cached), skipping
+# it was 1.2-1.3x on 5-20 MB tables (dsv4-flash, gemma3, qwen3-next at
+# B = 1024, the trace's full attention); after 64 MB of other traffic it
+# was 0.75x (long-hit B = 1024, 20 MB), 0.9x (trace, 8 MB), 0.96-1.07x
+# (the others). Below a quarter of that cache (qwen3-next's 5 MB: 1.2x
+# cached, 1.06x after the traffic) a table is taken to stay there.
 PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
+
+
+def _l3_bytes() -> int:
+    # The last-level cache of this machine (32 MB here), from sysfs.
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) << 10 if text.endswith("K") else int(text)
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+# The least table size (bytes) that is prefetched: a quarter of the
+# last-level cache (``KVHIT_NUMBA_PREFETCH_MIN_BYTES`` overrides it).
+PREFETCH_MIN_TABLE_BYTES = int(
+    os.environ.get("KVHIT_NUMBA_PREFETCH_MIN_BYTES", str(_l3_bytes() // 4))
+)
+
+
+def _prefetching(n_req: int, table: np.ndarray) -> bool:
+    return n_req >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
+
+
 _RUN_STRETCH = 8
+
+# Bits of a scan's ``has_index`` (bit 1: probe the index): prefetch, and
+# count every probe (count_probes: ``glim``'s columns past the limits are
+# counters, not kept home slots).
+_PREFETCH = 2
+_COUNTING = 4
 
 
 @numba.njit(**_JIT)
@@ -292,7 +341,7 @@ def _dup_candidate(u, off, glim, rows, cand, gid, partial):
 
 @numba.njit(inline="always", **_JIT)
 def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
-           cand, partial, hbs):  # fmt: skip
+           cand, partial, hbs, hb):  # fmt: skip
     """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
     request present for every member group of SpecGroup ``sgi``? A merged
     SpecGroup hits only when every member holds the hash (reference
@@ -301,17 +350,23 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
     if u < 0 or u >= n_units:
         return False
     row = off + u
-    for k in range(sg[sgi, SG_N_MEMBERS]):
+    nm = sg[sgi, SG_N_MEMBERS]
+    for k in range(nm):
         gid = sg[sgi, SG_MEMBERS + k]
         # Cheapest test first: the position rule, then the table, then (only
         # for a present key at a position the worker does not ask) the value.
         odd = has_tl and not _is_candidate(u, blk, bscale, glim, cand, gid, partial)
         if has_index:
-            # ``glim`` carries counter columns only under count_probes.
-            if glim.shape[0] > cand.shape[0]:
+            # count_probes: ``glim``'s columns past the limits are counters.
+            if has_index >= _COUNTING:
                 # Per SpecGroup too: column COUNT_COLS + sgi past the limits.
                 glim[cand.shape[0] + COUNT_COLS + sgi] += 1
                 slot = table_find_counted(table, gid, rows, row, glim, cand.shape[0])
+            elif hb >= 0:
+                # The home slot _prefetch_blocks hashed already.
+                slot = table_find_from(
+                    table, glim[cand.shape[0] + (blk - hb) * nm + k], gid, rows, row
+                )
             else:
                 slot = table_find(table, gid, rows, row)
             if slot < 0:
@@ -325,7 +380,8 @@ def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_in
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
+def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, glim,
+                     base):  # fmt: skip
     """Start the loads of probing blocks ``first..last`` (either order) of
     SpecGroup ``sgi``: their hash rows, then every member's home slot.
 
@@ -336,7 +392,15 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
     first, all of them: the slot hashes then wait for one row miss, not one
     each. Both ends of a home slot: a 40-byte slot straddles two 64-byte
     lines half the time, and its key words are read right after its group
-    id. Hints only: no effect on results."""
+    id. Hints only: no effect on results.
+
+    The home slots are kept in ``glim`` from column ``base`` on (per block
+    and member from block ``min(first, last)``; ``base`` -1: not kept) when
+    they fit, so that the probes of these
+    blocks do not hash their keys again: returns that first block, or -1
+    when they were not kept (long-hit lookups 1.0-1.13x). Not for one-word
+    keys, whose hash is cheaper than keeping it (the trace's full
+    attention: 0.90x kept, 0.96x not)."""
     lo = max(min(first, last), 0)
     hi = max(first, last)
     # Only blocks keyed inside the request: block i reads hash unit
@@ -346,12 +410,19 @@ def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table):
         prefetch_row(rows, off + (i + 1) * scale - 1)
     mask = table.shape[0] - 1
     last = table.shape[1] - 1
+    nm = sg[sgi, SG_N_MEMBERS]
+    keep = (
+        base >= 0 and rows.shape[1] > 1 and (hi - lo + 1) * nm <= glim.shape[0] - base
+    )
     for i in range(lo, hi + 1):
         r = off + (i + 1) * scale - 1
-        for k in range(sg[sgi, SG_N_MEMBERS]):
+        for k in range(nm):
             home = key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask
             prefetch_cell(table, home, 0)
             prefetch_cell(table, home, last)
+            if keep:
+                glim[base + (i - lo) * nm + k] = home
+    return lo if keep else -1
 
 
 @numba.njit(inline="always", **_JIT)
@@ -392,6 +463,13 @@ def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
         curr = (j if drop else j + 1) * bs
 
 
+@numba.njit(inline="always", **_JIT)
+def _homes_base(has_index, cand):
+    # Where _prefetch_blocks keeps home slots in ``glim``: past the limits,
+    # unless those columns are count_probes' counters.
+    return -1 if has_index >= _COUNTING else cand.shape[0]
+
+
 # -- scan primitives -------------------------------------------------------------
 
 
@@ -401,14 +479,16 @@ def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
     count = 0
+    hb = -1
     for i in range(start, end):
-        if has_index > 1 and (i - start) % _RUN_STRETCH == 0:
-            _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg, sgi,
-                             off, n_units, rows, table)  # fmt: skip
+        if has_index & _PREFETCH and (i - start) % _RUN_STRETCH == 0:
+            hb = _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg,
+                                  sgi, off, n_units, rows, table, glim,
+                                  _homes_base(has_index, cand))  # fmt: skip
             _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
                            scale, off, n_units, rows)  # fmt: skip
         if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
-                      has_index, cand, partial, hbs):  # fmt: skip
+                      has_index, cand, partial, hbs, hb):  # fmt: skip
             break
         count += 1
     return count
@@ -423,14 +503,16 @@ def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
     low = max(low, need - 1)
     j = top - (top - resid) % q
     while j >= low:
-        if has_index > 1 and need > 1:
-            _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units, rows,
-                             table)  # fmt: skip
+        hb = -1
+        if has_index & _PREFETCH and need > 1:
+            hb = _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units,
+                                  rows, table, glim,
+                                  _homes_base(has_index, cand))  # fmt: skip
         miss = -1
         for d in range(need):
             b = j - d
             if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                          table, has_index, cand, partial, hbs):  # fmt: skip
+                          table, has_index, cand, partial, hbs, hb):  # fmt: skip
                 miss = b
                 break
         if miss < 0:
@@ -640,7 +722,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
-                if kind == KIND_FULL and has_index > 1:
+                if kind == KIND_FULL and has_index & _PREFETCH:
                     _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
                                       rows, hbs)  # fmt: skip
             if drop:
@@ -707,7 +789,8 @@ _P_ALIGN = 5
 _P_PARTIAL = 6
 _P_SIMPLE_HYBRID = 7
 _P_PREFETCH = 8
-_P_COLS = 9
+_P_COUNT = 9
+_P_COLS = 10
 
 
 @numba.njit(**_JIT)
@@ -729,16 +812,18 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
     st = scratch[r]
     max_len = token_lengths[r]
     glim = gscr[r]
-    # count_probes' counter columns start at zero, for a request that asks
-    # about no key too.
-    for c in range(cand.shape[0], glim.shape[0]):
-        glim[c] = 0
+    counting = prm[_P_COUNT] != 0
+    if counting:
+        # count_probes' counter columns start at zero, for a request that
+        # asks about no key too.
+        for c in range(cand.shape[0], glim.shape[0]):
+            glim[c] = 0
     if lookup:
         n_tok = max_len
         token_len = n_tok // align * align
         has_tl = True
-        # 2: probe the index and prefetch (an int: 0 no index, 1 index).
-        has_index = 1 + (prm[_P_PREFETCH] != 0)
+        # Bits: 1 probe the index, _PREFETCH prefetch, _COUNTING count.
+        has_index = 1 + _PREFETCH * (prm[_P_PREFETCH] != 0) + _COUNTING * counting
         apply_eagle = True
         hit[r] = 0
         if n_units <= 0 or token_len <= 0:
@@ -750,7 +835,7 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         n_tok = 0
         has_tl = prm[_P_HAS_TL] != 0
         token_len = token_lens[r] if has_tl else 0
-        has_index = prm[_P_HAS_INDEX] * (1 + (prm[_P_PREFETCH] != 0))
+        has_index = prm[_P_HAS_INDEX] * (1 + _PREFETCH * (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     if has_tl:
         _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
@@ -802,6 +887,14 @@ def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg
 _THREADS_AVAILABLE = numba.config.NUMBA_NUM_THREADS > 1
 
 
+def _homes_cols(sg: np.ndarray) -> int:
+    # Per request, room for the home slots of the longest stretch or window
+    # _prefetch_blocks hashes (a sliding window's need, EAGLE included), per
+    # member; a longer one is not kept (its probes hash again).
+    need = int(sg[:, SG_NEED].max()) + 1
+    return max(_RUN_STRETCH, need) * int(sg[:, SG_N_MEMBERS].max())
+
+
 def _threaded(n_req: int, parallel: bool | None) -> bool:
     if parallel is None:
         return n_req >= PARALLEL_MIN_REQUESTS and _THREADS_AVAILABLE
@@ -840,13 +933,14 @@ class ScanPrep:
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
 
-    __slots__ = ("cand", "n_groups", "n_sg", "no_tl", "prm", "sg", "tri_empty",
-                 "tri_written")  # fmt: skip
+    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "prm", "sg",
+                 "tri_empty", "tri_written")  # fmt: skip
 
     def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
                  tri_written: bool) -> None:  # fmt: skip
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
+        self.n_homes = _homes_cols(sg)
         self.no_tl = np.zeros(1, np.int64)
         # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
@@ -924,10 +1018,12 @@ def scan_prepared(
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
+    # _prefetching, spelled out: a one-request call skips the table test.
+    pf = n >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
-       prep.prm[mode][n >= PREFETCH_MIN_REQUESTS], hit, mask_spans,
+       prep.prm[mode][pf], hit, mask_spans,
        np.empty((n, prep.n_sg, _ST_COLS), np.int64),
-       np.empty((n, prep.n_groups), np.int64))  # fmt: skip
+       np.empty((n, prep.n_groups + (prep.n_homes if pf else 0)), np.int64))  # fmt: skip
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
@@ -938,9 +1034,10 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     if n_req == 0:
         return hit
     scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
-    # Per group one candidate limit; ``counters`` extra columns turn on the
-    # probe counters (count_probes).
-    gscr = np.empty((n_req, cand_rows.shape[0] + counters), dtype=np.int64)
+    # Per group one candidate limit, then count_probes' ``counters`` or the
+    # prefetching scans' home slots.
+    extra = counters or (_homes_cols(sg_rows) if prm[_P_PREFETCH] else 0)
+    gscr = np.empty((n_req, cand_rows.shape[0] + extra), dtype=np.int64)
     fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
        sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
@@ -951,7 +1048,7 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
 
 @functools.lru_cache(maxsize=256)
 def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple,
-            prefetch):  # fmt: skip
+            prefetch, count=False):  # fmt: skip
     # Cached: a steady stream of calls reuses one (read-only) vector.
     prm = np.zeros(_P_COLS, dtype=np.int64)
     prm[_P_HAS_TL] = has_tl
@@ -963,6 +1060,7 @@ def _params(has_tl, has_index, apply_eagle, lookup, hbs, align, partial, simple,
     prm[_P_PARTIAL] = partial
     prm[_P_SIMPLE_HYBRID] = simple
     prm[_P_PREFETCH] = prefetch
+    prm[_P_COUNT] = count
     return prm
 
 
@@ -1015,7 +1113,7 @@ def find_hits(
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
                   int(alignment), bool(partial), bool(simple_hybrid),
-                  n_req >= PREFETCH_MIN_REQUESTS)  # fmt: skip
+                  _prefetching(n_req, tab))  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, token_lens64, tab, sg_rows, cand_rows,
                prm, mask_spans, parallel)  # fmt: skip
     return hit, mask_spans
@@ -1051,14 +1149,15 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
+    table = _c64(table)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
-                  offsets.shape[0] >= PREFETCH_MIN_REQUESTS)  # fmt: skip
+                  _prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     counters = COUNT_COLS + sg_rows.shape[0] if count else 0
     return _run(rows, offsets, lengths, num_tokens, np.zeros(1, np.int64),
-                _c64(table), sg_rows, cand_rows, prm, mask_spans,
+                table, sg_rows, cand_rows, prm, mask_spans,
                 False if count else parallel, counters)  # fmt: skip
 
 

@@ -37,15 +37,16 @@ THREADS = [False, True]
 
 @contextlib.contextmanager
 def _prefetching(on: bool):
-    """Force the scans' prefetching on (every batch size) or leave the
-    launcher's batch-size rule: small hypothesis batches never reach it."""
-    saved = scan_numba.PREFETCH_MIN_REQUESTS
+    """Force the scans' prefetching on (every batch and table size) or leave
+    the launcher's rule: small hypothesis batches never reach it."""
+    saved = scan_numba.PREFETCH_MIN_REQUESTS, scan_numba.PREFETCH_MIN_TABLE_BYTES
     if on:
         scan_numba.PREFETCH_MIN_REQUESTS = 0
+        scan_numba.PREFETCH_MIN_TABLE_BYTES = 0
     try:
         yield
     finally:
-        scan_numba.PREFETCH_MIN_REQUESTS = saved
+        scan_numba.PREFETCH_MIN_REQUESTS, scan_numba.PREFETCH_MIN_TABLE_BYTES = saved
 
 
 def _masks(tri: torch.Tensor) -> list[list[list[bool]]]:
@@ -312,6 +313,7 @@ def test_probe_count_table():
     assert len(t.floor_by_group) == len(wl.layout.spec_groups)
     assert t.slots_per_probe >= 1 and t.lines_per_probe >= 1
     assert t.fixed_call_us > 0
+    assert t.cold_us > 0 and t.warm_us >= 0
     assert main(["--requests", "4", "--preset", "llama"]) == 0
 
 
