@@ -149,6 +149,7 @@ __all__ = [
     "scan_prepared",
 ]
 
+
 # From this many requests on, the launcher threads over requests (``prange``;
 # ``KVHIT_NUMBA_PARALLEL_MIN`` overrides it). Measured on the 2-core CI machine
 # (dsv4-flash lookups): when the machine is quiet two threads win from 64
@@ -157,7 +158,22 @@ __all__ = [
 # for a descheduled worker, while the serial loop stays at 1.4 ms for 1024
 # requests. Below 1024 requests the gain is at most tens of microseconds, so
 # only large batches take that risk.
-PARALLEL_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PARALLEL_MIN", "1024"))
+def _env_int(name: str, default: int) -> int:
+    """``int(os.environ[name])`` (``default`` when unset); a value that is not
+    a non-negative int is an error naming the variable."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {text!r}")
+    return value
+
+
+PARALLEL_MIN_REQUESTS = _env_int("KVHIT_NUMBA_PARALLEL_MIN", 1024)
 
 # Scratch columns per SpecGroup of one request.
 _ST_HIT = 0
@@ -195,7 +211,7 @@ _JIT = {"cache": True, "nogil": True, "_nrt": False}
 # was 0.75x (long-hit B = 1024, 20 MB), 0.9x (trace, 8 MB), 0.96-1.07x
 # (the others). Below a quarter of that cache (qwen3-next's 5 MB: 1.2x
 # cached, 1.06x after the traffic) a table is taken to stay there.
-PREFETCH_MIN_REQUESTS = int(os.environ.get("KVHIT_NUMBA_PREFETCH_MIN", "128"))
+PREFETCH_MIN_REQUESTS = _env_int("KVHIT_NUMBA_PREFETCH_MIN", 128)
 
 
 def _l3_bytes() -> int:
@@ -203,16 +219,15 @@ def _l3_bytes() -> int:
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
             text = f.read().strip()
-        return int(text[:-1]) << 10 if text.endswith("K") else int(text)
+        shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+        return int(text[:-1] if shift else text) << shift
     except (OSError, ValueError):
         return 32 << 20
 
 
 # The least table size (bytes) that is prefetched: a quarter of the
 # last-level cache (``KVHIT_NUMBA_PREFETCH_MIN_BYTES`` overrides it).
-PREFETCH_MIN_TABLE_BYTES = int(
-    os.environ.get("KVHIT_NUMBA_PREFETCH_MIN_BYTES", str(_l3_bytes() // 4))
-)
+PREFETCH_MIN_TABLE_BYTES = _env_int("KVHIT_NUMBA_PREFETCH_MIN_BYTES", _l3_bytes() // 4)
 
 
 def _prefetching(n_req: int, table: np.ndarray) -> bool:

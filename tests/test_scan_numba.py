@@ -362,3 +362,17 @@ def test_prefetching_scans_answer_as_the_plain_ones(preset, parallel):
     assert [m.tolist() for m in found[True].masks] == [
         m.tolist() for m in found[False].masks
     ]
+
+
+@pytest.mark.parametrize(
+    "name", ["KVHIT_NUMBA_PREFETCH_MIN", "KVHIT_NUMBA_PREFETCH_MIN_BYTES"]
+)
+def test_a_bad_tuning_variable_is_named(name: str) -> None:
+    env = {**os.environ, name: "-3"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import kvhit.kernels.scan_numba"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and f"{name} must be a non-negative int" in run.stderr
