@@ -140,7 +140,8 @@ def _position_error(name: str, i: int, v: Any) -> ValueError:
 
 def _host_lengths(value: Any, name: str) -> np.ndarray:
     """A Python sequence of ints as an int64 array, checked on the host."""
-    if all(type(v) is int for v in value):
+    # A C-level type scan: a generator over 1024 lengths cost ~50 us a call.
+    if set(map(type, value)) <= {int}:
         try:
             arr = np.array(value, dtype=np.int64)
         except OverflowError:

@@ -235,13 +235,18 @@ def _bad_int(v: Any, where: str) -> Exception | None:
 
 
 def _ints_of_list(
-    parts: list[Any], requests: list[Any], lengths: list[int], first: int
+    parts: list[Any],
+    requests: list[Any],
+    lengths: list[int],
+    first: int,
+    n: int | None = None,
 ) -> np.ndarray:
     """The items of ``parts`` (sequences: the requests from ``first`` on, in
     order, or one list of their items) as int64 ``[n]``; on a bad item, raise
-    naming its request and position. The common case (integers, all in
-    range) is C-level loops only."""
-    n = sum(map(len, parts))
+    naming its request and position (``n``: their count, when known). The
+    common case (integers, all in range) is C-level loops only."""
+    if n is None:
+        n = sum(map(len, parts))
     if n < _STRUCT_MIN:
         flat = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
         # A short list: one type scan and np.array (numpy would truncate a
@@ -515,7 +520,7 @@ class HashBatch:
         elif set(map(type, requests)) <= {list}:
             # The common case, all lists of ints: C-level loops only.
             lengths = list(map(len, requests))
-            values = _ints_of_list(requests, requests, lengths, 0)
+            values = _ints_of_list(requests, requests, lengths, 0, sum(lengths))
         elif set(map(type, requests)) == {np.ndarray} and {
             (r.dtype, r.ndim) for r in requests
         } == {(_INT64, 1)}:
@@ -526,11 +531,18 @@ class HashBatch:
             values = np.concatenate(requests)
         else:
             lengths, values = _ints_of_mixed(requests)
-        # accumulate + one array: np.cumsum of a short list costs ~3 us.
         if len(lengths) == 1:
             offsets = np.array((0, lengths[0]), dtype=np.int64)
+            host_lengths = offsets[1:]  # a view, no conversion
         else:
-            offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+            host_lengths = np.array(lengths, dtype=np.int64)
+            if len(lengths) < 64:
+                # accumulate + one array: np.cumsum costs ~3 us however short.
+                offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+            else:
+                offsets = np.empty(len(lengths) + 1, dtype=np.int64)
+                offsets[0] = 0
+                np.cumsum(host_lengths, out=offsets[1:])
         if hash_bytes < 8 and values.size:
             bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
             if bad.any():
@@ -557,11 +569,7 @@ class HashBatch:
         # first access (__getattr__): a scheduler step of one request that
         # goes straight to the numba host path never pays the two
         # torch.from_numpy calls (~0.9 us). One __dict__ update costs a
-        # fraction of frozen-dataclass setattrs. One request's length is
-        # offsets[1:] (a view, no conversion).
-        host_lengths = (
-            offsets[1:] if len(lengths) == 1 else np.array(lengths, dtype=np.int64)
-        )
+        # fraction of frozen-dataclass setattrs.
         batch = object.__new__(cls)
         batch.__dict__.update(
             hash_bytes=hash_bytes,
