@@ -161,6 +161,19 @@ def test_zero_one_and_integer_likes_are_kept_in_short_and_long_lists(n) -> None:
     assert got.hashes.numpy().flags.writeable
 
 
+def test_a_long_batch_converted_in_runs_keeps_every_value_in_place() -> None:
+    # Thousands of requests, empty ones among them: several struct runs.
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 40, 3000)
+    lengths[[0, 1, 1500, 2999]] = 0
+    reqs = [
+        rng.integers(-(1 << 63), 1 << 63, n, dtype=np.int64).tolist() for n in lengths
+    ]
+    got = HashBatch.from_ints(reqs)
+    assert got.hashes[:, 0].tolist() == [v for r in reqs for v in r]
+    assert got.offsets.tolist() == [0, *np.cumsum(lengths).tolist()]
+
+
 @pytest.mark.parametrize("hash_bytes", [1, 4, 7])
 def test_narrow_keys_refuse_values_that_do_not_fit(hash_bytes) -> None:
     top = 1 << (8 * hash_bytes)
