@@ -1047,7 +1047,8 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     n_req = offsets.shape[0]
     hit = np.zeros(n_req, dtype=np.int64)
     if n_req == 0:
-        return hit
+        # count_probes answers a pair for an empty batch too.
+        return (hit, np.zeros((0, counters), np.int64)) if counters else hit
     scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
     # Per group one candidate limit, then count_probes' ``counters`` or the
     # prefetching scans' home slots.

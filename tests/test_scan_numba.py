@@ -376,3 +376,14 @@ def test_a_bad_tuning_variable_is_named(name: str) -> None:
         text=True,
     )
     assert run.returncode != 0 and f"{name} must be a non-negative int" in run.stderr
+
+
+def test_count_probes_of_no_request_is_a_pair():
+    """An empty batch: ``(hit [0], counts [0, COUNT_COLS + S])`` as for any
+    other batch, not the bare hit array."""
+    from kvhit.kernels.probe_numba import COUNT_COLS
+
+    layout = make_layout("dsv4-flash")
+    hit, counts = _count(layout, [], [], set())
+    assert hit.shape == (0,)
+    assert counts.shape == (0, COUNT_COLS + len(layout.spec_groups))
