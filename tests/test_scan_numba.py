@@ -387,3 +387,47 @@ def test_count_probes_of_no_request_is_a_pair():
     hit, counts = _count(layout, [], [], set())
     assert hit.shape == (0,)
     assert counts.shape == (0, COUNT_COLS + len(layout.spec_groups))
+
+
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("parallel", THREADS)
+@settings(max_examples=max(EXAMPLES // 3, 10))
+@given(data=st.data(), apply_eagle=st.booleans(), restrict=st.booleans())
+def test_wide_keys_with_prefetching_match_the_reference(
+    width, parallel, data, apply_eagle, restrict
+):
+    """Multi-word keys (2 words, and 4: the unrolled slot hash) with the
+    prefetching forced on: the probes start from the home slots kept in the
+    limits row, which one-word keys never do. Find (with and without the
+    candidate restriction) and lookup equal the reference; empty batches
+    included."""
+    layout, requests, exists, lens = data.draw(
+        case(width=width, min_requests=0, max_requests=6)
+    )
+    plan = ScanPlan.from_layout(layout)
+    cpu = torch.device("cpu")
+    backend = NumbaBackend(plan, cpu)
+    backend.parallel = parallel
+    batch = HashBatch.from_bytes(requests, width, "cpu")
+    index = key_index(exists, width=width)
+    with _prefetching(True):
+        got = backend.lookup(batch.view(), torch.tensor(lens, dtype=torch.int64), index)
+    ref = ReferenceCoordinator(layout)
+    want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
+    assert got.tolist() == want
+    token_lens = None
+    max_lengths = torch.tensor(lens, dtype=torch.int64)
+    if restrict:
+        token_lens = torch.tensor([layout.align(n) for n in lens], dtype=torch.int64)
+        max_lengths = token_lens.clone()
+    view = batch.view(token_lens)
+    try:
+        want_hit, want_tri = ReferenceBackend(plan, cpu).find(
+            view, max_lengths, index, apply_eagle
+        )
+    except ValueError:
+        return  # the reference refuses (a scan past the hashes)
+    with _prefetching(True):
+        hit, tri = backend.find(view, max_lengths, index, apply_eagle)
+    assert hit.tolist() == want_hit.tolist()
+    assert _masks(tri) == _masks(want_tri)
