@@ -431,3 +431,37 @@ def test_wide_keys_with_prefetching_match_the_reference(
         hit, tri = backend.find(view, max_lengths, index, apply_eagle)
     assert hit.tolist() == want_hit.tolist()
     assert _masks(tri) == _masks(want_tri)
+
+
+@pytest.mark.parametrize("fn", ["find_hits", "lookup_hits", "count_probes"])
+@pytest.mark.parametrize("shape", [(16, 2), (16, 4), (12, 3), (0, 3), (16,)])
+def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
+    """A table that is not ``[C, W + 1]`` with ``C`` a power of two is an
+    error naming it: one of 8-byte keys under 16-byte hashes read the next
+    slot's group id as the key's second word (a hit no key gave)."""
+    from kvhit.coordinator.plan import plan_tensors
+    from kvhit.kernels.contract import EMPTY
+    from kvhit.kernels.probe_numba import key_slot_hash
+
+    layout = make_layout("llama")
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    rows = np.array([[11, 22]], dtype=np.int64)
+    table = np.full(shape, EMPTY, dtype=np.int64)
+    if shape == (16, 2):
+        # The key's first word at its home slot, its second where the next
+        # slot's group id is.
+        home = int(key_slot_hash(0, rows, 0) & 15)
+        table[home] = [0, 11]
+        table[(home + 1) % 16, 0] = 22
+    kw = dict(
+        table=table, hash_block_size=plan.hash_block_size,
+        alignment=plan.alignment, partial=plan.partial,
+        simple_hybrid=plan.simple_hybrid,
+    )  # fmt: skip
+    if fn == "find_hits":
+        kw.update(token_lens=None, apply_eagle=False)
+    one = np.array([0], np.int64), np.array([1], np.int64)
+    tokens = np.array([layout.scheduler_block_size], np.int64)
+    with pytest.raises(ValueError, match="table"):
+        getattr(scan_numba, fn)(rows, *one, tokens, sg.numpy(), cand.numpy(), **kw)
