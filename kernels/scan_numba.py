@@ -935,6 +935,18 @@ def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
         )
 
 
+def _check_table(table: np.ndarray, rows: np.ndarray) -> None:
+    # The probes read a slot's W key words unchecked: a narrower table's
+    # next slot, or past its end, would be read as key words.
+    w = rows.shape[1] if rows.ndim == 2 else -1
+    c = table.shape[0] if table.ndim == 2 else 0
+    if table.ndim != 2 or table.shape[1] != w + 1 or c < 1 or c & (c - 1):
+        raise ValueError(
+            f"table must have shape [C, {w + 1}] (C a power of two) for hash rows "
+            f"{list(rows.shape)}, got {list(table.shape)}"
+        )
+
+
 # The modes of :func:`scan_prepared`.
 FIND = 0
 FIND_EAGLE = 1
@@ -1047,7 +1059,8 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     n_req = offsets.shape[0]
     hit = np.zeros(n_req, dtype=np.int64)
     if n_req == 0:
-        return hit
+        # count_probes answers a pair for an empty batch too.
+        return (hit, np.zeros((0, counters), np.int64)) if counters else hit
     scratch = np.empty((n_req, sg_rows.shape[0], _ST_COLS), dtype=np.int64)
     # Per group one candidate limit, then count_probes' ``counters`` or the
     # prefetching scans' home slots.
@@ -1124,6 +1137,8 @@ def find_hits(
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
     has_index = table is not None
     tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
+    if has_index:
+        _check_table(tab, rows)
     has_tl = token_lens is not None
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
@@ -1165,6 +1180,7 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
     table = _c64(table)
+    _check_table(table, rows)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
                   _prefetching(offsets.shape[0], table), bool(count))  # fmt: skip

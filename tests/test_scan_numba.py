@@ -376,3 +376,92 @@ def test_a_bad_tuning_variable_is_named(name: str) -> None:
         text=True,
     )
     assert run.returncode != 0 and f"{name} must be a non-negative int" in run.stderr
+
+
+def test_count_probes_of_no_request_is_a_pair():
+    """An empty batch: ``(hit [0], counts [0, COUNT_COLS + S])`` as for any
+    other batch, not the bare hit array."""
+    from kvhit.kernels.probe_numba import COUNT_COLS
+
+    layout = make_layout("dsv4-flash")
+    hit, counts = _count(layout, [], [], set())
+    assert hit.shape == (0,)
+    assert counts.shape == (0, COUNT_COLS + len(layout.spec_groups))
+
+
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("parallel", THREADS)
+@settings(max_examples=max(EXAMPLES // 3, 10))
+@given(data=st.data(), apply_eagle=st.booleans(), restrict=st.booleans())
+def test_wide_keys_with_prefetching_match_the_reference(
+    width, parallel, data, apply_eagle, restrict
+):
+    """Multi-word keys (2 words, and 4: the unrolled slot hash) with the
+    prefetching forced on: the probes start from the home slots kept in the
+    limits row, which one-word keys never do. Find (with and without the
+    candidate restriction) and lookup equal the reference; empty batches
+    included."""
+    layout, requests, exists, lens = data.draw(
+        case(width=width, min_requests=0, max_requests=6)
+    )
+    plan = ScanPlan.from_layout(layout)
+    cpu = torch.device("cpu")
+    backend = NumbaBackend(plan, cpu)
+    backend.parallel = parallel
+    batch = HashBatch.from_bytes(requests, width, "cpu")
+    index = key_index(exists, width=width)
+    with _prefetching(True):
+        got = backend.lookup(batch.view(), torch.tensor(lens, dtype=torch.int64), index)
+    ref = ReferenceCoordinator(layout)
+    want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
+    assert got.tolist() == want
+    token_lens = None
+    max_lengths = torch.tensor(lens, dtype=torch.int64)
+    if restrict:
+        token_lens = torch.tensor([layout.align(n) for n in lens], dtype=torch.int64)
+        max_lengths = token_lens.clone()
+    view = batch.view(token_lens)
+    try:
+        want_hit, want_tri = ReferenceBackend(plan, cpu).find(
+            view, max_lengths, index, apply_eagle
+        )
+    except ValueError:
+        return  # the reference refuses (a scan past the hashes)
+    with _prefetching(True):
+        hit, tri = backend.find(view, max_lengths, index, apply_eagle)
+    assert hit.tolist() == want_hit.tolist()
+    assert _masks(tri) == _masks(want_tri)
+
+
+@pytest.mark.parametrize("fn", ["find_hits", "lookup_hits", "count_probes"])
+@pytest.mark.parametrize("shape", [(16, 2), (16, 4), (12, 3), (0, 3), (16,)])
+def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
+    """A table that is not ``[C, W + 1]`` with ``C`` a power of two is an
+    error naming it: one of 8-byte keys under 16-byte hashes read the next
+    slot's group id as the key's second word (a hit no key gave)."""
+    from kvhit.coordinator.plan import plan_tensors
+    from kvhit.kernels.contract import EMPTY
+    from kvhit.kernels.probe_numba import key_slot_hash
+
+    layout = make_layout("llama")
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    rows = np.array([[11, 22]], dtype=np.int64)
+    table = np.full(shape, EMPTY, dtype=np.int64)
+    if shape == (16, 2):
+        # The key's first word at its home slot, its second where the next
+        # slot's group id is.
+        home = int(key_slot_hash(0, rows, 0) & 15)
+        table[home] = [0, 11]
+        table[(home + 1) % 16, 0] = 22
+    kw = dict(
+        table=table, hash_block_size=plan.hash_block_size,
+        alignment=plan.alignment, partial=plan.partial,
+        simple_hybrid=plan.simple_hybrid,
+    )  # fmt: skip
+    if fn == "find_hits":
+        kw.update(token_lens=None, apply_eagle=False)
+    one = np.array([0], np.int64), np.array([1], np.int64)
+    tokens = np.array([layout.scheduler_block_size], np.int64)
+    with pytest.raises(ValueError, match="table"):
+        getattr(scan_numba, fn)(rows, *one, tokens, sg.numpy(), cand.numpy(), **kw)
