@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvhit import CacheLayout, FullAttention, Group, KeyIndex, SlidingWindow
+from kvhit import (
+    CacheLayout,
+    FleetIndex,
+    FullAttention,
+    Group,
+    KeyIndex,
+    ReferenceCoordinator,
+    SlidingWindow,
+)
 
 
 def key_index(
@@ -28,6 +36,47 @@ def key_index(
     if keys:
         index.add([g for g, _ in keys], [h for _, h in keys])
     return index
+
+
+def make_fleet(
+    stores_: list[Iterable[tuple[int, bytes]]],
+    width: int = 8,
+    backend: str = "auto",
+    capacity: int = 16,
+    num_engines: int | None = None,
+) -> FleetIndex:
+    """A FleetIndex holding ``stores_[e]`` for engine ``e`` (sorted adds)."""
+    fleet = FleetIndex(
+        num_engines or len(stores_), width, capacity=capacity, backend=backend
+    )
+    for e, keys in enumerate(stores_):
+        keys = sorted(keys)
+        if keys:
+            fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
+    return fleet
+
+
+def fleet_expected(
+    layout: CacheLayout,
+    requests: list[list[bytes]],
+    stores_: list[Any],
+    lens: list[int],
+    apply_eagle: bool = True,
+    lookup: bool = False,
+) -> list[list[int]]:
+    """The reference's answer of every request (``[B]``) against every
+    engine's store (``[E]``): ``lookup`` (the worker rule at ``lens`` tokens)
+    or the longest hit within ``lens``."""
+    ref = ReferenceCoordinator(layout)
+    return [
+        [
+            ref.lookup(n, r, keys)
+            if lookup
+            else ref.find_longest_cache_hit(r, n, keys, apply_eagle)[1]
+            for keys in stores_
+        ]
+        for r, n in zip(requests, lens, strict=True)
+    ]
 
 
 def merged_swa_eagle_layout() -> CacheLayout:

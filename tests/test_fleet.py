@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import key_index
+from helpers import fleet_expected as expected
+from helpers import key_index, make_fleet
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -26,39 +27,12 @@ from kvhit import (
     HashBatch,
     KeyIndex,
     LookupEngine,
-    ReferenceCoordinator,
     route,
 )
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.fleet import state_checksum
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60"))
-
-
-def make_fleet(stores_, width=8, backend="auto", capacity=16, num_engines=None):
-    """A FleetIndex holding ``stores_[e]`` for engine ``e`` (sorted adds)."""
-    fleet = FleetIndex(
-        num_engines or len(stores_), width, capacity=capacity, backend=backend
-    )
-    for e, keys in enumerate(stores_):
-        keys = sorted(keys)
-        if keys:
-            fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
-    return fleet
-
-
-def expected(layout, requests, stores_, lens, apply_eagle=True, lookup=False):
-    ref = ReferenceCoordinator(layout)
-    out = []
-    for r, n in zip(requests, lens, strict=True):
-        row = []
-        for keys in stores_:
-            if lookup:
-                row.append(ref.lookup(n, r, keys))
-            else:
-                row.append(ref.find_longest_cache_hit(r, n, keys, apply_eagle)[1])
-        out.append(row)
-    return out
 
 
 def _check(layout, requests, stores_, lens, engine_backend="numba",

@@ -15,9 +15,11 @@ import random
 from contextlib import contextmanager
 from unittest import mock
 
+import helpers
 import numpy as np
 import pytest
 import torch
+from helpers import fleet_expected as expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -36,7 +38,6 @@ from kvhit import (
     Group,
     HashBatch,
     LookupEngine,
-    ReferenceCoordinator,
 )
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator import fleet as fleet_mod
@@ -68,26 +69,12 @@ def make_fleet(stores_, num_engines=None, capacity=16):
     # Inside on_triton() the CUDA rule holds, so the fleet is a Triton one;
     # outside, the torch fleet it is compared with.
     triton = fleet_mod.auto_backend(torch.device("cpu")) == "triton"
-    fleet = FleetIndex(num_engines or len(stores_), 8, capacity=capacity,
-                       backend="triton" if triton else "torch")  # fmt: skip
-    for e, keys in enumerate(stores_):
-        keys = sorted(keys)
-        if keys:
-            fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
-    return fleet
-
-
-def expected(layout, requests, stores_, lens, apply_eagle=True, lookup=False):
-    ref = ReferenceCoordinator(layout)
-    return [
-        [
-            ref.lookup(n, r, keys)
-            if lookup
-            else ref.find_longest_cache_hit(r, n, keys, apply_eagle)[1]
-            for keys in stores_
-        ]
-        for r, n in zip(requests, lens, strict=True)
-    ]
+    return helpers.make_fleet(
+        stores_,
+        backend="triton" if triton else "torch",
+        capacity=capacity,
+        num_engines=num_engines,
+    )
 
 
 def check(layout, requests, stores_, lens, apply_eagle=True, num_engines=None):
