@@ -8,9 +8,11 @@ read metadata only (no host sync). Imports no triton or numba.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["check_int64", "check_keys", "check_table"]
+__all__ = ["check_int64", "check_keys", "check_table", "table_capacity"]
 
 
 def check_int64(
@@ -45,14 +47,21 @@ def check_table(table: object, W: object) -> int:
     two; ValueError (TypeError for the tensor's type or dtype) otherwise."""
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
         raise ValueError(f"W must be a positive int, got {W!r}")
-    t = check_int64(table, "table")
-    if t.dim() != 2 or t.shape[1] != W + 1:
+    return table_capacity(check_int64(table, "table").shape, W)
+
+
+def table_capacity(shape: Sequence[int], W: int, name: str = "table") -> int:
+    """Capacity of a hash-index table of ``shape`` (a tensor's or a numpy
+    array's): ``[capacity, W + 1]``, ``capacity`` a power of two; ValueError
+    naming ``name`` otherwise. The probes read a slot's ``W`` key words
+    unchecked, so a narrower table would be read past its slots."""
+    if len(shape) != 2 or shape[1] != W + 1:
         raise ValueError(
-            f"table must have shape [capacity, {W + 1}], got {list(t.shape)}"
+            f"{name} must have shape [capacity, {W + 1}], got {list(shape)}"
         )
-    cap = t.shape[0]
+    cap = shape[0]
     if cap < 1 or cap & (cap - 1):
-        raise ValueError(f"table capacity must be a power of two, got {cap}")
+        raise ValueError(f"{name} capacity must be a power of two, got {cap}")
     return cap
 
 

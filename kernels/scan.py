@@ -92,7 +92,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract as kc
-from kvhit.kernels.checks import check_int64
+from kvhit.kernels.checks import check_int64, table_capacity
 from kvhit.kernels.hash_index import slot_hash
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
@@ -928,9 +928,7 @@ def _validate(
     _positive_int("num_groups", num_groups)
     _check("cand_rows", cand_rows, 2, device, (num_groups, kc.CAND_WIDTH))
     if table is not None:
-        cap = _check("table", table, 2, device, (None, W + 1)).shape[0]
-        if cap < 1 or cap & (cap - 1):
-            raise ValueError(f"table capacity must be a power of two, got {cap}")
+        table_capacity(_check("table", table, 2, device, (None, W + 1)).shape, W)
     _positive_int("hash_block_size", hash_block_size)
     _positive_int("alignment", alignment)
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:

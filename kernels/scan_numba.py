@@ -98,6 +98,7 @@ import os
 import numba
 import numpy as np
 
+from kvhit.kernels.checks import table_capacity
 from kvhit.kernels.contract import (
     CAND_BLOCK_SIZE,
     CAND_CACHEABLE,
@@ -936,15 +937,9 @@ def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
 
 
 def _check_table(table: np.ndarray, rows: np.ndarray) -> None:
-    # The probes read a slot's W key words unchecked: a narrower table's
-    # next slot, or past its end, would be read as key words.
-    w = rows.shape[1] if rows.ndim == 2 else -1
-    c = table.shape[0] if table.ndim == 2 else 0
-    if table.ndim != 2 or table.shape[1] != w + 1 or c < 1 or c & (c - 1):
-        raise ValueError(
-            f"table must have shape [C, {w + 1}] (C a power of two) for hash rows "
-            f"{list(rows.shape)}, got {list(table.shape)}"
-        )
+    if rows.ndim != 2:
+        raise ValueError(f"rows must have shape [T, W], got {list(rows.shape)}")
+    table_capacity(table.shape, rows.shape[1])
 
 
 # The modes of :func:`scan_prepared`.
