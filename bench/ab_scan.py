@@ -1,0 +1,178 @@
+"""Two builds of the numba lookup kernel side by side, in one process.
+
+``python -m kvhit.bench.ab_scan OTHER.py [--preset dsv4-longhit]
+[--requests 4096] [--repeats 15]`` loads ``OTHER.py`` (another version of
+``kernels/scan_numba.py``, e.g. ``git show main:kernels/scan_numba.py >
+/tmp/scan_main.py``) beside this checkout's, checks that both give the
+engine's answer on every request of one batch (the store worker's lookup,
+the bench's setting), then times the two on the same arrays in rounds, the
+order swapped every round, one thread, wall clock. It prints each one's
+median and the median of the per-round ratios with their quartiles.
+
+Why one process: on a shared machine the same kernel timed in processes run
+back to back moved by up to 25 % (long-hit B = 4096, minutes apart), where
+the paired rounds of one process stay within a few per cent of each other;
+a kernel change worth 5-10 % is only visible this way.
+
+Only the kernel module is swapped: the table layout, the slot hash
+(``kernels/probe_numba.py``) and the plan rows are this checkout's, so a
+change to those needs two checkouts and ``kvhit bench`` in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kvhit.bench.workloads import PRESETS, TrafficConfig, Workload, generate
+from kvhit.coordinator.engine import LookupEngine
+from kvhit.coordinator.plan import plan_tensors
+
+#: The name the other kernel module is loaded under (numba caches its
+#: compiled code by the file's path, not by this name).
+OTHER_MODULE = "kvhit_ab_scan_other"
+
+
+def load_scan(path: str | Path) -> ModuleType:
+    """The kernel module at ``path`` (a ``scan_numba.py``), imported under
+    :data:`OTHER_MODULE`; ValueError naming ``other`` when it is not a file
+    or lacks the launcher API (``prepare_scan``, ``scan_prepared``,
+    ``LOOKUP``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"other: {str(path)!r} is not a file")
+    spec = importlib.util.spec_from_file_location(OTHER_MODULE, p)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"other: {str(path)!r} cannot be imported as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[OTHER_MODULE] = module
+    spec.loader.exec_module(module)
+    missing = [
+        n for n in ("prepare_scan", "scan_prepared", "LOOKUP") if not hasattr(module, n)
+    ]
+    if missing:
+        raise ValueError(f"other: {str(path)!r} has no {', '.join(missing)}")
+    return module
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Seconds per batch of each kernel, one entry per round (float
+    ``[repeats]`` each), timed on the same arrays."""
+
+    this_s: tuple[float, ...]
+    other_s: tuple[float, ...]
+
+    def medians(self) -> tuple[float, float]:
+        return float(np.median(self.this_s)), float(np.median(self.other_s))
+
+    def paired(self) -> tuple[float, float, float]:
+        """``other / this`` per round (above 1: this checkout is faster):
+        median, first and third quartile."""
+        r = np.asarray(self.other_s) / np.asarray(self.this_s)
+        return (
+            float(np.median(r)),
+            float(np.percentile(r, 25)),
+            float(np.percentile(r, 75)),
+        )
+
+
+def compare(workload: Workload, other: ModuleType, repeats: int = 15) -> Comparison:
+    """This checkout's kernel against ``other`` on ``workload``'s batch and
+    store; AssertionError naming the first request where either differs from
+    ``LookupEngine.lookup``."""
+    from kvhit.kernels import scan_numba as this
+
+    engine = LookupEngine(workload.layout, backend="numba")
+    index = workload.key_index("cpu")
+    batch = workload.hash_batch("cpu")
+    num_tokens = workload.num_tokens_tensor()
+    want = engine.lookup(batch, num_tokens, index).numpy()
+    rows, starts, lengths = batch.host_arrays()
+    n = np.ascontiguousarray(num_tokens.numpy())
+    table = np.ascontiguousarray(index.table.numpy())
+    plan = engine.plan
+    sg, cand = (t.numpy() for t in plan_tensors(plan, torch.device("cpu")))
+    runs = {}
+    for name, mod in (("this", this), ("other", other)):
+        prep = mod.prepare_scan(
+            sg, cand, hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+            partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+        )  # fmt: skip
+
+        def run(mod: ModuleType = mod, prep: object = prep) -> np.ndarray:
+            hit, _ = mod.scan_prepared(
+                prep, rows, starts, lengths, n, table, mod.LOOKUP, parallel=False
+            )
+            return hit
+
+        got = np.asarray(run())
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            i = int(bad[0])
+            raise AssertionError(
+                f"{name} kernel: request {i} hit {int(got[i])}, the engine "
+                f"{int(want[i])} ({bad.size} of {len(want)} requests differ)"
+            )
+        runs[name] = run
+    times: dict[str, list[float]] = {"this": [], "other": []}
+    for k in range(repeats):
+        for name in ("this", "other") if k % 2 == 0 else ("other", "this"):
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return Comparison(tuple(times["this"]), tuple(times["other"]))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kvhit.bench.ab_scan",
+        description="This checkout's numba lookup kernel against another "
+        "version of kernels/scan_numba.py, paired rounds in one process.",
+    )
+    p.add_argument("other", help="path of the other scan_numba.py")
+    p.add_argument("--preset", default="dsv4-longhit", choices=sorted(PRESETS))
+    p.add_argument("--requests", type=_positive, default=4096)
+    p.add_argument("--repeats", type=_positive, default=15, help="rounds")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        other = load_scan(args.other)
+    except (ValueError, ImportError, SyntaxError) as exc:
+        print(f"ab_scan: {exc}", file=sys.stderr)
+        return 2
+    wl = generate(
+        args.preset, TrafficConfig(num_requests=args.requests, seed=args.seed)
+    )
+    try:
+        c = compare(wl, other, args.repeats)
+    except AssertionError as exc:
+        print(f"ab_scan: parity: {exc}", file=sys.stderr)
+        return 1
+    this_s, other_s = c.medians()
+    mid, lo, hi = c.paired()
+    print(
+        f"{args.preset} B={len(wl)}, {args.repeats} rounds, one thread: this "
+        f"{this_s * 1e3:.3f} ms, other {other_s * 1e3:.3f} ms a batch (medians); "
+        f"other / this per round {mid:.3f}x (quartiles {lo:.3f}-{hi:.3f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

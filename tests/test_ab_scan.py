@@ -1,0 +1,70 @@
+"""bench/ab_scan.py: two builds of the numba kernel side by side."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("numba")
+
+from kvhit.bench import ab_scan  # noqa: E402
+from kvhit.bench.workloads import TrafficConfig, generate  # noqa: E402
+from kvhit.kernels import scan_numba  # noqa: E402
+
+_ARGS = ["--preset", "llama", "--requests", "16", "--repeats", "2"]
+
+
+def _stub(tmp_path, body: str):
+    path = tmp_path / "scan_stub.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_this_kernel_against_itself(capsys):
+    assert ab_scan.main([scan_numba.__file__, *_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "llama B=16, 2 rounds" in out and "other / this per round" in out
+
+
+def test_compare_times_every_round():
+    wl = generate("gemma3", TrafficConfig(num_requests=12, seed=3))
+    c = ab_scan.compare(wl, ab_scan.load_scan(scan_numba.__file__), repeats=3)
+    assert len(c.this_s) == len(c.other_s) == 3
+    assert min(c.this_s + c.other_s) > 0
+    mid, lo, hi = c.paired()
+    assert lo <= mid <= hi
+
+
+def test_a_wrong_answer_is_refused(tmp_path, capsys):
+    # Every hit 7: never a multiple of llama's 16-token blocks.
+    stub = _stub(
+        tmp_path,
+        """
+        import numpy as np
+        LOOKUP = 2
+        def prepare_scan(*args, **kwargs):
+            return None
+        def scan_prepared(prep, rows, starts, lengths, n, table, mode, parallel=None):
+            return np.full(starts.shape[0], 7, np.int64), None
+        """,
+    )
+    assert ab_scan.main([str(stub), *_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert "parity: other kernel: request 0 hit 7" in err
+    assert "16 of 16 requests differ" in err
+
+
+def test_bad_other_is_named(tmp_path, capsys):
+    assert ab_scan.main([str(tmp_path / "missing.py"), *_ARGS]) == 2
+    assert "other: " in capsys.readouterr().err
+    stub = _stub(tmp_path, "LOOKUP = 2\n")
+    assert ab_scan.main([str(stub), *_ARGS]) == 2
+    assert "has no prepare_scan, scan_prepared" in capsys.readouterr().err
+
+
+def test_bad_repeats_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_scan.main([scan_numba.__file__, "--repeats", "0"])
+    assert e.value.code == 2
+    assert "--repeats" in capsys.readouterr().err
