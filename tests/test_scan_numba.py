@@ -509,7 +509,12 @@ def test_launch_helper_answers():
 _HUGE = np.array([4, 2, 10**9], np.int64)
 
 
-@pytest.mark.parametrize("fn", ["find_hits", "lookup_hits", "count_probes"])
+# count_probes is serial: no parallel argument.
+_LAUNCHERS = [("find_hits", False), ("find_hits", True), ("lookup_hits", False),
+              ("lookup_hits", True), ("count_probes", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn, parallel", _LAUNCHERS)
 @pytest.mark.parametrize(
     "bad, exc, match",
     [
@@ -525,17 +530,14 @@ _HUGE = np.array([4, 2, 10**9], np.int64)
         (dict(alignment=True), ValueError, "alignment"),
     ],
 )
-@pytest.mark.parametrize("parallel", THREADS)
-def test_launchers_refuse_bad_request_arrays_and_sizes(fn, bad, exc, match, parallel):
+def test_launchers_refuse_bad_request_arrays_and_sizes(fn, parallel, bad, exc, match):
     """Every per-request array is ``[R]`` integers and the sizes are ints
     >= 1, or the call is an error naming the argument: a short array was
     read past its end, a float one truncated, and a zero alignment raised
     ZeroDivisionError in the serial loop but answered zeros in the threaded
     one."""
-    if fn != "count_probes":
+    if parallel is not None:
         bad = {**bad, "parallel": parallel}
-    elif parallel:
-        pytest.skip("count_probes is serial")
     with pytest.raises(exc, match=match):
         _launch(fn, **bad)
 
