@@ -317,6 +317,19 @@ def test_probe_count_table():
     assert main(["--requests", "4", "--preset", "llama"]) == 0
 
 
+def test_probe_count_table_of_no_request():
+    """An empty batch (``--requests 0``): zeros per SpecGroup, one column
+    each, not a crash on the mean of no rows."""
+    from kvhit.bench.probe_count import main, measure
+
+    wl = generate("dsv4-flash", TrafficConfig(num_requests=0, max_tokens=2048))
+    t = measure(wl, repeats=1)
+    n_sg = len(wl.layout.spec_groups)
+    assert t.requests == 0 and t.probes == 0 and t.floor == 0
+    assert t.probes_by_group == t.floor_by_group == (0.0,) * n_sg
+    assert main(["--requests", "0", "--preset", "llama"]) == 0
+
+
 def test_count_probes_counts_nothing_for_a_request_that_asks_nothing():
     """A request with no hashes, or one shorter than the alignment, makes no
     probe: its counter row is zeros (not what the scratch held)."""
