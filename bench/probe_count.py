@@ -167,7 +167,11 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
         lambda o, n, t: lookup_hits(rows, o, n, t, sg_np, cand_np, **kw),
     )  # fmt: skip
     floor = probe_floor(workload, want)
+    # Sums over n, not means: an empty batch has no rows to take a mean of
+    # (and a [0] array would lose the SpecGroup axis).
+    n_sg = len(workload.layout.spec_groups)
     by_group = np.asarray(probe_floor_by_group(workload, want), dtype=float)
+    by_group = by_group.reshape(len(workload), n_sg)
     probes = counts[:, C_PROBES].sum()
     hits = counts[:, C_HITS].sum()
     n = max(1, len(workload))
@@ -181,8 +185,8 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     return ProbeTable(
         requests=len(workload),
         probes=probes / n,
-        probes_by_group=tuple(counts[:, COUNT_COLS:].mean(axis=0).tolist()),
-        floor_by_group=tuple(by_group.mean(axis=0).tolist()),
+        probes_by_group=tuple((counts[:, COUNT_COLS:].sum(axis=0) / n).tolist()),
+        floor_by_group=tuple((by_group.sum(axis=0) / n).tolist()),
         hits=hits / n,
         misses=(probes - hits) / n,
         floor=sum(floor) / n,

@@ -222,8 +222,11 @@ def unpack_hashes(hashes: torch.Tensor, hash_bytes: int) -> list[bytes]:
 
 def _bad_int(v: Any, where: str) -> Exception | None:
     """Why ``v`` cannot be an int64 hash (None if it can): an integer is what
-    ``operator.index`` takes (ints, numpy integers), bools excepted."""
-    if isinstance(v, bool | np.bool_):
+    ``operator.index`` takes (ints, numpy integers), bools excepted (a torch
+    bool scalar too: its ``__index__`` answers 0 or 1)."""
+    if isinstance(v, bool | np.bool_) or (
+        isinstance(v, torch.Tensor) and v.dtype == torch.bool
+    ):
         return TypeError(f"{where}: expected an int hash, got {type(v).__name__}")
     try:
         i = index(v)

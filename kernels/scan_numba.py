@@ -942,6 +942,39 @@ def _check_table(table: np.ndarray, rows: np.ndarray) -> None:
     table_capacity(table.shape, rows.shape[1])
 
 
+def _check_ints(name: str, a: object, shape: tuple[int, ...] | None = None) -> None:
+    # _c64 converts what it is given: an integer array converts exactly, a
+    # float one would be truncated without a word.
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+        what = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"{name} must be an integer numpy array, got {what}")
+    if shape is not None and a.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(a.shape)}")
+
+
+def _check_requests(rows, offsets, per_request, hash_block_size, alignment) -> None:
+    """The request arrays' shapes and dtypes and the plan's sizes: the kernel
+    reads ``per_request`` arrays at every index of ``offsets`` unchecked (a
+    shorter one is read past its end) and divides by the sizes (a zero raised
+    in the serial loop but answered zeros in the threaded one)."""
+    _check_ints("rows", rows)
+    if rows.ndim != 2 or rows.shape[1] < 1:
+        raise ValueError(f"rows must have shape [T, W >= 1], got {list(rows.shape)}")
+    _check_ints("offsets", offsets)
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets must have shape [R], got {list(offsets.shape)}")
+    for name, a in per_request:
+        _check_ints(name, a, offsets.shape)
+    _check_sizes(hash_block_size, alignment)
+
+
+def _check_sizes(hash_block_size: object, alignment: object) -> None:
+    for name, v in (("hash_block_size", hash_block_size), ("alignment", alignment)):
+        ok = isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+        if not ok or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
 # The modes of :func:`scan_prepared`.
 FIND = 0
 FIND_EAGLE = 1
@@ -987,11 +1020,13 @@ def prepare_scan(
         cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
         hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
 
-    Raises ValueError when a row array has the wrong shape.
+    Raises ValueError when a row array has the wrong shape or a size is not
+    an int >= 1.
     """
     sg = np.array(sg_rows, dtype=np.int64, order="C")  # a private copy
     cand = np.array(cand_rows, dtype=np.int64, order="C")
     _check_rows(sg, cand)
+    _check_sizes(hash_block_size, alignment)
     hbs, align = int(hash_block_size), int(alignment)
     part, simple = bool(partial), bool(simple_hybrid)
     prm = tuple(
@@ -1128,6 +1163,10 @@ def find_hits(
     """
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
+    per_request = [("lengths", lengths), ("max_lengths", max_lengths)]
+    if token_lens is not None:
+        per_request.append(("token_lens", token_lens))
+    _check_requests(rows, offsets, per_request, hash_block_size, alignment)
     n_req = offsets.shape[0]
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
     has_index = table is not None
@@ -1174,6 +1213,8 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
+    _check_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
+                    hash_block_size, alignment)  # fmt: skip
     table = _c64(table)
     _check_table(table, rows)
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),

@@ -95,6 +95,7 @@ def test_numpy_dtypes_in_range_pack_their_values(reqs, dtype) -> None:
         ),  # fmt: skip
         ([[1], np.array([1.0])], TypeError, "request 1"),
         ([[1], np.array([True])], TypeError, "request 1"),
+        ([[1], torch.tensor([True, False])], TypeError, "request 1, position 0"),
         ([np.zeros((2, 1), dtype=np.int64)], ValueError, "request 0"),
         ([[1], 5], TypeError, "requests[1]"),
         ([[1], b"ab"], TypeError, "requests[1]"),
@@ -128,6 +129,8 @@ class _Index:
         (True, TypeError),
         (False, TypeError),
         (np.True_, TypeError),
+        (torch.tensor(True), TypeError),
+        (torch.tensor(False), TypeError),
         (2.0, TypeError),
         ("3", TypeError),
         (None, TypeError),

@@ -317,6 +317,19 @@ def test_probe_count_table():
     assert main(["--requests", "4", "--preset", "llama"]) == 0
 
 
+def test_probe_count_table_of_no_request():
+    """An empty batch (``--requests 0``): zeros per SpecGroup, one column
+    each, not a crash on the mean of no rows."""
+    from kvhit.bench.probe_count import main, measure
+
+    wl = generate("dsv4-flash", TrafficConfig(num_requests=0, max_tokens=2048))
+    t = measure(wl, repeats=1)
+    n_sg = len(wl.layout.spec_groups)
+    assert t.requests == 0 and t.probes == 0 and t.floor == 0
+    assert t.probes_by_group == t.floor_by_group == (0.0,) * n_sg
+    assert main(["--requests", "0", "--preset", "llama"]) == 0
+
+
 def test_count_probes_counts_nothing_for_a_request_that_asks_nothing():
     """A request with no hashes, or one shorter than the alignment, makes no
     probe: its counter row is zeros (not what the scratch held)."""
@@ -465,3 +478,96 @@ def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
     tokens = np.array([layout.scheduler_block_size], np.int64)
     with pytest.raises(ValueError, match="table"):
         getattr(scan_numba, fn)(rows, *one, tokens, sg.numpy(), cand.numpy(), **kw)
+
+
+def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
+            rows=None, **sizes):  # fmt: skip
+    """``fn`` of scan_numba on two llama requests (4 and 2 hashes, every key
+    stored), with the arrays or sizes given replacing the good ones."""
+    from kvhit.coordinator.plan import plan_tensors
+
+    layout = make_layout("llama")
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    good_rows = np.arange(1, 7, dtype=np.int64).reshape(-1, 1)
+    exists = {(0, int(v).to_bytes(8, "little")) for v in good_rows[:, 0]}
+    kw = dict(
+        table=key_index(exists).table.numpy(),
+        hash_block_size=plan.hash_block_size, alignment=plan.alignment,
+        partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+    )  # fmt: skip
+    kw.update(sizes)
+    if fn == "find_hits":
+        kw.update(token_lens=token_lens, apply_eagle=False)
+    return getattr(scan_numba, fn)(
+        good_rows if rows is None else rows,
+        np.array([0, 4], np.int64) if offsets is None else offsets,
+        np.array([4, 2], np.int64) if lengths is None else lengths,
+        np.array([64, 32], np.int64) if tokens is None else tokens,
+        sg.numpy(), cand.numpy(), **kw,
+    )  # fmt: skip
+
+
+def test_launch_helper_answers():
+    for fn in ("find_hits", "lookup_hits", "count_probes"):
+        got = _launch(fn)
+        hit = got if fn == "lookup_hits" else got[0]
+        # lookup: a hit of the whole prompt is re-derived one token short.
+        assert hit.tolist() == ([64, 32] if fn == "find_hits" else [48, 16])
+
+
+# A request array one entry short, read past its end: the entry after it in
+# memory is huge (a view of a longer array), so the kernel scanned a request
+# of 10**9 hashes or tokens.
+_HUGE = np.array([4, 2, 10**9], np.int64)
+
+
+# count_probes is serial: no parallel argument.
+_LAUNCHERS = [("find_hits", False), ("find_hits", True), ("lookup_hits", False),
+              ("lookup_hits", True), ("count_probes", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn, parallel", _LAUNCHERS)
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (dict(lengths=_HUGE[:1]), ValueError, "lengths must have shape"),
+        (dict(tokens=_HUGE[:1]), ValueError, "(max_lengths|num_tokens) must have"),
+        (dict(tokens=np.array([64.9, 32.5])), TypeError, "max_lengths|num_tokens"),
+        (dict(lengths=[4, 2]), TypeError, "lengths"),
+        (dict(offsets=np.zeros((2, 1), np.int64)), ValueError, "offsets"),
+        (dict(rows=np.arange(6, dtype=np.int64)), ValueError, "rows"),
+        (dict(hash_block_size=0), ValueError, "hash_block_size"),
+        (dict(alignment=0), ValueError, "alignment"),
+        (dict(alignment=-16), ValueError, "alignment"),
+        (dict(alignment=True), ValueError, "alignment"),
+    ],
+)
+def test_launchers_refuse_bad_request_arrays_and_sizes(fn, parallel, bad, exc, match):
+    """Every per-request array is ``[R]`` integers and the sizes are ints
+    >= 1, or the call is an error naming the argument: a short array was
+    read past its end, a float one truncated, and a zero alignment raised
+    ZeroDivisionError in the serial loop but answered zeros in the threaded
+    one."""
+    if parallel is not None:
+        bad = {**bad, "parallel": parallel}
+    with pytest.raises(exc, match=match):
+        _launch(fn, **bad)
+
+
+def test_find_hits_refuses_short_token_lens():
+    with pytest.raises(ValueError, match="token_lens must have shape"):
+        _launch("find_hits", token_lens=_HUGE[:1])
+
+
+def test_prepare_scan_refuses_bad_sizes():
+    plan = ScanPlan.from_layout(make_layout("llama"))
+    from kvhit.coordinator.plan import plan_tensors
+
+    sg, cand = plan_tensors(plan, torch.device("cpu"))
+    for hbs, align in [(0, 16), (16, 0), (16, -16)]:
+        with pytest.raises(ValueError, match="hash_block_size|alignment"):
+            scan_numba.prepare_scan(
+                sg.numpy(), cand.numpy(), hash_block_size=hbs, alignment=align,
+                partial=False, simple_hybrid=False,
+            )  # fmt: skip
