@@ -268,7 +268,8 @@ def _ints_of_list(
         # looked at item by item.
         buf = bytearray(8 * n)
         try:
-            struct.pack_into(f"<{n}q", buf, 0, *chain.from_iterable(parts))
+            # Native byte order, as numpy reads the buffer back.
+            struct.pack_into(f"={n}q", buf, 0, *chain.from_iterable(parts))
         except (struct.error, TypeError, ValueError, OverflowError):
             pass
         else:
