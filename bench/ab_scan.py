@@ -1,13 +1,21 @@
 """Two builds of the numba lookup kernel side by side, in one process.
 
 ``python -m kvhit.bench.ab_scan OTHER.py [--preset dsv4-longhit]
-[--requests 4096] [--repeats 15]`` loads ``OTHER.py`` (another version of
-``kernels/scan_numba.py``, e.g. ``git show main:kernels/scan_numba.py >
-/tmp/scan_main.py``) beside this checkout's, checks that both give the
-engine's answer on every request of one batch (the store worker's lookup,
-the bench's setting), then times the two on the same arrays in rounds, the
-order swapped every round, one thread, wall clock. It prints each one's
-median and the median of the per-round ratios with their quartiles.
+[--requests 4096] [--pool N] [--repeats 15]`` loads ``OTHER.py`` (another
+version of ``kernels/scan_numba.py``, e.g. ``git show
+main:kernels/scan_numba.py > /tmp/scan_main.py``) beside this checkout's,
+checks that both give the engine's answer on every request of the workload
+(the store worker's lookup), then times the two in rounds, the order swapped
+every round, one thread, wall clock. It prints each one's median and the
+median of the per-round ratios with their quartiles.
+
+The store is that of a workload of ``--pool`` requests (default
+``--requests``), as ``kvhit bench`` keeps the store of its largest batch for
+every batch size. By default every call answers the pool's first
+``--requests`` requests (the bench's setting: what a small batch touches
+stays in cache from one call to the next); with ``--fresh`` every call
+answers requests drawn at random from the pool, as a scheduler's steps bring
+new requests whose lines are not in cache.
 
 Why one process: on a shared machine the same kernel timed in processes run
 back to back moved by up to 25 % (long-hit B = 4096, minutes apart), where
@@ -85,10 +93,24 @@ class Comparison:
         )
 
 
-def compare(workload: Workload, other: ModuleType, repeats: int = 15) -> Comparison:
-    """This checkout's kernel against ``other`` on ``workload``'s batch and
-    store; AssertionError naming the first request where either differs from
-    ``LookupEngine.lookup``."""
+def compare(
+    workload: Workload,
+    other: ModuleType,
+    repeats: int = 15,
+    batch_size: int | None = None,
+    fresh: bool = False,
+    seed: int = 0,
+) -> Comparison:
+    """This checkout's kernel against ``other`` on ``workload``'s store,
+    every call on ``batch_size`` requests (default: all of them): the first
+    ones, or (``fresh``) ones drawn at random for each call.
+    AssertionError naming the first request where either differs from
+    ``LookupEngine.lookup``; ValueError when ``batch_size`` is not in
+    ``[1, len(workload)]``."""
+    pool = len(workload)
+    b = pool if batch_size is None else batch_size
+    if not 1 <= b <= pool:
+        raise ValueError(f"batch_size must be in [1, {pool}], got {b}")
     from kvhit.kernels import scan_numba as this
 
     engine = LookupEngine(workload.layout, backend="numba")
@@ -108,28 +130,42 @@ def compare(workload: Workload, other: ModuleType, repeats: int = 15) -> Compari
             partial=plan.partial, simple_hybrid=plan.simple_hybrid,
         )  # fmt: skip
 
-        def run(mod: ModuleType = mod, prep: object = prep) -> np.ndarray:
+        def run(
+            req: tuple[np.ndarray, ...], mod: ModuleType = mod, prep: object = prep
+        ) -> np.ndarray:
             hit, _ = mod.scan_prepared(
-                prep, rows, starts, lengths, n, table, mod.LOOKUP, parallel=False
+                prep, rows, *req, table, mod.LOOKUP, parallel=False
             )
             return hit
 
-        got = np.asarray(run())
-        bad = np.flatnonzero(got != want)
-        if bad.size:
-            i = int(bad[0])
-            raise AssertionError(
-                f"{name} kernel: request {i} hit {int(got[i])}, the engine "
-                f"{int(want[i])} ({bad.size} of {len(want)} requests differ)"
-            )
+        _check(name, np.asarray(run((starts, lengths, n))), want, np.arange(pool))
         runs[name] = run
+    rng = np.random.default_rng(seed)
     times: dict[str, list[float]] = {"this": [], "other": []}
     for k in range(repeats):
         for name in ("this", "other") if k % 2 == 0 else ("other", "this"):
+            # A fresh draw for each call: a request the other kernel has
+            # just answered would find its lines in cache.
+            if fresh:
+                idx = np.sort(rng.choice(pool, b, replace=False))
+            else:
+                idx = np.arange(b)
+            req = (starts[idx], lengths[idx], n[idx])
             t0 = time.perf_counter()
-            runs[name]()
+            got = runs[name](req)
             times[name].append(time.perf_counter() - t0)
+            _check(name, got, want, idx)
     return Comparison(tuple(times["this"]), tuple(times["other"]))
+
+
+def _check(name: str, got: np.ndarray, want: np.ndarray, idx: np.ndarray) -> None:
+    bad = np.flatnonzero(got != want[idx])
+    if bad.size:
+        i = int(idx[bad[0]])
+        raise AssertionError(
+            f"{name} kernel: request {i} hit {int(got[bad[0]])}, the engine "
+            f"{int(want[i])} ({bad.size} of {len(idx)} requests differ)"
+        )
 
 
 def _positive(text: str) -> int:
@@ -147,27 +183,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("other", help="path of the other scan_numba.py")
     p.add_argument("--preset", default="dsv4-longhit", choices=sorted(PRESETS))
-    p.add_argument("--requests", type=_positive, default=4096)
+    p.add_argument("--requests", type=_positive, default=4096, help="per call")
+    p.add_argument(
+        "--pool",
+        type=_positive,
+        default=None,
+        help="requests of the workload whose store is looked up (default: --requests)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="each call on requests drawn at random from the pool, not the "
+        "pool's first --requests every call",
+    )
     p.add_argument("--repeats", type=_positive, default=15, help="rounds")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    pool = args.requests if args.pool is None else args.pool
+    if pool < args.requests:
+        p.error(f"--pool must be at least --requests ({args.requests}), got {pool}")
     try:
         other = load_scan(args.other)
     except (ValueError, ImportError, SyntaxError) as exc:
         print(f"ab_scan: {exc}", file=sys.stderr)
         return 2
-    wl = generate(
-        args.preset, TrafficConfig(num_requests=args.requests, seed=args.seed)
-    )
+    wl = generate(args.preset, TrafficConfig(num_requests=pool, seed=args.seed))
     try:
-        c = compare(wl, other, args.repeats)
+        c = compare(wl, other, args.repeats, args.requests, args.fresh, args.seed)
     except AssertionError as exc:
         print(f"ab_scan: parity: {exc}", file=sys.stderr)
         return 1
     this_s, other_s = c.medians()
     mid, lo, hi = c.paired()
+    what = f"B={args.requests}" + (
+        f" drawn from {pool} for each call"
+        if args.fresh
+        else (f" (the first of {pool})" if pool > args.requests else "")
+    )
     print(
-        f"{args.preset} B={len(wl)}, {args.repeats} rounds, one thread: this "
+        f"{args.preset} {what}, {args.repeats} rounds, one thread: this "
         f"{this_s * 1e3:.3f} ms, other {other_s * 1e3:.3f} ms a batch (medians); "
         f"other / this per round {mid:.3f}x (quartiles {lo:.3f}-{hi:.3f}x)"
     )

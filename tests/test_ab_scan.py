@@ -68,3 +68,26 @@ def test_bad_repeats_is_a_usage_error(capsys):
         ab_scan.main([scan_numba.__file__, "--repeats", "0"])
     assert e.value.code == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_fresh_requests_for_each_call(capsys):
+    args = [scan_numba.__file__, "--preset", "llama", "--requests", "4"]
+    assert ab_scan.main([*args, "--pool", "16", "--repeats", "3", "--fresh"]) == 0
+    assert "llama B=4 drawn from 16 for each call, 3 rounds" in capsys.readouterr().out
+    assert ab_scan.main([*args, "--pool", "16", "--repeats", "2"]) == 0
+    assert "llama B=4 (the first of 16), 2 rounds" in capsys.readouterr().out
+    wl = generate("llama", TrafficConfig(num_requests=16, seed=0))
+    other = ab_scan.load_scan(scan_numba.__file__)
+    for fresh in (False, True):
+        c = ab_scan.compare(wl, other, repeats=3, batch_size=1, fresh=fresh)
+        assert len(c.this_s) == len(c.other_s) == 3
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="batch_size must be in"):
+            ab_scan.compare(wl, other, repeats=1, batch_size=bad)
+
+
+def test_a_pool_smaller_than_a_call_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_scan.main([scan_numba.__file__, "--requests", "8", "--pool", "4"])
+    assert e.value.code == 2
+    assert "--pool must be at least --requests (8), got 4" in capsys.readouterr().err
