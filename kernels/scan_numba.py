@@ -212,6 +212,14 @@ _JIT = {"cache": True, "nogil": True, "_nrt": False}
 # was 0.75x (long-hit B = 1024, 20 MB), 0.9x (trace, 8 MB), 0.96-1.07x
 # (the others). Below a quarter of that cache (qwen3-next's 5 MB: 1.2x
 # cached, 1.06x after the traffic) a table is taken to stay there.
+# Below 128 requests it depends on whether the call's requests are new
+# (``python -m kvhit.bench.ab_scan --pool 4096 [--fresh]``, 4096-request
+# stores, prefetching from one request on against this default): requests
+# drawn afresh for each call, as a scheduler's new arrivals, long-hit gains
+# 1.28-1.6x at B = 1-64, the serving presets 0.9-1.08x; the same requests
+# every call (how ``kvhit bench`` times a batch), long-hit 0.93-1.02x and
+# the serving presets 0.8-0.95x. So the default stays, and a deployment of
+# long hits on a large store sets KVHIT_NUMBA_PREFETCH_MIN=1.
 PREFETCH_MIN_REQUESTS = _env_int("KVHIT_NUMBA_PREFETCH_MIN", 128)
 
 
