@@ -62,7 +62,11 @@ def load_scan(path: str | Path) -> ModuleType:
         raise ValueError(f"other: {str(path)!r} cannot be imported as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[OTHER_MODULE] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[OTHER_MODULE]
+        raise
     missing = [
         n for n in ("prepare_scan", "scan_prepared", "LOOKUP") if not hasattr(module, n)
     ]
@@ -73,8 +77,8 @@ def load_scan(path: str | Path) -> ModuleType:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Seconds per batch of each kernel, one entry per round (float
-    ``[repeats]`` each), timed on the same arrays."""
+    """Seconds per call of each kernel, one entry per round (float
+    ``[repeats]`` each)."""
 
     this_s: tuple[float, ...]
     other_s: tuple[float, ...]

@@ -978,8 +978,9 @@ def _check_requests(rows, offsets, per_request, hash_block_size, alignment) -> N
 
 def _check_sizes(hash_block_size: object, alignment: object) -> None:
     for name, v in (("hash_block_size", hash_block_size), ("alignment", alignment)):
-        ok = isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
-        if not ok or v < 1:
+        if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_):
+            raise TypeError(f"{name} must be an int >= 1, got {type(v).__name__}")
+        if v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 

@@ -540,7 +540,8 @@ _LAUNCHERS = [("find_hits", False), ("find_hits", True), ("lookup_hits", False),
         (dict(hash_block_size=0), ValueError, "hash_block_size"),
         (dict(alignment=0), ValueError, "alignment"),
         (dict(alignment=-16), ValueError, "alignment"),
-        (dict(alignment=True), ValueError, "alignment"),
+        (dict(alignment=True), TypeError, "alignment must be an int >= 1, got bool"),
+        (dict(hash_block_size=16.0), TypeError, "hash_block_size"),
     ],
 )
 def test_launchers_refuse_bad_request_arrays_and_sizes(fn, parallel, bad, exc, match):
