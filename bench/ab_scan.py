@@ -18,9 +18,9 @@ answers requests drawn at random from the pool, as a scheduler's steps bring
 new requests whose lines are not in cache.
 
 Why one process: on a shared machine the same kernel timed in processes run
-back to back moved by up to 25 % (long-hit B = 4096, minutes apart), where
-the paired rounds of one process stay within a few per cent of each other;
-a kernel change worth 5-10 % is only visible this way.
+back to back took 19.6 to 28.8 ms (long-hit B = 4096, eight runs in half an
+hour), where against itself in one process it gives 0.99x (quartiles
+0.94-1.04x); a kernel change worth 5-10 % is only visible this way.
 
 Only the kernel module is swapped: the table layout, the slot hash
 (``kernels/probe_numba.py``) and the plan rows are this checkout's, so a
