@@ -944,12 +944,6 @@ def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
         )
 
 
-def _check_table(table: np.ndarray, rows: np.ndarray) -> None:
-    if rows.ndim != 2:
-        raise ValueError(f"rows must have shape [T, W], got {list(rows.shape)}")
-    table_capacity(table.shape, rows.shape[1])
-
-
 def _check_ints(name: str, a: object, shape: tuple[int, ...] | None = None) -> None:
     # _c64 converts what it is given: an integer array converts exactly, a
     # float one would be truncated without a word.
@@ -1181,7 +1175,7 @@ def find_hits(
     has_index = table is not None
     tab = _c64(table) if has_index else np.zeros((1, rows.shape[1] + 1), np.int64)
     if has_index:
-        _check_table(tab, rows)
+        table_capacity(tab.shape, rows.shape[1])
     has_tl = token_lens is not None
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
@@ -1225,7 +1219,7 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     _check_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
                     hash_block_size, alignment)  # fmt: skip
     table = _c64(table)
-    _check_table(table, rows)
+    table_capacity(table.shape, rows.shape[1])
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
                   _prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
