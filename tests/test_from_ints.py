@@ -164,8 +164,8 @@ def test_zero_one_and_integer_likes_are_kept_in_short_and_long_lists(n) -> None:
     assert got.hashes.numpy().flags.writeable
 
 
-def test_a_long_batch_converted_in_runs_keeps_every_value_in_place() -> None:
-    # Thousands of requests, empty ones among them: several struct runs.
+def test_a_long_batch_with_empty_requests_keeps_every_value_in_place() -> None:
+    # Thousands of requests, empty ones among them, in one struct pass.
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, 40, 3000)
     lengths[[0, 1, 1500, 2999]] = 0
