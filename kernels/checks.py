@@ -2,17 +2,27 @@
 
 Launchers validate every tensor and name the argument; the kernels then assume
 valid input (ARCHITECTURE.md, "Where input is validated"). ``kernels/`` may not import ``coordinator/``, so its
-launchers share these helpers rather than ``coordinator/checks.py``. Both
-read metadata only (no host sync). Imports no triton or numba.
+launchers share these helpers rather than ``coordinator/checks.py``. The
+tensor checks read metadata only (no host sync); :func:`check_plan_rows`
+reads the values of a plan's rows, host arrays. Imports no triton or numba.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["check_int64", "check_keys", "check_table", "table_capacity"]
+from kvhit.kernels import contract as kc
+
+__all__ = [
+    "check_int64",
+    "check_keys",
+    "check_plan_rows",
+    "check_table",
+    "table_capacity",
+]
 
 
 def check_int64(
@@ -81,3 +91,94 @@ def check_keys(group_ids: object, hashes: object, W: int, device: torch.device) 
             f"{hashes.shape[0]} rows"
         )
     return hashes.shape[0]
+
+
+# The values a plan's row may hold where the kernels divide by a column, index
+# with it, or branch on it as a flag: (column, least value, or None for a flag).
+_SG_RULES = (
+    (kc.SG_BLOCK_SIZE, 1),
+    (kc.SG_SCALE, 1),
+    (kc.SG_USE_EAGLE, None),
+    (kc.SG_MARGIN, 0),
+    (kc.SG_NEED, 0),
+    (kc.SG_PERIOD, 1),
+    (kc.SG_FINE, None),
+    (kc.SG_CHUNK, 0),
+)
+_CAND_RULES = (
+    (kc.CAND_CACHEABLE, None),
+    (kc.CAND_BLOCK_SIZE, 1),
+    (kc.CAND_SCALE, 1),
+    (kc.CAND_SPARSE, None),
+    (kc.CAND_NEED, 0),
+    (kc.CAND_SHIFT, 0),
+)
+_KINDS = (kc.KIND_FULL, kc.KIND_SWA, kc.KIND_MAMBA, kc.KIND_CHUNKED)
+
+
+def check_plan_rows(sg_rows: np.ndarray, cand_rows: np.ndarray, alignment: int) -> None:
+    """The values of a plan's rows (``ScanPlan.as_rows()`` and
+    ``candidates_as_rows()``), whose shapes the caller checked: int64 numpy
+    ``sg_rows [S, SG_MEMBERS + M]`` and ``cand_rows [G, CAND_WIDTH]``.
+
+    The kernels read them unchecked: a member group id indexes the candidate
+    rows and per-group scratch (one past ``G`` reads past them), sizes divide
+    (a zero period or scale raises in one loop and answers zeros in another),
+    and a kind they do not know falls through to a wrong rule. ValueError
+    naming the row and column (``sg_rows[1, period]``) of the first bad value.
+    """
+    n_groups = cand_rows.shape[0]
+    width = sg_rows.shape[1] - kc.SG_MEMBERS
+
+    def bad(name: str, cols: tuple[str, ...], i: int, c: int, want: str) -> ValueError:
+        value = int((sg_rows if name == "sg_rows" else cand_rows)[i, c])
+        return ValueError(f"{name}[{i}, {cols[c]}] must be {want}, got {value}")
+
+    def first(mask: np.ndarray) -> int:
+        return int(np.argmax(mask))
+
+    kinds = sg_rows[:, kc.SG_KIND]
+    wrong = ~np.isin(kinds, _KINDS)
+    if wrong.any():
+        i = first(wrong)
+        raise bad("sg_rows", kc.SG_COLS, i, kc.SG_KIND, f"one of {list(_KINDS)}")
+    for name, cols, rows, rules in (
+        ("sg_rows", kc.SG_COLS, sg_rows, _SG_RULES),
+        ("cand_rows", kc.CAND_COLS, cand_rows, _CAND_RULES),
+    ):
+        for c, least in rules:
+            col = rows[:, c]
+            wrong = (col != 0) & (col != 1) if least is None else col < least
+            if wrong.any():
+                want = "0 or 1" if least is None else f">= {least}"
+                raise bad(name, cols, first(wrong), c, want)
+    fine = (sg_rows[:, kc.SG_FINE] != 0) & (sg_rows[:, kc.SG_BLOCK_SIZE] < alignment)
+    if fine.any():
+        # A fine-grained scan steps block_size // alignment hash units a block.
+        raise bad("sg_rows", kc.SG_COLS, first(fine), kc.SG_FINE,
+                  f"0 where block_size < alignment ({alignment})")  # fmt: skip
+    n = sg_rows[:, kc.SG_N_MEMBERS]
+    wrong = (n < 1) | (n > width)
+    if wrong.any():
+        i = first(wrong)
+        raise ValueError(
+            f"sg_rows[{i}, n_members] must be in [1, {width}], got {int(n[i])}"
+        )
+    for i in range(sg_rows.shape[0]):
+        for k in range(int(n[i])):
+            gid = int(sg_rows[i, kc.SG_MEMBERS + k])
+            if not 0 <= gid < n_groups:
+                raise ValueError(
+                    f"sg_rows[{i}, member {k}] must be a group id in "
+                    f"[0, {n_groups}) (cand_rows has {n_groups} rows), got {gid}"
+                )
+    sparse = cand_rows[:, kc.CAND_SPARSE] != 0
+    wrong = sparse & (cand_rows[:, kc.CAND_PER_SEGMENT] < 1)
+    if wrong.any():
+        raise bad("cand_rows", kc.CAND_COLS, first(wrong), kc.CAND_PER_SEGMENT,
+                  ">= 1 in a sparse row")  # fmt: skip
+    ids = cand_rows[:, kc.CAND_GROUP_ID]
+    wrong = ids != np.arange(n_groups)
+    if wrong.any():
+        g = first(wrong)
+        raise bad("cand_rows", kc.CAND_COLS, g, kc.CAND_GROUP_ID, f"its row number {g}")

@@ -98,7 +98,7 @@ import os
 import numba
 import numpy as np
 
-from kvhit.kernels.checks import table_capacity
+from kvhit.kernels.checks import check_plan_rows, table_capacity
 from kvhit.kernels.contract import (
     CAND_BLOCK_SIZE,
     CAND_CACHEABLE,
@@ -1023,13 +1023,15 @@ def prepare_scan(
         cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
         hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
 
-    Raises ValueError when a row array has the wrong shape or a size is not
-    an int >= 1.
+    Raises ValueError when a row array has the wrong shape or a value the
+    kernels cannot read (``checks.check_plan_rows``), or a size is not an int
+    >= 1 (TypeError when it is not an int).
     """
     sg = np.array(sg_rows, dtype=np.int64, order="C")  # a private copy
     cand = np.array(cand_rows, dtype=np.int64, order="C")
     _check_rows(sg, cand)
     _check_sizes(hash_block_size, alignment)
+    check_plan_rows(sg, cand, int(alignment))
     hbs, align = int(hash_block_size), int(alignment)
     part, simple = bool(partial), bool(simple_hybrid)
     prm = tuple(
@@ -1163,6 +1165,10 @@ def find_hits(
     Returns:
         ``(hit int64 [R], mask_spans int64 [R, G, 3])``: per group the load mask as
         ``(length, lo, hi)`` (zeros for groups outside every SpecGroup).
+
+    Raises TypeError for an argument of the wrong type or dtype, ValueError
+    for a wrong shape, a size below 1 or a plan-row value the kernels cannot
+    read (``checks.check_plan_rows``), each naming the argument.
     """
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     _check_rows(sg_rows, cand_rows)
@@ -1170,6 +1176,7 @@ def find_hits(
     if token_lens is not None:
         per_request.append(("token_lens", token_lens))
     _check_requests(rows, offsets, per_request, hash_block_size, alignment)
+    check_plan_rows(sg_rows, cand_rows, int(alignment))
     n_req = offsets.shape[0]
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
     has_index = table is not None
@@ -1218,6 +1225,7 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     _check_rows(sg_rows, cand_rows)
     _check_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
                     hash_block_size, alignment)  # fmt: skip
+    check_plan_rows(sg_rows, cand_rows, int(alignment))
     table = _c64(table)
     table_capacity(table.shape, rows.shape[1])
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from strategies import layouts
 
 from kvhit.coordinator.checks import check_device, check_tensor
-from kvhit.kernels.checks import check_int64, check_keys, check_table
+from kvhit.kernels import contract as kc
+from kvhit.kernels.checks import check_int64, check_keys, check_plan_rows, check_table
 
 CPU = torch.device("cpu")
 # Metadata without data: on the wrong device for every check below.
@@ -67,3 +71,99 @@ def test_kernel_checks() -> None:
         check_keys(g, h, 3, table.device)
     with pytest.raises(TypeError, match="group_ids must be int64"):
         check_keys(g.int(), h, 2, table.device)
+
+
+# -- a plan's rows (check_plan_rows) ------------------------------------------------
+
+
+def _plan_rows(preset: str = "dsv4-flash"):
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.plan import ScanPlan, plan_tensors
+
+    plan = ScanPlan.from_layout(make_layout(preset))
+    sg, cand = plan_tensors(plan, CPU)
+    return sg.numpy().copy(), cand.numpy().copy(), plan.alignment
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=layouts())
+def test_every_plan_kvhit_builds_passes_check_plan_rows(layout) -> None:
+    from kvhit.coordinator.plan import ScanPlan, plan_tensors
+
+    plan = ScanPlan.from_layout(layout)
+    sg, cand = plan_tensors(plan, CPU)
+    check_plan_rows(sg.numpy(), cand.numpy(), plan.alignment)
+
+
+@pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-next", "gemma3", "llama"])
+def test_every_preset_plan_passes_check_plan_rows(preset: str) -> None:
+    check_plan_rows(*_plan_rows(preset))
+
+
+@pytest.mark.parametrize(
+    "table, row, col, value, match",
+    [
+        (
+            "sg",
+            0,
+            kc.SG_KIND,
+            9,
+            r"sg_rows\[0, kind\] must be one of \[0, 1, 2, 3\], got 9",
+        ),
+        ("sg", 1, kc.SG_PERIOD, 0, r"sg_rows\[1, period\] must be >= 1, got 0"),
+        ("sg", 1, kc.SG_SCALE, 0, r"sg_rows\[1, scale\] must be >= 1, got 0"),
+        ("sg", 0, kc.SG_BLOCK_SIZE, -4, r"sg_rows\[0, block_size\] must be >= 1"),
+        ("sg", 1, kc.SG_NEED, -1, r"sg_rows\[1, need\] must be >= 0, got -1"),
+        ("sg", 1, kc.SG_MARGIN, -64, r"sg_rows\[1, margin\] must be >= 0"),
+        ("sg", 0, kc.SG_CHUNK, -1, r"sg_rows\[0, chunk\] must be >= 0"),
+        ("sg", 0, kc.SG_USE_EAGLE, 2, r"sg_rows\[0, use_eagle\] must be 0 or 1, got 2"),
+        ("sg", 0, kc.SG_FINE, -1, r"sg_rows\[0, fine\] must be 0 or 1"),
+        ("sg", 0, kc.SG_N_MEMBERS, 0, r"sg_rows\[0, n_members\] must be in \[1, 2\]"),
+        ("sg", 0, kc.SG_N_MEMBERS, 3, r"sg_rows\[0, n_members\] must be in \[1, 2\]"),
+        (
+            "sg",
+            1,
+            kc.SG_MEMBERS,
+            5,
+            r"sg_rows\[1, member 0\] must be a group id in \[0, 5\)",
+        ),
+        ("sg", 1, kc.SG_MEMBERS + 1, -1, r"sg_rows\[1, member 1\] .* got -1"),
+        ("cand", 2, kc.CAND_SCALE, 0, r"cand_rows\[2, scale\] must be >= 1, got 0"),
+        ("cand", 0, kc.CAND_BLOCK_SIZE, 0, r"cand_rows\[0, block_size\] must be >= 1"),
+        ("cand", 1, kc.CAND_SPARSE, 3, r"cand_rows\[1, sparse\] must be 0 or 1"),
+        ("cand", 0, kc.CAND_CACHEABLE, -1, r"cand_rows\[0, cacheable\] must be 0 or 1"),
+        ("cand", 4, kc.CAND_NEED, -2, r"cand_rows\[4, need\] must be >= 0"),
+        ("cand", 4, kc.CAND_SHIFT, -1, r"cand_rows\[4, shift\] must be >= 0"),
+        (
+            "cand",
+            3,
+            kc.CAND_GROUP_ID,
+            0,
+            r"cand_rows\[3, group_id\] must be its row number 3",
+        ),
+    ],
+)
+def test_check_plan_rows_names_the_bad_value(table, row, col, value, match) -> None:
+    sg, cand, align = _plan_rows()
+    check_plan_rows(sg, cand, align)  # the good rows pass
+    (sg if table == "sg" else cand)[row, col] = value
+    with pytest.raises(ValueError, match=match):
+        check_plan_rows(sg, cand, align)
+
+
+def test_check_plan_rows_sparse_needs_a_segment_and_fine_needs_room() -> None:
+    sg, cand, align = _plan_rows()
+    sparse = int(np.flatnonzero(cand[:, kc.CAND_SPARSE])[0])
+    cand[sparse, kc.CAND_PER_SEGMENT] = 0
+    with pytest.raises(
+        ValueError, match=rf"cand_rows\[{sparse}, per_segment\] .* sparse"
+    ):
+        check_plan_rows(sg, cand, align)
+    sg, cand, align = _plan_rows()
+    # A fine-grained scan steps block_size // alignment hash units: zero here.
+    sg[0, kc.SG_FINE] = 1
+    sg[0, kc.SG_BLOCK_SIZE] = align // 2
+    with pytest.raises(
+        ValueError, match=r"sg_rows\[0, fine\] must be 0 where block_size"
+    ):
+        check_plan_rows(sg, cand, align)

@@ -29,6 +29,7 @@ from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_span
 from kvhit.kernels import scan_numba
+from kvhit.kernels.contract import SG_MEMBERS, SG_PERIOD
 from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
@@ -481,14 +482,18 @@ def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
 
 
 def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
-            rows=None, **sizes):  # fmt: skip
+            rows=None, edit_rows=None, **sizes):  # fmt: skip
     """``fn`` of scan_numba on two llama requests (4 and 2 hashes, every key
-    stored), with the arrays or sizes given replacing the good ones."""
+    stored), with the arrays or sizes given replacing the good ones
+    (``edit_rows(sg, cand)`` edits copies of the plan's rows in place)."""
     from kvhit.coordinator.plan import plan_tensors
 
     layout = make_layout("llama")
     plan = ScanPlan.from_layout(layout)
     sg, cand = plan_tensors(plan, torch.device("cpu"))
+    if edit_rows is not None:
+        sg, cand = sg.clone(), cand.clone()
+        edit_rows(sg.numpy(), cand.numpy())
     good_rows = np.arange(1, 7, dtype=np.int64).reshape(-1, 1)
     exists = {(0, int(v).to_bytes(8, "little")) for v in good_rows[:, 0]}
     kw = dict(
@@ -554,6 +559,45 @@ def test_launchers_refuse_bad_request_arrays_and_sizes(fn, parallel, bad, exc, m
         bad = {**bad, "parallel": parallel}
     with pytest.raises(exc, match=match):
         _launch(fn, **bad)
+
+
+def _member_past_the_groups(sg, cand):
+    sg[0, SG_MEMBERS] = cand.shape[0]
+
+
+def _zero_period(sg, cand):
+    sg[0, SG_PERIOD] = 0
+
+
+@pytest.mark.parametrize("fn, parallel", _LAUNCHERS)
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_member_past_the_groups, r"sg_rows\[0, member 0\] must be a group id"),
+        (_zero_period, r"sg_rows\[0, period\] must be >= 1, got 0"),
+    ],
+)
+def test_launchers_refuse_bad_plan_rows(fn, parallel, edit, match):
+    """A plan row's values are checked before the kernel reads them: a member
+    group id one past the groups indexed the candidate rows and the scratch
+    past the groups, and a zero period raised ZeroDivisionError in one loop
+    and answered zeros in the threaded one."""
+    kw = {} if parallel is None else {"parallel": parallel}
+    with pytest.raises(ValueError, match=match):
+        _launch(fn, edit_rows=edit, **kw)
+    sg, cand = (r.clone() for r in _llama_rows())
+    edit(sg.numpy(), cand.numpy())
+    with pytest.raises(ValueError, match=match):
+        scan_numba.prepare_scan(
+            sg.numpy(), cand.numpy(), hash_block_size=16, alignment=16,
+            partial=False, simple_hybrid=False,
+        )  # fmt: skip
+
+
+def _llama_rows():
+    from kvhit.coordinator.plan import plan_tensors
+
+    return plan_tensors(ScanPlan.from_layout(make_layout("llama")), torch.device("cpu"))
 
 
 def test_find_hits_refuses_short_token_lens():

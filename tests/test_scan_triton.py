@@ -392,6 +392,33 @@ def test_launcher_validates_arguments(device, name, bad, exc):
             worker_lookup(*args.values(), **kw)
 
 
+def test_launchers_check_plan_row_values_and_see_later_writes(device):
+    """A member group id past the groups (read past the candidate rows) is
+    refused, naming the row; the check is remembered per rows tensor, so a
+    good call and then an in-place write to the same tensor is refused too."""
+    from kvhit.kernels.scan import scan_hits, worker_lookup
+
+    args, kw = _launch_args(device)
+    # Copies: plan_tensors caches the plan's own tensors.
+    args["sg_rows"], args["cand_rows"] = (
+        args["sg_rows"].clone(),
+        args["cand_rows"].clone(),
+    )
+    scan_hits(*args.values(), **kw)  # checked and remembered
+    args["sg_rows"][0, contract.SG_MEMBERS] = 2
+    match = r"sg_rows\[0, member 0\] must be a group id in \[0, 2\)"
+    with pytest.raises(ValueError, match=match):
+        scan_hits(*args.values(), **kw)
+    kw.pop("token_len")
+    kw.pop("apply_eagle")
+    with pytest.raises(ValueError, match=match):
+        worker_lookup(*args.values(), **kw)
+    args["sg_rows"][0, contract.SG_MEMBERS] = 0
+    args["cand_rows"][1, contract.CAND_SCALE] = 0
+    with pytest.raises(ValueError, match=r"cand_rows\[1, scale\] must be >= 1"):
+        worker_lookup(*args.values(), **kw)
+
+
 def test_launcher_runs_with_valid_arguments(device):
     from kvhit.kernels.scan import scan_hits, worker_lookup
 
