@@ -20,6 +20,7 @@ __all__ = [
     "check_int64",
     "check_keys",
     "check_plan_rows",
+    "check_size",
     "check_table",
     "table_capacity",
 ]
@@ -49,6 +50,18 @@ def check_int64(
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but {device_of} is on {device}")
     return t
+
+
+def check_size(name: str, v: object) -> int:
+    """``v`` as an int, when it is an int >= 1 (a Python or numpy integer):
+    TypeError naming ``name`` and the type for anything else (a bool, a
+    float, a tensor), ValueError for one below 1. The launchers' sizes
+    (``hash_block_size``, ``alignment``, ``num_groups``) divide or index."""
+    if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_):
+        raise TypeError(f"{name} must be an int >= 1, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return int(v)
 
 
 def check_table(table: object, W: object) -> int:

@@ -96,7 +96,12 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract as kc
-from kvhit.kernels.checks import check_int64, check_plan_rows, table_capacity
+from kvhit.kernels.checks import (
+    check_int64,
+    check_plan_rows,
+    check_size,
+    table_capacity,
+)
 from kvhit.kernels.hash_index import slot_hash
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
@@ -891,11 +896,6 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _positive_int(name: str, v: object, least: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
-
-
 # Plan-row tensors whose values were checked: id -> (weakref to the tensor,
 # the version counter torch bumps on every in-place write, the alignment).
 # Checking values copies the rows to the host, a sync per call on a GPU; the
@@ -956,13 +956,12 @@ def _validate(
             f"sg_rows must have shape [S >= 1, >= {kc.SG_MEMBERS + 1}], got "
             f"{list(sg_rows.shape)}"
         )
-    _positive_int("num_groups", num_groups)
+    check_size("num_groups", num_groups)
     _check("cand_rows", cand_rows, 2, device, (num_groups, kc.CAND_WIDTH))
     if table is not None:
         table_capacity(_check("table", table, 2, device, (None, W + 1)).shape, W)
-    _positive_int("hash_block_size", hash_block_size)
-    _positive_int("alignment", alignment)
-    _check_row_values(sg_rows, cand_rows, alignment)
+    check_size("hash_block_size", hash_block_size)
+    _check_row_values(sg_rows, cand_rows, check_size("alignment", alignment))
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise ValueError(f"block must be a power of two >= 2, got {block!r}")
     if block & (block - 1):
@@ -1039,9 +1038,11 @@ def _launch(
             hit,
             mask_spans,
             n_sg,
-            num_groups,
-            hash_block_size,
-            alignment,
+            # Plain ints: a numpy integer passes the checks, and Triton
+            # specialises on the argument's Python type.
+            int(num_groups),
+            int(hash_block_size),
+            int(alignment),
             int(partial),
             int(simple_hybrid),
             W=hashes.shape[1],

@@ -98,7 +98,7 @@ import os
 import numba
 import numpy as np
 
-from kvhit.kernels.checks import check_plan_rows, table_capacity
+from kvhit.kernels.checks import check_plan_rows, check_size, table_capacity
 from kvhit.kernels.contract import (
     CAND_BLOCK_SIZE,
     CAND_CACHEABLE,
@@ -971,11 +971,8 @@ def _check_requests(rows, offsets, per_request, hash_block_size, alignment) -> N
 
 
 def _check_sizes(hash_block_size: object, alignment: object) -> None:
-    for name, v in (("hash_block_size", hash_block_size), ("alignment", alignment)):
-        if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_):
-            raise TypeError(f"{name} must be an int >= 1, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_size("hash_block_size", hash_block_size)
+    check_size("alignment", alignment)
 
 
 # The modes of :func:`scan_prepared`.

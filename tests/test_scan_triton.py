@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import key_index
@@ -373,6 +374,10 @@ def _launch_args(device):
         ("token_len", lambda t: torch.zeros(3, dtype=torch.int64), ValueError),
         ("n_units", lambda t: t.to("meta"), ValueError),
         ("block", lambda t: 3, ValueError),
+        ("hash_block_size", lambda t: 0, ValueError),
+        ("hash_block_size", lambda t: 2.0, TypeError),
+        ("alignment", lambda t: True, TypeError),
+        ("num_groups", lambda t: -1, ValueError),
     ],
 )
 def test_launcher_validates_arguments(device, name, bad, exc):
@@ -425,6 +430,12 @@ def test_launcher_runs_with_valid_arguments(device):
     args, kw = _launch_args(device)
     hit, tri = scan_hits(*args.values(), **kw)
     assert hit.tolist() == [0, 0] and tri.shape == (2, 2, 3)
+    # Sizes as numpy integers (a plan's numbers read from an array) are ints.
+    kw.update(
+        hash_block_size=np.int64(2), alignment=np.int64(4), num_groups=np.int32(2)
+    )
+    hit2, tri2 = scan_hits(*args.values(), **kw)
+    assert hit2.tolist() == hit.tolist() and torch.equal(tri2, tri)
     del kw["token_len"], kw["apply_eagle"]
     assert worker_lookup(*args.values(), **kw).tolist() == [0, 0]
 
