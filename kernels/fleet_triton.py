@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhit.kernels.checks import check_int64
+from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import TOMBSTONE
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import device_guard, fix_interpreter
@@ -303,10 +303,10 @@ def _scan(
         raise TypeError(f"num_engines must be an int, got {num_engines!r}")
     if not 0 < num_engines <= NW * 64 or num_engines <= (NW - 1) * 64:
         raise ValueError(f"num_engines must need exactly {NW} words, got {num_engines}")
-    for name, v in (("scale", scale), ("block_size", block_size),
-                    ("alignment", alignment)):  # fmt: skip
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    # Plain ints for the launch (numpy integers pass the check).
+    scale = check_size("scale", scale)
+    block_size = check_size("block_size", block_size)
+    alignment = check_size("alignment", alignment)
     out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
     if B == 0:
         return out

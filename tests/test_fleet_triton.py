@@ -399,6 +399,14 @@ def test_launchers_refuse_bad_arguments():
         fleet_triton.full_hits(keys, bits, *args, (2, 1, 16, 16, 0, 0), 1)
     with pytest.raises(ValueError, match="engines"):
         fleet_triton.set_bits(bits, one, one.repeat(2), 1)
+    # Sizes: a wrong type is a TypeError, a size below 1 a ValueError (the
+    # numba and scan launchers' rule, kernels/checks.check_size).
+    with pytest.raises(ValueError, match="scale must be an int >= 1, got 0"):
+        fleet_triton.full_runs(keys, bits, *args[:4], 0, *args[4:], 1)
+    with pytest.raises(TypeError, match="scale must be an int >= 1, got float"):
+        fleet_triton.full_runs(keys, bits, *args[:4], 1.0, *args[4:], 1)
+    with pytest.raises(ValueError, match="alignment must be an int >= 1, got 0"):
+        fleet_triton.full_hits(keys, bits, *args, (1, 1, 16, 0, 0, 0), 1)
 
 
 def test_prefix_blocks_equal_the_torch_fleet():
