@@ -17,8 +17,9 @@ waiting on memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,25 @@ def kernel_split(
     return t_one / n * 1e6, warm * 1e6
 
 
+@contextlib.contextmanager
+def same_prefetch(n_requests: int, table: np.ndarray) -> Iterator[bool]:
+    """While inside, the numba scans prefetch (or not) on every call as they
+    would for a batch of ``n_requests`` on ``table``; yields that choice.
+    :func:`kernel_split`'s warm call asks ``k`` times as many requests, which
+    from 32 requests on would cross ``PREFETCH_MIN_REQUESTS`` (128) and time
+    the prefetching scan against the plain one."""
+    from kvhit.kernels import scan_numba as sn
+
+    saved = sn.PREFETCH_MIN_REQUESTS, sn.PREFETCH_MIN_TABLE_BYTES
+    on = n_requests >= saved[0] and table.nbytes >= saved[1]
+    sn.PREFETCH_MIN_REQUESTS = 0 if on else 1 << 62
+    sn.PREFETCH_MIN_TABLE_BYTES = 0 if on else 1 << 62
+    try:
+        yield on
+    finally:
+        sn.PREFETCH_MIN_REQUESTS, sn.PREFETCH_MIN_TABLE_BYTES = saved
+
+
 def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     """Probe counts of ``workload``'s batch through the instrumented kernel
     (parity-checked against the engine), and the engine's fixed cost: the
@@ -162,10 +182,11 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
         simple_hybrid=plan.simple_hybrid, parallel=False,
     )  # fmt: skip
     rows, sg_np, cand_np = view.rows.numpy(), sg_rows.numpy(), cand_rows.numpy()
-    cold, warm = kernel_split(
-        view, num_tokens.numpy(),
-        lambda o, n, t: lookup_hits(rows, o, n, t, sg_np, cand_np, **kw),
-    )  # fmt: skip
+    with same_prefetch(len(workload), kw["table"]):
+        cold, warm = kernel_split(
+            view, num_tokens.numpy(),
+            lambda o, n, t: lookup_hits(rows, o, n, t, sg_np, cand_np, **kw),
+        )  # fmt: skip
     floor = probe_floor(workload, want)
     # Sums over n, not means: an empty batch has no rows to take a mean of
     # (and a [0] array would lose the SpecGroup axis).

@@ -318,6 +318,29 @@ def test_probe_count_table():
     assert main(["--requests", "4", "--preset", "llama"]) == 0
 
 
+@pytest.mark.parametrize("n, big_table, on", [(64, True, False), (128, True, True),
+                                             (4096, False, False)])  # fmt: skip
+def test_probe_count_split_times_one_prefetch_setting(n, big_table, on):
+    """kernel_split's warm call asks 4x the requests: at 32 <= R < 128 it
+    crossed PREFETCH_MIN_REQUESTS and compared the prefetching scan with the
+    plain one. Inside same_prefetch both calls make the batch's choice."""
+    from kvhit.bench.probe_count import same_prefetch
+
+    saved = scan_numba.PREFETCH_MIN_REQUESTS, scan_numba.PREFETCH_MIN_TABLE_BYTES
+    nbytes = 2 * saved[1] if big_table else max(saved[1] // 2, 8)
+    table = np.zeros(nbytes // 8, np.int64)
+    seen = []
+    with same_prefetch(n, table) as chosen:
+        for r in (n, 4 * n, 1):
+            seen.append(r >= scan_numba.PREFETCH_MIN_REQUESTS
+                        and table.nbytes >= scan_numba.PREFETCH_MIN_TABLE_BYTES)  # fmt: skip
+    assert chosen is on and seen == [on] * 3
+    assert (
+        scan_numba.PREFETCH_MIN_REQUESTS,
+        scan_numba.PREFETCH_MIN_TABLE_BYTES,
+    ) == saved
+
+
 def test_probe_count_table_of_no_request():
     """An empty batch (``--requests 0``): zeros per SpecGroup, one column
     each, not a crash on the mean of no rows."""
