@@ -53,10 +53,17 @@ def load_scan(path: str | Path) -> ModuleType:
     """The kernel module at ``path`` (a ``scan_numba.py``), imported under
     :data:`OTHER_MODULE`; ValueError naming ``other`` when it is not a file
     or lacks the launcher API (``prepare_scan``, ``scan_prepared``,
-    ``LOOKUP``)."""
+    ``LOOKUP``). This checkout's own file is the module already imported:
+    the same source compiles to the same kernel, and a second copy would
+    only be compiled again (~30 s on a fresh clone) to be timed against
+    itself."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"other: {str(path)!r} is not a file")
+    from kvhit.kernels import scan_numba
+
+    if p.resolve() == Path(scan_numba.__file__).resolve():
+        return scan_numba
     spec = importlib.util.spec_from_file_location(OTHER_MODULE, p)
     if spec is None or spec.loader is None:
         raise ValueError(f"other: {str(path)!r} cannot be imported as a module")

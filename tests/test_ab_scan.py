@@ -22,6 +22,8 @@ def _stub(tmp_path, body: str):
 
 
 def test_this_kernel_against_itself(capsys):
+    # This checkout's file is the imported module, not a copy compiled again.
+    assert ab_scan.load_scan(scan_numba.__file__) is scan_numba
     assert ab_scan.main([scan_numba.__file__, *_ARGS]) == 0
     out = capsys.readouterr().out
     assert "llama B=16, 2 rounds" in out and "other / this per round" in out
