@@ -1138,6 +1138,11 @@ def fleet_full_host(
         return None
     if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
         return None
+    if not (lens.flags.c_contiguous and lens.flags.writeable):
+        # numba compiles a kernel per array layout and write flag (~15 s each
+        # on a fresh machine): a strided or read-only lens is copied to the
+        # one form the kernel is compiled for (B ints; never written).
+        lens = lens.copy()
     drop = host.use_eagle and (apply_eagle or lookup)
     params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
     kernels = host.kernels

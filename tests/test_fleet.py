@@ -165,10 +165,13 @@ def test_fused_kernel_entry_points_agree():
     reqs = [chained_hashes(3, 70), chained_hashes(4, 3), []]
     fleet = make_fleet([{(0, h) for h in reqs[0][:40]}, {(0, h) for h in reqs[1]}])
     rows, offsets, lengths = HashBatch.from_bytes(reqs, 8).host_arrays()
+    # Read-only, as the router passes them: the kernel's one compiled form.
     members = np.array([0], dtype=np.int64)
+    members.flags.writeable = False
     live = fleet.live_words()
     for lookup in (0, 1):
         params = np.array([1, 1, 16, 16, 1, lookup, 2], dtype=np.int64)
+        params.flags.writeable = False
         lens = np.array([70 * 16, 48, 0], dtype=np.int64)
         want = fleet_numba.full_hits(
             fleet_table(fleet), rows, offsets, lengths, lens, members, live,
@@ -203,10 +206,21 @@ def test_router_path_takes_numpy_and_tensor_lengths():
     want = expected(layout, reqs, stores_, lens)
     want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
     strided = np.repeat(np.array(lens, dtype=np.int64), 2)[::2]
+    read_only = np.array(lens, dtype=np.int64)
+    read_only.flags.writeable = False
+    from kvhit.kernels import fleet_numba
+
+    seen = None
     for value in (np.array(lens), np.array(lens, dtype=np.int32), strided,
-                  torch.tensor(lens), lens):  # fmt: skip
+                  read_only, torch.tensor(lens), lens):  # fmt: skip
         assert engine.fleet_hits(batch, value, fleet).tolist() == want
         assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+        if type(value) is np.ndarray and value.dtype == np.int64:
+            # One compiled form for every int64 lens (a strided or read-only
+            # one is copied): each other form was a ~15 s compile.
+            sigs = set(fleet_numba.full_hits_checked.signatures)
+            seen = sigs if seen is None else seen
+            assert sigs == seen, sigs - seen
     for bad in (np.array([144, -1, 16, 33]), torch.tensor([144, 80, 16, -5])):
         with pytest.raises(ValueError, match="max_lengths"):
             engine.fleet_hits(batch, bad, fleet)
