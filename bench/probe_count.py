@@ -137,7 +137,7 @@ def same_prefetch(n_requests: int, table: np.ndarray) -> Iterator[bool]:
     from kvhit.kernels import scan_numba as sn
 
     saved = sn.PREFETCH_MIN_REQUESTS, sn.PREFETCH_MIN_TABLE_BYTES
-    on = n_requests >= saved[0] and table.nbytes >= saved[1]
+    on = sn.prefetching(n_requests, table)
     sn.PREFETCH_MIN_REQUESTS = 0 if on else 1 << 62
     sn.PREFETCH_MIN_TABLE_BYTES = 0 if on else 1 << 62
     try:

@@ -146,6 +146,7 @@ __all__ = [
     "count_probes",
     "find_hits",
     "lookup_hits",
+    "prefetching",
     "prepare_scan",
     "scan_prepared",
 ]
@@ -239,7 +240,9 @@ def _l3_bytes() -> int:
 PREFETCH_MIN_TABLE_BYTES = _env_int("KVHIT_NUMBA_PREFETCH_MIN_BYTES", _l3_bytes() // 4)
 
 
-def _prefetching(n_req: int, table: np.ndarray) -> bool:
+def prefetching(n_req: int, table: np.ndarray) -> bool:
+    """Whether a call of ``n_req`` requests on ``table`` prefetches (read at
+    call time, so a change to the two thresholds applies to the next call)."""
     return n_req >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
 
 
@@ -1077,7 +1080,7 @@ def scan_prepared(
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
     fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
-    # _prefetching, spelled out: a one-request call skips the table test.
+    # prefetching(), spelled out: a one-request call skips the table test.
     pf = n >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
        prep.prm[mode][pf], hit, mask_spans,
@@ -1184,7 +1187,7 @@ def find_hits(
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
     prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
                   int(alignment), bool(partial), bool(simple_hybrid),
-                  _prefetching(n_req, tab))  # fmt: skip
+                  prefetching(n_req, tab))  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, token_lens64, tab, sg_rows, cand_rows,
                prm, mask_spans, parallel)  # fmt: skip
     return hit, mask_spans
@@ -1227,7 +1230,7 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     table_capacity(table.shape, rows.shape[1])
     prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
                   bool(partial), bool(simple_hybrid),
-                  _prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
+                  prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
     counters = COUNT_COLS + sg_rows.shape[0] if count else 0

@@ -332,8 +332,7 @@ def test_probe_count_split_times_one_prefetch_setting(n, big_table, on):
     seen = []
     with same_prefetch(n, table) as chosen:
         for r in (n, 4 * n, 1):
-            seen.append(r >= scan_numba.PREFETCH_MIN_REQUESTS
-                        and table.nbytes >= scan_numba.PREFETCH_MIN_TABLE_BYTES)  # fmt: skip
+            seen.append(scan_numba.prefetching(r, table))
     assert chosen is on and seen == [on] * 3
     assert (
         scan_numba.PREFETCH_MIN_REQUESTS,
