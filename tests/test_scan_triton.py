@@ -134,8 +134,9 @@ def _kernel_parity(layout, requests, exists, lens, device, apply_eagle) -> None:
 
 
 # Under the interpreter an example costs ~1.5 s, so the default run takes a
-# sixth of KVHIT_PARITY_EXAMPLES here (25; the CPU suite stays under ten
-# minutes) and a parity run at scale (KVHIT_PARITY_EXAMPLES=2000) its share.
+# sixth of KVHIT_PARITY_EXAMPLES here (25, ~40 s of a CPU suite meant to stay
+# under ten minutes) and a parity run at scale (KVHIT_PARITY_EXAMPLES=2000)
+# its share.
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
 
 
