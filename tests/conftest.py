@@ -6,7 +6,12 @@ the variable must be set before triton decorates any kernel, hence here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -111,11 +116,28 @@ def vllm_env():
         yield m
 
 
-@pytest.fixture
-def sched_harness(vllm_env, tmp_path, monkeypatch):
-    """``tests/vllm_sched_harness`` (vLLM's real Scheduler, stock or with
-    kvhit's connector) with vLLM's IPC sockets in this test's tmp_path."""
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
-    import vllm_sched_harness
+@contextlib.contextmanager
+def short_ipc_dir() -> Iterator[Path]:
+    """A fresh directory for IPC sockets with a short path, removed after.
 
-    return vllm_sched_harness
+    A Unix socket's path holds at most 107 bytes, and vLLM's lookup socket
+    name (``lookup_rpc_port_<port>_<host>_dp_rank0_kvhit``) takes ~45 of
+    them: under a pytest-xdist worker (``.../popen-gw1/<test name>0/``) a
+    test's tmp_path leaves too few."""
+    path = Path(tempfile.mkdtemp(prefix="kvhit-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def sched_harness(vllm_env, monkeypatch):
+    """``tests/vllm_sched_harness`` (vLLM's real Scheduler, stock or with
+    kvhit's connector) with vLLM's IPC sockets in a directory of this test's
+    own (:func:`short_ipc_dir`)."""
+    with short_ipc_dir() as base:
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(base))
+        import vllm_sched_harness
+
+        yield vllm_sched_harness

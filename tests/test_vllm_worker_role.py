@@ -20,17 +20,19 @@ only where vLLM's sources or Mooncake are not installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
 import pytest
 import vllm_sched_harness
+from conftest import short_ipc_dir
 
 from kvhit.bench import vllm_oracle as vo
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world():
     """vLLM importable, a local master, vLLM's Mooncake config pointing at
     it, and a gloo world of one; all torn down after the module."""
     mods, reason = vo.load_vllm()
@@ -41,7 +43,11 @@ def world(tmp_path_factory):
     why = mooncake_unavailable()
     if why:
         pytest.skip(why)
-    with vo.vllm_importable(), pytest.MonkeyPatch.context() as mp:
+    with (
+        vo.vllm_importable(),
+        pytest.MonkeyPatch.context() as mp,
+        contextlib.ExitStack() as stack,
+    ):
         import torch.distributed as dist
         import vllm_sched_harness as h
         from vllm.config import set_current_vllm_config
@@ -55,7 +61,7 @@ def world(tmp_path_factory):
         )
 
         assert not dist.is_initialized(), "another test left a process group"
-        base = tmp_path_factory.mktemp("worker_role")
+        base = stack.enter_context(short_ipc_dir())
         mp.setenv("VLLM_RPC_BASE_PATH", str(base))
         # The transfer engine and vLLM's requester hostname: loopback only.
         mp.setenv("MC_TCP_BIND_ADDRESS", HOST)
