@@ -8,8 +8,20 @@ lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The suite in two passes: every test file but the wall-clock-bound ones
+# across TEST_WORKERS processes (pytest-xdist, a file per process: the numba
+# compiles of a fresh clone are most of its time), then those (marked timing:
+# bounds of about a second) alone. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -p no:cacheprovider
+
 test: lint
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	start=$$(date +%s); \
+	$(PYTEST) -m "not slow and not timing" -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+	if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; \
+	$(PYTEST) -m "timing and not slow"; rc=$$?; \
+	echo "make test: the suite took $$(( $$(date +%s) - start )) s"; \
+	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 bench: venv
 	$(PY) -m pytest bench -q --benchmark-only --benchmark-columns=median,iqr,rounds

@@ -25,6 +25,10 @@ import time
 import pytest
 from test_vllm_connector import fill_store, prompts
 
+# Bounds of a fraction of a second: run alone, never beside another test
+# process (make test's second pass).
+pytestmark = pytest.mark.timing
+
 #: The bound the tests configure (the default is 1 s; smaller keeps them fast).
 BOUND_S = 0.6
 STORE_S = 0.25

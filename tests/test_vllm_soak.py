@@ -30,6 +30,9 @@ import time
 import pytest
 from test_vllm_connector import prompts
 
+# Bounds of about a second: never beside another test process.
+pytestmark = pytest.mark.timing
+
 STEPS = int(__import__("os").environ.get("KVHIT_SOAK_STEPS", 10_000))
 #: The step whose resources are the baseline (after a warm-up; a short run
 #: takes its fifth of the way).

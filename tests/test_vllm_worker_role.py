@@ -30,6 +30,10 @@ from conftest import short_ipc_dir
 
 from kvhit.bench import vllm_oracle as vo
 
+# The faults below bound a step's wait to about a second: run alone, never
+# beside another test process (make test's second pass).
+pytestmark = pytest.mark.timing
+
 
 @pytest.fixture(scope="module")
 def world():
