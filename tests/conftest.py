@@ -15,6 +15,17 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (make test's parallel pass) each worker process keeps
+# its own numba cache: numba updates a function's cache index by an unlocked
+# read-modify-write, so two processes compiling different signatures of one
+# kernel at once could leave an index entry naming the other's code. Set
+# before anything imports numba, which reads the variable once.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = str(
+        Path(__file__).resolve().parent.parent / ".numba-cache" / _WORKER
+    )
+
 try:
     import torch
 
@@ -124,7 +135,10 @@ def short_ipc_dir() -> Iterator[Path]:
     name (``lookup_rpc_port_<port>_<host>_dp_rank0_kvhit``) takes ~45 of
     them: under a pytest-xdist worker (``.../popen-gw1/<test name>0/``) a
     test's tmp_path leaves too few."""
-    path = Path(tempfile.mkdtemp(prefix="kvhit-"))
+    # /tmp, not $TMPDIR: a long TMPDIR would bring the limit back.
+    path = Path(
+        tempfile.mkdtemp(prefix="kvhit-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    )
     try:
         yield path
     finally:

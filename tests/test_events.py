@@ -747,6 +747,7 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
         assert f.reconnects == 1 and "reconnected" in f.last_error
 
 
+@pytest.mark.timing  # the start-up replay must answer within 0.3 s
 def test_reconnect_with_a_silent_replay_marks_stale(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, replay_timeout_s=0.3) as f:

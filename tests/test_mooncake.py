@@ -687,6 +687,7 @@ def test_exact_float_and_bool_answers_are_accepted():
         assert bl.last_stats.num_keys_asked == n_keys
 
 
+@pytest.mark.timing  # a 0.2 s store timeout and a 0.15 s bound
 def test_hung_store_times_out_and_late_answer_is_discarded():
     """A store call that never returns used to block lookup() forever."""
     import threading
