@@ -15,17 +15,6 @@ from pathlib import Path
 
 import pytest
 
-# Under pytest-xdist (make test's parallel pass) each worker process keeps
-# its own numba cache: numba updates a function's cache index by an unlocked
-# read-modify-write, so two processes compiling different signatures of one
-# kernel at once could leave an index entry naming the other's code. Set
-# before anything imports numba, which reads the variable once.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER and "NUMBA_CACHE_DIR" not in os.environ:
-    os.environ["NUMBA_CACHE_DIR"] = str(
-        Path(__file__).resolve().parent.parent / ".numba-cache" / _WORKER
-    )
-
 try:
     import torch
 
