@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvhit.bench.machine import dependent_load_ns, describe
 from kvhit.bench.peers import (
     DYNAMO,
     PEERS,
@@ -523,6 +524,9 @@ def sweep(
     steps = [(p, b) for p in config.presets for b in sorted(set(config.batch_sizes))]
     rows: list[ResultRow] = []
     probes: list[ProbeRow] = []
+    # The memory system's state at both ends of the run (bench/machine.py):
+    # ratios to the Python loops move with it on a shared machine.
+    load_start = describe(dependent_load_ns())
     bar = _steps_bar(steps, quiet)
     ctx: _PresetContext | None = None
     for preset, b in bar:
@@ -549,12 +553,15 @@ def sweep(
             if skip is not None:
                 skips.append(skip)
                 break
+    env = environment_info()
+    env["dependent_load_start"] = load_start
+    env["dependent_load_end"] = describe(dependent_load_ns())
     return SweepResult(
         config,
         tuple(rows),
         tuple(_unique(skips)),
         tuple(probes),
-        environment_info(),
+        env,
         tuple(peers),
     )
 
@@ -1174,6 +1181,8 @@ def format_table(result: SweepResult) -> str:
         f"{env.get('torch', '?')}, triton {env.get('triton', '?')}, numba "
         f"{env.get('numba', '?')} (NUMBA_NUM_THREADS {env.get('numba_threads', '?')}); "
         f"gpu {env.get('gpu', 'none')})",
+        f"  dependent loads (bench/machine.py): {env.get('dependent_load_start', '?')} "
+        f"at the start; {env.get('dependent_load_end', '?')} at the end",
         f"  {'preset':<11} {'B':>5}  {'backend':<9} {'median':>10} {'lookups/s':>9} "
         f"{'x ref':>7}" + (f" {'x vLLM':>7}" if vllm else "") + f" {'pack/req':>9}",
     ]

@@ -206,6 +206,9 @@ def test_bench_writes_one_json_of_result_rows(
     assert cli.main(argv) == 0
     data = json.loads(out_json.read_text())
     assert data["environment"]["torch"] and data["environment"]["numba"]
+    # The memory system's state at both ends (bench/machine.py).
+    for end in ("start", "end"):
+        assert data["environment"][f"dependent_load_{end}"].startswith("1 MB ")
     rows = [
         harness.ResultRow(**{**r, "times_s": tuple(r["times_s"])})
         for r in data["results"]
@@ -233,6 +236,7 @@ def test_bench_writes_one_json_of_result_rows(
         assert any(s["backend"] == "triton" for s in data["skipped"])
     table = capsys.readouterr().out
     assert "lookups/s" in table and "x ref" in table and "pack/req" in table
+    assert "dependent loads (bench/machine.py): 1 MB " in table
 
 
 def test_bench_skips_a_backend_whose_engine_cannot_be_built(
