@@ -47,6 +47,9 @@ def _chase_fn():
     if _chase is None:
         import numba
 
+        from kvhit.kernels.numba_cache import lock_cache_saves
+
+        lock_cache_saves()
         _chase = numba.njit(cache=True, nogil=True)(_chase_py)
     return _chase
 

@@ -38,7 +38,11 @@ from kvhit.kernels.contract import (
     CAND_SHIFT,
     CAND_SPARSE,
 )
+from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import key_slot_hash
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
 
 __all__ = [
     "asked_chunks_nb",

@@ -25,12 +25,16 @@ import numpy as np
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_numba import insert_rows
+from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
     prefetch_cell,
     table_find,
     table_find_from,
 )
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
 
 __all__ = [
     "clear_bits",

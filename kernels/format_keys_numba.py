@@ -15,6 +15,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvhit.kernels.numba_cache import lock_cache_saves
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
+
 __all__ = ["format_keys_nb"]
 
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)

@@ -28,12 +28,16 @@ import torch
 
 from kvhit.kernels.checks import check_keys, check_table
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
     prefetch_row,
     slot_holds_key,
     table_find,
 )
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
 
 __all__ = ["erase", "find", "insert", "insert_rows", "probe", "rehash"]
 

@@ -20,6 +20,10 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import load_item
 
 from kvhit.kernels.contract import EMPTY, LOW33, LOW35, M1, M2, M3, SEED
+from kvhit.kernels.numba_cache import lock_cache_saves
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
 
 __all__ = [
     "COUNT_COLS",

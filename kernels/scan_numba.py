@@ -125,6 +125,7 @@ from kvhit.kernels.contract import (
     SG_SCALE,
     SG_USE_EAGLE,
 )
+from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
     key_slot_hash,
@@ -134,6 +135,9 @@ from kvhit.kernels.probe_numba import (
     table_find_counted,
     table_find_from,
 )
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
 
 __all__ = [
     "FIND",
