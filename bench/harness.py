@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvhit.bench.machine import dependent_load_ns, describe
+from kvhit.bench.machine import memory_state
 from kvhit.bench.peers import (
     DYNAMO,
     PEERS,
@@ -526,7 +526,7 @@ def sweep(
     probes: list[ProbeRow] = []
     # The memory system's state at both ends of the run (bench/machine.py):
     # ratios to the Python loops move with it on a shared machine.
-    load_start = describe(dependent_load_ns())
+    load_start = memory_state()
     bar = _steps_bar(steps, quiet)
     ctx: _PresetContext | None = None
     for preset, b in bar:
@@ -555,7 +555,7 @@ def sweep(
                 break
     env = environment_info()
     env["dependent_load_start"] = load_start
-    env["dependent_load_end"] = describe(dependent_load_ns())
+    env["dependent_load_end"] = memory_state()
     return SweepResult(
         config,
         tuple(rows),

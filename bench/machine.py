@@ -1,20 +1,21 @@
 """What the memory system gives a benchmark while it runs: dependent-load latency.
 
 On the shared 2-core VM kvhit is measured on, the same lookup kernel answered
-the same 1024 long-hit requests in 1.3-1.6 ms on one day and 7-8.7 ms on the
-next, while the Python reference loop went from ~0.53 s to ~1.25 s: the
-last-level cache (32 MB) is shared with other tenants, and a kernel whose
-table and hash rows are tens of MB runs at the speed of the cache it is
-left. A ratio of kvhit (memory-bound) to a per-request Python loop moves with
-it, so every ``kvhit bench`` run records this figure at its start and end.
+the same 1024 long-hit requests in 1.3-1.6 ms on 2026-12-01 and in 5-8.7 ms
+on 2026-12-02, while the Python reference loop went from ~0.53 s to
+1.25-1.8 s: the last-level cache (32 MB) and the memory are shared with other
+tenants, and a kernel whose table and hash rows are tens of MB runs at the
+speed of the cache it is left. Every ``kvhit bench`` run records this figure
+at its start and end, so that a ratio comes with the state it was taken in.
 
-:func:`dependent_load_ns` chases pointers through a random cyclic permutation
-of 64-byte lines (each load's address is the previous load's value, so no two
-overlap) over buffers of a few sizes. At 8 MB, a quarter of the last-level
-cache, the figure is ~15 ns when the cache is this process's, and 150-200 ns
-when other tenants keep evicting it, as at 64 MB, where every load goes to
-memory. The chase is compiled by numba (imported here, lazily); without numba
-there is no figure.
+:func:`dependent_load_ns` chases pointers through a random cycle of 64-byte
+lines (each load's address is the previous load's value, so no two overlap):
+one full cycle to warm up, then the timed loads, over buffers of a few
+sizes. A buffer the caches hold costs tens of nanoseconds a load (1 MB:
+20-50 ns here); one they do not, a trip to memory (64 MB: 200-250 ns here).
+When 8 MB, a quarter of the L3, costs nearly what 64 MB does, other tenants
+hold the L3 (2026-12-02: 177-187 ns against 207-219 ns). The chase is
+compiled by numba (imported lazily); without numba there is no figure.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DEFAULT_SIZES_MB", "dependent_load_ns", "describe", "ring"]
+__all__ = ["DEFAULT_SIZES_MB", "dependent_load_ns", "describe", "memory_state", "ring"]
 
 #: Buffer sizes (MiB) the chase walks: in L2, a quarter of the L3, past it.
 DEFAULT_SIZES_MB: tuple[int, ...] = (1, 8, 64)
@@ -61,9 +62,10 @@ def dependent_load_ns(
     ``sizes_mb`` (MiB, each >= 1), ``steps`` loads each (>= 1) after a
     warm-up of the same number; ``None`` when numba is not importable.
 
-    Takes about ``len(sizes_mb) * steps * 2`` load latencies plus the buffers'
-    set-up (~0.2 s at the defaults on a busy machine); allocates the largest
-    buffer (64 MiB at the defaults) for the duration of its own chase only."""
+    Takes one load latency for each of the buffers' lines and ``steps`` more
+    per buffer, plus their set-up (~0.4 s at the defaults with a busy L3);
+    allocates the largest buffer (64 MiB at the defaults) for the duration
+    of its own chase only."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     sizes = tuple(sizes_mb)
@@ -78,8 +80,13 @@ def dependent_load_ns(
     rng = np.random.default_rng(seed)
     out: dict[int, float] = {}
     for mb in sizes:
-        buf, start = ring((mb << 20) // (_LINE_WORDS * 8), rng)
-        chase(buf, start, steps)
+        lines = (mb << 20) // (_LINE_WORDS * 8)
+        buf, start = ring(lines, rng)
+        # One whole cycle first (back at ``start``), so that the timed loads
+        # find the buffer wherever the caches keep it; timing right after a
+        # warm-up of ``steps`` loads would walk those same lines again, and
+        # every buffer would look ``steps`` lines big.
+        start = chase(buf, start, lines)
         t0 = time.perf_counter()
         chase(buf, start, steps)
         out[mb] = (time.perf_counter() - t0) / steps * 1e9
@@ -102,3 +109,14 @@ def describe(ns: Mapping[int, float] | None) -> str:
     if ns is None:
         return "n/a (no numba)"
     return ", ".join(f"{mb} MB {v:.0f} ns" for mb, v in ns.items())
+
+
+def memory_state() -> str:
+    """:func:`describe` of :func:`dependent_load_ns` at the defaults, for a
+    benchmark's header: a side figure, so a chase that cannot run (numba
+    failing to compile, memory refused) gives ``"n/a (<why>)"`` instead of
+    ending the benchmark."""
+    try:
+        return describe(dependent_load_ns())
+    except Exception as exc:  # noqa: BLE001 - any failure only loses the figure
+        return f"n/a ({type(exc).__name__}: {exc})"

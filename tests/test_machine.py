@@ -9,6 +9,8 @@ import pytest
 
 from kvhit.bench import machine
 
+pytest.importorskip("numba")
+
 
 def test_the_ring_visits_every_line_once_then_closes() -> None:
     lines = 1000
@@ -47,6 +49,16 @@ def test_dependent_load_ns_gives_a_figure_per_size() -> None:
 def test_bad_arguments_name_themselves(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         machine.dependent_load_ns(**kwargs)
+
+
+def test_a_failing_chase_costs_the_figure_not_the_benchmark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise MemoryError("no 64 MB today")
+
+    monkeypatch.setattr(machine, "dependent_load_ns", broken)
+    assert machine.memory_state() == "n/a (MemoryError: no 64 MB today)"
 
 
 def test_no_numba_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
