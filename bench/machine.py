@@ -1,9 +1,9 @@
 """What the memory system gives a benchmark while it runs: dependent-load latency.
 
 On the shared 2-core VM kvhit is measured on, the same lookup kernel answered
-the same 1024 long-hit requests in 1.3-1.6 ms on 2026-12-01 and in 5-8.7 ms
-on 2026-12-02, while the Python reference loop went from ~0.53 s to
-1.25-1.8 s: the last-level cache (32 MB) and the memory are shared with other
+the same 1024 long-hit requests in 1.3-1.6 ms on 2026-12-01 and in
+5-10.2 ms on 2026-12-02, while the Python reference loop went from ~0.53 s
+to 1.1-1.8 s: the last-level cache (32 MB) and the memory are shared with other
 tenants, and a kernel whose table and hash rows are tens of MB runs at the
 speed of the cache it is left. Every ``kvhit bench`` run records this figure
 at its start and end, so that a ratio comes with the state it was taken in.
@@ -24,6 +24,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from kvhit.kernels.checks import check_size
 
 __all__ = ["DEFAULT_SIZES_MB", "dependent_load_ns", "describe", "memory_state", "ring"]
 
@@ -59,20 +61,18 @@ def dependent_load_ns(
     sizes_mb: Sequence[int] = DEFAULT_SIZES_MB, steps: int = 100_000, seed: int = 0
 ) -> dict[int, float] | None:
     """Nanoseconds per dependent load over a buffer of each size in
-    ``sizes_mb`` (MiB, each >= 1), ``steps`` loads each (>= 1) after a
-    warm-up of the same number; ``None`` when numba is not importable.
+    ``sizes_mb`` (MiB, each an int >= 1), ``steps`` loads each (an int >= 1)
+    after one warm-up walk of the whole buffer; ``None`` when numba is not
+    importable. TypeError or ValueError naming the argument otherwise.
 
     Takes one load latency for each of the buffers' lines and ``steps`` more
     per buffer, plus their set-up (~0.4 s at the defaults with a busy L3);
     allocates the largest buffer (64 MiB at the defaults) for the duration
     of its own chase only."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    sizes = tuple(sizes_mb)
-    if not sizes or any(
-        isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
-    ):
-        raise ValueError(f"sizes_mb must be ints >= 1 (MiB), got {sizes_mb!r}")
+    steps = check_size("steps", steps)
+    sizes = tuple(check_size("sizes_mb", s) for s in sizes_mb)
+    if not sizes:
+        raise ValueError("sizes_mb must name at least one size (MiB), got none")
     try:
         chase = _chase_fn()
     except ImportError:

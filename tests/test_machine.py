@@ -36,18 +36,22 @@ def test_dependent_load_ns_gives_a_figure_per_size() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "name"),
+    ("kwargs", "error", "name"),
     [
-        ({"steps": 0}, "steps"),
-        ({"steps": True}, "steps"),
-        ({"steps": 1.5}, "steps"),
-        ({"sizes_mb": ()}, "sizes_mb"),
-        ({"sizes_mb": (0,)}, "sizes_mb"),
-        ({"sizes_mb": (1, 2.0)}, "sizes_mb"),
+        ({"steps": 0}, ValueError, "steps"),
+        ({"steps": True}, TypeError, "steps"),
+        ({"steps": 1.5}, TypeError, "steps"),
+        ({"sizes_mb": ()}, ValueError, "sizes_mb"),
+        ({"sizes_mb": (0,)}, ValueError, "sizes_mb"),
+        ({"sizes_mb": (1, 2.0)}, TypeError, "sizes_mb"),
     ],
 )
-def test_bad_arguments_name_themselves(kwargs: dict, name: str) -> None:
-    with pytest.raises(ValueError, match=name):
+def test_bad_arguments_name_themselves(
+    kwargs: dict, error: type[Exception], name: str
+) -> None:
+    # The launchers' size check (kernels/checks.check_size): TypeError for a
+    # type, ValueError for a value.
+    with pytest.raises(error, match=name):
         machine.dependent_load_ns(**kwargs)
 
 
