@@ -772,13 +772,9 @@ class FleetOps:
         return np.bincount(engines.numpy()[new > 0], minlength=num_engines)
 
     @staticmethod
-    def clear_bits(
-        keys: torch.Tensor,
-        bits: torch.Tensor,
-        slots: torch.Tensor,
-        engines: torch.Tensor,
-        num_engines: int,
-    ) -> tuple[np.ndarray, int]:
+    def clear_bits(keys: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor,
+                   engines: torch.Tensor,
+                   num_engines: int) -> tuple[np.ndarray, int]:  # fmt: skip
         """:func:`clear_bits`; returns (int64 ``[E]``, the bits cleared per
         engine; the slots tombstoned)."""
         out, freed = clear_bits(keys.numpy(), bits.numpy(), slots.numpy(),

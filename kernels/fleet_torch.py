@@ -235,14 +235,9 @@ class FleetOps:
         engine."""
         return self.set_bits_kernel(bits, slots, engines, num_engines).numpy()
 
-    def clear_bits(
-        self,
-        keys: torch.Tensor,
-        bits: torch.Tensor,
-        slots: torch.Tensor,
-        engines: torch.Tensor,
-        num_engines: int,
-    ) -> tuple[np.ndarray, int]:
+    def clear_bits(self, keys: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor,
+                   engines: torch.Tensor,
+                   num_engines: int) -> tuple[np.ndarray, int]:  # fmt: skip
         """:func:`clear_bits`; returns (int64 ``[E]``, the bits cleared per
         engine; the slots tombstoned)."""
         gone, freed = self.clear_bits_kernel(keys, bits, slots, engines, num_engines)
