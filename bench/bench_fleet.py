@@ -36,7 +36,7 @@ from kvhit.bench.route import saved_keys, trace_batch
 from kvhit.bench.traces import load_trace
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.engine import LookupEngine
-from kvhit.coordinator.fleet import FleetIndex
+from kvhit.coordinator.fleet_index import FleetIndex
 from kvhit.coordinator.packing import HashBatch, num_words
 
 __all__ = [

@@ -545,7 +545,7 @@ def time_fleet(cfg: Config, device) -> list[dict]:
 
     from kvhit.bench.workloads import make_layout
     from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.fleet import FleetIndex
+    from kvhit.coordinator.fleet_index import FleetIndex
     from kvhit.coordinator.packing import HashBatch, num_words
 
     layout = make_layout("llama")

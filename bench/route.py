@@ -2,7 +2,7 @@
 several routers and score every placement under vLLM's exact hit rules.
 
 Each simulated engine is a vLLM instance with its own external store (one
-column of a :class:`~kvhit.coordinator.fleet.FleetIndex`). Requests arrive in
+column of a :class:`~kvhit.coordinator.fleet_index.FleetIndex`). Requests arrive in
 trace order, ``batch`` at a time; a router places each on one engine; the
 request then loads what the store worker's ``lookup`` finds on that engine
 (``LookupEngine.fleet_lookup``, exact for every kind), and once served the
@@ -44,8 +44,9 @@ from kvhit.bench.harness import MismatchError
 from kvhit.bench.traces import SHIPPED_TRACE, hash_block_ids, hash_words, load_trace
 from kvhit.bench.workloads import PRESETS, make_layout
 from kvhit.coordinator.engine import LookupEngine
-from kvhit.coordinator.fleet import FleetIndex, prefix_blocks, route
+from kvhit.coordinator.fleet_index import FleetIndex
 from kvhit.coordinator.packing import HashBatch, num_words
+from kvhit.coordinator.routing import prefix_blocks, route
 from kvhit.coordinator.specs import CacheLayout, FullAttention, Mamba
 
 __all__ = [

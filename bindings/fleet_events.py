@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvhit.bindings.events import EventFollower
-from kvhit.coordinator.fleet import FleetIndex
+from kvhit.coordinator.fleet_index import FleetIndex
 
 __all__ = ["EngineStream", "FleetFollower"]
 

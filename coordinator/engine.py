@@ -653,7 +653,7 @@ class LookupEngine:
             dense.append(is_dense)
         return MaskBatch(tuple(masks), tuple(lengths), tuple(dense))
 
-    # -- fleets of engines (coordinator/fleet.py) ---------------------------------
+    # -- fleets of engines (coordinator/fleet_index.py) ---------------------------
 
     def fleet_hits(
         self,
@@ -663,23 +663,13 @@ class LookupEngine:
         apply_eagle: bool = True,
     ) -> torch.Tensor:
         """:meth:`find_longest_cache_hit` of every request against every
-        engine of ``fleet`` (a :class:`~kvhit.coordinator.fleet.FleetIndex`),
+        engine of ``fleet`` (a :class:`~kvhit.coordinator.fleet_index.FleetIndex`),
         one call: int64 ``[B, E]``, entry ``[b, e]`` the hit against engine
         ``e``'s keys alone (0 for an engine removed from the fleet).
-        ``max_lengths``: int64 ``[B]``. See ``coordinator/fleet.py`` for the
-        cost per layout."""
-        fleet_mod = _fleet_module()
-        # A router's call (from_ints batch, numpy lengths, full attention):
-        # checked and answered in one kernel dispatch; else the checks below.
-        hit = fleet_mod.fleet_full_host(
-            self, batch, max_lengths, fleet, bool(apply_eagle), False
-        )
-        if hit is not None:
-            return hit
-        self._check_batch(batch, None, need_index=False)
-        fleet_mod.check_fleet(fleet, batch, self.device)
-        max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-        return fleet_mod.fleet_find(self, batch, max_lengths, fleet, bool(apply_eagle))
+        ``max_lengths``: int64 ``[B]``. See ``coordinator/fleet_scoring.py``
+        for the cost per layout."""
+        return self._fleet_hits(batch, max_lengths, "max_lengths", fleet,
+                                bool(apply_eagle), False)  # fmt: skip
 
     def fleet_lookup(
         self,
@@ -690,28 +680,27 @@ class LookupEngine:
         """:meth:`lookup` (the store worker's rule, ``num_tokens - 1`` for a
         whole-prompt hit) of every request against every engine of ``fleet``:
         int64 ``[B, E]``; ``num_tokens`` int64 ``[B]``."""
-        fleet_mod = _fleet_module()
-        hit = fleet_mod.fleet_full_host(self, batch, num_tokens, fleet, True, True)
-        if hit is not None:
-            return hit
+        return self._fleet_hits(batch, num_tokens, "num_tokens", fleet, True, True)
+
+    def _fleet_hits(
+        self, batch: Any, lens: Any, name: str, fleet: Any, apply_eagle: bool,
+        lookup: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        # The fleet does the work through three methods, so that this module
+        # imports no fleet module (they import it): ``router_hits`` (a
+        # router's call, checked cheaply and answered in one kernel dispatch,
+        # or None), ``check_batch`` and the trusted ``hits_unchecked``.
+        router = getattr(fleet, "router_hits", None)
+        if router is not None:
+            hit = router(self, batch, lens, apply_eagle, lookup)
+            if hit is not None:
+                return hit
         self._check_batch(batch, None, need_index=False)
-        fleet_mod.check_fleet(fleet, batch, self.device)
-        num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
-        return fleet_mod.fleet_find(self, batch, num_tokens, fleet, True, lookup=True)
-
-
-def _fleet_module() -> Any:
-    """``kvhit.coordinator.fleet``, imported on first use (it imports this
-    module) and kept, so that a lookup pays no import statement."""
-    global _FLEET
-    if _FLEET is None:
-        from kvhit.coordinator import fleet
-
-        _FLEET = fleet
-    return _FLEET
-
-
-_FLEET: Any = None
+        if router is None:
+            raise TypeError(f"fleet must be a FleetIndex, got {type(fleet).__name__}")
+        fleet.check_batch(batch, self.device)
+        lens = self._lengths(lens, name, len(batch))
+        return fleet.hits_unchecked(self, batch, lens, apply_eagle, lookup)
 
 
 __all__ = [

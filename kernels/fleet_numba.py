@@ -1,6 +1,6 @@
 """FleetIndex kernels on the CPU, compiled by numba.
 
-On the CPU a :class:`kvhit.coordinator.fleet.FleetIndex` is one table with one
+On the CPU a :class:`kvhit.coordinator.fleet_index.FleetIndex` is one table with one
 row per slot: ``table`` int64 ``[C, W + 1 + NW]``, whose first ``W + 1``
 columns are a KeyIndex table holding every key that at least one engine holds
 (layout of ``coordinator/key_index.py``; probed with
@@ -14,14 +14,18 @@ kernels that take them separately accept such strided views.
 
 Launchers take numpy arrays (the coordinator passes zero-copy views of its CPU
 tensors) and do not validate: the FleetIndex checks every argument first.
+:class:`FleetOps` is the FleetIndex's adapter: its table operations on CPU
+tensors, the same calls as the torch and Triton families'.
 
-Importing this module imports numba (the FleetIndex imports it lazily).
+Importing this module imports numba (a FleetIndex imports it when it is built
+with the numba backend).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_numba import insert_rows
@@ -37,6 +41,7 @@ from kvhit.kernels.probe_numba import (
 lock_cache_saves()
 
 __all__ = [
+    "FleetOps",
     "clear_bits",
     "clear_engine",
     "engine_classes",
@@ -349,7 +354,7 @@ def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, ru
 
 @numba.njit(inline="always", **_JIT)
 def _hit_of_run(run, bs, align, drop):
-    """``coordinator/fleet.py``'s ``_full_hits`` for one run (vLLM's
+    """``kernels/fleet_torch.hits_of_runs`` for one run (vLLM's
     full-attention hit, ``reference.full_attention_hit`` without the
     fine-grained tail): ``run * bs``, less ``min(align, bs)`` under the EAGLE
     drop, aligned down."""
@@ -387,7 +392,7 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         acc[:] = live
         row0, end = _request_end(offsets, lengths, ends, scale, r)
         _run_request(table, b0, rows, row0, end, scale, members, acc, out, r, cur)
-        # Runs -> hits, in place (``coordinator/fleet.py``'s ``_fleet_full``).
+        # Runs -> hits, in place (``kernels/fleet_torch.FleetOps.full_hits``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
         ok = lengths[r] > 0 and (n_tok // align * align if lookup else n_tok) > 0
@@ -494,7 +499,7 @@ def full_hits(
     num_engines: int,
 ) -> np.ndarray:
     """vLLM's full-attention hit of every request against every engine, in
-    one pass (``coordinator/fleet.py``'s ``_fleet_full`` on the runs of
+    one pass (``kernels/fleet_torch.FleetOps.full_hits`` on the runs of
     :func:`full_runs`, fused so that a call costs one dispatch and no
     temporaries): int64 ``[B, E]``.
 
@@ -704,3 +709,130 @@ def engine_classes(
                         may, np.int64(first_scale), np.int64(reach_rows),
                         group_ids, steps, np.int64(min_engines), rep)  # fmt: skip
     return rep
+
+
+# -- the FleetIndex's table operations -----------------------------------------------
+
+
+class FleetOps:
+    """A FleetIndex's table operations on this family's kernels (CPU
+    tensors, converted to numpy views here; no validation: the FleetIndex
+    checks every argument first). ``kernels/fleet_torch.FleetOps`` and
+    ``kernels/fleet_triton.FleetOps`` take the same calls
+    (``coordinator/fleet_index.FLEET_KERNEL_MODULES`` picks one per
+    backend). Keys and engine sets share one table (the module docstring);
+    :meth:`host_table` gives it as numpy, which the fleet's host paths
+    (:meth:`host_hits`, the entry-index scans) read without a torch call.
+    """
+
+    #: The backend of the fleet's entry index (a KeyIndex of its own).
+    entries_backend = "numba"
+
+    @staticmethod
+    def new_tables(
+        capacity: int, W: int, NW: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One table int64 ``[capacity, W + 1 + NW]`` (keys, then engine
+        sets: one cache line or two per slot scanned) and its two column
+        views ``keys`` and ``bits``."""
+        # Allocated by numpy, which asks Linux for transparent huge pages on
+        # large arrays (torch's CPU allocator does not): a scan probes slots
+        # at random in tens of MB, and with 4 KiB pages each probe also
+        # misses the TLB; 2 MiB pages halve a cold batch's scan time here.
+        table = torch.from_numpy(np.zeros((capacity, W + 1 + NW), dtype=np.int64))
+        table[:, 0] = EMPTY
+        return table, table[:, : W + 1], table[:, W + 1 :]
+
+    @staticmethod
+    def host_table(table: torch.Tensor) -> np.ndarray:
+        """``table`` as numpy (a view)."""
+        return table.numpy()
+
+    @staticmethod
+    def find(
+        table: torch.Tensor, W: int, gids: torch.Tensor, hashes: torch.Tensor
+    ) -> torch.Tensor:
+        """:func:`find_keys`: int64 ``[N]`` slots, -1 where absent."""
+        return torch.from_numpy(find_keys(table.numpy(), gids.numpy(), hashes.numpy()))
+
+    @staticmethod
+    def insert(
+        table: torch.Tensor, W: int, gids: torch.Tensor, hashes: torch.Tensor
+    ) -> int:
+        """:func:`insert_keys`: the number of keys newly stored."""
+        return insert_keys(table.numpy(), gids.numpy(), hashes.numpy())
+
+    @staticmethod
+    def set_bits(
+        bits: torch.Tensor, slots: torch.Tensor, engines: torch.Tensor, num_engines: int
+    ) -> np.ndarray:
+        """:func:`set_bits`; returns int64 ``[E]``, the bits newly set per
+        engine."""
+        new = set_bits(bits.numpy(), slots.numpy(), engines.numpy())
+        return np.bincount(engines.numpy()[new > 0], minlength=num_engines)
+
+    @staticmethod
+    def clear_bits(keys: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor,
+                   engines: torch.Tensor,
+                   num_engines: int) -> tuple[np.ndarray, int]:  # fmt: skip
+        """:func:`clear_bits`; returns (int64 ``[E]``, the bits cleared per
+        engine; the slots tombstoned)."""
+        out, freed = clear_bits(keys.numpy(), bits.numpy(), slots.numpy(),
+                                engines.numpy())  # fmt: skip
+        return np.bincount(engines.numpy()[out > 0], minlength=num_engines), freed
+
+    @staticmethod
+    def clear_engine(
+        keys: torch.Tensor, bits: torch.Tensor, engine: int
+    ) -> tuple[int, int]:
+        """:func:`clear_engine`: (bits cleared, slots tombstoned)."""
+        return clear_engine(keys.numpy(), bits.numpy(), engine)
+
+    @staticmethod
+    def probe_bits(
+        keys: torch.Tensor, bits: torch.Tensor, gids: torch.Tensor, rows: torch.Tensor
+    ) -> np.ndarray:
+        """:func:`probe_bits`: int64 ``[G, T, NW]``."""
+        return probe_bits(keys.numpy(), bits.numpy(), gids.numpy(), rows.numpy())
+
+    def full_runs(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  ends: np.ndarray, scale: int, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, num_engines: int) -> torch.Tensor:  # fmt: skip
+        """:func:`full_runs` on the joint ``table`` (``keys``, ``bits`` its
+        views; ``active`` is what ``live`` packs): int64 ``[B, E]``."""
+        return torch.from_numpy(full_runs(
+            table.numpy(), bits.shape[1], rows.numpy(), offsets.numpy(),
+            lengths.numpy(), ends, scale, members, live, num_engines,
+        ))  # fmt: skip
+
+    @staticmethod
+    def host_hits(table: np.ndarray, rows: np.ndarray, offsets: np.ndarray,
+                  lengths: np.ndarray, lens: np.ndarray, members: np.ndarray,
+                  live: np.ndarray, params: np.ndarray) -> torch.Tensor | None:  # fmt: skip
+        """:func:`full_hits_checked` on host arrays (a router's call, one
+        dispatch): int64 ``[B, E]``, or None where ``lens`` holds a negative
+        length (nothing read)."""
+        bad, out = full_hits_checked(table, rows, offsets, lengths, lens, members,
+                                     live, params)  # fmt: skip
+        return None if bad >= 0 else torch.from_numpy(out)
+
+    def full_hits(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  lens: torch.Tensor, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, params: np.ndarray,
+                  num_engines: int) -> torch.Tensor:  # fmt: skip
+        """vLLM's full-attention hit of every request against every engine
+        (:meth:`host_hits` on tensors: ``lens`` int64 ``[B]``, >= 0):
+        int64 ``[B, E]``. ``params`` int64 ``[7]``, as
+        :func:`full_hits_checked`'s."""
+        lens_np = lens.numpy()
+        if not (lens_np.flags.c_contiguous and lens_np.flags.writeable):
+            # The one form the kernel is compiled for (another would cost a
+            # compile of ~15 s): B ints, never written.
+            lens_np = lens_np.copy()
+        hit = self.host_hits(table.numpy(), rows.numpy(), offsets.numpy(),
+                             lengths.numpy(), lens_np, members, live, params)  # fmt: skip
+        if hit is None:  # pragma: no cover - lens was checked
+            raise RuntimeError("full_hits: a checked length was refused")
+        return hit

@@ -1,20 +1,33 @@
 """FleetIndex kernels as torch ops (any device): the twins of
 :mod:`kvhit.kernels.fleet_numba` on the same two tables (``keys`` int64
 ``[C, W + 1]``, a KeyIndex table, and ``bits`` int64 ``[C, NW]``, each
-slot's engine set; see ``coordinator/fleet.py``).
+slot's engine set; see ``coordinator/fleet_index.py``).
 
 Launchers take tensors on the tables' device and do not validate: the
-FleetIndex checks every argument first.
+FleetIndex checks every argument first. :class:`FleetOps` is the
+FleetIndex's adapter (the same calls as the numba and Triton families');
+:func:`unpack_engines` and :func:`hits_of_runs` are host helpers every
+family's caller shares.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvhit.kernels.contract import TOMBSTONE
-from kvhit.kernels.hash_index_torch import find
+from kvhit.kernels.hash_index_torch import find, insert, new_table
 
-__all__ = ["clear_bits", "clear_engine", "full_runs", "probe_bits", "set_bits"]
+__all__ = [
+    "FleetOps",
+    "clear_bits",
+    "clear_engine",
+    "full_runs",
+    "hits_of_runs",
+    "probe_bits",
+    "set_bits",
+    "unpack_engines",
+]
 
 
 def _bit_values(b: torch.Tensor) -> torch.Tensor:
@@ -142,3 +155,150 @@ def full_runs(
     held = ((grid[:, :, e >> 6] >> (e & 63)) & 1).to(torch.uint8)  # [R, M, E]
     held &= active.to(dev).to(torch.uint8)
     return held.cummin(dim=1).values.to(torch.int64).sum(dim=1)
+
+
+def unpack_engines(words: np.ndarray, num_engines: int) -> torch.Tensor:
+    """Engine sets int64 ``[..., NW]`` -> bool ``[..., num_engines]`` (CPU)."""
+    w = np.ascontiguousarray(words, dtype=np.int64)
+    flat = np.unpackbits(w.view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(flat[..., :num_engines].astype(bool))
+
+
+def hits_of_runs(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
+    """vLLM's full-attention hit from the leading run of ``runs`` blocks
+    (``reference.full_attention_hit`` without the fine-grained tail, as
+    ``kernels/scan_numba.py``'s ``_scan_sg`` for a non-fine full SpecGroup):
+    ``run * bs``, less ``min(align, bs)`` under the EAGLE drop, aligned."""
+    hit = runs * bs
+    if drop:
+        hit = np.where(hit > 0, hit - min(align, bs), 0)
+    return hit - hit % align
+
+
+class FleetOps:
+    """A FleetIndex's table operations as torch ops (tensors on the tables'
+    device; no validation: the FleetIndex checks every argument first), the
+    same calls as ``kernels/fleet_numba.FleetOps``. Keys and engine sets
+    are two contiguous tables (the kernels index them flat); there is no
+    host table (:meth:`host_table` is None), so a fleet of this family
+    takes its device paths. The Triton family's FleetOps is this class with
+    its own kernels (the ``*_kernel`` attributes: the same arguments and
+    results) and joint scans."""
+
+    #: The backend of the fleet's entry index (a KeyIndex of its own).
+    entries_backend = "torch"
+    #: The key-table kernels: ``(table, W, gids, hashes)``.
+    find_kernel = staticmethod(find)
+    insert_kernel = staticmethod(insert)
+    #: The engine-set kernels: :func:`set_bits`, :func:`clear_bits`,
+    #: :func:`probe_bits`.
+    set_bits_kernel = staticmethod(set_bits)
+    clear_bits_kernel = staticmethod(clear_bits)
+    probe_bits_kernel = staticmethod(probe_bits)
+
+    @staticmethod
+    def new_tables(
+        capacity: int, W: int, NW: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two tables: the keys (also the table probed, so returned twice)
+        and the engine sets."""
+        keys = new_table(capacity, W, device)
+        bits = torch.zeros((capacity, NW), dtype=torch.int64, device=device)
+        return keys, keys, bits
+
+    @staticmethod
+    def host_table(table: torch.Tensor) -> None:
+        """None: these tables are read by torch ops, not by host kernels."""
+        return None
+
+    def find(
+        self, table: torch.Tensor, W: int, gids: torch.Tensor, hashes: torch.Tensor
+    ) -> torch.Tensor:
+        """Slot of each key ``(gids[r], hashes[r])``, -1 where absent: int64
+        ``[N]``."""
+        return self.find_kernel(table, W, gids, hashes)
+
+    def insert(
+        self, table: torch.Tensor, W: int, gids: torch.Tensor, hashes: torch.Tensor
+    ) -> int:
+        """Insert keys (each once); returns the number newly stored."""
+        return int(self.insert_kernel(table, W, gids, hashes).sum().item())
+
+    def set_bits(
+        self,
+        bits: torch.Tensor,
+        slots: torch.Tensor,
+        engines: torch.Tensor,
+        num_engines: int,
+    ) -> np.ndarray:
+        """:func:`set_bits`; returns int64 ``[E]``, the bits newly set per
+        engine."""
+        return self.set_bits_kernel(bits, slots, engines, num_engines).numpy()
+
+    def clear_bits(self, keys: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor,
+                   engines: torch.Tensor,
+                   num_engines: int) -> tuple[np.ndarray, int]:  # fmt: skip
+        """:func:`clear_bits`; returns (int64 ``[E]``, the bits cleared per
+        engine; the slots tombstoned)."""
+        gone, freed = self.clear_bits_kernel(keys, bits, slots, engines, num_engines)
+        return gone.numpy(), freed
+
+    @staticmethod
+    def clear_engine(
+        keys: torch.Tensor, bits: torch.Tensor, engine: int
+    ) -> tuple[int, int]:
+        """:func:`clear_engine`: (bits cleared, slots tombstoned)."""
+        return clear_engine(keys, bits, engine)
+
+    def probe_bits(
+        self,
+        keys: torch.Tensor,
+        bits: torch.Tensor,
+        gids: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> np.ndarray:
+        """:func:`probe_bits`, on the host: int64 ``[G, T, NW]``."""
+        return self.probe_bits_kernel(keys, bits, gids, rows).cpu().numpy()
+
+    def full_runs(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  ends: np.ndarray, scale: int, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, num_engines: int) -> torch.Tensor:  # fmt: skip
+        """:func:`full_runs` (``ends`` int64 ``[B]``; ``active`` bool ``[E]``,
+        what ``live`` packs): int64 ``[B, E]`` on the tables' device."""
+        return full_runs(keys, bits, rows, offsets, lengths, torch.from_numpy(ends),
+                         scale, members.tolist(), active, num_engines)  # fmt: skip
+
+    def full_hits(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  lens: torch.Tensor, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, params: np.ndarray,
+                  num_engines: int) -> torch.Tensor:  # fmt: skip
+        """vLLM's full-attention hit of every request against every engine:
+        the runs of :func:`full_runs` (every block below the bound probed
+        once, no early stop), then :func:`hits_of_runs` and, with
+        ``lookup``, the store worker's rule, on the host. ``lens`` int64
+        ``[B]`` >= 0; ``params`` int64 ``[7]``: (NW, scale, block size,
+        alignment, EAGLE drop, lookup, E), as
+        ``fleet_numba.full_hits_checked``'s. Returns int64 ``[B, E]`` on the
+        tables' device."""
+        _, scale, bs, align, drop, lookup, _ = (int(p) for p in params)
+        lens_np = lens.cpu().numpy()
+        n_units = lengths.cpu().numpy()
+        bound = lens_np // align * align if lookup else lens_np
+        runs = full_runs(
+            keys, bits, rows, offsets, lengths, torch.from_numpy(bound // bs), scale,
+            members.tolist(), active, num_engines,
+        ).cpu().numpy()  # fmt: skip
+        hit = hits_of_runs(runs, bs, align, bool(drop))
+        if lookup:
+            # The store worker's rule (ReferenceCoordinator.lookup): a hit
+            # covering the whole prompt is re-derived at num_tokens - 1; the
+            # leading run under the smaller bound is the run clipped to it.
+            n_tok = lens_np[:, None]
+            again = (n_tok - 1) // align * align
+            hit2 = hits_of_runs(np.minimum(runs, again // bs), bs, align, bool(drop))
+            hit = np.where(hit >= n_tok, np.where(again > 0, hit2, 0), hit)
+            ok = (n_units > 0) & (bound > 0)
+            hit = np.where(ok[:, None], hit, 0)
+        return torch.from_numpy(hit).to(keys.device)

@@ -2,8 +2,8 @@
 :mod:`kvhit.kernels.fleet_numba` (runs and vLLM's hits of every request
 against every engine, one launch) and the engine-set updates.
 
-The tables are the FleetIndex's on a non-CPU device (``coordinator/fleet.py``,
-STORAGE), two contiguous tensors:
+The tables are the FleetIndex's on a non-CPU device
+(``coordinator/fleet_index.py``, STORAGE), two contiguous tensors:
 
 * ``keys``: int64 ``[C, W + 1]``, a KeyIndex table (``coordinator/key_index.py``)
   of every key some engine holds, probed with
@@ -32,13 +32,15 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
   different elements). A word whose engines have all stopped is skipped, and
   the scan stops when no engine runs.
 * **Hits in place.** After the scan the program turns its runs into vLLM's
-  hits (``coordinator/fleet.py``'s ``_full_hits`` and the store worker's
+  hits (``kernels/fleet_torch.hits_of_runs`` and the store worker's
   ``num_tokens - 1`` rule), as ``fleet_numba._full_hits`` does.
 * **Integer division.** Triton's ``//`` and ``%`` truncate on a GPU and floor
   under the interpreter: every operand here is non-negative.
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
+:class:`FleetOps` is the FleetIndex's adapter (the same calls as the numba and
+torch families').
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import TOMBSTONE
 from kvhit.kernels.hash_index import find_slots
@@ -59,6 +62,7 @@ from kvhit.kernels.launch import device_guard, fix_interpreter
 __all__ = [
     "BLOCK",
     "NUM_WARPS",
+    "FleetOps",
     "clear_bits",
     "full_hits",
     "full_runs",
@@ -112,7 +116,7 @@ def _block_words(bits_ptr, nw, t, slots, member, n_mem, MP: tl.constexpr,
 
 @triton.jit
 def _hit_of_run(run, bs, align, DROP: tl.constexpr):
-    """``coordinator/fleet.py``'s ``_full_hits`` for runs (vLLM's
+    """``kernels/fleet_torch.hits_of_runs`` for runs (vLLM's
     full-attention hit, ``reference.full_attention_hit`` without the
     fine-grained tail; ``fleet_numba._hit_of_run``): ``run * bs``, less
     ``min(align, bs)`` under the EAGLE drop, aligned down. ``run >= 0``."""
@@ -533,3 +537,40 @@ def probe_bits(
                 BLOCK=_UPDATE_BLOCK,
             )  # fmt: skip
     return out
+
+
+# -- the FleetIndex's table operations -----------------------------------------------
+
+
+class FleetOps(fleet_torch.FleetOps):
+    """The torch family's tables on CUDA (``auto_backend``'s rule), driven by
+    Triton kernels: the KeyIndex kernels of :mod:`kvhit.kernels.hash_index`
+    for the keys, this module's for the engine sets and the joint scans.
+    Clearing an engine and allocating stay torch ops, and the fleet's entry
+    index is a torch KeyIndex (its few updates per call)."""
+
+    find_kernel = staticmethod(hash_index.find)
+    insert_kernel = staticmethod(hash_index.insert)
+    set_bits_kernel = staticmethod(set_bits)
+    clear_bits_kernel = staticmethod(clear_bits)
+    probe_bits_kernel = staticmethod(probe_bits)
+
+    def full_runs(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  ends: np.ndarray, scale: int, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, num_engines: int) -> torch.Tensor:  # fmt: skip
+        """:func:`full_runs`: int64 ``[B, E]`` on the device."""
+        return full_runs(keys, bits, rows, offsets, lengths,
+                         torch.tensor(ends, device=keys.device), scale, members,
+                         live, num_engines)  # fmt: skip
+
+    def full_hits(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
+                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                  lens: torch.Tensor, members: np.ndarray, live: np.ndarray,
+                  active: torch.Tensor, params: np.ndarray,
+                  num_engines: int) -> torch.Tensor:  # fmt: skip
+        """:func:`full_hits`, one launch (``params`` int64 ``[7]``, as
+        ``fleet_numba.full_hits_checked``'s; the launcher takes E apart):
+        int64 ``[B, E]`` on the device."""
+        return full_hits(keys, bits, rows, offsets, lengths, lens, members, live,
+                         params[:6], num_engines)  # fmt: skip

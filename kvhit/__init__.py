@@ -24,8 +24,8 @@ _EXPORTS: dict[str, str] = {
     "KeyIndex": "kvhit.coordinator.key_index",
     "LookupEngine": "kvhit.coordinator.engine",
     "LookupResult": "kvhit.coordinator.engine",
-    "FleetIndex": "kvhit.coordinator.fleet",
-    "route": "kvhit.coordinator.fleet",
+    "FleetIndex": "kvhit.coordinator.fleet_index",
+    "route": "kvhit.coordinator.routing",
 }
 
 __all__ = [
@@ -47,10 +47,11 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvhit.coordinator.engine import LookupEngine, LookupResult
-    from kvhit.coordinator.fleet import FleetIndex, route
+    from kvhit.coordinator.fleet_index import FleetIndex
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
     from kvhit.coordinator.reference import ReferenceCoordinator
+    from kvhit.coordinator.routing import route
     from kvhit.coordinator.specs import (
         CacheLayout,
         ChunkedLocal,

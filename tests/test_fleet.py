@@ -30,7 +30,7 @@ from kvhit import (
     route,
 )
 from kvhit.bench.workloads import make_layout
-from kvhit.coordinator.fleet import state_checksum
+from kvhit.coordinator.fleet_index import state_checksum
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60"))
 
@@ -87,7 +87,7 @@ def test_engine_classes_share_scans_exactly(data, monkeypatch):
     # of engines that must answer alike. Forced on here at any E, with
     # engines that repeat another's store (real classes) and engines that
     # differ from it by one key, as saved by the worker or at random.
-    from kvhit.coordinator import fleet as fleet_module
+    from kvhit.coordinator import fleet_scoring as fleet_module
 
     monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
     layout, requests, stores_, lens = data.draw(fleet_case())
@@ -723,7 +723,7 @@ def test_engine_classes_engines_near_one_run(data, apply_eagle, monkeypatch):
     # Engine classes forced on (any E) where they are hardest: engines that
     # share the first SpecGroup's run and differ in a key near it. A key a
     # scan reads but the classes did not split on shows as a mismatch.
-    from kvhit.coordinator import fleet as fleet_module
+    from kvhit.coordinator import fleet_scoring as fleet_module
 
     monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
     layout, requests, stores_, lens = data
@@ -743,7 +743,7 @@ def test_engine_classes_see_a_later_groups_eagle_margin(later, monkeypatch):
     # then 64 tokens, the run 2 blocks and a hash unit (80 tokens), the
     # window rows 0-5, row 7 read.
     from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
-    from kvhit.coordinator import fleet as fleet_module
+    from kvhit.coordinator import fleet_scoring as fleet_module
 
     monkeypatch.setattr(fleet_module, "CLASS_MIN_ENGINES", 1)
     h = chained_hashes(1, 8)
@@ -788,7 +788,7 @@ def test_engine_classes_more_groups_than_a_tile():
     code = textwrap.dedent("""
         from test_fleet import _check, chained_hashes
         from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
-        from kvhit.coordinator import fleet as fleet_module
+        from kvhit.coordinator import fleet_scoring as fleet_module
 
         layout = CacheLayout(
             [Group(FullAttention(16))] + [Group(SlidingWindow(16, 32))] * 64, 16, 16
@@ -813,7 +813,7 @@ def test_engine_classes_more_groups_than_a_tile():
 def test_prefix_blocks_refuses_lengths_it_would_truncate():
     # max_blocks of floats or bools were cast to int64 (2.9 -> 2 blocks, True
     # -> 1): a wrong score instead of an error naming the argument.
-    from kvhit.coordinator.fleet import prefix_blocks
+    from kvhit.coordinator.routing import prefix_blocks
 
     h = chained_hashes(1, 6)
     fleet = make_fleet([{(0, x) for x in h}, set()])

@@ -40,7 +40,7 @@ from kvhit import (
     LookupEngine,
 )
 from kvhit.bench.workloads import make_layout
-from kvhit.coordinator import fleet as fleet_mod
+from kvhit.coordinator import fleet_index as fleet_mod
 from kvhit.kernels import fleet_triton
 from kvhit.kernels.contract import TOMBSTONE
 from kvhit.kernels.hash_index_torch import find, insert, new_table
@@ -413,7 +413,7 @@ def test_prefix_blocks_equal_the_torch_fleet():
     # The overlap score of a full-attention-only router (prefix_blocks): the
     # Triton runs equal the torch fleet's, 70 engines, two groups counted,
     # with and without a cap on the blocks counted.
-    from kvhit.coordinator.fleet import prefix_blocks
+    from kvhit.coordinator.routing import prefix_blocks
 
     rng = random.Random(5)
     reqs = [chained_hashes(i % 3, rng.randint(0, 45)) for i in range(5)]
@@ -442,7 +442,7 @@ def fleet_answers(device, layout, reqs, adds, gone, lens, E, backend="torch"):
     """A FleetIndex on ``device`` after ``adds`` (engine, group, hash lists)
     and the removal of the entries ``gone`` and of one engine, and its
     answers for ``reqs``: (fleet, [hits, lookups, prefix runs])."""
-    from kvhit.coordinator.fleet import prefix_blocks
+    from kvhit.coordinator.routing import prefix_blocks
 
     eng, grp, hs = adds
     fleet = FleetIndex(E, 8, capacity=64, device=device, backend=backend)

@@ -266,3 +266,25 @@ def test_coordinator_imports_no_compiler_at_import_time():
         if i.at_import_time and i.target.split(".")[0] in {"triton", "numba"}
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_no_cycle_through_the_fleet_even_type_only():
+    # The fleet modules and the engine (issue 36: engine <-> fleet was a
+    # circle of type-only imports): no cycle passes through them, imports
+    # under ``if TYPE_CHECKING`` counted too.
+    graph = {
+        m: {i.target for i in imports if i.target in MODULES} - {m}
+        for m, imports in IMPORTS.items()
+    }
+    fleet = [m for m in MODULES if "fleet" in m or m.endswith(".routing")]
+    assert "kvhit.coordinator.fleet_index" in fleet
+    bad = []
+    for m in [*fleet, "kvhit.coordinator.engine"]:
+        seen, todo = set(), [m]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        if m in seen:
+            bad.append(m)
+    assert not bad, f"import cycles through {bad}"
