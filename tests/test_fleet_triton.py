@@ -473,14 +473,18 @@ def compare_fleets(device, n_req, max_blocks, num_engines, seed):
     for layout in (make_layout("llama"), merged):
         n_groups = len(layout.groups)
         reqs = [chained_hashes(i % 5, rng.randint(0, max_blocks)) for i in range(n_req)]
+        reqs.append([])  # an empty request (its max length is 0, not negative)
         eng, grp, hs = [], [], []
         for i, r in enumerate(reqs):
             for e in {i % E, (7 * i) % E, E - 1}:
                 for h in r[: rng.randint(0, len(r))]:
                     for g in range(n_groups if rng.random() < 0.97 else 1):
                         eng.append(e), grp.append(g), hs.append(h)
+        # Max lengths up to 20 tokens short of the prompt, never negative (an
+        # empty request's is 0: the engine rightly refuses a negative one).
+        lens = [max(len(r) * 16 - rng.randint(0, 20), 0) for r in reqs]
         case = (reqs, (eng, grp, hs), rng.sample(range(len(hs)), len(hs) // 200),
-                [len(r) * 16 - rng.randint(0, 20) for r in reqs], E)  # fmt: skip
+                lens, E)  # fmt: skip
         with on_triton() as calls:
             fleet, got = fleet_answers(device, layout, *case, backend="triton")
         assert len(calls) == 2 and fleet.backend == "triton"
