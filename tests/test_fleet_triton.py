@@ -10,6 +10,7 @@ with the numba kernel skips without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from contextlib import contextmanager
@@ -222,9 +223,71 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     # collide and probe chains wrap around the table; hash rows repeat (the
     # same key at several positions); engine sets random, long runs likely;
     # ends below and past the requests' blocks; dead engines.
+    check_runs(seed, E, M, scale, B, [0, 1, 2, 5, 9, 40, 70])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    E=st.sampled_from([1, 64, 65]),
+    M=st.integers(1, 2),
+    B=st.integers(1, 4),
+    block=st.sampled_from([16, 32]),
+    split=st.sampled_from([1, 2, 3, 5, 16]),
+    reverse=st.booleans(),
+)
+def test_tiles_dealt_to_several_programs(seed, E, M, B, block, split, reverse):
+    # Small tiles and several programs per request (the GPU's SPLIT, any
+    # count, not only powers of two): runs cross many tiles, and programs
+    # stop on other programs' misses. ``reverse``: the interpreter runs a
+    # request's programs last tile first (a GPU may run them in any order),
+    # so a later tile's miss is recorded before an earlier one's and must
+    # not win. Every answer the model's.
+    with (
+        mock.patch.object(fleet_triton, "BLOCK", block),
+        mock.patch.object(fleet_triton, "_split", lambda batch, device: split),
+        reversed_programs() if reverse else contextlib.nullcontext(),
+    ):
+        want = check_runs(seed, E, M, 1, B,
+                          [0, 1, block - 1, block, 3 * block + 1, 150], dense=True)  # fmt: skip
+    LONGEST.append(max(max(row, default=0) for row in want) if want else 0)
+
+
+# The longest run of each example of the test above (see the test below).
+LONGEST: list[int] = []
+
+
+def test_runs_crossed_tiles():
+    # The examples above had runs crossing several 32-block tiles.
+    if not LONGEST:
+        pytest.skip("test_tiles_dealt_to_several_programs did not run first")
+    assert max(LONGEST) > 3 * 32 and sum(n > 32 for n in LONGEST) >= 3
+
+
+@contextmanager
+def reversed_programs():
+    """Triton's interpreter runs grid axis 1 backwards (program ``s`` is given
+    ``n - 1 - s``); the interpreter runs the grid in order otherwise."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    real = builder.set_grid_idx
+
+    def backwards(x, y, z):
+        real(x, builder.grid_dim[1] - 1 - y, z)
+
+    with mock.patch.object(builder, "set_grid_idx", backwards):
+        yield
+
+
+def check_runs(seed, E, M, scale, B, length_choices, dense=False):
+    """full_runs on a random nearly full table equals model_runs (and the
+    numba kernel's, where numba imports); returns the runs. ``dense``: keys
+    nearly all present and held by every engine, ends mostly past the
+    requests (long runs)."""
     rng = random.Random(seed)
     NW = (E + 63) // 64
-    lengths = [rng.choice([0, 1, 2, 5, 9, 40, 70]) for _ in range(B)]
+    lengths = [rng.choice(length_choices) for _ in range(B)]
     offsets = [sum(lengths[:i]) for i in range(B)]
     T = sum(lengths)
     rows: list[int] = []
@@ -234,7 +297,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     members = rng.sample(range(4), M)
     everyone = (1 << E) - 1
     # Dense stores too, so that runs cross steps of BLOCK blocks.
-    p_key, p_all = rng.choice([(0.9, 0.7), (0.999, 0.99)])
+    p_key, p_all = rng.choice([(0.9, 0.7), (0.999, 0.99)] + [(0.999, 0.99)] * 3 * dense)
     present = {}
     for g in members:
         for h in rows:
@@ -258,7 +321,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     live_int = everyone if rng.random() < 0.5 else rng.getrandbits(E)
     live = torch.tensor([(live_int >> (64 * w)) & ((1 << 64) - 1) for w in range(NW)],
                         dtype=torch.uint64).view(torch.int64)  # fmt: skip
-    ends = [rng.choice([0, 1, 3, 33, 10**6]) for _ in range(B)]
+    ends = [rng.choice([0, 1, 3, 33] + [10**6] * (1 + 8 * dense)) for _ in range(B)]
 
     def t(x):
         return torch.tensor(x, dtype=torch.int64)
@@ -274,7 +337,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     try:
         from kvhit.kernels import fleet_numba
     except ImportError:  # the device twin has no numba
-        return
+        return want
     # The numba kernel's runs on one [C, W + 1 + NW] table.
     joint = torch.cat([table, bits], dim=1).numpy()
     runs = fleet_numba.full_runs(
@@ -282,6 +345,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
         t(ends).numpy(), scale, t(members).numpy(), live.numpy(), E,
     )  # fmt: skip
     assert runs.tolist() == want
+    return want
 
 
 # -- engine-set updates ---------------------------------------------------------
