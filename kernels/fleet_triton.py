@@ -64,6 +64,7 @@ __all__ = [
     "NUM_WARPS",
     "FleetOps",
     "clear_bits",
+    "clear_engine",
     "full_hits",
     "full_runs",
     "probe_bits",
@@ -512,6 +513,30 @@ def _tombstone_kernel(keys_ptr, bits_ptr, slot_ptr, gone_ptr, freed_ptr, n, nw,
 
 
 @triton.jit
+def _clear_engine_kernel(keys_ptr, bits_ptr, count_ptr, cap, nw, w, b,
+                         W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # One lane per slot: engine (w, b)'s bit of a live slot is cleared (one
+    # engine per launch, one lane per slot: plain stores, no race); a slot
+    # left with no engine becomes a TOMBSTONE. count[0] += bits cleared,
+    # count[1] += slots tombstoned (one atomic per program).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < cap
+    live = tl.load(keys_ptr + i * (W + 1), mask=ok, other=-1) >= 0
+    word = tl.load(bits_ptr + i * nw + w, mask=live, other=0)
+    has = live & (((word >> b) & 1) == 1)
+    word = word & ~(tl.full([BLOCK], 1, tl.int64) << b)
+    tl.store(bits_ptr + i * nw + w, word, mask=has)
+    empty = has & (word == 0)
+    # Word w reads back as stored above (the same lane's store).
+    for k in range(nw):
+        empty = empty & (tl.load(bits_ptr + i * nw + k, mask=empty, other=0) == 0)
+    tl.store(keys_ptr + i * (W + 1), tl.full([BLOCK], _TOMBSTONE_C, tl.int64),
+             mask=empty)  # fmt: skip
+    tl.atomic_add(count_ptr, tl.sum(has.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(count_ptr + 1, tl.sum(empty.to(tl.int64), axis=0), sem="relaxed")
+
+
+@triton.jit
 def _probe_bits_kernel(keys_ptr, cap_mask, bits_ptr, gid_ptr, rows_ptr, out_ptr,
                        n_rows, n, nw, W: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
@@ -596,6 +621,30 @@ def clear_bits(
     return per_engine, int(freed.sum().item())
 
 
+def clear_engine(
+    keys: torch.Tensor, bits: torch.Tensor, engine: int
+) -> tuple[int, int]:
+    """Drop every key of ``engine`` (``keys`` int64 ``[C, W + 1]``, ``bits``
+    int64 ``[C, NW]``, a FleetIndex's tables): its bit of every live slot is
+    cleared, and a slot left with no engine becomes a TOMBSTONE. One launch
+    over the table and one copy of the two counts back: (bits cleared, slots
+    tombstoned), as :func:`kvhit.kernels.fleet_torch.clear_engine`."""
+    W, NW, dev = _check_tables(keys, bits)
+    if isinstance(engine, bool) or not isinstance(engine, int):
+        raise TypeError(f"engine must be an int, got {engine!r}")
+    if not 0 <= engine < NW * 64:
+        raise ValueError(f"engine must be in [0, {NW * 64}), got {engine}")
+    count = torch.zeros(2, dtype=torch.int64, device=dev)
+    cap = keys.shape[0]
+    with device_guard(dev):
+        _clear_engine_kernel[(triton.cdiv(cap, _UPDATE_BLOCK),)](
+            keys, bits, count, cap, NW, engine >> 6, engine & 63, W=W,
+            BLOCK=_UPDATE_BLOCK,
+        )  # fmt: skip
+    cleared, freed = count.tolist()
+    return cleared, freed
+
+
 def probe_bits(
     keys: torch.Tensor, bits: torch.Tensor, gids: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
@@ -626,15 +675,22 @@ def probe_bits(
 class FleetOps(fleet_torch.FleetOps):
     """The torch family's tables on CUDA (``auto_backend``'s rule), driven by
     Triton kernels: the KeyIndex kernels of :mod:`kvhit.kernels.hash_index`
-    for the keys, this module's for the engine sets and the joint scans.
-    Clearing an engine and allocating stay torch ops, and the fleet's entry
-    index is a torch KeyIndex (its few updates per call)."""
+    for the keys, this module's for the engine sets (adds, removes, clearing
+    an engine) and the joint scans. Allocating stays torch ops, and the
+    fleet's entry index is a torch KeyIndex (its few updates per call)."""
 
     find_kernel = staticmethod(hash_index.find)
     insert_kernel = staticmethod(hash_index.insert)
     set_bits_kernel = staticmethod(set_bits)
     clear_bits_kernel = staticmethod(clear_bits)
     probe_bits_kernel = staticmethod(probe_bits)
+
+    @staticmethod
+    def clear_engine(
+        keys: torch.Tensor, bits: torch.Tensor, engine: int
+    ) -> tuple[int, int]:
+        """:func:`clear_engine`, one launch: (bits cleared, slots tombstoned)."""
+        return clear_engine(keys, bits, engine)
 
     def full_runs(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
                   rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,

@@ -577,3 +577,45 @@ def test_cuda_fleet_equals_the_cpu_fleet():
     answers = compare_fleets("cuda", 96, 300, 300, seed=7)
     assert max(int(runs.max()) for _, _, runs in answers) > 100
     assert min(int(hits.count_nonzero()) for hits, _, _ in answers) > 200
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    NW=st.integers(1, 3),
+    cap=st.sampled_from([1, 8, 256, 512]),
+    data=st.data(),
+)
+def test_clear_engine_equals_the_torch_ops(seed, NW, cap, data):
+    # One launch over the table (slots past a program's block, bit 63, dead
+    # and tombstoned slots holding stale bits, a slot whose only engine is
+    # cleared, engines in every word) against fleet_torch.clear_engine.
+    from kvhit.kernels import fleet_torch
+
+    engine = data.draw(st.integers(0, NW * 64 - 1) | st.sampled_from([63, NW * 64 - 1]))
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, 5, (cap, W + 1), generator=gen)
+    state = torch.randint(0, 4, (cap,), generator=gen)
+    keys[state == 0, 0] = -1  # EMPTY
+    keys[state == 1, 0] = TOMBSTONE
+    bits = torch.randint(-(1 << 63), (1 << 63) - 1, (cap, NW), generator=gen)
+    sparse = torch.rand((cap, NW), generator=gen) < 0.5
+    bits[sparse] = 0
+    only = torch.rand(cap, generator=gen) < 0.3
+    bits[only] = 0
+    bits[only, engine >> 6] = 1 << (engine & 63) if engine & 63 != 63 else -(1 << 63)
+    want_k, want_b = keys.clone(), bits.clone()
+    want = fleet_torch.clear_engine(want_k, want_b, engine)
+    got = fleet_triton.clear_engine(keys, bits, engine)
+    assert got == want and torch.equal(keys, want_k) and torch.equal(bits, want_b)
+    assert (want[0] > 0 and want[1] > 0) or cap <= 8
+
+
+def test_clear_engine_refuses_bad_arguments():
+    keys, bits = new_table(8, W, "cpu"), torch.zeros((8, 1), dtype=torch.int64)
+    with pytest.raises(ValueError, match="engine must be in"):
+        fleet_triton.clear_engine(keys, bits, 64)
+    with pytest.raises(TypeError, match="engine must be an int"):
+        fleet_triton.clear_engine(keys, bits, 1.0)
+    with pytest.raises(ValueError, match="bits"):
+        fleet_triton.clear_engine(keys, bits[:4], 0)
