@@ -269,12 +269,13 @@ def test_runs_crossed_tiles():
 @contextmanager
 def reversed_programs():
     """Triton's interpreter runs grid axis 1 backwards (program ``s`` is given
-    ``n - 1 - s``); the interpreter runs the grid in order otherwise."""
+    ``n - 1 - s``; ``grid_dim`` is set by each launch, before its programs
+    run); the interpreter runs the grid in order otherwise."""
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
     real = getattr(builder, "set_grid_idx", None)
-    if real is None or not hasattr(builder, "grid_dim"):  # another Triton: in order
+    if real is None or not hasattr(builder, "set_grid_dim"):  # in order
         yield
         return
 
@@ -302,7 +303,7 @@ def test_reversed_programs_run_axis_1_backwards():
     out, n = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with reversed_programs():
         _order_kernel[(1, 4)](out, n)
-    if hasattr(interpreter.interpreter_builder, "grid_dim"):
+    if hasattr(interpreter.interpreter_builder, "set_grid_dim"):
         assert out.tolist() == [3, 2, 1, 0]
     else:
         assert out.tolist() == [0, 1, 2, 3]
