@@ -591,7 +591,10 @@ def set_bits(
             _set_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
                 bits, slots, engines, new, n, nw, BLOCK=_UPDATE_BLOCK
             )
-    return torch.bincount(engines[new != 0].cpu(), minlength=num_engines)
+    # Counted on the device, one copy back (no boolean indexing: its size
+    # would be a host sync of its own).
+    per_engine = torch.zeros(num_engines, dtype=torch.int64, device=bits.device)
+    return per_engine.index_add_(0, engines, new.to(torch.int64)).cpu()
 
 
 def clear_bits(
@@ -617,8 +620,12 @@ def clear_bits(
                                      BLOCK=_UPDATE_BLOCK)  # fmt: skip
             _tombstone_kernel[grid](keys, bits, slots, gone, freed, n, nw, W=W,
                                     BLOCK=_UPDATE_BLOCK)  # fmt: skip
-    per_engine = torch.bincount(engines[gone != 0].cpu(), minlength=num_engines)
-    return per_engine, int(freed.sum().item())
+    # The counts per engine and the slots freed, one copy back.
+    counts = torch.zeros(num_engines + 1, dtype=torch.int64, device=bits.device)
+    counts[:num_engines].index_add_(0, engines, gone.to(torch.int64))
+    counts[num_engines] = freed.sum()
+    counts = counts.cpu()
+    return counts[:num_engines], int(counts[num_engines])
 
 
 def clear_engine(
