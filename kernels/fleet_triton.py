@@ -64,6 +64,7 @@ __all__ = [
     "NUM_WARPS",
     "FleetOps",
     "clear_bits",
+    "clear_engine",
     "full_hits",
     "full_runs",
     "probe_bits",
@@ -74,16 +75,22 @@ __all__ = [
 # once at import, as kernels/scan.py.
 fix_interpreter()
 
-# Blocks probed per step: as kernels/scan.py's BLOCK, one probe chain's
-# latency for 32 blocks; a run usually ends inside the first steps.
-BLOCK = 32
-# One warp per program, as kernels/scan.py: a program is scalar control flow
-# over 32 probe lanes (64 for a merged SpecGroup of two), a second warp would
-# idle in every reduction of the probe loop; more resident programs hide the
-# probe latency instead. A step's [BLOCK, 64] bit matrix is never held whole
-# (ptxas reduces it as it goes): 58-124 registers, no spills on sm_90
-# (tests/test_scan_registers.py; 4 warps: 50-71). Not yet timed on a GPU.
-NUM_WARPS = 1
+# Blocks probed at once by one program (a tile): the lanes of a NUM_WARPS-warp
+# program probe a tile's blocks together (their probe chains overlap), and
+# the first miss of each engine in the tile is one min-reduction of a
+# [BLOCK, 32] bit matrix per half engine word. 128 blocks over 4 warps: one
+# lane per block, as the scan's wide tiles (issue 31); a merged SpecGroup of
+# two probes 256 lanes. 80 registers, no spills on sm_90 (a whole word's
+# [BLOCK, 64] matrix: 135; tests/test_scan_registers.py).
+BLOCK = 128
+NUM_WARPS = 4
+# Programs per request at most (SPLIT): a request's tiles are dealt to its
+# programs in turn (program s of the request takes tiles s, s + SPLIT, ...),
+# so a few long requests still fill every SM; see _split.
+MAX_SPLIT = 16
+# Programs the launcher aims at per SM when it picks SPLIT (resident 4-warp
+# programs to hide the probe latency with).
+_PROGRAMS_PER_SM = 4
 # Lanes of the engine-set update kernels.
 _UPDATE_BLOCK = 128
 
@@ -127,6 +134,22 @@ def _hit_of_run(run, bs, align, DROP: tl.constexpr):
 
 
 @triton.jit
+def _end_of(off_ptr, len_ptr, lens_ptr, r, scale, bs, align, MODE: tl.constexpr):
+    """(offset, units, tokens, end) of request ``r``: ``end`` the blocks a run
+    may reach (fleet_numba._full_hits' ``ends``)."""
+    off = tl.load(off_ptr + r)
+    n_units = tl.load(len_ptr + r)
+    n_tok = tl.load(lens_ptr + r)
+    if MODE == _MODE_RUNS:
+        end = n_tok
+    elif MODE == _MODE_LOOKUP:
+        end = n_tok // align * align // bs
+    else:
+        end = n_tok // bs
+    return off, n_units, n_tok, tl.minimum(end, n_units // scale)
+
+
+@triton.jit(do_not_specialize=["split"])
 def _fleet_kernel(
     keys_ptr,
     cap_mask,
@@ -144,33 +167,33 @@ def _fleet_kernel(
     scale,
     bs,
     align,
+    split,
     W: tl.constexpr,
     MODE: tl.constexpr,
     DROP: tl.constexpr,
     MP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Program (r, s): tiles s, s + split, ... of request r. Each engine's
+    first missing block found so far is kept in the output row as ``end -
+    block`` (0: none yet, what the zeroed row says), lowered across programs
+    with an atomic max, so the run is ``end - out`` whatever order the
+    programs run in (``_finish_kernel``). A program reads the row back
+    (volatile: other programs' misses too) and stops once no live engine can
+    have its first miss at or past its next tile."""
     r = tl.program_id(0).to(tl.int64)
-    off = tl.load(off_ptr + r)
-    n_units = tl.load(len_ptr + r)
-    n_tok = tl.load(lens_ptr + r)
-    # The blocks a run may reach (fleet_numba._full_hits' ``ends``).
-    if MODE == _MODE_RUNS:
-        end = n_tok
-    elif MODE == _MODE_LOOKUP:
-        end = n_tok // align * align // bs
-    else:
-        end = n_tok // bs
-    end = tl.minimum(end, n_units // scale)
+    s = tl.program_id(1).to(tl.int64)
+    off, n_units, n_tok, end = _end_of(off_ptr, len_ptr, lens_ptr, r, scale, bs,
+                                       align, MODE)  # fmt: skip
     out_row = out_ptr + r * n_eng
-    lane = tl.arange(0, 64)
+    lane = tl.arange(0, 32)
     j = tl.arange(0, MP * BLOCK)
     blk_of = (j % BLOCK).to(tl.int64)
     member = j // BLOCK
     gids = tl.load(mem_ptr + member, mask=member < n_mem, other=0)
     step = tl.arange(0, BLOCK)[:, None]
-    i0 = end * 0
-    going = end > 0
+    i0 = s * BLOCK
+    going = i0 < end
     while going:
         blk = i0 + blk_of
         probe = (blk < end) & (member < n_mem)
@@ -179,40 +202,75 @@ def _fleet_kernel(
         slots = find_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, W,
                            False)  # fmt: skip
         alive = (i0 * 0).to(tl.int32)
-        for t in range(nw):
-            e = t * 64 + lane
+        # Half a word (32 engines) at a time: the [BLOCK, 32] bit matrix
+        # keeps a 4-warp program under 128 registers (a whole word's: 135).
+        for q in range(2 * nw):
+            t = q // 2
+            sh = lane + (q % 2) * 32
+            e = t * 64 + sh
             em = e < n_eng
-            run = tl.load(out_row + e, mask=em, other=0)
-            live = (tl.load(live_ptr + t) >> lane) & 1
-            still = em & (run == i0) & (live == 1)
-            if tl.max(still.to(tl.int32), axis=0) > 0:
+            # The first miss known so far (stale reads only cost work).
+            known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
+            live = (tl.load(live_ptr + t) >> sh) & 1
+            # Engines whose first miss may still lie in this tile or past it.
+            want = em & (known > i0) & (live == 1)
+            if tl.max(want.to(tl.int32), axis=0) > 0:
                 words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
-                held = ((words[:, None] >> lane[None, :]) & 1) == 1
+                held = ((words[:, None] >> sh[None, :]) & 1) == 1
+                # Blocks past the end read no slot: a "miss" at ``end``, which
+                # lowers nothing (end - end = 0).
                 first = tl.min(tl.where(held, BLOCK, step), axis=0)
-                run = tl.where(still, i0 + first, run)
-                tl.store(out_row + e, run, mask=em)
-                alive += tl.sum((still & (first == BLOCK)).to(tl.int32), axis=0)
-        # The next step (or the hits below) reads the row other threads wrote.
-        tl.debug_barrier()
-        i0 += BLOCK
+                tl.atomic_max(out_row + e, end - (i0 + first), mask=want & (first < BLOCK),
+                              sem="relaxed")  # fmt: skip
+                alive += tl.sum((want & (first == BLOCK)).to(tl.int32), axis=0)
+        i0 += split * BLOCK
         going = (alive > 0) & (i0 < end)
-    if MODE != _MODE_RUNS:
-        # Runs -> hits, in place (fleet_numba._full_hits). The store
-        # worker's rule (LOOKUP): a hit covering the whole prompt is
-        # re-derived at num_tokens - 1 (``again``, aligned: the run clipped
-        # to it), and a prompt whose aligned length is 0 hits nothing.
-        again = tl.maximum(n_tok - 1, 0) // align * align
-        asks = (n_units > 0) & (n_tok // align * align > 0)
-        for t in range(nw):
-            e = t * 64 + lane
-            em = e < n_eng
-            run = tl.load(out_row + e, mask=em, other=0)
+
+
+@triton.jit
+def _finish_kernel(
+    off_ptr,
+    len_ptr,
+    lens_ptr,
+    live_ptr,
+    out_ptr,
+    n_eng,
+    nw,
+    scale,
+    bs,
+    align,
+    MODE: tl.constexpr,
+    DROP: tl.constexpr,
+):
+    """Program r, after every ``_fleet_kernel`` program (a kernel boundary
+    orders their atomics before these reads): the row's ``end - first miss``
+    -> runs (dead engines 0) -> vLLM's hits, in place
+    (fleet_numba._full_hits)."""
+    r = tl.program_id(0).to(tl.int64)
+    _, n_units, n_tok, end = _end_of(off_ptr, len_ptr, lens_ptr, r, scale, bs, align,
+                                     MODE)  # fmt: skip
+    out_row = out_ptr + r * n_eng
+    lane = tl.arange(0, 64)
+    # The store worker's rule (LOOKUP): a hit covering the whole prompt is
+    # re-derived at num_tokens - 1 (``again``, aligned: the run clipped to
+    # it), and a prompt whose aligned length is 0 hits nothing.
+    again = tl.maximum(n_tok - 1, 0) // align * align
+    asks = (n_units > 0) & (n_tok // align * align > 0)
+    for t in range(nw):
+        e = t * 64 + lane
+        em = e < n_eng
+        live = (tl.load(live_ptr + t) >> lane) & 1
+        run = end - tl.load(out_row + e, mask=em, other=0)
+        run = tl.where(live == 1, run, 0)
+        if MODE == _MODE_RUNS:
+            hit = run
+        else:
             hit = _hit_of_run(run, bs, align, DROP)
-            if MODE == _MODE_LOOKUP:
-                hit2 = _hit_of_run(tl.minimum(run, again // bs), bs, align, DROP)
-                hit = tl.where(hit >= n_tok, tl.where(again > 0, hit2, 0), hit)
-                hit = tl.where(asks, hit, 0)
-            tl.store(out_row + e, hit, mask=em)
+        if MODE == _MODE_LOOKUP:
+            hit2 = _hit_of_run(tl.minimum(run, again // bs), bs, align, DROP)
+            hit = tl.where(hit >= n_tok, tl.where(again > 0, hit2, 0), hit)
+            hit = tl.where(asks, hit, 0)
+        tl.store(out_row + e, hit, mask=em)
 
 
 def _interpreting() -> bool:
@@ -221,6 +279,25 @@ def _interpreting() -> bool:
 
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Streaming multiprocessors per CUDA device (one query each).
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _split(batch: int, device: torch.device) -> int:
+    """Programs per request: enough for ``_PROGRAMS_PER_SM`` per SM over the
+    batch, at most MAX_SPLIT (a power of two; 2 under the interpreter, so
+    that the tests deal tiles to several programs). Depends on B only, never
+    on the lengths: no host sync."""
+    if device.type != "cuda":
+        return 2
+    sms = _SM_COUNT.get(device)
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _SM_COUNT[device] = sms
+    want = -(-sms * _PROGRAMS_PER_SM // batch)
+    return min(_pow2(want), MAX_SPLIT)
 
 
 def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:
@@ -314,12 +391,17 @@ def _scan(
     out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
     if B == 0:
         return out
+    split = _split(B, dev)
     with device_guard(dev):
-        _fleet_kernel[(B,)](
+        _fleet_kernel[(B, split)](
             keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lens, members, M,
-            live, out, num_engines, NW, scale, block_size, alignment,
+            live, out, num_engines, NW, scale, block_size, alignment, split,
             W=W, MODE=mode, DROP=bool(drop), MP=_pow2(M), BLOCK=BLOCK,
             num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _finish_kernel[(B,)](
+            offsets, lengths, lens, live, out, num_engines, NW, scale, block_size,
+            alignment, MODE=mode, DROP=bool(drop), num_warps=1,
         )  # fmt: skip
     return out
 
@@ -431,6 +513,30 @@ def _tombstone_kernel(keys_ptr, bits_ptr, slot_ptr, gone_ptr, freed_ptr, n, nw,
 
 
 @triton.jit
+def _clear_engine_kernel(keys_ptr, bits_ptr, count_ptr, cap, nw, w, b,
+                         W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # One lane per slot: engine (w, b)'s bit of a live slot is cleared (one
+    # engine per launch, one lane per slot: plain stores, no race); a slot
+    # left with no engine becomes a TOMBSTONE. count[0] += bits cleared,
+    # count[1] += slots tombstoned (one atomic per program).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < cap
+    live = tl.load(keys_ptr + i * (W + 1), mask=ok, other=-1) >= 0
+    word = tl.load(bits_ptr + i * nw + w, mask=live, other=0)
+    has = live & (((word >> b) & 1) == 1)
+    word = word & ~(tl.full([BLOCK], 1, tl.int64) << b)
+    tl.store(bits_ptr + i * nw + w, word, mask=has)
+    empty = has & (word == 0)
+    # Word w reads back as stored above (the same lane's store).
+    for k in range(nw):
+        empty = empty & (tl.load(bits_ptr + i * nw + k, mask=empty, other=0) == 0)
+    tl.store(keys_ptr + i * (W + 1), tl.full([BLOCK], _TOMBSTONE_C, tl.int64),
+             mask=empty)  # fmt: skip
+    tl.atomic_add(count_ptr, tl.sum(has.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(count_ptr + 1, tl.sum(empty.to(tl.int64), axis=0), sem="relaxed")
+
+
+@triton.jit
 def _probe_bits_kernel(keys_ptr, cap_mask, bits_ptr, gid_ptr, rows_ptr, out_ptr,
                        n_rows, n, nw, W: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
@@ -485,7 +591,10 @@ def set_bits(
             _set_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
                 bits, slots, engines, new, n, nw, BLOCK=_UPDATE_BLOCK
             )
-    return torch.bincount(engines[new != 0].cpu(), minlength=num_engines)
+    # Counted on the device, one copy back (no boolean indexing: its size
+    # would be a host sync of its own).
+    per_engine = torch.zeros(num_engines, dtype=torch.int64, device=bits.device)
+    return per_engine.index_add_(0, engines, new.to(torch.int64)).cpu()
 
 
 def clear_bits(
@@ -511,8 +620,36 @@ def clear_bits(
                                      BLOCK=_UPDATE_BLOCK)  # fmt: skip
             _tombstone_kernel[grid](keys, bits, slots, gone, freed, n, nw, W=W,
                                     BLOCK=_UPDATE_BLOCK)  # fmt: skip
-    per_engine = torch.bincount(engines[gone != 0].cpu(), minlength=num_engines)
-    return per_engine, int(freed.sum().item())
+    # The counts per engine and the slots freed, one copy back.
+    counts = torch.zeros(num_engines + 1, dtype=torch.int64, device=bits.device)
+    counts[:num_engines].index_add_(0, engines, gone.to(torch.int64))
+    counts[num_engines] = freed.sum()
+    counts = counts.cpu()
+    return counts[:num_engines], int(counts[num_engines])
+
+
+def clear_engine(
+    keys: torch.Tensor, bits: torch.Tensor, engine: int
+) -> tuple[int, int]:
+    """Drop every key of ``engine`` (``keys`` int64 ``[C, W + 1]``, ``bits``
+    int64 ``[C, NW]``, a FleetIndex's tables): its bit of every live slot is
+    cleared, and a slot left with no engine becomes a TOMBSTONE. One launch
+    over the table and one copy of the two counts back: (bits cleared, slots
+    tombstoned), as :func:`kvhit.kernels.fleet_torch.clear_engine`."""
+    W, NW, dev = _check_tables(keys, bits)
+    if isinstance(engine, bool) or not isinstance(engine, int):
+        raise TypeError(f"engine must be an int, got {engine!r}")
+    if not 0 <= engine < NW * 64:
+        raise ValueError(f"engine must be in [0, {NW * 64}), got {engine}")
+    count = torch.zeros(2, dtype=torch.int64, device=dev)
+    cap = keys.shape[0]
+    with device_guard(dev):
+        _clear_engine_kernel[(triton.cdiv(cap, _UPDATE_BLOCK),)](
+            keys, bits, count, cap, NW, engine >> 6, engine & 63, W=W,
+            BLOCK=_UPDATE_BLOCK,
+        )  # fmt: skip
+    cleared, freed = count.tolist()
+    return cleared, freed
 
 
 def probe_bits(
@@ -545,15 +682,22 @@ def probe_bits(
 class FleetOps(fleet_torch.FleetOps):
     """The torch family's tables on CUDA (``auto_backend``'s rule), driven by
     Triton kernels: the KeyIndex kernels of :mod:`kvhit.kernels.hash_index`
-    for the keys, this module's for the engine sets and the joint scans.
-    Clearing an engine and allocating stay torch ops, and the fleet's entry
-    index is a torch KeyIndex (its few updates per call)."""
+    for the keys, this module's for the engine sets (adds, removes, clearing
+    an engine) and the joint scans. Allocating stays torch ops, and the
+    fleet's entry index is a torch KeyIndex (its few updates per call)."""
 
     find_kernel = staticmethod(hash_index.find)
     insert_kernel = staticmethod(hash_index.insert)
     set_bits_kernel = staticmethod(set_bits)
     clear_bits_kernel = staticmethod(clear_bits)
     probe_bits_kernel = staticmethod(probe_bits)
+
+    @staticmethod
+    def clear_engine(
+        keys: torch.Tensor, bits: torch.Tensor, engine: int
+    ) -> tuple[int, int]:
+        """:func:`clear_engine`, one launch: (bits cleared, slots tombstoned)."""
+        return clear_engine(keys, bits, engine)
 
     def full_runs(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
                   rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,

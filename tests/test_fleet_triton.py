@@ -10,6 +10,7 @@ with the numba kernel skips without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ import helpers
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import fleet_expected as expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -222,9 +225,98 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     # collide and probe chains wrap around the table; hash rows repeat (the
     # same key at several positions); engine sets random, long runs likely;
     # ends below and past the requests' blocks; dead engines.
+    check_runs(seed, E, M, scale, B, [0, 1, 2, 5, 9, 40, 70])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    E=st.sampled_from([1, 64, 65]),
+    M=st.integers(1, 2),
+    B=st.integers(1, 4),
+    block=st.sampled_from([16, 32]),
+    split=st.sampled_from([1, 2, 3, 5, 16]),
+    reverse=st.booleans(),
+)
+def test_tiles_dealt_to_several_programs(seed, E, M, B, block, split, reverse):
+    # Small tiles and several programs per request (the GPU's SPLIT, any
+    # count, not only powers of two): runs cross many tiles, and programs
+    # stop on other programs' misses. ``reverse``: the interpreter runs a
+    # request's programs last tile first (a GPU may run them in any order),
+    # so a later tile's miss is recorded before an earlier one's and must
+    # not win. Every answer the model's.
+    with (
+        mock.patch.object(fleet_triton, "BLOCK", block),
+        mock.patch.object(fleet_triton, "_split", lambda batch, device: split),
+        reversed_programs() if reverse else contextlib.nullcontext(),
+    ):
+        want = check_runs(seed, E, M, 1, B,
+                          [0, 1, block - 1, block, 3 * block + 1, 150], dense=True)  # fmt: skip
+    LONGEST.append(max(max(row, default=0) for row in want) if want else 0)
+
+
+# The longest run of each example of the test above (see the test below).
+LONGEST: list[int] = []
+
+
+def test_runs_crossed_tiles():
+    # The examples above had runs crossing several 32-block tiles.
+    if not LONGEST:
+        pytest.skip("test_tiles_dealt_to_several_programs did not run first")
+    assert max(LONGEST) > 3 * 32 and sum(n > 32 for n in LONGEST) >= 3
+
+
+@contextmanager
+def reversed_programs():
+    """Triton's interpreter runs grid axis 1 backwards (program ``s`` is given
+    ``n - 1 - s``; ``grid_dim`` is set by each launch, before its programs
+    run); the interpreter runs the grid in order otherwise."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    real = getattr(builder, "set_grid_idx", None)
+    if real is None or not hasattr(builder, "set_grid_dim"):  # in order
+        yield
+        return
+
+    def backwards(x, y, z):
+        real(x, builder.grid_dim[1] - 1 - y, z)
+
+    with mock.patch.object(builder, "set_grid_idx", backwards):
+        yield
+
+
+@triton.jit
+def _order_kernel(out_ptr, n_ptr):
+    # Each program appends its id to out (n counts the programs run so far).
+    k = tl.atomic_add(n_ptr, 1)
+    tl.store(out_ptr + k, tl.program_id(1))
+
+
+def test_reversed_programs_run_axis_1_backwards():
+    # The hook the test above relies on (where this Triton has it).
+    from triton.runtime import interpreter
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("compiled kernels: the GPU picks the order")
+
+    out, n = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with reversed_programs():
+        _order_kernel[(1, 4)](out, n)
+    if hasattr(interpreter.interpreter_builder, "set_grid_dim"):
+        assert out.tolist() == [3, 2, 1, 0]
+    else:
+        assert out.tolist() == [0, 1, 2, 3]
+
+
+def check_runs(seed, E, M, scale, B, length_choices, dense=False):
+    """full_runs on a random nearly full table equals model_runs (and the
+    numba kernel's, where numba imports); returns the runs. ``dense``: keys
+    nearly all present and held by every engine, ends mostly past the
+    requests (long runs)."""
     rng = random.Random(seed)
     NW = (E + 63) // 64
-    lengths = [rng.choice([0, 1, 2, 5, 9, 40, 70]) for _ in range(B)]
+    lengths = [rng.choice(length_choices) for _ in range(B)]
     offsets = [sum(lengths[:i]) for i in range(B)]
     T = sum(lengths)
     rows: list[int] = []
@@ -234,7 +326,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     members = rng.sample(range(4), M)
     everyone = (1 << E) - 1
     # Dense stores too, so that runs cross steps of BLOCK blocks.
-    p_key, p_all = rng.choice([(0.9, 0.7), (0.999, 0.99)])
+    p_key, p_all = rng.choice([(0.9, 0.7), (0.999, 0.99)] + [(0.999, 0.99)] * 3 * dense)
     present = {}
     for g in members:
         for h in rows:
@@ -258,7 +350,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     live_int = everyone if rng.random() < 0.5 else rng.getrandbits(E)
     live = torch.tensor([(live_int >> (64 * w)) & ((1 << 64) - 1) for w in range(NW)],
                         dtype=torch.uint64).view(torch.int64)  # fmt: skip
-    ends = [rng.choice([0, 1, 3, 33, 10**6]) for _ in range(B)]
+    ends = [rng.choice([0, 1, 3, 33] + [10**6] * (1 + 8 * dense)) for _ in range(B)]
 
     def t(x):
         return torch.tensor(x, dtype=torch.int64)
@@ -274,7 +366,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     try:
         from kvhit.kernels import fleet_numba
     except ImportError:  # the device twin has no numba
-        return
+        return want
     # The numba kernel's runs on one [C, W + 1 + NW] table.
     joint = torch.cat([table, bits], dim=1).numpy()
     runs = fleet_numba.full_runs(
@@ -282,6 +374,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
         t(ends).numpy(), scale, t(members).numpy(), live.numpy(), E,
     )  # fmt: skip
     assert runs.tolist() == want
+    return want
 
 
 # -- engine-set updates ---------------------------------------------------------
@@ -473,14 +566,18 @@ def compare_fleets(device, n_req, max_blocks, num_engines, seed):
     for layout in (make_layout("llama"), merged):
         n_groups = len(layout.groups)
         reqs = [chained_hashes(i % 5, rng.randint(0, max_blocks)) for i in range(n_req)]
+        reqs.append([])  # an empty request (its max length is 0, not negative)
         eng, grp, hs = [], [], []
         for i, r in enumerate(reqs):
             for e in {i % E, (7 * i) % E, E - 1}:
                 for h in r[: rng.randint(0, len(r))]:
                     for g in range(n_groups if rng.random() < 0.97 else 1):
                         eng.append(e), grp.append(g), hs.append(h)
+        # Max lengths up to 20 tokens short of the prompt, never negative (an
+        # empty request's is 0: the engine rightly refuses a negative one).
+        lens = [max(len(r) * 16 - rng.randint(0, 20), 0) for r in reqs]
         case = (reqs, (eng, grp, hs), rng.sample(range(len(hs)), len(hs) // 200),
-                [len(r) * 16 - rng.randint(0, 20) for r in reqs], E)  # fmt: skip
+                lens, E)  # fmt: skip
         with on_triton() as calls:
             fleet, got = fleet_answers(device, layout, *case, backend="triton")
         assert len(calls) == 2 and fleet.backend == "triton"
@@ -509,3 +606,45 @@ def test_cuda_fleet_equals_the_cpu_fleet():
     answers = compare_fleets("cuda", 96, 300, 300, seed=7)
     assert max(int(runs.max()) for _, _, runs in answers) > 100
     assert min(int(hits.count_nonzero()) for hits, _, _ in answers) > 200
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    NW=st.integers(1, 3),
+    cap=st.sampled_from([1, 8, 256, 512]),
+    data=st.data(),
+)
+def test_clear_engine_equals_the_torch_ops(seed, NW, cap, data):
+    # One launch over the table (slots past a program's block, bit 63, dead
+    # and tombstoned slots holding stale bits, a slot whose only engine is
+    # cleared, engines in every word) against fleet_torch.clear_engine.
+    from kvhit.kernels import fleet_torch
+
+    engine = data.draw(st.integers(0, NW * 64 - 1) | st.sampled_from([63, NW * 64 - 1]))
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, 5, (cap, W + 1), generator=gen)
+    state = torch.randint(0, 4, (cap,), generator=gen)
+    keys[state == 0, 0] = -1  # EMPTY
+    keys[state == 1, 0] = TOMBSTONE
+    bits = torch.randint(-(1 << 63), (1 << 63) - 1, (cap, NW), generator=gen)
+    sparse = torch.rand((cap, NW), generator=gen) < 0.5
+    bits[sparse] = 0
+    only = torch.rand(cap, generator=gen) < 0.3
+    bits[only] = 0
+    bits[only, engine >> 6] = 1 << (engine & 63) if engine & 63 != 63 else -(1 << 63)
+    want_k, want_b = keys.clone(), bits.clone()
+    want = fleet_torch.clear_engine(want_k, want_b, engine)
+    got = fleet_triton.clear_engine(keys, bits, engine)
+    assert got == want and torch.equal(keys, want_k) and torch.equal(bits, want_b)
+    assert (want[0] > 0 and want[1] > 0) or cap <= 8
+
+
+def test_clear_engine_refuses_bad_arguments():
+    keys, bits = new_table(8, W, "cpu"), torch.zeros((8, 1), dtype=torch.int64)
+    with pytest.raises(ValueError, match="engine must be in"):
+        fleet_triton.clear_engine(keys, bits, 64)
+    with pytest.raises(TypeError, match="engine must be an int"):
+        fleet_triton.clear_engine(keys, bits, 1.0)
+    with pytest.raises(ValueError, match="bits"):
+        fleet_triton.clear_engine(keys, bits[:4], 0)
