@@ -290,7 +290,7 @@ def _separate_us(fa: Callable[[], Any], fb: Callable[[], Any],
 
 
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
-                  out, host_load: int = 0, ids: str = "raw") -> None:  # fmt: skip
+                  out, host_load: int = 0, ids: str = "raw") -> list[tuple]:  # fmt: skip
     """Full attention: per-engine hits in blocks equal Dynamo's scores; time
     per request side by side, in both orders (alternating call by call, and
     each side alone), with ``host_load`` CPU-bound processes spinning beside
@@ -299,7 +299,11 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
     ``ids="raw"`` (default): raw trace ids in Python lists, one
     FullAttention(512) group, lengths as a list, Dynamo given the same lists;
     ``ids="hashed"``: llama (Full 16, hash 16, no EAGLE) on expanded hashes,
-    both sides given numpy arrays (Dynamo's u64 list conversion timed)."""
+    both sides given numpy arrays (Dynamo's u64 list conversion timed).
+
+    Writes the table to ``out`` and returns its rows: ``(E, kvhit us/request
+    alternate, Dynamo alternate, kvhit separate, Dynamo separate, (request,
+    engine) pairs with a hit)``."""
     rows = []
     for E in engines:
         wl = build_workload("llama", E, warm, batch, ids=ids)
@@ -354,6 +358,7 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
     for E, aa, ba, asep, bsep, n in rows:
         out.write(f"| {E} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
                   f"{ba / aa:.1f}x / {bsep / asep:.1f}x | {n} |\n")  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -271,3 +271,81 @@ def test_rows_past() -> None:
         np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
     )
     assert got.tolist() == [1, 2, 8, 9]
+
+
+# -- bench/peer_steps.py: the peer replay as a router meets it (issue 33) -----
+
+
+def test_step_inputs_are_raw_trace_ids_in_python_lists() -> None:
+    from kvhit.bench import peer_steps as ps
+
+    inputs = ps.step_inputs(TRACE[:50])
+    assert all(type(r) is list for r in inputs.ints) and type(inputs.tokens) is list
+    assert all(type(v) is int for r in inputs.ints for v in r)
+    assert inputs.ints[0][:2] == [0, 1] and inputs.chains is inputs.ints
+    assert [len(r) for r in inputs.ints] == [t // 512 for t in inputs.tokens]
+    hashed = ps.step_inputs(TRACE[:50], "hashed")
+    assert [len(r) for r in hashed.ints] == [len(r) for r in inputs.ints]
+    assert not {0, 1} & {v for r in hashed.ints for v in r}
+    with pytest.raises(ValueError, match="ids"):
+        ps.step_inputs(TRACE[:5], "cooked")
+
+
+def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import peer_steps as ps
+
+    with pytest.raises(ValueError, match="order"):
+        ps.peer_sweep("dynamo", [1], limit=5, order="sideways")
+    with pytest.raises(ValueError, match="order"):
+        ps.peer_sweep("dynamo", [1], limit=5, order=())
+    with pytest.raises(ValueError, match="ids"):
+        ps.peer_sweep("dynamo", [1], limit=5, ids="cooked")
+    with pytest.raises(ValueError, match="peer"):
+        ps.peer_sweep("lmcache", [1], limit=5)
+    monkeypatch.setattr(ps, "load_dynamo", lambda: (None, "not installed here"))
+    rows, skip = ps.peer_sweep("dynamo", [1], limit=5)
+    assert rows == [] and skip.reason == "not installed here"
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_peer_steps_replay_raw_ids_in_both_orders() -> None:
+    from kvhit.bench import peer_steps as ps
+
+    rows, skip = ps.peer_sweep("dynamo", [1, 16], limit=300)
+    assert skip is None
+    assert [(r.order, r.batch_size) for r in rows] == [
+        ("separate", 1), ("separate", 16), ("alternate", 1), ("alternate", 16)
+    ]  # fmt: skip
+    # The orders change the timing only: the same answers and stores.
+    by_b = {b: {(r.hit_blocks, r.blocks_stored) for r in rows if r.batch_size == b}
+            for b in (1, 16)}  # fmt: skip
+    assert all(len(v) == 1 for v in by_b.values())
+    assert rows[0].hit_blocks >= rows[1].hit_blocks > 0
+    assert all(r.kvhit_pack_s > 0 and r.kvhit_store_bps > 0 for r in rows)
+    table = ps.format_orders(rows)
+    assert "alternate / separate" in table and table.count("\n") == 4
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_peer_steps_mismatch_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import peer_steps as ps
+    from kvhit.bench.peers import DynamoIndex
+
+    real = DynamoIndex.find
+    monkeypatch.setattr(
+        DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
+    )
+    with pytest.raises(MismatchError, match="dynamo disagrees"):
+        ps.peer_sweep("dynamo", [4], limit=20, order="alternate")
+
+
+def test_from_ints_rates_time_every_form() -> None:
+    from kvhit.bench import peer_steps as ps
+
+    ints = ps.step_inputs(TRACE[:40]).ints
+    slow = lambda reqs: None  # noqa: E731
+    rates = ps.from_ints_rates(ints, batch=8, repeats=1, steps=2,
+                               impls={"a": slow, "b": slow})  # fmt: skip
+    assert list(rates) == list(ps.FORMS) and all(
+        set(r) == {"a", "b"} and min(r.values()) >= 0 for r in rates.values()
+    )
