@@ -457,13 +457,17 @@ def _ints_of_same(
         dtypes = set(map(_DTYPE, requests))
         if len(dtypes) != 1 or dtypes.pop() not in _TORCH_INTS:
             return None
-        if set(map(torch.Tensor.dim, requests)) != {1}:
-            return None
         lengths = list(map(torch.Tensor.numel, requests))
         try:
             # One cat (dense, one device; a sparse or meta tensor fails
-            # here or at numpy()) and one host copy.
-            values = torch.cat(requests).cpu().numpy()
+            # here or at numpy()) and one host copy. cat refuses 0-d
+            # tensors and mixed dimensions; all 2-D ones give a 2-D result:
+            # the shape is checked once, after it (a third of a dim() call
+            # per tensor).
+            joined = torch.cat(requests)
+            if joined.dim() != 1:
+                return None
+            values = joined.cpu().numpy()
         except (RuntimeError, TypeError, NotImplementedError):
             return None
         dtype = values.dtype

@@ -515,6 +515,16 @@ def test_bad_tensors_are_named(bad, exc, where, first) -> None:
         HashBatch.from_ints([head, bad])
 
 
+def test_tensors_of_one_shape_that_is_not_1d_are_named() -> None:
+    for shape in ((2, 1), (0, 1), ()):
+        reqs = [torch.zeros(shape, dtype=torch.int64)] * 2
+        with pytest.raises(ValueError, match="request 0: .*1-D"):
+            HashBatch.from_ints(reqs)
+    empty = torch.zeros(0, dtype=torch.int64)  # cat takes it beside a 2-D one
+    with pytest.raises(ValueError, match="request 1: .*1-D"):
+        HashBatch.from_ints([empty, torch.zeros((2, 1), dtype=torch.int64)])
+
+
 @pytest.mark.parametrize("code", ["d", "f", "u"])
 def test_arrays_of_non_integer_codes_are_refused(code) -> None:
     from array import array
