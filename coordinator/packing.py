@@ -660,12 +660,19 @@ class HashBatch:
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
             requests = _as_list(requests, "requests", "a sequence of sequences of ints")
         kinds = set(map(type, requests))
-        same = None
+        same = offsets = None
         if kinds <= {list}:
             # The common case, all lists of Python ints (0 and 1 included):
             # C-level loops only.
             lengths = list(map(len, requests))
-            same = lengths, _ints_of_list(requests, requests, lengths, 0)
+            if len(lengths) == 1 and lengths[0] < _STRUCT_MIN:
+                # One short request (a scheduler step of one): its offsets
+                # and values made by one np.array call, not two.
+                both = _short_ints([0, lengths[0], *requests[0]])
+                if both is not None:
+                    offsets, same = both[:2], (lengths, both[2:])
+            if same is None:
+                same = lengths, _ints_of_list(requests, requests, lengths, 0)
         elif len(kinds) == 1 and kinds <= _ARRAY_KINDS:
             # All arrays of one kind (a router holding numpy hashes, torch
             # tensors or array('q')): one check of the dtypes and one
@@ -676,7 +683,8 @@ class HashBatch:
         # request, naming the first bad one.
         lengths, values = same if same is not None else _ints_of_mixed(requests)
         if len(lengths) == 1:
-            offsets = np.array((0, lengths[0]), dtype=np.int64)
+            if offsets is None:
+                offsets = np.array((0, lengths[0]), dtype=np.int64)
             host_lengths = offsets[1:]  # a view, no conversion
         else:
             host_lengths = np.array(lengths, dtype=np.int64)
