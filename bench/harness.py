@@ -550,6 +550,7 @@ def sweep(
                 quiet=quiet,
                 host_load=load,
                 order=order,
+                mismatch=MismatchError,
             )
             peers.extend(rows_at)
             if skip is not None:

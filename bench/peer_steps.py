@@ -16,50 +16,121 @@ event per request), every answer compared, in both orders:
 a position-dependent 64-bit hash (``bench/traces.py``'s ``hash_words``), which
 never holds a 0 or a 1.
 
-:func:`targets` measures issue 33's targets table (lookup and stores vs
+:func:`kvhit.bench.peer_targets.targets` measures issue 33's targets table (lookup and stores vs
 Dynamo at B = 1, 64, 1024, ``from_ints`` ns per int per input form, and the
-fleet vs Dynamo at B = 64); ``python -m kvhit.bench.peer_steps`` prints it as
+fleet vs Dynamo at B = 64); ``python -m kvhit.bench.peer_targets`` prints it as
 Markdown (run it with ``NUMBA_NUM_THREADS=1``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from kvhit.bench.harness import (
-    PEER_BLOCK_SIZE,
-    PEER_ORDERS,
-    MismatchError,
-    PeerRow,
-    Skip,
-    peer_rows_past,
-)
-from kvhit.bench.peers import DYNAMO, PEERS, DynamoIndex, busy_host, load_dynamo
+from kvhit.bench.peers import PEERS, DynamoIndex, busy_host, load_dynamo
+from kvhit.bench.traces import TRACE_BLOCK_SIZE
 
 __all__ = [
-    "FORMS",
+    "PEER_BLOCK_SIZE",
     "PEER_IDS",
+    "PEER_ORDERS",
+    "PeerMismatchError",
+    "PeerRow",
+    "PeerSkip",
     "StepInputs",
     "format_orders",
-    "from_ints_rates",
     "peer_sweep",
-    "main",
+    "rows_past",
     "step_inputs",
-    "targets",
 ]
 
 #: What the replay feeds both indexes: ``raw`` trace ids (the default: what a
 #: router reads) or ``hashed`` (each id expanded into a 64-bit hash).
 PEER_IDS = ("raw", "hashed")
+#: The replay's layout: one full-attention group whose block is the trace's
+#: 512 tokens, so every trace id is one key, as Dynamo sees it.
+PEER_BLOCK_SIZE = TRACE_BLOCK_SIZE
+#: The orders :func:`peer_sweep` replays in: ``separate`` (kvhit's whole
+#: replay, then the peer's, each a pass of its own) or ``alternate`` (step by
+#: step, kvhit then the peer).
+PEER_ORDERS = ("separate", "alternate")
+
+
+class PeerMismatchError(Exception):
+    """The peer's answer differs from kvhit's (the default error of
+    :func:`peer_sweep`; ``kvhit bench`` passes its own ``MismatchError``).
+
+    (This module imports nothing from ``bench/harness.py``, which calls it,
+    so the bench modules import no circle.)"""
+
+
+@dataclass(frozen=True)
+class PeerSkip:
+    """The peer left out of a run, and why (the fields of the harness's
+    ``Skip``)."""
+
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """kvhit and a peer on the trace replayed in steps of ``batch_size``, in
+    one order (the fields of the harness's peer rows, which its table and
+    JSON read).
+
+    Attributes:
+        peer: the peer's name (``"dynamo"``).
+        batch_size: requests per step (the last step may be shorter).
+        requests: requests replayed (each checked).
+        kvhit_lookup_s: kvhit's seconds per request, the median over the
+            steps of a step's time / its requests: ``HashBatch.from_ints``
+            of the step's lists plus ``find_longest_cache_hit``.
+        kvhit_pack_s: the ``from_ints`` part of it (median likewise).
+        peer_lookup_s: the peer's seconds per request (median likewise).
+        lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
+        kvhit_store_bps, peer_store_bps: blocks stored per second (each
+            request's blocks past its hit, as a worker emits them).
+        blocks_stored: blocks each stored over the run.
+        hit_blocks: blocks both found.
+        kvhit_mean_s, peer_mean_s: the means (total time / requests).
+        mismatches: always 0 (a mismatch raises).
+        host_load: CPU-bound processes spinning beside the run.
+        order: an entry of :data:`PEER_ORDERS`.
+    """
+
+    peer: str
+    batch_size: int
+    requests: int
+    kvhit_lookup_s: float
+    kvhit_pack_s: float
+    peer_lookup_s: float
+    lookup_ratio: float
+    kvhit_store_bps: float
+    peer_store_bps: float
+    blocks_stored: int
+    hit_blocks: int
+    kvhit_mean_s: float = 0.0
+    peer_mean_s: float = 0.0
+    mismatches: int = 0
+    host_load: int = 0
+    order: str = "separate"
+
+
+def rows_past(starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray) -> np.ndarray:
+    """Rows ``starts[i] + skip[i] .. starts[i] + lengths[i] - 1`` of every
+    request ``i`` (int64 ``[B]`` each), concatenated (int64), without a
+    Python loop."""
+    counts = np.maximum(lengths - skip, 0)
+    first = starts + skip
+    # Each run's first row, minus where the run starts in the output.
+    base = np.repeat(first - (np.cumsum(counts) - counts), counts)
+    return base + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -137,7 +208,7 @@ class _KvhitSteps:
         self.hit_blocks += sum(mine)
         t0 = perf()
         rows, starts, lengths = batch.host_arrays()
-        take = peer_rows_past(starts, lengths, np.array(mine, dtype=np.int64))
+        take = rows_past(starts, lengths, np.array(mine, dtype=np.int64))
         if take.size:
             self.index.add(
                 torch.zeros(take.size, dtype=torch.int64),
@@ -150,13 +221,15 @@ class _KvhitSteps:
 
 class _PeerSteps:
     """The peer's side: one ``find_matches`` per request, its answers checked
-    against kvhit's (:class:`~kvhit.bench.harness.MismatchError`), then one
+    against kvhit's (``mismatch`` raised on a difference), then one
     stored event per request and a wait for the indexer thread to apply them
     (``apply_event`` returns before it does: without the wait that work would
     land in the next step's lookup)."""
 
-    def __init__(self, peer: str, b: int, tree: DynamoIndex, chains) -> None:
+    def __init__(self, peer: str, b: int, tree: DynamoIndex, chains,
+                 mismatch: type[Exception]) -> None:  # fmt: skip
         self.peer, self.b, self.tree, self.chains = peer, b, tree, chains
+        self.mismatch = mismatch
         self.look: list[float] = []
         self.t_store = 0.0
 
@@ -167,7 +240,7 @@ class _PeerSteps:
         self.look.append((perf() - t0) / (hi - lo))
         if mine != theirs:
             bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
-            raise MismatchError(
+            raise self.mismatch(
                 f"{self.peer} disagrees with kvhit at B={self.b}: "
                 + ", ".join(
                     f"request {lo + i}: {self.peer}={theirs[i]} kvhit={mine[i]} blocks"
@@ -183,7 +256,8 @@ class _PeerSteps:
 
 
 def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
-            inputs: StepInputs, order: str, bar: Any) -> PeerRow:  # fmt: skip
+            inputs: StepInputs, order: str, bar: Any,
+            mismatch: type[Exception]) -> PeerRow:  # fmt: skip
     """One batch size, one order, on fresh stores: both replays."""
     from kvhit.coordinator.packing import HashBatch
 
@@ -197,7 +271,7 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
     tree.find([inputs.chains[first]])
     steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
     kv = _KvhitSteps(engine, index, inputs)
-    them = _PeerSteps(peer, b, tree, inputs.chains)
+    them = _PeerSteps(peer, b, tree, inputs.chains, mismatch)
     if order == "alternate":
         for lo, hi in steps:
             them.step(lo, hi, kv.step(lo, hi))
@@ -260,19 +334,20 @@ def peer_sweep(
     host_load: int = 0,
     order: str | Sequence[str] = PEER_ORDERS,
     ids: str = "raw",
-) -> tuple[list[PeerRow], Skip | None]:
+    mismatch: type[Exception] = PeerMismatchError,
+) -> tuple[list[PeerRow], PeerSkip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
     For each batch size ``B`` and each order the trace is replayed in steps
     of ``B`` requests on fresh stores (see the module docstring), one numba
-    thread, 8-byte keys, one FullAttention group of
-    :data:`~kvhit.bench.harness.PEER_BLOCK_SIZE` tokens (one key per trace
-    block). ``order``: one of :data:`~kvhit.bench.harness.PEER_ORDERS` or
+    thread, 8-byte keys, one FullAttention group of :data:`PEER_BLOCK_SIZE`
+    tokens (one key per trace block). ``order``: one of :data:`PEER_ORDERS` or
     several (default both; the rows come order by order, each over every
     ``B``). ``ids``: :data:`PEER_IDS`. ``host_load`` CPU-bound processes spin
     during the run (:func:`~kvhit.bench.peers.busy_host`). Returns the rows,
-    or ``([], Skip)`` when the peer cannot be imported; raises
-    :class:`~kvhit.bench.harness.MismatchError` on any differing answer.
+    or ``([], PeerSkip)`` when the peer cannot be imported; raises
+    ``mismatch`` (an exception class taking the message) on any differing
+    answer.
     """
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
     from kvhit.coordinator.engine import LookupEngine
@@ -288,7 +363,7 @@ def peer_sweep(
         raise ValueError(f"ids must be one of {PEER_IDS}, got {ids!r}")
     tree_cls, why = load_dynamo()
     if tree_cls is None:
-        return [], Skip(peer, why)
+        return [], PeerSkip(peer, why)
     bs = PEER_BLOCK_SIZE
     layout = CacheLayout(
         groups=[Group(FullAttention(block_size=bs))],
@@ -309,7 +384,7 @@ def peer_sweep(
         for o in orders:
             for b in sizes:
                 row = _replay(peer, b, engine, KeyIndex(8, 1 << 20),
-                              DynamoIndex(tree_cls), inputs, o, bar)  # fmt: skip
+                              DynamoIndex(tree_cls), inputs, o, bar, mismatch)  # fmt: skip
                 rows.append(replace(row, host_load=host_load))
     if bar is not None:
         bar.close()
@@ -344,240 +419,3 @@ def format_orders(rows: Sequence[PeerRow]) -> str:
             f"{cell(key, lambda r: f'{r.peer_store_bps / 1e6:.2f}')} |"
         )
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------
-# from_ints per input form
-# ---------------------------------------------------------------------------
-
-#: The input forms :func:`from_ints_rates` times: name -> one request's
-#: Python int list in that form.
-FORMS: dict[str, Callable[[list[int]], Any]] = {
-    "list of int": list,
-    "numpy int64": lambda r: np.array(r, dtype=np.int64),
-    "numpy int32": lambda r: np.array(r, dtype=np.int32),
-    "numpy uint64": lambda r: np.array(r, dtype=np.uint64),
-    "array('q')": lambda r: array("q", r),
-    "torch int64": lambda r: _torch().tensor(r, dtype=_torch().int64),
-    "torch int32": lambda r: _torch().tensor(r, dtype=_torch().int32),
-}
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-def from_ints_rates(
-    ints: Sequence[list[int]],
-    batch: int = 64,
-    repeats: int = 7,
-    steps: int = 100,
-    impls: dict[str, Callable[[Any], Any]] | None = None,
-) -> dict[str, dict[str, float]]:
-    """ns per int of ``from_ints`` on steps of ``batch`` requests of ``ints``
-    (the first ``steps`` steps), per input form of :data:`FORMS`: the best of
-    ``repeats`` passes over the steps. ``impls``: name -> a ``from_ints`` to
-    time (default the current one); the implementations are timed in turn
-    within each repeat, so a load change hits all alike. Returns
-    ``{form: {impl: ns per int}}``."""
-    from kvhit.coordinator.packing import HashBatch
-
-    impls = impls or {"from_ints": HashBatch.from_ints}
-    chunks = [list(ints[lo : lo + batch]) for lo in range(0, len(ints), batch)]
-    chunks = [c for c in chunks if len(c) == batch][:steps] or [list(ints)]
-    n = sum(len(r) for c in chunks for r in c)
-    out: dict[str, dict[str, float]] = {}
-    for name, form in FORMS.items():
-        data = [[form(r) for r in c] for c in chunks]
-        best = dict.fromkeys(impls, float("inf"))
-        for fn in impls.values():
-            for c in data[:3]:
-                fn(c)
-        for _ in range(repeats):
-            for tag, fn in impls.items():
-                t0 = time.perf_counter()
-                for c in data:
-                    fn(c)
-                best[tag] = min(best[tag], time.perf_counter() - t0)
-        out[name] = {tag: t / n * 1e9 for tag, t in best.items()}
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Issue 33's targets table
-# ---------------------------------------------------------------------------
-
-#: Issue 33's targets: lookup vs Dynamo by batch size, stores in M blocks/s
-#: (B = 1, then B >= 64), fleet at B = 64 vs Dynamo, from_ints ns per int.
-LOOKUP_TARGETS = {1: 2.0, 64: 8.0, 1024: 10.0}
-STORE_TARGETS = {1: 2.0, 64: 10.0, 1024: 10.0}
-FLEET_TARGET = 8.0
-PACK_TARGET_NS = 40.0
-
-
-def _load_from_ints(path: str) -> Callable[..., Any]:
-    """``HashBatch.from_ints`` of another copy of ``coordinator/packing.py``
-    (e.g. ``git show HEAD~3:coordinator/packing.py > /tmp/old.py``), for a
-    before/after in one process."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kvhit_packing_before", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"baseline_packing: cannot load {path!r}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod.HashBatch.from_ints
-
-
-def targets(
-    trace: str | os.PathLike[str] | None = None,
-    limit: int | None = None,
-    batch_sizes: Sequence[int] = (1, 64, 1024),
-    fleet_engines: Sequence[int] = (8, 64),
-    fleet_warm: int = 1024,
-    repeats: int = 15,
-    baseline_packing: str | None = None,
-    quiet: bool = True,
-) -> str:
-    """Issue 33's targets table on ``trace`` (default: the shipped
-    conversation trace), as Markdown: lookup incl. packing vs Dynamo and
-    kvhit's stores (:func:`peer_sweep`, raw ids, both orders), the fleet at
-    B = 64 vs Dynamo (``bench_fleet.versus_dynamo``, raw ids, both orders; on
-    the shipped trace only) and ``from_ints`` ns per int per input form
-    (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
-    copy's). Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
-    import io
-
-    import torch
-
-    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
-
-    torch.set_num_threads(1)
-    rows, skip = peer_sweep(DYNAMO, batch_sizes, limit, quiet, trace)
-    out = [
-        f"numba threads: {os.environ.get('NUMBA_NUM_THREADS', 'default')}; trace: "
-        f"{os.path.basename(str(trace or SHIPPED_TRACE))}"
-        + (f", first {limit} requests" if limit else "")
-        + "; inputs: raw trace ids as Python lists, lengths as a list; figures "
-        "as alternate / separate\n"
-    ]
-    if skip is not None:
-        out.append(f"Dynamo skipped: {skip.reason}\n")
-    else:
-        by = {(r.batch_size, r.order): r for r in rows}
-
-        def both(b: int, f: Callable[[PeerRow], float], fmt: str) -> str:
-            return " / ".join(
-                format(f(by[(b, o)]), fmt) for o in ("alternate", "separate")
-            )
-
-        out += [
-            "| target | " + " | ".join(f"B = {b}" for b in batch_sizes) + " |",
-            "|---|" + "---:|" * len(batch_sizes),
-            "| lookup incl. packing vs Dynamo (target "
-            + ", ".join(f"{LOOKUP_TARGETS.get(b, 0):g}x" for b in batch_sizes)
-            + ") | "
-            + " | ".join(
-                both(b, lambda r: r.lookup_ratio, ".1f") + "x" for b in batch_sizes
-            )
-            + " |",
-            "| kvhit lookup us/request (of it from_ints) | "
-            + " | ".join(
-                both(b, lambda r: r.kvhit_lookup_s * 1e6, ".1f")
-                + " ("
-                + both(b, lambda r: r.kvhit_pack_s * 1e6, ".1f")
-                + ")"
-                for b in batch_sizes
-            )
-            + " |",
-            "| Dynamo us/request | "
-            + " | ".join(
-                both(b, lambda r: r.peer_lookup_s * 1e6, ".1f") for b in batch_sizes
-            )
-            + " |",
-            "| stores (KeyIndex.add) M blocks/s (target "
-            + ", ".join(f"{STORE_TARGETS.get(b, 10):g}" for b in batch_sizes)
-            + ") | "
-            + " | ".join(
-                both(b, lambda r: r.kvhit_store_bps / 1e6, ".2f") for b in batch_sizes
-            )
-            + " |",
-            "| Dynamo stores (events applied) M blocks/s | "
-            + " | ".join(
-                both(b, lambda r: r.peer_store_bps / 1e6, ".2f") for b in batch_sizes
-            )
-            + " |",
-            "",
-        ]
-        if trace is None and fleet_engines:
-            from kvhit.bench import bench_fleet
-
-            fleet = bench_fleet.versus_dynamo(
-                fleet_engines, fleet_warm, 64, repeats, io.StringIO()
-            )
-            out += [
-                f"| fleet_hits at B = 64 vs Dynamo (target {FLEET_TARGET:g}x) | "
-                "kvhit us/request | Dynamo us/request | ratio |",
-                "|---|---:|---:|---:|",
-            ]
-            for e, aa, ba, asep, bsep, _n in fleet:
-                out.append(
-                    f"| E = {e} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
-                    f"{ba / aa:.1f}x / {bsep / asep:.1f}x |"
-                )
-            out.append("")
-    requests = load_trace(trace or SHIPPED_TRACE, limit)
-    impls = {"after": None}
-    if baseline_packing is not None:
-        impls = {"before": _load_from_ints(baseline_packing), "after": None}
-    from kvhit.coordinator.packing import HashBatch
-
-    impls = {k: v or HashBatch.from_ints for k, v in impls.items()}
-    rates = from_ints_rates(step_inputs(requests).ints, impls=impls)
-    head = " | ".join(impls)
-    out += [
-        f"| from_ints, steps of 64 requests, ns/int (target <= {PACK_TARGET_NS:g}) | "
-        + head
-        + " |",
-        "|---|" + "---:|" * len(impls),
-    ]
-    for form, r in rates.items():
-        out.append(f"| {form} | " + " | ".join(f"{r[k]:.1f}" for k in impls) + " |")
-    return "\n".join(out) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print issue 33's targets table (Markdown)."""
-    p = argparse.ArgumentParser(description="issue 33's targets vs Dynamo")
-    p.add_argument("--trace", default=None, help="a Mooncake-format trace")
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
-    p.add_argument("--batch-sizes", default="1,64,1024")
-    p.add_argument("--fleet-engines", default="8,64", help="'' for none")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument(
-        "--baseline-packing",
-        default=None,
-        metavar="FILE.py",
-        help="another copy of coordinator/packing.py whose from_ints is timed "
-        "beside the current one",
-    )
-    args = p.parse_args(argv)
-    sys.stdout.write(
-        targets(
-            args.trace,
-            args.limit,
-            [int(b) for b in args.batch_sizes.split(",")],
-            [int(e) for e in args.fleet_engines.split(",") if e],
-            repeats=args.repeats,
-            baseline_packing=args.baseline_packing,
-            quiet=False,
-        )
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -304,7 +304,7 @@ def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> No
         ps.peer_sweep("lmcache", [1], limit=5)
     monkeypatch.setattr(ps, "load_dynamo", lambda: (None, "not installed here"))
     rows, skip = ps.peer_sweep("dynamo", [1], limit=5)
-    assert rows == [] and skip.reason == "not installed here"
+    assert rows == [] and skip == ps.PeerSkip("dynamo", "not installed here")
 
 
 @pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
@@ -335,17 +335,32 @@ def test_peer_steps_mismatch_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
     )
-    with pytest.raises(MismatchError, match="dynamo disagrees"):
+    with pytest.raises(ps.PeerMismatchError, match="dynamo disagrees"):
         ps.peer_sweep("dynamo", [4], limit=20, order="alternate")
+    # kvhit bench passes its own error class (exit 1 on a mismatch).
+    with pytest.raises(MismatchError, match="dynamo disagrees"):
+        ps.peer_sweep("dynamo", [4], limit=20, mismatch=MismatchError)
+
+
+def test_peer_rows_past() -> None:
+    import numpy as np
+
+    from kvhit.bench import peer_steps as ps
+
+    got = ps.rows_past(
+        np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
+    )
+    assert got.tolist() == [1, 2, 8, 9]
 
 
 def test_from_ints_rates_time_every_form() -> None:
     from kvhit.bench import peer_steps as ps
+    from kvhit.bench import peer_targets as pt
 
     ints = ps.step_inputs(TRACE[:40]).ints
     slow = lambda reqs: None  # noqa: E731
-    rates = ps.from_ints_rates(ints, batch=8, repeats=1, steps=2,
+    rates = pt.from_ints_rates(ints, batch=8, repeats=1, steps=2,
                                impls={"a": slow, "b": slow})  # fmt: skip
-    assert list(rates) == list(ps.FORMS) and all(
+    assert list(rates) == list(pt.FORMS) and all(
         set(r) == {"a", "b"} and min(r.values()) >= 0 for r in rates.values()
     )
