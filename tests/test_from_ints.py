@@ -571,3 +571,32 @@ def test_a_conversation_step_packs_at_a_few_tens_of_ns_per_int(form) -> None:
     best = min(times)
     # 4x headroom for a loaded CI machine.
     assert best / n < 160e-9, f"{best / n * 1e9:.0f} ns/int"
+
+
+@settings(max_examples=60, deadline=None)
+@given(req=st.lists(st.one_of(st.sampled_from([0, 1, -1]), INT64), max_size=300))
+def test_one_request_on_the_cpu_equals_the_general_path(req) -> None:
+    # A step of one list with 8-byte keys on the CPU takes its own short
+    # path; torch.device("cpu") and a tuple of requests take the general one.
+    fast = HashBatch.from_ints([req])
+    for slow in (
+        HashBatch.from_ints([req], 8, torch.device("cpu")),
+        HashBatch.from_ints(tuple([req])),
+    ):
+        assert torch.equal(fast.hashes, slow.hashes)
+        assert torch.equal(fast.offsets, slow.offsets)
+        for a, b in zip(fast.host_arrays(), slow.host_arrays(), strict=True):
+            assert a.tolist() == b.tolist()
+    HashBatch(fast.hashes, fast.offsets, 8)
+
+
+@pytest.mark.parametrize(
+    "bad, exc",
+    [(True, TypeError), (False, TypeError), (2.0, TypeError), (None, TypeError),
+     (1 << 63, ValueError), (-(1 << 63) - 1, ValueError)],
+)  # fmt: skip
+def test_one_request_names_its_bad_item(bad, exc) -> None:
+    with pytest.raises(exc, match="request 0, position 2"):
+        HashBatch.from_ints([[0, 1, bad, 3]])
+    got = HashBatch.from_ints([[0, 1, np.int64(5), _Index(-2)]])
+    assert got.hashes[:, 0].tolist() == [0, 1, 5, -2]
