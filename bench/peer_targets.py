@@ -125,6 +125,7 @@ def targets(
     repeats: int = 15,
     baseline_packing: str | None = None,
     quiet: bool = True,
+    passes: int = 3,
 ) -> str:
     """Issue 33's targets table on ``trace`` (default: the shipped
     conversation trace), as Markdown: lookup incl. packing vs Dynamo and
@@ -132,7 +133,8 @@ def targets(
     B = 64 vs Dynamo (``bench_fleet.versus_dynamo``, raw ids, both orders; on
     the shipped trace only) and ``from_ints`` ns per int per input form
     (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
-    copy's). Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
+    copy's). ``passes``: replays of each (order, B), each step's best time
+    taken. Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
     import io
 
     import torch
@@ -140,13 +142,13 @@ def targets(
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
 
     torch.set_num_threads(1)
-    rows, skip = peer_sweep(DYNAMO, batch_sizes, limit, quiet, trace)
+    rows, skip = peer_sweep(DYNAMO, batch_sizes, limit, quiet, trace, passes=passes)
     out = [
         f"numba threads: {os.environ.get('NUMBA_NUM_THREADS', 'default')}; trace: "
         f"{os.path.basename(str(trace or SHIPPED_TRACE))}"
         + (f", first {limit} requests" if limit else "")
-        + "; inputs: raw trace ids as Python lists, lengths as a list; figures "
-        "as alternate / separate\n"
+        + "; inputs: raw trace ids as Python lists, lengths as a list; each "
+        f"step's best of {passes} replays; figures as alternate / separate\n"
     ]
     if skip is not None:
         out.append(f"Dynamo skipped: {skip.reason}\n")
@@ -242,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet-engines", default="8,64", help="'' for none")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="replays of each (order, B) on fresh stores, each step's best "
+        "time taken (default 3)",
+    )
+    p.add_argument(
         "--baseline-packing",
         default=None,
         metavar="FILE.py",
@@ -258,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             baseline_packing=args.baseline_packing,
             quiet=False,
+            passes=args.passes,
         )
     )
     return 0

@@ -300,6 +300,9 @@ def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> No
         ps.peer_sweep("dynamo", [1], limit=5, order=())
     with pytest.raises(ValueError, match="ids"):
         ps.peer_sweep("dynamo", [1], limit=5, ids="cooked")
+    for passes in (0, True, 1.5):
+        with pytest.raises(ValueError, match="passes"):
+            ps.peer_sweep("dynamo", [1], limit=5, passes=passes)
     with pytest.raises(ValueError, match="peer"):
         ps.peer_sweep("lmcache", [1], limit=5)
     monkeypatch.setattr(ps, "load_dynamo", lambda: (None, "not installed here"))
@@ -311,7 +314,7 @@ def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> No
 def test_peer_steps_replay_raw_ids_in_both_orders() -> None:
     from kvhit.bench import peer_steps as ps
 
-    rows, skip = ps.peer_sweep("dynamo", [1, 16], limit=300)
+    rows, skip = ps.peer_sweep("dynamo", [1, 16], limit=300, passes=2)
     assert skip is None
     assert [(r.order, r.batch_size) for r in rows] == [
         ("separate", 1), ("separate", 16), ("alternate", 1), ("alternate", 16)
