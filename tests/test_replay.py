@@ -254,12 +254,20 @@ def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(argv) == cli.EXIT_MISMATCH
 
 
-def test_bench_peer_absent_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvhit.bench import harness
+def test_bench_peer_absent_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvhit.bench import harness, peer_steps
 
     monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
     rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
     assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
+    # kvhit bench replays through peer_steps: its skip is reported, exit 0.
+    monkeypatch.setattr(peer_steps, "load_dynamo", lambda: (None, "not here either"))
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "4", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit", "5"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_OK
+    assert "skipped dynamo: not here either" in capsys.readouterr().out
 
 
 def test_rows_past() -> None:
