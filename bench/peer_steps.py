@@ -16,10 +16,13 @@ event per request), every answer compared, in both orders:
 a position-dependent 64-bit hash (``bench/traces.py``'s ``hash_words``), which
 never holds a 0 or a 1.
 
-:func:`kvhit.bench.peer_targets.targets` measures issue 33's targets table (lookup and stores vs
-Dynamo at B = 1, 64, 1024, ``from_ints`` ns per int per input form, and the
-fleet vs Dynamo at B = 64); ``python -m kvhit.bench.peer_targets`` prints it as
-Markdown (run it with ``NUMBA_NUM_THREADS=1``).
+Issue 33's targets table (lookup and stores vs Dynamo at B = 1, 64, 1024,
+``from_ints`` ns per int per input form, the fleet vs Dynamo at B = 64) is
+``bench/peer_targets.py``: ``NUMBA_NUM_THREADS=1 python -m
+kvhit.bench.peer_targets``.
+
+This module imports nothing from ``bench/harness.py``, which calls
+:func:`peer_sweep` for ``kvhit bench --peer``.
 """
 
 from __future__ import annotations
