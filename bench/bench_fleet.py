@@ -13,6 +13,14 @@ KeyIndex each) for every request and engine, and on full attention (no
 EAGLE) each engine's hit in blocks equals Dynamo's ``RadixTree.find_matches``
 score for that worker, fed the same stores as KV events.
 
+The Dynamo table's inputs are by default what a router reads from the trace
+(``--ids raw``): each request's raw ``hash_ids`` (ints from 0, 0 and 1 in
+nearly every request) as Python lists, one FullAttention group of the trace's
+512-token block (one key per id), prompt lengths as a list; ``--ids hashed``
+gives the llama layout on ids expanded into 64-bit hashes instead. Both
+orders are timed: alternating call by call, and each side alone (all of
+kvhit's repeats, then all of Dynamo's).
+
 Run ``python -m kvhit.bench.bench_fleet [--quick]``; prints Markdown tables
 of medians and ratios measured side by side in one process.
 """
@@ -33,13 +41,15 @@ import torch
 from kvhit.bench.harness import MismatchError
 from kvhit.bench.peers import as_u64, busy_host, load_dynamo
 from kvhit.bench.route import saved_keys, trace_batch
-from kvhit.bench.traces import load_trace
+from kvhit.bench.traces import TRACE_BLOCK_SIZE, load_trace
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.fleet_index import FleetIndex
 from kvhit.coordinator.packing import HashBatch, num_words
+from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
 
 __all__ = [
+    "FLEET_IDS",
     "FleetWorkload",
     "build_workload",
     "dynamo_available",
@@ -48,6 +58,11 @@ __all__ = [
     "main",
     "pack",
 ]
+
+
+#: The Dynamo table's inputs: ``raw`` trace ids as Python lists (the
+#: default) or ``hashed`` (the llama layout on expanded 64-bit hashes).
+FLEET_IDS = ("raw", "hashed")
 
 
 class FleetWorkload:
@@ -61,6 +76,10 @@ class FleetWorkload:
         # The same hashes one-dimensional, as a router holds a request's
         # block hashes (what both sides of the Dynamo comparison are given).
         self.ints: list[np.ndarray] = [np.ascontiguousarray(w[:, 0]) for w in words]
+        # And as Python lists, as a router reads them from a trace (with the
+        # prompt lengths as a list): the inputs of the raw-id Dynamo table.
+        self.lists: list[list[int]] = [w.tolist() for w in self.ints]
+        self.token_list: list[int] = tokens.tolist()
         self.tokens: np.ndarray = tokens
         self.served: list[np.ndarray] = served
         self.served_tokens: np.ndarray = served_tokens
@@ -72,15 +91,38 @@ class FleetWorkload:
 
 
 def build_workload(preset: str, engines: int, warm: int, batch: int,
-                   hash_bytes: int = 8) -> FleetWorkload:  # fmt: skip
+                   hash_bytes: int = 8, ids: str = "hashed") -> FleetWorkload:  # fmt: skip
     """The trace's first ``warm`` requests served round-robin by ``engines``
-    engines, and the next ``batch`` as the query batch."""
-    layout = make_layout(preset)
+    engines, and the next ``batch`` as the query batch.
+
+    ``ids="hashed"``: ``preset``'s layout on ids expanded into hashes;
+    ``ids="raw"``: ``preset`` is not used, one FullAttention group of the
+    trace's block with each request's raw ``hash_ids`` (its full blocks) as
+    its keys (8-byte keys only)."""
+    if ids not in FLEET_IDS:
+        raise ValueError(f"ids must be one of {FLEET_IDS}, got {ids!r}")
     reqs = load_trace(limit=warm + batch)
     served, served_tokens = (
         reqs[:warm],
         np.array([r.input_length for r in reqs[:warm]], dtype=np.int64),
     )
+    if ids == "raw":
+        if hash_bytes != 8:
+            raise ValueError(f"raw ids are 8-byte keys, got hash_bytes={hash_bytes}")
+        bs = TRACE_BLOCK_SIZE
+        layout = CacheLayout(
+            groups=[Group(FullAttention(block_size=bs))],
+            scheduler_block_size=bs,
+            hash_block_size=bs,
+        )
+
+        def full(r: Any) -> np.ndarray:
+            return r.hash_ids[: r.input_length // bs].reshape(-1, 1).copy()
+
+        tokens = np.array([r.input_length for r in reqs[warm:]], dtype=np.int64)
+        return FleetWorkload(layout, [full(r) for r in reqs[warm:]], tokens,
+                             [full(r) for r in served], served_tokens, engines)  # fmt: skip
+    layout = make_layout(preset)
     wb, _ = trace_batch(served, layout, hash_bytes)
     offs = wb.offsets.numpy()
     chains = [wb.hashes.numpy()[offs[i] : offs[i + 1]] for i in range(warm)]
@@ -230,15 +272,41 @@ def sweep(preset: str, engines: Sequence[int], warm: int, batch: int,
         out.write(f"| {E} | {us:.0f} | {us / batch:.1f} | {ratio:.2f}x |\n")
 
 
+def _separate_us(fa: Callable[[], Any], fb: Callable[[], Any],
+                 repeats: int) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Times (us) of ``fa``, then of ``fb``, each timed alone (all of one
+    side's repeats, then the other's), each call after evicting the caches."""
+    out = []
+    for fn in (fa, fb):
+        fn()
+        times = []
+        for _ in range(repeats):
+            _EVICT.sum()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out.append([t * 1e6 for t in times])
+    return out[0], out[1]
+
+
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
-                  out, host_load: int = 0) -> None:  # fmt: skip
-    """Full attention (llama: Full 16, hash 16, no EAGLE): per-engine hits in
-    blocks equal Dynamo's scores; time per request side by side, with
-    ``host_load`` CPU-bound processes spinning beside the timed calls
-    (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host)."""
+                  out, host_load: int = 0, ids: str = "raw") -> list[tuple]:  # fmt: skip
+    """Full attention: per-engine hits in blocks equal Dynamo's scores; time
+    per request side by side, in both orders (alternating call by call, and
+    each side alone), with ``host_load`` CPU-bound processes spinning beside
+    the timed calls (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host).
+
+    ``ids="raw"`` (default): raw trace ids in Python lists, one
+    FullAttention(512) group, lengths as a list, Dynamo given the same lists;
+    ``ids="hashed"``: llama (Full 16, hash 16, no EAGLE) on expanded hashes,
+    both sides given numpy arrays (Dynamo's u64 list conversion timed).
+
+    Writes the table to ``out`` and returns its rows: ``(E, kvhit us/request
+    alternate, Dynamo alternate, kvhit separate, Dynamo separate, (request,
+    engine) pairs with a hit)``."""
     rows = []
     for E in engines:
-        wl = build_workload("llama", E, warm, batch)
+        wl = build_workload("llama", E, warm, batch, ids=ids)
         engine = LookupEngine(wl.layout)
         fleet = fill_fleet(engine, wl)
         bs = wl.layout.spec_groups[0].block_size
@@ -254,33 +322,43 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             raise MismatchError(
                 f"E={E}: {bad} (request, engine) pairs differ from Dynamo"
             )
+        if ids == "raw":
+            ours = lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(  # noqa: E731
+                HashBatch.from_ints(wl.lists), wl.token_list, fleet)  # fmt: skip
+            find = tree.find_matches
+            theirs = lambda find=find, wl=wl: [find(c).scores for c in wl.lists]  # noqa: E731
+        else:
+            ours = lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(  # noqa: E731
+                HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet)  # fmt: skip
+            theirs = lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints)  # noqa: E731
+        per_req = []
         with busy_host(host_load):
-            ours, theirs = _interleaved_us(
-                lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(
-                    HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet),
-                lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints),
-                repeats,
-            )  # fmt: skip
-        per_req = [
-            f(t) / batch
-            for t in (ours, theirs)
-            for f in (statistics.median, statistics.mean)
-        ]
+            for timed in (_interleaved_us, _separate_us):
+                ta, tb = timed(ours, theirs, repeats)
+                per_req += [statistics.median(t) / batch for t in (ta, tb)]
         rows.append((E, *per_req, int((dyn > 0).sum())))
-        print(f"  dynamo E={E}: ours {per_req[0]:.2f} us/request, dynamo "
-              f"{per_req[2]:.2f}", file=sys.stderr)  # fmt: skip
-    out.write(f"\nllama (full attention), B = {batch}: kvhit fleet_hits (from_ints "
-              "packing included) vs Dynamo RadixTree.find_matches(...).scores (u64 list "
-              f"conversion included), us per request, {repeats} alternating repeats "
-              "in one process, caches evicted before each call; host: "
-              f"{'quiet' if not host_load else f'{host_load} CPU-bound processes spinning'}"
+        print(f"  dynamo E={E}: ours {per_req[0]:.2f} / {per_req[2]:.2f} us/request, "
+              f"dynamo {per_req[1]:.2f} / {per_req[3]:.2f}", file=sys.stderr)  # fmt: skip
+    what = (
+        "raw trace ids as Python lists (0 and 1 included), FullAttention(512), "
+        "lengths as a list; both sides given the same lists"
+        if ids == "raw"
+        else "llama (full attention) on expanded hashes, numpy inputs; Dynamo's "
+        "u64 list conversion included"
+    )
+    out.write(f"\nFleet vs Dynamo, B = {batch}, {what}: kvhit fleet_hits (from_ints "
+              "packing included) vs Dynamo RadixTree.find_matches(...).scores, us per "
+              f"request (median of {repeats}), caches evicted before each call; "
+              "alternate = call by call, separate = each side's repeats alone; "
+              f"host: {'quiet' if not host_load else f'{host_load} CPU-bound processes spinning'}"
               "; 0 mismatches\n\n")  # fmt: skip
-    out.write("| E | kvhit median | kvhit mean | Dynamo median | Dynamo mean | "
-              "speedup (medians) | speedup (means) | (request, engine) pairs with a "
-              "hit |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n")  # fmt: skip
-    for E, am, aa, bm, ba, n in rows:
-        out.write(f"| {E} | {am:.2f} | {aa:.2f} | {bm:.2f} | {ba:.2f} | "
-                  f"{bm / am:.1f}x | {ba / aa:.1f}x | {n} |\n")  # fmt: skip
+    out.write("| E | kvhit (alternate / separate) | Dynamo (alternate / separate) | "
+              "speedup (alternate / separate) | (request, engine) pairs with a hit |"
+              "\n|---:|---:|---:|---:|---:|\n")  # fmt: skip
+    for E, aa, ba, asep, bsep, n in rows:
+        out.write(f"| {E} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
+                  f"{ba / aa:.1f}x / {bsep / asep:.1f}x | {n} |\n")  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--presets", default="llama,dsv4-flash,qwen3-next")
     p.add_argument("--engines", default="1,8,64,256")
+    p.add_argument(
+        "--ids",
+        choices=FLEET_IDS,
+        default="raw",
+        help="the Dynamo table's inputs: raw trace ids as Python lists "
+        "(default) or hashed (llama layout, expanded hashes, numpy inputs)",
+    )
     p.add_argument(
         "--host-load",
         default="0",
@@ -310,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     if dynamo_available():
         for load in (int(n) for n in args.host_load.split(",")):
             versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
-                          args.batch, repeats, out, host_load=load)  # fmt: skip
+                          args.batch, repeats, out, host_load=load, ids=args.ids)  # fmt: skip
     else:
         out.write("\n(Dynamo not importable: pip install ai-dynamo-runtime)\n")
     return 0

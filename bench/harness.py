@@ -541,13 +541,16 @@ def sweep(
     if config.peer is not None:
         runs = [(o, load) for o in config.peer_order for load in config.peer_host_load]
         for order, load in runs:
-            rows_at, skip = peer_sweep(
+            from kvhit.bench import peer_steps  # raw trace ids, Python lists
+
+            rows_at, skip = peer_steps.peer_sweep(
                 config.peer,
                 config.batch_sizes,
                 limit=config.peer_limit,
                 quiet=quiet,
                 host_load=load,
                 order=order,
+                mismatch=MismatchError,
             )
             peers.extend(rows_at)
             if skip is not None:

@@ -23,10 +23,11 @@ two's-complement bytes followed by zero bytes up to ``hash_bytes``.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from itertools import accumulate, chain
-from operator import index
+from operator import attrgetter, index
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,9 @@ __all__ = [
     "HashBatch",
     "RaggedView",
     "check_device",
+    "check_int_array",
+    "check_int_buffer",
+    "check_int_tensor",
     "num_words",
     "pack_hashes",
     "padding_mask",
@@ -51,9 +55,13 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # tensor made on it) once per process, not on every batch (~3 us a call).
 _CHECKED_DEVICES: dict[Any, torch.device] = {}
 _CPU = torch.device("cpu")
-_INT64 = np.dtype(np.int64)
-#: From this many ints on, from_ints converts with struct (one pass) rather
-#: than a type scan and np.array (two): the crossover measured here is ~150.
+_DTYPE = attrgetter("dtype")
+_TYPECODE = attrgetter("typecode")
+#: The array kinds from_ints takes a whole batch of in one concatenation.
+_ARRAY_KINDS = frozenset({np.ndarray, torch.Tensor, array})
+#: From this many ints on, from_ints converts a list with struct (one pass)
+#: rather than a type scan and np.array (two): the crossover measured here
+#: is ~150.
 _STRUCT_MIN = 256
 
 
@@ -237,49 +245,60 @@ def _bad_int(v: Any, where: str) -> Exception | None:
     return None
 
 
+def _short_ints(flat: list[Any]) -> np.ndarray | None:
+    """A short list of Python ints as int64 ``[n]``, or None when any item is
+    not exactly an int or is outside int64: one type scan (bools refused by
+    their type) and np.array (numpy would truncate a float: the scan refuses
+    one)."""
+    if set(map(type, flat)) <= {int}:
+        try:
+            return np.array(flat, dtype=np.int64)
+        except OverflowError:
+            pass
+    return None
+
+
+def _long_ints(flat: list[Any], n: int) -> np.ndarray | None:
+    """A long list of ``n`` ints as int64 ``[n]``, or None when an item is not
+    an integer, is outside int64, or is a 0 or a 1 that is not an int.
+
+    One pass converts and checks at once: struct takes what
+    ``operator.index`` takes and refuses floats, str, None and values outside
+    int64, half the cost of a type scan plus np.array (the few numpy calls
+    after it cost ~2 us, which a short list does not win back). struct also
+    takes bools (a torch bool scalar too) as 0 and 1, so the items whose
+    value is 0 or 1, and only those, are looked at by their type: a trace's
+    ids start at 0, so most batches hold a few.
+    """
+    buf = bytearray(8 * n)
+    try:
+        # Native byte order, as numpy reads the buffer back.
+        struct.pack_into(f"={n}q", buf, 0, *flat)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None
+    values = np.frombuffer(buf, dtype=np.int64)
+    small = np.flatnonzero(values.view(np.uint64) < 2).tolist()
+    if small and not set(map(type, map(flat.__getitem__, small))) <= {int}:
+        return None
+    return values
+
+
 def _ints_of_list(
-    parts: list[Any],
-    requests: list[Any],
-    lengths: list[int],
-    first: int,
-    n: int | None = None,
+    parts: list[Any], requests: list[Any], lengths: list[int], first: int
 ) -> np.ndarray:
     """The items of ``parts`` (sequences: the requests from ``first`` on, in
     order, or one list of their items) as int64 ``[n]``; on a bad item, raise
-    naming its request and position (``n``: their count, when known). The
-    common case (integers, all in range) is C-level loops only."""
-    if n is None:
-        n = sum(map(len, parts))
-    if n < _STRUCT_MIN:
-        flat = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
-        # A short list: one type scan and np.array (numpy would truncate a
-        # float, so the scan is what refuses one).
-        if set(map(type, flat)) <= {int}:
-            try:
-                return np.array(flat, dtype=np.int64)
-            except OverflowError:
-                pass
-    else:
-        # A long list: one pass that converts and checks at once, straight
-        # from the requests (no joined list). struct takes what
-        # operator.index takes (and refuses floats, str, None, values outside
-        # int64), about half the cost of a type scan plus a conversion. It
-        # also takes bools, as 0 and 1: only a batch holding a 0 or a 1 is
-        # looked at item by item.
-        buf = bytearray(8 * n)
-        try:
-            # Native byte order, as numpy reads the buffer back.
-            struct.pack_into(f"={n}q", buf, 0, *chain.from_iterable(parts))
-        except (struct.error, TypeError, ValueError, OverflowError):
-            pass
-        else:
-            values = np.frombuffer(buf, dtype=np.int64)
-            if not (values.view(np.uint64) < 2).any():
-                return values
-        flat = list(chain.from_iterable(parts))
-    # Slow path, on error or numpy scalars: find the first bad item.
+    naming its request and position. The common case (integers, all in
+    range) is C-level loops only, whatever the values: 0 and 1 included."""
+    flat = parts[0] if len(parts) == 1 else list(chain.from_iterable(parts))
+    n = len(flat)
+    values = _short_ints(flat) if n < _STRUCT_MIN else _long_ints(flat, n)
+    if values is not None:
+        return values
+    # Slow path, on error or integer-likes (numpy scalars): find the first
+    # bad item, or convert them one by one.
     k, i = 0, first
-    while k < len(flat):
+    while k < n:
         for pos in range(lengths[i]):
             exc = _bad_int(flat[k], f"request {i}, position {pos}")
             if exc is not None:
@@ -289,44 +308,24 @@ def _ints_of_list(
     return np.array([index(v) for v in flat], dtype=np.int64)
 
 
-def _ints_of_mixed(requests: list[Any]) -> tuple[list[int], np.ndarray]:
-    """:meth:`HashBatch.from_ints`' values of requests that are not all lists:
-    ``(lengths, int64 values [total])``, errors naming request and position."""
-    parts: list[np.ndarray] = []
-    flat: list[Any] = []
-    first = 0  # the request flat's items start at
-    lengths = [0] * len(requests)
-    # Python-int requests are gathered in one list and converted by one
-    # numpy call; numpy requests are checked by dtype and concatenated.
-    # The int list is flushed before each array, so values stay in
-    # request order.
-    for i, req in enumerate(requests):
-        if isinstance(req, np.ndarray):
-            if flat:
-                parts.append(_ints_of_list([flat], requests, lengths, first))
-                flat = []
-            parts.append(_ints_of_array(req, i))
-            lengths[i] = req.shape[0]
-            first = i + 1
-            continue
-        if not isinstance(req, list | tuple):
-            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
-        flat.extend(req)
-        lengths[i] = len(req)
-    if flat or not parts:
-        parts.append(_ints_of_list([flat], requests, lengths, first))
-    if len(parts) > 1:
-        values = np.concatenate(parts)
-    elif first == 0:
-        values = parts[0]  # made here from Python ints
-    else:
-        values = parts[0].copy()  # a caller's array: never alias it
-    return lengths, values
+#: ``array.array`` type codes of integers, all of which numpy reads by the
+#: same code.
+_ARRAY_INT_CODES = frozenset("bBhHiIlLqQ")
+#: torch integer dtypes (bool refused: its values are not hashes).
+_TORCH_INTS = frozenset(
+    {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
+    | {getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}")}
+)
 
 
-def _ints_of_array(req: np.ndarray, i: int) -> np.ndarray:
-    """A numpy request as int64 ``[n]``; raise naming request ``i`` unless it is
-    1-D with integer values inside int64."""
+def check_int_array(req: np.ndarray, i: int) -> np.ndarray:
+    """A numpy request as int64 ``[n]`` (the array itself when it is already
+    native int64); raise naming request ``i`` unless it is 1-D with integer
+    values inside int64.
+
+    (A check for kernels/checks.py, kept here until that module's rewrite
+    lands.)
+    """
     if req.ndim != 1:
         raise ValueError(
             f"request {i}: an array of hashes must be 1-D, got shape {list(req.shape)}"
@@ -344,6 +343,145 @@ def _ints_of_array(req: np.ndarray, i: int) -> np.ndarray:
                 "[-2**63, 2**63) (reinterpret uint64 hashes with .view(np.int64))"
             )
     return req.astype(np.int64, copy=False)
+
+
+def check_int_tensor(req: torch.Tensor, i: int) -> np.ndarray:
+    """A torch request (1-D, dense, an integer dtype, on any device holding
+    data) as int64 ``[n]`` on the host; raise naming request ``i`` otherwise.
+    The result may share memory with ``req`` (the caller copies).
+
+    (A check for kernels/checks.py, kept here until that module's rewrite
+    lands.)
+    """
+    if req.dtype not in _TORCH_INTS:
+        at = ", position 0" if req.numel() else ""
+        raise TypeError(
+            f"request {i}{at}: expected integer hashes, got a tensor of dtype "
+            f"{req.dtype}"
+        )
+    if req.layout is not torch.strided:
+        raise TypeError(f"request {i}: expected a dense tensor, got {req.layout}")
+    if req.device.type == "meta":
+        raise ValueError(f"request {i} is a meta tensor: it holds no data")
+    if req.dim() != 1:
+        raise ValueError(
+            f"request {i}: a tensor of hashes must be 1-D, got shape {list(req.shape)}"
+        )
+    return check_int_array(req.detach().cpu().numpy(), i)
+
+
+def check_int_buffer(req: array, i: int) -> np.ndarray:
+    """An ``array.array`` request of an integer type code as int64 ``[n]``
+    (a view of its buffer when the code is 8-byte signed; the caller copies);
+    raise naming request ``i`` otherwise.
+
+    (A check for kernels/checks.py, kept here until that module's rewrite
+    lands.)
+    """
+    if req.typecode not in _ARRAY_INT_CODES:
+        raise TypeError(
+            f"request {i}: expected integer hashes, got an array of type code "
+            f"{req.typecode!r}"
+        )
+    return check_int_array(np.frombuffer(req, dtype=req.typecode), i)
+
+
+def _host_ints(req: Any, i: int) -> np.ndarray | None:
+    """Request ``i`` as int64 ``[n]`` when it is an array (numpy, torch or
+    ``array.array``), checked; None for anything else (a sequence)."""
+    if isinstance(req, np.ndarray):
+        return check_int_array(req, i)
+    if isinstance(req, torch.Tensor):
+        return check_int_tensor(req, i)
+    if isinstance(req, array):
+        return check_int_buffer(req, i)
+    return None
+
+
+def _ints_of_mixed(requests: list[Any]) -> tuple[list[int], np.ndarray]:
+    """:meth:`HashBatch.from_ints`' values of requests of mixed forms (or
+    arrays of mixed dtypes, or a bad one): ``(lengths, int64 values
+    [total])``, errors naming request and position."""
+    parts: list[np.ndarray] = []
+    flat: list[Any] = []
+    first = 0  # the request flat's items start at
+    lengths = [0] * len(requests)
+    own = True  # whether every part was made here (not a caller's memory)
+    # Python-int requests are gathered in one list and converted by one
+    # struct pass; array requests are checked by dtype and concatenated.
+    # The int list is flushed before each array, so values stay in
+    # request order.
+    for i, req in enumerate(requests):
+        arr = _host_ints(req, i)
+        if arr is not None:
+            if flat:
+                parts.append(_ints_of_list([flat], requests, lengths, first))
+                flat = []
+            parts.append(arr)
+            own = False
+            lengths[i] = arr.shape[0]
+            first = i + 1
+            continue
+        if not isinstance(req, list | tuple):
+            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
+        flat.extend(req)
+        lengths[i] = len(req)
+    if flat or not parts:
+        parts.append(_ints_of_list([flat], requests, lengths, first))
+    if len(parts) > 1:
+        values = np.concatenate(parts)
+    elif own:
+        values = parts[0]  # made here from Python ints
+    else:
+        values = parts[0].copy()  # a caller's memory: never alias it
+    return lengths, values
+
+
+def _ints_of_same(
+    requests: list[Any], kind: type
+) -> tuple[list[int], np.ndarray] | None:
+    """The batch's values when every request is an array of one ``kind``
+    (numpy, torch or ``array.array``) and one integer dtype, 1-D, values in
+    int64: ``(lengths, int64 values [total])``, concatenated in one call
+    (a new array: the caller's memory is never aliased). None when anything
+    is off, for :func:`_ints_of_mixed` to name it."""
+    if kind is np.ndarray:
+        if len({(r.dtype, r.ndim) for r in requests}) != 1:
+            return None
+        dtype = requests[0].dtype
+        if requests[0].ndim != 1 or dtype.kind not in "iu":
+            return None
+        lengths = list(map(len, requests))
+        values = np.concatenate(requests)
+    elif kind is torch.Tensor:
+        dtypes = set(map(_DTYPE, requests))
+        if len(dtypes) != 1 or dtypes.pop() not in _TORCH_INTS:
+            return None
+        lengths = list(map(torch.Tensor.numel, requests))
+        try:
+            # One cat (dense, one device; a sparse or meta tensor fails
+            # here or at numpy()) and one host copy. cat refuses 0-d
+            # tensors and mixed dimensions; all 2-D ones give a 2-D result:
+            # the shape is checked once, after it (a third of a dim() call
+            # per tensor).
+            joined = torch.cat(requests)
+            if joined.dim() != 1:
+                return None
+            values = joined.cpu().numpy()
+        except (RuntimeError, TypeError, NotImplementedError):
+            return None
+        dtype = values.dtype
+    else:
+        codes = set(map(_TYPECODE, requests))
+        if len(codes) != 1 or not codes <= _ARRAY_INT_CODES:
+            return None
+        lengths = list(map(len, requests))
+        values = np.frombuffer(bytearray().join(requests), dtype=requests[0].typecode)
+        dtype = values.dtype
+    if dtype.kind == "u" and dtype.itemsize == 8 and values.size:
+        if (values > np.uint64(_INT64_MAX)).any():
+            return None  # a value past int64: named by the slow path
+    return lengths, values.astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -387,6 +525,29 @@ class RaggedView:
     def with_token_lens(self, token_lens: torch.Tensor | None) -> RaggedView:
         """The same requests with another worker restriction (int64 ``[R]``)."""
         return RaggedView(self.rows, self.offsets, self.lengths, token_lens)
+
+
+def _one_short_list(cls: type[HashBatch], flat: Any) -> HashBatch | None:
+    """:meth:`HashBatch.from_ints` of ``[flat]`` with 8-byte keys on the CPU
+    when ``flat`` is a short list of Python ints inside int64 (None
+    otherwise, for the general path to take or refuse): its offsets and
+    values made by one np.array call, the batch built as the general path
+    builds a CPU batch (tensors made on first use)."""
+    if type(flat) is not list or len(flat) >= _STRUCT_MIN:
+        return None
+    if not set(map(type, flat)) <= {int}:
+        return None  # bools (by type), numpy integers, anything else
+    try:
+        # int64 [2 + n]: the offsets (0, n), then the values.
+        both = np.array([0, len(flat), *flat], dtype=np.int64)
+    except OverflowError:
+        return None
+    words = both[2:].reshape(-1, 1)
+    batch = object.__new__(cls)
+    batch.__dict__.update(
+        hash_bytes=8, _lazy=(words, both[:2]), _host=(words, both[:1], both[1:2])
+    )
+    return batch
 
 
 @dataclass(frozen=True, eq=False)
@@ -497,8 +658,12 @@ class HashBatch:
 
         Args:
             requests: ``B`` requests, each a sequence of Python ints (or numpy
-                integers: whatever ``operator.index`` takes, bools refused) or
-                a 1-D numpy integer array, every value in ``[-2**63, 2**63)``.
+                integers: whatever ``operator.index`` takes; bools refused by
+                their type, 0 and 1 taken) or a 1-D array of an integer dtype
+                (numpy, torch on any device, ``array.array``), every value in
+                ``[-2**63, 2**63)``. A batch of lists, or of arrays of one
+                kind and dtype, converts in a few C-level passes (~10-20 ns
+                per int); mixed forms go request by request.
             hash_bytes: key width. The int is the key's first little-endian
                 word: ``from_ints([[v]], n)`` is the same key as
                 ``from_bytes([[v.to_bytes(8, "little", signed=True) +
@@ -513,28 +678,40 @@ class HashBatch:
         request that is not a sequence) or ValueError (a value outside int64 or
         not fitting ``hash_bytes``), naming the request and position.
         """
+        if (
+            type(hash_bytes) is int
+            and hash_bytes == 8
+            and type(device) is str
+            and device == "cpu"
+            and type(requests) is list
+            and len(requests) == 1
+        ):
+            # A scheduler step of one request, 8-byte keys on the CPU: the
+            # arguments need no other check, so none is run (a third of the
+            # call's time).
+            batch = _one_short_list(cls, requests[0])
+            if batch is not None:
+                return batch
         w = num_words(hash_bytes)
         device = _device(device)
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
             requests = _as_list(requests, "requests", "a sequence of sequences of ints")
-        if len(requests) == 1 and type(requests[0]) is list:
-            # One request (a scheduler step of one): its list is the flat list.
-            lengths = [len(requests[0])]
-            values = _ints_of_list(requests, requests, lengths, 0)
-        elif set(map(type, requests)) <= {list}:
-            # The common case, all lists of ints: C-level loops only.
+        kinds = set(map(type, requests))
+        same = None
+        if kinds <= {list}:
+            # The common case, all lists of Python ints (0 and 1 included):
+            # C-level loops only.
             lengths = list(map(len, requests))
-            values = _ints_of_list(requests, requests, lengths, 0, sum(lengths))
-        elif set(map(type, requests)) == {np.ndarray} and {
-            (r.dtype, r.ndim) for r in requests
-        } == {(_INT64, 1)}:
-            # All 1-D int64 arrays (a router holding numpy hashes): every
-            # value is in range by its dtype, so one check for the whole
-            # batch and one copy (the caller's arrays are never aliased).
-            lengths = list(map(len, requests))
-            values = np.concatenate(requests)
-        else:
-            lengths, values = _ints_of_mixed(requests)
+            same = lengths, _ints_of_list(requests, requests, lengths, 0)
+        elif len(kinds) == 1 and kinds <= _ARRAY_KINDS:
+            # All arrays of one kind (a router holding numpy hashes, torch
+            # tensors or array('q')): one check of the dtypes and one
+            # concatenation for the whole batch.
+            (kind,) = kinds
+            same = _ints_of_same(requests, kind)
+        # Anything else (mixed forms, tuples, a bad request) request by
+        # request, naming the first bad one.
+        lengths, values = same if same is not None else _ints_of_mixed(requests)
         if len(lengths) == 1:
             offsets = np.array((0, lengths[0]), dtype=np.int64)
             host_lengths = offsets[1:]  # a view, no conversion

@@ -254,12 +254,20 @@ def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(argv) == cli.EXIT_MISMATCH
 
 
-def test_bench_peer_absent_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvhit.bench import harness
+def test_bench_peer_absent_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvhit.bench import harness, peer_steps
 
     monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
     rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
     assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
+    # kvhit bench replays through peer_steps: its skip is reported, exit 0.
+    monkeypatch.setattr(peer_steps, "load_dynamo", lambda: (None, "not here either"))
+    argv = ["bench", "--presets", "llama", "--batch-sizes", "4", "--max-tokens",
+            "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit", "5"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_OK
+    assert "skipped dynamo: not here either" in capsys.readouterr().out
 
 
 def test_rows_past() -> None:
@@ -271,3 +279,99 @@ def test_rows_past() -> None:
         np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
     )
     assert got.tolist() == [1, 2, 8, 9]
+
+
+# -- bench/peer_steps.py: the peer replay as a router meets it (issue 33) -----
+
+
+def test_step_inputs_are_raw_trace_ids_in_python_lists() -> None:
+    from kvhit.bench import peer_steps as ps
+
+    inputs = ps.step_inputs(TRACE[:50])
+    assert all(type(r) is list for r in inputs.ints) and type(inputs.tokens) is list
+    assert all(type(v) is int for r in inputs.ints for v in r)
+    assert inputs.ints[0][:2] == [0, 1] and inputs.chains is inputs.ints
+    assert [len(r) for r in inputs.ints] == [t // 512 for t in inputs.tokens]
+    hashed = ps.step_inputs(TRACE[:50], "hashed")
+    assert [len(r) for r in hashed.ints] == [len(r) for r in inputs.ints]
+    assert not {0, 1} & {v for r in hashed.ints for v in r}
+    with pytest.raises(ValueError, match="ids"):
+        ps.step_inputs(TRACE[:5], "cooked")
+
+
+def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import peer_steps as ps
+
+    with pytest.raises(ValueError, match="order"):
+        ps.peer_sweep("dynamo", [1], limit=5, order="sideways")
+    with pytest.raises(ValueError, match="order"):
+        ps.peer_sweep("dynamo", [1], limit=5, order=())
+    with pytest.raises(ValueError, match="ids"):
+        ps.peer_sweep("dynamo", [1], limit=5, ids="cooked")
+    for passes in (0, True, 1.5):
+        with pytest.raises(ValueError, match="passes"):
+            ps.peer_sweep("dynamo", [1], limit=5, passes=passes)
+    with pytest.raises(ValueError, match="peer"):
+        ps.peer_sweep("lmcache", [1], limit=5)
+    monkeypatch.setattr(ps, "load_dynamo", lambda: (None, "not installed here"))
+    rows, skip = ps.peer_sweep("dynamo", [1], limit=5)
+    assert rows == [] and skip == ps.PeerSkip("dynamo", "not installed here")
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_peer_steps_replay_raw_ids_in_both_orders() -> None:
+    from kvhit.bench import peer_steps as ps
+
+    rows, skip = ps.peer_sweep("dynamo", [1, 16], limit=300, passes=2)
+    assert skip is None
+    assert [(r.order, r.batch_size) for r in rows] == [
+        ("separate", 1), ("separate", 16), ("alternate", 1), ("alternate", 16)
+    ]  # fmt: skip
+    # The orders change the timing only: the same answers and stores.
+    by_b = {b: {(r.hit_blocks, r.blocks_stored) for r in rows if r.batch_size == b}
+            for b in (1, 16)}  # fmt: skip
+    assert all(len(v) == 1 for v in by_b.values())
+    assert rows[0].hit_blocks >= rows[1].hit_blocks > 0
+    assert all(r.kvhit_pack_s > 0 and r.kvhit_store_bps > 0 for r in rows)
+    table = ps.format_orders(rows)
+    assert "alternate / separate" in table and table.count("\n") == 4
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_peer_steps_mismatch_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvhit.bench import peer_steps as ps
+    from kvhit.bench.peers import DynamoIndex
+
+    real = DynamoIndex.find
+    monkeypatch.setattr(
+        DynamoIndex, "find", lambda self, chains: [n + 1 for n in real(self, chains)]
+    )
+    with pytest.raises(ps.PeerMismatchError, match="dynamo disagrees"):
+        ps.peer_sweep("dynamo", [4], limit=20, order="alternate")
+    # kvhit bench passes its own error class (exit 1 on a mismatch).
+    with pytest.raises(MismatchError, match="dynamo disagrees"):
+        ps.peer_sweep("dynamo", [4], limit=20, mismatch=MismatchError)
+
+
+def test_peer_rows_past() -> None:
+    import numpy as np
+
+    from kvhit.bench import peer_steps as ps
+
+    got = ps.rows_past(
+        np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
+    )
+    assert got.tolist() == [1, 2, 8, 9]
+
+
+def test_from_ints_rates_time_every_form() -> None:
+    from kvhit.bench import peer_steps as ps
+    from kvhit.bench import peer_targets as pt
+
+    ints = ps.step_inputs(TRACE[:40]).ints
+    slow = lambda reqs: None  # noqa: E731
+    rates = pt.from_ints_rates(ints, batch=8, repeats=1, steps=2,
+                               impls={"a": slow, "b": slow})  # fmt: skip
+    assert list(rates) == list(pt.FORMS) and all(
+        set(r) == {"a", "b"} and min(r.values()) >= 0 for r in rates.values()
+    )

@@ -1,0 +1,277 @@
+"""Issue 33's targets table: kvhit beside Dynamo as a router meets them.
+
+``python -m kvhit.bench.peer_targets`` (with ``NUMBA_NUM_THREADS=1``)
+prints, as Markdown, on the shipped conversation trace: lookup incl. packing
+vs Dynamo and kvhit's stores at B = 1, 64, 1024 (:func:`~kvhit.bench
+.peer_steps.peer_sweep`: raw trace ids in Python lists, both orders), the
+fleet at B = 64 vs Dynamo at E = 8 and 64 (``bench_fleet.versus_dynamo``, raw
+ids, both orders) and ``HashBatch.from_ints`` ns per int per input form
+(:func:`from_ints_rates`; ``--baseline-packing`` times another copy of
+``coordinator/packing.py`` beside the current one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
+from kvhit.bench.peers import DYNAMO
+
+__all__ = ["FORMS", "from_ints_rates", "main", "targets"]
+
+
+#: The input forms :func:`from_ints_rates` times: name -> one request's
+#: Python int list in that form.
+FORMS: dict[str, Callable[[list[int]], Any]] = {
+    "list of int": list,
+    "numpy int64": lambda r: np.array(r, dtype=np.int64),
+    "numpy int32": lambda r: np.array(r, dtype=np.int32),
+    "numpy uint64": lambda r: np.array(r, dtype=np.uint64),
+    "array('q')": lambda r: array("q", r),
+    "torch int64": lambda r: _torch().tensor(r, dtype=_torch().int64),
+    "torch int32": lambda r: _torch().tensor(r, dtype=_torch().int32),
+}
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def from_ints_rates(
+    ints: Sequence[list[int]],
+    batch: int = 64,
+    repeats: int = 9,
+    steps: int = 100,
+    impls: dict[str, Callable[[Any], Any]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """ns per int of ``from_ints`` on steps of ``batch`` requests of ``ints``
+    (the first ``steps`` steps), per input form of :data:`FORMS`: each step's
+    best time over ``repeats`` passes, summed over the steps (a step takes
+    tens of us, so on a shared host the best of a few misses the other
+    processes' time slices, where a whole pass would not). ``impls``: name ->
+    a ``from_ints`` to time (default the current one), each over all the
+    steps in turn within every pass, so a load change hits all alike. Returns ``{form: {impl: ns per
+    int}}``."""
+    from kvhit.coordinator.packing import HashBatch
+
+    impls = impls or {"from_ints": HashBatch.from_ints}
+    chunks = [list(ints[lo : lo + batch]) for lo in range(0, len(ints), batch)]
+    chunks = [c for c in chunks if len(c) == batch][:steps] or [list(ints)]
+    n = sum(len(r) for c in chunks for r in c)
+    perf = time.perf_counter
+    out: dict[str, dict[str, float]] = {}
+    for name, form in FORMS.items():
+        data = [[form(r) for r in c] for c in chunks]
+        best = {tag: [float("inf")] * len(data) for tag in impls}
+        for fn in impls.values():
+            for c in data[:3]:
+                fn(c)
+        for _ in range(repeats):
+            for tag, fn in impls.items():
+                # One implementation over every step, then the next: a call
+                # right after another implementation's on the same step would
+                # find that step's data in cache (up to 2x faster here) or
+                # the caches flushed by a slow one's garbage.
+                mine = best[tag]
+                for k, c in enumerate(data):
+                    t0 = perf()
+                    fn(c)
+                    t = perf() - t0
+                    if t < mine[k]:
+                        mine[k] = t
+        out[name] = {tag: sum(t) / n * 1e9 for tag, t in best.items()}
+    return out
+
+
+#: Issue 33's targets: lookup vs Dynamo by batch size, stores in M blocks/s
+#: (B = 1, then B >= 64), fleet at B = 64 vs Dynamo, from_ints ns per int.
+LOOKUP_TARGETS = {1: 2.0, 64: 8.0, 1024: 10.0}
+STORE_TARGETS = {1: 2.0, 64: 10.0, 1024: 10.0}
+FLEET_TARGET = 8.0
+PACK_TARGET_NS = 40.0
+
+
+def _load_from_ints(path: str) -> Callable[..., Any]:
+    """``HashBatch.from_ints`` of another copy of ``coordinator/packing.py``
+    (e.g. ``git show HEAD~3:coordinator/packing.py > /tmp/old.py``), for a
+    before/after in one process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvhit_packing_before", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"baseline_packing: cannot load {path!r}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.HashBatch.from_ints
+
+
+def targets(
+    trace: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    batch_sizes: Sequence[int] = (1, 64, 1024),
+    fleet_engines: Sequence[int] = (8, 64),
+    fleet_warm: int = 1024,
+    repeats: int = 15,
+    baseline_packing: str | None = None,
+    quiet: bool = True,
+    passes: int = 3,
+) -> str:
+    """Issue 33's targets table on ``trace`` (default: the shipped
+    conversation trace), as Markdown: lookup incl. packing vs Dynamo and
+    kvhit's stores (:func:`peer_sweep`, raw ids, both orders), the fleet at
+    B = 64 vs Dynamo (``bench_fleet.versus_dynamo``, raw ids, both orders; on
+    the shipped trace only) and ``from_ints`` ns per int per input form
+    (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
+    copy's). ``passes``: replays of each (order, B), each step's best time
+    taken. Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
+    import io
+
+    import torch
+
+    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
+
+    torch.set_num_threads(1)
+    rows, skip = peer_sweep(DYNAMO, batch_sizes, limit, quiet, trace, passes=passes)
+    out = [
+        f"numba threads: {os.environ.get('NUMBA_NUM_THREADS', 'default')}; trace: "
+        f"{os.path.basename(str(trace or SHIPPED_TRACE))}"
+        + (f", first {limit} requests" if limit else "")
+        + "; inputs: raw trace ids as Python lists, lengths as a list; each "
+        f"step's best of {passes} replays; figures as alternate / separate\n"
+    ]
+    if skip is not None:
+        out.append(f"Dynamo skipped: {skip.reason}\n")
+    else:
+        by = {(r.batch_size, r.order): r for r in rows}
+
+        def both(b: int, f: Callable[[PeerRow], float], fmt: str) -> str:
+            return " / ".join(
+                format(f(by[(b, o)]), fmt) for o in ("alternate", "separate")
+            )
+
+        out += [
+            "| target | " + " | ".join(f"B = {b}" for b in batch_sizes) + " |",
+            "|---|" + "---:|" * len(batch_sizes),
+            "| lookup incl. packing vs Dynamo (target "
+            + ", ".join(f"{LOOKUP_TARGETS.get(b, 0):g}x" for b in batch_sizes)
+            + ") | "
+            + " | ".join(
+                both(b, lambda r: r.lookup_ratio, ".1f") + "x" for b in batch_sizes
+            )
+            + " |",
+            "| kvhit lookup us/request (of it from_ints) | "
+            + " | ".join(
+                both(b, lambda r: r.kvhit_lookup_s * 1e6, ".1f")
+                + " ("
+                + both(b, lambda r: r.kvhit_pack_s * 1e6, ".1f")
+                + ")"
+                for b in batch_sizes
+            )
+            + " |",
+            "| Dynamo us/request | "
+            + " | ".join(
+                both(b, lambda r: r.peer_lookup_s * 1e6, ".1f") for b in batch_sizes
+            )
+            + " |",
+            "| stores (KeyIndex.add) M blocks/s (target "
+            + ", ".join(f"{STORE_TARGETS.get(b, 10):g}" for b in batch_sizes)
+            + ") | "
+            + " | ".join(
+                both(b, lambda r: r.kvhit_store_bps / 1e6, ".2f") for b in batch_sizes
+            )
+            + " |",
+            "| Dynamo stores (events applied) M blocks/s | "
+            + " | ".join(
+                both(b, lambda r: r.peer_store_bps / 1e6, ".2f") for b in batch_sizes
+            )
+            + " |",
+            "",
+        ]
+        if trace is None and fleet_engines:
+            from kvhit.bench import bench_fleet
+
+            fleet = bench_fleet.versus_dynamo(
+                fleet_engines, fleet_warm, 64, repeats, io.StringIO()
+            )
+            out += [
+                f"| fleet_hits at B = 64 vs Dynamo (target {FLEET_TARGET:g}x) | "
+                "kvhit us/request | Dynamo us/request | ratio |",
+                "|---|---:|---:|---:|",
+            ]
+            for e, aa, ba, asep, bsep, _n in fleet:
+                out.append(
+                    f"| E = {e} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
+                    f"{ba / aa:.1f}x / {bsep / asep:.1f}x |"
+                )
+            out.append("")
+    requests = load_trace(trace or SHIPPED_TRACE, limit)
+    impls = {"after": None}
+    if baseline_packing is not None:
+        impls = {"before": _load_from_ints(baseline_packing), "after": None}
+    from kvhit.coordinator.packing import HashBatch
+
+    impls = {k: v or HashBatch.from_ints for k, v in impls.items()}
+    rates = from_ints_rates(step_inputs(requests).ints, impls=impls)
+    head = " | ".join(impls)
+    out += [
+        f"| from_ints, steps of 64 requests, ns/int (target <= {PACK_TARGET_NS:g}) | "
+        + head
+        + " |",
+        "|---|" + "---:|" * len(impls),
+    ]
+    for form, r in rates.items():
+        out.append(f"| {form} | " + " | ".join(f"{r[k]:.1f}" for k in impls) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print issue 33's targets table (Markdown)."""
+    p = argparse.ArgumentParser(description="issue 33's targets vs Dynamo")
+    p.add_argument("--trace", default=None, help="a Mooncake-format trace")
+    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--batch-sizes", default="1,64,1024")
+    p.add_argument("--fleet-engines", default="8,64", help="'' for none")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="replays of each (order, B) on fresh stores, each step's best "
+        "time taken (default 3)",
+    )
+    p.add_argument(
+        "--baseline-packing",
+        default=None,
+        metavar="FILE.py",
+        help="another copy of coordinator/packing.py whose from_ints is timed "
+        "beside the current one",
+    )
+    args = p.parse_args(argv)
+    sys.stdout.write(
+        targets(
+            args.trace,
+            args.limit,
+            [int(b) for b in args.batch_sizes.split(",")],
+            [int(e) for e in args.fleet_engines.split(",") if e],
+            repeats=args.repeats,
+            baseline_packing=args.baseline_packing,
+            quiet=False,
+            passes=args.passes,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
