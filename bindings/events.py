@@ -12,7 +12,6 @@ and ``events.apply`` keep working.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import threading
@@ -47,6 +46,7 @@ from kvhit.bindings.kv_events import (
     check_seconds,
     commit_plan,
     decode_batch,
+    decode_keys,
     encode_batch,
     hash_to_bytes,
     index_hash_bytes,
@@ -80,22 +80,21 @@ logger = logging.getLogger(__name__)
 
 # --- the follower.
 
-#: How many applied batches' digests the follower remembers, to tell an exact
-#: duplicate (dropped) from a batch of a restarted publisher (same seq, other
-#: bytes: every vLLM batch carries its creation time).
+#: How many applied batches the follower remembers, byte for byte, to tell an
+#: exact duplicate (dropped) from a batch of a restarted publisher (same seq,
+#: other bytes: every vLLM batch carries its creation time). Comparing the
+#: payloads kept (ZMQ's own bytes objects, no copy) costs nothing on the
+#: in-order path, where a digest cost ~60 ns a block. A seq older than what
+#: is remembered counts as a restart's (rebuilt from replay when possible).
 _RECENT = 16_384
+#: ... and at most this many payload bytes (64 followers: 256 MiB at most).
+_RECENT_BYTES = 4 << 20
 
 
 @dataclass
 class _Msg:
     seq: int
     payload: bytes
-    _digest: bytes | None = None
-
-    def digest(self) -> bytes:
-        if self._digest is None:
-            self._digest = hashlib.blake2b(self.payload, digest_size=16).digest()
-        return self._digest
 
 
 @dataclass
@@ -133,7 +132,7 @@ class EventFollower:
     under it. Decoding and replay happen outside the lock.
 
     **Stream integrity.** Every batch is identified by its sequence number and
-    a digest of its bytes:
+    its bytes:
 
     - an exact duplicate (same seq, same bytes) is dropped silently;
     - a batch ahead of the next expected one is held in a reorder buffer
@@ -262,7 +261,8 @@ class EventFollower:
         self.next_seq: int | None = start_seq
         #: Sequence after the last batch whose effects are in the index.
         self.committed_seq: int | None = None
-        self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> digest
+        self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> payload
+        self._recent_bytes = 0
         self._ahead: dict[int, _Msg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
         self._disconnected = False
@@ -546,7 +546,7 @@ class EventFollower:
         if self.next_seq is None:
             self.next_seq = seq
         if seq < self.next_seq:
-            if self._recent.get(seq) == msg.digest():
+            if self._recent.get(seq) == msg.payload:
                 self.duplicates += 1  # exact duplicate (or replayed already)
                 return pending
             reason = f"seq {seq} differs from the batch applied at that seq"
@@ -557,7 +557,7 @@ class EventFollower:
                 if self._ahead_since is None:
                     self._ahead_since = time.monotonic()
                 return pending
-            if held.digest() == msg.digest():
+            if held.payload == msg.payload:
                 self.duplicates += 1
                 return pending
             reason = f"two different batches with seq {seq}"
@@ -588,27 +588,21 @@ class EventFollower:
     def _absorb(self, pending: _Pending, msg: _Msg) -> None:
         """Decode one in-order batch into ``pending``."""
         self.next_seq = msg.seq + 1
-        recent = self._recent
-        recent[msg.seq] = msg.digest()
-        recent.move_to_end(msg.seq)
-        if len(recent) > _RECENT:
-            recent.popitem(last=False)
+        self._remember(msg)
         try:
-            batch = decode_batch(msg.payload)
+            plan = plan_events(
+                decode_keys(msg.payload).events,
+                self._hash_bytes,
+                self._media,
+                self._honor_clears,
+                self._default_group_id,
+            )
         except MalformedPayload as exc:
             # The batch is lost for good (a replay returns the same bytes).
             self.malformed += 1
             self.stale = True
             self.last_error = f"seq {msg.seq}: {exc}"
             return
-        try:
-            plan = plan_events(
-                batch.events,
-                self._hash_bytes,
-                self._media,
-                self._honor_clears,
-                self._default_group_id,
-            )
         except (TypeError, ValueError) as exc:
             self.apply_errors += 1
             self.stale = True
@@ -617,13 +611,31 @@ class EventFollower:
         pending.plan.merge(plan)
         pending.batches += 1
 
+    def _remember(self, msg: _Msg) -> None:
+        """Keep ``msg``'s bytes under its seq, within the count and byte bounds."""
+        recent = self._recent
+        old = recent.pop(msg.seq, None)
+        if old is not None:
+            self._recent_bytes -= len(old)
+        recent[msg.seq] = msg.payload
+        self._recent_bytes += len(msg.payload)
+        # The newest batch stays whatever its size: it anchors replays.
+        while len(recent) > 1 and (
+            len(recent) > _RECENT or self._recent_bytes > _RECENT_BYTES
+        ):
+            self._recent_bytes -= len(recent.popitem(last=False)[1])
+
+    def _forget(self) -> None:
+        self._recent.clear()
+        self._recent_bytes = 0
+
     def _flush(self, pending: _Pending) -> None:
         """Commit ``pending`` (O(1) under the lock, see ``commit_plan``).
 
         Also publishes ``next_seq`` as committed, for :meth:`wait_for_seq`.
         """
         plan = pending.plan
-        if pending.batches or plan.clear or plan.ops or plan.skipped:
+        if pending.batches or not plan.empty or plan.skipped:
             try:
                 stats = commit_plan(self.index, plan, self.lock, sync=True)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory
@@ -698,7 +710,7 @@ class EventFollower:
         msgs = self._replay(start, stop)
         if msgs is None or anchor is None:
             return msgs
-        if not msgs or msgs[0].seq != anchor_seq or msgs[0].digest() != anchor:
+        if not msgs or msgs[0].seq != anchor_seq or msgs[0].payload != anchor:
             raise _Restart(
                 f"the replay does not continue the stream at seq {anchor_seq}"
             )
@@ -731,7 +743,7 @@ class EventFollower:
             return  # a probe without an answer: nothing learned
         for m in msgs or ():
             live = self._ahead.get(m.seq)
-            if live is not None and live.digest() != m.digest():
+            if live is not None and live.payload != m.payload:
                 self._restart(f"{why}: replay and live stream disagree at seq {m.seq}")
                 return
             if m.seq >= self.next_seq:
@@ -764,7 +776,7 @@ class EventFollower:
         if msgs is not None and [m.seq for m in msgs] == list(range(len(msgs))):
             # Its whole life is in the buffer: the index becomes its state,
             # cleared and refilled in one commit.
-            self._recent.clear()
+            self._forget()
             self.next_seq = 0
             self.stale = False
             pending = _Pending()
@@ -777,7 +789,7 @@ class EventFollower:
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"
             return
-        self._recent.clear()
+        self._forget()
         self.stale = True
         self.last_error = (
             f"publisher restarted ({reason}); its replay buffer does not reach "
