@@ -543,6 +543,7 @@ class EventFollower:
         Returns the pending commit (a new one after a restart flushed it).
         """
         seq = msg.seq
+        restarts_before = self.publisher_restarts
         if self.next_seq is None:
             self.next_seq = seq
         if seq < self.next_seq:
@@ -571,7 +572,14 @@ class EventFollower:
             self.foreign += 1
             return pending
         self._flush(pending)
-        self._restart(reason)
+        # A straggler of a publisher already replaced (still queued, or held
+        # in the reorder buffer), or a new publisher? The replay endpoint
+        # knows: if it still continues our stream the message is foreign and
+        # one short replay settles it, instead of a full rebuild per
+        # straggler. Without an answer, assume a restart.
+        if self._catch_up(f"check ({reason})") != "verified":
+            if self.publisher_restarts == restarts_before:
+                self._restart(reason)
         return self._accept(msg, _Pending(), retry=False)
 
     def _drain_ahead(self, pending: _Pending) -> None:
@@ -716,15 +724,26 @@ class EventFollower:
             )
         return msgs[1:]
 
-    def _catch_up(self, why: str, must_verify: bool = False) -> None:
+    def _catch_up(self, why: str, must_verify: bool = False) -> str:
         """Fill what is missing before the reorder buffer (or, with nothing
         held, after ``next_seq``) from the replay endpoint, in order.
 
+        The replay is the authority on what the publisher sent: it is read
+        after the publisher buffered every batch it sent, and its first batch
+        proves it continues our stream (``_verified_replay``). So a held live
+        batch that differs from the replay's, or lies beyond the publisher's
+        last batch, is a straggler from a publisher already replaced: it is
+        dropped (``foreign``), never applied.
+
         ``must_verify``: no answer marks the index stale (after a
         reconnection, silence cannot tell a restart from a blip).
+
+        Returns ``"verified"`` (the replay answered and continues the
+        stream), ``"restart"`` (it did not: handled by :meth:`_restart`) or
+        ``"silent"`` (no replay endpoint, no answer or nothing to ask).
         """
         if self.next_seq is None:
-            return
+            return "silent"
         held = bool(self._ahead)
         stop = max(self._ahead) + 1 if held else None
         if held:
@@ -735,17 +754,23 @@ class EventFollower:
                 msgs = self._verified_replay(stop)
             except _Restart as exc:
                 self._restart(f"{why}: {exc}")
-                return
+                return "restart"
         if msgs is None and not held:
             if must_verify:
                 self.stale = True
                 self.last_error = f"{why}: the replay endpoint did not answer"
-            return  # a probe without an answer: nothing learned
+            return "silent"  # a probe without an answer: nothing learned
+        if msgs is not None:
+            # The publisher's buffer is contiguous: nothing after its last
+            # batch (or after our anchor, when it has nothing newer) exists.
+            last = msgs[-1].seq if msgs else self.next_seq - 1
+            for seq in [s for s in self._ahead if s > last]:
+                del self._ahead[seq]
+                self.foreign += 1
         for m in msgs or ():
             live = self._ahead.get(m.seq)
             if live is not None and live.payload != m.payload:
-                self._restart(f"{why}: replay and live stream disagree at seq {m.seq}")
-                return
+                self.foreign += 1  # the replay's batch replaces it below
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
         pending = _Pending()
@@ -768,6 +793,7 @@ class EventFollower:
         elif held:
             self.gaps_recovered += 1
         self._flush(pending)
+        return "silent" if msgs is None else "verified"
 
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""
@@ -783,8 +809,12 @@ class EventFollower:
             pending.plan.clear = True
             for m in msgs:
                 self._absorb(pending, m)
-            # Held live batches newer than the replay are the new publisher's.
-            self._drain_ahead(pending)
+            # Held live batches may be the old publisher's (held for a
+            # reorder when it was replaced): drop them all. The new
+            # publisher's come back through the next gap's replay.
+            self.foreign += len(self._ahead)
+            self._ahead.clear()
+            self._ahead_since = None
             self._flush(pending)
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"
