@@ -141,13 +141,24 @@ class EventFollower:
       the replay endpoint, or the index marked stale;
     - a replay must start with the last batch applied, byte for byte, so a
       new publisher is never taken for the old one with a gap;
-    - a publisher restart (a seq already applied with other bytes, a replay
-      that does not continue the stream, or a reconnection of the SUB socket
-      seen through pyzmq's socket monitor) makes the follower rebuild the
-      index from the new publisher's replay buffer when that reaches back to
-      its first batch (seq 0): cleared and refilled in one commit, equal to
-      the new publisher's state. Otherwise (no replay endpoint, buffer
-      wrapped) the index is marked stale.
+    - a batch that conflicts with what was applied or held (same seq, other
+      bytes) is checked against the replay endpoint: while the replay still
+      continues the stream, the replay's batches are the publisher's and the
+      conflicting live one is a straggler of a publisher already replaced
+      (``foreign``, dropped), as is a held batch beyond the publisher's last;
+    - a publisher restart (a replay that does not continue the stream, a
+      conflict with no replay to check it, or a reconnection of the SUB
+      socket seen through pyzmq's socket monitor) makes the follower rebuild
+      the index from the new publisher's replay buffer when that reaches
+      back to its first batch (seq 0): cleared and refilled in one commit,
+      equal to the new publisher's state; batches held for a reorder are
+      dropped with the old publisher (the new one's come back by replay).
+      Otherwise (no replay endpoint, buffer wrapped) the index is marked
+      stale.
+
+    Replays are bounded by the faults: one at start-up, one per gap, at most
+    two per conflict or restart (the check, then the rebuild), never one per
+    batch; ``tests/test_event_storm.py`` holds 64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),

@@ -490,6 +490,13 @@ def _key_set(index: Any) -> set[tuple[int, bytes]]:
     return set(zip(g.tolist(), unpack_hashes(h, HASH_BYTES), strict=True))
 
 
+def stores(engine: int, i: int, ts: float) -> bytes:
+    """A batch storing three keys of ``engine`` (block ``i``'s)."""
+    hashes = [_hash(engine, 3 * i + j) for j in range(3)]
+    event = kv.BlockStored(hashes, None, [], 16, None, "GPU", None, group_idx=0)
+    return kv.encode_batch(kv.KVEventBatch(ts, [event]))
+
+
 def test_held_batch_of_replaced_publisher_never_applied():
     """The storm's first find: a batch held for a reorder when its publisher
     was replaced used to be applied as the new publisher's after the rebuild
@@ -501,11 +508,6 @@ def test_held_batch_of_replaced_publisher_never_applied():
     pub = StormPublisher(ctx)
     server = ReplayServer([pub])
     index = KeyIndex(HASH_BYTES, capacity=64)
-
-    def stores(engine: int, i: int, ts: float) -> bytes:
-        hashes = [_hash(engine, 3 * i + j) for j in range(3)]
-        event = kv.BlockStored(hashes, None, [], 16, None, "GPU", None, group_idx=0)
-        return kv.encode_batch(kv.KVEventBatch(ts, [event]))
 
     old = [stores(1, i, 1.0 + i) for i in range(3)]
     new = [stores(2, i, 10.0 + i) for i in range(2)]
@@ -532,3 +534,55 @@ def test_held_batch_of_replaced_publisher_never_applied():
         server.close()
         pub.close()
         ctx.term()
+
+
+def test_stragglers_of_replaced_publisher_are_foreign():
+    """Old batches arriving after the rebuild (below and beyond the new
+    publisher's last seq) are dropped after one short replay each, with no
+    second rebuild and nothing applied."""
+    from kvhit import KeyIndex
+    from kvhit.bindings.events import EventFollower
+
+    ctx = zmq.Context()
+    pub = StormPublisher(ctx)
+    server = ReplayServer([pub])
+    index = KeyIndex(HASH_BYTES, capacity=64)
+    old = [stores(1, i, 1.0 + i) for i in range(3)]
+    new = [stores(2, i, 10.0 + i) for i in range(2)]
+    f = EventFollower(
+        pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, reorder_wait_s=0.05
+    )
+    try:
+        f.start()
+        pub.wait_subscriber()
+        assert f.wait_for_seq(-1, WAIT_S)
+        for payload in old:
+            pub.publish(payload)
+        assert f.wait_for_seq(2, WAIT_S)
+        pub.reset()
+        pub.publish(new[0])
+        assert _wait_until(lambda: f.rebuilds == 1)
+        replays = f.replays_requested
+        frames = [[pub.topic, s.to_bytes(8, "big"), old[s]] for s in (0, 2)]
+        for fr in frames:  # stragglers: seq 0 (applied), seq 2 (beyond)
+            pub._send(fr)
+        assert _wait_until(lambda: f.foreign >= 2)
+        pub.publish(new[1])
+        assert f.wait_for_seq(1, WAIT_S)
+        assert _key_set(index) == _replay_set(new)
+        assert not f.stale and f.rebuilds == 1 and f.publisher_restarts == 1
+        assert f.replays_requested - replays <= 2
+    finally:
+        f.stop()
+        server.close()
+        pub.close()
+        ctx.term()
+
+
+def _wait_until(cond: Any) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
