@@ -85,10 +85,16 @@ logger = logging.getLogger(__name__)
 #: other bytes: every vLLM batch carries its creation time). Comparing the
 #: payloads kept (ZMQ's own bytes objects, no copy) costs nothing on the
 #: in-order path, where a digest cost ~60 ns a block. A seq older than what
-#: is remembered counts as a restart's (rebuilt from replay when possible).
-_RECENT = 16_384
-#: ... and at most this many payload bytes (64 followers: 256 MiB at most).
-_RECENT_BYTES = 4 << 20
+#: is remembered is a conflict like any other: checked by replay.
+_RECENT = 1024
+#: ... and at most this many payload bytes (64 followers: 64 MiB at most).
+_RECENT_BYTES = 1 << 20
+#: After a replay proved the stream continues, batches older than what is
+#: remembered (nothing to compare them with) that arrive in the next this
+#: many seconds are stragglers without another replay: a flood of them (live
+#: copies of a long replay) costs at most one replay per interval. A batch
+#: that differs from one remembered is always checked.
+_CHECK_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -274,6 +280,7 @@ class EventFollower:
         self.committed_seq: int | None = None
         self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> payload
         self._recent_bytes = 0
+        self._verified_until = -math.inf  # see _CHECK_INTERVAL_S
         self._ahead: dict[int, _Msg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
         self._disconnected = False
@@ -582,15 +589,22 @@ class EventFollower:
             # publisher that is gone (or junk). The index is already rebuilt.
             self.foreign += 1
             return pending
+        if seq not in self._recent and time.monotonic() < self._verified_until:
+            # Older than what is remembered, so no evidence either way, and
+            # the stream was proved moments ago. A mismatch with a batch
+            # remembered is always checked: that is how a restart shows.
+            self.foreign += 1
+            return pending
         self._flush(pending)
         # A straggler of a publisher already replaced (still queued, or held
         # in the reorder buffer), or a new publisher? The replay endpoint
         # knows: if it still continues our stream the message is foreign and
         # one short replay settles it, instead of a full rebuild per
         # straggler. Without an answer, assume a restart.
-        if self._catch_up(f"check ({reason})") != "verified":
-            if self.publisher_restarts == restarts_before:
-                self._restart(reason)
+        if self._catch_up(f"check ({reason})") == "verified":
+            self._verified_until = time.monotonic() + _CHECK_INTERVAL_S
+        elif self.publisher_restarts == restarts_before:
+            self._restart(reason)
         return self._accept(msg, _Pending(), retry=False)
 
     def _drain_ahead(self, pending: _Pending) -> None:
@@ -809,6 +823,7 @@ class EventFollower:
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""
         self.publisher_restarts += 1
+        self._verified_until = -math.inf  # what was proved was the old stream
         msgs = self._replay(0, None) if self.replay_endpoint is not None else None
         if msgs is not None and [m.seq for m in msgs] == list(range(len(msgs))):
             # Its whole life is in the buffer: the index becomes its state,
