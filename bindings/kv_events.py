@@ -455,15 +455,15 @@ def hash_words(hashes: Any, hash_bytes: int, where: str) -> np.ndarray:
     return _words_of_bytes(b"".join(keys), n, hash_bytes)
 
 
-def _array_head(buf: np.ndarray) -> tuple[int, int] | None:
-    """(items, offset of the first item) of the msgpack array in ``buf``."""
-    head = int(buf[0]) if buf.shape[0] else -1
+def _array_head(data: bytes) -> tuple[int, int] | None:
+    """(items, offset of the first item) of the msgpack array in ``data``."""
+    head = data[0] if data else -1
     if 0x90 <= head <= 0x9F:
         return head - 0x90, 1
-    if head == 0xDC and buf.shape[0] >= 3:
-        return int(buf[1]) << 8 | int(buf[2]), 3
-    if head == 0xDD and buf.shape[0] >= 5:
-        return int.from_bytes(buf[1:5].tobytes(), "big"), 5
+    if head == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    if head == 0xDD and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big"), 5
     return None
 
 
@@ -477,25 +477,39 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
     - ``hash_bytes == 8`` and every hash a ``uint 64`` (``0xcf``, 8 bytes
       big-endian, what msgpack writes for ints >= 2**32): the key is
       ``h.to_bytes(8, "big")``, i.e. exactly the 8 bytes on the wire.
+
+    Either way the words are a strided view of the bytes, copied once.
     """
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    head = _array_head(buf)
+    data = bytes(raw)
+    head = _array_head(data)
     if head is None:
         return None
     n, off = head
+    w = num_words(hash_bytes)
     if n == 0:
-        return np.empty((0, num_words(hash_bytes)), dtype=np.int64)
-    body = buf[off:]
-    if hash_bytes == 8 and body.shape[0] == 9 * n:
-        rows = body.reshape(n, 9)
-        if (rows[:, 0] == 0xCF).all():
-            return _words_of_bytes(rows[:, 1:].tobytes(), n, 8)
+        return np.empty((0, w), dtype=np.int64)
+    size = len(data) - off
+    if hash_bytes == 8 and size == 9 * n:
+        if data[off::9] != b"\xcf" * n:
+            return None
+        skip, stride = 1, 9
+    elif hash_bytes < 256 and size == (2 + hash_bytes) * n:
+        stride = 2 + hash_bytes
+        if (
+            data[off::stride] != b"\xc4" * n
+            or data[off + 1 :: stride] != bytes((hash_bytes,)) * n
+        ):
+            return None
+        if hash_bytes != 8 * w:  # a padded last word: the general packing
+            keys = np.ndarray(
+                (n, hash_bytes), np.uint8, data, off + 2, (stride, 1)
+            ).tobytes()
+            return _words_of_bytes(keys, n, hash_bytes)
+        skip = 2
+    else:
         return None
-    if hash_bytes < 256 and body.shape[0] == (2 + hash_bytes) * n:
-        rows = body.reshape(n, 2 + hash_bytes)
-        if (rows[:, 0] == 0xC4).all() and (rows[:, 1] == hash_bytes).all():
-            return _words_of_bytes(rows[:, 2:].tobytes(), n, hash_bytes)
-    return None
+    view = np.ndarray((n, w), LE_INT64, data, off + skip, (stride, 8))
+    return view.astype(np.int64)  # a contiguous, native-order copy
 
 
 _HASHES_DECODER = msgspec.msgpack.Decoder(list[ExternalBlockHash])
@@ -663,7 +677,7 @@ def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
     if not plan.parts:
         return PlanKeys(None, None)
     removes, adds = _net_effect(plan.parts)
-    cpu = torch.device(device).type == "cpu"
+    cpu = device == "cpu" or getattr(device, "type", None) == "cpu"
 
     def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
         if keys is None:
@@ -721,6 +735,12 @@ def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
     return True
 
 
+def _device_type(device: Any) -> str:
+    return (
+        device.type if isinstance(device, torch.device) else torch.device(device).type
+    )
+
+
 def commit_plan(
     index: Any, plan: EventPlan, lock: Any = None, sync: bool = False
 ) -> ApplyStats:
@@ -761,7 +781,7 @@ def commit_plan(
                 )
                 add = index.add_trusted if trusted else index.add
                 added = add(*keys.adds)
-        if sync and torch.device(device).type == "cuda":
+        if sync and _device_type(device) == "cuda":
             torch.cuda.current_stream(device).synchronize()
     # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
     # here, after the lock: freeing a large table takes a while.
