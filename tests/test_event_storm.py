@@ -618,3 +618,46 @@ def _wait_until(cond: Any) -> bool:
             return False
         time.sleep(0.002)
     return True
+
+
+def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeypatch):
+    """Live copies older than what the follower remembers cost one replay per
+    _CHECK_INTERVAL_S, not one each; a batch that differs from one it
+    remembers is checked every time (a restart shows there)."""
+    from kvhit import KeyIndex
+    from kvhit.bindings import events as events_mod
+
+    monkeypatch.setattr(events_mod, "_RECENT", 4)
+    monkeypatch.setattr(events_mod, "_CHECK_INTERVAL_S", 5.0)
+    ctx = zmq.Context()
+    pub = StormPublisher(ctx)
+    server = ReplayServer([pub])
+    index = KeyIndex(HASH_BYTES, capacity=64)
+    batches = [stores(1, i, 1.0 + i) for i in range(10)]
+    f = events_mod.EventFollower(pub.endpoint, pub.replay_endpoint, index, topic=TOPIC)
+    try:
+        f.start()
+        pub.wait_subscriber()
+        assert f.wait_for_seq(-1, WAIT_S)
+        for payload in batches:
+            pub.publish(payload)
+        assert f.wait_for_seq(9, WAIT_S)
+        replays = f.replays_requested
+
+        def copy(seq: int, payload: bytes) -> None:
+            pub._send([pub.topic, seq.to_bytes(8, "big"), payload])
+
+        for seq in (2, 1, 3, 0):  # forgotten: only the first one is checked
+            copy(seq, batches[seq])
+        assert _wait_until(lambda: f.foreign == 4)
+        assert f.replays_requested == replays + 1
+        copy(8, stores(3, 0, 99.0))  # differs from a remembered batch
+        assert _wait_until(lambda: f.foreign == 5)
+        assert f.replays_requested == replays + 2
+        assert _key_set(index) == _replay_set(batches)
+        assert not f.stale and f.publisher_restarts == 0
+    finally:
+        f.stop()
+        server.close()
+        pub.close()
+        ctx.term()
