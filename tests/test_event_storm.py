@@ -314,8 +314,8 @@ class Storm:
             for e, p in enumerate(self.pubs)
         ]
         self.ff = FleetFollower(self.fleet, streams, replay_timeout_s=5.0)
-        for e in slow:  # slow consumers: every commit takes 3 ms
-            self.ff.followers[e].on_commit = lambda stats: time.sleep(0.003)
+        for e in slow:  # slow consumers: every commit takes 20 ms
+            self.ff.followers[e].on_commit = lambda stats: time.sleep(0.02)
             self.ff.followers[e].rcvhwm = 4
         self.ff.start()
         for p in self.pubs:
@@ -329,7 +329,7 @@ class Storm:
         self.unfollowed: set[int] = set()
         self.ts = time.time()
 
-    def run(self, rounds: int, restarts: int, removals: int) -> None:
+    def run(self, rounds: int, restarts: int, removals: int, flood: int = 1500) -> None:
         """``rounds`` batches from every live publisher, with faults.
 
         ``restarts`` publishers restart once (every third one closing and
@@ -337,8 +337,9 @@ class Storm:
         the same sockets); ``removals`` engines are removed mid-storm right
         after publishing (every other one behind the follower's back,
         through ``FleetIndex.remove_engine``). A reader holds the fleet's
-        lock 20 ms of every 50 and the slow engines get bursts, so their
-        small queues overflow and ZMQ drops batches itself.
+        lock 20 ms of every 50; the slow engines get 4 batches a round and,
+        half-way, a flood of ``flood`` more, so their small queues overflow
+        and ZMQ drops batches itself (repaired by replay like any gap).
         """
         rng = self.rng
         live = [e for e in range(self.n) if e not in self.removed]
@@ -360,6 +361,10 @@ class Storm:
                         else:
                             pub.reset()
                         self.faults[e]["restart"] += 1
+                    if e in self.slow and r == rounds // 2:
+                        for _ in range(flood):  # no faults but ZMQ's own
+                            self.ts += 1e-3
+                            pub.publish(_batch(rng, e, self.ts))
                     burst = 4 if e in self.slow else 1
                     for _ in range(burst):
                         x = rng.random()
@@ -495,7 +500,7 @@ def test_event_storm_soak():
     start = time.monotonic()
     try:
         while time.monotonic() < start + duration:
-            storm.run(rounds=12, restarts=4, removals=0)
+            storm.run(rounds=12, restarts=4, removals=0, flood=200)
             storm.settle()
             totals = storm.check()
             samples.append(
