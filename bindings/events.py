@@ -765,7 +765,8 @@ class EventFollower:
 
         Returns ``"verified"`` (the replay answered and continues the
         stream), ``"restart"`` (it did not: handled by :meth:`_restart`) or
-        ``"silent"`` (no replay endpoint, no answer or nothing to ask).
+        ``"silent"`` (no replay endpoint, no answer, nothing to ask, or no
+        batch applied to prove continuity with).
         """
         if self.next_seq is None:
             return "silent"
@@ -773,6 +774,8 @@ class EventFollower:
         stop = max(self._ahead) + 1 if held else None
         if held:
             self.gaps_detected += 1
+        # Without the last batch applied there is nothing to prove with.
+        anchored = self._recent.get(self.next_seq - 1) is not None
         msgs = None
         if self.replay_endpoint is not None:
             try:
@@ -818,7 +821,7 @@ class EventFollower:
         elif held:
             self.gaps_recovered += 1
         self._flush(pending)
-        return "silent" if msgs is None else "verified"
+        return "verified" if msgs is not None and anchored else "silent"
 
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""

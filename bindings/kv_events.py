@@ -413,12 +413,13 @@ def _words_of_ints(hashes: list[Any], hash_bytes: int) -> np.ndarray | None:
     ``h`` byte-swapped: no per-hash Python."""
     if hash_bytes != 8:
         return None  # narrower indexes take the per-hash path
+    # Exactly int, as hash_to_bytes takes: no bool, no numpy integer.
+    if not all(type(h) is int for h in hashes):
+        return None
     try:
         arr = np.frombuffer(array.array("Q", hashes), dtype=np.uint64)
-    except (TypeError, OverflowError):
-        return None  # a bytes, bool-less non-int, negative or too large item
-    if any(type(h) is bool for h in hashes):
-        return None
+    except OverflowError:
+        return None  # negative or too large: named by the per-hash path
     return arr.byteswap().view(np.int64).reshape(-1, 1)
 
 

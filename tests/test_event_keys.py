@@ -5,6 +5,7 @@ pack_hashes) and to a set replay."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -89,6 +90,8 @@ def test_bad_hashes_named_on_every_path():
         ([1, True], TypeError, r"block_hashes\[1\]"),
         ([1, 1 << 64], ValueError, r"block_hashes\[1\]"),
         ([1, b"\x00" * 7], ValueError, r"block_hashes\[1\]: .*7 bytes"),
+        ([1, np.uint64(5)], TypeError, r"block_hashes\[1\]: .*uint64"),
+        ([1, 2.0], TypeError, r"block_hashes\[1\]: .*float"),
     ]:
         with pytest.raises(err, match=match):
             kv.hash_words(hashes, 8, "e")
