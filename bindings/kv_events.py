@@ -682,7 +682,7 @@ def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
     if not plan.parts:
         return PlanKeys(None, None)
     removes, adds = _net_effect(plan.parts)
-    cpu = device == "cpu" or getattr(device, "type", None) == "cpu"
+    cpu = _device_type(device) == "cpu"
 
     def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
         if keys is None:
