@@ -641,7 +641,10 @@ class EventFollower:
             self.stale = True
             self.last_error = f"seq {msg.seq}: {exc}"
             return
-        pending.plan.merge(plan)
+        if pending.batches or not pending.plan.empty or pending.plan.skipped:
+            pending.plan.merge(plan)
+        else:
+            pending.plan = plan  # the first batch of a drain: nothing to merge
         pending.batches += 1
 
     def _remember(self, msg: _Msg) -> None:
