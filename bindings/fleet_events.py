@@ -138,6 +138,24 @@ class FleetFollower:
         for f in self.followers.values():
             f.stop(timeout_s)
 
+    def remove_engine(self, engine_id: int, timeout_s: float = 5.0) -> int:
+        """Stop following ``engine_id`` and take it out of the fleet
+        (:meth:`FleetIndex.remove_engine`); returns how many keys it held.
+
+        Its follower is stopped first, so batches still in flight (queued
+        in its socket, or being replayed) are dropped with it and none can
+        land in the column after it is cleared. Removing the engine from
+        the fleet directly instead makes its follower's next commit fail
+        (counted in ``apply_errors``, the engine stale), which is safe but
+        noisy. Raises ValueError for an engine without a stream.
+        """
+        if engine_id not in self.followers:
+            raise ValueError(f"engine_id {engine_id!r} has no stream")
+        follower = self.followers.pop(engine_id)
+        follower.stop(timeout_s)
+        with self.lock:
+            return self.fleet.remove_engine(engine_id)
+
     def __enter__(self) -> FleetFollower:
         return self if self.running else self.start()
 

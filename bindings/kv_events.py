@@ -5,7 +5,11 @@ pools, the Mooncake store connector) through ``ZmqEventPublisher``
 (``vllm/distributed/kv_events.py``). This module decodes that stream with its
 own msgspec structs (no vLLM import); :func:`apply` makes a KeyIndex equal to
 the set of ``(group_id, block_hash)`` keys the chosen tier holds. The ZMQ
-follower that reads the stream lives in ``bindings/events.py``.
+follower that reads the stream lives in ``bindings/events.py``; it decodes
+with :func:`decode_keys` (:class:`StoredKeys`/:class:`RemovedKeys`), which
+leaves ``block_hashes`` in msgpack for :func:`raw_hash_words` to read as one
+numpy view and skips the token ids, so no Python object is made per block
+(``bench/bench_events.py`` times each stage).
 
 Wire format (vLLM 0.33.0, read from the source):
 
@@ -47,6 +51,7 @@ Wire format (vLLM 0.33.0, read from the source):
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import math
@@ -62,10 +67,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "pip install 'kvhit[events]'"
     ) from exc
 
+import numpy as np
 import torch
 
 from kvhit.coordinator.key_index import KeyIndex
-from kvhit.coordinator.packing import pack_hashes
+from kvhit.coordinator.packing import num_words
 
 __all__ = [
     "END_SEQ",
@@ -82,18 +88,28 @@ __all__ = [
     "EventPlan",
     "KVCacheEvent",
     "KVEventBatch",
+    "KeyEventBatch",
+    "LE_INT64",
     "MalformedPayload",
+    "PlanKeys",
+    "RemovedKeys",
+    "StoredKeys",
     "apply",
     "check_bool",
     "check_int",
     "check_seconds",
     "commit_plan",
     "decode_batch",
+    "decode_keys",
     "encode_batch",
+    "event_words",
     "hash_to_bytes",
+    "hash_words",
     "index_hash_bytes",
     "media_set",
     "plan_events",
+    "plan_keys",
+    "raw_hash_words",
 ]
 
 logger = logging.getLogger(__name__)
@@ -167,12 +183,70 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# --- what the follower decodes: the same schema with the bulky fields left
+# in msgpack. ``block_hashes`` is converted to packed keys straight from its
+# bytes (``raw_hash_words``), ``token_ids`` (16 ints a block) is skipped, and
+# ``extra_keys``/``lookahead_token_ids`` are ignored; every other field is
+# decoded and type-checked as in ``KVEventBatch``, required ones required.
+
+
+class StoredKeys(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """A ``BlockStored`` as the follower decodes it (hashes still msgpack)."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class RemovedKeys(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    """A ``BlockRemoved`` as the follower decodes it (hashes still msgpack)."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class KeyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A ``KVEventBatch`` as the follower decodes it (:func:`decode_keys`)."""
+
+    ts: float
+    events: list[StoredKeys | RemovedKeys | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 class MalformedPayload(ValueError):
     """A payload that is not a vLLM 0.33.0 ``KVEventBatch``."""
 
 
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_KEYS_DECODER = msgspec.msgpack.Decoder(KeyEventBatch)
 _ENCODER = msgspec.msgpack.Encoder()
+
+#: Packed hash words are little-endian int64 (coordinator/packing.py).
+LE_INT64 = np.dtype("<i8")
+
+
+def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
+    """Decode one payload for :func:`plan_events` without its token ids;
+    raises :class:`MalformedPayload` on any defect ``decode_batch`` would
+    refuse, but for the contents of ``block_hashes`` (found when planned)
+    and of the skipped fields."""
+    try:
+        return _KEYS_DECODER.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedPayload(f"not a KVEventBatch: {exc}") from None
 
 
 def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
@@ -234,13 +308,16 @@ class EventPlan:
     For a set, the state of a key after a sequence of adds/removes is decided by
     the last of them, and a clear erases everything before it. So any run of
     events is exactly: optionally clear, then remove the keys whose last event
-    is a remove, then add the keys whose last event is an add. The two key sets
-    are disjoint, so the KeyIndex sees at most three calls however the events
-    interleave, and an add then remove of one key ends removed.
+    is a remove, then add the keys whose last event is an add. ``parts`` keeps
+    the events' keys in order, one ``(is_add, group_id, words)`` per event
+    (``words`` int64 ``[n, W]``, packed as ``coordinator/packing.py`` packs
+    hashes); :func:`plan_keys` reduces them to the two disjoint key sets, so
+    the index sees at most three calls however the events interleave, and an
+    add then remove of one key ends removed.
     """
 
     clear: bool = False
-    ops: dict[tuple[int, bytes], bool] = field(default_factory=dict)  # True = add
+    parts: list[tuple[bool, int, np.ndarray]] = field(default_factory=list)
     events: int = 0  # events that passed the filter
     skipped: int = 0  # events filtered out (medium, or ignored clears)
 
@@ -248,11 +325,16 @@ class EventPlan:
         """Append ``later`` (which happened after ``self``)."""
         if later.clear:
             self.clear = True
-            self.ops = later.ops
+            self.parts = later.parts
         else:
-            self.ops.update(later.ops)  # later ops win, as in sequence
+            self.parts.extend(later.parts)  # later parts win, as in sequence
         self.events += later.events
         self.skipped += later.skipped
+
+    @property
+    def empty(self) -> bool:
+        """True when committing the plan would not touch the index."""
+        return not (self.clear or self.parts)
 
 
 INT64_LIMIT = 1 << 63
@@ -309,6 +391,154 @@ def check_seconds(value: Any, name: str, optional: bool = False) -> float | None
     return float(value)
 
 
+def _words_of_bytes(joined: bytes, n: int, hash_bytes: int) -> np.ndarray:
+    """``n`` hashes of ``hash_bytes`` bytes, concatenated, as packed words:
+    int64 ``[n, W]``, little-endian, last word zero-padded (pack_hashes)."""
+    w = num_words(hash_bytes)
+    raw = np.frombuffer(joined, dtype=np.uint8, count=n * hash_bytes)
+    if hash_bytes == 8 * w:
+        out = raw.view(LE_INT64).reshape(n, w).copy()
+    else:
+        padded = np.zeros((n, 8 * w), dtype=np.uint8)
+        padded[:, :hash_bytes] = raw.reshape(n, hash_bytes)
+        out = padded.view(LE_INT64)
+    return out.astype(np.int64, copy=False)  # native order for torch
+
+
+def _words_of_ints(hashes: list[Any], hash_bytes: int) -> np.ndarray | None:
+    """vLLM's int hashes (the low 64 bits read big-endian) as packed words,
+    or None when one is not an int in ``[0, 2**64)`` (the caller names it).
+
+    The key is ``h.to_bytes(8, "big")``, so its packed little-endian word is
+    ``h`` byte-swapped: no per-hash Python."""
+    if hash_bytes != 8:
+        return None  # narrower indexes take the per-hash path
+    # Exactly int, as hash_to_bytes takes: no bool, no numpy integer.
+    if not all(type(h) is int for h in hashes):
+        return None
+    try:
+        arr = np.frombuffer(array.array("Q", hashes), dtype=np.uint64)
+    except OverflowError:
+        return None  # negative or too large: named by the per-hash path
+    return arr.byteswap().view(np.int64).reshape(-1, 1)
+
+
+def hash_words(hashes: Any, hash_bytes: int, where: str) -> np.ndarray:
+    """An event's ``block_hashes`` (a list of bytes, or of vLLM's ints) as
+    packed words, int64 ``[n, W]``; TypeError/ValueError naming ``where``
+    and the position of a bad hash (see :func:`hash_to_bytes`)."""
+    if not isinstance(hashes, list | tuple):
+        raise TypeError(
+            f"{where}: block_hashes must be a list, got {type(hashes).__name__}"
+        )
+    n = len(hashes)
+    if n == 0:
+        return np.empty((0, num_words(hash_bytes)), dtype=np.int64)
+    if type(hashes[0]) is bytes:
+        try:
+            joined = b"".join(hashes)
+        except TypeError:
+            joined = None
+        # Equal total and minimum widths: every hash has the width.
+        if (
+            joined is not None
+            and len(joined) == n * hash_bytes
+            and min(map(len, hashes)) == hash_bytes
+        ):
+            return _words_of_bytes(joined, n, hash_bytes)
+    else:
+        words = _words_of_ints(list(hashes), hash_bytes)
+        if words is not None:
+            return words
+    # The per-hash path: names the first bad hash, else converts them all.
+    keys = []
+    for j, h in enumerate(hashes):
+        try:
+            keys.append(hash_to_bytes(h, hash_bytes))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}, block_hashes[{j}]: {exc}") from None
+    return _words_of_bytes(b"".join(keys), n, hash_bytes)
+
+
+def _array_head(data: bytes) -> tuple[int, int] | None:
+    """(items, offset of the first item) of the msgpack array in ``data``."""
+    head = data[0] if data else -1
+    if 0x90 <= head <= 0x9F:
+        return head - 0x90, 1
+    if head == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    if head == 0xDD and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big"), 5
+    return None
+
+
+def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
+    """``block_hashes`` still in msgpack, as packed words without making a
+    Python object per hash: int64 ``[n, W]``, or None for any layout but the
+    two vLLM's encoder writes (then :func:`hash_words` decides).
+
+    - every hash a ``bin 8`` of ``hash_bytes`` bytes (``0xc4, hash_bytes``,
+      the bytes): the key is the bytes;
+    - ``hash_bytes == 8`` and every hash a ``uint 64`` (``0xcf``, 8 bytes
+      big-endian, what msgpack writes for ints >= 2**32): the key is
+      ``h.to_bytes(8, "big")``, i.e. exactly the 8 bytes on the wire.
+
+    Either way the words are a strided view of the bytes, copied once.
+    """
+    data = bytes(raw)
+    head = _array_head(data)
+    if head is None:
+        return None
+    n, off = head
+    w = num_words(hash_bytes)
+    if n == 0:
+        return np.empty((0, w), dtype=np.int64)
+    size = len(data) - off
+    if hash_bytes == 8 and size == 9 * n:
+        if data[off::9] != b"\xcf" * n:
+            return None
+        skip, stride = 1, 9
+    elif hash_bytes < 256 and size == (2 + hash_bytes) * n:
+        stride = 2 + hash_bytes
+        if (
+            data[off::stride] != b"\xc4" * n
+            or data[off + 1 :: stride] != bytes((hash_bytes,)) * n
+        ):
+            return None
+        if hash_bytes != 8 * w:  # a padded last word: the general packing
+            keys = np.ndarray(
+                (n, hash_bytes), np.uint8, data, off + 2, (stride, 1)
+            ).tobytes()
+            return _words_of_bytes(keys, n, hash_bytes)
+        skip = 2
+    else:
+        return None
+    view = np.ndarray((n, w), LE_INT64, data, off + skip, (stride, 8))
+    return view.astype(np.int64)  # a contiguous, native-order copy
+
+
+_HASHES_DECODER = msgspec.msgpack.Decoder(list[ExternalBlockHash])
+
+
+def event_words(hashes: Any, hash_bytes: int, where: str) -> np.ndarray:
+    """:func:`hash_words` for a decoded list, or for the raw msgpack of a
+    :class:`StoredKeys`/:class:`RemovedKeys` (fast layouts first); raises
+    :class:`MalformedPayload` when the raw field is not a list of hashes."""
+    if isinstance(hashes, msgspec.Raw):
+        words = raw_hash_words(hashes, hash_bytes)
+        if words is not None:
+            return words
+        try:
+            hashes = _HASHES_DECODER.decode(hashes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedPayload(f"{where}: block_hashes: {exc}") from None
+    return hash_words(hashes, hash_bytes, where)
+
+
+_STORES = (BlockStored, StoredKeys)
+_REMOVES = (BlockRemoved, RemovedKeys)
+
+
 def plan_events(
     events: Iterable[KVCacheEvent],
     hash_bytes: int,
@@ -318,16 +548,21 @@ def plan_events(
 ) -> EventPlan:
     """Reduce ``events`` to a :class:`EventPlan`, validating every field first.
 
-    Nothing is mutated: a bad event raises TypeError/ValueError naming its
-    position in ``events``, the field and (for a hash) its position in
-    ``block_hashes``, so the caller applies all of a batch or none of it.
+    ``events``: vLLM's events (:class:`BlockStored`, :class:`BlockRemoved`,
+    :class:`AllBlocksCleared`) or the follower's :class:`StoredKeys` /
+    :class:`RemovedKeys`. Nothing is mutated: a bad event raises
+    TypeError/ValueError naming its position in ``events``, the field and
+    (for a hash) its position in ``block_hashes``, so the caller applies all
+    of a batch or none of it. Each event's hashes are converted at once
+    (:func:`event_words`), never one Python object per hash on vLLM's
+    encodings.
     """
     plan = EventPlan()
-    ops = plan.ops
+    parts = plan.parts
     for pos, ev in enumerate(events):
         kind = type(ev)
-        if kind is BlockStored or kind is BlockRemoved:
-            where = f"event {pos} ({kind.__name__})"
+        if kind in _STORES or kind in _REMOVES:
+            where = f"event {pos} ({ev.__struct_config__.tag})"
             medium = ev.medium
             if medium is not None and not isinstance(medium, str):
                 raise TypeError(
@@ -345,25 +580,14 @@ def plan_events(
             # KeyIndex reserves negative ids as slot sentinels; ids are int64.
             if not 0 <= gid < INT64_LIMIT:
                 raise ValueError(f"{where}: group_idx {gid} is not in [0, 2**63)")
-            hashes = ev.block_hashes
-            if not isinstance(hashes, list | tuple):
-                raise TypeError(
-                    f"{where}: block_hashes must be a list, got {type(hashes).__name__}"
-                )
-            op = kind is BlockStored
-            for j, h in enumerate(hashes):
-                # Fast path: vLLM's bytes hashes are already keys.
-                if type(h) is not bytes or len(h) != hash_bytes:
-                    try:
-                        h = hash_to_bytes(h, hash_bytes)
-                    except (TypeError, ValueError) as exc:
-                        raise type(exc)(f"{where}, block_hashes[{j}]: {exc}") from None
-                ops[(gid, h)] = op
+            words = event_words(ev.block_hashes, hash_bytes, where)
+            if words.shape[0]:
+                parts.append((kind in _STORES, gid, words))
             plan.events += 1
         elif kind is AllBlocksCleared:
             if honor_clears:
                 plan.clear = True
-                ops.clear()
+                parts.clear()
                 plan.events += 1
             else:
                 plan.skipped += 1
@@ -398,8 +622,10 @@ def index_hash_bytes(index: Any) -> int:
 
 
 @dataclass
-class _Keys:
-    """A plan's keys as the KeyIndex takes them: int64 ``[N]`` and ``[N, W]``."""
+class PlanKeys:
+    """A plan's keys as the KeyIndex takes them: (group ids int64 ``[N]``,
+    hashes int64 ``[N, W]``) on the index's device, or None when empty.
+    ``removes`` and ``adds`` are disjoint; either may repeat a key."""
 
     removes: tuple[torch.Tensor, torch.Tensor] | None
     adds: tuple[torch.Tensor, torch.Tensor] | None
@@ -409,25 +635,67 @@ class _Keys:
         return 0 if self.adds is None else self.adds[0].shape[0]
 
 
-def _tensors(plan: EventPlan, hash_bytes: int, device: Any) -> _Keys:
-    """Pack the plan's keys (validated by ``plan_events``) before any mutation."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+def _rows(parts: list[tuple[bool, int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The parts' keys in order: group ids int64 ``[N]``, words ``[N, W]``."""
+    if len(parts) == 1:
+        _, gid, words = parts[0]
+        gids = np.empty(words.shape[0], dtype=np.int64)
+        gids.fill(gid)  # (np.full costs twice as much at a request's size)
+        return gids, words
+    gids = np.repeat(
+        np.array([p[1] for p in parts], dtype=np.int64),
+        [p[2].shape[0] for p in parts],
+    )
+    return gids, np.concatenate([p[2] for p in parts])
+
+
+def _net_effect(
+    parts: list[tuple[bool, int, np.ndarray]],
+) -> tuple[tuple[np.ndarray, np.ndarray] | None, tuple[np.ndarray, np.ndarray] | None]:
+    """(removes, adds): each key under its last operation, in numpy."""
+    adds = [p for p in parts if p[0]]
+    if len(adds) in (0, len(parts)):
+        # One kind of operation: repeats are harmless (add and remove are
+        # idempotent), so no reduction is needed.
+        keys = _rows(parts)
+        return (None, keys) if adds else (keys, None)
+    gids, words = _rows(parts)
+    ops = np.repeat(
+        np.array([p[0] for p in parts], dtype=bool), [p[2].shape[0] for p in parts]
+    )
+    rows = np.concatenate([gids[:, None], words], axis=1)[::-1]
+    # The first occurrence in reversed order is each key's last operation.
+    _, first = np.unique(rows, axis=0, return_index=True)
+    last_rows, last_ops = rows[first], ops[::-1][first]
+    out = []
     for want in (False, True):
-        keys = [k for k, add in plan.ops.items() if add is want]
-        if not keys:
-            out.append(None)
-            continue
-        gids, hashes = zip(*keys, strict=True)
+        sel = last_rows[last_ops == want]
         out.append(
-            (
-                torch.tensor(gids, dtype=torch.int64, device=device),
-                pack_hashes(hashes, hash_bytes).to(device),
-            )
+            (np.ascontiguousarray(sel[:, 0]), np.ascontiguousarray(sel[:, 1:]))
+            if sel.shape[0]
+            else None
         )
-    return _Keys(out[0], out[1])
+    return out[0], out[1]
 
 
-def _new_keys(index: KeyIndex, plan: EventPlan, keys: _Keys) -> int | None:
+def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
+    """Pack the plan's keys (validated by ``plan_events``) before any mutation:
+    the removes and adds of its net effect, as tensors on ``device``."""
+    if not plan.parts:
+        return PlanKeys(None, None)
+    removes, adds = _net_effect(plan.parts)
+    cpu = _device_type(device) == "cpu"
+
+    def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
+        if keys is None:
+            return None
+        g, h = torch.from_numpy(keys[0]), torch.from_numpy(keys[1])
+        return (g, h) if cpu else (g.to(device), h.to(device))
+
+    return PlanKeys(tensors(removes), tensors(adds))
+
+
+def _new_keys(index: KeyIndex, plan: EventPlan, keys: PlanKeys) -> int | None:
     """How many keys committing ``plan`` adds to ``index`` when that makes
     ``index.add`` rehash; None when the table has room.
 
@@ -449,7 +717,7 @@ def _new_keys(index: KeyIndex, plan: EventPlan, keys: _Keys) -> int | None:
 
 
 def _grown_copy(
-    index: KeyIndex, plan: EventPlan, keys: _Keys, n_new: int
+    index: KeyIndex, plan: EventPlan, keys: PlanKeys, n_new: int
 ) -> tuple[KeyIndex, int, int]:
     """A rehashed copy of ``index`` (``KeyIndex.grown_for``) with ``plan``
     applied; ``index`` is only read. Returns (copy, keys removed, keys added).
@@ -474,6 +742,12 @@ def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
     return True
 
 
+def _device_type(device: Any) -> str:
+    return (
+        device.type if isinstance(device, torch.device) else torch.device(device).type
+    )
+
+
 def commit_plan(
     index: Any, plan: EventPlan, lock: Any = None, sync: bool = False
 ) -> ApplyStats:
@@ -488,7 +762,7 @@ def commit_plan(
     """
     lock = lock if lock is not None else contextlib.nullcontext()
     device = getattr(index, "device", "cpu")
-    keys = _tensors(plan, index_hash_bytes(index), device)
+    keys = plan_keys(plan, index_hash_bytes(index), device)
     grown = None
     if isinstance(index, KeyIndex):
         n_new = _new_keys(index, plan, keys)
@@ -507,8 +781,14 @@ def commit_plan(
             if keys.removes is not None:
                 removed += index.remove(*keys.removes)
             if keys.adds is not None:
-                added = index.add(*keys.adds)
-        if sync and torch.device(device).type == "cuda":
+                # kvhit packed these keys itself: a KeyIndex takes them
+                # unchecked (unless a subclass hooks ``add``).
+                trusted = (
+                    isinstance(index, KeyIndex) and type(index).add is KeyIndex.add
+                )
+                add = index.add_trusted if trusted else index.add
+                added = add(*keys.adds)
+        if sync and _device_type(device) == "cuda":
             torch.cuda.current_stream(device).synchronize()
     # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
     # here, after the lock: freeing a large table takes a while.

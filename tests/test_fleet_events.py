@@ -142,6 +142,30 @@ def test_a_restarted_engine_is_rebuilt_alone(publishers):
         assert ff.stale_engines() == []
 
 
+def test_remove_engine_with_events_in_flight(publishers):
+    fleet = FleetIndex(3, 16)
+    with _start(publishers, fleet) as ff:
+        a, b, _ = publishers
+        _stored(a, K[:3], 1.0)
+        _stored(b, K[10:14], 1.0)
+        assert ff.wait_for_seq(0, 0, WAIT_S) and ff.wait_for_seq(1, 0, WAIT_S)
+        for i in range(20):  # still queued when the engine goes
+            _stored(b, [K[14 + i]], 2.0 + i)
+        held = ff.remove_engine(1)
+        assert 4 <= held <= 24
+        assert ff.running and set(ff.followers) == {0, 2}
+        _stored(a, K[3:4], 2.0)
+        assert ff.wait_for_seq(0, 1, WAIT_S)
+        time.sleep(0.1)  # nothing in flight may land in the removed column
+        with ff.lock:
+            assert fleet.engine_sizes().tolist() == [4, 0, 0]
+            assert fleet.active.tolist() == [True, False, True]
+            assert len(fleet) == 4
+        with pytest.raises(ValueError, match="engine_id"):
+            ff.remove_engine(1)  # no stream any more
+        assert ff.stale_engines() == []
+
+
 def test_validation(publishers):
     fleet = FleetIndex(2, 16)
     p = publishers[0]
