@@ -39,6 +39,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvhit.bench.machine import memory_state
+from kvhit.bench.names import (
+    BACKENDS,
+    DEFAULT_BATCH_SIZES,
+    PEER_BLOCK_SIZE,
+    PEER_ORDERS,
+    REFERENCE,
+    VLLM,
+    MismatchError,
+)
 from kvhit.bench.peers import (
     DYNAMO,
     PEERS,
@@ -59,33 +68,6 @@ if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.coordinator.engine import LookupEngine
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.reference import ReferenceCoordinator
-
-REFERENCE = "reference"
-
-
-def _engine_backends() -> tuple[str, ...]:
-    """numba, triton, torch, then any other name the engine's ``BACKENDS``
-    lists: a new backend is swept without a change here."""
-    from kvhit.coordinator import engine
-
-    listed = getattr(engine, "BACKENDS", ())
-    extra = [b for b in listed if b not in ("auto", REFERENCE)]
-    return tuple(dict.fromkeys(["numba", "triton", "torch", *extra]))
-
-
-#: The backend names a sweep knows: the reference loop, then the engine's
-#: (each tried by name; one whose engine cannot be built is skipped).
-ENGINE_BACKENDS = _engine_backends()
-BACKENDS = (REFERENCE, *ENGINE_BACKENDS)
-#: vLLM's own per-request worker lookup (only with the vLLM oracle).
-VLLM = "vllm"
-DEFAULT_BATCH_SIZES = (1, 8, 64, 1024, 4096)
-#: Where the vLLM oracle lives in a source checkout.
-
-
-class MismatchError(Exception):
-    """A backend's hits differ from the reference loop's."""
-
 
 @dataclass(frozen=True)
 class Skip:
@@ -723,14 +705,6 @@ def _rows(
 # The peer column: Dynamo's indexer beside kvhit on the shipped trace
 # ---------------------------------------------------------------------------
 
-#: The peer comparison's layout: one full-attention group whose block is the
-#: trace's 512 tokens, so every trace block is one key, as Dynamo sees it.
-PEER_BLOCK_SIZE = 512
-
-#: The orders ``peer_sweep`` replays in: ``separate`` (kvhit's whole replay,
-#: then the peer's, each a pass of its own) or ``alternate`` (step by step,
-#: kvhit then the peer).
-PEER_ORDERS = ("separate", "alternate")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,10 @@ def test_cli_replay_json_and_exit_codes(
         assert exc.value.code == cli.EXIT_USAGE, bad
     bad_trace = tmp_path / "bad.jsonl"
     bad_trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1]}\n')
-    assert cli.main(["replay", str(bad_trace), "-q"]) == cli.EXIT_USAGE
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", str(bad_trace), "-q"])
+    assert exc.value.code == cli.EXIT_USAGE
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
