@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.reference import ReferenceCoordinator
 
+
 @dataclass(frozen=True)
 class Skip:
     """A backend left out of a run, and why."""
@@ -704,7 +705,6 @@ def _rows(
 # ---------------------------------------------------------------------------
 # The peer column: Dynamo's indexer beside kvhit on the shipped trace
 # ---------------------------------------------------------------------------
-
 
 
 @dataclass(frozen=True)

@@ -315,9 +315,7 @@ def _add_workload_args(p: argparse.ArgumentParser, repeats_default: int | None) 
 
 def _add_output_args(p: argparse.ArgumentParser, plot_help: str) -> None:
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
-    p.add_argument(
-        "--plot", metavar="FILE.png", help=f"{plot_help} (needs matplotlib)"
-    )
+    p.add_argument("--plot", metavar="FILE.png", help=f"{plot_help} (needs matplotlib)")
 
 
 def _subparser(
@@ -550,9 +548,7 @@ def _add_replay(sub: Any, presets_help: str) -> None:
         help="run a peer index beside kvhit: dynamo (the 'peers' extra, "
         "ai-dynamo-runtime); skipped with the reason when absent",
     )
-    _add_output_args(
-        replay, "hit rate over time (claimed vs exact) and step latency"
-    )
+    _add_output_args(replay, "hit rate over time (claimed vs exact) and step latency")
     replay.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     replay.set_defaults(check=_check_replay_args, command_parser=replay)
 
