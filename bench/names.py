@@ -9,7 +9,13 @@ well under half a second. The engine's own list of backends lives in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = [
+    "PEERS",
+    "PRESET_DESCRIPTIONS",
+    "SHIPPED_TRACE",
+    "TRACE_BLOCK_SIZE",
     "BACKENDS",
     "DEFAULT_BATCH_SIZES",
     "ENGINE_BACKENDS",
@@ -24,6 +30,31 @@ __all__ = [
     "VLLM",
     "MismatchError",
 ]
+
+#: The presets of ``bench/workloads.py`` (its ``PRESETS`` builds each layout),
+#: by name, with what ``--help`` says of each.
+PRESET_DESCRIPTIONS: dict[str, str] = {
+    "dsv4-flash": "DeepSeek-V4-Flash: Full 256 + SWA 64/w128 x2 (one EAGLE) + "
+    "SWA 4/w8 + SWA 8/w128; hash 4, scheduler 256, use_eagle",
+    "qwen3-next": "Qwen3-Next-like: Full 64 + Mamba 64; hash 16, scheduler 64, "
+    "partial hash hits",
+    "gemma3": "Gemma-3-like: Full 16 + SWA 16/w1024; hash 16, scheduler 16",
+    "llama": "plain full attention: Full 16; hash 16",
+    "dsv4-longhit": "dsv4-flash's layout under long-hit traffic: 16 max-tokens "
+    "system prompts (Zipf 1), prompts max/8..max uniform sharing 25/50/90/100 % "
+    "of a system prompt, half of them stored, 2 % evicted",
+}
+
+#: The peer indexes ``--peer`` names (``bench/peers.py`` runs them;
+#: ``tests/test_cli.py`` checks the two lists agree).
+PEERS = ("dynamo",)
+
+#: The Mooncake FAST'25 conversation trace shipped with kvhit.
+SHIPPED_TRACE = (
+    Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+)
+#: Tokens per ``hash_ids`` entry in the Mooncake traces.
+TRACE_BLOCK_SIZE = 512
 
 #: The reference loop: the baseline every ratio is taken against.
 REFERENCE = "reference"

@@ -34,6 +34,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from kvhit.bench.names import SHIPPED_TRACE, TRACE_BLOCK_SIZE
+
 __all__ = [
     "SHIPPED_TRACE",
     "TRACE_BLOCK_SIZE",
@@ -43,13 +45,6 @@ __all__ = [
     "hash_words",
     "load_trace",
 ]
-
-#: The Mooncake FAST'25 conversation trace shipped with kvhit.
-SHIPPED_TRACE = (
-    Path(__file__).resolve().parent / "data" / ("mooncake_conversation_trace.jsonl.gz")
-)
-#: Tokens per ``hash_ids`` entry in the Mooncake traces.
-TRACE_BLOCK_SIZE = 512
 
 
 @dataclass(frozen=True)

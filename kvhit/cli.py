@@ -1,7 +1,7 @@
 """``kvhit`` command line: ``demo``, ``bench``, ``replay`` and ``route``.
 
-This module parses and checks arguments with the standard library alone (plus
-the preset and trace names, numpy only): ``kvhit --help`` and every
+This module parses and checks arguments with the standard library alone (and
+``kvhit/bench/names.py``, which imports nothing): ``kvhit --help`` and every
 subcommand's ``--help`` answer without importing torch. The work is in
 ``kvhit/commands.py``, imported once the arguments have passed.
 
@@ -34,16 +34,17 @@ from kvhit.bench.names import (
     BACKENDS,
     DEFAULT_BATCH_SIZES,
     PEER_ORDERS,
+    PEERS,
+    PRESET_DESCRIPTIONS,
     QUICK_BATCH_SIZES,
     QUICK_REPEATS,
     REFERENCE_REQUESTS,
     ROUTE_LIMIT,
     ROUTERS,
+    SHIPPED_TRACE,
+    TRACE_BLOCK_SIZE,
     MismatchError,
 )
-from kvhit.bench.peers import PEERS
-from kvhit.bench.traces import SHIPPED_TRACE, TRACE_BLOCK_SIZE
-from kvhit.bench.workloads import PRESETS
 from kvhit.errors import (
     EXIT_CODES,
     EXIT_INTERNAL,
@@ -345,7 +346,10 @@ def _add_demo(sub: Any, presets_help: str) -> None:
         presets_help,
     )
     demo.add_argument(
-        "--preset", choices=list(PRESETS), default="dsv4-flash", help="cache layout"
+        "--preset",
+        choices=list(PRESET_DESCRIPTIONS),
+        default="dsv4-flash",
+        help="cache layout",
     )
     demo.add_argument(
         "--requests", type=_int_at_least(1), default=1024, help="batch size"
@@ -386,7 +390,7 @@ def _add_bench(sub: Any, presets_help: str) -> None:
     )
     bench.add_argument(
         "--presets",
-        type=_csv(_choice(["all", *PRESETS])),
+        type=_csv(_choice(["all", *PRESET_DESCRIPTIONS])),
         default=["all"],
         help="comma-separated presets, or all",
     )
@@ -494,7 +498,10 @@ def _add_replay(sub: Any, presets_help: str) -> None:
         help="trace file (default: the shipped Mooncake conversation trace)",
     )
     replay.add_argument(
-        "--preset", choices=list(PRESETS), default="dsv4-flash", help="cache layout"
+        "--preset",
+        choices=list(PRESET_DESCRIPTIONS),
+        default="dsv4-flash",
+        help="cache layout",
     )
     replay.add_argument(
         "--trace-block-size",
@@ -580,7 +587,10 @@ def _add_route(sub: Any, presets_help: str) -> None:
         help="deprecated: give the trace as TRACE",
     )
     route.add_argument(
-        "--preset", choices=list(PRESETS), default="dsv4-flash", help="cache layout"
+        "--preset",
+        choices=list(PRESET_DESCRIPTIONS),
+        default="dsv4-flash",
+        help="cache layout",
     )
     route.add_argument(
         "--engines", type=_int_at_least(1), default=8, help="simulated engines E"
@@ -628,12 +638,12 @@ def build_parser() -> argparse.ArgumentParser:
     ``route``)."""
     presets_help = "".join(
         textwrap.fill(
-            f"{p.name}: {p.description}",
+            f"{name}: {description}",
             79,
             initial_indent="\n  ",
             subsequent_indent="    ",
         )
-        for p in PRESETS.values()
+        for name, description in PRESET_DESCRIPTIONS.items()
     )
     parser = argparse.ArgumentParser(
         prog="kvhit",

@@ -46,7 +46,7 @@ from kvhit.bench.harness import (
     fmt_time,
 )
 from kvhit.bench.names import QUICK_BATCH_SIZES, QUICK_REPEATS
-from kvhit.bench.traces import TraceRequest, load_trace
+from kvhit.bench.traces import SHIPPED_TRACE, TraceRequest, load_trace
 from kvhit.errors import EXIT_OK, ArgumentError
 
 __all__ = [
@@ -352,7 +352,10 @@ def route_config(args: argparse.Namespace) -> route_mod.RouteConfig:
     """The route replay's configuration of ``kvhit route``'s arguments."""
     routers = tuple(dict.fromkeys(args.router)) if args.router else route_mod.ROUTERS
     return config_from(
-        route_mod.RouteConfig, args, routers=routers, trace=Path(args.trace)
+        route_mod.RouteConfig,
+        args,
+        routers=routers,
+        trace=Path(args.trace or SHIPPED_TRACE),
     )
 
 
