@@ -9,6 +9,7 @@ well under half a second. The engine's own list of backends lives in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ROUTE_LIMIT",
     "VLLM",
     "MismatchError",
+    "Skip",
 ]
 
 #: The presets of ``bench/workloads.py`` (its ``PRESETS`` builds each layout),
@@ -91,3 +93,11 @@ ROUTE_LIMIT = 3000
 
 class MismatchError(Exception):
     """A backend's hits differ from the reference loop's (``kvhit`` exits 1)."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A backend left out of a run, and why."""
+
+    backend: str
+    reason: str

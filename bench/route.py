@@ -41,8 +41,7 @@ import numpy as np
 import torch
 from tabulate import tabulate
 
-from kvhit.bench.harness import MismatchError
-from kvhit.bench.names import ROUTE_LIMIT, ROUTERS
+from kvhit.bench.names import ROUTE_LIMIT, ROUTERS, MismatchError
 from kvhit.bench.traces import (
     SHIPPED_TRACE,
     TraceRequest,

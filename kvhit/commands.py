@@ -31,7 +31,7 @@ import numpy as np
 from tabulate import tabulate
 
 from kvhit import __version__
-from kvhit.bench import harness
+from kvhit.bench import harness, report
 from kvhit.bench import replay as replay_mod
 from kvhit.bench import route as route_mod
 from kvhit.bench.harness import (
@@ -42,10 +42,9 @@ from kvhit.bench.harness import (
     Runner,
     TrafficConfig,
     Workload,
-    fmt_count,
-    fmt_time,
 )
-from kvhit.bench.names import QUICK_BATCH_SIZES, QUICK_REPEATS
+from kvhit.bench.names import QUICK_BATCH_SIZES, QUICK_REPEATS, Skip
+from kvhit.bench.report import fmt_count, fmt_time
 from kvhit.bench.traces import SHIPPED_TRACE, TraceRequest, load_trace
 from kvhit.errors import EXIT_OK, ArgumentError
 
@@ -251,12 +250,12 @@ def _print_rows(out: TextIO, title: str, rows: list[tuple[str, str]]) -> None:
 
 def sweep_config(
     args: argparse.Namespace,
-) -> tuple[harness.SweepConfig, list[harness.Skip]]:
+) -> tuple[harness.SweepConfig, list[Skip]]:
     """The harness's sweep configuration of ``kvhit bench``'s arguments, and
     the backends left out before it starts (with the reason)."""
     device = args.device or harness.default_device()
     presets = tuple(PRESETS) if args.presets == ["all"] else tuple(args.presets)
-    skipped: list[harness.Skip] = []
+    skipped: list[Skip] = []
     if args.backends == ["auto"]:
         backends, skips = harness.default_backends(device)
         skipped.extend(skips)
@@ -285,15 +284,15 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``kvhit bench``: the harness's sweep, printed, and written out."""
     config, skipped = sweep_config(args)
     result = harness.sweep(config, quiet=args.quiet, skipped=skipped)
-    out.write("\n" + harness.format_table(result))
+    out.write("\n" + report.format_table(result))
     if result.peers:
-        out.write("\n" + harness.format_peer_table(result.peers))
+        out.write("\n" + report.format_peer_table(result.peers))
     out.flush()
     if args.json:
         harness.write_json(args.json, result)
         err.write(f"kvhit bench: wrote {args.json}\n")
     if args.plot:
-        harness.plot(result, args.plot)
+        report.plot(result, args.plot)
         err.write(f"kvhit bench: wrote {args.plot}\n")
     return EXIT_OK
 

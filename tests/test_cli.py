@@ -650,3 +650,24 @@ def test_help_answers_in_half_a_second() -> None:
             best = min(best, time.perf_counter() - t0)
         assert best < 0.5, (argv, best)
         best = float("inf")
+
+
+def test_the_bench_table_fits_every_preset_name() -> None:
+    # Regression: dsv4-longhit overflowed the fixed-width preset column.
+    from kvhit.bench import report
+
+    def row(preset: str, b: int) -> harness.ResultRow:
+        return harness.ResultRow(
+            preset, b, "numba", "cpu", 1e-4, (1e-4,), b / 1e-4, False, 12.0, False,
+            None, 2e-6, b,
+        )  # fmt: skip
+
+    rows = (row("llama", 1), row("dsv4-longhit", 4096))
+    config = harness.SweepConfig(presets=("llama", "dsv4-longhit"))
+    result = harness.SweepResult(config, rows, (), (), {})
+    table = report.format_table(result).splitlines()
+    lines = [ln for ln in table if " numba " in ln and ln.startswith("  ")]
+    assert len(lines) == 2
+    # Every column starts at the same offset on both lines.
+    assert lines[0].index(" numba ") == lines[1].index(" numba ")
+    assert lines[0].index("12.0x") == lines[1].index("12.0x")

@@ -258,9 +258,10 @@ def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bench_peer_absent_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvhit.bench import harness
+    from kvhit.bench import harness, peer_sweep
 
-    monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
+    # The peer column lives in bench/peer_sweep.py (harness re-exports it).
+    monkeypatch.setattr(peer_sweep, "load_dynamo", lambda: (None, "not installed here"))
     rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
     assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
 
