@@ -673,12 +673,10 @@ def format_report(result: ReplayResult) -> str:
         else:
             rows += _peer_rows(result)
     rows.append(("total time", f"{result.seconds:.1f} s"))
-    width = max(len(k) for k, _ in rows)
     from kvhit import __version__
+    from kvhit.bench.report import format_rows
 
-    lines = [f"kvhit {__version__} replay"]
-    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
-    return "\n".join(lines) + "\n"
+    return format_rows(f"kvhit {__version__} replay", rows)
 
 
 def _peer_rows(result: ReplayResult) -> list[tuple[str, str]]:

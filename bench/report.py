@@ -18,7 +18,21 @@ if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.bench.harness import SweepResult
     from kvhit.bench.peer_sweep import PeerRow
 
-__all__ = ["fmt_count", "fmt_time", "format_peer_table", "format_table", "plot"]
+__all__ = [
+    "fmt_count",
+    "fmt_time",
+    "format_peer_table",
+    "format_rows",
+    "format_table",
+    "plot",
+]
+
+
+def format_rows(title: str, rows: Sequence[tuple[str, str]]) -> str:
+    """``title``, then one indented ``name  value`` line per row, the values
+    aligned (the summary of ``kvhit demo`` and ``kvhit replay``)."""
+    table = tabulate(rows, tablefmt="plain", disable_numparse=True)
+    return f"{title}\n" + "".join(f"  {line}\n" for line in table.splitlines())
 
 
 def fmt_time(seconds: float) -> str:

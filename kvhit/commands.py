@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 import numpy as np
-from tabulate import tabulate
 
 from kvhit import __version__
 from kvhit.bench import harness, report
@@ -238,8 +237,7 @@ def _reference_rows(
 
 
 def _print_rows(out: TextIO, title: str, rows: list[tuple[str, str]]) -> None:
-    table = tabulate(rows, tablefmt="plain")
-    out.write(f"\n{title}\n" + "".join(f"  {line}\n" for line in table.splitlines()))
+    out.write("\n" + report.format_rows(title, rows))
     out.flush()
 
 
