@@ -96,7 +96,9 @@ def format_table(result: SweepResult) -> str:
         row.append(fmt_time(r.pack_s_per_request) if r.pack_s_per_request else "-")
         rows.append(row)
     align = ("left", "right", "left", *["right"] * (len(headers) - 3))
-    table = tabulate(rows, headers, tablefmt="simple", colalign=align)
+    table = tabulate(
+        rows, headers, tablefmt="simple", colalign=align, disable_numparse=True
+    )
     lines = head + [f"  {line}" for line in table.splitlines()]
     if any(r.estimated or r.reference_estimated for r in result.rows):
         lines.append(
@@ -183,7 +185,9 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
         ]
         for r in rows
     ]
-    table = tabulate(body, headers, tablefmt="simple", colalign=["right"] * 9)
+    table = tabulate(
+        body, headers, tablefmt="simple", colalign=["right"] * 9, disable_numparse=True
+    )
     lines = [title, *(f"  {line}" for line in table.splitlines())]
     lines.append(
         f"  answers: {peer} == kvhit on every request at every B (0 mismatches; "

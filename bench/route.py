@@ -328,7 +328,11 @@ def format_table(results: Sequence[RouterResult], config: RouteConfig) -> str:
         f"{config.overlap_weight:g}"
     )
     table = tabulate(
-        rows, headers, tablefmt="github", colalign=("left", *["right"] * 4)
+        rows,
+        headers,
+        tablefmt="github",
+        colalign=("left", *["right"] * 4),
+        disable_numparse=True,  # the cells are formatted already: keep "1.00"
     )
     return f"{title}\n\n{table}"
 

@@ -581,6 +581,10 @@ def test_route_writes_json_and_plot(tmp_path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert all(f"| {name} " in out for name in cli.ROUTERS)
+    # round-robin's busiest engine / mean as formatted ("1.00", not "1").
+    assert next(ln for ln in out.splitlines() if "round-robin" in ln).endswith(
+        " 1.00 |"
+    )
 
 
 def test_route_defaults_reproduce_the_readme_table(capsys) -> None:
