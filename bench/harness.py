@@ -1,5 +1,8 @@
 """The one benchmark harness: ``kvhit bench``, ``kvhit demo`` and the
-pytest-benchmark suites in ``bench/`` all measure through it.
+pytest-benchmark suites in ``benchmarks/`` all measure through it. It times;
+its neighbours hold the rest: ``names.py`` (the names the CLI shares, no
+heavy import), ``parity.py`` (the check against the reference loop),
+``peer_steps.py`` (the peer column) and ``report.py`` (tables and plots).
 
 What it holds, in the order a sweep uses it:
 
@@ -13,12 +16,13 @@ What it holds, in the order a sweep uses it:
   ``"vllm"`` is vLLM 0.33.0's own per-request ``MooncakeStoreWorker.lookup``
   through the vLLM oracle (:mod:`kvhit.bench.vllm_oracle`, imported only
   when asked for);
-* the parity check: every answer equal to the reference loop's on a sample
-  (exact; :class:`MismatchError` otherwise);
+* the parity check (:mod:`kvhit.bench.parity`): every answer equal to the
+  reference loop's on a sample (exact; :class:`MismatchError` otherwise);
 * timing: medians (numpy) after a warm-up call;
 * the sweep over presets x batch sizes x backends, giving one
-  :class:`ResultRow` per measurement, written to JSON once and plotted;
-* the peer column (``--peer dynamo``, :func:`peer_sweep`): Dynamo's KV-router
+  :class:`ResultRow` per measurement, written to JSON once (and drawn by
+  :mod:`kvhit.bench.report`);
+* the peer column (``--peer dynamo``, :mod:`kvhit.bench.peer_steps`): Dynamo's KV-router
   indexer beside kvhit on the shipped conversation trace, answers asserted
   equal, lookup time per request and store throughput from one run.
 """
@@ -27,11 +31,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -39,14 +42,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvhit.bench.machine import memory_state
-from kvhit.bench.peers import (
-    DYNAMO,
-    PEERS,
-    DynamoIndex,
-    as_u64,
-    busy_host,
-    load_dynamo,
+from kvhit.bench.names import (
+    BACKENDS,
+    DEFAULT_BATCH_SIZES,
+    PEER_ORDERS,
+    REFERENCE,
+    VLLM,
+    Skip,
 )
+
+# Re-exported: callers of the harness (bench_fleet, the tests) know them here.
+from kvhit.bench.names import MismatchError as MismatchError
+from kvhit.bench.parity import check_parity, parity_indices
+from kvhit.bench.peer_steps import PeerRow
+from kvhit.bench.peers import PEERS
 from kvhit.bench.workloads import (
     PRESETS,
     TrafficConfig,
@@ -59,40 +68,6 @@ if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.coordinator.engine import LookupEngine
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.reference import ReferenceCoordinator
-
-REFERENCE = "reference"
-
-
-def _engine_backends() -> tuple[str, ...]:
-    """numba, triton, torch, then any other name the engine's ``BACKENDS``
-    lists: a new backend is swept without a change here."""
-    from kvhit.coordinator import engine
-
-    listed = getattr(engine, "BACKENDS", ())
-    extra = [b for b in listed if b not in ("auto", REFERENCE)]
-    return tuple(dict.fromkeys(["numba", "triton", "torch", *extra]))
-
-
-#: The backend names a sweep knows: the reference loop, then the engine's
-#: (each tried by name; one whose engine cannot be built is skipped).
-ENGINE_BACKENDS = _engine_backends()
-BACKENDS = (REFERENCE, *ENGINE_BACKENDS)
-#: vLLM's own per-request worker lookup (only with the vLLM oracle).
-VLLM = "vllm"
-DEFAULT_BATCH_SIZES = (1, 8, 64, 1024, 4096)
-#: Where the vLLM oracle lives in a source checkout.
-
-
-class MismatchError(Exception):
-    """A backend's hits differ from the reference loop's."""
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A backend left out of a run, and why."""
-
-    backend: str
-    reason: str
 
 
 # ---------------------------------------------------------------------------
@@ -259,37 +234,8 @@ def vllm_runner(
 
 
 # ---------------------------------------------------------------------------
-# Parity and timing
+# Timing (the parity check is kvhit.bench.parity)
 # ---------------------------------------------------------------------------
-
-
-def parity_indices(batch_size: int, cap: int, sample: int, seed: int) -> list[int]:
-    """Requests to check: all of them up to ``cap``, a random ``sample`` above."""
-    if batch_size <= cap:
-        return list(range(batch_size))
-    rng = random.Random(seed)
-    return sorted(rng.sample(range(batch_size), min(sample, batch_size)))
-
-
-def check_parity(
-    label: str,
-    got: Sequence[int],
-    want: Mapping[int, int],
-    num_tokens: Sequence[int],
-) -> None:
-    """Raises :class:`MismatchError` naming the first few requests ``i`` with
-    ``got[i] != want[i]``."""
-    bad = [i for i, h in want.items() if int(got[i]) != h]
-    if bad:
-        shown = ", ".join(
-            f"#{i} (num_tokens={num_tokens[i]}): {label}={int(got[i])} "
-            f"reference={want[i]}"
-            for i in bad[:5]
-        )
-        raise MismatchError(
-            f"{label} disagrees with the reference on {len(bad)} of {len(want)} "
-            f"checked requests: {shown}"
-        )
 
 
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> np.ndarray:
@@ -383,7 +329,7 @@ class SweepConfig:
     peer: str | None = None
     peer_limit: int | None = None
     peer_host_load: tuple[int, ...] = (0,)
-    peer_order: tuple[str, ...] = ("separate",)
+    peer_order: tuple[str, ...] = PEER_ORDERS
 
     def __post_init__(self) -> None:
         if self.peer is not None and self.peer not in PEERS:
@@ -723,347 +669,6 @@ def _rows(
 
 
 # ---------------------------------------------------------------------------
-# The peer column: Dynamo's indexer beside kvhit on the shipped trace
-# ---------------------------------------------------------------------------
-
-#: The peer comparison's layout: one full-attention group whose block is the
-#: trace's 512 tokens, so every trace block is one key, as Dynamo sees it.
-PEER_BLOCK_SIZE = 512
-
-#: The orders ``peer_sweep`` replays in: ``separate`` (kvhit's whole replay,
-#: then the peer's, each a pass of its own) or ``alternate`` (step by step,
-#: kvhit then the peer).
-PEER_ORDERS = ("separate", "alternate")
-
-
-@dataclass(frozen=True)
-class PeerRow:
-    """kvhit and a peer on the trace replayed in steps of ``batch_size``.
-
-    Attributes:
-        peer: the peer's name (``"dynamo"``).
-        batch_size: requests per step (the last step may be shorter).
-        requests: requests replayed (each checked: ``mismatches`` is 0, or
-            the sweep raised :class:`MismatchError`).
-        kvhit_lookup_s: kvhit's seconds per request, the median over the
-            steps of a step's time / its requests: ``HashBatch.from_ints``
-            from Python int lists plus ``find_longest_cache_hit``.
-        kvhit_pack_s: the ``from_ints`` part of it (median likewise).
-        peer_lookup_s: the peer's seconds per request (one call each; median
-            likewise).
-        lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
-        kvhit_mean_s, peer_mean_s: the means (total time / requests).
-        kvhit_store_bps, peer_store_bps: blocks stored per second (each
-            request's blocks past its hit, as a worker emits them).
-        blocks_stored: blocks each stored over the run.
-        hit_blocks: blocks both found (equal by construction of the check).
-        host_load: CPU-bound processes spinning beside the run
-            (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host).
-        order: ``"separate"`` (each index replayed in a pass of its own) or
-            ``"alternate"`` (step by step, side by side); see
-            :data:`PEER_ORDERS`.
-    """
-
-    peer: str
-    batch_size: int
-    requests: int
-    kvhit_lookup_s: float
-    kvhit_pack_s: float
-    peer_lookup_s: float
-    lookup_ratio: float
-    kvhit_store_bps: float
-    peer_store_bps: float
-    blocks_stored: int
-    hit_blocks: int
-    kvhit_mean_s: float = 0.0
-    peer_mean_s: float = 0.0
-    mismatches: int = 0
-    host_load: int = 0
-    order: str = "separate"
-
-
-def peer_sweep(
-    peer: str,
-    batch_sizes: Sequence[int],
-    limit: int | None = None,
-    quiet: bool = True,
-    trace: str | os.PathLike[str] | None = None,
-    host_load: int = 0,
-    order: str = "separate",
-) -> tuple[list[PeerRow], Skip | None]:
-    """kvhit against ``peer`` on the conversation trace (or ``trace``).
-
-    For each batch size ``B`` the trace is replayed in order in steps of
-    ``B`` requests on a fresh store: each step is looked up against what
-    earlier steps stored (kvhit: ``HashBatch.from_ints`` of the requests'
-    Python int lists and ``LookupEngine.find_longest_cache_hit``, one numba
-    thread, 8-byte keys; the peer: one call per request), the answers are
-    compared (:class:`MismatchError` on any difference), then each request's
-    blocks past its hit are stored in both (kvhit: one ``KeyIndex.add`` per
-    step; the peer: one event per request, then a wait for its thread to apply
-    them). Layout: one FullAttention group of :data:`PEER_BLOCK_SIZE` tokens.
-    ``order`` (:data:`PEER_ORDERS`): ``"separate"`` replays kvhit, then the
-    peer, each in a pass of its own; ``"alternate"`` interleaves them step by
-    step. ``host_load`` CPU-bound processes spin during the run
-    (:func:`~kvhit.bench.peers.busy_host`). Returns the rows, or
-    ``([], Skip)`` when the peer cannot be imported.
-    """
-    import torch
-
-    from kvhit.bench.traces import SHIPPED_TRACE, hash_block_ids, hash_words, load_trace
-    from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import HashBatch
-    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
-
-    if peer != DYNAMO:
-        raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
-    if order not in PEER_ORDERS:
-        raise ValueError(f"order must be one of {PEER_ORDERS}, got {order!r}")
-    tree_cls, why = load_dynamo()
-    if tree_cls is None:
-        return [], Skip(peer, why)
-    bs = PEER_BLOCK_SIZE
-    layout = CacheLayout(
-        groups=[Group(FullAttention(block_size=bs))],
-        scheduler_block_size=bs,
-        hash_block_size=bs,
-    )
-    requests = load_trace(trace or SHIPPED_TRACE, limit)
-    words = [hash_words(*hash_block_ids(r, bs), 1)[:, 0] for r in requests]
-    ints = [w.tolist() for w in words]  # what a caller holds: Python ints
-    chains = [as_u64(w) for w in words]
-    max_lengths = [len(c) * bs for c in ints]
-    rows = []
-    bar = _peer_bar(len(batch_sizes) * len(requests), quiet)
-    with _numba_threads(1), busy_host(host_load):
-        engine = LookupEngine(layout, backend="numba", device="cpu")
-        for b in sorted(set(batch_sizes)):
-            row = _peer_run(
-                peer, b, engine, KeyIndex(8, 1 << 20), DynamoIndex(tree_cls),
-                ints, chains, max_lengths, HashBatch, torch, bar, order,
-            )  # fmt: skip
-            rows.append(replace(row, host_load=host_load))
-    if bar is not None:
-        bar.close()
-    return rows, None
-
-
-def _peer_bar(total: int, quiet: bool) -> Any:
-    if quiet:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="  peer", unit="req", leave=False)
-
-
-class _numba_threads:
-    """numba's thread count set for a block (restored after)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.old = n, None
-
-    def __enter__(self) -> None:
-        import numba
-
-        self.old = numba.get_num_threads()
-        numba.set_num_threads(min(self.n, numba.config.NUMBA_NUM_THREADS))
-
-    def __exit__(self, *exc: object) -> None:
-        import numba
-
-        numba.set_num_threads(self.old)
-
-
-def _peer_run(peer, b, engine, index, tree, ints, chains, max_lengths, HashBatch,
-              torch, bar, order) -> PeerRow:  # fmt: skip
-    """One batch size of :func:`peer_sweep`: both replays, in ``order``.
-
-    ``separate`` times each index on its own: the peer's work does not run
-    inside kvhit's timed steps or the other way round. (Dynamo's
-    ``RadixTree`` hands each call to its indexer thread and blocks until it
-    answers; measured here, a kvhit step that starts right after such a call
-    ran 2-3x slower than in its own pass, and ~0.2 ms of busy work in between
-    undid most of that: the CPU's state after the hand-off, not kvhit's
-    work.)
-    ``alternate`` interleaves them step by step, each step looked up by kvhit,
-    then by the peer, compared, then stored in both: what a host running the
-    two side by side sees."""
-    n = len(ints)
-    # Warm-up, untimed: compiled kernels loaded, both paths exercised once.
-    warm = HashBatch.from_ints([ints[0]])
-    engine.find_longest_cache_hit(warm, [max_lengths[0]], index, apply_eagle=False)
-    tree.find([chains[0]])
-    steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
-    mine_at: list[list[int]] = []
-    kv = _KvhitReplay(engine, index, ints, max_lengths, HashBatch, torch)
-    them = _PeerReplay(peer, b, tree, chains)
-    if order == "alternate":
-        for lo, hi in steps:
-            mine = kv.step(lo, hi)
-            them.step(lo, hi, mine)
-            if bar is not None:
-                bar.update(hi - lo)
-    else:
-        for lo, hi in steps:
-            mine_at.append(kv.step(lo, hi))
-            if bar is not None:
-                bar.update((hi - lo) // 2)
-        for (lo, hi), mine in zip(steps, mine_at, strict=True):
-            them.step(lo, hi, mine)
-            if bar is not None:
-                bar.update(hi - lo - (hi - lo) // 2)
-    steps_len = [hi - lo for lo, hi in steps]
-    look, peer_look = np.median(kv.look), np.median(them.look)
-    return PeerRow(
-        peer=peer,
-        batch_size=b,
-        requests=n,
-        kvhit_lookup_s=float(look),
-        kvhit_pack_s=float(np.median(kv.pack)),
-        peer_lookup_s=float(peer_look),
-        lookup_ratio=float(peer_look / max(look, 1e-12)),
-        kvhit_store_bps=kv.stored / max(kv.t_store, 1e-12),
-        peer_store_bps=kv.stored / max(them.t_store, 1e-12),
-        blocks_stored=kv.stored,
-        hit_blocks=kv.hit_blocks,
-        kvhit_mean_s=float(np.dot(kv.look, steps_len)) / n,
-        peer_mean_s=float(np.dot(them.look, steps_len)) / n,
-        order=order,
-    )
-
-
-class _KvhitReplay:
-    """kvhit's side of :func:`_peer_run`, one step at a time: pack the step's
-    Python int lists, look them up, store each request's blocks past its hit
-    (a worker's new blocks). Per step, seconds per request: medians resist the
-    load spikes of a shared machine better than totals."""
-
-    def __init__(self, engine, index, ints, max_lengths, HashBatch, torch) -> None:
-        self.engine, self.index, self.ints = engine, index, ints
-        self.max_lengths, self.HashBatch, self.torch = max_lengths, HashBatch, torch
-        self.look: list[float] = []
-        self.pack: list[float] = []
-        self.t_store = 0.0
-        self.stored = self.hit_blocks = 0
-
-    def step(self, lo: int, hi: int) -> list[int]:
-        perf, torch = time.perf_counter, self.torch
-        reqs, mls = self.ints[lo:hi], self.max_lengths[lo:hi]
-        t0 = perf()
-        batch = self.HashBatch.from_ints(reqs)
-        t1 = perf()
-        hits = self.engine.find_longest_cache_hit(
-            batch, mls, self.index, apply_eagle=False
-        )
-        t2 = perf()
-        self.pack.append((t1 - t0) / (hi - lo))
-        self.look.append((t2 - t0) / (hi - lo))
-        mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
-        self.hit_blocks += sum(mine)
-        t0 = perf()
-        rows, offs, lens = batch.host_arrays()
-        take = peer_rows_past(offs, lens, np.array(mine, dtype=np.int64))
-        if take.size:
-            self.index.add(
-                torch.zeros(take.size, dtype=torch.int64),
-                torch.from_numpy(rows[take]),
-            )
-        self.t_store += perf() - t0
-        self.stored += int(take.size)
-        return mine
-
-
-class _PeerReplay:
-    """The peer's side of :func:`_peer_run`: one call per request, its answers
-    checked against kvhit's for the same step (:class:`MismatchError`), then
-    one stored event per request. Its store time includes the wait for its
-    indexer thread to apply the step's events (a lookup of one block after
-    them), since ``apply_event`` returns before the event is applied: without
-    the wait, that work would land in the next step's lookup."""
-
-    def __init__(self, peer: str, b: int, tree: DynamoIndex, chains) -> None:
-        self.peer, self.b, self.tree, self.chains = peer, b, tree, chains
-        self.look: list[float] = []
-        self.t_store = 0.0
-
-    def step(self, lo: int, hi: int, mine: list[int]) -> None:
-        perf, tree, chs = time.perf_counter, self.tree, self.chains[lo:hi]
-        t0 = perf()
-        theirs = tree.find(chs)
-        self.look.append((perf() - t0) / (hi - lo))
-        if mine != theirs:
-            bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
-            raise MismatchError(
-                f"{self.peer} disagrees with kvhit at B={self.b}: "
-                + ", ".join(
-                    f"request {lo + i}: {self.peer}={theirs[i]} kvhit={mine[i]} blocks"
-                    for i in bad
-                )
-            )
-        t0 = perf()
-        for ch, m in zip(chs, mine, strict=True):
-            if m < len(ch):
-                tree.store_after(ch[m - 1] if m else None, ch[m:])
-        tree.sync()
-        self.t_store += perf() - t0
-
-
-def peer_rows_past(
-    starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray
-) -> np.ndarray:
-    """Rows ``starts[i] + skip[i] .. starts[i] + lengths[i] - 1`` of every
-    request ``i``, concatenated (int64), without a Python loop."""
-    counts = np.maximum(lengths - skip, 0)
-    total = int(counts.sum())
-    first = starts + skip
-    # Each run's first row, minus where the run starts in the output.
-    base = np.repeat(first - (np.cumsum(counts) - counts), counts)
-    return base + np.arange(total, dtype=np.int64)
-
-
-def format_peer_table(rows: Sequence[PeerRow]) -> str:
-    """The peer rows as text (the issue's table layout)."""
-    if not rows:
-        return ""
-    peer = rows[0].peer
-    lines = [
-        f"kvhit vs {peer} on the conversation trace ({rows[0].requests} requests in "
-        f"order, steps of B; FullAttention({PEER_BLOCK_SIZE}), 8-byte keys, one "
-        "numba thread; kvhit includes from_ints packing; per request: median "
-        "over steps, mean in brackets)",
-        f"  {'order':>9} {'host':>6} {'B':>5} {'kvhit/req':>20} {'(pack)':>9} "
-        f"{peer + '/req':>21} {'ratio':>7} {'store kvhit':>12} "
-        f"{'store ' + peer:>13}",
-    ]
-    for r in rows:
-        kv = f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})"
-        them = f"{fmt_time(r.peer_lookup_s)} ({fmt_time(r.peer_mean_s)})"
-        host = "quiet" if r.host_load == 0 else f"busy{r.host_load}"
-        lines.append(
-            f"  {r.order:>9} {host:>6} {r.batch_size:>5} {kv:>20} "
-            f"{fmt_time(r.kvhit_pack_s):>9} "
-            f"{them:>21} {r.lookup_ratio:>6.1f}x "
-            f"{fmt_count(r.kvhit_store_bps) + ' b/s':>12} "
-            f"{fmt_count(r.peer_store_bps) + ' b/s':>13}"
-        )
-    lines.append(
-        f"  answers: {peer} == kvhit on every request at every B (0 mismatches; "
-        f"{rows[0].hit_blocks} blocks hit at B={rows[0].batch_size})"
-    )
-    lines.append(
-        "  order: separate = kvhit's replay, then the peer's, each a pass of its "
-        "own; alternate = step by step, side by side (--peer-order)"
-    )
-    if any(r.host_load for r in rows):
-        lines.append(
-            "  host: quiet = nothing else started; busyN = N CPU-bound processes "
-            "spinning beside the run (--peer-host-load)"
-        )
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------
 # KeyIndex probes
 # ---------------------------------------------------------------------------
 
@@ -1111,7 +716,7 @@ def probe_rate(workload: Workload, index: KeyIndex, repeats: int) -> ProbeRow:
 
 
 # ---------------------------------------------------------------------------
-# First calls (compilation) and reports
+# First calls (compilation); tables and plots are kvhit.bench.report
 # ---------------------------------------------------------------------------
 
 
@@ -1148,118 +753,3 @@ def fresh_process_first_call(
             f"the fresh-process first call failed (exit {res.returncode}):\n{res.stderr}"
         )
     return float(res.stdout.strip().splitlines()[-1])
-
-
-def fmt_time(seconds: float) -> str:
-    """``12.3 us``, ``4.56 ms`` or ``1.23 s``."""
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} us"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
-def fmt_count(x: float) -> str:
-    """``1.23k``, ``4.56M``, ..."""
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.2f}{suffix}"
-    return f"{x:.0f}"
-
-
-def _ratio(x: float | None, estimated: bool) -> str:
-    if x is None:
-        return "-"
-    return ("~" if estimated else "") + (f"{x:.1f}x" if x < 100 else f"{x:.0f}x")
-
-
-def format_table(result: SweepResult) -> str:
-    """The sweep as a text table, one line per row, grouped by (preset, B)."""
-    from kvhit import __version__
-
-    env = result.environment
-    vllm = any(r.speedup_vs_vllm is not None for r in result.rows)
-    lines = [
-        f"kvhit {__version__} bench  ({env.get('machine', '?')}; torch "
-        f"{env.get('torch', '?')}, triton {env.get('triton', '?')}, numba "
-        f"{env.get('numba', '?')} (NUMBA_NUM_THREADS {env.get('numba_threads', '?')}); "
-        f"gpu {env.get('gpu', 'none')})",
-        f"  dependent loads (bench/machine.py): {env.get('dependent_load_start', '?')} "
-        f"at the start; {env.get('dependent_load_end', '?')} at the end",
-        f"  {'preset':<11} {'B':>5}  {'backend':<9} {'median':>10} {'lookups/s':>9} "
-        f"{'x ref':>7}" + (f" {'x vLLM':>7}" if vllm else "") + f" {'pack/req':>9}",
-    ]
-    # A ratio to vLLM is marked when vLLM's own time is extrapolated.
-    vllm_est = {
-        (r.preset, r.batch_size)
-        for r in result.rows
-        if r.backend == VLLM and r.estimated
-    }
-    for r in result.rows:
-        t = ("~" if r.estimated else "") + fmt_time(r.median_s)
-        pack = fmt_time(r.pack_s_per_request) if r.pack_s_per_request else "-"
-        line = (
-            f"  {r.preset:<11} {r.batch_size:>5}  {r.backend:<9} {t:>10} "
-            f"{fmt_count(r.lookups_per_s):>9} "
-            f"{_ratio(r.speedup_vs_reference, r.reference_estimated):>7}"
-        )
-        if vllm:
-            est = (r.preset, r.batch_size) in vllm_est
-            line += f" {_ratio(r.speedup_vs_vllm, est):>7}"
-        lines.append(f"{line} {pack:>9}")
-    if any(r.estimated or r.reference_estimated for r in result.rows):
-        lines.append(
-            "  ~ extrapolated: the loop's per-request time on this batch's parity "
-            "sample x B"
-        )
-    lines.append(
-        "  pack/req: HashBatch.from_bytes per request, not included in the median"
-    )
-    for s in result.skipped:
-        lines.append(f"  skipped {s.backend}: {s.reason}")
-    for p in result.probes:
-        lines.append(
-            f"  KeyIndex.contains ({p.preset}, {p.hash_bytes} B keys): "
-            f"{fmt_count(p.probes)} probes in {fmt_time(p.median_s)} = "
-            f"{fmt_count(p.probes_per_s)} probes/s ({p.hit_fraction:.0%} hits)"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: SweepResult, path: str | os.PathLike[str]) -> None:
-    """Lookups/s vs batch size, one panel per preset, one line per backend, as
-    a PNG at ``path``. Needs matplotlib (``pip install 'kvhit[plot]'``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    from kvhit import __version__
-
-    rows = result.rows
-    presets = list(dict.fromkeys(r.preset for r in rows))
-    fig, axes = plt.subplots(
-        1, len(presets), figsize=(4.5 * len(presets), 4), squeeze=False
-    )
-    for ax, preset in zip(axes[0], presets, strict=True):
-        for backend in dict.fromkeys(r.backend for r in rows):
-            pts = sorted(
-                (r.batch_size, r.lookups_per_s)
-                for r in rows
-                if r.preset == preset and r.backend == backend
-            )
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", label=backend)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(preset)
-        ax.set_xlabel("batch size (requests)")
-        ax.set_ylabel("lookups/s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    env = result.environment
-    fig.suptitle(f"kvhit {__version__}: {env.get('gpu') or env.get('machine', '')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -360,7 +360,7 @@ def _replay(
 ) -> ReplayResult:
     import torch
 
-    from kvhit.bench.harness import MismatchError
+    from kvhit.bench.names import MismatchError
     from kvhit.coordinator.engine import LookupEngine
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
@@ -599,7 +599,7 @@ def _reference_step(
     ``contains``, not timed), so the loop's time is its own."""
     import torch
 
-    from kvhit.bench.harness import MismatchError
+    from kvhit.bench.names import MismatchError
 
     total = 0.0
     for b in range(len(num_tokens)):
@@ -635,7 +635,7 @@ def _reference_step(
 
 def format_report(result: ReplayResult) -> str:
     """The replay as text: hit rates, the claim, timings."""
-    from kvhit.bench.harness import fmt_count, fmt_time
+    from kvhit.bench.report import fmt_count, fmt_time
 
     cfg = result.config
     p50, p99 = result.lookup_percentiles()
@@ -673,16 +673,14 @@ def format_report(result: ReplayResult) -> str:
         else:
             rows += _peer_rows(result)
     rows.append(("total time", f"{result.seconds:.1f} s"))
-    width = max(len(k) for k, _ in rows)
     from kvhit import __version__
+    from kvhit.bench.report import format_rows
 
-    lines = [f"kvhit {__version__} replay"]
-    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
-    return "\n".join(lines) + "\n"
+    return format_rows(f"kvhit {__version__} replay", rows)
 
 
 def _peer_rows(result: ReplayResult) -> list[tuple[str, str]]:
-    from kvhit.bench.harness import fmt_count, fmt_time
+    from kvhit.bench.report import fmt_count, fmt_time
 
     steps = result.steps
     n = max(1, result.requests)

@@ -29,20 +29,27 @@ exact rules, whatever the router believed.
 
 from __future__ import annotations
 
-import argparse
 import heapq
+import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
+from tabulate import tabulate
 
-from kvhit.bench.harness import MismatchError
-from kvhit.bench.traces import SHIPPED_TRACE, hash_block_ids, hash_words, load_trace
-from kvhit.bench.workloads import PRESETS, make_layout
+from kvhit.bench.names import ROUTE_LIMIT, ROUTERS, MismatchError
+from kvhit.bench.traces import (
+    SHIPPED_TRACE,
+    TraceRequest,
+    hash_block_ids,
+    hash_words,
+    load_trace,
+)
+from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.fleet_index import FleetIndex
 from kvhit.coordinator.packing import HashBatch, num_words
@@ -53,16 +60,13 @@ __all__ = [
     "ROUTERS",
     "RouteConfig",
     "RouterResult",
-    "add_route_parser",
-    "cmd_route",
     "format_table",
+    "plot",
     "replay",
     "saved_keys",
+    "to_json",
     "trace_batch",
 ]
-
-#: The routers ``kvhit route`` compares.
-ROUTERS = ("round-robin", "kvhit", "full-attention-only")
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class RouteConfig:
 
     preset: str = "dsv4-flash"
     engines: int = 8
-    limit: int = 2000
+    limit: int = ROUTE_LIMIT
     batch: int = 8
     routers: tuple[str, ...] = ROUTERS
     tpot_ms: float = 20.0
@@ -219,16 +223,20 @@ def _check(engine, batch, tokens, fleet, hits) -> None:
 def replay(
     config: RouteConfig,
     progress: Callable[[str, int, int], None] | None = None,
+    requests: Sequence[TraceRequest] | None = None,
 ) -> list[RouterResult]:
     """Run the replay once per router of ``config.routers``; see the module
-    docstring. Raises MismatchError when a checked batch's fleet hits differ
-    from per-engine lookups."""
+    docstring. ``requests``: the trace already read (default: the first
+    ``config.limit`` requests of ``config.trace``); ``progress(router, done,
+    total)`` is called after each batch. Raises MismatchError when a checked
+    batch's fleet hits differ from per-engine lookups."""
     for r in config.routers:
         if r not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {r!r}")
     layout = make_layout(config.preset)
     engine = LookupEngine(layout)
-    requests = load_trace(config.trace, limit=config.limit)
+    if requests is None:
+        requests = load_trace(config.trace, limit=config.limit)
     sbs = layout.scheduler_block_size
     fa_groups, fa_bs = _full_attention_group(layout)
     fa_scale = fa_bs // layout.hash_block_size
@@ -295,85 +303,78 @@ def _request_of(batch: HashBatch, rows: torch.Tensor) -> torch.Tensor:
 
 
 def format_table(results: Sequence[RouterResult], config: RouteConfig) -> str:
-    """A Markdown table of ``results``."""
-    lines = [
-        f"{config.preset}, E = {config.engines}, {results[0].requests if results else 0}"
-        f" trace requests, batch {config.batch}",
-        "",
-        "| router | hit rate (exact rules) | router's own estimate | "
-        "placed on a shorter hit than offered | busiest engine / mean |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        est = "-" if r.router == "round-robin" else f"{r.believed_rate:.1%}"
-        lines.append(
-            f"| {r.router} | {r.hit_rate:.1%} | {est} | {r.short_pick_rate:.1%} "
-            f"| {r.imbalance:.2f} |"
+    """A Markdown table of ``results`` under a line naming the setting."""
+    rows = [
+        (
+            r.router,
+            f"{r.hit_rate:.1%}",
+            "-" if r.router == "round-robin" else f"{r.believed_rate:.1%}",
+            f"{r.short_pick_rate:.1%}",
+            f"{r.imbalance:.2f}",
         )
-    return "\n".join(lines)
-
-
-# -- CLI -------------------------------------------------------------------------
-
-
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.engines < 1:
-        parser.error("--engines must be >= 1")
-    if args.limit < 1 or args.batch < 1:
-        parser.error("--limit and --batch must be >= 1")
-    if args.preset not in PRESETS:
-        parser.error(f"--preset must be one of {', '.join(PRESETS)}")
-
-
-def cmd_route(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """Run ``kvhit route``; prints one Markdown table per preset."""
-    config = RouteConfig(
-        preset=args.preset,
-        engines=args.engines,
-        limit=args.limit,
-        batch=args.batch,
-        routers=tuple(args.router) if args.router else ROUTERS,
-        tpot_ms=args.tpot_ms,
-        overlap_weight=args.overlap_weight,
-        check_every=args.check_every,
-        trace=Path(args.trace),
+        for r in results
+    ]
+    headers = (
+        "router",
+        "hit rate (exact rules)",
+        "router's own estimate",
+        "placed on a shorter hit than offered",
+        "busiest engine / mean",
     )
-
-    def progress(stage: str, done: int, total: int) -> None:
-        if not args.quiet and (done == total or done % 500 < config.batch):
-            err.write(f"\r{stage}: {done}/{total}")
-            if done == total:
-                err.write("\n")
-
-    results = replay(config, progress)
-    out.write(format_table(results, config) + "\n")
-    return 0
-
-
-def add_route_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``route`` subcommand to ``kvhit``'s subparsers."""
-    p = sub.add_parser(
-        "route",
-        help="replay a trace across E engines: hit rate per router (exact rules)",
-        description=(__doc__ or "").split("\n\n")[0],
+    n = results[0].requests if results else 0
+    title = (
+        f"{config.preset}, E = {config.engines}, {n} trace requests, batch "
+        f"{config.batch}, --tpot-ms {config.tpot_ms:g}, overlap weight "
+        f"{config.overlap_weight:g}"
     )
-    p.add_argument("--preset", default="dsv4-flash", help="layout preset")
-    p.add_argument("--engines", type=int, default=8, help="simulated engines E")
-    p.add_argument("--router", action="append", choices=ROUTERS,
-                   help="router to run (repeatable; default: all)")  # fmt: skip
-    p.add_argument("--limit", type=int, default=2000, help="trace requests")
-    p.add_argument("--batch", type=int, default=8, help="requests routed per call")
-    p.add_argument("--tpot-ms", type=float, default=20.0,
-                   help="decode ms per output token (in-flight load)")  # fmt: skip
-    p.add_argument("--overlap-weight", type=float, default=1.0,
-                   help="the routers' prefill weight")  # fmt: skip
-    p.add_argument(
-        "--check-every",
-        type=int,
-        default=50,
-        help="check every N-th batch against per-engine lookups (0: never)",
+    table = tabulate(
+        rows,
+        headers,
+        tablefmt="github",
+        colalign=("left", *["right"] * 4),
+        disable_numparse=True,  # the cells are formatted already: keep "1.00"
     )
-    p.add_argument("--trace", default=str(SHIPPED_TRACE), help="Mooncake-format trace")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
-    p.set_defaults(handler=cmd_route, check=_check_args, command_parser=p)
-    return p
+    return f"{title}\n\n{table}"
+
+
+def to_json(results: Sequence[RouterResult], config: RouteConfig) -> dict[str, Any]:
+    """``kvhit route --json``: the setting and one object per router, with
+    the counts and the rates derived from them."""
+    setting = {
+        k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()
+    }
+    rows = []
+    for r in results:
+        row = asdict(r)
+        for rate in ("hit_rate", "believed_rate", "best_rate", "short_pick_rate"):
+            row[rate] = getattr(r, rate)
+        row["imbalance"] = r.imbalance
+        rows.append(row)
+    return {"config": setting, "routers": rows}
+
+
+def plot(
+    results: Sequence[RouterResult], config: RouteConfig, path: str | os.PathLike[str]
+) -> None:
+    """``kvhit route --plot``: the exact hit rate and the router's own
+    estimate per router, as bars (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.router for r in results]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.bar(x - 0.2, [100 * r.hit_rate for r in results], 0.4, label="exact hit rate")
+    believed = [
+        0.0 if r.router == "round-robin" else 100 * r.believed_rate for r in results
+    ]
+    ax.bar(x + 0.2, believed, 0.4, label="router's own estimate")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("% of prompt tokens")
+    ax.set_title(f"{config.preset}, E = {config.engines}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

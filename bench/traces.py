@@ -24,28 +24,27 @@ only full blocks.
 from __future__ import annotations
 
 import gzip
-import json
+import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import numpy as np
+
+from kvhit.bench.names import SHIPPED_TRACE, TRACE_BLOCK_SIZE
 
 __all__ = [
     "SHIPPED_TRACE",
     "TRACE_BLOCK_SIZE",
+    "TraceLine",
     "TraceRequest",
     "hash_block_ids",
     "hash_words",
     "load_trace",
 ]
-
-#: The Mooncake FAST'25 conversation trace shipped with kvhit.
-SHIPPED_TRACE = (
-    Path(__file__).resolve().parent / "data" / ("mooncake_conversation_trace.jsonl.gz")
-)
-#: Tokens per ``hash_ids`` entry in the Mooncake traces.
-TRACE_BLOCK_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,46 @@ class TraceRequest:
     hash_ids: np.ndarray
 
 
-def _lines(path: Path) -> Iterator[str]:
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class TraceLine(msgspec.Struct):
+    """The schema of one trace line (JSON object; other keys are ignored).
+
+    ``timestamp`` (ms) and ``input_length`` are required non-negative ints,
+    ``output_length`` an optional one (0), ``hash_ids`` a list of int64 ids.
+    A line that breaks it is reported with the field msgspec names.
+    """
+
+    timestamp: _Count
+    input_length: _Count
+    hash_ids: list[_Int64]
+    output_length: _Count = 0
+
+
+_DECODER = msgspec.json.Decoder(TraceLine)
+# msgspec says where a value broke the schema as "... - at `$.field[i]`".
+_AT = re.compile(r"^(?P<what>.*) - at `\$\.(?P<field>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def _schema_error(where: str, exc: msgspec.ValidationError) -> ValueError:
+    """``exc`` as a ValueError naming the file, the line and the field."""
+    text = str(exc)
+    at = _AT.match(text)
+    if at:
+        return ValueError(f"{where}: {at['field']!r}: {at['what']}")
+    missing = _MISSING.search(text)
+    if missing:
+        return ValueError(f"{where}: {missing['field']!r} is missing")
+    return ValueError(f"{where}: a request must be a JSON object ({text})")
+
+
+def _lines(path: Path) -> Iterator[bytes]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rb") as f:
         yield from f
-
-
-def _int_field(obj: dict, key: str, where: str, minimum: int) -> int:
-    v = obj.get(key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{where}: {key!r} must be an int, got {v!r}")
-    if v < minimum:
-        raise ValueError(f"{where}: {key!r} must be >= {minimum}, got {v}")
-    return v
 
 
 def load_trace(
@@ -87,7 +113,9 @@ def load_trace(
             ``ceil(input_length / trace_block_size)`` ids or more.
 
     Returns the requests in file order. Raises ``ValueError`` naming the file
-    and line of the first malformed request, ``FileNotFoundError`` when
+    and line (and the field, from :class:`TraceLine`) of the first malformed
+    request, or naming the file when it is a corrupt or truncated gzip file or
+    holds no request (with ``limit`` not 0); ``FileNotFoundError`` when
     ``path`` does not exist.
     """
     if isinstance(trace_block_size, bool) or not isinstance(trace_block_size, int):
@@ -102,6 +130,20 @@ def load_trace(
     if not path.is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
     out: list[TraceRequest] = []
+    try:
+        _read(path, limit, trace_block_size, out)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        # A gzip stream cut short (EOFError) or damaged (zlib.error, a bad
+        # header): the file is the problem, not a line of it.
+        raise ValueError(f"{path}: a corrupt or truncated gzip file ({exc})") from None
+    if not out and limit != 0:
+        raise ValueError(f"{path}: the trace holds no request")
+    return out
+
+
+def _read(
+    path: Path, limit: int | None, trace_block_size: int, out: list[TraceRequest]
+) -> None:
     for lineno, line in enumerate(_lines(path), 1):
         if limit is not None and len(out) >= limit:
             break
@@ -109,33 +151,22 @@ def load_trace(
             continue
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: a request must be a JSON object")
-        ts = _int_field(obj, "timestamp", where, 0)
-        n_in = _int_field(obj, "input_length", where, 0)
-        n_out = (
-            _int_field(obj, "output_length", where, 0) if "output_length" in obj else 0
-        )
-        ids = obj.get("hash_ids")
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids
-        ):
-            raise ValueError(f"{where}: 'hash_ids' must be a list of ints")
-        need = -(-n_in // trace_block_size)
-        if len(ids) < need:
+            req = _DECODER.decode(line)
+        except msgspec.ValidationError as exc:
+            raise _schema_error(where, exc) from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+        need = -(-req.input_length // trace_block_size)
+        if len(req.hash_ids) < need:
             raise ValueError(
-                f"{where}: {len(ids)} hash_ids for input_length {n_in} "
-                f"(needs {need} at trace_block_size {trace_block_size})"
+                f"{where}: 'hash_ids': {len(req.hash_ids)} ids for input_length "
+                f"{req.input_length} (needs {need} at trace_block_size "
+                f"{trace_block_size})"
             )
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except OverflowError:
-            raise ValueError(f"{where}: a hash_id does not fit in int64") from None
-        out.append(TraceRequest(ts, n_in, n_out, arr))
-    return out
+        ids = np.asarray(req.hash_ids, dtype=np.int64)
+        out.append(
+            TraceRequest(req.timestamp, req.input_length, req.output_length, ids)
+        )
 
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

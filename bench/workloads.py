@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvhit.bench.names import PRESET_DESCRIPTIONS
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import (
     CacheLayout,
@@ -139,29 +140,13 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset(
-            "dsv4-flash",
-            "DeepSeek-V4-Flash: Full 256 + SWA 64/w128 x2 (one EAGLE) + SWA 4/w8 "
-            "+ SWA 8/w128; hash 4, scheduler 256, use_eagle",
-            _dsv4_flash,
-        ),
-        Preset(
-            "qwen3-next",
-            "Qwen3-Next-like: Full 64 + Mamba 64; hash 16, scheduler 64, "
-            "partial hash hits",
-            _qwen3_next,
-        ),
-        Preset(
-            "gemma3",
-            "Gemma-3-like: Full 16 + SWA 16/w1024; hash 16, scheduler 16",
-            _gemma3,
-        ),
-        Preset("llama", "plain full attention: Full 16; hash 16", _llama),
+        Preset("dsv4-flash", PRESET_DESCRIPTIONS["dsv4-flash"], _dsv4_flash),
+        Preset("qwen3-next", PRESET_DESCRIPTIONS["qwen3-next"], _qwen3_next),
+        Preset("gemma3", PRESET_DESCRIPTIONS["gemma3"], _gemma3),
+        Preset("llama", PRESET_DESCRIPTIONS["llama"], _llama),
         Preset(
             "dsv4-longhit",
-            "dsv4-flash's layout under long-hit traffic: 16 max-tokens system "
-            "prompts (Zipf 1), prompts max/8..max uniform sharing 25/50/90/100 % "
-            "of a system prompt, half of them stored, 2 % evicted",
+            PRESET_DESCRIPTIONS["dsv4-longhit"],
             _dsv4_flash,
             traffic="long-hit",
         ),

@@ -805,7 +805,7 @@ def test_engine_classes_more_groups_than_a_tile():
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=here, timeout=240, capture_output=True,
-        text=True,
+        text=True, env={**os.environ, "PYTHONPATH": here},  # PYTHONSAFEPATH=1: no cwd
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 

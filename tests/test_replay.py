@@ -110,7 +110,10 @@ def test_cli_replay_json_and_exit_codes(
         assert exc.value.code == cli.EXIT_USAGE, bad
     bad_trace = tmp_path / "bad.jsonl"
     bad_trace.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1]}\n')
-    assert cli.main(["replay", str(bad_trace), "-q"]) == cli.EXIT_USAGE
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", str(bad_trace), "-q"])
+    assert exc.value.code == cli.EXIT_USAGE
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
@@ -204,10 +207,6 @@ def test_bench_peer_order_is_checked(capsys: pytest.CaptureFixture[str]) -> None
         cli.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--peer-order" in err and "alternate" in err
-    from kvhit.bench import harness
-
-    with pytest.raises(ValueError, match="order"):
-        harness.peer_sweep("dynamo", [1], limit=5, order="sideways")
 
 
 def test_busy_host_spins_and_stops(tmp_path: Path) -> None:
@@ -257,28 +256,14 @@ def test_bench_peer_mismatch_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bench_peer_absent_is_skipped(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvhit.bench import harness, peer_steps
+    from kvhit.bench import peer_steps
 
-    monkeypatch.setattr(harness, "load_dynamo", lambda: (None, "not installed here"))
-    rows, skip = harness.peer_sweep("dynamo", [1], limit=5)
-    assert rows == [] and skip == harness.Skip("dynamo", "not installed here")
     # kvhit bench replays through peer_steps: its skip is reported, exit 0.
     monkeypatch.setattr(peer_steps, "load_dynamo", lambda: (None, "not here either"))
     argv = ["bench", "--presets", "llama", "--batch-sizes", "4", "--max-tokens",
             "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit", "5"]  # fmt: skip
     assert cli.main(argv) == cli.EXIT_OK
     assert "skipped dynamo: not here either" in capsys.readouterr().out
-
-
-def test_rows_past() -> None:
-    import numpy as np
-
-    from kvhit.bench import harness
-
-    got = harness.peer_rows_past(
-        np.array([0, 3, 3, 10]), np.array([3, 0, 7, 2]), np.array([1, 0, 5, 2])
-    )
-    assert got.tolist() == [1, 2, 8, 9]
 
 
 # -- bench/peer_steps.py: the peer replay as a router meets it (issue 33) -----

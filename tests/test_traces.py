@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -94,3 +95,53 @@ def test_one_word_keys_match_the_first_word():
     np.testing.assert_array_equal(
         hash_words(ids, pos, 1)[:, 0], hash_words(ids, pos, 4)[:, 0]
     )
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ('{"input_length": 1, "hash_ids": [1]}', "'timestamp' is missing"),
+        ('{"timestamp": null, "input_length": 1, "hash_ids": [1]}', "'timestamp'"),
+        ('{"timestamp": true, "input_length": 1, "hash_ids": [1]}', "got `bool`"),
+        ('{"timestamp": 0, "input_length": 1}', "'hash_ids' is missing"),
+        ('{"timestamp": 0, "input_length": 1, "hash_ids": [1, "a"]}', "'hash_ids[1]'"),
+        (
+            '{"timestamp": 0, "input_length": 1, "hash_ids": [99999999999999999999]}',
+            "'hash_ids[0]'",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 1, "hash_ids": [1], "output_length": -2}',
+            "'output_length'",
+        ),  # fmt: skip
+    ],
+)
+def test_the_trace_line_schema_names_the_field(tmp_path, line, needle):
+    # Regression: a missing field read "'timestamp' must be an int, got None".
+    p = tmp_path / "bad.jsonl"
+    p.write_text(line + "\n")
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
+        load_trace(p)
+    assert "bad.jsonl:1" in str(e.value)
+
+
+def test_extra_keys_are_ignored(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 1, "input_length": 1, "hash_ids": [5], "x": {}}\n')
+    assert load_trace(p)[0].hash_ids.tolist() == [5]
+
+
+def test_truncated_corrupt_and_empty_files(tmp_path):
+    line = b'{"timestamp": 0, "input_length": 1, "hash_ids": [1]}\n'
+    data = gzip.compress(line * 500)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        load_trace(gz)
+    gz.write_bytes(data[:10] + b"\xff" * 30 + data[40:])
+    with pytest.raises(ValueError, match="corrupt"):
+        load_trace(gz)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no request"):
+        load_trace(empty)
+    assert load_trace(empty, limit=0) == []

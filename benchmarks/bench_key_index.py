@@ -6,8 +6,8 @@ x load (0.25, 0.5) x probe hit ratio (0, 0.5, 1). Every row asserts its answers
 before it is timed. ``benchmark.extra_info`` carries probes/s or inserts/s,
 bytes per key, the actual load and the torch/triton versions.
 
-Run with ``pytest bench -k bench_key_index --benchmark-only`` (naming the
-file itself collects it twice: once by pytest, once by bench/conftest.py's
+Run with ``pytest benchmarks -k bench_key_index --benchmark-only`` (naming the
+file itself collects it twice: once by pytest, once by benchmarks/conftest.py's
 ``bench_*.py`` hook). Knobs:
 
 ``KVHIT_BENCH_KEYINDEX_SIZES``  comma-separated key counts (default
@@ -21,8 +21,8 @@ import os
 
 import pytest
 import torch
+from knobs import DEVICE
 
-from bench.conftest import DEVICE
 from kvhit.bench.harness import synchronize
 from kvhit.coordinator.key_index import KeyIndex
 

@@ -12,7 +12,7 @@ store's existence calls in it. Fresh schedulers per repetition; medians.
 
 Run::
 
-    .venv/bin/python bench/bench_vllm_step.py [--sizes 8 64 512] [--reps 3]
+    PYTHONPATH=tests .venv/bin/python benchmarks/bench_vllm_step.py [--sizes 8 64 512] [--reps 3]
         [--json out.json]
 """
 
@@ -28,9 +28,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 
 class CountingStore:

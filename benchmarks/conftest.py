@@ -1,8 +1,10 @@
-"""Shared set-up of the benchmark suites (``pytest bench --benchmark-only``).
+"""Shared set-up of the benchmark suites (``make bench``: ``pytest benchmarks
+--benchmark-only``), out of the shipped package.
 
 The suites measure through the harness (``bench/harness.py``), as ``kvhit
-bench`` does. Knobs (environment variables; defaults suit this repo's 2-core
-CPU box):
+bench`` does. Knobs (environment variables, read by ``benchmarks/knobs.py``,
+which pytest finds through ``pythonpath`` in pyproject; defaults suit this
+repo's 2-core CPU box):
 
 ``KVHIT_BENCH_MAX_TOKENS``  longest prompt (default 16384 on CPU, 131072 on an
                             accelerator)
@@ -17,35 +19,13 @@ size, and sliced for the smaller ones (same store, same first requests).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from knobs import BATCH_SIZES, DEVICE, HISTORY, MAX_TOKENS
 
-from kvhit.bench.harness import DEFAULT_BATCH_SIZES, default_device
-from kvhit.bench.workloads import PRESETS, TrafficConfig, Workload, generate
-
-DEVICE = default_device()
-
-
-def _csv_env(name: str, default: list[str]) -> list[str]:
-    raw = os.environ.get(name, "")
-    return [x.strip() for x in raw.split(",") if x.strip()] or default
-
-
-MAX_TOKENS = int(
-    os.environ.get("KVHIT_BENCH_MAX_TOKENS", 16384 if DEVICE == "cpu" else 131072)
-)
-BATCH_SIZES = [
-    int(b)
-    for b in _csv_env("KVHIT_BENCH_BATCH_SIZES", [str(b) for b in DEFAULT_BATCH_SIZES])
-]
-PRESET_NAMES = _csv_env("KVHIT_BENCH_PRESETS", list(PRESETS))
-REF_CAP = int(os.environ.get("KVHIT_BENCH_REF_CAP", 1024))
-HISTORY = float(os.environ.get("KVHIT_BENCH_HISTORY", 1.0))
-#: above REF_CAP, parity is checked on this many sampled requests
-PARITY_SAMPLE = 256
+from kvhit.bench.workloads import TrafficConfig, Workload, generate
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):

@@ -8,7 +8,7 @@ boundaries. Medians over ``--reps`` steps after a warm-up.
 
 Run::
 
-    NUMBA_NUM_THREADS=1 .venv/bin/python bench/bench_mooncake_refresh.py
+    NUMBA_NUM_THREADS=1 PYTHONPATH=tests .venv/bin/python benchmarks/bench_mooncake_refresh.py
         [--requests 1024] [--reps 5] [--profile out.prof]
 """
 
@@ -21,9 +21,6 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 PHASES = {
     # module attribute -> phase

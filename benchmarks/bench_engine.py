@@ -6,15 +6,14 @@ backend the harness times on this device (``reference``, ``numba``,
 ``torch``; ``triton`` off the CPU), one for packing the batch
 (``HashBatch.from_bytes``), all on the same batch and store. Parity with the
 reference loop is asserted before any timing; a backend whose engine cannot be
-built is skipped with the reason. Run with ``make bench`` (``pytest bench
---benchmark-only``); knobs in ``bench/conftest.py``.
+built is skipped with the reason. Run with ``make bench`` (``pytest benchmarks
+--benchmark-only``); knobs in ``benchmarks/conftest.py``.
 """
 
 from __future__ import annotations
 
 import pytest
-
-from bench.conftest import (
+from knobs import (
     BATCH_SIZES,
     DEVICE,
     MAX_TOKENS,
@@ -22,6 +21,7 @@ from bench.conftest import (
     PRESET_NAMES,
     REF_CAP,
 )
+
 from kvhit.bench import harness
 
 IMPLS = [*harness.default_backends(DEVICE)[0], "pack"]
