@@ -13,6 +13,8 @@
 # 5 minutes on an H200), each step printing its time when it ends:
 #   1. the GPU tests (pytest -m gpu, at most 60 s), when pytest and hypothesis
 #      are there, else SKIP;
+#   (--dry-run: the cost model, python -m kvhit.bench.gpu_model --quick,
+#   round trips per request and launches/syncs per call under the interpreter)
 #   2. python -m kvhit.bench.gpu_check (bench/gpu_check.py): per preset,
 #      smallest first, the 4096 x 128K-token workload built once on the GPU,
 #      the triton lookup eagerly (first call with its compile apart) and
@@ -94,6 +96,17 @@ elif "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
     say "== gpu tests: $st in $(($(date +%s) - t)) s ($(elapsed) s so far)"
 else
     say "== gpu tests: SKIP (pytest or hypothesis not installed)"
+fi
+
+if [ "$DRY" = "1" ]; then
+    # The cost model (bench/gpu_model.py): round trips per request, launches
+    # and syncs per call, under the interpreter; small sizes only here.
+    t=$(date +%s)
+    say "== cost model (python -m kvhit.bench.gpu_model --quick)"
+    "$PY" -m kvhit.bench.gpu_model --quick 2>&1 | tee "$OUTDIR/gpu_model.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in 0) st=PASS ;; *) st="FAIL (rc $rc)"; FAILED=1 ;; esac
+    say "== cost model: $st in $(($(date +%s) - t)) s ($(elapsed) s so far)"
 fi
 
 # What is left of the budget: the hard limit; steps stop starting 45 s before.
