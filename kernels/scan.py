@@ -102,7 +102,7 @@ from kvhit.kernels.checks import (
     check_size,
     table_capacity,
 )
-from kvhit.kernels.hash_index import slot_hash
+from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
 __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
@@ -203,19 +203,44 @@ def _rem(a, b):
 
 
 @triton.jit
-def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
-    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table?
+def _load_keys(ctx, units, mask, W: tl.constexpr, WP: tl.constexpr):
+    """int64 [N, WP]: the hash words of the request's hash units ``units``
+    (int64 [N]), one 2-D load (every word of every lane at once: one round
+    trip); lanes outside ``mask`` or the request, and columns ``>= W``, are 0.
+    ``WP`` is ``W`` rounded up to a power of two."""
+    valid = mask & (units >= 0) & (units < ctx[_C_LENS])
+    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
+    cols = tl.arange(0, WP)
+    return tl.load(
+        ctx[_C_HASHES] + rows[:, None] * W + cols[None, :],
+        mask=valid[:, None] & (cols[None, :] < W),
+        other=0,
+    )
+
+
+@triton.jit
+def _table_has(ctx, gids, keys, mask, W: tl.constexpr, WP: tl.constexpr):
+    """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` is
+    int64 [N, WP] from :func:`_load_keys`.
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. Column 0 is read with a plain load: lookups are
-    stream-ordered after the inserts they must see.
+    BUSY slots are passed over. A probe step loads the slot's group id and all
+    its words together (one round trip, not one per word): the words are
+    compared only where the group id matches, but loading them regardless
+    costs bandwidth the step has to spare, not latency. Column 0 is read with
+    a plain load: lookups are stream-ordered after the inserts they must see.
     """
-    hashes_ptr = ctx[_C_HASHES]
     table_ptr = ctx[_C_TABLE]
     cap_mask = ctx[_C_CAP_MASK]
-    pos = slot_hash(gids, hashes_ptr, rows, mask, W) & cap_mask
+    cols = tl.arange(0, WP)
+    word = cols[None, :] < W
+    # ``hash_index.slot_hash`` on the words already loaded.
+    h = hash_init(gids)
+    for j in tl.static_range(W):
+        h = hash_mix(h, tl.sum(tl.where(cols[None, :] == j, keys, 0), axis=1))
+    pos = hash_finish(h) & cap_mask
     found = mask & (gids < gids)
     active = mask
     # A vector step count: lanes stop independently.
@@ -223,11 +248,9 @@ def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
     while tl.max(active.to(tl.int32), axis=0) > 0:
         slot = table_ptr + pos * (W + 1)
         g = tl.load(slot, mask=active, other=_EMPTY)
-        hit = active & (g == gids)
-        for j in tl.static_range(W):
-            t = tl.load(slot + 1 + j, mask=hit, other=0)
-            k = tl.load(hashes_ptr + rows * W + j, mask=hit, other=0)
-            hit = hit & (t == k)
+        t = tl.load(slot[:, None] + 1 + cols[None, :], mask=active[:, None] & word)
+        same = tl.min(((t == keys) | ~word).to(tl.int32), axis=1) > 0
+        hit = active & (g == gids) & same
         found = found | hit
         # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
         # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
@@ -359,24 +382,26 @@ def _probe(
     units,
     mask,
     sg_row,
+    keys,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? Lanes
-    outside ``mask`` or the request's hashes are misses."""
+    present for every member group of the SpecGroup at ``sg_row``? ``keys``
+    are those units' words (:func:`_load_keys`, loaded once for every
+    member). Lanes outside ``mask`` or the request's hashes are misses."""
     n_units = ctx[_C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
-    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
     hit = valid
     for k in range(tl.load(sg_row + _SG_N_MEMBERS)):
         gid = tl.load(sg_row + _SG_MEMBERS + k)
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            present = _table_has(ctx, gids, rows, hit, W)
+            present = _table_has(ctx, gids, keys, hit, W, WP)
         else:
             present = hit
         if HAS_TL:
@@ -400,20 +425,31 @@ def _leading_run(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step."""
+    step; the next step's hash words are loaded before this step's first
+    miss is known (the run goes on only when every lane hit, so the next
+    tile is then exactly ``BLOCK`` further), which takes the hash-row round
+    trip off every step but the first."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
+    blk = start + lane
+    keys = _load_keys(ctx, (blk + 1) * scale - 1, blk < end, W, WP)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+        nxt = blk + BLOCK
+        keys_next = _load_keys(ctx, (nxt + 1) * scale - 1, nxt < end, W, WP)
+        hit = _probe(
+            ctx, units, blk < end, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+        )
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
+        keys = keys_next
     return count
 
 
@@ -426,6 +462,7 @@ def _rightmost(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
 ):
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
     ``need >= 1`` hit blocks ending at ``j``; -1 when there is none.
@@ -441,7 +478,10 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            hit = _probe(ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+            keys = _load_keys(ctx, units, cand >= low, W, WP)
+            hit = _probe(
+                ctx, units, cand >= low, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+            )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
             j = j - BLOCK * q
@@ -457,7 +497,10 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+                keys = _load_keys(ctx, units, use, W, WP)
+                hit = _probe(
+                    ctx, units, use, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+                )
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
@@ -503,6 +546,7 @@ def _sg_searches(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
 ):
     """The three searches of a SpecGroup scan, ``(n, j, p)``.
 
@@ -530,7 +574,9 @@ def _sg_searches(
     a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
     a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK)
+    n = _leading_run(
+        ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK, WP
+    )
 
     # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
     # unit inside the next block; Mamba: the rightmost aligned state
@@ -550,12 +596,12 @@ def _sg_searches(
         tl.where(is_swa, need_eff, zero + 1),
         tl.where(unit_level, zero + 1, scale),
     )
-    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK)
+    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK, WP)
 
     # Phase C: a sliding window with no run of `need` blocks still hits with
     # the leading run (shorter than need - 1 blocks).
     c_end = tl.where(is_swa & (j < 0), tl.minimum(m, need_eff - 1), zero)
-    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK)
+    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK, WP)
     return n, j, p
 
 
@@ -630,6 +676,7 @@ def _converge(
     HAS_TL: tl.constexpr,
     APPLY_EAGLE: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
     MASKS: tl.constexpr,
@@ -672,7 +719,7 @@ def _converge(
                 if multi & (margin > 0) & (drop != 0):
                     bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
                 n, j, p = _sg_searches(
-                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK
+                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, WP
                 )
                 new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
                 shrunk = (drop == 0) & (new_hit < curr)
@@ -767,6 +814,7 @@ def _worker_lookup(
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -786,7 +834,7 @@ def _worker_lookup(
     searching = ok
     while searching:
         hit, _l, _lo, _hi = _converge(
-            ctx, bound, W, HAS_INDEX, True, True, BLOCK, S_PAD, SG_W, False
+            ctx, bound, W, HAS_INDEX, True, True, BLOCK, WP, S_PAD, SG_W, False
         )
         # The second search is bounded by usable < num_tokens: it never
         # covers the whole prompt, so the loop runs at most twice.
@@ -822,6 +870,7 @@ def _scan_kernel(
     APPLY_EAGLE: tl.constexpr,
     LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    WP: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -858,10 +907,12 @@ def _scan_kernel(
         zero + simple_hybrid,
     )
     if LOOKUP:
-        hit = _worker_lookup(ctx, length, n_groups, W, HAS_INDEX, BLOCK, S_PAD, SG_W)
+        hit = _worker_lookup(
+            ctx, length, n_groups, W, HAS_INDEX, BLOCK, WP, S_PAD, SG_W
+        )
     else:
         hit, sg_len, sg_lo, sg_hi = _converge(
-            ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, True
+            ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, WP, S_PAD, SG_W, True
         )
         masks = (sg_len, sg_lo, sg_hi)
         _store_masks(ctx, mask_spans_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
@@ -1051,6 +1102,7 @@ def _launch(
             APPLY_EAGLE=bool(apply_eagle) or lookup,
             LOOKUP=lookup,
             BLOCK=block,
+            WP=_pow2(hashes.shape[1]),
             S_PAD=_pow2(n_sg),
             SG_W=sg_w,
             num_warps=NUM_WARPS,
