@@ -19,7 +19,9 @@
 #      smallest first, the 4096 x 128K-token workload built once on the GPU,
 #      the triton lookup eagerly (first call with its compile apart) and
 #      under CUDA-graph replay, parity against the reference (and numba when
-#      it imports), then KeyIndex inserts/s and probes/s, and the summary
+#      it imports: every request), then KeyIndex inserts/s and probes/s, the
+#      long-hit dsv4 table (B = 1 .. 4096: validated eager, graph, numba on
+#      1 thread and on all cores, the thread count stated), and the summary
 #      table (Markdown, for bench/RESULTS.md) last. Every result row is
 #      printed and appended to $OUT/results.jsonl as soon as it exists, so a
 #      timeout loses nothing measured; steps that would start past the budget
