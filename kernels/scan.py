@@ -102,10 +102,17 @@ from kvhit.kernels.checks import (
     check_size,
     table_capacity,
 )
-from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
+from kvhit.kernels.hash_index import slot_hash
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
-__all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
+__all__ = [
+    "BLOCK",
+    "LEAD_FACTOR",
+    "MAXNREG",
+    "NUM_WARPS",
+    "scan_hits",
+    "worker_lookup",
+]
 
 # Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py).
 # Whether kernels are interpreted is fixed when triton decorates them, so
@@ -113,14 +120,21 @@ __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
 fix_interpreter()
 
 # -- launch parameters: every choice in one place ---------------------------------
-# Positions probed per step. 32 = one lane per thread of one warp: a probe step
-# is a few dependent global loads (column 0, then the W words), so 32 lanes
-# cost the latency of one; wider blocks only add bandwidth spent past a stop.
+# Positions probed per step of the short searches (sliding-window tails,
+# Mamba states, EAGLE drops, the worker's second search, the duplicate-value
+# search). A probe step is one round trip per table slot visited (a slot's
+# group id and words are loaded together), so 32 lanes cost the latency of one.
 BLOCK = 32
-# One warp per program: programs are scalar control flow over 32 lanes, a
-# second warp would idle in every reduction; more resident one-warp programs
-# (registers permitting) hide the probe latency instead.
-NUM_WARPS = 1
+# The leading full-attention run (the long part of a long hit) is probed in
+# tiles of LEAD_FACTOR * BLOCK blocks: one lane per thread of the NUM_WARPS
+# warps, the first miss found by a min-reduction across them, the next tile's
+# hash words loaded before that reduction ends (bench/gpu_model.py: 128-block
+# tiles take llama's longest 128K run from ~200 dependent steps to ~50).
+LEAD_FACTOR = 4
+# Four warps per program: the wide tile has a lane per thread, and a [BLOCK,
+# W] tile of hash words spreads over 4x the threads (the short searches'
+# 32-lane vectors are replicated, their reductions stay inside a warp).
+NUM_WARPS = 4
 # The register ceiling given to ptxas (PTX ``.maxnreg``). Without it, ptxas
 # aims a one-warp CTA at 64 registers (32 resident CTAs per SM) and spills the
 # outer loops' state to local memory to get there (the find variants: 64
@@ -203,44 +217,40 @@ def _rem(a, b):
 
 
 @triton.jit
-def _load_keys(ctx, units, mask, W: tl.constexpr, WP: tl.constexpr):
-    """int64 [N, WP]: the hash words of the request's hash units ``units``
-    (int64 [N]), one 2-D load (every word of every lane at once: one round
-    trip); lanes outside ``mask`` or the request, and columns ``>= W``, are 0.
-    ``WP`` is ``W`` rounded up to a power of two."""
+def _home(
+    ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr, WP: tl.constexpr
+):
+    """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
+    KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
+    not wait on each other, one round trip); lanes outside ``mask`` or the
+    request hash zeros. Zeros without an index."""
     valid = mask & (units >= 0) & (units < ctx[_C_LENS])
-    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
-    cols = tl.arange(0, WP)
-    return tl.load(
-        ctx[_C_HASHES] + rows[:, None] * W + cols[None, :],
-        mask=valid[:, None] & (cols[None, :] < W),
-        other=0,
-    )
+    pos = gids * 0
+    if HAS_INDEX:
+        rows = ctx[_C_OFF] + tl.where(valid, units, 0)
+        pos = slot_hash(gids, ctx[_C_HASHES], rows, valid, W) & ctx[_C_CAP_MASK]
+    return pos
 
 
 @triton.jit
-def _table_has(ctx, gids, keys, mask, W: tl.constexpr, WP: tl.constexpr):
-    """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` is
-    int64 [N, WP] from :func:`_load_keys`.
+def _table_has(ctx, gids, rows, pos, mask, W: tl.constexpr, WP: tl.constexpr):
+    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
+    is its home slot (:func:`_home`).
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. A probe step loads the slot's group id and all
-    its words together (one round trip, not one per word): the words are
-    compared only where the group id matches, but loading them regardless
-    costs bandwidth the step has to spare, not latency. Column 0 is read with
-    a plain load: lookups are stream-ordered after the inserts they must see.
+    BUSY slots are passed over. A probe step loads the slot's group id, its
+    words and the key's words at once (one round trip, not one per word):
+    the words are compared only where the group id matches, but loading them
+    regardless costs bandwidth the step has to spare, not latency; the key's
+    words are loaded again each step rather than held (registers: the index
+    variants are at the 128 budget). Column 0 is read with a plain load:
+    lookups are stream-ordered after the inserts they must see.
     """
     table_ptr = ctx[_C_TABLE]
     cap_mask = ctx[_C_CAP_MASK]
-    cols = tl.arange(0, WP)
-    word = cols[None, :] < W
-    # ``hash_index.slot_hash`` on the words already loaded.
-    h = hash_init(gids)
-    for j in tl.static_range(W):
-        h = hash_mix(h, tl.sum(tl.where(cols[None, :] == j, keys, 0), axis=1))
-    pos = hash_finish(h) & cap_mask
+    hashes_ptr = ctx[_C_HASHES]
     found = mask & (gids < gids)
     active = mask
     # A vector step count: lanes stop independently.
@@ -248,8 +258,13 @@ def _table_has(ctx, gids, keys, mask, W: tl.constexpr, WP: tl.constexpr):
     while tl.max(active.to(tl.int32), axis=0) > 0:
         slot = table_ptr + pos * (W + 1)
         g = tl.load(slot, mask=active, other=_EMPTY)
-        t = tl.load(slot[:, None] + 1 + cols[None, :], mask=active[:, None] & word)
-        same = tl.min(((t == keys) | ~word).to(tl.int32), axis=1) > 0
+        # Every word masked by `active` only (not by the previous word's
+        # compare): the 2W loads go out together.
+        same = active
+        for j in tl.static_range(W):
+            t = tl.load(slot + 1 + j, mask=active, other=0)
+            k = tl.load(hashes_ptr + rows * W + j, mask=active, other=0)
+            same = same & (t == k)
         hit = active & (g == gids) & same
         found = found | hit
         # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
@@ -382,7 +397,7 @@ def _probe(
     units,
     mask,
     sg_row,
-    keys,
+    home0,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
@@ -390,18 +405,23 @@ def _probe(
     WP: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? ``keys``
-    are those units' words (:func:`_load_keys`, loaded once for every
-    member). Lanes outside ``mask`` or the request's hashes are misses."""
+    present for every member group of the SpecGroup at ``sg_row``? ``home0``
+    are the keys' home slots for the first member (:func:`_home`, computed
+    by the caller, possibly ahead of time). Lanes outside ``mask`` or the
+    request's hashes are misses."""
     n_units = ctx[_C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
+    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
     hit = valid
     for k in range(tl.load(sg_row + _SG_N_MEMBERS)):
         gid = tl.load(sg_row + _SG_MEMBERS + k)
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            present = _table_has(ctx, gids, keys, hit, W, WP)
+            pos = home0
+            if k > 0:
+                pos = _home(ctx, gids, units, hit, W, HAS_INDEX, WP)
+            present = _table_has(ctx, gids, rows, pos, hit, W, WP)
         else:
             present = hit
         if HAS_TL:
@@ -412,6 +432,24 @@ def _probe(
             present = present & cand
         hit = hit & present
     return hit
+
+
+@triton.jit
+def _probe_now(
+    ctx,
+    units,
+    mask,
+    sg_row,
+    W: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_TL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WP: tl.constexpr,
+):
+    """:func:`_probe` with the first member's home slots computed here."""
+    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
+    home0 = _home(ctx, gids, units, mask, W, HAS_INDEX, WP)
+    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK, WP)
 
 
 @triton.jit
@@ -429,27 +467,29 @@ def _leading_run(
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step; the next step's hash words are loaded before this step's first
-    miss is known (the run goes on only when every lane hit, so the next
-    tile is then exactly ``BLOCK`` further), which takes the hash-row round
-    trip off every step but the first."""
+    step (the wide tile, ``LEAD`` for full attention's run); the next step's
+    home slots (its hash words) are loaded before this step's first miss is
+    known: the run goes on only when every lane hit, so the next tile is then
+    exactly ``BLOCK`` further, and the hash-row round trip leaves every step
+    but the first."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
+    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
     blk = start + lane
-    keys = _load_keys(ctx, (blk + 1) * scale - 1, blk < end, W, WP)
+    home = _home(ctx, gids, (blk + 1) * scale - 1, blk < end, W, HAS_INDEX, WP)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
         nxt = blk + BLOCK
-        keys_next = _load_keys(ctx, (nxt + 1) * scale - 1, nxt < end, W, WP)
+        home_next = _home(ctx, gids, (nxt + 1) * scale - 1, nxt < end, W, HAS_INDEX, WP)
         hit = _probe(
-            ctx, units, blk < end, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+            ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK, WP
         )
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
-        keys = keys_next
+        home = home_next
     return count
 
 
@@ -478,9 +518,8 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            keys = _load_keys(ctx, units, cand >= low, W, WP)
-            hit = _probe(
-                ctx, units, cand >= low, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+            hit = _probe_now(
+                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, WP
             )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
@@ -497,9 +536,8 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                keys = _load_keys(ctx, units, use, W, WP)
-                hit = _probe(
-                    ctx, units, use, sg_row, keys, W, HAS_INDEX, HAS_TL, BLOCK, WP
+                hit = _probe_now(
+                    ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, WP
                 )
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
@@ -547,6 +585,7 @@ def _sg_searches(
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
     WP: tl.constexpr,
+    LEAD: tl.constexpr,
 ):
     """The three searches of a SpecGroup scan, ``(n, j, p)``.
 
@@ -575,7 +614,7 @@ def _sg_searches(
     a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
     n = _leading_run(
-        ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK, WP
+        ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD, WP
     )
 
     # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
@@ -677,6 +716,7 @@ def _converge(
     APPLY_EAGLE: tl.constexpr,
     BLOCK: tl.constexpr,
     WP: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
     MASKS: tl.constexpr,
@@ -719,7 +759,7 @@ def _converge(
                 if multi & (margin > 0) & (drop != 0):
                     bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
                 n, j, p = _sg_searches(
-                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, WP
+                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, WP, LEAD
                 )
                 new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
                 shrunk = (drop == 0) & (new_hit < curr)
@@ -815,6 +855,7 @@ def _worker_lookup(
     HAS_INDEX: tl.constexpr,
     BLOCK: tl.constexpr,
     WP: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -834,7 +875,7 @@ def _worker_lookup(
     searching = ok
     while searching:
         hit, _l, _lo, _hi = _converge(
-            ctx, bound, W, HAS_INDEX, True, True, BLOCK, WP, S_PAD, SG_W, False
+            ctx, bound, W, HAS_INDEX, True, True, BLOCK, WP, LEAD, S_PAD, SG_W, False
         )
         # The second search is bounded by usable < num_tokens: it never
         # covers the whole prompt, so the loop runs at most twice.
@@ -871,6 +912,7 @@ def _scan_kernel(
     LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
     WP: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -908,11 +950,22 @@ def _scan_kernel(
     )
     if LOOKUP:
         hit = _worker_lookup(
-            ctx, length, n_groups, W, HAS_INDEX, BLOCK, WP, S_PAD, SG_W
+            ctx, length, n_groups, W, HAS_INDEX, BLOCK, WP, LEAD, S_PAD, SG_W
         )
     else:
         hit, sg_len, sg_lo, sg_hi = _converge(
-            ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, WP, S_PAD, SG_W, True
+            ctx,
+            length,
+            W,
+            HAS_INDEX,
+            HAS_TL,
+            APPLY_EAGLE,
+            BLOCK,
+            WP,
+            LEAD,
+            S_PAD,
+            SG_W,
+            True,
         )
         masks = (sg_len, sg_lo, sg_hi)
         _store_masks(ctx, mask_spans_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
@@ -1103,6 +1156,7 @@ def _launch(
             LOOKUP=lookup,
             BLOCK=block,
             WP=_pow2(hashes.shape[1]),
+            LEAD=block * LEAD_FACTOR,
             S_PAD=_pow2(n_sg),
             SG_W=sg_w,
             num_warps=NUM_WARPS,

@@ -120,8 +120,8 @@ def compile_one(kernel, sig, cx, arch, options):
     return dict(regs=regs, spill_stores=int(st), spill_loads=int(ld))
 
 
-consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
-          "SG_W"]
+consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "WP",
+          "LEAD", "S_PAD", "SG_W"]
 sig = {}
 for name in scan._scan_kernel.arg_names:
     if name in consts:
@@ -145,7 +145,8 @@ for arch in ARCHS:
     for name, (has_index, has_tl, eagle, lookup) in variants.items():
         cx = dict(W=4, HAS_INDEX=bool(has_index), HAS_TL=bool(has_tl),
                   APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
-                  BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+                  BLOCK=scan.BLOCK, WP=4,
+                  LEAD=scan.BLOCK * scan.LEAD_FACTOR, S_PAD=4, SG_W=12)
         row = compile_one(scan._scan_kernel, sig, cx, arch,
                           {"num_warps": scan.NUM_WARPS, "maxnreg": scan.MAXNREG})
         print(json.dumps(dict(kernel="scan", variant=name, arch=arch, **row)))
