@@ -131,10 +131,13 @@ BLOCK = 32
 # hash words loaded before that reduction ends (bench/gpu_model.py: 128-block
 # tiles take llama's longest 128K run from ~200 dependent steps to ~50).
 LEAD_FACTOR = 4
-# Four warps per program: the wide tile has a lane per thread, and a [BLOCK,
-# W] tile of hash words spreads over 4x the threads (the short searches'
-# 32-lane vectors are replicated, their reductions stay inside a warp).
-NUM_WARPS = 4
+# Two warps per program: the wide tile's 128 lanes are 2 per thread (at one
+# warp, 4 per thread, the index variants spill on sm_90; at four, no spills
+# but only 4 programs of 128 registers fit an SM, and the short searches,
+# latency-bound, want many programs more than wide ones: bench/gpu_model.py
+# models 4096 x 16K long-hit at 165 us with four warps). The short searches'
+# 32-lane vectors are replicated across the warps.
+NUM_WARPS = 2
 # The register ceiling given to ptxas (PTX ``.maxnreg``). Without it, ptxas
 # aims a one-warp CTA at 64 registers (32 resident CTAs per SM) and spills the
 # outer loops' state to local memory to get there (the find variants: 64
@@ -144,7 +147,7 @@ NUM_WARPS = 4
 # 16 resident programs per SM.
 MAXNREG = 128
 # Candidate positions the duplicate-value search (_dup_candidate) compares per
-# step, as a multiple of BLOCK. That search walks a group's candidates for each
+# step, as a multiple of 32. That search walks a group's candidates for each
 # present-but-not-asked lane (EAGLE peeks make those common), so wider is
 # faster, but each step's vectors cost registers: the lookup variant needs 116
 # registers at 1, 120 at 2, 124 at 4 on sm_90 (the budget is 128).
@@ -174,7 +177,9 @@ _CAND_PER_SEGMENT: tl.constexpr = tl.constexpr(kc.CAND_PER_SEGMENT)
 _CAND_NEED: tl.constexpr = tl.constexpr(kc.CAND_NEED)
 _CAND_SHIFT: tl.constexpr = tl.constexpr(kc.CAND_SHIFT)
 _CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
-_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP)
+# Fixed, not a multiple of the caller's width: the leading run's wide tiles
+# would otherwise widen these vectors too.
+_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP * 32)
 # The longest length the kernel distinguishes, in tokens (see _div).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
 
@@ -332,14 +337,14 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     stored key the worker did not ask about (multi-turn prefixes), so this
     must not walk the whole prompt. It enumerates the group's candidate
     positions directly (the SWA lookup mask keeps ``need`` chunks per
-    segment), ``_DUP_LANES * BLOCK`` per step, one odd lane at a time.
+    segment), ``_DUP_LANES`` per step, one odd lane at a time.
     """
     off = ctx[_C_OFF]
     n_units = ctx[_C_LENS]
     token_len = ctx[_C_TOK_LEN]
     hashes_ptr = ctx[_C_HASHES]
     lane = tl.arange(0, BLOCK)
-    kl = tl.arange(0, _DUP_LANES * BLOCK).to(tl.int64)
+    kl = tl.arange(0, _DUP_LANES).to(tl.int64)
     row = ctx[_C_CANDS] + gid * _CAND_WIDTH
     bs = tl.load(row + _CAND_BLOCK_SIZE)
     s = tl.load(row + _CAND_SCALE)
@@ -379,7 +384,7 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
                 b = tl.load(hashes_ptr + v * W + j, mask=eq, other=0)
                 eq = eq & (b == a)
             hit = tl.max(eq.to(tl.int32), axis=0) > 0
-            k0 += _DUP_LANES * BLOCK
+            k0 += _DUP_LANES
             going = ~hit & (
                 _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
             )
