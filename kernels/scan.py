@@ -35,6 +35,15 @@ Design (why it looks like this):
   tails) or a run window of up to ``BLOCK`` blocks, skipping past the highest
   miss in the window (no later candidate can contain it). ``BLOCK`` lanes share
   the latency of one probe chain; see :data:`BLOCK` and :data:`NUM_WARPS`.
+* **Wide tiles for the long part (issue 31).** Full attention's leading run,
+  where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
+  blocks at a time across the program's warps; the first miss is a
+  min-reduction, and the next tile's home slots (its hash words) are loaded
+  before that reduction is known, so a step of the run costs the table's
+  round trips only. The short searches (sliding-window tails, Mamba
+  states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
+  ``bench/gpu_model.py`` counts the dependent round trips of each request
+  under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).
 * **State lives in registers, and little of it.** Per-SpecGroup results are
   ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
   written to ``mask_spans`` once, at the end (scalar stores and loads by different
@@ -59,7 +68,9 @@ Design (why it looks like this):
   ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
   ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
   must see, and an acquire per probe step would sit on the latency-bound
-  critical path. Every slot visited counts toward the probe bound, BUSY ones
+  critical path. A probe step loads the slot's group id, its words and the
+  key's words at once (no load waits on another's compare): one round trip
+  per slot visited. Every slot visited counts toward the probe bound, BUSY ones
   included (the scan passes over BUSY, never waits on it), so a probe ends even
   on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
   where earlier members hit (an AND).
@@ -143,8 +154,8 @@ NUM_WARPS = 2
 # outer loops' state to local memory to get there (the find variants: 64
 # registers, 104-148 bytes of spill stores on sm_90); with it they hold that
 # state in registers (about 100). The lookup variant needs 116 either way (no
-# spills), since its structure, not this number, bounds it. 128 still leaves
-# 16 resident programs per SM.
+# spills), since its structure, not this number, bounds it. At two warps, 128
+# leaves 8 resident programs per SM (1056 on an H200).
 MAXNREG = 128
 # Candidate positions the duplicate-value search (_dup_candidate) compares per
 # step, as a multiple of 32. That search walks a group's candidates for each

@@ -78,6 +78,13 @@ fleet clear bits         18 / 18      18 / 18
 fleet tombstone          16 / 14      16 / 14
 fleet probe bits         26 / 26      28 / 28
 =======================  ===========  ===========
+
+Issue 31 (Triton 3.9.0, sm_90): the leading run in 128-block tiles over two
+warps (NUM_WARPS 2, LEAD_FACTOR 4), a probe step's loads issued at once, the
+next tile's home slots held: find index 110, find index no-eagle 110, find
+90, load masks 80, find index token_lens 116, find token_lens 118, lookup
+121 registers, no spills. One warp spilled (find index token_lens 92 B);
+four warps fit (lookup 120) but hold 4 programs per SM.
 """
 
 from __future__ import annotations
