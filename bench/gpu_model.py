@@ -265,6 +265,11 @@ class Tracer(contextlib.AbstractContextManager):
             raise RuntimeError("the tracer needs TRITON_INTERPRET=1 before triton")
         from triton.runtime import interpreter as it
 
+        # The scan module patches the interpreter when it is imported
+        # (launch.fix_interpreter): before the tracer's patches, so that
+        # restoring them at exit keeps that fix.
+        import kvhit.kernels.scan  # noqa: F401
+
         tracer = self
         builder = it.interpreter_builder
 
