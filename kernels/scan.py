@@ -233,9 +233,7 @@ def _rem(a, b):
 
 
 @triton.jit
-def _home(
-    ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr, WP: tl.constexpr
-):
+def _home(ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr):
     """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
     KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
     not wait on each other, one round trip); lanes outside ``mask`` or the
@@ -249,7 +247,7 @@ def _home(
 
 
 @triton.jit
-def _table_has(ctx, gids, rows, pos, mask, W: tl.constexpr, WP: tl.constexpr):
+def _table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
     """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
     is its home slot (:func:`_home`).
 
@@ -418,7 +416,6 @@ def _probe(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
     present for every member group of the SpecGroup at ``sg_row``? ``home0``
@@ -436,8 +433,8 @@ def _probe(
             gids = tl.zeros([BLOCK], tl.int64) + gid
             pos = home0
             if k > 0:
-                pos = _home(ctx, gids, units, hit, W, HAS_INDEX, WP)
-            present = _table_has(ctx, gids, rows, pos, hit, W, WP)
+                pos = _home(ctx, gids, units, hit, W, HAS_INDEX)
+            present = _table_has(ctx, gids, rows, pos, hit, W)
         else:
             present = hit
         if HAS_TL:
@@ -460,12 +457,11 @@ def _probe_now(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
 ):
     """:func:`_probe` with the first member's home slots computed here."""
     gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
-    home0 = _home(ctx, gids, units, mask, W, HAS_INDEX, WP)
-    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK, WP)
+    home0 = _home(ctx, gids, units, mask, W, HAS_INDEX)
+    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK)
 
 
 @triton.jit
@@ -479,7 +475,6 @@ def _leading_run(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
@@ -493,15 +488,13 @@ def _leading_run(
     going = end > start
     gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
     blk = start + lane
-    home = _home(ctx, gids, (blk + 1) * scale - 1, blk < end, W, HAS_INDEX, WP)
+    home = _home(ctx, gids, (blk + 1) * scale - 1, blk < end, W, HAS_INDEX)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
         nxt = blk + BLOCK
-        home_next = _home(ctx, gids, (nxt + 1) * scale - 1, nxt < end, W, HAS_INDEX, WP)
-        hit = _probe(
-            ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK, WP
-        )
+        home_next = _home(ctx, gids, (nxt + 1) * scale - 1, nxt < end, W, HAS_INDEX)
+        hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
@@ -518,7 +511,6 @@ def _rightmost(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
 ):
     """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
     ``need >= 1`` hit blocks ending at ``j``; -1 when there is none.
@@ -535,7 +527,7 @@ def _rightmost(
             cand = j - lane * q
             units = (cand + 1) * scale - 1
             hit = _probe_now(
-                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, WP
+                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK
             )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
@@ -552,9 +544,7 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe_now(
-                    ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, WP
-                )
+                hit = _probe_now(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
@@ -600,7 +590,6 @@ def _sg_searches(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
     LEAD: tl.constexpr,
 ):
     """The three searches of a SpecGroup scan, ``(n, j, p)``.
@@ -629,9 +618,7 @@ def _sg_searches(
     a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
     a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(
-        ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD, WP
-    )
+    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD)
 
     # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
     # unit inside the next block; Mamba: the rightmost aligned state
@@ -651,12 +638,12 @@ def _sg_searches(
         tl.where(is_swa, need_eff, zero + 1),
         tl.where(unit_level, zero + 1, scale),
     )
-    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK, WP)
+    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK)
 
     # Phase C: a sliding window with no run of `need` blocks still hits with
     # the leading run (shorter than need - 1 blocks).
     c_end = tl.where(is_swa & (j < 0), tl.minimum(m, need_eff - 1), zero)
-    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK, WP)
+    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK)
     return n, j, p
 
 
@@ -731,7 +718,6 @@ def _converge(
     HAS_TL: tl.constexpr,
     APPLY_EAGLE: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
     LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
@@ -775,7 +761,7 @@ def _converge(
                 if multi & (margin > 0) & (drop != 0):
                     bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
                 n, j, p = _sg_searches(
-                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, WP, LEAD
+                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, LEAD
                 )
                 new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
                 shrunk = (drop == 0) & (new_hit < curr)
@@ -870,7 +856,6 @@ def _worker_lookup(
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
     LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
@@ -891,7 +876,7 @@ def _worker_lookup(
     searching = ok
     while searching:
         hit, _l, _lo, _hi = _converge(
-            ctx, bound, W, HAS_INDEX, True, True, BLOCK, WP, LEAD, S_PAD, SG_W, False
+            ctx, bound, W, HAS_INDEX, True, True, BLOCK, LEAD, S_PAD, SG_W, False
         )
         # The second search is bounded by usable < num_tokens: it never
         # covers the whole prompt, so the loop runs at most twice.
@@ -927,7 +912,6 @@ def _scan_kernel(
     APPLY_EAGLE: tl.constexpr,
     LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
-    WP: tl.constexpr,
     LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
@@ -966,7 +950,7 @@ def _scan_kernel(
     )
     if LOOKUP:
         hit = _worker_lookup(
-            ctx, length, n_groups, W, HAS_INDEX, BLOCK, WP, LEAD, S_PAD, SG_W
+            ctx, length, n_groups, W, HAS_INDEX, BLOCK, LEAD, S_PAD, SG_W
         )
     else:
         hit, sg_len, sg_lo, sg_hi = _converge(
@@ -977,7 +961,6 @@ def _scan_kernel(
             HAS_TL,
             APPLY_EAGLE,
             BLOCK,
-            WP,
             LEAD,
             S_PAD,
             SG_W,
@@ -1171,7 +1154,6 @@ def _launch(
             APPLY_EAGLE=bool(apply_eagle) or lookup,
             LOOKUP=lookup,
             BLOCK=block,
-            WP=_pow2(hashes.shape[1]),
             LEAD=block * LEAD_FACTOR,
             S_PAD=_pow2(n_sg),
             SG_W=sg_w,

@@ -79,7 +79,7 @@ fleet tombstone          16 / 14      16 / 14
 fleet probe bits         26 / 26      28 / 28
 =======================  ===========  ===========
 
-Issue 31 (Triton 3.9.0, sm_90): the leading run in 128-block tiles over two
+Issue 31 (Triton 3.9.0, sm_90; sm_100 within 2): the leading run in 128-block tiles over two
 warps (NUM_WARPS 2, LEAD_FACTOR 4), a probe step's loads issued at once, the
 next tile's home slots held: find index 110, find index no-eagle 110, find
 90, load masks 80, find index token_lens 116, find token_lens 118, lookup
@@ -127,7 +127,7 @@ def compile_one(kernel, sig, cx, arch, options):
     return dict(regs=regs, spill_stores=int(st), spill_loads=int(ld))
 
 
-consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "WP",
+consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK",
           "LEAD", "S_PAD", "SG_W"]
 sig = {}
 for name in scan._scan_kernel.arg_names:
@@ -152,7 +152,7 @@ for arch in ARCHS:
     for name, (has_index, has_tl, eagle, lookup) in variants.items():
         cx = dict(W=4, HAS_INDEX=bool(has_index), HAS_TL=bool(has_tl),
                   APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
-                  BLOCK=scan.BLOCK, WP=4,
+                  BLOCK=scan.BLOCK,
                   LEAD=scan.BLOCK * scan.LEAD_FACTOR, S_PAD=4, SG_W=12)
         row = compile_one(scan._scan_kernel, sig, cx, arch,
                           {"num_warps": scan.NUM_WARPS, "maxnreg": scan.MAXNREG})
