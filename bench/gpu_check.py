@@ -9,13 +9,17 @@ step on the CPU at tiny sizes, the Triton kernels under ``TRITON_INTERPRET=1``
 
 Steps, in order: preflight (GPU, driver, CUDA, torch, triton, numba, commit,
 the Triton features the kernels need, a ptxas the driver accepts); KeyIndex
-inserts/s and probes/s for 32-byte keys at load 0.5; per preset, smallest
+inserts/s and probes/s for 32-byte keys at load 0.5; the long-hit dsv4 table
+(issue 31: B = 1, 8, 64, 1024, 4096 prompts of up to 16K tokens, the
+validated eager lookup, its CUDA-graph replay and numba on 1 thread and on
+all cores, every request compared to numba); per preset, smallest
 first, the workload built once, directly as tensors on the
 device (random hash words with shared prefixes, a store holding the keys the
 worker asks about up to a random stored length, with eviction holes), the
 lookup timed eagerly (its first call, compile included, apart) and under
 CUDA-graph replay, then parity of the triton lookup against the scalar
-reference (and the numba backend when it imports) on a sample; a summary
+reference on a sample and against the numba backend (when it imports) on
+every request; a summary
 table last,
 ready to paste into ``bench/RESULTS.md``.
 
@@ -61,6 +65,9 @@ class Config:
     sample: int = 16
     repeats: int = 50
     key_index_keys: int = 1 << 23
+    # The long-hit dsv4 table (issue 31): batch sizes and prompt length.
+    longhit_batches: tuple[int, ...] = (1, 8, 64, 1024, 4096)
+    longhit_tokens: int = 16384
     dry_run: bool = False
     seed: int = 0
     # Seconds the run may take; a step that would start later is SKIPped.
@@ -77,6 +84,8 @@ class Config:
             sample=4,
             repeats=1,
             key_index_keys=256,
+            longhit_batches=(1, 3),
+            longhit_tokens=512,
             dry_run=True,
         )
 
@@ -90,6 +99,7 @@ class Report:
     rows: list[dict] = field(default_factory=list)
     key_index: list[dict] = field(default_factory=list)
     fleet: list[dict] = field(default_factory=list)
+    longhit: list[dict] = field(default_factory=list)
     failed: bool = False
     start: float = field(default_factory=time.perf_counter)
     results_path: str | None = None
@@ -380,13 +390,13 @@ def check_parity(
     w: Workload, got, cfg: Config, numba: bool = True
 ) -> tuple[str, float]:
     """The triton lookup ``got`` (int64 [B]) against the scalar reference on
-    ``cfg.sample`` requests spread over the batch, and against the numba
-    backend on the same sample when ``numba`` and numba imports. Returns
+    ``cfg.sample`` requests spread over the batch, and every request against
+    the numba backend when ``numba`` and numba imports. Returns
     ``(verdict, reference seconds per request)``; raises AssertionError on a
     mismatch."""
     import torch
 
-    from kvhit.coordinator.packing import HashBatch, pack_hashes, unpack_hashes
+    from kvhit.coordinator.packing import pack_hashes, unpack_hashes
     from kvhit.coordinator.reference import ReferenceCoordinator
 
     ref = ReferenceCoordinator(w.layout)
@@ -396,11 +406,10 @@ def check_parity(
     got_l = got.cpu().tolist()
     ntok = w.num_tokens.cpu().tolist()
     dev = w.index.device
-    bad, lists, spent = [], [], 0.0
+    bad, spent = [], 0.0
     for r in sample:
         rows = w.batch.hashes[offs[r] : offs[r + 1]].cpu()
         hashes = unpack_hashes(rows, w.batch.hash_bytes)
-        lists.append(hashes)
         # The worker only learns about the keys it asks: look those up.
         asked = ref.lookup_candidates(ntok[r], hashes)
         present: set = set()
@@ -418,22 +427,12 @@ def check_parity(
     if not numba or not numba_status()[:1].isdigit():
         verdict += ", numba SKIP"
     else:
-        from kvhit.coordinator.engine import LookupEngine
-        from kvhit.coordinator.key_index import KeyIndex
-
-        engine = LookupEngine(w.layout, backend="numba", device="cpu")
-        # A host copy: the workload's index stays where it is (a captured
-        # graph and the later steps read it there).
-        host = KeyIndex.from_table(
-            w.index.table.cpu(), w.index.hash_bytes, read_only=True, backend="torch"
-        )
-        sub = HashBatch.from_bytes(lists, w.batch.hash_bytes)
-        nt = torch.tensor([ntok[r] for r in sample], dtype=torch.int64)
-        nb = engine.lookup(sub, nt, host).tolist()
-        same = sum(a == got_l[r] for a, r in zip(nb, sample, strict=True))
-        verdict += f", numba {same}/{len(sample)}"
-        if same != len(sample):
-            bad.append(("numba", len(sample) - same))
+        # Every request against numba (the sample only against the reference).
+        nb, _ = numba_lookup(w.layout, w.batch, w.num_tokens, w.index)
+        same = int((nb == got.cpu()).sum())
+        verdict += f", numba {same}/{B}"
+        if same != B:
+            bad.append(("numba", B - same))
     if bad:
         raise AssertionError(f"parity mismatch ({verdict}): {bad[:5]}")
     return verdict, spent / max(len(sample), 1)
@@ -442,7 +441,6 @@ def check_parity(
 def time_lookup(w: Workload, cfg: Config) -> dict:
     """The triton backend's lookup: eager median, and under CUDA-graph
     replay (GPU only), with the graph's answer checked against eager."""
-    import torch
 
     from kvhit.coordinator.plan import ScanPlan
     from kvhit.coordinator.triton_backend import TritonBackend
@@ -471,19 +469,7 @@ def time_lookup(w: Workload, cfg: Config) -> dict:
         device,
     )
     if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            backend.lookup(view, w.num_tokens, w.index)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = backend.lookup(view, w.num_tokens, w.index)
-        graph.replay()
-        torch.cuda.synchronize()
-        if not torch.equal(static, eager):
-            raise AssertionError("CUDA-graph replay differs from the eager lookup")
-        out["graph_s"] = _timed(graph.replay, cfg.repeats, device)
+        out["graph_s"] = _graph_time(backend, view, w.num_tokens, w.index, eager, cfg)
     return out
 
 
@@ -532,6 +518,178 @@ def time_key_index(cfg: Config, device) -> dict:
         )
         out["kernel_probes_per_s"] = 2 * n / kernel
     return out
+
+
+# -- long-hit dsv4 (issue 31's table) ------------------------------------------------
+
+
+def build_longhit(cfg: Config, device) -> Workload:
+    """``max(cfg.longhit_batches)`` long-hit dsv4-flash prompts of
+    ``cfg.longhit_tokens // 8`` to ``cfg.longhit_tokens`` tokens, built with
+    torch ops on ``device`` in the shape of ``workloads.generate_long_hit``
+    (preset ``dsv4-longhit``): each prompt shares 25/50/90/100 % of one of
+    16 system prompts (Zipf 1); the store holds the keys the worker asks for
+    half of the prompts (whole), 2 % of them evicted. Random words stand for
+    sha256 (the Python generator would take minutes at 4096 x 16K)."""
+    import torch
+
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch, num_words
+
+    layout = make_layout("dsv4-flash")
+    hbs = layout.hash_block_size
+    W = num_words(cfg.hash_bytes)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 2)
+    B = max(cfg.longhit_batches)
+    hi = max(cfg.longhit_tokens // hbs, 1)
+
+    def rand(*shape, lo=0, hi=None):
+        return torch.randint(lo, hi, shape, generator=gen).to(device)
+
+    units = rand(B, lo=max(hi // 8, 1), hi=hi + 1)
+    zipf = 1.0 / torch.arange(1, 17, dtype=torch.float64)
+    sys_id = torch.multinomial(zipf, B, replacement=True, generator=gen).to(device)
+    fracs = torch.tensor([0.25, 0.5, 0.9, 1.0], dtype=torch.float64, device=device)
+    shared = (units.to(torch.float64) * fracs[rand(B, hi=4)]).to(torch.int64)
+    offsets = torch.zeros(B + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(units, 0)
+    total = int(offsets[-1])
+    owner = torch.repeat_interleave(torch.arange(B, device=device), units)
+    pos = torch.arange(total, device=device) - offsets[:-1][owner]
+    words = torch.randint(
+        -(1 << 63), (1 << 63) - 1, (total, W), generator=gen, dtype=torch.int64
+    ).to(device)
+    pool = torch.randint(
+        -(1 << 63), (1 << 63) - 1, (16, hi, W), generator=gen, dtype=torch.int64
+    ).to(device)
+    rows = (pos < shared[owner]).nonzero().squeeze(1)
+    words[rows] = pool[sys_id[owner[rows]], pos[rows]]
+    batch = HashBatch(words, offsets, cfg.hash_bytes)
+    num_tokens = units * hbs
+    stored = torch.where(rand(B, hi=2) == 1, num_tokens, torch.zeros_like(num_tokens))
+    engine = LookupEngine(layout, backend="torch", device=device)
+    gids, cand_rows = engine.lookup_candidates(batch, stored)
+    keep = torch.rand(gids.shape[0], generator=gen).to(device) >= 0.02
+    gids, cand_rows = gids[keep], cand_rows[keep]
+    index = KeyIndex(
+        cfg.hash_bytes,
+        capacity=max(4 * gids.shape[0], 64),
+        device=device,
+        backend="triton",
+    )
+    index.add(gids, words[cand_rows])
+    return Workload("dsv4-longhit", layout, batch, num_tokens, index)
+
+
+def _head(w: Workload, n: int) -> tuple[object, object]:
+    """The first ``n`` requests of ``w``: ``(HashBatch, num_tokens)``."""
+    from kvhit.coordinator.packing import HashBatch
+
+    offs = w.batch.offsets[: n + 1]
+    end = int(offs[-1])
+    return HashBatch(w.batch.hashes[:end], offs, w.batch.hash_bytes), w.num_tokens[:n]
+
+
+def numba_threads() -> int:
+    """The threads numba runs on (all the machine's cores unless
+    NUMBA_NUM_THREADS says otherwise)."""
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def numba_lookup(layout, batch, num_tokens, index, threads: int | None = None):
+    """``LookupEngine.lookup`` on the numba backend on the host, on a host copy
+    of ``index``'s table (the device's stays where it is); ``threads`` numba
+    threads (default: all). Returns ``(hits int64 [B] on the CPU, engine,
+    host batch, host num_tokens, host index)`` for timing again."""
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch
+
+    engine = LookupEngine(layout, backend="numba", device="cpu")
+    host = KeyIndex.from_table(
+        index.table.cpu(), index.hash_bytes, read_only=True, backend="torch"
+    )
+    hb = HashBatch(batch.hashes.cpu(), batch.offsets.cpu(), batch.hash_bytes)
+    nt = num_tokens.cpu()
+    return engine.lookup(hb, nt, host), (engine, hb, nt, host)
+
+
+def time_longhit(w: Workload, cfg: Config, report: Report) -> list[dict]:
+    """Per batch size of ``cfg.longhit_batches``: the validated eager
+    ``LookupEngine.lookup`` (triton), its CUDA-graph replay (GPU only), numba
+    on 1 thread and on all of them, every request of the triton answer
+    compared to numba's. One row per batch size, emitted as it is measured."""
+    import numba
+
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.plan import ScanPlan
+    from kvhit.coordinator.triton_backend import TritonBackend
+
+    device = w.batch.device
+    engine = LookupEngine(w.layout, backend="triton", device=device)
+    backend = TritonBackend(ScanPlan.from_layout(w.layout), device)
+    cores = numba_threads()
+    rows = []
+    for b in cfg.longhit_batches:
+        batch, nt = _head(w, b)
+        got = engine.lookup(batch, nt, w.index)
+        row = {"B": b, "hashes": batch.total, "numba_threads": cores}
+        row["eager_s"] = _timed(
+            lambda b=batch, n=nt: engine.lookup(b, n, w.index), cfg.repeats, device
+        )
+        if device.type == "cuda":
+            row["graph_s"] = _graph_time(backend, batch.view(), nt, w.index, got, cfg)
+        want, (ne, hb, hnt, host) = numba_lookup(w.layout, batch, nt, w.index)
+        old = numba.get_num_threads()
+        try:
+            for label, n in (("numba_1_s", 1), ("numba_all_s", cores)):
+                numba.set_num_threads(n)
+                row[label] = _timed(
+                    lambda e=ne, a=(hb, hnt, host): e.lookup(*a),
+                    cfg.repeats,
+                    torch_cpu(),
+                )
+        finally:
+            numba.set_num_threads(old)
+        same = int((got.cpu() == want).sum())
+        row["parity"] = f"numba {same}/{b}"
+        report.emit("longhit", **row)
+        rows.append(row)
+        if same != b:
+            raise AssertionError(
+                f"long-hit B = {b}: {b - same} requests differ from numba"
+            )
+    return rows
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _graph_time(backend, view, num_tokens, index, eager, cfg: Config) -> float:
+    """Median seconds of a CUDA-graph replay of ``backend.lookup``, its answer
+    checked against ``eager``."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.lookup(view, num_tokens, index)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = backend.lookup(view, num_tokens, index)
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.equal(static, eager):
+        raise AssertionError("CUDA-graph replay differs from the eager lookup")
+    return _timed(graph.replay, cfg.repeats, view.rows.device)
 
 
 def time_fleet(cfg: Config, device) -> list[dict]:
@@ -661,6 +819,22 @@ def summary(report: Report, cfg: Config) -> str:
             f"{_fmt_s(r.get('graph_s'))} | "
             f"{_fmt_s(r.get('ref_per_req'))} | {x:.0f}x | {r.get('parity', '-')} |"
         )
+    if report.longhit:
+        lines += [
+            "",
+            f"Long-hit dsv4-flash, prompts up to {cfg.longhit_tokens} tokens "
+            f"(numba on {report.longhit[0]['numba_threads']} threads = all cores):",
+            "",
+            "| B | lookup (validated, eager) | graph | numba, 1 thread "
+            "| numba, all cores | parity |",
+            "|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in report.longhit:
+            lines.append(
+                f"| {r['B']} | {_fmt_s(r.get('eager_s'))} | {_fmt_s(r.get('graph_s'))} "
+                f"| {_fmt_s(r.get('numba_1_s'))} | {_fmt_s(r.get('numba_all_s'))} "
+                f"| {r['parity']} |"
+            )
     for k in report.key_index:
         lines.append("")
         lines.append(
@@ -708,6 +882,17 @@ def run(cfg: Config) -> Report:
     if ki is not None:
         report.key_index.append(ki)
         report.emit("key_index", **ki)
+    if cfg.longhit_batches and numba_status()[:1].isdigit():
+        lh = _step(report, "long-hit: build", lambda: build_longhit(cfg, device), cfg)
+        if lh is not None:
+            rows = _step(
+                report, "long-hit: lookup", lambda: time_longhit(lh, cfg, report), cfg
+            )
+            report.longhit.extend(rows or ())
+        del lh
+    elif cfg.longhit_batches:
+        say("== long-hit: SKIP (numba does not import)")
+        report.steps.append(("long-hit", "SKIP", 0.0))
     presets = sorted(cfg.presets, key=lambda p: preset_size(p, cfg))
     for preset in presets:
         w = _step(

@@ -13,15 +13,22 @@
 # 5 minutes on an H200), each step printing its time when it ends:
 #   1. the GPU tests (pytest -m gpu, at most 60 s), when pytest and hypothesis
 #      are there, else SKIP;
+#   (--dry-run: the cost model, python -m kvhit.bench.gpu_model --quick,
+#   round trips per request and launches/syncs per call under the interpreter)
 #   2. python -m kvhit.bench.gpu_check (bench/gpu_check.py): per preset,
 #      smallest first, the 4096 x 128K-token workload built once on the GPU,
 #      the triton lookup eagerly (first call with its compile apart) and
 #      under CUDA-graph replay, parity against the reference (and numba when
-#      it imports), then KeyIndex inserts/s and probes/s, and the summary
+#      it imports: every request), then KeyIndex inserts/s and probes/s, the
+#      long-hit dsv4 table (B = 1 .. 4096: validated eager, graph, numba on
+#      1 thread and on all cores, the thread count stated), and the summary
 #      table (Markdown, for bench/RESULTS.md) last. Every result row is
 #      printed and appended to $OUT/results.jsonl as soon as it exists, so a
 #      timeout loses nothing measured; steps that would start past the budget
 #      are SKIPped so the summary still prints.
+#   3. python -m kvhit.bench.gpu_check_fleet: the Triton fleet kernel beside
+#      numba at E = 1, 8, 64, 256 and B = 64, 1024 (llama, dsv4-flash), every
+#      answer compared, in the last KVHIT_GPU_CHECK_FLEET_S seconds (75).
 #
 # The import shim (bench/kvhit_shim.sh) mirrors pyproject's package mapping
 # onto PYTHONPATH when kvhit is not installed; PYTHONSAFEPATH=1 keeps the
@@ -96,8 +103,21 @@ else
     say "== gpu tests: SKIP (pytest or hypothesis not installed)"
 fi
 
+if [ "$DRY" = "1" ]; then
+    # The cost model (bench/gpu_model.py): round trips per request, launches
+    # and syncs per call, under the interpreter; small sizes only here.
+    t=$(date +%s)
+    say "== cost model (python -m kvhit.bench.gpu_model --quick)"
+    "$PY" -m kvhit.bench.gpu_model --quick 2>&1 | tee "$OUTDIR/gpu_model.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in 0) st=PASS ;; *) st="FAIL (rc $rc)"; FAILED=1 ;; esac
+    say "== cost model: $st in $(($(date +%s) - t)) s ($(elapsed) s so far)"
+fi
+
 # What is left of the budget: the hard limit; steps stop starting 45 s before.
-left=$((BUDGET - $(elapsed)))
+# The fleet step (3.) keeps FLEET_S of it (KVHIT_GPU_CHECK_FLEET_S, default 75).
+FLEET_S=${KVHIT_GPU_CHECK_FLEET_S:-75}
+left=$((BUDGET - FLEET_S - $(elapsed)))
 [ "$left" -lt 60 ] && left=60
 ARGS=(--out "$OUTDIR" --budget "$((left - 45))")
 [ "$DRY" = "1" ] && ARGS+=(--dry-run)
@@ -111,7 +131,24 @@ case $rc in
     124 | 137) st="TIMEOUT (results so far: $OUTDIR/results.jsonl)"; FAILED=1 ;;
     *) st="FAIL (rc $rc)"; FAILED=1 ;;
 esac
-say "== gpu_check.py: $st in $(($(date +%s) - t)) s ($(elapsed) s in all)"
+say "== gpu_check.py: $st in $(($(date +%s) - t)) s ($(elapsed) s so far)"
+
+# 3. The Triton fleet (bench/gpu_check_fleet.py) beside numba, every answer
+# compared: E = 1, 8, 64, 256 x B = 64, 1024, llama and dsv4-flash.
+left=$((BUDGET - $(elapsed)))
+[ "$left" -lt 30 ] && left=30
+FARGS=(--out "$OUTDIR" --budget "$((left - 15))")
+[ "$DRY" = "1" ] && FARGS+=(--dry-run)
+t=$(date +%s)
+timeout --kill-after=5 "$left" "$PY" -m kvhit.bench.gpu_check_fleet "${FARGS[@]}" 2>&1 |
+    tee "$OUTDIR/gpu_check_fleet.log"
+rc=${PIPESTATUS[0]}
+case $rc in
+    0) st=PASS ;;
+    124 | 137) st="TIMEOUT (results so far: $OUTDIR/fleet.jsonl)"; FAILED=1 ;;
+    *) st="FAIL (rc $rc)"; FAILED=1 ;;
+esac
+say "== gpu_check_fleet.py: $st in $(($(date +%s) - t)) s ($(elapsed) s in all)"
 if [ "$FAILED" = "1" ]; then
     say "FAILED (logs in $OUTDIR)"
     exit 1

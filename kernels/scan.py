@@ -35,6 +35,15 @@ Design (why it looks like this):
   tails) or a run window of up to ``BLOCK`` blocks, skipping past the highest
   miss in the window (no later candidate can contain it). ``BLOCK`` lanes share
   the latency of one probe chain; see :data:`BLOCK` and :data:`NUM_WARPS`.
+* **Wide tiles for the long part (issue 31).** Full attention's leading run,
+  where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
+  blocks at a time across the program's warps; the first miss is a
+  min-reduction, and the next tile's home slots (its hash words) are loaded
+  before that reduction is known, so a step of the run costs the table's
+  round trips only. The short searches (sliding-window tails, Mamba
+  states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
+  ``bench/gpu_model.py`` counts the dependent round trips of each request
+  under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).
 * **State lives in registers, and little of it.** Per-SpecGroup results are
   ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
   written to ``mask_spans`` once, at the end (scalar stores and loads by different
@@ -59,7 +68,9 @@ Design (why it looks like this):
   ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
   ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
   must see, and an acquire per probe step would sit on the latency-bound
-  critical path. Every slot visited counts toward the probe bound, BUSY ones
+  critical path. A probe step loads the slot's group id, its words and the
+  key's words at once (no load waits on another's compare): one round trip
+  per slot visited. Every slot visited counts toward the probe bound, BUSY ones
   included (the scan passes over BUSY, never waits on it), so a probe ends even
   on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
   where earlier members hit (an AND).
@@ -105,7 +116,14 @@ from kvhit.kernels.checks import (
 from kvhit.kernels.hash_index import slot_hash
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
-__all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
+__all__ = [
+    "BLOCK",
+    "LEAD_FACTOR",
+    "MAXNREG",
+    "NUM_WARPS",
+    "scan_hits",
+    "worker_lookup",
+]
 
 # Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py).
 # Whether kernels are interpreted is fixed when triton decorates them, so
@@ -113,24 +131,34 @@ __all__ = ["BLOCK", "MAXNREG", "NUM_WARPS", "scan_hits", "worker_lookup"]
 fix_interpreter()
 
 # -- launch parameters: every choice in one place ---------------------------------
-# Positions probed per step. 32 = one lane per thread of one warp: a probe step
-# is a few dependent global loads (column 0, then the W words), so 32 lanes
-# cost the latency of one; wider blocks only add bandwidth spent past a stop.
+# Positions probed per step of the short searches (sliding-window tails,
+# Mamba states, EAGLE drops, the worker's second search, the duplicate-value
+# search). A probe step is one round trip per table slot visited (a slot's
+# group id and words are loaded together), so 32 lanes cost the latency of one.
 BLOCK = 32
-# One warp per program: programs are scalar control flow over 32 lanes, a
-# second warp would idle in every reduction; more resident one-warp programs
-# (registers permitting) hide the probe latency instead.
-NUM_WARPS = 1
+# The leading full-attention run (the long part of a long hit) is probed in
+# tiles of LEAD_FACTOR * BLOCK blocks: one lane per thread of the NUM_WARPS
+# warps, the first miss found by a min-reduction across them, the next tile's
+# hash words loaded before that reduction ends (bench/gpu_model.py: 128-block
+# tiles take llama's longest 128K run from ~200 dependent steps to ~50).
+LEAD_FACTOR = 4
+# Two warps per program: the wide tile's 128 lanes are 2 per thread (at one
+# warp, 4 per thread, the index variants spill on sm_90; at four, no spills
+# but only 4 programs of 128 registers fit an SM, and the short searches,
+# latency-bound, want many programs more than wide ones: bench/gpu_model.py
+# models 4096 x 16K long-hit at 165 us with four warps). The short searches'
+# 32-lane vectors are replicated across the warps.
+NUM_WARPS = 2
 # The register ceiling given to ptxas (PTX ``.maxnreg``). Without it, ptxas
 # aims a one-warp CTA at 64 registers (32 resident CTAs per SM) and spills the
 # outer loops' state to local memory to get there (the find variants: 64
 # registers, 104-148 bytes of spill stores on sm_90); with it they hold that
 # state in registers (about 100). The lookup variant needs 116 either way (no
-# spills), since its structure, not this number, bounds it. 128 still leaves
-# 16 resident programs per SM.
+# spills), since its structure, not this number, bounds it. At two warps, 128
+# leaves 8 resident programs per SM (1056 on an H200).
 MAXNREG = 128
 # Candidate positions the duplicate-value search (_dup_candidate) compares per
-# step, as a multiple of BLOCK. That search walks a group's candidates for each
+# step, as a multiple of 32. That search walks a group's candidates for each
 # present-but-not-asked lane (EAGLE peeks make those common), so wider is
 # faster, but each step's vectors cost registers: the lookup variant needs 116
 # registers at 1, 120 at 2, 124 at 4 on sm_90 (the budget is 128).
@@ -160,7 +188,9 @@ _CAND_PER_SEGMENT: tl.constexpr = tl.constexpr(kc.CAND_PER_SEGMENT)
 _CAND_NEED: tl.constexpr = tl.constexpr(kc.CAND_NEED)
 _CAND_SHIFT: tl.constexpr = tl.constexpr(kc.CAND_SHIFT)
 _CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
-_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP)
+# Fixed, not a multiple of the caller's width: the leading run's wide tiles
+# would otherwise widen these vectors too.
+_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP * 32)
 # The longest length the kernel distinguishes, in tokens (see _div).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
 
@@ -203,19 +233,38 @@ def _rem(a, b):
 
 
 @triton.jit
-def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
-    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table?
+def _home(ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
+    KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
+    not wait on each other, one round trip); lanes outside ``mask`` or the
+    request hash zeros. Zeros without an index."""
+    valid = mask & (units >= 0) & (units < ctx[_C_LENS])
+    pos = gids * 0
+    if HAS_INDEX:
+        rows = ctx[_C_OFF] + tl.where(valid, units, 0)
+        pos = slot_hash(gids, ctx[_C_HASHES], rows, valid, W) & ctx[_C_CAP_MASK]
+    return pos
+
+
+@triton.jit
+def _table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
+    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
+    is its home slot (:func:`_home`).
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. Column 0 is read with a plain load: lookups are
-    stream-ordered after the inserts they must see.
+    BUSY slots are passed over. A probe step loads the slot's group id, its
+    words and the key's words at once (one round trip, not one per word):
+    the words are compared only where the group id matches, but loading them
+    regardless costs bandwidth the step has to spare, not latency; the key's
+    words are loaded again each step rather than held (registers: the index
+    variants are at the 128 budget). Column 0 is read with a plain load:
+    lookups are stream-ordered after the inserts they must see.
     """
-    hashes_ptr = ctx[_C_HASHES]
     table_ptr = ctx[_C_TABLE]
     cap_mask = ctx[_C_CAP_MASK]
-    pos = slot_hash(gids, hashes_ptr, rows, mask, W) & cap_mask
+    hashes_ptr = ctx[_C_HASHES]
     found = mask & (gids < gids)
     active = mask
     # A vector step count: lanes stop independently.
@@ -223,11 +272,14 @@ def _table_has(ctx, gids, rows, mask, W: tl.constexpr):
     while tl.max(active.to(tl.int32), axis=0) > 0:
         slot = table_ptr + pos * (W + 1)
         g = tl.load(slot, mask=active, other=_EMPTY)
-        hit = active & (g == gids)
+        # Every word masked by `active` only (not by the previous word's
+        # compare): the 2W loads go out together.
+        same = active
         for j in tl.static_range(W):
-            t = tl.load(slot + 1 + j, mask=hit, other=0)
-            k = tl.load(hashes_ptr + rows * W + j, mask=hit, other=0)
-            hit = hit & (t == k)
+            t = tl.load(slot + 1 + j, mask=active, other=0)
+            k = tl.load(hashes_ptr + rows * W + j, mask=active, other=0)
+            same = same & (t == k)
+        hit = active & (g == gids) & same
         found = found | hit
         # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
         # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
@@ -294,14 +346,14 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
     stored key the worker did not ask about (multi-turn prefixes), so this
     must not walk the whole prompt. It enumerates the group's candidate
     positions directly (the SWA lookup mask keeps ``need`` chunks per
-    segment), ``_DUP_LANES * BLOCK`` per step, one odd lane at a time.
+    segment), ``_DUP_LANES`` per step, one odd lane at a time.
     """
     off = ctx[_C_OFF]
     n_units = ctx[_C_LENS]
     token_len = ctx[_C_TOK_LEN]
     hashes_ptr = ctx[_C_HASHES]
     lane = tl.arange(0, BLOCK)
-    kl = tl.arange(0, _DUP_LANES * BLOCK).to(tl.int64)
+    kl = tl.arange(0, _DUP_LANES).to(tl.int64)
     row = ctx[_C_CANDS] + gid * _CAND_WIDTH
     bs = tl.load(row + _CAND_BLOCK_SIZE)
     s = tl.load(row + _CAND_SCALE)
@@ -341,7 +393,7 @@ def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
                 b = tl.load(hashes_ptr + v * W + j, mask=eq, other=0)
                 eq = eq & (b == a)
             hit = tl.max(eq.to(tl.int32), axis=0) > 0
-            k0 += _DUP_LANES * BLOCK
+            k0 += _DUP_LANES
             going = ~hit & (
                 _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
             )
@@ -359,14 +411,17 @@ def _probe(
     units,
     mask,
     sg_row,
+    home0,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? Lanes
-    outside ``mask`` or the request's hashes are misses."""
+    present for every member group of the SpecGroup at ``sg_row``? ``home0``
+    are the keys' home slots for the first member (:func:`_home`, computed
+    by the caller, possibly ahead of time). Lanes outside ``mask`` or the
+    request's hashes are misses."""
     n_units = ctx[_C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
     rows = ctx[_C_OFF] + tl.where(valid, units, 0)
@@ -376,7 +431,10 @@ def _probe(
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            present = _table_has(ctx, gids, rows, hit, W)
+            pos = home0
+            if k > 0:
+                pos = _home(ctx, gids, units, hit, W, HAS_INDEX)
+            present = _table_has(ctx, gids, rows, pos, hit, W)
         else:
             present = hit
         if HAS_TL:
@@ -387,6 +445,23 @@ def _probe(
             present = present & cand
         hit = hit & present
     return hit
+
+
+@triton.jit
+def _probe_now(
+    ctx,
+    units,
+    mask,
+    sg_row,
+    W: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    HAS_TL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_probe` with the first member's home slots computed here."""
+    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
+    home0 = _home(ctx, gids, units, mask, W, HAS_INDEX)
+    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK)
 
 
 @triton.jit
@@ -403,17 +478,27 @@ def _leading_run(
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step."""
+    step (the wide tile, ``LEAD`` for full attention's run); the next step's
+    home slots (its hash words) are loaded before this step's first miss is
+    known: the run goes on only when every lane hit, so the next tile is then
+    exactly ``BLOCK`` further, and the hash-row round trip leaves every step
+    but the first."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
+    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
+    blk = start + lane
+    home = _home(ctx, gids, (blk + 1) * scale - 1, blk < end, W, HAS_INDEX)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+        nxt = blk + BLOCK
+        home_next = _home(ctx, gids, (nxt + 1) * scale - 1, nxt < end, W, HAS_INDEX)
+        hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
+        home = home_next
     return count
 
 
@@ -441,7 +526,9 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            hit = _probe(ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+            hit = _probe_now(
+                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK
+            )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
             j = j - BLOCK * q
@@ -457,7 +544,7 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+                hit = _probe_now(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
@@ -503,6 +590,7 @@ def _sg_searches(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEAD: tl.constexpr,
 ):
     """The three searches of a SpecGroup scan, ``(n, j, p)``.
 
@@ -530,7 +618,7 @@ def _sg_searches(
     a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
     a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, BLOCK)
+    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD)
 
     # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
     # unit inside the next block; Mamba: the rightmost aligned state
@@ -630,6 +718,7 @@ def _converge(
     HAS_TL: tl.constexpr,
     APPLY_EAGLE: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
     MASKS: tl.constexpr,
@@ -672,7 +761,7 @@ def _converge(
                 if multi & (margin > 0) & (drop != 0):
                     bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
                 n, j, p = _sg_searches(
-                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK
+                    ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, LEAD
                 )
                 new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
                 shrunk = (drop == 0) & (new_hit < curr)
@@ -767,6 +856,7 @@ def _worker_lookup(
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -786,7 +876,7 @@ def _worker_lookup(
     searching = ok
     while searching:
         hit, _l, _lo, _hi = _converge(
-            ctx, bound, W, HAS_INDEX, True, True, BLOCK, S_PAD, SG_W, False
+            ctx, bound, W, HAS_INDEX, True, True, BLOCK, LEAD, S_PAD, SG_W, False
         )
         # The second search is bounded by usable < num_tokens: it never
         # covers the whole prompt, so the loop runs at most twice.
@@ -822,6 +912,7 @@ def _scan_kernel(
     APPLY_EAGLE: tl.constexpr,
     LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -858,10 +949,22 @@ def _scan_kernel(
         zero + simple_hybrid,
     )
     if LOOKUP:
-        hit = _worker_lookup(ctx, length, n_groups, W, HAS_INDEX, BLOCK, S_PAD, SG_W)
+        hit = _worker_lookup(
+            ctx, length, n_groups, W, HAS_INDEX, BLOCK, LEAD, S_PAD, SG_W
+        )
     else:
         hit, sg_len, sg_lo, sg_hi = _converge(
-            ctx, length, W, HAS_INDEX, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, True
+            ctx,
+            length,
+            W,
+            HAS_INDEX,
+            HAS_TL,
+            APPLY_EAGLE,
+            BLOCK,
+            LEAD,
+            S_PAD,
+            SG_W,
+            True,
         )
         masks = (sg_len, sg_lo, sg_hi)
         _store_masks(ctx, mask_spans_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
@@ -1051,6 +1154,7 @@ def _launch(
             APPLY_EAGLE=bool(apply_eagle) or lookup,
             LOOKUP=lookup,
             BLOCK=block,
+            LEAD=block * LEAD_FACTOR,
             S_PAD=_pow2(n_sg),
             SG_W=sg_w,
             num_warps=NUM_WARPS,

@@ -19,8 +19,15 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
     for step in ("dsv4-flash: build", "dsv4-flash: lookup timing", "llama: parity"):
         assert f"| {step} | PASS |" in table
     assert "| KeyIndex | PASS |" in table
+    # The long-hit table: every batch size, every request equal to numba's,
+    # numba's thread count stated.
+    assert "| long-hit: lookup | PASS |" in table
+    assert "Long-hit dsv4-flash" in table and "threads = all cores" in table
+    assert "| 3 | " in table and "numba 3/3" in table
     assert "| fleet | PASS |" in table and "E = 256:" in table
     assert "| dsv4-flash | " in table and "ref 4/4" in table
+    # Every request of a preset against numba, not the reference's sample.
+    assert "numba 4/4" in table
     assert "commit" in table and "triton" in table
     # Each step's time is printed as it ends; the smallest preset runs first.
     assert "== llama: lookup timing: PASS in " in out
@@ -33,6 +40,8 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
         == [
             ("env", None),
             ("key_index", None),
+            ("longhit", None),
+            ("longhit", None),
             ("lookup", "llama"),
             ("parity", "llama"),
             ("lookup", "dsv4-flash"),
@@ -40,7 +49,8 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
         ]
         + [("fleet", None)] * 4
     )
-    assert rows[2]["first_call_s"] > 0 and rows[2]["eager_s"] > 0
+    assert rows[4]["first_call_s"] > 0 and rows[4]["eager_s"] > 0
+    assert rows[2]["B"] == 1 and rows[3]["B"] == 3 and rows[3]["numba_1_s"] > 0
     assert (tmp_path / "summary.md").read_text().startswith("### GPU check")
 
 
@@ -67,8 +77,8 @@ def test_a_spent_budget_skips_the_remaining_steps(capsys):
         **{**gpu_check.Config.dry(("llama",)).__dict__, "budget_s": 0.0}
     )
     report = gpu_check.run(cfg)
-    # KeyIndex, build, fleet
-    assert [s[1] for s in report.steps] == ["SKIP", "SKIP", "SKIP"]
+    # KeyIndex, long-hit build, preset build, fleet
+    assert [s[1] for s in report.steps] == ["SKIP", "SKIP", "SKIP", "SKIP"]
     assert not report.failed
     assert "| llama: build | SKIP |" in gpu_check.summary(report, cfg)
 

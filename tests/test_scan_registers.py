@@ -78,6 +78,13 @@ fleet clear bits         18 / 18      18 / 18
 fleet tombstone          16 / 14      16 / 14
 fleet probe bits         26 / 26      28 / 28
 =======================  ===========  ===========
+
+Issue 31 (Triton 3.9.0, sm_90; sm_100 within 2): the leading run in 128-block tiles over two
+warps (NUM_WARPS 2, LEAD_FACTOR 4), a probe step's loads issued at once, the
+next tile's home slots held: find index 110, find index no-eagle 110, find
+90, load masks 80, find index token_lens 116, find token_lens 118, lookup
+121 registers, no spills. One warp spilled (find index token_lens 92 B);
+four warps fit (lookup 120) but hold 4 programs per SM.
 """
 
 from __future__ import annotations
@@ -120,8 +127,8 @@ def compile_one(kernel, sig, cx, arch, options):
     return dict(regs=regs, spill_stores=int(st), spill_loads=int(ld))
 
 
-consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
-          "SG_W"]
+consts = ["W", "HAS_INDEX", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK",
+          "LEAD", "S_PAD", "SG_W"]
 sig = {}
 for name in scan._scan_kernel.arg_names:
     if name in consts:
@@ -145,7 +152,8 @@ for arch in ARCHS:
     for name, (has_index, has_tl, eagle, lookup) in variants.items():
         cx = dict(W=4, HAS_INDEX=bool(has_index), HAS_TL=bool(has_tl),
                   APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
-                  BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+                  BLOCK=scan.BLOCK,
+                  LEAD=scan.BLOCK * scan.LEAD_FACTOR, S_PAD=4, SG_W=12)
         row = compile_one(scan._scan_kernel, sig, cx, arch,
                           {"num_warps": scan.NUM_WARPS, "maxnreg": scan.MAXNREG})
         print(json.dumps(dict(kernel="scan", variant=name, arch=arch, **row)))

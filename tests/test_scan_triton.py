@@ -453,3 +453,77 @@ def test_coordinator_does_not_import_triton():
         "assert 'triton' not in sys.modules, 'triton imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------
+# Wide tiles (issue 31): long leading runs across several LEAD-wide tiles,
+# near-miss keys (one word or the group id differs), every block width
+# ---------------------------------------------------------------------------
+
+
+def _near_miss(h: bytes, word: int) -> bytes:
+    """``h`` with one byte of its ``word``-th 8-byte word flipped."""
+    b = bytearray(h)
+    b[8 * word] ^= 0x5A
+    return bytes(b)
+
+
+@settings(max_examples=max(6, EXAMPLES // 25), deadline=None)
+@given(
+    data=st.data(),
+    run=st.integers(0, 300),
+    kind=st.sampled_from(["full", "hybrid"]),
+    block=st.sampled_from([2, 8, 32]),
+)
+def test_long_leading_runs_with_near_miss_keys(device, data, run, kind, block):
+    """A leading run of ``run`` stored blocks (crossing tiles of LEAD_FACTOR *
+    block blocks, with the next tile's home slots loaded ahead), then a block
+    whose key is stored only as a near miss: the same words under another
+    group, or one word off under the same group, then more stored blocks.
+    32-byte hashes (4 words compared per slot). Hits and masks of
+    ``scan_hits`` and ``worker_lookup`` equal the reference's."""
+    from kvhit.kernels.scan import scan_hits, worker_lookup
+
+    groups = [Group(FullAttention(4))]
+    if kind == "hybrid":
+        groups.append(Group(SlidingWindow(4, 8)))
+    layout = CacheLayout(groups, 4, 4)
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    n_units = run + 1 + data.draw(st.integers(0, 20))
+    hashes = [rng.randbytes(32) for _ in range(n_units)]
+    gids = range(len(groups))
+    exists = {(g, h) for g in gids for i, h in enumerate(hashes) if i != run}
+    if run < n_units:
+        how = data.draw(st.sampled_from(["group", "word0", "word3", "absent"]))
+        h = hashes[run]
+        if how == "group":
+            exists.add((len(groups), h))  # a group the layout does not have
+        elif how != "absent":
+            word = 0 if how == "word0" else 3
+            exists |= {(g, _near_miss(h, word)) for g in gids}
+    n_tok = n_units * 4 - data.draw(st.integers(0, 3))
+    ref = ReferenceCoordinator(layout)
+    plan = ScanPlan.from_layout(layout)
+    view = HashBatch.from_bytes([hashes], 32, device).view()
+    sg_rows, cand_rows = plan_tensors(plan, device)
+    index = key_index(exists, device, width=32)
+    kw = dict(
+        hash_block_size=plan.hash_block_size,
+        alignment=plan.alignment,
+        partial=plan.partial,
+        simple_hybrid=plan.simple_hybrid,
+        num_groups=plan.num_groups,
+        block=block,
+    )
+    ml = torch.tensor([n_tok], dtype=torch.int64, device=device)
+    args = (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows)
+    hit, tri = scan_hits(
+        *args, table=index.table, token_len=None, apply_eagle=True, **kw
+    )
+    mask, want = ref.find_longest_cache_hit(hashes, n_tok, exists, True)
+    # The case is what it says: the hit runs up to the near miss.
+    assert 4 * run - 4 <= want <= 4 * run
+    assert hit.tolist() == [want]
+    assert _mask_lists(tri) == [tuple(mask)]
+    got = worker_lookup(*args, table=index.table, **kw)
+    assert got.tolist() == [ref.lookup(n_tok, hashes, exists)]
