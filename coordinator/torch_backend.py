@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.kernels import hash_index_torch
 from kvhit.kernels.scan_torch import Prober, TorchScanner, worker_lookup
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["TorchBackend"]
 
 
-class TorchBackend:
+class TorchBackend(ViewBackend):
     """The torch backend of :class:`~kvhit.coordinator.engine.LookupEngine`
     (the ``Backend`` protocol of ``coordinator/backend.py``): :class:`TorchScanner`
     over the batch, probing the KeyIndex table with torch ops, on any device.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def stream_capturing(device: torch.device) -> bool:
     return bool(capturing is not None and capturing())
 
 
-class TritonBackend:
+class TritonBackend(ViewBackend):
     """The GPU backend (CPU only under ``TRITON_INTERPRET=1``, for tests).
 
     Args:

@@ -8,9 +8,15 @@ import torch
 from hypothesis import given, settings
 from strategies import layouts
 
-from kvhit.coordinator.checks import check_device, check_tensor
 from kvhit.kernels import contract as kc
-from kvhit.kernels.checks import check_int64, check_keys, check_plan_rows, check_table
+from kvhit.kernels.checks import (
+    check_device,
+    check_int64,
+    check_keys,
+    check_plan_rows,
+    check_table,
+    check_tensor,
+)
 
 CPU = torch.device("cpu")
 # Metadata without data: on the wrong device for every check below.
