@@ -87,6 +87,7 @@ from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding
 from kvhit.kernels.checks import (
     check_int,
     check_max_load,
+    check_table_tensor,
     check_tensor,
     is_int,
     resolve_device,
@@ -342,19 +343,6 @@ def _checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
     return " and ".join([*wrong, table_part]) + " was"
 
 
-def _check_table_tensor(table: Any, W: int, name: str) -> int:
-    """Structure of a table tensor (no values read); returns its capacity."""
-    check_tensor(table, name)
-    cap = table.shape[0] if table.dim() == 2 else 0
-    if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
-        raise ValueError(
-            f"{name} must have shape [2**k, {W + 1}], got {list(table.shape)}"
-        )
-    if cap > MAX_CAPACITY:
-        raise ValueError(f"{name} has {cap} slots, more than MAX_CAPACITY")
-    return cap
-
-
 # --------------------------------------------------------------------------
 # KeyIndex
 # --------------------------------------------------------------------------
@@ -495,7 +483,7 @@ class KeyIndex:
         it unless ``growable=False``).
         """
         W = num_words(hash_bytes)
-        _check_table_tensor(table, W, "table")
+        check_table_tensor(table, W, "table", MAX_CAPACITY)
         if not table.is_contiguous():
             raise ValueError("table must be contiguous")
         if not isinstance(read_only, bool):
@@ -790,7 +778,7 @@ class KeyIndex:
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
-            absent = ~self._kernels.probe(self.table, self.W, g, h)
+            absent = ~self._kernels.probe(self.table, self.W, g, h, trusted=True)
             g, h = g[absent].contiguous(), h[absent].contiguous()
             if g.shape[0] == 0:
                 return 0
@@ -816,10 +804,19 @@ class KeyIndex:
     def remove(self, group_ids: Any, hashes: Any) -> int:
         """Remove keys (absent keys are ignored); returns the number removed."""
         g, h = self.normalize_keys(group_ids, hashes)
+        return self.remove_trusted(g, h)
+
+    def remove_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+        """:meth:`remove` with **no key validation**, for keys kvhit built
+        itself in the normalized form (as :meth:`add_trusted`), e.g. a store
+        sync's evicted keys."""
         self._check_writable("remove")
-        if g.shape[0] == 0:
+        if group_ids.shape[0] == 0:
             return 0
-        removed = int(self._kernels.erase(self.table, self.W, g, h).sum().item())
+        erased = self._kernels.erase(
+            self.table, self.W, group_ids, hashes, trusted=True
+        )
+        removed = int(erased.sum().item())
         self._size -= removed
         self._tombstones += removed
         if removed:
@@ -829,9 +826,16 @@ class KeyIndex:
     def contains(self, group_ids: Any, hashes: Any) -> torch.Tensor:
         """Membership of keys: bool ``[N]`` on the index's device."""
         g, h = self.normalize_keys(group_ids, hashes)
-        if g.shape[0] == 0:
+        return self.contains_trusted(g, h)
+
+    def contains_trusted(
+        self, group_ids: torch.Tensor, hashes: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`contains` with **no key validation**, for keys kvhit built
+        itself in the normalized form (as :meth:`add_trusted`): bool ``[N]``."""
+        if group_ids.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
-        return self._kernels.probe(self.table, self.W, g, h)
+        return self._kernels.probe(self.table, self.W, group_ids, hashes, trusted=True)
 
     def __contains__(self, key: object) -> bool:
         """``(group_id, hash_bytes) in index``."""
@@ -938,7 +942,7 @@ class KeyIndex:
         size = check_int(state["size"], "state['size']", 0)
         tombs = check_int(state["tombstones"], "state['tombstones']", 0)
         table = state["table"]
-        cap = _check_table_tensor(table, W, "state['table']")
+        cap = check_table_tensor(table, W, "state['table']", MAX_CAPACITY)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):

@@ -88,12 +88,7 @@ class NumbaBackend:
         if self._prep_cache is None:
             from kvhit.kernels import scan_numba as sn
 
-            plan = self.plan
-            prep = sn.prepare_scan(
-                self._sg, self._cand, hash_block_size=plan.hash_block_size,
-                alignment=plan.alignment, partial=plan.partial,
-                simple_hybrid=plan.simple_hybrid,
-            )  # fmt: skip
+            prep = sn.prepare_scan(self._sg, self._cand, self.plan.params)
             self._prep_cache = (sn, prep)
         return self._prep_cache
 

@@ -46,10 +46,15 @@ __all__ = [
     "check_lengths",
     "check_mask_size",
     "check_max_load",
+    "check_host_requests",
+    "check_int_array",
     "check_plan_rows",
+    "check_plan_shapes",
+    "check_probe_args",
     "check_seconds",
     "check_size",
     "check_table",
+    "check_table_tensor",
     "check_tensor",
     "host_lengths",
     "is_int",
@@ -354,10 +359,14 @@ def host_lengths(
             except (TypeError, OverflowError):
                 pass
     elif tv is np.ndarray:
-        if value.dtype is _INT64 or value.dtype == _INT64:
-            if value.ndim == 1 and (n is None or value.shape[0] == n):
+        dt = value.dtype
+        if value.ndim == 1 and (n is None or value.shape[0] == n):
+            if dt is _INT64 or dt == _INT64:
                 arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
                 return _check_values(arr, name, multiple_of)
+            if dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
+                # Every value of a narrower integer dtype fits in int64.
+                return _check_values(value.astype(_INT64), name, multiple_of)
     elif (
         tv is torch.Tensor
         and value.dtype is torch.int64
@@ -490,6 +499,22 @@ def check_table(table: object, W: object) -> int:
     return table_capacity(check_int64(table, "table").shape, W)
 
 
+def check_table_tensor(table: Any, W: int, name: str, max_capacity: int) -> int:
+    """Capacity of a KeyIndex table tensor given by a caller (a state dict,
+    ``KeyIndex.from_table``): :func:`check_tensor` (int64, dense, holding
+    data), shape ``[2**k, W + 1]`` and at most ``max_capacity`` slots;
+    ValueError naming ``name`` otherwise. No value is read."""
+    check_tensor(table, name)
+    cap = table.shape[0] if table.dim() == 2 else 0
+    if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
+        raise ValueError(
+            f"{name} must have shape [2**k, {W + 1}], got {list(table.shape)}"
+        )
+    if cap > max_capacity:
+        raise ValueError(f"{name} has {cap} slots, more than MAX_CAPACITY")
+    return cap
+
+
 def table_capacity(shape: Sequence[int], W: int, name: str = "table") -> int:
     """Capacity of a hash-index table of ``shape`` (a tensor's or a numpy
     array's): ``[capacity, W + 1]``, ``capacity`` a power of two; ValueError
@@ -521,6 +546,76 @@ def check_keys(group_ids: object, hashes: object, W: int, device: torch.device) 
             f"{hashes.shape[0]} rows"
         )
     return hashes.shape[0]
+
+
+def check_probe_args(
+    table: object,
+    W: object,
+    group_ids: object,
+    hashes: object,
+    device_type: str | None = None,
+) -> int:
+    """Capacity of a hash-index launcher's ``table`` once it and the keys
+    pass :func:`check_table` and :func:`check_keys` (``group_ids`` None: a
+    table alone); with ``device_type``, the table must be on a device of
+    that type (ValueError)."""
+    cap = check_table(table, W)
+    if device_type is not None and table.device.type != device_type:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"table must be on the {device_type.upper()}, got {table.device}"  # type: ignore[attr-defined]
+        )
+    if group_ids is not None:
+        check_keys(group_ids, hashes, W, table.device)  # type: ignore[arg-type, attr-defined]
+    return cap
+
+
+def check_plan_shapes(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
+    """The shapes of a plan's rows (numpy): ``sg_rows [S >= 1, SG_MEMBERS +
+    M]``, ``cand_rows [G, kc.CAND_WIDTH]``; ValueError naming the array."""
+    if sg_rows.ndim != 2 or sg_rows.shape[0] < 1 or sg_rows.shape[1] <= len(kc.SG_COLS):
+        raise ValueError(
+            f"sg_rows must have shape [S >= 1, > {len(kc.SG_COLS)}], got "
+            f"{list(sg_rows.shape)}"
+        )
+    if cand_rows.ndim != 2 or cand_rows.shape[1] != kc.CAND_WIDTH:
+        raise ValueError(
+            f"cand_rows must have shape [G, {kc.CAND_WIDTH}], got {list(cand_rows.shape)}"
+        )
+
+
+def check_int_array(name: str, a: object, shape: tuple[int, ...] | None = None) -> None:
+    """``a`` an integer numpy array (TypeError naming ``name``), of ``shape``
+    when given (ValueError)."""
+    # _c64 converts what it is given: an integer array converts exactly, a
+    # float one would be truncated without a word.
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+        what = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"{name} must be an integer numpy array, got {what}")
+    if shape is not None and a.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(a.shape)}")
+
+
+def check_host_requests(
+    rows: Any,
+    offsets: Any,
+    per_request: Sequence[tuple[str, Any]],
+    hash_block_size: object,
+    alignment: object,
+) -> None:
+    """The request arrays' shapes and dtypes and the plan's sizes: the kernel
+    reads ``per_request`` arrays at every index of ``offsets`` unchecked (a
+    shorter one is read past its end) and divides by the sizes (a zero raised
+    in the serial loop but answered zeros in the threaded one)."""
+    check_int_array("rows", rows)
+    if rows.ndim != 2 or rows.shape[1] < 1:
+        raise ValueError(f"rows must have shape [T, W >= 1], got {list(rows.shape)}")
+    check_int_array("offsets", offsets)
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets must have shape [R], got {list(offsets.shape)}")
+    for name, a in per_request:
+        check_int_array(name, a, offsets.shape)
+    check_size("hash_block_size", hash_block_size)
+    check_size("alignment", alignment)
 
 
 # The values a plan's row may hold where the kernels divide by a column, index
