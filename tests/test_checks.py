@@ -263,6 +263,8 @@ def test_lengths_multiple_of_and_devices() -> None:
     with pytest.raises(ValueError, match="a is on meta, the engine is on cpu"):
         check_lengths(torch.zeros(2, dtype=torch.int64, device="meta"), "a", 2, CPU)
     assert host_lengths([], "a", 0).shape == (0,)
+    with pytest.raises(ValueError, match=r"a\[0\] \(8\) must be a multiple"):
+        host_lengths([8], "a", 1, multiple_of=16)
 
 
 def test_scalar_checks() -> None:
