@@ -165,10 +165,16 @@ class BatchBackend(Backend, Protocol):
         ...
 
     def find_batch(
-        self, batch: HashBatch, max_lengths: Any, index: Any, apply_eagle: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        batch: HashBatch,
+        max_lengths: Any,
+        index: Any,
+        apply_eagle: bool,
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`Backend.find` of a checked batch (empty too) and lengths
-        from :meth:`lengths`: ``(hit int64 [B], mask_spans int64 [B, G, 3])``."""
+        from :meth:`lengths`: ``(hit int64 [B], mask_spans int64 [B, G, 3])``;
+        ``mask_spans`` may be None when ``spans`` is False (not asked for)."""
         ...
 
     def lookup_batch(
@@ -208,8 +214,9 @@ class ViewBackend:
         max_lengths: torch.Tensor,
         index: Any,
         apply_eagle: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :meth:`BatchBackend.find_batch`."""
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See :meth:`BatchBackend.find_batch` (the spans always come)."""
         if len(batch) == 0:
             return (
                 torch.zeros(0, dtype=torch.int64, device=self.device),

@@ -256,8 +256,10 @@ class LookupEngine:
         self._check_batch(batch, index)
         impl = self.impl
         max_lengths = impl.lengths(max_lengths, "max_lengths", len(batch))
-        hit, mask_spans = impl.find_batch(batch, max_lengths, index, bool(apply_eagle))
-        if not with_masks:
+        hit, mask_spans = impl.find_batch(
+            batch, max_lengths, index, bool(apply_eagle), with_masks
+        )
+        if mask_spans is None or not with_masks:
             # The frozen dataclass's __init__ sets all three fields through
             # object.__setattr__; the hit alone is a third of that (masks
             # default to None on the class).

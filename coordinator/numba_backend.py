@@ -127,21 +127,23 @@ class NumbaBackend:
         max_lengths: np.ndarray,
         index: KeyIndex,
         apply_eagle: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """See ``BatchBackend.find_batch``: ``max_lengths`` from
-        :meth:`lengths`, ``index`` not None."""
-        sn, prep = self._prep()
+        :meth:`lengths`, ``index`` not None; no spans tensor unless
+        ``spans``."""
         if len(batch) == 0:
             return (
                 torch.zeros(0, dtype=torch.int64),
                 torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
             )
+        sn, prep = self._prep()
         rows, starts, lengths = batch.host_arrays()
-        hit, spans = sn.scan_prepared(
+        hit, mask_spans = sn.scan_prepared(
             prep, rows, starts, lengths, max_lengths, self._host_table(index),
             sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
         )  # fmt: skip
-        return torch.from_numpy(hit), torch.from_numpy(spans)
+        return torch.from_numpy(hit), torch.from_numpy(mask_spans) if spans else None
 
     def lookup_batch(
         self, batch: HashBatch, num_tokens: np.ndarray, index: KeyIndex
