@@ -249,8 +249,6 @@ def check_tensor(
 
 _INT64 = np.dtype(np.int64)
 _CPU = torch.device("cpu")
-# numpy's min without the method's Python wrapper (~0.3 us less a call).
-_umin = np.minimum.reduce
 
 
 def _position_error(name: str, i: int, v: Any) -> ValueError:
@@ -266,9 +264,9 @@ def _bad_value(name: str, i: int, v: int, multiple_of: int) -> ValueError:
 
 
 def _least(arr: np.ndarray) -> int:
-    """The least entry of a non-empty int64 array, the cheapest way at its
-    size (a few values through Python beat numpy's reduction)."""
-    return min(arr.tolist()) if arr.shape[0] <= 8 else int(_umin(arr))
+    """The least entry of a non-empty int64 array. ``argmin`` skips the
+    ufunc reduction's set-up: ~0.2 us where ``arr.min()`` costs ~1 us."""
+    return arr.item(arr.argmin())
 
 
 def _check_values(arr: np.ndarray, name: str, multiple_of: int) -> np.ndarray:
@@ -364,26 +362,31 @@ def host_lengths(
             except (TypeError, OverflowError):
                 pass
     elif tv is np.ndarray:
-        dt = value.dtype
         if value.ndim == 1 and (n is None or value.shape[0] == n):
+            dt = value.dtype
             if dt is _INT64 or dt == _INT64:
                 arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-                return _check_values(arr, name, multiple_of)
-            if dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
+            elif dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
                 # Every value of a narrower integer dtype fits in int64.
-                return _check_values(value.astype(_INT64), name, multiple_of)
-    elif (
-        tv is torch.Tensor
-        and value.dtype is torch.int64
-        and value.is_cpu
-        and value.dim() == 1
-        and (n is None or value.shape[0] == n)
-        and value.layout is torch.strided
-    ):
-        arr = value.numpy()
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        return _check_values(arr, name, multiple_of)
+                arr = value.astype(_INT64)
+            else:
+                return _host_lengths_exact(value, name, n, multiple_of)
+            if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):
+                return arr
+            return _check_values(arr, name, multiple_of)
+    elif tv is torch.Tensor and value.dtype is torch.int64:
+        # A CPU tensor's numpy view (metadata read once, by numpy); a tensor
+        # numpy cannot view (another device, sparse, meta) takes the exact path.
+        try:
+            arr = value.numpy()
+        except (TypeError, RuntimeError):
+            return _host_lengths_exact(value, name, n, multiple_of)
+        if arr.ndim == 1 and (n is None or arr.shape[0] == n):
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):
+                return arr
+            return _check_values(arr, name, multiple_of)
     return _host_lengths_exact(value, name, n, multiple_of)
 
 
