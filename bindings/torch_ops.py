@@ -48,11 +48,11 @@ from typing import Any
 import torch
 
 from kvhit.coordinator.backend import auto_backend
-from kvhit.coordinator.checks import check_tensor
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex, hash_kernels
 from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.coordinator.specs import CacheLayout
+from kvhit.kernels.checks import check_tensor
 
 __all__ = [
     "layout_engine",

@@ -1,12 +1,18 @@
-"""The one protocol every LookupEngine backend implements, and the one
-"auto" rule (:func:`auto_backend`) that KeyIndex, LookupEngine and the
-bindings resolve ``backend="auto"`` with.
+"""The protocols every LookupEngine backend implements, and the one rule of
+which backend runs on which device (:func:`auto_backend`,
+:func:`check_runs_on`, :func:`resolve_backend`), used by LookupEngine,
+KeyIndex and FleetIndex alike.
 
-:class:`~kvhit.coordinator.engine.LookupEngine` validates every input, then
-hands the backend it chose at construction a :class:`RaggedView` and int64
-length tensors on the engine's device; a backend never validates again and
-never sees a ``HashBatch``. Backends give identical answers on every input
-(the parity tests prove it against the reference).
+:class:`~kvhit.coordinator.engine.LookupEngine` validates the batch and the
+index, asks its backend for the lengths in the backend's own form
+(:meth:`BatchBackend.lengths`, one validation pass from
+``kernels/checks.py``), then hands them over with the batch
+(:meth:`BatchBackend.find_batch`, :meth:`BatchBackend.lookup_batch`); it never
+names a backend. Each backend owns its fast path: the numba one reads the
+batch's host arrays and numpy lengths, the others a :class:`RaggedView` of
+torch tensors (:class:`ViewBackend`). A backend never validates again.
+Backends give identical answers on every input (the parity tests prove it
+against the reference).
 
 A backend is built as ``cls(plan, device)`` and must not import triton or numba
 before its first call that needs them (``coordinator/`` never imports them at
@@ -16,24 +22,46 @@ module import time).
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from kvhit.kernels.checks import check_lengths
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import RaggedView
+    from kvhit.coordinator.packing import HashBatch, RaggedView
     from kvhit.coordinator.plan import ScanPlan
 
-__all__ = ["Backend", "auto_backend"]
+__all__ = [
+    "RUNS_ON",
+    "Backend",
+    "BatchBackend",
+    "ViewBackend",
+    "auto_backend",
+    "check_runs_on",
+    "resolve_backend",
+]
+
+#: Where each backend runs: a test of the device, and the devices named when
+#: a backend is refused. torch's ops (and the reference, which answers on the
+#: CPU and moves its answers) run anywhere. Triton also runs on the CPU under
+#: its interpreter where a caller allows it (:func:`check_runs_on`).
+RUNS_ON: Mapping[str, tuple[Callable[[torch.device], bool], str]] = {
+    "numba": (lambda device: device.type == "cpu", "the CPU"),
+    "triton": (lambda device: device.type == "cuda", "CUDA"),
+    "torch": (lambda device: True, "any device"),
+    "reference": (lambda device: True, "any device"),
+}
 
 
 def auto_backend(device: torch.device) -> str:
-    """The backend ``backend="auto"`` picks on ``device``, for a KeyIndex and
-    a LookupEngine alike: triton on CUDA, numba on the CPU (torch where numba
-    is not installed: the GPU machine may have none), torch on any other
-    device (MPS, XPU: its torch ops run anywhere; no compiled kernel family of
-    ours does, and triton must never be picked there)."""
+    """The backend ``backend="auto"`` picks on ``device``, for a KeyIndex, a
+    FleetIndex and a LookupEngine alike: triton on CUDA, numba on the CPU
+    (torch where numba is not installed: the GPU machine may have none),
+    torch on any other device (MPS, XPU: its torch ops run anywhere; no
+    compiled kernel family of ours does, and triton must never be picked
+    there)."""
     if device.type == "cuda":
         return "triton"
     if device.type == "cpu":
@@ -42,9 +70,45 @@ def auto_backend(device: torch.device) -> str:
     return "torch"
 
 
+def check_runs_on(
+    backend: str, device: torch.device, cpu_interpreter: bool = False
+) -> None:
+    """ValueError (``"backend 'numba' runs on the CPU only, device is
+    cuda:0"``) unless ``backend`` (a known name) runs on ``device``. With
+    ``cpu_interpreter``, triton is also accepted on the CPU, where it runs
+    under ``TRITON_INTERPRET=1`` (the KeyIndex's and the engine's kernels are
+    tested so; the fleet's are not)."""
+    if cpu_interpreter and backend == "triton" and device.type == "cpu":
+        return
+    runs, where = RUNS_ON[backend]
+    if not runs(device):
+        raise ValueError(
+            f"backend {backend!r} runs on {where} only, device is {device}"
+        )
+
+
+def resolve_backend(
+    backend: Any,
+    device: torch.device,
+    choices: Sequence[str],
+    cpu_interpreter: bool = False,
+) -> str:
+    """``backend`` (one of ``choices``, ``"auto"`` among them) resolved for
+    ``device``: ``"auto"`` is :func:`auto_backend`'s pick, an explicit name
+    is returned once :func:`check_runs_on` accepts it. ValueError naming
+    ``backend`` otherwise."""
+    if not isinstance(backend, str) or backend not in choices:
+        raise ValueError(f"backend must be one of {tuple(choices)}, got {backend!r}")
+    if backend == "auto":
+        return auto_backend(device)
+    check_runs_on(backend, device, cpu_interpreter)
+    return backend
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """What a LookupEngine backend does.
+    """What a LookupEngine backend does on a :class:`RaggedView` (the batch as
+    torch tensors), the form every backend reads.
 
     Attributes:
         name: the name ``LookupEngine(backend=...)`` selects it by.
@@ -58,7 +122,7 @@ class Backend(Protocol):
         self,
         view: RaggedView,
         max_lengths: torch.Tensor,
-        index: KeyIndex | None,
+        index: Any,
         apply_eagle: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every request's longest cache hit and its load-mask spans.
@@ -67,7 +131,7 @@ class Backend(Protocol):
             view: ``R`` requests; with ``view.token_lens`` set, only keys the
                 store worker asks about at that length count as present.
             max_lengths: int64 ``[R]``, >= 0.
-            index: the store's keys, or None (every key present).
+            index: the store's keys (a KeyIndex), or None (every key present).
             apply_eagle: apply the EAGLE last-block drop.
 
         Returns:
@@ -78,9 +142,93 @@ class Backend(Protocol):
         ...
 
     def lookup(
-        self, view: RaggedView, num_tokens: torch.Tensor, index: KeyIndex
+        self, view: RaggedView, num_tokens: torch.Tensor, index: Any
     ) -> torch.Tensor:
         """The store worker's rule (``MooncakeStoreWorker.lookup``): int64
         ``[R]`` tokens to load for prompts of ``num_tokens`` (int64 ``[R]``)
         tokens; ``view.token_lens`` is None (the backend derives it)."""
         ...
+
+
+@runtime_checkable
+class BatchBackend(Backend, Protocol):
+    """A :class:`Backend` that also takes a whole :class:`HashBatch` and the
+    caller's lengths: the engine's public calls go through these three
+    methods, so each backend owns its fast path (the numba one never builds
+    a view or a torch tensor of lengths)."""
+
+    def lengths(self, value: Any, name: str, n: int) -> Any:
+        """``value`` (``n`` per-request lengths in any form a caller holds
+        them) checked once (``kernels/checks.py``) and in the form this
+        backend's ``find_batch``/``lookup_batch`` read. TypeError/ValueError
+        naming ``name`` and the position."""
+        ...
+
+    def find_batch(
+        self,
+        batch: HashBatch,
+        max_lengths: Any,
+        index: Any,
+        apply_eagle: bool,
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`Backend.find` of a checked batch (empty too) and lengths
+        from :meth:`lengths`: ``(hit int64 [B], mask_spans int64 [B, G, 3])``;
+        ``mask_spans`` may be None when ``spans`` is False (not asked for)."""
+        ...
+
+    def lookup_batch(
+        self, batch: HashBatch, num_tokens: Any, index: Any
+    ) -> torch.Tensor:
+        """:meth:`Backend.lookup` of a checked batch (empty too) and lengths
+        from :meth:`lengths`: int64 ``[B]``."""
+        ...
+
+
+class ViewBackend:
+    """The :class:`BatchBackend` methods of a backend that reads views: the
+    lengths as an int64 tensor on its device, the batch as its
+    :class:`RaggedView`. Subclasses set ``plan`` and ``device`` and implement
+    :class:`Backend`."""
+
+    plan: ScanPlan
+    device: torch.device
+
+    def find(
+        self, view: RaggedView, max_lengths: torch.Tensor, index: Any, apply_eagle: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def lookup(
+        self, view: RaggedView, num_tokens: torch.Tensor, index: Any
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lengths(self, value: Any, name: str, n: int) -> torch.Tensor:
+        """See :meth:`BatchBackend.lengths`: int64 ``[n]`` on the device."""
+        return check_lengths(value, name, n, self.device)
+
+    def find_batch(
+        self,
+        batch: HashBatch,
+        max_lengths: torch.Tensor,
+        index: Any,
+        apply_eagle: bool,
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See :meth:`BatchBackend.find_batch` (the spans always come)."""
+        if len(batch) == 0:
+            return (
+                torch.zeros(0, dtype=torch.int64, device=self.device),
+                torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
+                            device=self.device),
+            )  # fmt: skip
+        return self.find(batch.view(), max_lengths, index, apply_eagle)
+
+    def lookup_batch(
+        self, batch: HashBatch, num_tokens: torch.Tensor, index: Any
+    ) -> torch.Tensor:
+        """See :meth:`BatchBackend.lookup_batch`."""
+        if len(batch) == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return self.lookup(batch.view(), num_tokens, index)

@@ -42,7 +42,9 @@ def worker_candidates(
     for cp in plan.candidates:
         if not cp.cacheable:
             continue
-        owner, unit = candidate_units(plan, lengths, token_lens, cp.group_id)
+        owner, unit = candidate_units(
+            plan.candidates, plan.params, lengths, token_lens, cp.group_id
+        )
         rows.append(starts[owner] + unit)
         gids.append(torch.full_like(owner, cp.group_id))
     return torch.cat(gids), torch.cat(rows)

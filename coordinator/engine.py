@@ -24,22 +24,25 @@ backends agree wherever the reference answers.
 from __future__ import annotations
 
 import importlib
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvhit.coordinator.backend import Backend, auto_backend
+from kvhit.coordinator.backend import BatchBackend, resolve_backend
 from kvhit.coordinator.candidates import worker_candidates
-from kvhit.coordinator.checks import check_device, check_mask_size, check_tensor
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
+from kvhit.kernels.checks import (
+    check_device,
+    check_int,
+    check_lengths,
+    check_mask_size,
+)
 from kvhit.kernels.contract import cdiv
 
 # Backend name -> "module:class", imported when an engine first asks for it (so
@@ -52,10 +55,8 @@ BACKEND_CLASSES: dict[str, str] = {
 }
 BACKENDS = ("auto", *BACKEND_CLASSES)
 
-_INT64_MAX = (1 << 63) - 1
 
-
-def backend_class(name: str) -> type[Backend]:
+def backend_class(name: str) -> type[BatchBackend]:
     """The class registered as backend ``name`` (imports its module)."""
     module, _, cls = BACKEND_CLASSES[name].partition(":")
     return getattr(importlib.import_module(module), cls)
@@ -134,31 +135,6 @@ def _expand_mask_spans(
     return tuple(masks), tuple(lengths)
 
 
-def _position_error(name: str, i: int, v: Any) -> ValueError:
-    return ValueError(f"{name}[{i}] ({v}) must be an int in [0, 2**63) (int64, >= 0)")
-
-
-def _host_lengths(value: Any, name: str) -> np.ndarray:
-    """A Python sequence of ints as an int64 array, checked on the host."""
-    # A C-level type scan: a generator over 1024 lengths cost ~50 us a call.
-    if set(map(type, value)) <= {int}:
-        try:
-            arr = np.array(value, dtype=np.int64)
-        except OverflowError:
-            for i, v in enumerate(value):
-                if not 0 <= v <= _INT64_MAX:
-                    raise _position_error(name, i, v) from None
-            raise
-    else:
-        for i, v in enumerate(value):
-            if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
-                raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
-            if not 0 <= int(v) <= _INT64_MAX:
-                raise _position_error(name, i, v)
-        arr = np.array([int(v) for v in value], dtype=np.int64)
-    return arr
-
-
 class LookupEngine:
     """Batched longest-prefix lookup over a :class:`KeyIndex`.
 
@@ -174,7 +150,7 @@ class LookupEngine:
 
     Attributes:
         backend: the backend's name (``"auto"`` resolved).
-        impl: the backend object (``Backend`` protocol); the numba backend's
+        impl: the backend object (``BatchBackend`` protocol); the numba backend's
             ``impl.parallel`` forces threads over requests on or off.
 
     Raises:
@@ -194,24 +170,17 @@ class LookupEngine:
             raise TypeError(
                 f"layout must be a CacheLayout, got {type(layout).__name__}"
             )
-        if not isinstance(backend, str) or backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if cpu_threads is not None and (
-            isinstance(cpu_threads, bool)
-            or not isinstance(cpu_threads, int)
-            or cpu_threads < 1
-        ):
-            raise ValueError(f"cpu_threads must be None or >= 1, got {cpu_threads!r}")
+        if cpu_threads is not None:
+            check_int(cpu_threads, "cpu_threads", 1)
         device = check_device(device if device is not None else "cpu")
-        if backend == "auto":
-            backend = auto_backend(device)
+        backend = resolve_backend(backend, device, BACKENDS, cpu_interpreter=True)
         self.layout = layout
         self.device = device
         self.backend = backend
         self.cpu_threads = cpu_threads
         self.plan = ScanPlan.from_layout(layout)
         self._min_block_size = min(s.block_size for s in layout.coverage_specs)
-        self.impl: Backend = backend_class(backend)(self.plan, device)
+        self.impl: BatchBackend = backend_class(backend)(self.plan, device)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
 
@@ -238,111 +207,10 @@ class LookupEngine:
                 f"index's ({index.hash_bytes} bytes)"
             )
 
-    @staticmethod
-    def _count(value: Any, name: str) -> int:
-        """How many entries ``value`` (a length argument) has."""
-        if isinstance(value, torch.Tensor | np.ndarray):
-            return int(value.shape[0]) if value.ndim >= 1 else 0
-        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-            raise TypeError(
-                f"{name} must be an int64 tensor or a sequence of ints, got "
-                f"{type(value).__name__}"
-            )
-        return len(value)
-
-    def _lengths(
-        self, value: Any, name: str, n: int, multiple_of: int = 1
-    ) -> torch.Tensor:
-        """``value`` as an int64 ``[n]`` tensor on the engine's device, each
-        entry in ``[0, 2**63)`` and a multiple of ``multiple_of``. Python and
-        numpy inputs are checked on the host before they move, so only a
-        device tensor costs a host sync."""
-        if isinstance(value, torch.Tensor):
-            check_tensor(
-                value,
-                name,
-                device=self.device,
-                device_of="the engine",
-                holds_data=False,
-            )
-            if value.dim() != 1 or value.numel() != n:
-                raise ValueError(
-                    f"{name} must have shape [{n}] (one per request), got "
-                    f"{list(value.shape)}"
-                )
-            if not n:
-                return value
-            if value.device.type == "cpu" and not value.requires_grad:
-                # numpy checks a small CPU tensor in a fraction of torch's time.
-                self._check_host(value.numpy(), name, multiple_of)
-                return value
-            bad = value < 0
-            if multiple_of > 1:
-                bad |= torch.remainder(value, multiple_of) != 0
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                self._raise_bad(name, i, int(value[i]), multiple_of)
-            return value
-        if isinstance(value, np.ndarray):
-            if value.dtype.kind not in "iu":
-                raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-            if value.ndim != 1 or value.shape[0] != n:
-                raise ValueError(
-                    f"{name} must have shape [{n}] (one per request), got "
-                    f"{list(value.shape)}"
-                )
-            if value.dtype.kind == "u" and n and int(value.max()) > _INT64_MAX:
-                i = int(np.argmax(value > _INT64_MAX))
-                raise _position_error(name, i, int(value[i]))
-            arr = value.astype(np.int64)
-        else:
-            if (
-                value is None
-                or isinstance(value, str | bytes)
-                or not isinstance(value, Sequence)
-            ):
-                raise TypeError(
-                    f"{name} must be an int64 tensor or a sequence of ints, got "
-                    f"{type(value).__name__}"
-                )
-            if len(value) != n:
-                raise ValueError(f"{name} has {len(value)} entries for {n} requests")
-            if (
-                n <= 16
-                and multiple_of == 1
-                and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
-            ):
-                # A scheduler step's few requests: plain Python beats numpy.
-                return self._to_device(np.array(value, dtype=np.int64))
-            arr = _host_lengths(value, name)
-        if n:
-            self._check_host(arr, name, multiple_of)
-        return self._to_device(arr)
-
-    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(arr)
-        return t if self.device.type == "cpu" else t.to(self.device)
-
-    def _check_host(self, arr: np.ndarray, name: str, multiple_of: int) -> None:
-        """Raise naming the first entry of ``arr`` (int64) below 0 or not a
-        multiple of ``multiple_of``."""
-        if multiple_of > 1:
-            bad = (arr < 0) | (arr % multiple_of != 0)
-            ok = not bad.any()
-        else:
-            ok = arr.min() >= 0
-            bad = None if ok else arr < 0
-        if not ok:
-            i = int(np.argmax(bad))
-            self._raise_bad(name, i, int(arr[i]), multiple_of)
-
-    @staticmethod
-    def _raise_bad(name: str, i: int, v: int, multiple_of: int) -> None:
-        if v < 0:
-            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
-        raise ValueError(
-            f"{name}[{i}] ({v}) must be a multiple of the hit alignment ({multiple_of})"
-        )
+    def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
+        """``value`` (per-request lengths, any form ``kernels/checks.py``
+        takes) as an int64 ``[n]`` tensor on the engine's device."""
+        return check_lengths(value, name, n, self.device)
 
     def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -361,85 +229,6 @@ class LookupEngine:
         if len(batch) == 0:
             return self._empty()
         return self.impl.find(batch.view(), max_lengths, index, bool(apply_eagle))
-
-    # -- the host path: the numba backend without torch in the loop ---------
-    #
-    # A scheduler step of one request costs ~1 us in the compiled kernel; the
-    # generic path around it (a RaggedView of torch tensors, tensor->numpy
-    # views, the launcher's dtype/contiguity checks, its allocations) cost
-    # several times that. Here the plan's rows and parameter vectors are
-    # checked and built once per engine (scan_numba.prepare_scan), the batch's
-    # arrays once per batch (HashBatch.host_arrays), the table's view once per
-    # table tensor, and the public method validated the rest, so the launcher
-    # (scan_numba.scan_prepared) checks nothing.
-
-    def _host_prep(self) -> tuple[Any, Any, tuple[int, int], int]:
-        """``(scan_prepared, ScanPrep, (FIND, FIND_EAGLE), LOOKUP)`` of the
-        numba kernel module (imported on first use, as the numba backend
-        does), built once per engine."""
-        cached = self.__dict__.get("_host_prep_cache")
-        if cached is None:
-            from kvhit.coordinator.plan import plan_tensors
-            from kvhit.kernels import scan_numba as sn
-
-            plan = self.plan
-            sg, cand = plan_tensors(plan, self.device)
-            prep = sn.prepare_scan(
-                sg.numpy(), cand.numpy(), hash_block_size=plan.hash_block_size,
-                alignment=plan.alignment, partial=plan.partial,
-                simple_hybrid=plan.simple_hybrid,
-            )  # fmt: skip
-            cached = (sn.scan_prepared, prep, (sn.FIND, sn.FIND_EAGLE), sn.LOOKUP)
-            self._host_prep_cache = cached
-        return cached
-
-    def _host_table(self, index: KeyIndex) -> np.ndarray:
-        """``index.table`` as C-contiguous int64 numpy, re-viewed only when
-        the index replaced its table tensor (growth, rehash) or another index
-        comes. A table that would need a copy is copied on every call (a
-        cached copy would miss later inserts)."""
-        table = index.table
-        cached = self.__dict__.get("_host_table_cache")
-        if cached is not None and cached[0] is table:
-            return cached[1]
-        arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
-        if arr.dtype != np.int64 or not arr.flags.c_contiguous:
-            return np.ascontiguousarray(arr, dtype=np.int64)
-        self._host_table_cache = (table, arr)
-        return arr
-
-    def _host_lengths(self, value: Any, name: str, n: int) -> np.ndarray:
-        """:meth:`_lengths` as a C-contiguous int64 numpy array (a scheduler
-        step's few Python ints go straight to numpy)."""
-        if type(value) is list and n == 1 and len(value) == 1:
-            # One request: one check, no generator.
-            v = value[0]
-            if type(v) is int and 0 <= v <= _INT64_MAX:
-                return np.array(value, dtype=np.int64)
-        if (
-            type(value) is list
-            and len(value) == n
-            and n <= 16
-            and all(type(v) is int and 0 <= v <= _INT64_MAX for v in value)
-        ):
-            return np.array(value, dtype=np.int64)
-        if (
-            type(value) is torch.Tensor
-            and value.dtype is torch.int64
-            and value.device.type == "cpu"
-            and value.layout is torch.strided
-            and value.dim() == 1
-            and value.shape[0] == n
-            and not value.requires_grad
-        ):
-            # A CPU int64 tensor (what a scheduler step holds): one numpy view,
-            # a few values checked in Python (numpy's min costs ~1 us). A bad
-            # value falls through to _lengths, which raises naming it.
-            arr = value.numpy()
-            if (min(arr.tolist()) if n <= 16 else int(arr.min())) >= 0:
-                return np.ascontiguousarray(arr)  # a strided tensor is copied
-        # A caller's tensor may be strided: the launcher trusts its arrays.
-        return np.ascontiguousarray(self._lengths(value, name, n).numpy())
 
     # -- public API -----------------------------------------------------------
 
@@ -465,28 +254,18 @@ class LookupEngine:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
         self._check_batch(batch, index)
-        if self.backend == "numba" and len(batch):
-            # The host path (numba on the CPU, a non-empty batch).
-            rows, starts, lengths = batch.host_arrays()
-            ml = self._host_lengths(max_lengths, "max_lengths", starts.shape[0])
-            scan, prep, modes, _ = self._host_prep()
-            hit_np, spans_np = scan(
-                prep, rows, starts, lengths, ml, self._host_table(index),
-                modes[1 if apply_eagle else 0], self.impl.parallel,
-            )  # fmt: skip
-            if not with_masks:
-                # The frozen dataclass's __init__ sets all three fields
-                # through object.__setattr__; the hit alone is a third of
-                # that (masks default to None on the class).
-                result = object.__new__(LookupResult)
-                result.__dict__["hit_lengths"] = torch.from_numpy(hit_np)
-                return result
-            hit, mask_spans = torch.from_numpy(hit_np), torch.from_numpy(spans_np)
-        else:
-            max_lengths = self._lengths(max_lengths, "max_lengths", len(batch))
-            hit, mask_spans = self._find(batch, max_lengths, index, apply_eagle)
-        if not with_masks:
-            return LookupResult(hit)
+        impl = self.impl
+        max_lengths = impl.lengths(max_lengths, "max_lengths", len(batch))
+        hit, mask_spans = impl.find_batch(
+            batch, max_lengths, index, bool(apply_eagle), with_masks
+        )
+        if mask_spans is None or not with_masks:
+            # The frozen dataclass's __init__ sets all three fields through
+            # object.__setattr__; the hit alone is a third of that (masks
+            # default to None on the class).
+            result = object.__new__(LookupResult)
+            result.__dict__["hit_lengths"] = hit
+            return result
         masks, lengths = _expand_mask_spans(mask_spans)
         return LookupResult(hit, masks, lengths)
 
@@ -525,16 +304,9 @@ class LookupEngine:
             ``num_tokens - 1`` so the last token is recomputed.
         """
         self._check_batch(batch, index)
-        if self.backend == "numba" and len(batch):
-            # The host path (numba on the CPU, a non-empty batch).
-            rows, starts, lengths = batch.host_arrays()
-            n = self._host_lengths(num_tokens, "num_tokens", starts.shape[0])
-            scan, prep, _, lookup = self._host_prep()
-            hit = scan(prep, rows, starts, lengths, n, self._host_table(index),
-                       lookup, self.impl.parallel)[0]  # fmt: skip
-            return torch.from_numpy(hit)
-        num_tokens = self._lengths(num_tokens, "num_tokens", len(batch))
-        return self.lookup_unchecked(batch, num_tokens, index)
+        impl = self.impl
+        num_tokens = impl.lengths(num_tokens, "num_tokens", len(batch))
+        return impl.lookup_batch(batch, num_tokens, index)
 
     def lookup_unchecked(
         self, batch: HashBatch, num_tokens: torch.Tensor, index: KeyIndex
@@ -573,10 +345,9 @@ class LookupEngine:
         """Per-group store masks, batched: equal to the reference's
         ``store_mask(aligned_lens[b], start_tokens[b], num_prompt_tokens[b])``
         for every request ``b`` (all int64 ``[B]``)."""
-        n = self._count(aligned_lens, "aligned_lens")
-        aligned = self._lengths(
-            aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
-        )
+        aligned = check_lengths(aligned_lens, "aligned_lens", None, self.device,
+                                multiple_of=self.plan.alignment)  # fmt: skip
+        n = aligned.shape[0]
         check_mask_size(aligned, self._min_block_size, "aligned_lens")
         start = (
             torch.zeros_like(aligned)
@@ -594,10 +365,8 @@ class LookupEngine:
 
     def lookup_masks(self, aligned_lens: torch.Tensor | Sequence[int]) -> MaskBatch:
         """Per-group lookup masks, batched (the reference's ``lookup_mask``)."""
-        n = self._count(aligned_lens, "aligned_lens")
-        aligned = self._lengths(
-            aligned_lens, "aligned_lens", n, multiple_of=self.plan.alignment
-        )
+        aligned = check_lengths(aligned_lens, "aligned_lens", None, self.device,
+                                multiple_of=self.plan.alignment)  # fmt: skip
         check_mask_size(aligned, self._min_block_size, "aligned_lens")
         return self._reachable(
             aligned, torch.zeros_like(aligned), None, None, store=False

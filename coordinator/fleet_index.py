@@ -57,16 +57,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvhit.coordinator import fleet_scoring
-from kvhit.coordinator.backend import auto_backend
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.coordinator.backend import auto_backend, resolve_backend
 from kvhit.coordinator.key_index import (
     MAX_CAPACITY,
     MAX_LOAD_RANGE,
@@ -74,6 +72,13 @@ from kvhit.coordinator.key_index import (
     normalize_keys,
 )
 from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
+from kvhit.kernels.checks import (
+    check_int,
+    check_max_load,
+    check_tensor,
+    is_int,
+    resolve_device,
+)
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.fleet_torch import unpack_engines
 from kvhit.kernels.hash_index_torch import new_table
@@ -88,9 +93,7 @@ __all__ = [
     "EngineView",
     "FleetIndex",
     "check_fleet",
-    "check_int",
     "fleet_ops",
-    "is_int",
     "state_checksum",
 ]
 
@@ -105,13 +108,6 @@ FLEET_KERNEL_MODULES: Mapping[str, str] = {
 #: Backends a FleetIndex accepts ("auto": numba on the CPU, triton on CUDA,
 #: torch elsewhere).
 FLEET_BACKENDS = ("auto", *FLEET_KERNEL_MODULES)
-#: Where an explicit backend runs: a test of the device, and the devices
-#: named when it is refused (torch's ops run anywhere).
-_RUNS_ON: Mapping[str, tuple[Callable[[torch.device], bool], str]] = {
-    "numba": (lambda device: device.type == "cpu", "the CPU"),
-    "triton": (lambda device: auto_backend(device) == "triton", "CUDA"),
-    "torch": (lambda device: True, "any device"),
-}
 #: The most engines a FleetIndex may hold (a bound on the ``[B, E]`` outputs).
 MAX_ENGINES = 1 << 16
 _STATE_VERSION = 1
@@ -124,46 +120,16 @@ def fleet_ops(backend: str) -> Any:
 
 
 def _resolve_backend(backend: Any, device: torch.device) -> str:
-    if not isinstance(backend, str) or backend not in FLEET_BACKENDS:
-        raise ValueError(f"backend must be one of {FLEET_BACKENDS}, got {backend!r}")
-    rule = _RUNS_ON.get(backend)
-    if rule is None:
-        # "auto": the first family that runs here (numba on the CPU whether
-        # or not auto_backend would pick it, triton on CUDA, torch elsewhere).
-        return next(b for b, (runs, _) in _RUNS_ON.items() if runs(device))
-    runs, where = rule
-    if not runs(device):
-        raise ValueError(
-            f"backend {backend!r} runs on {where} only, device is {device}"
-        )
-    return backend
+    # The one rule of coordinator/backend.py. The fleet's Triton kernels run
+    # where auto_backend picks triton (CUDA); a test that patches this
+    # module's auto_backend drives them under the interpreter on the CPU.
+    interpreted = device.type == "cpu" and auto_backend(device) == "triton"
+    return resolve_backend(backend, device, FLEET_BACKENDS, interpreted)
 
 
 # --------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------
-
-
-def is_int(x: Any) -> bool:
-    """Whether ``x`` is an integer (numpy's too), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
-
-
-def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi)`` (``hi`` None: no bound); TypeError
-    or ValueError naming ``name``."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo or (hi is not None and value >= hi):
-        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
-    return int(value)
-
-
-def _resolve_device(device: Any) -> torch.device:
-    if not isinstance(device, torch.device | str):
-        raise TypeError(f"device must be a str or torch.device, got {device!r}")
-    return check_device(device, "device")
 
 
 def _next_pow2(n: int) -> int:
@@ -276,8 +242,8 @@ class FleetIndex:
         num_engines = check_int(num_engines, "num_engines", 1, MAX_ENGINES + 1)
         W = num_words(hash_bytes)
         capacity = check_int(capacity, "capacity", 1, MAX_CAPACITY + 1)
-        max_load = _check_max_load(max_load)
-        dev = _resolve_device(device)
+        max_load = check_max_load(max_load, MAX_LOAD_RANGE)
+        dev = resolve_device(device)
         backend = _resolve_backend(backend, dev)
         ops = fleet_ops(backend)
         cap = _next_pow2(capacity)
@@ -740,7 +706,9 @@ class FleetIndex:
         hash_bytes = state["hash_bytes"]
         W = num_words(hash_bytes)
         nw = (E + 63) // 64
-        max_load = _check_max_load(state["max_load"])
+        max_load = check_max_load(
+            state["max_load"], MAX_LOAD_RANGE, "state['max_load']"
+        )
         size = check_int(state["size"], "state['size']", 0)
         tombs = check_int(state["tombstones"], "state['tombstones']", 0)
         keys = check_tensor(state["keys"], "state['keys']", dim=2)
@@ -758,7 +726,7 @@ class FleetIndex:
             )
         if active.shape[0] != E:
             raise ValueError(f"state['active'] must have shape [{E}]")
-        dev = _resolve_device(device if device is not None else keys.device)
+        dev = resolve_device(device if device is not None else keys.device)
         backend = _resolve_backend(backend, dev)
         if state["checksum"] != _state_checksum(keys, bits, active, hash_bytes, E,
                                                 size, tombs):  # fmt: skip
@@ -883,15 +851,6 @@ class EngineView:
         return (
             f"EngineView(engine={self.engine}, len={len(self)}, fleet={self.fleet!r})"
         )
-
-
-def _check_max_load(max_load: Any) -> float:
-    if isinstance(max_load, bool) or not isinstance(max_load, numbers.Real):
-        raise TypeError(f"max_load must be a float, got {type(max_load).__name__}")
-    lo, hi = MAX_LOAD_RANGE
-    if not lo <= max_load <= hi:
-        raise ValueError(f"max_load must be in [{lo}, {hi}], got {max_load}")
-    return float(max_load)
 
 
 def check_fleet(fleet: Any, batch: HashBatch, device: torch.device) -> None:

@@ -82,9 +82,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import auto_backend
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
+from kvhit.kernels.checks import (
+    check_int,
+    check_max_load,
+    check_table_tensor,
+    check_tensor,
+    is_int,
+    resolve_device,
+)
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_torch import copy_table, new_table
 
@@ -133,18 +140,6 @@ class ReadOnlyIndexError(TypeError):
 # --------------------------------------------------------------------------
 # Arguments: devices and keys
 # --------------------------------------------------------------------------
-
-
-def _resolve_device(device: Any, name: str = "device") -> torch.device:
-    """:func:`coordinator.checks.check_device`, except that anything
-    ``torch.device`` takes (an ordinal too) is accepted, and a value it
-    refuses is a ValueError naming ``name``."""
-    if not isinstance(device, torch.device | str):
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
-    return check_device(device, name)
 
 
 def _normalize_hashes(
@@ -202,16 +197,12 @@ def _normalize_hashes(
     )
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
-
-
 def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.Tensor:
     """``group_ids`` for ``n`` keys as a contiguous int64 ``[n]`` tensor on
     ``device``, every id in ``[0, 2**63)``."""
     if isinstance(group_ids, bool | np.bool_):
         raise TypeError("group_ids must be int64, not bool")
-    if _is_int(group_ids):
+    if is_int(group_ids):
         gid = int(group_ids)
         if gid < 0:
             raise ValueError(f"group_ids must be >= 0, got {gid}")
@@ -234,7 +225,7 @@ def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.
         if group_ids.dim() == 0:
             group_ids = group_ids.expand(n)
     elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
-        bad = next((i for i, g in enumerate(group_ids) if not _is_int(g)), None)
+        bad = next((i for i, g in enumerate(group_ids) if not is_int(g)), None)
         if bad is not None:
             raise TypeError(
                 f"group_ids must be a sequence of ints, got "
@@ -288,7 +279,7 @@ def normalize_keys(
     Raises TypeError/ValueError naming the argument; reads nothing but its
     arguments and changes nothing.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     words = _normalize_hashes(hashes, hash_bytes, dev)
     return _normalize_group_ids(group_ids, words.shape[0], dev), words
 
@@ -297,39 +288,15 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _check_max_load(max_load: Any) -> float:
-    if isinstance(max_load, bool) or not isinstance(max_load, numbers.Real):
-        raise TypeError(f"max_load must be a float, got {type(max_load).__name__}")
-    lo, hi = MAX_LOAD_RANGE
-    if not lo <= max_load <= hi:  # also rejects NaN
-        raise ValueError(f"max_load must be in [{lo}, {hi}], got {max_load}")
-    return float(max_load)
-
-
-def _check_count(value: Any, name: str) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
-    :data:`BACKENDS`): "auto" is :func:`~kvhit.coordinator.backend.auto_backend`
-    (numba on the CPU, triton on CUDA, torch elsewhere: MPS, XPU, where no
-    kernel family of ours runs and triton must never be picked). An explicit
-    backend is returned as is, or ValueError where it cannot run (numba off
-    the CPU, triton off CUDA and the CPU interpreter)."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return auto_backend(device)
-    if backend == "numba" and device.type != "cpu":
-        raise ValueError(f"backend 'numba' runs on the CPU only, device is {device}")
-    if backend == "triton" and device.type not in ("cuda", "cpu"):
-        raise ValueError(f"backend 'triton' needs a CUDA device, device is {device}")
-    return backend
+    :data:`BACKENDS`), by the one rule of ``coordinator/backend.py``: "auto"
+    is :func:`~kvhit.coordinator.backend.auto_backend` (numba on the CPU,
+    triton on CUDA, torch elsewhere: MPS, XPU, where no kernel family of ours
+    runs and triton must never be picked). An explicit backend is returned as
+    is, or ValueError where it cannot run (numba off the CPU, triton off CUDA
+    and the CPU interpreter)."""
+    return resolve_any_backend(backend, device, BACKENDS, cpu_interpreter=True)
 
 
 def hash_kernels(backend: str) -> ModuleType:
@@ -374,19 +341,6 @@ def _checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
         return " and ".join(wrong) + " was"
     table_part = "state['table'] (its bytes, shape or hash_bytes) or state['checksum']"
     return " and ".join([*wrong, table_part]) + " was"
-
-
-def _check_table_tensor(table: Any, W: int, name: str) -> int:
-    """Structure of a table tensor (no values read); returns its capacity."""
-    check_tensor(table, name)
-    cap = table.shape[0] if table.dim() == 2 else 0
-    if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
-        raise ValueError(
-            f"{name} must have shape [2**k, {W + 1}], got {list(table.shape)}"
-        )
-    if cap > MAX_CAPACITY:
-        raise ValueError(f"{name} has {cap} slots, more than MAX_CAPACITY")
-    return cap
 
 
 # --------------------------------------------------------------------------
@@ -458,12 +412,12 @@ class KeyIndex:
             raise ValueError(
                 f"capacity must be <= MAX_CAPACITY = 2**34, got {capacity}"
             )
-        max_load = _check_max_load(max_load)
+        max_load = check_max_load(max_load, MAX_LOAD_RANGE)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         resolve_backend(backend, dev)
         self._init(
             hash_bytes,
@@ -529,14 +483,14 @@ class KeyIndex:
         it unless ``growable=False``).
         """
         W = num_words(hash_bytes)
-        _check_table_tensor(table, W, "table")
+        check_table_tensor(table, W, "table", MAX_CAPACITY)
         if not table.is_contiguous():
             raise ValueError("table must be contiguous")
         if not isinstance(read_only, bool):
             raise TypeError(f"read_only must be a bool, got {type(read_only).__name__}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
-        max_load = _check_max_load(max_load)
+        max_load = check_max_load(max_load, MAX_LOAD_RANGE)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         resolve_backend(backend, table.device)
@@ -656,7 +610,7 @@ class KeyIndex:
     def has_room_for(self, extra_keys: int) -> bool:
         """Whether ``extra_keys`` new keys can be added without a rehash (no
         growth and no tombstone purge)."""
-        extra_keys = _check_count(extra_keys, "extra_keys")
+        extra_keys = check_int(extra_keys, "extra_keys", 0)
         return len(self) + self.tombstones + extra_keys <= self._limit(self.capacity)
 
     def _capacity_for(self, n_new: int) -> int:
@@ -712,7 +666,7 @@ class KeyIndex:
     def reserve(self, extra_keys: int) -> None:
         """Make room now for ``extra_keys`` more new keys, so that adding them
         never rehashes (e.g. before :meth:`freeze`). A no-op when they fit."""
-        extra_keys = _check_count(extra_keys, "extra_keys")
+        extra_keys = check_int(extra_keys, "extra_keys", 0)
         self._check_writable("reserve")
         if not self.has_room_for(extra_keys):
             self._rehash(self._capacity_for(extra_keys))
@@ -743,7 +697,7 @@ class KeyIndex:
         Raises CapacityError on a fixed-capacity index (its table is never
         replaced), ValueError past MAX_CAPACITY.
         """
-        extra_keys = _check_count(extra_keys, "extra_keys")
+        extra_keys = check_int(extra_keys, "extra_keys", 0)
         self._check_writable("grown_for")
         cap = self._capacity_for(extra_keys)
         if not self._growable:
@@ -824,7 +778,7 @@ class KeyIndex:
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
-            absent = ~self._kernels.probe(self.table, self.W, g, h)
+            absent = ~self._kernels.probe(self.table, self.W, g, h, trusted=True)
             g, h = g[absent].contiguous(), h[absent].contiguous()
             if g.shape[0] == 0:
                 return 0
@@ -850,10 +804,19 @@ class KeyIndex:
     def remove(self, group_ids: Any, hashes: Any) -> int:
         """Remove keys (absent keys are ignored); returns the number removed."""
         g, h = self.normalize_keys(group_ids, hashes)
+        return self.remove_trusted(g, h)
+
+    def remove_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+        """:meth:`remove` with **no key validation**, for keys kvhit built
+        itself in the normalized form (as :meth:`add_trusted`), e.g. a store
+        sync's evicted keys."""
         self._check_writable("remove")
-        if g.shape[0] == 0:
+        if group_ids.shape[0] == 0:
             return 0
-        removed = int(self._kernels.erase(self.table, self.W, g, h).sum().item())
+        erased = self._kernels.erase(
+            self.table, self.W, group_ids, hashes, trusted=True
+        )
+        removed = int(erased.sum().item())
         self._size -= removed
         self._tombstones += removed
         if removed:
@@ -863,9 +826,16 @@ class KeyIndex:
     def contains(self, group_ids: Any, hashes: Any) -> torch.Tensor:
         """Membership of keys: bool ``[N]`` on the index's device."""
         g, h = self.normalize_keys(group_ids, hashes)
-        if g.shape[0] == 0:
+        return self.contains_trusted(g, h)
+
+    def contains_trusted(
+        self, group_ids: torch.Tensor, hashes: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`contains` with **no key validation**, for keys kvhit built
+        itself in the normalized form (as :meth:`add_trusted`): bool ``[N]``."""
+        if group_ids.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
-        return self._kernels.probe(self.table, self.W, g, h)
+        return self._kernels.probe(self.table, self.W, group_ids, hashes, trusted=True)
 
     def __contains__(self, key: object) -> bool:
         """``(group_id, hash_bytes) in index``."""
@@ -895,7 +865,7 @@ class KeyIndex:
         returns ``self``. With backend "auto" the backend follows the device.
         Refused for a fixed-capacity or read-only index unless ``device`` is
         the current one (its table must not move)."""
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         if dev == self.device:
             return self
         self._check_writable("to")
@@ -966,16 +936,18 @@ class KeyIndex:
             )
         hash_bytes = state["hash_bytes"]
         W = num_words(hash_bytes)
-        max_load = _check_max_load(state["max_load"])
-        size = _check_count(state["size"], "state['size']")
-        tombs = _check_count(state["tombstones"], "state['tombstones']")
+        max_load = check_max_load(
+            state["max_load"], MAX_LOAD_RANGE, "state['max_load']"
+        )
+        size = check_int(state["size"], "state['size']", 0)
+        tombs = check_int(state["tombstones"], "state['tombstones']", 0)
         table = state["table"]
-        cap = _check_table_tensor(table, W, "state['table']")
+        cap = check_table_tensor(table, W, "state['table']", MAX_CAPACITY)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
-        dev = _resolve_device(device if device is not None else table.device)
+        dev = resolve_device(device if device is not None else table.device)
         resolve_backend(backend, dev)
         if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(

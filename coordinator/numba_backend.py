@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvhit.coordinator.backend import check_runs_on
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.kernels.checks import host_lengths
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import RaggedView
+    from kvhit.coordinator.packing import HashBatch, RaggedView
 
 __all__ = ["NumbaBackend"]
 
@@ -69,11 +71,7 @@ class NumbaBackend:
 
     def __init__(self, plan: ScanPlan, device: torch.device) -> None:
         device = torch.device(device)
-        if device.type != "cpu":
-            raise ValueError(
-                f"device {str(device)!r}: the numba backend runs on the CPU "
-                "(use backend='triton' on CUDA)"
-            )
+        check_runs_on(self.name, device)
         self.plan = plan
         self.device = device
         self.parallel: bool | None = None
@@ -81,6 +79,7 @@ class NumbaBackend:
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
         self._prep_cache = None
+        self._table_cache: tuple[Any, np.ndarray] | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -89,14 +88,79 @@ class NumbaBackend:
         if self._prep_cache is None:
             from kvhit.kernels import scan_numba as sn
 
-            plan = self.plan
-            prep = sn.prepare_scan(
-                self._sg, self._cand, hash_block_size=plan.hash_block_size,
-                alignment=plan.alignment, partial=plan.partial,
-                simple_hybrid=plan.simple_hybrid,
-            )  # fmt: skip
+            prep = sn.prepare_scan(self._sg, self._cand, self.plan.params)
             self._prep_cache = (sn, prep)
         return self._prep_cache
+
+    # -- the host path: the engine's calls, without torch in the loop --------
+    #
+    # A scheduler step of one request costs ~1 us in the compiled kernel; a
+    # RaggedView of torch tensors, tensor->numpy views and the launcher's
+    # checks around it cost several times that. Here the plan's rows and
+    # parameter vectors are checked and built once per backend (_prep), the
+    # batch's arrays once per batch (HashBatch.host_arrays), the table's view
+    # once per table tensor (_host_table), and the lengths once, as numpy, by
+    # the engine through lengths(); scan_prepared checks nothing.
+
+    def lengths(self, value: Any, name: str, n: int) -> np.ndarray:
+        """See ``BatchBackend.lengths``: C-contiguous int64 numpy ``[n]``."""
+        return host_lengths(value, name, n)
+
+    def _host_table(self, index: KeyIndex) -> np.ndarray:
+        """``index.table`` as C-contiguous int64 numpy, re-viewed only when
+        the index replaced its table tensor (growth, rehash) or another index
+        comes. A table that would need a copy is copied on every call (a
+        cached copy would miss later inserts)."""
+        table = index.table
+        cached = self._table_cache
+        if cached is not None and cached[0] is table:
+            return cached[1]
+        arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+        if arr.dtype != np.int64 or not arr.flags.c_contiguous:
+            return np.ascontiguousarray(arr, dtype=np.int64)
+        self._table_cache = (table, arr)
+        return arr
+
+    def find_batch(
+        self,
+        batch: HashBatch,
+        max_lengths: np.ndarray,
+        index: KeyIndex,
+        apply_eagle: bool,
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See ``BatchBackend.find_batch``: ``max_lengths`` from
+        :meth:`lengths`, ``index`` not None; no spans tensor unless
+        ``spans``."""
+        if len(batch) == 0:
+            return (
+                torch.zeros(0, dtype=torch.int64),
+                torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
+            )
+        sn, prep = self._prep()
+        rows, starts, lengths = batch.host_arrays()
+        hit, mask_spans = sn.scan_prepared(
+            prep, rows, starts, lengths, max_lengths, self._host_table(index),
+            sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
+        )  # fmt: skip
+        return torch.from_numpy(hit), torch.from_numpy(mask_spans) if spans else None
+
+    def lookup_batch(
+        self, batch: HashBatch, num_tokens: np.ndarray, index: KeyIndex
+    ) -> torch.Tensor:
+        """See ``BatchBackend.lookup_batch``: ``num_tokens`` from
+        :meth:`lengths`."""
+        if len(batch) == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        sn, prep = self._prep()
+        rows, starts, lengths = batch.host_arrays()
+        hit = sn.scan_prepared(
+            prep, rows, starts, lengths, num_tokens, self._host_table(index),
+            sn.LOOKUP, self.parallel,
+        )[0]  # fmt: skip
+        return torch.from_numpy(hit)
+
+    # -- the Backend protocol (views) -----------------------------------------
 
     def find(
         self,

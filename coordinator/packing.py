@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.checks import check_device, check_tensor
+from kvhit.kernels.checks import check_device, check_tensor
 
 __all__ = [
     "HashBatch",

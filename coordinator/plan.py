@@ -41,9 +41,7 @@ import torch
 
 from kvhit.coordinator.kinds import kind_of
 from kvhit.coordinator.specs import CacheLayout, SpecGroup
-from kvhit.kernels.contract import (
-    CAND_COLS,
-)
+from kvhit.kernels.contract import CAND_COLS, PlanParams
 from kvhit.kernels.masks import IntLike, asked_chunks
 
 __all__ = [
@@ -179,6 +177,18 @@ class ScanPlan:
             alignment=layout.alignment,
             partial=layout.partial_hash_hits,
             simple_hybrid=layout.is_simple_hybrid,
+        )
+
+    @property
+    def params(self) -> PlanParams:
+        """The plan's scalar parameters, as every scan family takes them
+        beside the rows (:func:`plan_tensors`)."""
+        return PlanParams(
+            num_groups=self.num_groups,
+            hash_block_size=self.hash_block_size,
+            alignment=self.alignment,
+            partial=self.partial,
+            simple_hybrid=self.simple_hybrid,
         )
 
     def as_rows(self) -> list[list[int]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.packing import unpack_hashes
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference import ReferenceCoordinator
@@ -62,7 +63,7 @@ def index_keys(index: KeyIndex) -> set[tuple[int, bytes]]:
     )
 
 
-class ReferenceBackend:
+class ReferenceBackend(ViewBackend):
     """:class:`ReferenceCoordinator` per request (the ``Backend`` protocol of
     ``coordinator/backend.py``), on any device that holds data (answers are
     made on the CPU and moved to ``device``)."""

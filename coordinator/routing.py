@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.checks import check_tensor
-from kvhit.coordinator.fleet_index import FleetIndex, check_fleet, check_int, is_int
+from kvhit.coordinator.fleet_index import FleetIndex, check_fleet
 from kvhit.coordinator.packing import HashBatch
+from kvhit.kernels.checks import check_int, check_tensor, is_int
 
 __all__ = ["prefix_blocks", "route"]
 

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.kernels import hash_index_torch
-from kvhit.kernels.scan_torch import Prober, TorchScanner, worker_lookup
+from kvhit.kernels.scan_torch import Prober, TorchScanner, torch_plan, worker_lookup
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["TorchBackend"]
 
 
-class TorchBackend:
+class TorchBackend(ViewBackend):
     """The torch backend of :class:`~kvhit.coordinator.engine.LookupEngine`
     (the ``Backend`` protocol of ``coordinator/backend.py``): :class:`TorchScanner`
     over the batch, probing the KeyIndex table with torch ops, on any device.
@@ -43,6 +44,8 @@ class TorchBackend:
         self.plan = plan
         self.device = torch.device(device)
         self.cpu_threads: int | None = 1
+        # The plan as the numba and Triton kernels take it: rows and params.
+        self._rows = torch_plan(plan.as_rows(), plan.candidates_as_rows(), plan.params)
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -91,7 +94,7 @@ class TorchBackend:
             )  # fmt: skip
         with self._threads():
             hit, mask_spans = TorchScanner(
-                self.plan, self._prober(index, view.rows)
+                self._rows, self._prober(index, view.rows)
             ).find(view, max_lengths, apply_eagle)
         return hit.clone(), mask_spans.clone()
 
@@ -101,6 +104,6 @@ class TorchBackend:
         """See ``Backend.lookup``: int64 ``[R]`` tokens to load."""
         with self._threads():
             out = worker_lookup(
-                self.plan, view, num_tokens, self._prober(index, view.rows)
+                self._rows, view, num_tokens, self._prober(index, view.rows)
             )
         return out.clone()

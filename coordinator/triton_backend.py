@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def stream_capturing(device: torch.device) -> bool:
     return bool(capturing is not None and capturing())
 
 
-class TritonBackend:
+class TritonBackend(ViewBackend):
     """The GPU backend (CPU only under ``TRITON_INTERPRET=1``, for tests).
 
     Args:
@@ -91,24 +92,14 @@ class TritonBackend:
             rows = self._plan_rows[device] = plan_tensors(self.plan, device)
         return rows
 
-    def _table(self, index: KeyIndex | None, view: RaggedView) -> torch.Tensor | None:
-        if index is None:
-            return None
-        if index.W != view.rows.shape[1]:
-            raise ValueError(
-                f"index has {index.W} words per hash, the batch {view.rows.shape[1]}"
-            )
-        return index.table
+    @staticmethod
+    def _table(index: KeyIndex | None) -> torch.Tensor | None:
+        # The engine checked the index's hash width against the batch's.
+        return None if index is None else index.table
 
     def _plan_kwargs(self) -> dict:
-        plan = self.plan
-        return dict(
-            hash_block_size=plan.hash_block_size,
-            alignment=plan.alignment,
-            partial=plan.partial,
-            simple_hybrid=plan.simple_hybrid,
-            num_groups=plan.num_groups,
-        )
+        # PlanParams' fields are the launchers' keywords.
+        return self.plan.params._asdict()
 
     def find(
         self,
@@ -137,7 +128,7 @@ class TritonBackend:
             max_lengths,
             sg_rows,
             cand_rows,
-            table=self._table(index, view),
+            table=self._table(index),
             token_len=view.token_lens,
             apply_eagle=apply_eagle,
             **self._plan_kwargs(),
@@ -165,7 +156,7 @@ class TritonBackend:
             num_tokens,
             sg_rows,
             cand_rows,
-            table=self._table(index, view),
+            table=self._table(index),
             **self._plan_kwargs(),
         )
         self._warm.add(variant)

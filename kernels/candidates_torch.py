@@ -9,21 +9,68 @@ the keys the engine and the Mooncake binding send to a store. The numba family
 spells the rule in ``kernels/candidates_numba.py`` and ``kernels/scan_numba.py``,
 the Triton family in ``kernels/scan.py``.
 
-``plan`` is a ``ScanPlan`` (``coordinator/plan.py``) read by attribute
-(``candidates``, ``partial``, ``asked_chunks``): kernels/ never imports
-coordinator/. All tensors are int64 on one device unless said otherwise.
-Imports neither triton nor numba.
+A plan comes as its candidate rows (:func:`candidate_rows` decodes
+``ScanPlan.candidates_as_rows()``, columns ``contract.CAND_COLS``) and its
+:class:`~kvhit.kernels.contract.PlanParams`, as the numba and Triton kernels
+take it: nothing here calls back into coordinator/. All tensors are int64 on
+one device unless said otherwise. Imports neither triton nor numba.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from kvhit.kernels.masks import sparse_window_chunk, sparse_window_mask
+from kvhit.kernels.contract import CAND_COLS, PlanParams
+from kvhit.kernels.masks import asked_chunks, sparse_window_chunk, sparse_window_mask
 
-__all__ = ["candidate_units", "has_candidates", "in_lookup_mask"]
+__all__ = [
+    "CandRow",
+    "asked",
+    "candidate_rows",
+    "candidate_units",
+    "has_candidates",
+    "in_lookup_mask",
+]
+
+
+class CandRow(NamedTuple):
+    """One group's candidate row (``contract.CAND_COLS``, in that order)."""
+
+    cacheable: bool
+    block_size: int
+    scale: int
+    sparse: bool
+    per_segment: int
+    need: int
+    shift: int
+    group_id: int
+
+
+assert CandRow._fields == CAND_COLS
+
+
+def candidate_rows(cand_rows: Any) -> tuple[CandRow, ...]:
+    """``cand_rows`` (int64 ``[G, CAND_WIDTH]``: a tensor, a numpy array or
+    lists) as one :class:`CandRow` per group."""
+    rows = cand_rows.tolist() if hasattr(cand_rows, "tolist") else cand_rows
+    return tuple(
+        CandRow(bool(r[0]), r[1], r[2], bool(r[3]), r[4], r[5], r[6], r[7])
+        for r in rows
+    )
+
+
+def asked(cp: Any, params: PlanParams, num_hashes: Any, token_len: Any) -> Any:
+    """How many leading chunks of group ``cp`` (a :class:`CandRow`; with
+    partial hash hits: hash units) the store worker's loop walks for
+    prompts of ``num_hashes`` hashes looked up at ``token_len`` tokens (ints,
+    or int64 tensors of one shape): :func:`kvhit.kernels.masks.asked_chunks`
+    with the plan's numbers."""
+    if params.partial:
+        return asked_chunks(num_hashes, token_len, params.hash_block_size, 1, False)
+    return asked_chunks(num_hashes, token_len, cp.block_size, cp.scale, cp.sparse)
 
 
 def in_lookup_mask(cp: Any, chunks: torch.Tensor) -> torch.Tensor:
@@ -35,21 +82,26 @@ def in_lookup_mask(cp: Any, chunks: torch.Tensor) -> torch.Tensor:
 
 
 def candidate_units(
-    plan: Any, lengths: torch.Tensor, token_lens: torch.Tensor, gid: int
+    cands: Sequence[Any],
+    params: PlanParams,
+    lengths: torch.Tensor,
+    token_lens: torch.Tensor,
+    gid: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every hash unit the store worker asks about for group ``gid`` in
     requests of ``lengths`` hashes (int64 [R]) looked up at ``token_lens`` tokens
     (int64 [R], aligned): ``(owner, unit)``, each int64 [M], ``owner`` a
-    request index in ``[0, R)``, ``unit`` a hash position in it."""
-    cp = plan.candidates[gid]
+    request index in ``[0, R)``, ``unit`` a hash position in it. ``cands``:
+    one :class:`CandRow` per group (:func:`candidate_rows`)."""
+    cp = cands[gid]
     dev = lengths.device
-    count = torch.clamp(plan.asked_chunks(cp, lengths, token_lens), min=0)
+    count = torch.clamp(asked(cp, params, lengths, token_lens), min=0)
     owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), count)
     chunks = (
         torch.arange(owner.numel(), device=dev)
         - (torch.cumsum(count, 0) - count)[owner]
     )
-    if plan.partial:
+    if params.partial:
         return owner, chunks
     if cp.sparse:
         keep = in_lookup_mask(cp, chunks)
@@ -58,20 +110,23 @@ def candidate_units(
 
 
 def has_candidates(
-    plan: Any, lengths: torch.Tensor, token_lens: torch.Tensor
+    cands: Sequence[Any],
+    params: PlanParams,
+    lengths: torch.Tensor,
+    token_lens: torch.Tensor,
 ) -> torch.Tensor:
     """bool [R]: whether the store worker asks about any key at all, for
     requests of ``lengths`` hashes looked up at ``token_lens`` tokens (int64
-    [R]). No host sync."""
+    [R]). ``cands`` as :func:`candidate_units`. No host sync."""
     anyc = torch.zeros_like(token_lens, dtype=torch.bool)
-    for cp in plan.candidates:
+    for cp in cands:
         if not cp.cacheable:
             continue
-        asked = plan.asked_chunks(cp, lengths, token_lens)
-        if plan.partial or not cp.sparse:
-            anyc |= asked > 0
+        n = asked(cp, params, lengths, token_lens)
+        if params.partial or not cp.sparse:
+            anyc |= n > 0
         elif cp.need > 0:
             # Something is asked iff the lowest chunk of the sparse lookup
             # mask is below the limit.
-            anyc |= asked > sparse_window_chunk(0, cp.per_segment, cp.need, cp.shift)
+            anyc |= n > sparse_window_chunk(0, cp.per_segment, cp.need, cp.shift)
     return anyc

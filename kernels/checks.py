@@ -1,15 +1,34 @@
-"""The one set of tensor argument checks for the kernel launchers in kernels/.
+"""The one validation module: every argument check of kvhit, written once.
 
-Launchers validate every tensor and name the argument; the kernels then assume
-valid input (ARCHITECTURE.md, "Where input is validated"). ``kernels/`` may not import ``coordinator/``, so its
-launchers share these helpers rather than ``coordinator/checks.py``. The
-tensor checks read metadata only (no host sync); :func:`check_plan_rows`
-reads the values of a plan's rows, host arrays. Imports no triton or numba.
+Every public entry point validates its input once, from here, before it
+changes anything, and raises an error naming the argument (ARCHITECTURE.md,
+"Where input is validated"); what kvhit built itself is trusted and never
+checked again. ``kernels/`` may not import ``coordinator/``, so the checks live
+here, where the launchers, the coordinator and the bindings all reach them:
+
+- scalars: :func:`is_int`, :func:`check_int`, :func:`check_bool`,
+  :func:`check_seconds`, :func:`check_size`, :func:`check_max_load`;
+- devices: :func:`check_device` (a ``torch.device`` or str) and
+  :func:`resolve_device` (also a CUDA ordinal);
+- tensors, by metadata only (no host sync): :func:`check_tensor`,
+  :func:`check_int64`, :func:`check_keys`, :func:`check_table`;
+- per-request lengths (``num_tokens``, ``max_lengths``, ...):
+  :func:`host_lengths` and :func:`check_lengths`, one validator for every
+  form a caller holds them in (list, tuple, numpy array of any integer
+  dtype, torch tensor), each form on its own fast path;
+- values: :func:`check_mask_size`, :func:`check_plan_rows` (a plan's rows,
+  host arrays).
+
+Imports no triton or numba.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,13 +36,428 @@ import torch
 from kvhit.kernels import contract as kc
 
 __all__ = [
+    "INT64_MAX",
+    "MAX_MASK_ENTRIES",
+    "check_bool",
+    "check_device",
+    "check_int",
     "check_int64",
     "check_keys",
+    "check_lengths",
+    "check_mask_size",
+    "check_max_load",
+    "check_host_requests",
+    "check_int_array",
     "check_plan_rows",
+    "check_plan_shapes",
+    "check_probe_args",
+    "check_seconds",
     "check_size",
     "check_table",
+    "check_table_tensor",
+    "check_tensor",
+    "host_lengths",
+    "is_int",
+    "resolve_device",
     "table_capacity",
 ]
+
+#: The largest int64; lengths and ids live in ``[0, INT64_MAX]``.
+INT64_MAX = (1 << 63) - 1
+
+
+# -- scalars -----------------------------------------------------------------
+
+
+def is_int(x: Any) -> bool:
+    """Whether ``x`` is an integer (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
+
+
+def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi)`` (``hi`` None: no upper bound), a
+    Python or numpy integer, not a bool; TypeError for the type, ValueError
+    for the value, each naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool; TypeError naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_seconds(value: Any, name: str, optional: bool = False) -> float | None:
+    """``value`` as a positive finite float of seconds (None passes when
+    ``optional``); TypeError for the type, ValueError for the value."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{name} must be a number of seconds, got {type(value).__name__}"
+        )
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return float(value)
+
+
+def check_max_load(
+    max_load: Any, bounds: tuple[float, float], name: str = "max_load"
+) -> float:
+    """``max_load`` as a float in ``bounds`` (inclusive): TypeError for a
+    non-number or a bool, ValueError outside them (NaN included)."""
+    if isinstance(max_load, bool) or not isinstance(max_load, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(max_load).__name__}")
+    lo, hi = bounds
+    if not lo <= max_load <= hi:  # also rejects NaN
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {max_load}")
+    return float(max_load)
+
+
+# -- devices -----------------------------------------------------------------
+
+
+def resolve_device(device: Any, name: str = "device") -> torch.device:
+    """:func:`check_device`, also taking a CUDA ordinal (an int, as
+    ``torch.device`` does): TypeError for anything else that is not a
+    device, ValueError for a device string torch does not know or a device
+    that holds no data or is not here."""
+    if is_int(device):
+        try:
+            device = torch.device(int(device))
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{name}={device!r} is not a device ({exc})") from None
+    return check_device(device, name)
+
+
+#: The most entries (requests x chunks of the widest group) one batched mask
+#: may have: 2**28, i.e. 256 MiB of bool mask and 2 GiB of the int64 chunk
+#: indices built beside it. A real batch stays far below (4096 requests of
+#: 128K tokens at block size 16 is 2**25); a length past it is a unit mix-up
+#: (bytes for tokens) or garbage, and would otherwise fail deep inside torch
+#: or exhaust the host's memory.
+MAX_MASK_ENTRIES = 1 << 28
+
+
+def check_mask_size(lengths: torch.Tensor, block_size: int, name: str) -> None:
+    """Refuse (ValueError naming ``name``) mask lengths whose batched masks
+    would hold more than :data:`MAX_MASK_ENTRIES` entries: ``lengths`` int64
+    ``[B]`` tokens, ``block_size`` the smallest block size (the widest
+    mask). Reads ``lengths.max()`` once (a host sync)."""
+    if lengths.numel() == 0:
+        return
+    widest = int(lengths.max().item()) // block_size
+    entries = widest * lengths.numel()
+    if entries > MAX_MASK_ENTRIES:
+        raise ValueError(
+            f"{name}: masks of {lengths.numel()} requests up to "
+            f"{int(lengths.max().item())} tokens need {entries} entries, more "
+            f"than MAX_MASK_ENTRIES = 2**28 (kernels/checks.py)"
+        )
+
+
+def check_device(device: Any, name: str = "device") -> torch.device:
+    """``device`` (a ``torch.device`` or a str) as the device tensors made
+    there report (``"cuda"`` -> ``cuda:<n>``), or an error naming ``name``:
+    TypeError for a non-device, ValueError for an unknown device string, a
+    ``meta`` device (no data to look up) or a device this machine does not
+    have (e.g. ``"cuda"`` without CUDA)."""
+    if not isinstance(device, torch.device | str):
+        raise TypeError(
+            f"{name} must be a torch.device or str, got {type(device).__name__}"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}={device!r} is not a device ({exc})") from None
+    # Each message names the device both as given and as parsed: callers and
+    # their tests know it by either spelling.
+    if dev.type == "meta":
+        raise ValueError(
+            f"{name} {device!r} holds no data ({name}={dev}: meta tensors hold "
+            "no data); a real device (cpu, cuda, ...) is needed"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{name} {device!r} is not available here ({name}={dev}: CUDA is "
+            "not available on this machine)"
+        )
+    try:
+        return torch.empty(0, device=dev).device
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(
+            f"{name} {device!r} is not available here ({name}={dev}: {exc})"
+        ) from None
+
+
+def check_tensor(
+    t: Any,
+    name: str,
+    *,
+    dtype: torch.dtype = torch.int64,
+    dim: int | None = None,
+    device: torch.device | None = None,
+    device_of: str = "expected",
+    holds_data: bool = True,
+) -> torch.Tensor:
+    """``t`` itself once its metadata passes, in this order (the first failure
+    is the one reported), each error naming ``name``:
+
+    - a ``torch.Tensor`` (TypeError);
+    - with ``holds_data``, not a meta tensor (ValueError); custom ops pass
+      False because their fake implementations run on data-less tensors;
+    - of ``dtype`` (TypeError);
+    - dense, not sparse (TypeError);
+    - with ``dim``, exactly that many dimensions (ValueError); callers with a
+      shape that depends on other arguments check it themselves, after this;
+    - with ``device``, on that device (ValueError ``"<name> is on X,
+      <device_of> is on Y"``).
+
+    No value is read.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if holds_data and t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it holds no data")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}"
+        )
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, {device_of} is on {device}")
+    return t
+
+
+# -- per-request lengths -------------------------------------------------------
+#
+# One validator for num_tokens, max_lengths, token_lens, aligned_lens, ...
+# Each form a caller holds lengths in has its own fast path, since a
+# scheduler step checks them on every call (issue 33: <= 1 us at B <= 64):
+# a list or tuple of plain ints, an integer numpy array, a CPU int64 tensor.
+# Anything the fast path does not accept goes to the exact path, which either
+# converts it or raises naming the argument and the position.
+
+_INT64 = np.dtype(np.int64)
+_CPU = torch.device("cpu")
+
+
+def _position_error(name: str, i: int, v: Any) -> ValueError:
+    return ValueError(f"{name}[{i}] ({v}) must be an int in [0, 2**63) (int64, >= 0)")
+
+
+def _bad_value(name: str, i: int, v: int, multiple_of: int) -> ValueError:
+    if v < 0:
+        return ValueError(f"{name}[{i}] must be >= 0, got {v}")
+    return ValueError(
+        f"{name}[{i}] ({v}) must be a multiple of the hit alignment ({multiple_of})"
+    )
+
+
+def _least(arr: np.ndarray) -> int:
+    """The least entry of a non-empty int64 array. ``argmin`` skips the
+    ufunc reduction's set-up: ~0.2 us where ``arr.min()`` costs ~1 us."""
+    return arr.item(arr.argmin())
+
+
+def _check_values(arr: np.ndarray, name: str, multiple_of: int) -> np.ndarray:
+    """``arr`` (int64 ``[n]``) once every entry is >= 0 and a multiple of
+    ``multiple_of``; ValueError naming the first entry that is not."""
+    if not arr.shape[0]:
+        return arr
+    if multiple_of == 1:
+        if _least(arr) >= 0:
+            return arr
+        bad = arr < 0
+    else:
+        bad = (arr < 0) | (arr % multiple_of != 0)
+        if not bad.any():
+            return arr
+    i = int(np.argmax(bad))
+    raise _bad_value(name, i, int(arr[i]), multiple_of)
+
+
+def _count(value: Any, name: str, n: int | None) -> int:
+    """How many entries a length argument has, checked against ``n`` (one
+    per request) when given."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        got = int(value.shape[0]) if value.ndim == 1 else -1
+        if n is None and got >= 0:
+            return got
+        if got != n:
+            raise ValueError(
+                f"{name} must have shape [{n if n is not None else 'B'}] (one "
+                f"per request), got {list(value.shape)}"
+            )
+        return got
+    if (
+        value is None
+        or isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+    ):
+        raise TypeError(
+            f"{name} must be an int64 tensor or a sequence of ints, got "
+            f"{type(value).__name__}"
+        )
+    if n is not None and len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} requests")
+    return len(value)
+
+
+def _exact_sequence(value: Sequence[Any], name: str) -> np.ndarray:
+    """A sequence of ints as an int64 array, each entry's type and range
+    checked; raises naming the first bad position."""
+    for i, v in enumerate(value):
+        if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
+        if not 0 <= int(v) <= INT64_MAX:
+            raise _position_error(name, i, v)
+    return np.array([int(v) for v in value], dtype=np.int64)
+
+
+def host_lengths(
+    value: Any, name: str, n: int | None = None, multiple_of: int = 1
+) -> np.ndarray:
+    """``value`` (``n`` per-request lengths) as a C-contiguous int64 numpy
+    array ``[n]`` on the host, every entry in ``[0, 2**63)`` and a multiple
+    of ``multiple_of``; ``n`` None takes the count ``value`` has.
+
+    ``value``: a list or tuple of ints, a numpy array of any integer dtype,
+    or a CPU int64 tensor (its memory shared where it is contiguous).
+
+    Raises:
+        TypeError: naming ``name``: not one of those forms, a tensor of
+            another dtype or device kind, a non-int (a bool too) at a position.
+        ValueError: naming ``name`` and the position: a wrong count, a value
+            below 0, past int64, or not a multiple of ``multiple_of``.
+    """
+    tv = type(value)
+    if tv is list or tv is tuple:
+        if len(value) == 1 and (n is None or n == 1):
+            # One request (a scheduler step's usual batch): one check.
+            v = value[0]
+            if type(v) is int and 0 <= v <= INT64_MAX and not v % multiple_of:
+                return np.array(value, dtype=_INT64)
+        elif n is None or len(value) == n:
+            # Fast path: the least entry, from C, is >= 2: no negative, no bool
+            # (bools are 0 and 1), and array('q') refuses every non-int and
+            # every int past int64, so anything it takes is exact.
+            try:
+                if not value or min(value) >= 2:
+                    arr = np.frombuffer(array("q", value), dtype=_INT64)
+                    return (
+                        arr
+                        if multiple_of == 1
+                        else _check_values(arr, name, multiple_of)
+                    )
+            except (TypeError, OverflowError):
+                pass
+    elif tv is np.ndarray:
+        if value.ndim == 1 and (n is None or value.shape[0] == n):
+            dt = value.dtype
+            if dt is _INT64 or dt == _INT64:
+                arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+            elif dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
+                # Every value of a narrower integer dtype fits in int64.
+                arr = value.astype(_INT64)
+            else:
+                return _host_lengths_exact(value, name, n, multiple_of)
+            if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):
+                return arr
+            return _check_values(arr, name, multiple_of)
+    elif tv is torch.Tensor and value.dtype is torch.int64:
+        # A CPU tensor's numpy view (metadata read once, by numpy); a tensor
+        # numpy cannot view (another device, sparse, meta) takes the exact path.
+        try:
+            arr = value.numpy()
+        except (TypeError, RuntimeError):
+            return _host_lengths_exact(value, name, n, multiple_of)
+        if arr.ndim == 1 and (n is None or arr.shape[0] == n):
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):
+                return arr
+            return _check_values(arr, name, multiple_of)
+    return _host_lengths_exact(value, name, n, multiple_of)
+
+
+def _host_lengths_exact(
+    value: Any, name: str, n: int | None, multiple_of: int
+) -> np.ndarray:
+    """:func:`host_lengths` for every form, each property checked in turn."""
+    if isinstance(value, torch.Tensor):
+        check_tensor(value, name, device=_CPU, device_of="the host")
+        _count(value, name, n)
+        arr = np.ascontiguousarray(value.detach().numpy())
+    elif isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        n = _count(value, name, n)
+        if value.dtype.kind == "u" and n and int(value.max()) > INT64_MAX:
+            i = int(np.argmax(value > INT64_MAX))
+            raise _position_error(name, i, int(value[i]))
+        arr = np.ascontiguousarray(value, dtype=np.int64)
+    elif _count(value, name, n) and set(map(type, value)) <= {int}:
+        try:
+            arr = np.array(value, dtype=np.int64)
+        except OverflowError:
+            arr = _exact_sequence(value, name)
+    else:
+        arr = _exact_sequence(value, name)
+    return _check_values(arr, name, multiple_of)
+
+
+def check_lengths(
+    value: Any,
+    name: str,
+    n: int | None,
+    device: torch.device,
+    multiple_of: int = 1,
+) -> torch.Tensor:
+    """:func:`host_lengths` as an int64 ``[n]`` tensor on ``device`` (the
+    engine's). A tensor must be int64 and on ``device`` already; one on an
+    accelerator is checked there (one host sync for its values); every other
+    form is checked on the host before it moves.
+
+    Raises:
+        TypeError / ValueError: as :func:`host_lengths`; a tensor on another
+            device is a ValueError (``"<name> is on X, the engine is on Y"``).
+    """
+    if isinstance(value, torch.Tensor) and not value.is_cpu:
+        check_tensor(value, name, device=device, device_of="the engine",
+                     holds_data=False)  # fmt: skip
+        n = _count(value, name, n)
+        if not n:
+            return value
+        bad = value < 0
+        if multiple_of > 1:
+            bad |= torch.remainder(value, multiple_of) != 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise _bad_value(name, i, int(value[i]), multiple_of)
+        return value
+    if device.type != "cpu":
+        if isinstance(value, torch.Tensor):
+            check_tensor(value, name, device=device, device_of="the engine",
+                         holds_data=False)  # fmt: skip
+        return torch.from_numpy(host_lengths(value, name, n, multiple_of)).to(device)
+    if type(value) is torch.Tensor:
+        # The caller's own tensor, whose values the host path read in place.
+        host_lengths(value, name, n, multiple_of)
+        return value
+    return torch.from_numpy(host_lengths(value, name, n, multiple_of))
+
+
+# -- kernel launchers' tensors ------------------------------------------------
 
 
 def check_int64(
@@ -73,6 +507,22 @@ def check_table(table: object, W: object) -> int:
     return table_capacity(check_int64(table, "table").shape, W)
 
 
+def check_table_tensor(table: Any, W: int, name: str, max_capacity: int) -> int:
+    """Capacity of a KeyIndex table tensor given by a caller (a state dict,
+    ``KeyIndex.from_table``): :func:`check_tensor` (int64, dense, holding
+    data), shape ``[2**k, W + 1]`` and at most ``max_capacity`` slots;
+    ValueError naming ``name`` otherwise. No value is read."""
+    check_tensor(table, name)
+    cap = table.shape[0] if table.dim() == 2 else 0
+    if table.dim() != 2 or table.shape[1] != W + 1 or cap < 1 or cap & (cap - 1):
+        raise ValueError(
+            f"{name} must have shape [2**k, {W + 1}], got {list(table.shape)}"
+        )
+    if cap > max_capacity:
+        raise ValueError(f"{name} has {cap} slots, more than MAX_CAPACITY")
+    return cap
+
+
 def table_capacity(shape: Sequence[int], W: int, name: str = "table") -> int:
     """Capacity of a hash-index table of ``shape`` (a tensor's or a numpy
     array's): ``[capacity, W + 1]``, ``capacity`` a power of two; ValueError
@@ -104,6 +554,76 @@ def check_keys(group_ids: object, hashes: object, W: int, device: torch.device) 
             f"{hashes.shape[0]} rows"
         )
     return hashes.shape[0]
+
+
+def check_probe_args(
+    table: object,
+    W: object,
+    group_ids: object,
+    hashes: object,
+    device_type: str | None = None,
+) -> int:
+    """Capacity of a hash-index launcher's ``table`` once it and the keys
+    pass :func:`check_table` and :func:`check_keys` (``group_ids`` None: a
+    table alone); with ``device_type``, the table must be on a device of
+    that type (ValueError)."""
+    cap = check_table(table, W)
+    if device_type is not None and table.device.type != device_type:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"table must be on the {device_type.upper()}, got {table.device}"  # type: ignore[attr-defined]
+        )
+    if group_ids is not None:
+        check_keys(group_ids, hashes, W, table.device)  # type: ignore[arg-type, attr-defined]
+    return cap
+
+
+def check_plan_shapes(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
+    """The shapes of a plan's rows (numpy): ``sg_rows [S >= 1, SG_MEMBERS +
+    M]``, ``cand_rows [G, kc.CAND_WIDTH]``; ValueError naming the array."""
+    if sg_rows.ndim != 2 or sg_rows.shape[0] < 1 or sg_rows.shape[1] <= len(kc.SG_COLS):
+        raise ValueError(
+            f"sg_rows must have shape [S >= 1, > {len(kc.SG_COLS)}], got "
+            f"{list(sg_rows.shape)}"
+        )
+    if cand_rows.ndim != 2 or cand_rows.shape[1] != kc.CAND_WIDTH:
+        raise ValueError(
+            f"cand_rows must have shape [G, {kc.CAND_WIDTH}], got {list(cand_rows.shape)}"
+        )
+
+
+def check_int_array(name: str, a: object, shape: tuple[int, ...] | None = None) -> None:
+    """``a`` an integer numpy array (TypeError naming ``name``), of ``shape``
+    when given (ValueError)."""
+    # _c64 converts what it is given: an integer array converts exactly, a
+    # float one would be truncated without a word.
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+        what = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"{name} must be an integer numpy array, got {what}")
+    if shape is not None and a.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(a.shape)}")
+
+
+def check_host_requests(
+    rows: Any,
+    offsets: Any,
+    per_request: Sequence[tuple[str, Any]],
+    hash_block_size: object,
+    alignment: object,
+) -> None:
+    """The request arrays' shapes and dtypes and the plan's sizes: the kernel
+    reads ``per_request`` arrays at every index of ``offsets`` unchecked (a
+    shorter one is read past its end) and divides by the sizes (a zero raised
+    in the serial loop but answered zeros in the threaded one)."""
+    check_int_array("rows", rows)
+    if rows.ndim != 2 or rows.shape[1] < 1:
+        raise ValueError(f"rows must have shape [T, W >= 1], got {list(rows.shape)}")
+    check_int_array("offsets", offsets)
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets must have shape [R], got {list(offsets.shape)}")
+    for name, a in per_request:
+        check_int_array(name, a, offsets.shape)
+    check_size("hash_block_size", hash_block_size)
+    check_size("alignment", alignment)
 
 
 # The values a plan's row may hold where the kernels divide by a column, index

@@ -18,10 +18,14 @@ What lives here:
   ``SG_MEMBERS``) and of a per-group candidate row (``CAND_*``), as
   ``coordinator/plan.py`` builds them: the one candidate layout the Triton
   scan, the numba scan and ``kernels/candidates_numba.py`` read;
+* :class:`PlanParams`, a plan's scalar parameters, the one value type every
+  scan family (numba, Triton, torch) takes beside the rows;
 * :func:`cdiv`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 __all__ = [
     "BUSY",
@@ -47,6 +51,7 @@ __all__ = [
     "M2",
     "M3",
     "NEVER",
+    "PlanParams",
     "SEED",
     "SG_BLOCK_SIZE",
     "SG_CHUNK",
@@ -182,3 +187,23 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division (``b > 0``), as vLLM's ``cdiv``; works on ints and on
     integer tensors alike (``//`` floors on both)."""
     return -(a // -b)
+
+
+class PlanParams(NamedTuple):
+    """A scan plan's scalar parameters, beside its rows (``SG_*`` and
+    ``CAND_*``): what every scan family reads besides them
+    (``coordinator/plan.py``'s ``ScanPlan.params``).
+
+    Attributes:
+        num_groups: KV-cache groups (rows of ``cand_rows``).
+        hash_block_size: tokens per block hash.
+        alignment: the hit alignment in tokens.
+        partial: partial hash hits (the worker walks hash units).
+        simple_hybrid: one pass of the hybrid convergence loop suffices.
+    """
+
+    num_groups: int
+    hash_block_size: int
+    alignment: int
+    partial: bool
+    simple_hybrid: bool

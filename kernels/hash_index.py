@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract
-from kvhit.kernels.checks import check_keys, check_table
+from kvhit.kernels.checks import check_int, check_probe_args
 from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
 from kvhit.kernels.launch import device_guard
 
@@ -378,12 +378,18 @@ def _block() -> int:
     return 1024 if _interpreting() else 128
 
 
-def _check_args(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+def _cap_mask(
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool,
 ) -> int:
-    """Validate launcher arguments; return capacity - 1."""
-    cap = check_table(table, W)
-    check_keys(group_ids, hashes, W, table.device)
+    """capacity - 1 of ``table``, its arguments checked unless ``trusted``
+    (a KeyIndex's own table and normalized keys)."""
+    if trusted:
+        return table.shape[0] - 1
+    cap = check_probe_args(table, W, group_ids, hashes)
     if table.device.type == "cpu" and not _interpreting():
         raise ValueError(
             "table is on the CPU: the Triton kernels need a GPU, or "
@@ -393,9 +399,9 @@ def _check_args(
 
 
 def _launch(
-    kernel, table, W, group_ids, hashes, dtype=torch.int8, **meta
+    kernel, table, W, group_ids, hashes, dtype=torch.int8, trusted=False, **meta
 ) -> torch.Tensor:
-    cap_mask = _check_args(table, W, group_ids, hashes)
+    cap_mask = _cap_mask(table, W, group_ids, hashes, trusted)
     n = group_ids.shape[0]
     out = torch.zeros(n, dtype=dtype, device=table.device)
     if n:
@@ -409,11 +415,17 @@ def _launch(
 
 
 def find(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Slot of each key, or -1 where absent: int64 [N]. Arguments as
     :func:`probe`."""
-    return _launch(_find_kernel, table, W, group_ids, hashes, dtype=torch.int64)
+    return _launch(
+        _find_kernel, table, W, group_ids, hashes, dtype=torch.int64, trusted=trusted
+    )
 
 
 def probe(
@@ -422,6 +434,7 @@ def probe(
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
     concurrent: bool = False,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Membership of keys: bool [N].
 
@@ -430,11 +443,13 @@ def probe(
     may run meanwhile (another stream): read the group ids with acquire
     atomics (``find_slots(ACQUIRE=True)``, a read-modify-write per step)
     instead of plain loads, which are right when every insert to see was
-    launched before on the current stream.
+    launched before on the current stream. ``trusted``: the caller built
+    the arguments so (a KeyIndex): nothing is checked.
     """
     return _launch(
-        _probe_kernel, table, W, group_ids, hashes, ACQUIRE=bool(concurrent)
-    ).bool()
+        _probe_kernel, table, W, group_ids, hashes, ACQUIRE=bool(concurrent),
+        trusted=trusted,
+    ).bool()  # fmt: skip
 
 
 class InsertError(RuntimeError):
@@ -473,6 +488,7 @@ def insert(
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
     busy_wait_limit: int = BUSY_WAIT_LIMIT,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Insert keys into ``table`` in place; returns bool [N], True where the key
     was new and this lane stored it.
@@ -489,13 +505,10 @@ def insert(
     when keys found no free slot or a slot stayed BUSY through a launch that
     made no progress; the batch's other keys are then stored.
     """
-    if isinstance(busy_wait_limit, bool) or not isinstance(busy_wait_limit, int):
-        raise TypeError(
-            f"busy_wait_limit must be an int, got {type(busy_wait_limit).__name__}"
-        )
-    if busy_wait_limit < 1:
-        raise ValueError(f"busy_wait_limit must be >= 1, got {busy_wait_limit}")
-    out = _launch(_insert_kernel, table, W, group_ids, hashes, WAITS=busy_wait_limit)
+    if not trusted:
+        check_int(busy_wait_limit, "busy_wait_limit", 1)
+    out = _launch(_insert_kernel, table, W, group_ids, hashes,
+                  WAITS=busy_wait_limit, trusted=trusted)  # fmt: skip
     if not out.numel() or not bool((out < 0).any()):
         return out > 0
     idx = (out == INSERT_WAIT).nonzero().squeeze(1)
@@ -507,6 +520,7 @@ def insert(
             group_ids[idx].contiguous(),
             hashes[idx].contiguous(),
             WAITS=busy_wait_limit,
+            trusted=True,
         )
         out[idx] = again
         stuck = again == INSERT_WAIT
@@ -521,12 +535,16 @@ def insert(
 
 
 def erase(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Replace keys by tombstones; returns bool [N], True where this lane removed
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
-    return _launch(_erase_kernel, table, W, group_ids, hashes) > 0
+    return _launch(_erase_kernel, table, W, group_ids, hashes, trusted=trusted) > 0
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:

@@ -26,7 +26,7 @@ import numba
 import numpy as np
 import torch
 
-from kvhit.kernels.checks import check_keys, check_table
+from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
@@ -165,56 +165,70 @@ def _rehash_kernel(old, new):
     return n
 
 
-def _check_table(table: torch.Tensor, W: int) -> None:
-    check_table(table, W)
-    if table.device.type != "cpu":
-        raise ValueError(f"table must be on the CPU, got {table.device}")
-
-
 def _views(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate launcher arguments; zero-copy numpy views of them."""
-    _check_table(table, W)
-    check_keys(group_ids, hashes, W, table.device)
+    """Zero-copy numpy views of the launcher arguments, checked unless
+    ``trusted`` (a KeyIndex's own table and normalized keys)."""
+    if not trusted:
+        check_probe_args(table, W, group_ids, hashes, device_type="cpu")
     return table.numpy(), group_ids.numpy(), hashes.numpy()
 
 
-def _launch(kernel, dtype, table, W, group_ids, hashes) -> tuple[np.ndarray, int]:
-    """Every launcher's work: validate (:func:`_views`), allocate ``out``
+def _launch(
+    kernel, dtype, table, W, group_ids, hashes, trusted
+) -> tuple[np.ndarray, int]:
+    """Every launcher's work: check (:func:`_views`), allocate ``out``
     (zeros ``[N]`` of ``dtype``) and, when there are keys, run
     ``kernel(table, group_ids, hashes, out)``. Returns ``out`` and the
     kernel's return value (-1 when it did not run or returns nothing)."""
-    t, g, h = _views(table, W, group_ids, hashes)
+    t, g, h = _views(table, W, group_ids, hashes, trusted)
     out = np.zeros(g.shape[0], dtype=dtype)
     ret = kernel(t, g, h, out) if g.shape[0] else None
     return out, -1 if ret is None else int(ret)
 
 
 def find(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Slot of each key, or -1 where absent: int64 ``[N]``.
 
     table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
     ``[N]``; hashes: int64 ``[N, W]``; all contiguous, on the CPU.
+    ``trusted``: the caller built them so (a KeyIndex): nothing is checked.
     """
     return torch.from_numpy(
-        _launch(_find_kernel, np.int64, table, W, group_ids, hashes)[0]
+        _launch(_find_kernel, np.int64, table, W, group_ids, hashes, trusted)[0]
     )
 
 
 def probe(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Membership of keys: bool ``[N]``. Arguments as :func:`find`."""
     return torch.from_numpy(
-        _launch(_probe_kernel, np.bool_, table, W, group_ids, hashes)[0]
+        _launch(_probe_kernel, np.bool_, table, W, group_ids, hashes, trusted)[0]
     )
 
 
 def insert(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Insert keys into ``table`` in place; bool ``[N]``, True where the key was
     new and this row stored it.
@@ -225,21 +239,27 @@ def insert(
     keeps load <= max_load < 1). Arguments as :func:`find`. Raises
     RuntimeError if a key found no free slot (rows before it are inserted).
     """
-    out, first_failed = _launch(_insert_kernel, np.int8, table, W, group_ids, hashes)
+    out, first_failed = _launch(
+        _insert_kernel, np.int8, table, W, group_ids, hashes, trusted
+    )
     if first_failed >= 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return torch.from_numpy(out) > 0
 
 
 def erase(
-    table: torch.Tensor, W: int, group_ids: torch.Tensor, hashes: torch.Tensor
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool = False,
 ) -> torch.Tensor:
     """Replace keys by tombstones in place; bool ``[N]``, True where this row
     removed the key (absent keys and later repeats are False). Arguments as
     :func:`find`."""
     return (
         torch.from_numpy(
-            _launch(_erase_kernel, np.int8, table, W, group_ids, hashes)[0]
+            _launch(_erase_kernel, np.int8, table, W, group_ids, hashes, trusted)[0]
         )
         > 0
     )
@@ -254,8 +274,8 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
     contiguous on the CPU, ``C'`` a power of two with room for every key.
     Tombstones are dropped. Raises RuntimeError if ``new`` has no room.
     """
-    _check_table(table, W)
-    _check_table(new, W)
+    for t in (table, new):
+        check_probe_args(t, W, None, None, device_type="cpu")
     n = _rehash_kernel(table.numpy(), new.numpy())
     if n < 0:
         raise RuntimeError("rehash: the new table has no free slot for some keys")

@@ -109,6 +109,7 @@ def find(
     W: int,
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
+    trusted: bool = True,
 ) -> torch.Tensor:
     """Slot of each key in ``table``, or -1 where absent: int64 ``[N]``.
 
@@ -170,11 +171,14 @@ def probe(
     W: int,
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
+    trusted: bool = True,
 ) -> torch.Tensor:
     """Membership of keys in a KeyIndex table: bool ``[N]``.
 
     table: int64 ``[capacity, W + 1]`` (``index.table``); group_ids: int64
-    ``[N]``; hashes: int64 ``[N, W]``; all on one device. No validation.
+    ``[N]``; hashes: int64 ``[N, W]``; all on one device. No validation:
+    every torch launcher is trusted (``trusted`` is accepted so that the
+    three hash-index families share one signature).
     """
     return find(table, W, group_ids, hashes) >= 0
 
@@ -184,6 +188,7 @@ def insert(
     W: int,
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
+    trusted: bool = True,
 ) -> torch.Tensor:
     """Insert keys into ``table`` in place; bool ``[N]``, True where stored.
 
@@ -250,6 +255,7 @@ def erase(
     W: int,
     group_ids: torch.Tensor,
     hashes: torch.Tensor,
+    trusted: bool = True,
 ) -> torch.Tensor:
     """Replace keys by tombstones in place; bool ``[N]``, True where this row
     removed the key (absent keys and later repeats are False), as the Triton

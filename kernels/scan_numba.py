@@ -98,7 +98,13 @@ import os
 import numba
 import numpy as np
 
-from kvhit.kernels.checks import check_plan_rows, check_size, table_capacity
+from kvhit.kernels.checks import (
+    check_host_requests,
+    check_plan_rows,
+    check_plan_shapes,
+    check_size,
+    table_capacity,
+)
 from kvhit.kernels.contract import (
     CAND_BLOCK_SIZE,
     CAND_CACHEABLE,
@@ -107,14 +113,12 @@ from kvhit.kernels.contract import (
     CAND_SCALE,
     CAND_SHIFT,
     CAND_SPARSE,
-    CAND_WIDTH,
     KIND_CHUNKED,
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
     SG_BLOCK_SIZE,
     SG_CHUNK,
-    SG_COLS,
     SG_FINE,
     SG_KIND,
     SG_MARGIN,
@@ -124,6 +128,7 @@ from kvhit.kernels.contract import (
     SG_PERIOD,
     SG_SCALE,
     SG_USE_EAGLE,
+    PlanParams,
 )
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
@@ -939,49 +944,6 @@ def _c64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _check_rows(sg_rows: np.ndarray, cand_rows: np.ndarray) -> None:
-    if sg_rows.ndim != 2 or sg_rows.shape[0] < 1 or sg_rows.shape[1] <= len(SG_COLS):
-        raise ValueError(
-            f"sg_rows must have shape [S >= 1, > {len(SG_COLS)}], got "
-            f"{list(sg_rows.shape)}"
-        )
-    if cand_rows.ndim != 2 or cand_rows.shape[1] != CAND_WIDTH:
-        raise ValueError(
-            f"cand_rows must have shape [G, {CAND_WIDTH}], got {list(cand_rows.shape)}"
-        )
-
-
-def _check_ints(name: str, a: object, shape: tuple[int, ...] | None = None) -> None:
-    # _c64 converts what it is given: an integer array converts exactly, a
-    # float one would be truncated without a word.
-    if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
-        what = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
-        raise TypeError(f"{name} must be an integer numpy array, got {what}")
-    if shape is not None and a.shape != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(a.shape)}")
-
-
-def _check_requests(rows, offsets, per_request, hash_block_size, alignment) -> None:
-    """The request arrays' shapes and dtypes and the plan's sizes: the kernel
-    reads ``per_request`` arrays at every index of ``offsets`` unchecked (a
-    shorter one is read past its end) and divides by the sizes (a zero raised
-    in the serial loop but answered zeros in the threaded one)."""
-    _check_ints("rows", rows)
-    if rows.ndim != 2 or rows.shape[1] < 1:
-        raise ValueError(f"rows must have shape [T, W >= 1], got {list(rows.shape)}")
-    _check_ints("offsets", offsets)
-    if offsets.ndim != 1:
-        raise ValueError(f"offsets must have shape [R], got {list(offsets.shape)}")
-    for name, a in per_request:
-        _check_ints(name, a, offsets.shape)
-    _check_sizes(hash_block_size, alignment)
-
-
-def _check_sizes(hash_block_size: object, alignment: object) -> None:
-    check_size("hash_block_size", hash_block_size)
-    check_size("alignment", alignment)
-
-
 # The modes of :func:`scan_prepared`.
 FIND = 0
 FIND_EAGLE = 1
@@ -1014,27 +976,35 @@ class ScanPrep:
 def prepare_scan(
     sg_rows: np.ndarray,
     cand_rows: np.ndarray,
+    params: PlanParams | None = None,
     *,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
+    hash_block_size: int | None = None,
+    alignment: int | None = None,
+    partial: bool | None = None,
+    simple_hybrid: bool | None = None,
 ) -> ScanPrep:
     """Check a plan's rows once and build what :func:`scan_prepared` reads.
 
     Args:
         sg_rows: int64 ``[S, SG_MEMBERS + M]`` (``ScanPlan.as_rows()``).
         cand_rows: int64 ``[G, CAND_WIDTH]``, one row per group.
+        params: the plan's scalar parameters (``ScanPlan.params``), the
+            value type every scan family takes; or, without it, the four
+            that this family reads as keywords:
         hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
 
     Raises ValueError when a row array has the wrong shape or a value the
     kernels cannot read (``checks.check_plan_rows``), or a size is not an int
     >= 1 (TypeError when it is not an int).
     """
+    if params is not None:
+        hash_block_size, alignment = params.hash_block_size, params.alignment
+        partial, simple_hybrid = params.partial, params.simple_hybrid
     sg = np.array(sg_rows, dtype=np.int64, order="C")  # a private copy
     cand = np.array(cand_rows, dtype=np.int64, order="C")
-    _check_rows(sg, cand)
-    _check_sizes(hash_block_size, alignment)
+    check_plan_shapes(sg, cand)
+    check_size("hash_block_size", hash_block_size)
+    check_size("alignment", alignment)
     check_plan_rows(sg, cand, int(alignment))
     hbs, align = int(hash_block_size), int(alignment)
     part, simple = bool(partial), bool(simple_hybrid)
@@ -1175,11 +1145,11 @@ def find_hits(
     read (``checks.check_plan_rows``), each naming the argument.
     """
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
-    _check_rows(sg_rows, cand_rows)
+    check_plan_shapes(sg_rows, cand_rows)
     per_request = [("lengths", lengths), ("max_lengths", max_lengths)]
     if token_lens is not None:
         per_request.append(("token_lens", token_lens))
-    _check_requests(rows, offsets, per_request, hash_block_size, alignment)
+    check_host_requests(rows, offsets, per_request, hash_block_size, alignment)
     check_plan_rows(sg_rows, cand_rows, int(alignment))
     n_req = offsets.shape[0]
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
@@ -1226,8 +1196,8 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
     """:func:`lookup_hits`, or with ``count`` :func:`count_probes` (serial,
     the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
-    _check_rows(sg_rows, cand_rows)
-    _check_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
+    check_plan_shapes(sg_rows, cand_rows)
+    check_host_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
                     hash_block_size, alignment)  # fmt: skip
     check_plan_rows(sg_rows, cand_rows, int(alignment))
     table = _c64(table)

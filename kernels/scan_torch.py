@@ -20,30 +20,51 @@ A hash that lies past a request's hashes counts as a miss (the reference raises
 there, as vLLM would with an ``IndexError``). See :mod:`kvhit.coordinator.plan`
 for the closed forms these scans implement.
 
-Inputs are read by attribute, never imported (kernels/ imports nothing from
-coordinator/): ``plan`` is a ``ScanPlan`` (``coordinator/plan.py``: its
-``spec_groups``, ``candidates``, ``alignment``, ...), a batch a ``RaggedView``
-(``coordinator/packing.py``: ``rows`` int64 ``[T, W]``, ``offsets`` and
-``lengths`` int64 ``[R]``, ``token_lens`` None or int64 ``[R]``), and
-``probe`` the key membership test the backend binds to a KeyIndex table.
-Imports neither triton nor numba.
+A plan comes as the numba and Triton kernels take it: its rows
+(``ScanPlan.as_rows()`` and ``candidates_as_rows()``, decoded once by
+:func:`torch_plan`) and its :class:`~kvhit.kernels.contract.PlanParams`. A
+batch is read by its four tensors (``rows`` int64 ``[T, W]``, ``offsets`` and
+``lengths`` int64 ``[R]``, ``token_lens`` None or int64 ``[R]``: a
+``RaggedView``'s fields, copied into a :class:`Ragged` on entry), and
+``probe`` is the key membership test the backend binds to a KeyIndex table.
+Nothing here calls back into coordinator/. Imports neither triton nor numba.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kvhit.kernels.candidates_torch import (
+    CandRow,
+    asked,
+    candidate_rows,
     candidate_units,
     has_candidates,
     in_lookup_mask,
 )
-from kvhit.kernels.contract import KIND_FULL, KIND_MAMBA, KIND_SWA, cdiv
+from kvhit.kernels.contract import (
+    KIND_FULL,
+    KIND_MAMBA,
+    KIND_SWA,
+    SG_COLS,
+    SG_MEMBERS,
+    SG_N_MEMBERS,
+    PlanParams,
+    cdiv,
+)
 
-__all__ = ["Prober", "TorchScanner", "worker_lookup"]
+__all__ = [
+    "Prober",
+    "Ragged",
+    "SpecGroupRow",
+    "TorchPlan",
+    "TorchScanner",
+    "torch_plan",
+    "worker_lookup",
+]
 
 # probe(group_ids int64 [N], rows int64 [N]) -> bool [N]: is (group, hashes[row])
 # in the store?
@@ -56,11 +77,77 @@ _GROWTH = 2
 _MAX_WINDOW = 4096
 
 
-class TorchScanner:
-    """Runs a :class:`ScanPlan` over a batch with a prober."""
+class SpecGroupRow(NamedTuple):
+    """One SpecGroup row (``contract.SG_COLS``), its members as a tuple."""
 
-    def __init__(self, plan: Any, probe: Prober) -> None:
+    kind: int
+    block_size: int
+    scale: int
+    use_eagle: bool
+    margin: int
+    need: int
+    period: int
+    fine: bool
+    chunk: int
+    group_ids: tuple[int, ...]
+
+
+class TorchPlan(NamedTuple):
+    """A plan as the torch scan reads it: its rows, decoded once
+    (:func:`torch_plan`), and its scalar parameters."""
+
+    spec_groups: tuple[SpecGroupRow, ...]
+    candidates: tuple[CandRow, ...]
+    params: PlanParams
+
+
+def torch_plan(sg_rows: Any, cand_rows: Any, params: PlanParams) -> TorchPlan:
+    """Decode a plan's rows (int64 ``sg_rows [S, SG_MEMBERS + M]`` and
+    ``cand_rows [G, CAND_WIDTH]``, as tensors, numpy arrays or lists: what
+    ``coordinator/plan.py`` builds, trusted) for :class:`TorchScanner`."""
+    rows = sg_rows.tolist() if hasattr(sg_rows, "tolist") else sg_rows
+    n_fields = len(SG_COLS) - 1  # every column before n_members
+    sgs = tuple(
+        SpecGroupRow(
+            *(
+                bool(v) if SG_COLS[c] in ("use_eagle", "fine") else v
+                for c, v in enumerate(r[:n_fields])
+            ),
+            tuple(r[SG_MEMBERS : SG_MEMBERS + r[SG_N_MEMBERS]]),
+        )  # fmt: skip
+        for r in rows
+    )
+    return TorchPlan(sgs, candidate_rows(cand_rows), params)
+
+
+class Ragged(NamedTuple):
+    """A batch's four tensors (a ``RaggedView``'s fields): ``rows`` int64
+    ``[T, W]``, ``offsets`` and ``lengths`` int64 ``[R]``, ``token_lens``
+    None or int64 ``[R]`` (the store worker's lookup length)."""
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    token_lens: torch.Tensor | None
+
+
+def _ragged(view: Any) -> Ragged:
+    return Ragged(view.rows, view.offsets, view.lengths, view.token_lens)
+
+
+def _select(batch: Ragged, req: torch.Tensor) -> Ragged:
+    """Requests ``req`` (int64 ``[R']``) of ``batch``."""
+    tl = batch.token_lens
+    return Ragged(batch.rows, batch.offsets[req], batch.lengths[req],
+                  None if tl is None else tl[req])  # fmt: skip
+
+
+class TorchScanner:
+    """Runs a plan (a :class:`TorchPlan`) over a batch with a prober."""
+
+    def __init__(self, plan: TorchPlan, probe: Prober) -> None:
         self.plan = plan
+        self.params = plan.params
         self.probe = probe
 
     # -- probing ----------------------------------------------------------
@@ -70,15 +157,15 @@ class TorchScanner:
     ) -> torch.Tensor:
         """Whether the store worker asks about hash unit ``unit`` of request
         ``req`` for group ``gid`` (positions only; see ``_dup_candidate``)."""
-        plan = self.plan
+        params = self.params
         assert batch.token_lens is not None
-        cp = plan.candidates[gid]
-        asked = plan.asked_chunks(cp, batch.lengths[req], batch.token_lens[req])
-        if plan.partial:
-            return unit < asked
+        cp = self.plan.candidates[gid]
+        limit = asked(cp, params, batch.lengths[req], batch.token_lens[req])
+        if params.partial:
+            return unit < limit
         scale = cp.scale
         chunk = (unit + 1) // scale - 1
-        ok = ((unit + 1) % scale == 0) & (chunk >= 0) & (chunk < asked)
+        ok = ((unit + 1) % scale == 0) & (chunk >= 0) & (chunk < limit)
         if cp.sparse:
             ok &= in_lookup_mask(cp, chunk)
         return ok
@@ -96,8 +183,9 @@ class TorchScanner:
             return found
         assert batch.token_lens is not None
         owner, v = candidate_units(
-            self.plan, batch.lengths[req], batch.token_lens[req], gid
-        )
+            self.plan.candidates, self.params, batch.lengths[req],
+            batch.token_lens[req], gid,
+        )  # fmt: skip
         base = batch.offsets[req]
         probe_rows = base + unit
         same = (batch.rows[base[owner] + v] == batch.rows[probe_rows[owner]]).all(dim=1)
@@ -272,7 +360,7 @@ class TorchScanner:
         return self._scan_chunked(batch, sg, req, bound)
 
     def _scan_full(self, batch, sg, req, bound, drop):
-        bs, align = sg.block_size, self.plan.alignment
+        bs, align = sg.block_size, self.params.alignment
         lengths = batch.lengths[req]
         # Fine-grained scans run with the hash unit as alignment, so a block
         # is `scale` alignment units either way.
@@ -341,7 +429,7 @@ class TorchScanner:
     def _scan_mamba(self, batch, sg, req, bound):
         bs = sg.block_size
         if sg.fine:
-            align = self.plan.alignment
+            align = self.params.alignment
             scale = bs // align
             top = torch.minimum(bound // align, batch.lengths[req]) - 1
             ones = torch.ones_like(top)
@@ -391,15 +479,16 @@ class TorchScanner:
         """Returns ``(hit int64 [B], mask_spans int64 [B, G, 3])``: the hit
         lengths and each group's load-mask span ``(length, lo, hi)`` (zeros
         for groups outside every SpecGroup)."""
-        plan = self.plan
+        params = self.params
+        batch = _ragged(batch)
         dev = max_lengths.device
         n_req = max_lengths.numel()
-        sgs = plan.spec_groups
+        sgs = self.plan.spec_groups
         mask_spans = torch.zeros(
-            n_req, plan.num_groups, 3, dtype=torch.int64, device=dev
+            n_req, params.num_groups, 3, dtype=torch.int64, device=dev
         )
         all_req = torch.arange(n_req, device=dev)
-        hbs = plan.hash_block_size
+        hbs = params.hash_block_size
 
         def record(sg, req, length, lo, hi):
             gids = torch.tensor(sg.group_ids, dtype=torch.int64, device=dev)
@@ -479,7 +568,7 @@ class TorchScanner:
             full_done = True
             going = curr < hit_length[active]
             hit_length[active[going]] = curr[going]
-            if plan.simple_hybrid:
+            if params.simple_hybrid:
                 break
             active = active[going]
 
@@ -495,35 +584,35 @@ class TorchScanner:
 
 
 def worker_lookup(
-    plan: Any, view: Any, num_tokens: torch.Tensor, probe: Prober
+    plan: TorchPlan, view: Any, num_tokens: torch.Tensor, probe: Prober
 ) -> torch.Tensor:
     """The store worker's rule (``MooncakeStoreWorker.lookup``, as
     ``ReferenceCoordinator.lookup``) for a batch: int64 ``[R]`` tokens to load
     for prompts of ``num_tokens`` (int64 ``[R]``) tokens.
 
-    ``plan`` is a ``ScanPlan``; ``view`` a ``RaggedView`` (``rows`` int64
-    ``[T, W]``, ``offsets`` and ``lengths`` int64 ``[R]``, ``token_lens``
-    None), read by attribute; ``probe`` answers for keys of ``view.rows``.
+    ``plan`` from :func:`torch_plan`; ``view`` a batch's four tensors (a
+    ``RaggedView``'s fields, ``token_lens`` None); ``probe`` answers for keys
+    of ``view.rows``.
     """
     out = torch.zeros_like(num_tokens)
-    if len(view) == 0:
+    batch = _ragged(view)
+    if batch.offsets.shape[0] == 0:
         return out
-    a = plan.alignment
+    a = plan.params.alignment
     token_lens = torch.div(num_tokens, a, rounding_mode="floor") * a
     ok = (
-        (view.lengths > 0)
+        (batch.lengths > 0)
         & (token_lens > 0)
-        & has_candidates(plan, view.lengths, token_lens)
+        & has_candidates(plan.candidates, plan.params, batch.lengths, token_lens)
     )
     first = ok.nonzero().squeeze(1)
     if first.numel() == 0:
         return out
-    restricted = view.with_token_lens(token_lens)
+    restricted = batch._replace(token_lens=token_lens)
+    scanner = TorchScanner(plan, probe)
 
     def sub_find(req: torch.Tensor, max_lengths: torch.Tensor) -> torch.Tensor:
-        hit, _ = TorchScanner(plan, probe).find(
-            restricted.select(req), max_lengths, True
-        )
+        hit, _ = scanner.find(_select(restricted, req), max_lengths, True)
         return hit
 
     hit = sub_find(first, token_lens[first])

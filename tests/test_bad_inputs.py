@@ -1015,7 +1015,7 @@ def test_cli_bad_argument_is_a_usage_error(
 def test_mask_bound_admits_a_large_real_batch() -> None:
     """MAX_MASK_ENTRIES leaves room for real batches: 64 requests of 128K
     tokens at block size 16 (2**19 entries) give masks as before."""
-    from kvhit.coordinator.checks import MAX_MASK_ENTRIES
+    from kvhit.kernels.checks import MAX_MASK_ENTRIES
 
     engine = LookupEngine(_layout(), backend="torch")
     masks = engine.lookup_masks([1 << 17] * 64)

@@ -1,0 +1,48 @@
+"""A warm lookup makes one validation pass per argument (issue 36).
+
+``validation_counts.count`` profiles the calls of kvhit's check functions
+while one warm ``LookupEngine.lookup`` runs: the batch and the index are
+checked in one pass (``engine._check_batch``), ``num_tokens`` in one
+(``kernels/checks.host_lengths``, reached from the backend's ``lengths``),
+whatever form the lengths come in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from validation_counts import count, scenarios
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.fixture(scope="module")
+def warm() -> dict:
+    return scenarios(ROOT)
+
+
+@pytest.mark.parametrize("form", ["list", "numpy", "tensor"])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_one_validation_pass_per_argument(warm, backend, form):
+    calls, passes = count(warm[f"lookup[{backend}, {form} num_tokens]"], ROOT)
+    # Two arguments checked (the batch with its index, num_tokens), once each.
+    assert passes == 2, calls
+    assert calls["engine._check_batch"] == 1
+    assert calls["checks.host_lengths"] == 1
+    # Nothing else re-checks: no launcher, no backend, no second length check.
+    allowed = {
+        "engine._check_batch",
+        "checks.host_lengths",
+        "checks.check_lengths",
+        "checks._check_values",
+    }
+    assert set(calls) <= allowed, calls
+    assert all(n == 1 for n in calls.values()), calls
+
+
+def test_the_counter_sees_a_nested_check(warm):
+    # A check called from inside another is a call, not a pass.
+    calls, passes = count(warm["lookup[torch, numpy num_tokens]"], ROOT)
+    assert calls["checks.check_lengths"] == 1 and calls["checks.host_lengths"] == 1
+    assert sum(calls.values()) > passes == 2
