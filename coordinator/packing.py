@@ -33,15 +33,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.kernels.checks import check_device, check_tensor
+from kvhit.kernels.checks import (
+    ARRAY_INT_CODES,
+    TORCH_INT_DTYPES,
+    check_device,
+    check_hash_array,
+    check_hash_buffer,
+    check_hash_tensor,
+    check_hash_widths,
+    check_tensor,
+    why_not_bytes,
+)
 
 __all__ = [
     "HashBatch",
     "RaggedView",
     "check_device",
-    "check_int_array",
-    "check_int_buffer",
-    "check_int_tensor",
+    "check_hash_array",
+    "check_hash_buffer",
+    "check_hash_tensor",
     "num_words",
     "pack_hashes",
     "padding_mask",
@@ -100,52 +110,6 @@ def padding_mask(hash_bytes: int) -> int:
     return mask - (1 << 64)  # as a signed int64
 
 
-def _not_bytes(h: Any) -> str | None:
-    """Why ``h`` cannot be a hash (None if it can): it must be a 1-D buffer of
-    single bytes (bytes, bytearray, a byte memoryview or uint8 array).
-
-    ``len()`` of a numpy int64 array or of a non-byte memoryview is not its
-    size in bytes, so accepting them would pack the wrong bytes (or fail deep
-    inside numpy).
-    """
-    if isinstance(h, bytes | bytearray):
-        return None
-    name = type(h).__name__
-    try:
-        view = memoryview(h)
-    except TypeError:
-        return name
-    if view.ndim == 1 and view.itemsize == 1:
-        return None
-    return (
-        f"{name} of {view.itemsize}-byte items, shape {list(view.shape)} (need "
-        "the hash as bytes, e.g. .tobytes(); packed int64 words go in as a "
-        "torch.Tensor [N, W])"
-    )
-
-
-def _check_widths(hashes: Sequence[_BytesLike], hash_bytes: int, where: str) -> None:
-    """Raise TypeError/ValueError naming the first item of ``hashes`` whose
-    ``len()`` is not ``hash_bytes`` (or that has no length). Items whose
-    ``len()`` is not their size in bytes are caught after the join
-    (:func:`_join`), at no cost when there are none."""
-    # map(len) runs in C; the slow scan only happens on an error.
-    try:
-        lengths = set(map(len, hashes))
-    except TypeError:
-        lengths = None
-    if lengths is None or (lengths and lengths != {hash_bytes}):
-        for pos, h in enumerate(hashes):
-            why = _not_bytes(h)
-            if why is not None:
-                raise TypeError(f"{where}, position {pos}: expected bytes, got {why}")
-            if len(h) != hash_bytes:
-                raise ValueError(
-                    f"{where}, position {pos}: hash has {len(h)} bytes, "
-                    f"expected hash_bytes={hash_bytes}"
-                )
-
-
 def _as_list(items: Any, name: str, what: str) -> list[Any]:
     """``items`` as a list, or TypeError naming ``name`` when it is not a
     sequence (None, a single bytes object, a str, an int, ...)."""
@@ -166,7 +130,7 @@ def _join(items: Sequence[_BytesLike], where: Any, hash_bytes: int) -> bytearray
         joined = None
     if joined is None or len(joined) != len(items) * hash_bytes:
         for k, h in enumerate(items):
-            why = _not_bytes(h)
+            why = why_not_bytes(h)
             if why is not None:
                 raise TypeError(f"{where(k)}: expected bytes, got {why}") from None
             size = memoryview(h).nbytes
@@ -204,7 +168,7 @@ def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
     """
     w = num_words(hash_bytes)
     hashes = _as_list(hashes, "hashes", "a sequence of bytes objects")
-    _check_widths(hashes, hash_bytes, "hashes")
+    check_hash_widths(hashes, hash_bytes, "hashes")
     if not hashes:
         return torch.empty((0, w), dtype=torch.int64)
     joined = _join(hashes, lambda k: f"hashes, position {k}", hash_bytes)
@@ -308,93 +272,15 @@ def _ints_of_list(
     return np.array([index(v) for v in flat], dtype=np.int64)
 
 
-#: ``array.array`` type codes of integers, all of which numpy reads by the
-#: same code.
-_ARRAY_INT_CODES = frozenset("bBhHiIlLqQ")
-#: torch integer dtypes (bool refused: its values are not hashes).
-_TORCH_INTS = frozenset(
-    {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
-    | {getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}")}
-)
-
-
-def check_int_array(req: np.ndarray, i: int) -> np.ndarray:
-    """A numpy request as int64 ``[n]`` (the array itself when it is already
-    native int64); raise naming request ``i`` unless it is 1-D with integer
-    values inside int64.
-
-    (A check for kernels/checks.py, kept here until that module's rewrite
-    lands.)
-    """
-    if req.ndim != 1:
-        raise ValueError(
-            f"request {i}: an array of hashes must be 1-D, got shape {list(req.shape)}"
-        )
-    if req.dtype.kind not in "iu":
-        raise TypeError(
-            f"request {i}: expected integer hashes, got an array of dtype {req.dtype}"
-        )
-    if req.dtype.kind == "u" and req.dtype.itemsize == 8 and req.size:
-        big = req > np.uint64(_INT64_MAX)
-        if big.any():
-            pos = int(np.argmax(big))
-            raise ValueError(
-                f"request {i}, position {pos}: {int(req[pos])} is outside int64 "
-                "[-2**63, 2**63) (reinterpret uint64 hashes with .view(np.int64))"
-            )
-    return req.astype(np.int64, copy=False)
-
-
-def check_int_tensor(req: torch.Tensor, i: int) -> np.ndarray:
-    """A torch request (1-D, dense, an integer dtype, on any device holding
-    data) as int64 ``[n]`` on the host; raise naming request ``i`` otherwise.
-    The result may share memory with ``req`` (the caller copies).
-
-    (A check for kernels/checks.py, kept here until that module's rewrite
-    lands.)
-    """
-    if req.dtype not in _TORCH_INTS:
-        at = ", position 0" if req.numel() else ""
-        raise TypeError(
-            f"request {i}{at}: expected integer hashes, got a tensor of dtype "
-            f"{req.dtype}"
-        )
-    if req.layout is not torch.strided:
-        raise TypeError(f"request {i}: expected a dense tensor, got {req.layout}")
-    if req.device.type == "meta":
-        raise ValueError(f"request {i} is a meta tensor: it holds no data")
-    if req.dim() != 1:
-        raise ValueError(
-            f"request {i}: a tensor of hashes must be 1-D, got shape {list(req.shape)}"
-        )
-    return check_int_array(req.detach().cpu().numpy(), i)
-
-
-def check_int_buffer(req: array, i: int) -> np.ndarray:
-    """An ``array.array`` request of an integer type code as int64 ``[n]``
-    (a view of its buffer when the code is 8-byte signed; the caller copies);
-    raise naming request ``i`` otherwise.
-
-    (A check for kernels/checks.py, kept here until that module's rewrite
-    lands.)
-    """
-    if req.typecode not in _ARRAY_INT_CODES:
-        raise TypeError(
-            f"request {i}: expected integer hashes, got an array of type code "
-            f"{req.typecode!r}"
-        )
-    return check_int_array(np.frombuffer(req, dtype=req.typecode), i)
-
-
 def _host_ints(req: Any, i: int) -> np.ndarray | None:
     """Request ``i`` as int64 ``[n]`` when it is an array (numpy, torch or
     ``array.array``), checked; None for anything else (a sequence)."""
     if isinstance(req, np.ndarray):
-        return check_int_array(req, i)
+        return check_hash_array(req, i)
     if isinstance(req, torch.Tensor):
-        return check_int_tensor(req, i)
+        return check_hash_tensor(req, i)
     if isinstance(req, array):
-        return check_int_buffer(req, i)
+        return check_hash_buffer(req, i)
     return None
 
 
@@ -455,7 +341,7 @@ def _ints_of_same(
         values = np.concatenate(requests)
     elif kind is torch.Tensor:
         dtypes = set(map(_DTYPE, requests))
-        if len(dtypes) != 1 or dtypes.pop() not in _TORCH_INTS:
+        if len(dtypes) != 1 or dtypes.pop() not in TORCH_INT_DTYPES:
             return None
         lengths = list(map(torch.Tensor.numel, requests))
         try:
@@ -473,7 +359,7 @@ def _ints_of_same(
         dtype = values.dtype
     else:
         codes = set(map(_TYPECODE, requests))
-        if len(codes) != 1 or not codes <= _ARRAY_INT_CODES:
+        if len(codes) != 1 or not codes <= ARRAY_INT_CODES:
             return None
         lengths = list(map(len, requests))
         values = np.frombuffer(bytearray().join(requests), dtype=requests[0].typecode)
@@ -625,7 +511,7 @@ class HashBatch:
         lengths = np.zeros(len(requests), dtype=np.int64)
         for i, req in enumerate(requests):
             req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of bytes")
-            _check_widths(req, hash_bytes, f"request {i}")
+            check_hash_widths(req, hash_bytes, f"request {i}")
             lengths[i] = len(req)
             # One flat list and one join: join over a chained iterator first
             # materialises it much more slowly.

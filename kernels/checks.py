@@ -46,7 +46,14 @@ __all__ = [
     "check_lengths",
     "check_mask_size",
     "check_max_load",
+    "ARRAY_INT_CODES",
+    "TORCH_INT_DTYPES",
+    "check_hash_array",
+    "check_hash_buffer",
+    "check_hash_tensor",
+    "check_hash_widths",
     "check_host_requests",
+    "why_not_bytes",
     "check_int_array",
     "check_plan_rows",
     "check_plan_shapes",
@@ -734,3 +741,121 @@ def _check_plan_values(
     if wrong.any():
         g = first(wrong)
         raise bad("cand_rows", kc.CAND_COLS, g, kc.CAND_GROUP_ID, f"its row number {g}")
+
+
+# -- hashes handed in by a caller (HashBatch.from_bytes / from_ints) ---------
+
+
+def why_not_bytes(h: Any) -> str | None:
+    """Why ``h`` cannot be a hash (None if it can): it must be a 1-D buffer of
+    single bytes (bytes, bytearray, a byte memoryview or uint8 array).
+
+    ``len()`` of a numpy int64 array or of a non-byte memoryview is not its
+    size in bytes, so accepting them would pack the wrong bytes (or fail deep
+    inside numpy).
+    """
+    if isinstance(h, bytes | bytearray):
+        return None
+    name = type(h).__name__
+    try:
+        view = memoryview(h)
+    except TypeError:
+        return name
+    if view.ndim == 1 and view.itemsize == 1:
+        return None
+    return (
+        f"{name} of {view.itemsize}-byte items, shape {list(view.shape)} (need "
+        "the hash as bytes, e.g. .tobytes(); packed int64 words go in as a "
+        "torch.Tensor [N, W])"
+    )
+
+
+def check_hash_widths(hashes: Sequence[Any], hash_bytes: int, where: str) -> None:
+    """Raise TypeError/ValueError naming the first item of ``hashes`` whose
+    ``len()`` is not ``hash_bytes`` (or that has no length). Items whose
+    ``len()`` is not their size in bytes are caught after the join
+    (``packing._join``), at no cost when there are none."""
+    # map(len) runs in C; the slow scan only happens on an error.
+    try:
+        lengths = set(map(len, hashes))
+    except TypeError:
+        lengths = None
+    if lengths is None or (lengths and lengths != {hash_bytes}):
+        for pos, h in enumerate(hashes):
+            why = why_not_bytes(h)
+            if why is not None:
+                raise TypeError(f"{where}, position {pos}: expected bytes, got {why}")
+            if len(h) != hash_bytes:
+                raise ValueError(
+                    f"{where}, position {pos}: hash has {len(h)} bytes, "
+                    f"expected hash_bytes={hash_bytes}"
+                )
+
+
+#: ``array.array`` type codes of integers, all of which numpy reads by the
+#: same code.
+ARRAY_INT_CODES = frozenset("bBhHiIlLqQ")
+#: torch integer dtypes (bool refused: its values are not hashes).
+TORCH_INT_DTYPES = frozenset(
+    {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
+    | {getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}")}
+)
+
+
+def check_hash_array(req: np.ndarray, i: int) -> np.ndarray:
+    """A numpy request as int64 ``[n]`` (the array itself when it is already
+    native int64); raise naming request ``i`` unless it is 1-D with integer
+    values inside int64.
+    """
+    if req.ndim != 1:
+        raise ValueError(
+            f"request {i}: an array of hashes must be 1-D, got shape {list(req.shape)}"
+        )
+    if req.dtype.kind not in "iu":
+        raise TypeError(
+            f"request {i}: expected integer hashes, got an array of dtype {req.dtype}"
+        )
+    if req.dtype.kind == "u" and req.dtype.itemsize == 8 and req.size:
+        big = req > np.uint64(INT64_MAX)
+        if big.any():
+            pos = int(np.argmax(big))
+            raise ValueError(
+                f"request {i}, position {pos}: {int(req[pos])} is outside int64 "
+                "[-2**63, 2**63) (reinterpret uint64 hashes with .view(np.int64))"
+            )
+    return req.astype(np.int64, copy=False)
+
+
+def check_hash_tensor(req: torch.Tensor, i: int) -> np.ndarray:
+    """A torch request (1-D, dense, an integer dtype, on any device holding
+    data) as int64 ``[n]`` on the host; raise naming request ``i`` otherwise.
+    The result may share memory with ``req`` (the caller copies).
+    """
+    if req.dtype not in TORCH_INT_DTYPES:
+        at = ", position 0" if req.numel() else ""
+        raise TypeError(
+            f"request {i}{at}: expected integer hashes, got a tensor of dtype "
+            f"{req.dtype}"
+        )
+    if req.layout is not torch.strided:
+        raise TypeError(f"request {i}: expected a dense tensor, got {req.layout}")
+    if req.device.type == "meta":
+        raise ValueError(f"request {i} is a meta tensor: it holds no data")
+    if req.dim() != 1:
+        raise ValueError(
+            f"request {i}: a tensor of hashes must be 1-D, got shape {list(req.shape)}"
+        )
+    return check_hash_array(req.detach().cpu().numpy(), i)
+
+
+def check_hash_buffer(req: array, i: int) -> np.ndarray:
+    """An ``array.array`` request of an integer type code as int64 ``[n]``
+    (a view of its buffer when the code is 8-byte signed; the caller copies);
+    raise naming request ``i`` otherwise.
+    """
+    if req.typecode not in ARRAY_INT_CODES:
+        raise TypeError(
+            f"request {i}: expected integer hashes, got an array of type code "
+            f"{req.typecode!r}"
+        )
+    return check_hash_array(np.frombuffer(req, dtype=req.typecode), i)

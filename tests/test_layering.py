@@ -330,11 +330,10 @@ CHECKS_ELSEWHERE = {
     # The spec-kind registry's own consistency, at import (not an argument).
     ("kvhit.coordinator.kinds", "_check_table"),
     # pending: kernels/scan.py, kernels/fleet_triton.py (the Triton launchers),
-    # coordinator/packing.py and bindings/ are other helpers' files.
+    # and bindings/ are other helpers' files.
     ("kvhit.kernels.scan", "_check_row_values"),
     ("kvhit.kernels.fleet_triton", "_check_tables"),
     ("kvhit.kernels.fleet_triton", "_check_update"),
-    ("kvhit.coordinator.packing", "_check_widths"),
     ("kvhit.bindings.torch_ops", "_check_tensor"),
     ("kvhit.bindings.torch_ops", "_check_probe"),
     ("kvhit.bindings.torch_ops", "_check_lookup"),
