@@ -1,4 +1,4 @@
-"""Mooncake store binding (bindings/mooncake.py).
+"""Mooncake store binding (bindings/mooncake_store.py, bindings/store_sync.py).
 
 The first half uses an in-memory fake store (key format, candidate parity with
 the reference, one-RPC refresh, the error contract). The second half starts a
@@ -19,15 +19,13 @@ import pytest
 import torch
 from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
 
-from kvhit.bindings.mooncake import (
-    BatchedLookup,
+from kvhit.bindings.mooncake_store import (
     MooncakeKeys,
     StoreError,
-    StoreSync,
-    candidate_rows,
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
+from kvhit.bindings.store_sync import BatchedLookup, StoreSync, candidate_rows
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch

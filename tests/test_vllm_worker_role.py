@@ -199,7 +199,7 @@ def ipc_batch(vc, items):
         decode_lookup_response,
     )
 
-    from kvhit.bindings.vllm_connector import kvhit_rpc_path
+    from kvhit.bindings.vllm_wire import kvhit_rpc_path
 
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -223,10 +223,8 @@ def test_real_worker_lookup_vs_kvhit(world, case_i):
         MooncakeStoreWorker,
     )
 
-    from kvhit.bindings.vllm_connector import (
-        KvhitLookupServer,
-        KvhitMooncakeStoreConnector,
-    )
+    from kvhit.bindings.vllm_connector import KvhitMooncakeStoreConnector
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = world
     case = h.LAYOUTS[case_i]
@@ -422,7 +420,7 @@ def test_master_killed_and_restarted_empty(world):
     import signal
     import time
 
-    from kvhit.bindings.mooncake import StoreError
+    from kvhit.bindings.mooncake_store import StoreError
 
     h = world
     rng = random.Random(8)

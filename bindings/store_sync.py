@@ -1,4 +1,5 @@
-"""A real Mooncake store behind the KeyIndex: one existence RPC per scheduler step.
+"""The index sync: a KeyIndex kept in step with a Mooncake store, one existence
+RPC per scheduler step (the key format and the store call: ``mooncake_store``).
 
 vLLM 0.33.0's Mooncake store worker answers ``lookup(num_tokens, block_hashes)``
 one request at a time: it builds the store keys of the ``(group, hash)`` pairs
@@ -28,12 +29,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvhit.bindings.mooncake_store import (
+    DEFAULT_TIMEOUT_S,
+    ExistenceStore,
+    MooncakeKeys,
+    StoreError,
+    check_answer,
+)
 from kvhit.coordinator.candidates import (
     first_occurrences,
     format_keys,
@@ -44,191 +52,18 @@ from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
 
 __all__ = [
+    "DEFAULT_FORGET_AFTER",
     "BatchedLookup",
-    "MooncakeKeys",
-    "RankNamespace",
     "RefreshStats",
-    "StoreError",
     "StoreSync",
     "TailKeyLookup",
     "candidate_rows",
     "compiled_candidates",
-    "model_name_for_vllm",
-    "rank_namespaces_for_vllm",
     "tail_key_boundaries",
 ]
 
-#: Seconds a ``batch_is_exist`` call may take before it counts as failed.
-DEFAULT_TIMEOUT_S = 5.0
 #: Refreshes after which a key no refresh asked about is dropped from the index.
 DEFAULT_FORGET_AFTER = 64
-
-# (tp_rank, pcp_rank, dcp_rank, pp_rank), vLLM's ``RankNamespace``.
-RankNamespace = tuple[int, int, int, int]
-
-
-class ExistenceStore(Protocol):
-    """What StoreSync needs of a store: ``MooncakeDistributedStore`` fits."""
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
-
-
-class StoreError(RuntimeError):
-    """The store's existence check failed; the index was left unchanged.
-
-    Attributes:
-        num_keys: keys in the failed call.
-        codes: the distinct non-0/1 statuses the store returned, if any.
-    """
-
-    def __init__(
-        self, message: str, num_keys: int = 0, codes: tuple[int, ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.num_keys = num_keys
-        self.codes = codes
-
-
-# -- keys ------------------------------------------------------------------------
-
-
-def model_name_for_vllm(model: str) -> str:
-    """The ``model_name`` vLLM's worker puts in keys: the last path component
-    of ``model_config.model``."""
-    return model.rstrip("/").split("/")[-1]
-
-
-def rank_namespaces_for_vllm(
-    tp_size: int = 1,
-    pcp_size: int = 1,
-    dcp_size: int = 1,
-    pp_size: int = 1,
-    tp_replication_factor: int = 1,
-) -> tuple[RankNamespace, ...]:
-    """The namespaces vLLM's worker checks for one group with the rank-local
-    store layout (``_init_lookup_key_prefixes``): every rank whose shard a load
-    needs. ``tp_replication_factor`` is the group's count of TP ranks holding
-    identical KV (1 for sharded groups)."""
-    if dcp_size > 1:
-        # DCP is a TP subdivision: dcp_rank == tp_rank % dcp_size.
-        return tuple(
-            (tp, pcp, tp % dcp_size, pp)
-            for pcp in range(pcp_size)
-            for tp in range(tp_size)
-            for pp in range(pp_size)
-        )
-    return tuple(
-        (shard, pcp, 0, pp)
-        for pcp in range(pcp_size)
-        for shard in range(tp_size // tp_replication_factor)
-        for pp in range(pp_size)
-    )
-
-
-def _check_namespace(ns: Any, where: str) -> RankNamespace:
-    if (
-        not isinstance(ns, tuple | list)
-        or len(ns) != 4
-        or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ns
-        )
-    ):
-        raise ValueError(
-            f"{where}: a rank namespace is (tp_rank, pcp_rank, dcp_rank, "
-            f"pp_rank) of non-negative ints, got {ns!r}"
-        )
-    return tuple(ns)  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class MooncakeKeys:
-    """vLLM's Mooncake store key strings (rank-local layout, ``PoolKey``)::
-
-        [cache_prefix@]model_name+store_namespace@tp_rank:T@pcpP@dcpD
-            @pp_rank:R@group:G@<hash hex>
-
-    Args:
-        model_name: see :func:`model_name_for_vllm`.
-        rank_namespaces: per layout group, the namespaces a load needs (see
-            :func:`rank_namespaces_for_vllm`); a ``(group, hash)`` counts as
-            present only when its key exists under every one of them. Groups
-            that are not prefix cacheable may have none.
-        cache_prefix: vLLM's ``kv_connector_extra_config["cache_prefix"]``.
-        store_namespace: the worker's store namespace ("" for the historical
-            rank-local format).
-        key_group_ids: per layout group, the ``G`` in its keys (default: the
-            group's position). vLLM numbers groups among the prefix-cacheable
-            ones; ``bindings.vllm.vllm_key_group_ids(layout)`` gives that.
-    """
-
-    model_name: str
-    rank_namespaces: tuple[tuple[RankNamespace, ...], ...]
-    cache_prefix: str = ""
-    store_namespace: str = ""
-    key_group_ids: tuple[int | None, ...] | None = None
-    _prefixes: tuple[tuple[str, ...], ...] = field(
-        init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("model_name", "cache_prefix", "store_namespace"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a str")
-        if isinstance(self.rank_namespaces, str | bytes) or not isinstance(
-            self.rank_namespaces, Sequence
-        ):
-            raise TypeError("rank_namespaces must be a sequence (one per group)")
-        per_group = tuple(
-            tuple(_check_namespace(ns, f"rank_namespaces[{g}]") for ns in group)
-            for g, group in enumerate(self.rank_namespaces)
-        )
-        for g, group in enumerate(per_group):
-            if len(set(group)) != len(group):
-                raise ValueError(f"rank_namespaces[{g}] has duplicate namespaces")
-        object.__setattr__(self, "rank_namespaces", per_group)
-        if self.key_group_ids is None:
-            kg: tuple[int | None, ...] = tuple(range(len(per_group)))
-        else:
-            kg = tuple(self.key_group_ids)
-            if len(kg) != len(per_group):
-                raise ValueError(
-                    f"key_group_ids has {len(kg)} entries, rank_namespaces "
-                    f"{len(per_group)}"
-                )
-        object.__setattr__(self, "key_group_ids", kg)
-        head = f"{self.cache_prefix}@" if self.cache_prefix else ""
-        head += f"{self.model_name}{self.store_namespace}"
-        object.__setattr__(
-            self,
-            "_prefixes",
-            tuple(
-                ()
-                if kg[g] is None
-                else tuple(
-                    f"{head}@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{r}@group:{kg[g]}"
-                    for t, p, d, r in per_group[g]
-                )
-                for g in range(len(per_group))
-            ),
-        )
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.rank_namespaces)
-
-    def prefixes(self, group: int) -> tuple[str, ...]:
-        """Key prefixes of layout group ``group``, one per namespace, in
-        ``rank_namespaces`` order (vLLM's ``build_prefix``)."""
-        return self._prefixes[group]
-
-    def keys(self, group: int, block_hash: bytes) -> list[str]:
-        """Every namespace's key for ``(group, block_hash)``."""
-        hx = bytes(block_hash).hex()
-        return [f"{p}@{hx}" for p in self._prefixes[group]]
-
-    def key(self, group: int, block_hash: bytes, namespace: int = 0) -> str:
-        """The key of ``(group, block_hash)`` under one namespace."""
-        return f"{self._prefixes[group][namespace]}@{bytes(block_hash).hex()}"
 
 
 # -- candidates --------------------------------------------------------------------
@@ -557,7 +392,7 @@ class StoreSync:
         t_rpc = time.perf_counter()
         answer = self._call_store(key_list)
         rpc_seconds = time.perf_counter() - t_rpc
-        codes = self._check_answer(answer, n_keys)
+        codes = check_answer(answer, n_keys)
 
         # A pair is present only when every namespace of its group has it.
         present_np = np.zeros(len(u_g), dtype=bool)
@@ -725,58 +560,6 @@ class StoreSync:
             self.num_forgotten += self.index.remove(
                 kg_c[idle].to(dev), kh_c[idle].to(dev)
             )
-
-    @staticmethod
-    def _check_answer(answer: Any, n_keys: int) -> np.ndarray:
-        """The answer as int64 ``[n_keys]`` of 0/1, or StoreError.
-
-        Every answer must be exactly 0 or 1 (or a negative error status): a
-        1.5 or 0.9 is a broken store, never truncated into a presence bit.
-        """
-        try:
-            raw = np.asarray(answer)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(
-                f"batch_is_exist returned {type(answer).__name__}, not a list "
-                f"of ints: {exc}",
-                n_keys,
-            ) from exc
-        if raw.dtype.kind == "f":
-            frac = raw[(raw != 0) & (raw != 1)]
-            if frac.size and not bool((frac == np.floor(frac)).all()):
-                raise StoreError(
-                    f"batch_is_exist returned non-integer answers, e.g. "
-                    f"{float(frac[frac != np.floor(frac)][0])!r}, for {n_keys} keys",
-                    n_keys,
-                )
-        elif raw.dtype.kind not in "iub":
-            raise StoreError(
-                f"batch_is_exist returned {type(answer).__name__} of {raw.dtype}, "
-                "not a list of ints",
-                n_keys,
-            )
-        try:
-            codes = raw.astype(np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(
-                f"batch_is_exist returned answers that are not ints: {exc}", n_keys
-            ) from exc
-        if codes.shape != (n_keys,):
-            raise StoreError(
-                f"batch_is_exist returned {codes.size if codes.ndim else 'a scalar'}"
-                f" answers for {n_keys} keys",
-                n_keys,
-            )
-        bad = (codes != 0) & (codes != 1)
-        if bad.any():
-            uniq = tuple(int(c) for c in np.unique(codes[bad])[:8])
-            raise StoreError(
-                f"batch_is_exist returned error status {uniq} for "
-                f"{int(bad.sum())} of {n_keys} keys",
-                n_keys,
-                uniq,
-            )
-        return codes
 
 
 # -- tail key boundaries ----------------------------------------------------------
