@@ -1,14 +1,21 @@
 """vLLM's Mooncake store connector with kvhit's batched lookup: one flag.
 
-Switch it on with::
+Switch it on with (the Mooncake store itself is configured as for vLLM's
+own connector, by the JSON file ``MOONCAKE_CONFIG_PATH`` names)::
 
     --kv-transfer-config '{"kv_connector": "KvhitMooncakeStoreConnector",
-        "kv_connector_module_path": "kvhit.bindings.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {...as for Mooncake..., "kvhit_max_batch": 4096}}'
+      "kv_connector_module_path": "kvhit.bindings.vllm_connector",
+      "kv_role": "kv_both",
+      "kv_connector_extra_config": {"load_async": true, "lookup_async": false,
+        "cache_prefix": "", "kvhit_max_batch": 4096,
+        "kvhit_lookup_timeout_s": 1.0, "kvhit_store_timeout_s": 0.5,
+        "kvhit_backend": "auto"}}'
 
-(with kvhit installed, its ``vllm.general_plugins`` entry point registers the
-name, so ``kv_connector_module_path`` may be left out).
+With kvhit installed, its ``vllm.general_plugins`` entry point registers the
+name, so ``kv_connector_module_path`` may be left out; where ``VLLM_PLUGINS``
+is set, it must then list ``kvhit_connector``. On start-up the connector logs
+``kvhit: KvhitMooncakeStoreConnector ready on ...`` (logger ``vllm.kvhit``);
+on a vLLM other than 0.33.0 it refuses to start (RuntimeError).
 
 :class:`KvhitMooncakeStoreConnector` is vLLM 0.33.0's ``MooncakeStoreConnector``
 with one change, the lookup. Loads, saves, metadata, events and the admin
@@ -36,12 +43,14 @@ Worker rank 0's side is ``vllm_lookup_server``, the messages between the two
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import vllm
 import zmq
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -76,12 +85,19 @@ __all__ = [
     "CONNECTOR_NAME",
     "KvhitLookupClient",
     "KvhitMooncakeStoreConnector",
+    "SUPPORTED_VLLM",
+    "check_vllm_version",
     "register",
 ]
 
 logger = init_logger(__name__)
 
 CONNECTOR_NAME = "KvhitMooncakeStoreConnector"
+#: The one vLLM release whose Mooncake store worker kvhit reproduces.
+SUPPORTED_VLLM = "0.33.0"
+#: The start-up line goes to vLLM's own logger tree, so vLLM's handler shows
+#: it beside vLLM's lines (``kvhit.*`` loggers have no handler under vLLM).
+startup_logger = logging.getLogger("vllm.kvhit")
 #: The statuses whose requests a batch resolves (with no computed tokens and
 #: at least an alignment's worth of tokens).
 _LOOKED_UP = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -307,6 +323,25 @@ class KvhitLookupClient:
         self.inner.close()
 
 
+def check_vllm_version(version: str | None = None) -> str:
+    """The running vLLM's version (``vllm.__version__`` unless ``version`` is
+    given), when it is :data:`SUPPORTED_VLLM` (a local build tag such as
+    ``+cu128`` allowed).
+
+    Raises:
+        RuntimeError: any other version, naming it and the two ways out.
+    """
+    got = str(vllm.__version__ if version is None else version)
+    if got.split("+")[0] != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME} supports vLLM {SUPPORTED_VLLM} only (its lookup "
+            f"reproduces that release's MooncakeStoreWorker.lookup bit for bit); "
+            f"this is vLLM {got}. Install vllm=={SUPPORTED_VLLM}, or use vLLM's "
+            'own connector: "kv_connector": "MooncakeStoreConnector".'
+        )
+    return got
+
+
 # -- the connector -----------------------------------------------------------------------
 
 
@@ -321,6 +356,11 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
     ``kvhit_lookup_retry_s`` (default 5, see :class:`KvhitLookupClient`) and
     ``kvhit_backend`` (the ``LookupEngine`` backend on worker rank 0,
     default "auto"). Late or failed answers are misses.
+
+    It refuses any vLLM but :data:`SUPPORTED_VLLM` (RuntimeError, before
+    anything is built) and logs one INFO line on the ``vllm.kvhit`` logger
+    when it is ready: on the scheduler, and on worker rank 0 (the backend,
+    the device and the store it asks).
     """
 
     def __init__(
@@ -329,6 +369,7 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
         role: KVConnectorRole,
         kv_cache_config: Any = None,
     ) -> None:
+        version = check_vllm_version()
         extra = connector_extra(vllm_config)
         max_batch = positive_option(extra, "kvhit_max_batch", DEFAULT_MAX_BATCH, int)
         timeout_s = positive_option(
@@ -351,9 +392,23 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
                 sched.client, vllm_config, align, max_batch, timeout_s, retry_s
             )
             sched.client = self.kvhit_client
+            startup_logger.info(
+                "kvhit: %s ready on the scheduler (vLLM %s): batched lookup, "
+                "up to %d requests per message to worker rank 0, timeout %g s",
+                CONNECTOR_NAME,
+                version,
+                max_batch,
+                timeout_s,
+            )
         worker = self.connector_worker
         if worker is not None and worker.lookup_server is not None:
             self.kvhit_server = KvhitLookupServer(worker, vllm_config, backend=backend)
+            startup_logger.info(
+                "kvhit: %s ready on worker rank 0 (vLLM %s): %s",
+                CONNECTOR_NAME,
+                version,
+                self.kvhit_server.describe(),
+            )
 
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)

@@ -192,6 +192,20 @@ class KvhitLookupServer:
                 )
                 return
 
+    def describe(self) -> str:
+        """How this server answers, for the connector's start-up line, e.g.
+        ``batched lookup, backend numba on cpu, store MooncakeDistributedStore
+        (one batch_is_exist per step, timeout 0.5 s)``."""
+        if self.fallback_reason is not None:
+            return f"vLLM's per-request lookup ({self.fallback_reason})"
+        engine = self._lookup_for(32).engine
+        store = type(getattr(self.worker, "store", None)).__name__
+        return (
+            f"batched lookup, backend {engine.backend} on {engine.device.type}, "
+            f"store {store} (one batch_is_exist per step, timeout "
+            f"{self.store_timeout_s:g} s)"
+        )
+
     # -- serving -----------------------------------------------------------------
 
     def _start(self) -> None:
