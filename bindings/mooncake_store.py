@@ -7,6 +7,11 @@ store: the key format, the error kvhit raises when the store cannot answer
 (:class:`StoreError`) and the check of an answer (:func:`check_answer`).
 Keeping a :class:`KeyIndex` in step with the store is ``store_sync``'s.
 
+A store call that may hang runs through a :class:`StoreCallPool`: at most
+``size`` calls in flight, each abandoned at its deadline (its late answer
+discarded), so a stuck call never blocks a later one while a slot is free,
+and a store that hangs forever holds ``size`` threads, never more.
+
 Error contract: a failed existence call -- an exception from the store, a
 negative status for any key, an answer of the wrong length or type -- raises
 :class:`StoreError`. It is never turned into a hit.
@@ -14,17 +19,26 @@ negative status for any key, an answer of the wrong length or type -- raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = [
+    "DEFAULT_BUSY_LOG_S",
+    "DEFAULT_POOL_SIZE",
     "DEFAULT_TIMEOUT_S",
     "ExistenceStore",
     "MooncakeKeys",
+    "PoolStats",
     "RankNamespace",
+    "StoreBusy",
+    "StoreCallPool",
     "StoreError",
     "check_answer",
     "model_name_for_vllm",
@@ -33,6 +47,12 @@ __all__ = [
 
 #: Seconds a ``batch_is_exist`` call may take before it counts as failed.
 DEFAULT_TIMEOUT_S = 5.0
+#: Store calls a :class:`StoreCallPool` keeps in flight at most.
+DEFAULT_POOL_SIZE = 3
+#: Seconds between two "every store call is stuck" log lines of one pool.
+DEFAULT_BUSY_LOG_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 # (tp_rank, pcp_rank, dcp_rank, pp_rank), vLLM's ``RankNamespace``.
 RankNamespace = tuple[int, int, int, int]
@@ -255,3 +275,194 @@ def check_answer(answer: Any, n_keys: int) -> np.ndarray:
             uniq,
         )
     return codes
+
+
+# -- the bounded call pool ----------------------------------------------------------
+
+
+class StoreBusy(StoreError):
+    """Every slot of the :class:`StoreCallPool` holds a call past its
+    deadline: the store was not asked (the caller answers misses)."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a :class:`StoreCallPool`'s counters.
+
+    Attributes:
+        size: calls in flight at most.
+        in_flight: calls running now (abandoned ones included).
+        max_in_flight: the most calls ever running at once (<= ``size``).
+        calls: calls started.
+        timeouts: calls abandoned at their deadline.
+        late: abandoned calls that returned since (their answer discarded).
+        busy: calls refused at once because every slot was taken.
+    """
+
+    size: int
+    in_flight: int
+    max_in_flight: int
+    calls: int
+    timeouts: int
+    late: int
+    busy: int
+
+
+class _Call:
+    """One call's outcome, written by its thread under the pool's lock."""
+
+    __slots__ = ("abandoned", "done", "error", "result")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+
+
+class StoreCallPool:
+    """Store calls with a deadline, at most ``size`` in flight.
+
+    Each call runs on a daemon thread of its own that ends with the call (a
+    ``ThreadPoolExecutor`` joins its workers at interpreter exit, so a call
+    that never returns would hang the process's exit; and its queue would let
+    calls pile up behind stuck ones). A call past its deadline is abandoned:
+    the caller gets :class:`StoreError` at once and the answer, when it comes,
+    is discarded; its slot is free again only when the call returns. While a
+    slot is free a new call starts at once, whatever hangs; when every slot
+    holds a stuck call, :meth:`call` raises :class:`StoreBusy` without asking
+    and says so in one WARNING line per ``busy_log_s`` (the rest counted).
+
+    Args:
+        size: calls in flight at most (>= 1).
+        busy_log_s: seconds between two "every call is stuck" lines (> 0).
+
+    Raises:
+        ValueError, TypeError: a bad ``size`` or ``busy_log_s``.
+    """
+
+    def __init__(
+        self, size: int = DEFAULT_POOL_SIZE, busy_log_s: float = DEFAULT_BUSY_LOG_S
+    ) -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {size!r}")
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size!r}")
+        if isinstance(busy_log_s, bool) or not isinstance(busy_log_s, int | float):
+            raise TypeError(f"busy_log_s must be a number, got {busy_log_s!r}")
+        if not 0 < busy_log_s < float("inf"):
+            raise ValueError(f"busy_log_s must be > 0 and finite, got {busy_log_s!r}")
+        self.size = size
+        self.busy_log_s = float(busy_log_s)
+        self._lock = threading.Lock()
+        # Start times (monotonic) of the calls in flight, by call id.
+        self._running: dict[int, float] = {}
+        self._ids = itertools.count()
+        self._max_in_flight = 0
+        self._calls = self._timeouts = self._late = self._busy = 0
+        self._last_busy_log = -float("inf")
+
+    @property
+    def in_flight(self) -> int:
+        """Calls running now, abandoned ones included (<= ``size``)."""
+        return len(self._running)
+
+    def stats(self) -> PoolStats:
+        """The counters, read together."""
+        with self._lock:
+            return PoolStats(
+                self.size,
+                len(self._running),
+                self._max_in_flight,
+                self._calls,
+                self._timeouts,
+                self._late,
+                self._busy,
+            )
+
+    def call(
+        self, fn: Callable[[list[str]], Any], keys: list[str], timeout_s: float
+    ) -> Any:
+        """``fn(keys)`` on a free slot, waiting at most ``timeout_s`` seconds.
+
+        Raises:
+            StoreBusy: every slot holds a stuck call (``fn`` not called).
+            StoreError: ``fn`` raised, or did not return within ``timeout_s``
+                (then abandoned: its answer is discarded).
+        """
+        n_keys = len(keys)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._running) >= self.size:
+                self._busy += 1
+                busy, oldest = self._busy, now - min(self._running.values())
+                say = now - self._last_busy_log >= self.busy_log_s
+                if say:
+                    self._last_busy_log = now
+            else:
+                busy = 0
+                cid = next(self._ids)
+                self._running[cid] = now
+                self._calls += 1
+                self._max_in_flight = max(self._max_in_flight, len(self._running))
+        if busy:
+            if say:
+                logger.warning(
+                    "kvhit store: all %d store calls are stuck (the oldest for "
+                    "%.1f s); lookups answer misses without asking until one "
+                    "returns (%d refused so far; this line at most every %g s)",
+                    self.size,
+                    oldest,
+                    busy,
+                    self.busy_log_s,
+                )
+            raise StoreBusy(
+                f"batch_is_exist not asked for {n_keys} keys: all {self.size} "
+                f"store calls are stuck (the oldest for {oldest:.1f} s)",
+                n_keys,
+            )
+        box = _Call()
+        thread = threading.Thread(
+            target=self._run, args=(cid, fn, keys, box), daemon=True,
+            name="kvhit-store-call",
+        )  # fmt: skip
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had: a miss, not a crash
+            with self._lock:
+                del self._running[cid]
+            raise StoreError(f"batch_is_exist not started: {exc}", n_keys) from exc
+        if not box.done.wait(timeout_s):
+            with self._lock:
+                if not box.done.is_set():
+                    box.abandoned = True
+                    self._timeouts += 1
+            if box.abandoned:
+                raise StoreError(
+                    f"batch_is_exist did not answer for {n_keys} keys within "
+                    f"{timeout_s} s (timeout_s); the late answer is discarded",
+                    n_keys,
+                )
+        if box.error is not None:
+            raise StoreError(
+                f"batch_is_exist failed for {n_keys} keys: {box.error!r}", n_keys
+            ) from box.error
+        return box.result
+
+    def _run(
+        self, cid: int, fn: Callable[[list[str]], Any], keys: list[str], box: _Call
+    ) -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn(keys)
+        except BaseException as exc:  # re-raised in the caller's thread
+            error = exc
+        with self._lock:
+            del self._running[cid]
+            if box.abandoned:
+                # Nobody waits for it: drop the answer (and its frames).
+                self._late += 1
+            else:
+                box.result, box.error = result, error
+            box.done.set()

@@ -25,7 +25,6 @@ and keeps the error in ``last_error``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from kvhit.bindings.mooncake_store import (
     DEFAULT_TIMEOUT_S,
     ExistenceStore,
     MooncakeKeys,
+    StoreCallPool,
     StoreError,
     check_answer,
 )
@@ -181,10 +181,10 @@ class StoreSync:
         index: the ``KeyIndex`` to update (its ``hash_bytes`` fixes the width
             every batch must have).
         layout: the cache layout whose worker rule picks the keys.
-        timeout_s: seconds one ``batch_is_exist`` may take (run in a worker
-            thread); past it the refresh raises :class:`StoreError`, leaves the
-            index unchanged and discards the late answer. ``None``: no limit
-            (the call runs in the caller's thread).
+        timeout_s: seconds one ``batch_is_exist`` may take (run on ``pool``);
+            past it the refresh raises :class:`StoreError`, leaves the index
+            unchanged and discards the late answer. ``None``: no limit (the
+            call runs in the caller's thread).
         forget_after: a key that no refresh asked about during the last
             ``forget_after`` refreshes is dropped from the index (checked every
             ``forget_after`` refreshes), so a long-running index holds about
@@ -199,6 +199,10 @@ class StoreSync:
             is then moot.
         plan: ``ScanPlan.from_layout(layout)`` when the caller has one (a
             :class:`BatchedLookup` shares its engine's), else built here.
+        pool: the :class:`StoreCallPool` the calls run on (shared by the
+            lookups of one store, e.g. one per hash width); a pool of
+            ``DEFAULT_POOL_SIZE`` of its own when None. Unused without
+            ``timeout_s``.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -216,6 +220,7 @@ class StoreSync:
         forget_after: int | None = DEFAULT_FORGET_AFTER,
         exclusive: bool = False,
         plan: ScanPlan | None = None,
+        pool: StoreCallPool | None = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -262,6 +267,9 @@ class StoreSync:
         self.index = index
         self.layout = layout
         self.hash_bytes: int = index.hash_bytes
+        if pool is not None and not isinstance(pool, StoreCallPool):
+            raise TypeError(f"pool must be a StoreCallPool, got {type(pool).__name__}")
+        self.pool: StoreCallPool = pool if pool is not None else StoreCallPool()
         if plan is not None and not isinstance(plan, ScanPlan):
             raise TypeError(f"plan must be a ScanPlan, got {type(plan).__name__}")
         self._plan = plan if plan is not None else ScanPlan.from_layout(layout)
@@ -307,9 +315,6 @@ class StoreSync:
         self.num_forgotten = 0
         # The keys the last exclusive refresh wrote (what the index holds).
         self._written: tuple[torch.Tensor, torch.Tensor] | None = None
-        # A store call past its timeout that has not returned (set when done).
-        self._late_call: threading.Event | None = None
-        self._late_since = 0.0
 
     @property
     def last_candidates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -483,56 +488,21 @@ class StoreSync:
     def _call_store(self, key_list: list[str]) -> Any:
         """``store.batch_is_exist(key_list)``, bounded by ``timeout_s``.
 
-        The call runs in a daemon thread of its own, so a store that never
-        answers costs one parked thread, never the caller; an answer that
-        arrives after the deadline is dropped with the thread. While a call
-        that timed out has not returned, the store is not asked again: the
-        next refreshes raise StoreError at once (a hung store costs one
-        timeout, not one per step, and parks one thread, not one per step).
+        With a timeout the call runs on :attr:`pool`: a call past its
+        deadline is abandoned (StoreError here, its late answer discarded),
+        and the next refresh asks the store on another slot at once; only
+        when every slot holds a stuck call does a refresh raise StoreBusy
+        without asking.
         """
-        n_keys = len(key_list)
-        late = self._late_call
-        if late is not None:
-            if not late.is_set():
-                ago = time.monotonic() - self._late_since
-                raise StoreError(
-                    f"batch_is_exist: the call that timed out {ago:.1f} s ago has "
-                    "not returned; not asking the store again until it does",
-                    n_keys,
-                )
-            self._late_call = None
         if self.timeout_s is None:
             try:
                 return self.store.batch_is_exist(key_list)
             except Exception as exc:
                 raise StoreError(
-                    f"batch_is_exist failed for {n_keys} keys: {exc!r}", n_keys
+                    f"batch_is_exist failed for {len(key_list)} keys: {exc!r}",
+                    len(key_list),
                 ) from exc
-        box: list[Any] = []
-        err: list[BaseException] = []
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                box.append(self.store.batch_is_exist(key_list))
-            except BaseException as exc:  # re-raised in the caller's thread
-                err.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name="kvhit-store-call", daemon=True).start()
-        if not done.wait(self.timeout_s):
-            self._late_call, self._late_since = done, time.monotonic()
-            raise StoreError(
-                f"batch_is_exist did not answer for {n_keys} keys within "
-                f"{self.timeout_s} s (timeout_s); the late answer is discarded",
-                n_keys,
-            )
-        if err:
-            raise StoreError(
-                f"batch_is_exist failed for {n_keys} keys: {err[0]!r}", n_keys
-            ) from err[0]
-        return box[0]
+        return self.pool.call(self.store.batch_is_exist, key_list, self.timeout_s)
 
     def _remember(self, u_g: np.ndarray, u_h: np.ndarray) -> None:
         """Note what this refresh asked; every ``forget_after`` refreshes drop
@@ -777,6 +747,8 @@ class BatchedLookup:
             may be fed by KV events as well). An index of its own is rewritten
             each step with that step's present keys (``exclusive``), so it
             stays bounded anyway.
+        pool: the :class:`StoreCallPool` its store calls run on (see
+            :class:`StoreSync`).
     """
 
     def __init__(
@@ -791,6 +763,7 @@ class BatchedLookup:
         capacity: int = 1 << 16,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         forget_after: int | None | str = "auto",
+        pool: StoreCallPool | None = None,
     ) -> None:
         from kvhit.coordinator.engine import LookupEngine
         from kvhit.coordinator.key_index import KeyIndex
@@ -815,6 +788,7 @@ class BatchedLookup:
             forget_after=forget_after,
             exclusive=own_index,
             plan=self.engine.plan,
+            pool=pool,
         )
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None

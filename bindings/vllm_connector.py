@@ -66,6 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import
 from vllm.logger import init_logger
 from vllm.v1.request import Request, RequestStatus
 
+from kvhit.bindings.mooncake_store import (
+    DEFAULT_BUSY_LOG_S,
+    DEFAULT_POOL_SIZE,
+    PoolStats,
+)
 from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 from kvhit.bindings.vllm_wire import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -353,9 +358,12 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
     ``kvhit_lookup_timeout_s`` (the most a synchronous ``schedule()`` waits
     for a batch, default 1), ``kvhit_store_timeout_s`` (one
     ``batch_is_exist`` on worker rank 0, default 0.5),
-    ``kvhit_lookup_retry_s`` (default 5, see :class:`KvhitLookupClient`) and
-    ``kvhit_backend`` (the ``LookupEngine`` backend on worker rank 0,
-    default "auto"). Late or failed answers are misses.
+    ``kvhit_lookup_retry_s`` (default 5, see :class:`KvhitLookupClient`),
+    ``kvhit_store_pool`` (store calls in flight at most on worker rank 0,
+    default 3), ``kvhit_store_busy_log_s`` (the least seconds between two
+    "every store call is stuck" lines, default 30) and ``kvhit_backend``
+    (the ``LookupEngine`` backend on worker rank 0, default "auto"). Late
+    or failed answers are misses; :meth:`kvhit_store_stats` counts them.
 
     It refuses any vLLM but :data:`SUPPORTED_VLLM` (RuntimeError, before
     anything is built) and logs one INFO line on the ``vllm.kvhit`` logger
@@ -377,6 +385,8 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
         )
         retry_s = positive_option(extra, "kvhit_lookup_retry_s", DEFAULT_RETRY_S, float)
         positive_option(extra, "kvhit_store_timeout_s", DEFAULT_STORE_TIMEOUT_S, float)
+        positive_option(extra, "kvhit_store_pool", DEFAULT_POOL_SIZE, int)
+        positive_option(extra, "kvhit_store_busy_log_s", DEFAULT_BUSY_LOG_S, float)
         backend = str(extra.get("kvhit_backend", "auto"))
         super().__init__(vllm_config, role, kv_cache_config)
         self.kvhit_client: KvhitLookupClient | None = None
@@ -409,6 +419,12 @@ class KvhitMooncakeStoreConnector(MooncakeStoreConnector):
                 version,
                 self.kvhit_server.describe(),
             )
+
+    def kvhit_store_stats(self) -> PoolStats | None:
+        """Worker rank 0's store-call counters (see
+        :meth:`KvhitLookupServer.store_stats`); None on other roles."""
+        server = getattr(self, "kvhit_server", None)
+        return None if server is None else server.store_stats()
 
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)

@@ -32,7 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import
 from vllm.logger import init_logger
 
 from kvhit.bindings.mooncake_store import (
+    DEFAULT_BUSY_LOG_S,
+    DEFAULT_POOL_SIZE,
     MooncakeKeys,
+    PoolStats,
+    StoreCallPool,
     StoreError,
     model_name_for_vllm,
     rank_namespaces_for_vllm,
@@ -73,8 +77,14 @@ class KvhitLookupServer:
 
     ``kvhit_store_timeout_s`` (``kv_connector_extra_config``, default
     :data:`DEFAULT_STORE_TIMEOUT_S`) bounds one ``batch_is_exist``: past it
-    the batch is answered with misses, and while that call has not returned
-    the store is not asked again (the following batches are misses at once).
+    the batch is answered with misses and the call abandoned (its late answer
+    discarded). The calls run on one :class:`StoreCallPool`
+    (:attr:`store_pool`) of ``kvhit_store_pool`` slots (default
+    :data:`DEFAULT_POOL_SIZE`): the next batch asks the store on a free slot
+    at once, whatever hangs; only when every slot holds a stuck call is a
+    batch answered with misses without asking, counted
+    (``store_pool.stats().busy``) and logged at most once per
+    ``kvhit_store_busy_log_s`` (default :data:`DEFAULT_BUSY_LOG_S`).
 
     Per batch it makes one deduplicated ``batch_is_exist`` over
     ``worker.store`` and answers every request with what
@@ -118,6 +128,20 @@ class KvhitLookupServer:
             "kvhit_store_timeout_s",
             DEFAULT_STORE_TIMEOUT_S,
             float,
+        )
+        self.store_pool = StoreCallPool(
+            positive_option(
+                connector_extra(vllm_config),
+                "kvhit_store_pool",
+                DEFAULT_POOL_SIZE,
+                int,
+            ),
+            positive_option(
+                connector_extra(vllm_config),
+                "kvhit_store_busy_log_s",
+                DEFAULT_BUSY_LOG_S,
+                float,
+            ),
         )
         try:
             self._build()
@@ -203,8 +227,13 @@ class KvhitLookupServer:
         return (
             f"batched lookup, backend {engine.backend} on {engine.device.type}, "
             f"store {store} (one batch_is_exist per step, timeout "
-            f"{self.store_timeout_s:g} s)"
+            f"{self.store_timeout_s:g} s, at most {self.store_pool.size} in flight)"
         )
+
+    def store_stats(self) -> PoolStats:
+        """The store calls' counters: in flight, abandoned at their deadline,
+        answered late (discarded), refused because every slot was stuck."""
+        return self.store_pool.stats()
 
     # -- serving -----------------------------------------------------------------
 
@@ -426,8 +455,14 @@ class KvhitLookupServer:
         """One lookup over a store holding every key (no store call), so the
         kernels compile (hits and tail keys included) before serving."""
         assert self.layout is not None and self.keys is not None
+        # No timeout: the call runs in this thread (no pool, no thread).
         bl = BatchedLookup(
-            self.layout, _EveryKey(), self.keys, backend=self.backend, hash_bytes=width
+            self.layout,
+            _EveryKey(),
+            self.keys,
+            backend=self.backend,
+            hash_bytes=width,
+            timeout_s=None,
         )
         n = 4 * self.layout.scheduler_block_size // self.layout.hash_block_size
         blob = bytes(range(256)) * (n * width // 256 + 1)
@@ -447,6 +482,7 @@ class KvhitLookupServer:
                 backend=self.backend,
                 hash_bytes=width,
                 timeout_s=self.store_timeout_s,
+                pool=self.store_pool,
             )
             self._lookups[width] = bl
         return bl

@@ -98,7 +98,8 @@ def test_worker_rank_0_logs_backend_device_and_store(
         assert lines[0] == (
             "kvhit: KvhitMooncakeStoreConnector ready on worker rank 0 (vLLM "
             f"0.33.0): batched lookup, backend {engine.backend} on cpu, store "
-            "CountingStore (one batch_is_exist per step, timeout 0.25 s)"
+            "CountingStore (one batch_is_exist per step, timeout 0.25 s, at most 3 in "
+            "flight)"
         )
         assert backend == "auto" and engine.backend in ("numba", "torch")
     finally:
