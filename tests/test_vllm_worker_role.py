@@ -397,15 +397,28 @@ def test_master_sigstop_then_sigcont(world):
                 assert rec.wait_s < BOUND_S + SLACK_S
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 20
-        back = False
+        resumed = time.monotonic()
+        frozen = server.store_stats()
+        # The stuck calls hold at most the pool's slots, however long the
+        # freeze; a step after the resume asks the store on a free slot (or
+        # on one the resumed master just freed) and answers from it.
+        assert frozen.in_flight <= frozen.size and frozen.timeouts >= 1
+        deadline = resumed + 20
+        back, after = False, []
         while not back and time.monotonic() < deadline:
-            # Misses until the parked call returns and the store answers.
             rec = step()
             back = any(_hits(rec))
+            after.append((round(time.monotonic() - resumed, 3), server.store_stats(),
+                          repr(server.last_error)[:120]))  # fmt: skip
+        steps_to_hits = len(after)
         assert back, f"no hit within 20 s of SIGCONT (last error {server.last_error!r})"
+        assert steps_to_hits <= 2, "\n".join(map(str, after[:3] + after[-2:]))
         recs = [step() for _ in range(3)]
         assert all(d.truth(r) == [] for r in [rec, *recs])
+        st = server.store_stats()
+        assert st.max_in_flight <= st.size
+        print(f"\n[SIGCONT] hits again at step {steps_to_hits} after the resume "
+              f"({time.monotonic() - resumed:.3f} s); while frozen {frozen}")  # fmt: skip
     finally:
         close()
     assert max(waits) < BOUND_S + SLACK_S
