@@ -305,6 +305,9 @@ def test_real_worker_lookup_vs_kvhit(world, case_i):
 BOUND_S = 1.0
 #: Over the bound: the Scheduler's own work and a loaded 2-core host.
 SLACK_S = 0.5
+#: The least time between two steps' starts in the SIGSTOP test (a short
+#: forward pass).
+STEP_S = 0.05
 
 
 def _end_to_end(h, tag: str):
@@ -363,7 +366,9 @@ def _report(name: str, waits: list[float]) -> None:
 def test_master_sigstop_then_sigcont(world):
     """The master frozen (SIGSTOP) for 3x the store timeout mid-run: no
     schedule() waits longer than the bound, the requests looked up meanwhile
-    get misses, hits come back after SIGCONT equal to vLLM's worker."""
+    get misses, in-flight store calls stay within the pool, and hits come
+    back within one step of SIGCONT (the step that starts while the resumed
+    master still answers the stuck calls may miss), equal to vLLM's worker."""
     import os
     import signal
     import time
@@ -376,9 +381,15 @@ def test_master_sigstop_then_sigcont(world):
     try:
         reqs = _stored_prompts(h, worker, rng, 30)
         k = 0
+        last = [0.0]
 
         def step():
+            # A step at most every STEP_S, as a model's forward pass paces
+            # vLLM's steps: back to back, the steps of an empty model come
+            # a millisecond apart and a step counts no time.
             nonlocal k
+            time.sleep(max(0.0, last[0] + STEP_S - time.monotonic()))
+            last[0] = time.monotonic()
             for _ in range(3):
                 d.add(f"r{k}", reqs[k % len(reqs)])
                 k += 1
