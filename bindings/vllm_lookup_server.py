@@ -129,19 +129,10 @@ class KvhitLookupServer:
             DEFAULT_STORE_TIMEOUT_S,
             float,
         )
+        extra = connector_extra(vllm_config)
         self.store_pool = StoreCallPool(
-            positive_option(
-                connector_extra(vllm_config),
-                "kvhit_store_pool",
-                DEFAULT_POOL_SIZE,
-                int,
-            ),
-            positive_option(
-                connector_extra(vllm_config),
-                "kvhit_store_busy_log_s",
-                DEFAULT_BUSY_LOG_S,
-                float,
-            ),
+            positive_option(extra, "kvhit_store_pool", DEFAULT_POOL_SIZE, int),
+            positive_option(extra, "kvhit_store_busy_log_s", DEFAULT_BUSY_LOG_S, float),
         )
         try:
             self._build()
@@ -219,7 +210,7 @@ class KvhitLookupServer:
     def describe(self) -> str:
         """How this server answers, for the connector's start-up line, e.g.
         ``batched lookup, backend numba on cpu, store MooncakeDistributedStore
-        (one batch_is_exist per step, timeout 0.5 s)``."""
+        (one batch_is_exist per step, timeout 0.5 s, at most 3 in flight)``."""
         if self.fallback_reason is not None:
             return f"vLLM's per-request lookup ({self.fallback_reason})"
         engine = self._lookup_for(32).engine
