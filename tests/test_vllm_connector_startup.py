@@ -102,6 +102,8 @@ def test_worker_rank_0_logs_backend_device_and_store(
             "flight)"
         )
         assert backend == "auto" and engine.backend in ("numba", "torch")
+        st = conn.kvhit_store_stats()
+        assert (st.size, st.in_flight, st.calls, st.busy) == (3, 0, 0, 0)
     finally:
         conn.connector_worker = None  # the harness's worker has no threads to stop
         conn.shutdown()
