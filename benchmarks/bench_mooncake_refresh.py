@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
 
-    import kvhit.bindings.mooncake as mod
+    import kvhit.bindings.store_sync as mod
     from kvhit.bench.workloads import TrafficConfig, generate
 
     why = mooncake_unavailable()

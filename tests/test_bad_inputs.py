@@ -702,7 +702,7 @@ class _Store:
 
 
 def _sync(answer: Callable[[int], list[Any]]) -> Any:
-    mc = pytest.importorskip("kvhit.bindings.mooncake", exc_type=ImportError)
+    mc = pytest.importorskip("kvhit.bindings.store_sync", exc_type=ImportError)
     layout = _layout()
     keys = mc.MooncakeKeys("m", rank_namespaces=[[(0, 0, 0, 0)], [(0, 0, 0, 0)]])
     return mc.StoreSync(_Store(answer), keys, KeyIndex(16, capacity=64), layout)
@@ -713,12 +713,12 @@ def _refresh(sync: Any) -> Any:
 
 
 def _store_error() -> type[BaseException]:
-    mc = pytest.importorskip("kvhit.bindings.mooncake", exc_type=ImportError)
+    mc = pytest.importorskip("kvhit.bindings.store_sync", exc_type=ImportError)
     return mc.StoreError
 
 
 def _mc() -> Any:
-    return pytest.importorskip("kvhit.bindings.mooncake", exc_type=ImportError)
+    return pytest.importorskip("kvhit.bindings.store_sync", exc_type=ImportError)
 
 
 MOONCAKE = [

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import case, layouts
 
-from kvhit.bindings.mooncake import MooncakeKeys, compiled_candidates
+from kvhit.bindings.mooncake_store import MooncakeKeys
+from kvhit.bindings.store_sync import compiled_candidates
 from kvhit.coordinator.candidates import worker_candidates
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
@@ -161,7 +162,7 @@ def test_store_sync_asks_exactly_the_candidates_keys():
     candidate once, in pair-major, namespace order (vLLM's layout)."""
     from test_mooncake import dsv4_layout
 
-    from kvhit.bindings.mooncake import StoreSync, candidate_rows
+    from kvhit.bindings.store_sync import StoreSync, candidate_rows
     from kvhit.coordinator.key_index import KeyIndex
 
     layout = dsv4_layout()

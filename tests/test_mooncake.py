@@ -1,4 +1,4 @@
-"""Mooncake store binding (bindings/mooncake.py).
+"""Mooncake store binding (bindings/mooncake_store.py, bindings/store_sync.py).
 
 The first half uses an in-memory fake store (key format, candidate parity with
 the reference, one-RPC refresh, the error contract). The second half starts a
@@ -19,15 +19,15 @@ import pytest
 import torch
 from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
 
-from kvhit.bindings.mooncake import (
-    BatchedLookup,
+from kvhit.bindings.mooncake_store import (
     MooncakeKeys,
+    StoreBusy,
+    StoreCallPool,
     StoreError,
-    StoreSync,
-    candidate_rows,
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
+from kvhit.bindings.store_sync import BatchedLookup, StoreSync, candidate_rows
 from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
@@ -689,31 +689,48 @@ def test_exact_float_and_bool_answers_are_accepted():
 
 @pytest.mark.timing  # a 0.2 s store timeout and a 0.15 s bound
 def test_hung_store_times_out_and_late_answer_is_discarded():
-    """A store call that never returns used to block lookup() forever."""
+    """A store call that never returns used to block lookup() forever, then
+    blocked every later lookup until it returned. Now each call is abandoned
+    at its deadline; the next one asks on a free slot of the pool; when every
+    slot is stuck a lookup is refused at once; the late answers change
+    nothing."""
     import threading
 
-    bl, store, batch, ntoks = _primed(timeout_s=0.2)
+    pool = StoreCallPool(2)
+    bl, store, batch, ntoks = _primed(timeout_s=0.2, pool=pool)
+    assert bl.sync.pool is pool
     before = _snapshot(bl.index)
     release = threading.Event()
     real = store.batch_is_exist
+    asked = []
 
     def hung(keys):
+        asked.append(len(keys))
         release.wait(10)
         return [0] * len(keys)  # the late answer: "everything is gone"
 
     store.batch_is_exist = hung  # type: ignore[method-assign]
-    t0 = time.perf_counter()
-    with pytest.raises(StoreError, match="timeout_s"):
-        bl.lookup(batch, ntoks)
-    assert time.perf_counter() - t0 < 2.0
-    # While that call is parked the store is not asked again: at once.
+    for _ in range(2):  # each asks the store again, on a free slot
+        t0 = time.perf_counter()
+        with pytest.raises(StoreError, match="timeout_s"):
+            bl.lookup(batch, ntoks)
+        assert 0.15 < time.perf_counter() - t0 < 2.0
+    assert len(asked) == 2 and pool.in_flight == 2
+    # Both slots stuck: refused at once, not asked.
     t0 = time.perf_counter()
     assert bl.lookup_one(ntoks[0], batch.to_bytes()[0]) == 0
     assert time.perf_counter() - t0 < 0.15
-    assert "has not returned" in str(bl.last_error)
+    assert isinstance(bl.last_error, StoreBusy)
+    assert "all 2 store calls are stuck" in str(bl.last_error)
+    assert len(asked) == 2
     release.set()
-    time.sleep(0.05)
-    # The late answer changed nothing; the next good call works as before.
+    deadline = time.monotonic() + 5
+    while pool.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = pool.stats()
+    assert (st.in_flight, st.max_in_flight, st.calls) == (0, 2, 3)
+    assert (st.timeouts, st.late, st.busy) == (2, 2, 1)
+    # The late answers changed nothing; the next good call works as before.
     assert _snapshot(bl.index) == before
     store.batch_is_exist = real  # type: ignore[method-assign]
     assert bl.lookup(batch, ntoks).any()

@@ -297,7 +297,7 @@ def _server_setup(h, store):
 
 
 def test_server_store_error_gives_misses_and_replies(harness):
-    from kvhit.bindings.vllm_connector import KvhitLookupServer
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
     rng = random.Random(5)
@@ -326,7 +326,7 @@ def test_server_mixed_widths_one_path(harness):
     """Requests of 32-byte and 20-byte hashes (a width of no whole words) in
     one batch: each width's joined blobs become one HashBatch, one store call
     per width, answers equal vLLM's worker per request."""
-    from kvhit.bindings.vllm_connector import KvhitLookupServer
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
     rng = random.Random(8)
@@ -356,7 +356,7 @@ def test_server_mixed_widths_one_path(harness):
 
 
 def test_server_falls_back_when_keys_differ(harness, caplog):
-    from kvhit.bindings.vllm_connector import KvhitLookupServer
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
     rng = random.Random(6)
@@ -394,7 +394,8 @@ def test_server_always_replies_over_ipc(harness):
     import msgspec
     import zmq
 
-    from kvhit.bindings.vllm_connector import KvhitLookupServer, kvhit_rpc_path
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
+    from kvhit.bindings.vllm_wire import kvhit_rpc_path
 
     h = harness
     store = h.CountingStore()

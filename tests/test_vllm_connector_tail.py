@@ -15,7 +15,8 @@ import random
 import pytest
 
 from kvhit.bench import vllm_oracle as vo
-from kvhit.bindings.mooncake import BatchedLookup, MooncakeKeys, TailKeyLookup
+from kvhit.bindings.mooncake_store import MooncakeKeys
+from kvhit.bindings.store_sync import BatchedLookup, TailKeyLookup
 from kvhit.coordinator.packing import HashBatch
 
 HB = 8

@@ -199,7 +199,7 @@ def ipc_batch(vc, items):
         decode_lookup_response,
     )
 
-    from kvhit.bindings.vllm_connector import kvhit_rpc_path
+    from kvhit.bindings.vllm_wire import kvhit_rpc_path
 
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -223,10 +223,8 @@ def test_real_worker_lookup_vs_kvhit(world, case_i):
         MooncakeStoreWorker,
     )
 
-    from kvhit.bindings.vllm_connector import (
-        KvhitLookupServer,
-        KvhitMooncakeStoreConnector,
-    )
+    from kvhit.bindings.vllm_connector import KvhitMooncakeStoreConnector
+    from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = world
     case = h.LAYOUTS[case_i]
@@ -307,6 +305,9 @@ def test_real_worker_lookup_vs_kvhit(world, case_i):
 BOUND_S = 1.0
 #: Over the bound: the Scheduler's own work and a loaded 2-core host.
 SLACK_S = 0.5
+#: The least time between two steps' starts in the SIGSTOP test (a short
+#: forward pass).
+STEP_S = 0.05
 
 
 def _end_to_end(h, tag: str):
@@ -365,7 +366,9 @@ def _report(name: str, waits: list[float]) -> None:
 def test_master_sigstop_then_sigcont(world):
     """The master frozen (SIGSTOP) for 3x the store timeout mid-run: no
     schedule() waits longer than the bound, the requests looked up meanwhile
-    get misses, hits come back after SIGCONT equal to vLLM's worker."""
+    get misses, in-flight store calls stay within the pool, and hits come
+    back within one step of SIGCONT (the step that starts while the resumed
+    master still answers the stuck calls may miss), equal to vLLM's worker."""
     import os
     import signal
     import time
@@ -378,9 +381,15 @@ def test_master_sigstop_then_sigcont(world):
     try:
         reqs = _stored_prompts(h, worker, rng, 30)
         k = 0
+        last = [0.0]
 
         def step():
+            # A step at most every STEP_S, as a model's forward pass paces
+            # vLLM's steps: back to back, the steps of an empty model come
+            # a millisecond apart and a step counts no time.
             nonlocal k
+            time.sleep(max(0.0, last[0] + STEP_S - time.monotonic()))
+            last[0] = time.monotonic()
             for _ in range(3):
                 d.add(f"r{k}", reqs[k % len(reqs)])
                 k += 1
@@ -399,15 +408,28 @@ def test_master_sigstop_then_sigcont(world):
                 assert rec.wait_s < BOUND_S + SLACK_S
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 20
-        back = False
+        resumed = time.monotonic()
+        frozen = server.store_stats()
+        # The stuck calls hold at most the pool's slots, however long the
+        # freeze; a step after the resume asks the store on a free slot (or
+        # on one the resumed master just freed) and answers from it.
+        assert frozen.in_flight <= frozen.size and frozen.timeouts >= 1
+        deadline = resumed + 20
+        back, after = False, []
         while not back and time.monotonic() < deadline:
-            # Misses until the parked call returns and the store answers.
             rec = step()
             back = any(_hits(rec))
+            after.append((round(time.monotonic() - resumed, 3), server.store_stats(),
+                          repr(server.last_error)[:120]))  # fmt: skip
+        steps_to_hits = len(after)
         assert back, f"no hit within 20 s of SIGCONT (last error {server.last_error!r})"
+        assert steps_to_hits <= 2, "\n".join(map(str, after[:3] + after[-2:]))
         recs = [step() for _ in range(3)]
         assert all(d.truth(r) == [] for r in [rec, *recs])
+        st = server.store_stats()
+        assert st.max_in_flight <= st.size
+        print(f"\n[SIGCONT] hits again at step {steps_to_hits} after the resume "
+              f"({time.monotonic() - resumed:.3f} s); while frozen {frozen}")  # fmt: skip
     finally:
         close()
     assert max(waits) < BOUND_S + SLACK_S
@@ -422,7 +444,7 @@ def test_master_killed_and_restarted_empty(world):
     import signal
     import time
 
-    from kvhit.bindings.mooncake import StoreError
+    from kvhit.bindings.mooncake_store import StoreError
 
     h = world
     rng = random.Random(8)

@@ -307,7 +307,7 @@ def build_side(
     worker = fake_worker(vc, kvc, store)
     servers: list = [LookupKeyServer(worker, vc)]
     if kind == "kvhit":
-        from kvhit.bindings.vllm_connector import KvhitLookupServer
+        from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
         servers.append(KvhitLookupServer(worker, vc))
     sched = Scheduler(

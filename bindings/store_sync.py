@@ -1,4 +1,5 @@
-"""A real Mooncake store behind the KeyIndex: one existence RPC per scheduler step.
+"""The index sync: a KeyIndex kept in step with a Mooncake store, one existence
+RPC per scheduler step (the key format and the store call: ``mooncake_store``).
 
 vLLM 0.33.0's Mooncake store worker answers ``lookup(num_tokens, block_hashes)``
 one request at a time: it builds the store keys of the ``(group, hash)`` pairs
@@ -24,16 +25,23 @@ and keeps the error in ``last_error``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvhit.bindings.mooncake_store import (
+    DEFAULT_TIMEOUT_S,
+    ExistenceStore,
+    MooncakeKeys,
+    StoreCallPool,
+    StoreError,
+    check_answer,
+)
 from kvhit.coordinator.candidates import (
     first_occurrences,
     format_keys,
@@ -44,191 +52,18 @@ from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
 
 __all__ = [
+    "DEFAULT_FORGET_AFTER",
     "BatchedLookup",
-    "MooncakeKeys",
-    "RankNamespace",
     "RefreshStats",
-    "StoreError",
     "StoreSync",
     "TailKeyLookup",
     "candidate_rows",
     "compiled_candidates",
-    "model_name_for_vllm",
-    "rank_namespaces_for_vllm",
     "tail_key_boundaries",
 ]
 
-#: Seconds a ``batch_is_exist`` call may take before it counts as failed.
-DEFAULT_TIMEOUT_S = 5.0
 #: Refreshes after which a key no refresh asked about is dropped from the index.
 DEFAULT_FORGET_AFTER = 64
-
-# (tp_rank, pcp_rank, dcp_rank, pp_rank), vLLM's ``RankNamespace``.
-RankNamespace = tuple[int, int, int, int]
-
-
-class ExistenceStore(Protocol):
-    """What StoreSync needs of a store: ``MooncakeDistributedStore`` fits."""
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
-
-
-class StoreError(RuntimeError):
-    """The store's existence check failed; the index was left unchanged.
-
-    Attributes:
-        num_keys: keys in the failed call.
-        codes: the distinct non-0/1 statuses the store returned, if any.
-    """
-
-    def __init__(
-        self, message: str, num_keys: int = 0, codes: tuple[int, ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.num_keys = num_keys
-        self.codes = codes
-
-
-# -- keys ------------------------------------------------------------------------
-
-
-def model_name_for_vllm(model: str) -> str:
-    """The ``model_name`` vLLM's worker puts in keys: the last path component
-    of ``model_config.model``."""
-    return model.rstrip("/").split("/")[-1]
-
-
-def rank_namespaces_for_vllm(
-    tp_size: int = 1,
-    pcp_size: int = 1,
-    dcp_size: int = 1,
-    pp_size: int = 1,
-    tp_replication_factor: int = 1,
-) -> tuple[RankNamespace, ...]:
-    """The namespaces vLLM's worker checks for one group with the rank-local
-    store layout (``_init_lookup_key_prefixes``): every rank whose shard a load
-    needs. ``tp_replication_factor`` is the group's count of TP ranks holding
-    identical KV (1 for sharded groups)."""
-    if dcp_size > 1:
-        # DCP is a TP subdivision: dcp_rank == tp_rank % dcp_size.
-        return tuple(
-            (tp, pcp, tp % dcp_size, pp)
-            for pcp in range(pcp_size)
-            for tp in range(tp_size)
-            for pp in range(pp_size)
-        )
-    return tuple(
-        (shard, pcp, 0, pp)
-        for pcp in range(pcp_size)
-        for shard in range(tp_size // tp_replication_factor)
-        for pp in range(pp_size)
-    )
-
-
-def _check_namespace(ns: Any, where: str) -> RankNamespace:
-    if (
-        not isinstance(ns, tuple | list)
-        or len(ns) != 4
-        or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ns
-        )
-    ):
-        raise ValueError(
-            f"{where}: a rank namespace is (tp_rank, pcp_rank, dcp_rank, "
-            f"pp_rank) of non-negative ints, got {ns!r}"
-        )
-    return tuple(ns)  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class MooncakeKeys:
-    """vLLM's Mooncake store key strings (rank-local layout, ``PoolKey``)::
-
-        [cache_prefix@]model_name+store_namespace@tp_rank:T@pcpP@dcpD
-            @pp_rank:R@group:G@<hash hex>
-
-    Args:
-        model_name: see :func:`model_name_for_vllm`.
-        rank_namespaces: per layout group, the namespaces a load needs (see
-            :func:`rank_namespaces_for_vllm`); a ``(group, hash)`` counts as
-            present only when its key exists under every one of them. Groups
-            that are not prefix cacheable may have none.
-        cache_prefix: vLLM's ``kv_connector_extra_config["cache_prefix"]``.
-        store_namespace: the worker's store namespace ("" for the historical
-            rank-local format).
-        key_group_ids: per layout group, the ``G`` in its keys (default: the
-            group's position). vLLM numbers groups among the prefix-cacheable
-            ones; ``bindings.vllm.vllm_key_group_ids(layout)`` gives that.
-    """
-
-    model_name: str
-    rank_namespaces: tuple[tuple[RankNamespace, ...], ...]
-    cache_prefix: str = ""
-    store_namespace: str = ""
-    key_group_ids: tuple[int | None, ...] | None = None
-    _prefixes: tuple[tuple[str, ...], ...] = field(
-        init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("model_name", "cache_prefix", "store_namespace"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a str")
-        if isinstance(self.rank_namespaces, str | bytes) or not isinstance(
-            self.rank_namespaces, Sequence
-        ):
-            raise TypeError("rank_namespaces must be a sequence (one per group)")
-        per_group = tuple(
-            tuple(_check_namespace(ns, f"rank_namespaces[{g}]") for ns in group)
-            for g, group in enumerate(self.rank_namespaces)
-        )
-        for g, group in enumerate(per_group):
-            if len(set(group)) != len(group):
-                raise ValueError(f"rank_namespaces[{g}] has duplicate namespaces")
-        object.__setattr__(self, "rank_namespaces", per_group)
-        if self.key_group_ids is None:
-            kg: tuple[int | None, ...] = tuple(range(len(per_group)))
-        else:
-            kg = tuple(self.key_group_ids)
-            if len(kg) != len(per_group):
-                raise ValueError(
-                    f"key_group_ids has {len(kg)} entries, rank_namespaces "
-                    f"{len(per_group)}"
-                )
-        object.__setattr__(self, "key_group_ids", kg)
-        head = f"{self.cache_prefix}@" if self.cache_prefix else ""
-        head += f"{self.model_name}{self.store_namespace}"
-        object.__setattr__(
-            self,
-            "_prefixes",
-            tuple(
-                ()
-                if kg[g] is None
-                else tuple(
-                    f"{head}@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{r}@group:{kg[g]}"
-                    for t, p, d, r in per_group[g]
-                )
-                for g in range(len(per_group))
-            ),
-        )
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.rank_namespaces)
-
-    def prefixes(self, group: int) -> tuple[str, ...]:
-        """Key prefixes of layout group ``group``, one per namespace, in
-        ``rank_namespaces`` order (vLLM's ``build_prefix``)."""
-        return self._prefixes[group]
-
-    def keys(self, group: int, block_hash: bytes) -> list[str]:
-        """Every namespace's key for ``(group, block_hash)``."""
-        hx = bytes(block_hash).hex()
-        return [f"{p}@{hx}" for p in self._prefixes[group]]
-
-    def key(self, group: int, block_hash: bytes, namespace: int = 0) -> str:
-        """The key of ``(group, block_hash)`` under one namespace."""
-        return f"{self._prefixes[group][namespace]}@{bytes(block_hash).hex()}"
 
 
 # -- candidates --------------------------------------------------------------------
@@ -346,10 +181,10 @@ class StoreSync:
         index: the ``KeyIndex`` to update (its ``hash_bytes`` fixes the width
             every batch must have).
         layout: the cache layout whose worker rule picks the keys.
-        timeout_s: seconds one ``batch_is_exist`` may take (run in a worker
-            thread); past it the refresh raises :class:`StoreError`, leaves the
-            index unchanged and discards the late answer. ``None``: no limit
-            (the call runs in the caller's thread).
+        timeout_s: seconds one ``batch_is_exist`` may take (run on ``pool``);
+            past it the refresh raises :class:`StoreError`, leaves the index
+            unchanged and discards the late answer. ``None``: no limit (the
+            call runs in the caller's thread).
         forget_after: a key that no refresh asked about during the last
             ``forget_after`` refreshes is dropped from the index (checked every
             ``forget_after`` refreshes), so a long-running index holds about
@@ -364,6 +199,10 @@ class StoreSync:
             is then moot.
         plan: ``ScanPlan.from_layout(layout)`` when the caller has one (a
             :class:`BatchedLookup` shares its engine's), else built here.
+        pool: the :class:`StoreCallPool` the calls run on (shared by the
+            lookups of one store, e.g. one per hash width); a pool of
+            ``DEFAULT_POOL_SIZE`` of its own when None. Unused without
+            ``timeout_s``.
 
     Raises:
         ValueError: ``keys`` does not describe exactly the layout's groups, or
@@ -381,6 +220,7 @@ class StoreSync:
         forget_after: int | None = DEFAULT_FORGET_AFTER,
         exclusive: bool = False,
         plan: ScanPlan | None = None,
+        pool: StoreCallPool | None = None,
     ) -> None:
         if not callable(getattr(store, "batch_is_exist", None)):
             raise TypeError("store must have a batch_is_exist(list[str]) method")
@@ -427,6 +267,9 @@ class StoreSync:
         self.index = index
         self.layout = layout
         self.hash_bytes: int = index.hash_bytes
+        if pool is not None and not isinstance(pool, StoreCallPool):
+            raise TypeError(f"pool must be a StoreCallPool, got {type(pool).__name__}")
+        self.pool: StoreCallPool = pool if pool is not None else StoreCallPool()
         if plan is not None and not isinstance(plan, ScanPlan):
             raise TypeError(f"plan must be a ScanPlan, got {type(plan).__name__}")
         self._plan = plan if plan is not None else ScanPlan.from_layout(layout)
@@ -472,9 +315,6 @@ class StoreSync:
         self.num_forgotten = 0
         # The keys the last exclusive refresh wrote (what the index holds).
         self._written: tuple[torch.Tensor, torch.Tensor] | None = None
-        # A store call past its timeout that has not returned (set when done).
-        self._late_call: threading.Event | None = None
-        self._late_since = 0.0
 
     @property
     def last_candidates(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -557,7 +397,7 @@ class StoreSync:
         t_rpc = time.perf_counter()
         answer = self._call_store(key_list)
         rpc_seconds = time.perf_counter() - t_rpc
-        codes = self._check_answer(answer, n_keys)
+        codes = check_answer(answer, n_keys)
 
         # A pair is present only when every namespace of its group has it.
         present_np = np.zeros(len(u_g), dtype=bool)
@@ -648,56 +488,21 @@ class StoreSync:
     def _call_store(self, key_list: list[str]) -> Any:
         """``store.batch_is_exist(key_list)``, bounded by ``timeout_s``.
 
-        The call runs in a daemon thread of its own, so a store that never
-        answers costs one parked thread, never the caller; an answer that
-        arrives after the deadline is dropped with the thread. While a call
-        that timed out has not returned, the store is not asked again: the
-        next refreshes raise StoreError at once (a hung store costs one
-        timeout, not one per step, and parks one thread, not one per step).
+        With a timeout the call runs on :attr:`pool`: a call past its
+        deadline is abandoned (StoreError here, its late answer discarded),
+        and the next refresh asks the store on another slot at once; only
+        when every slot holds a stuck call does a refresh raise StoreBusy
+        without asking.
         """
-        n_keys = len(key_list)
-        late = self._late_call
-        if late is not None:
-            if not late.is_set():
-                ago = time.monotonic() - self._late_since
-                raise StoreError(
-                    f"batch_is_exist: the call that timed out {ago:.1f} s ago has "
-                    "not returned; not asking the store again until it does",
-                    n_keys,
-                )
-            self._late_call = None
         if self.timeout_s is None:
             try:
                 return self.store.batch_is_exist(key_list)
             except Exception as exc:
                 raise StoreError(
-                    f"batch_is_exist failed for {n_keys} keys: {exc!r}", n_keys
+                    f"batch_is_exist failed for {len(key_list)} keys: {exc!r}",
+                    len(key_list),
                 ) from exc
-        box: list[Any] = []
-        err: list[BaseException] = []
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                box.append(self.store.batch_is_exist(key_list))
-            except BaseException as exc:  # re-raised in the caller's thread
-                err.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name="kvhit-store-call", daemon=True).start()
-        if not done.wait(self.timeout_s):
-            self._late_call, self._late_since = done, time.monotonic()
-            raise StoreError(
-                f"batch_is_exist did not answer for {n_keys} keys within "
-                f"{self.timeout_s} s (timeout_s); the late answer is discarded",
-                n_keys,
-            )
-        if err:
-            raise StoreError(
-                f"batch_is_exist failed for {n_keys} keys: {err[0]!r}", n_keys
-            ) from err[0]
-        return box[0]
+        return self.pool.call(self.store.batch_is_exist, key_list, self.timeout_s)
 
     def _remember(self, u_g: np.ndarray, u_h: np.ndarray) -> None:
         """Note what this refresh asked; every ``forget_after`` refreshes drop
@@ -725,58 +530,6 @@ class StoreSync:
             self.num_forgotten += self.index.remove(
                 kg_c[idle].to(dev), kh_c[idle].to(dev)
             )
-
-    @staticmethod
-    def _check_answer(answer: Any, n_keys: int) -> np.ndarray:
-        """The answer as int64 ``[n_keys]`` of 0/1, or StoreError.
-
-        Every answer must be exactly 0 or 1 (or a negative error status): a
-        1.5 or 0.9 is a broken store, never truncated into a presence bit.
-        """
-        try:
-            raw = np.asarray(answer)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(
-                f"batch_is_exist returned {type(answer).__name__}, not a list "
-                f"of ints: {exc}",
-                n_keys,
-            ) from exc
-        if raw.dtype.kind == "f":
-            frac = raw[(raw != 0) & (raw != 1)]
-            if frac.size and not bool((frac == np.floor(frac)).all()):
-                raise StoreError(
-                    f"batch_is_exist returned non-integer answers, e.g. "
-                    f"{float(frac[frac != np.floor(frac)][0])!r}, for {n_keys} keys",
-                    n_keys,
-                )
-        elif raw.dtype.kind not in "iub":
-            raise StoreError(
-                f"batch_is_exist returned {type(answer).__name__} of {raw.dtype}, "
-                "not a list of ints",
-                n_keys,
-            )
-        try:
-            codes = raw.astype(np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(
-                f"batch_is_exist returned answers that are not ints: {exc}", n_keys
-            ) from exc
-        if codes.shape != (n_keys,):
-            raise StoreError(
-                f"batch_is_exist returned {codes.size if codes.ndim else 'a scalar'}"
-                f" answers for {n_keys} keys",
-                n_keys,
-            )
-        bad = (codes != 0) & (codes != 1)
-        if bad.any():
-            uniq = tuple(int(c) for c in np.unique(codes[bad])[:8])
-            raise StoreError(
-                f"batch_is_exist returned error status {uniq} for "
-                f"{int(bad.sum())} of {n_keys} keys",
-                n_keys,
-                uniq,
-            )
-        return codes
 
 
 # -- tail key boundaries ----------------------------------------------------------
@@ -994,6 +747,8 @@ class BatchedLookup:
             may be fed by KV events as well). An index of its own is rewritten
             each step with that step's present keys (``exclusive``), so it
             stays bounded anyway.
+        pool: the :class:`StoreCallPool` its store calls run on (see
+            :class:`StoreSync`).
     """
 
     def __init__(
@@ -1008,6 +763,7 @@ class BatchedLookup:
         capacity: int = 1 << 16,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         forget_after: int | None | str = "auto",
+        pool: StoreCallPool | None = None,
     ) -> None:
         from kvhit.coordinator.engine import LookupEngine
         from kvhit.coordinator.key_index import KeyIndex
@@ -1032,6 +788,7 @@ class BatchedLookup:
             forget_after=forget_after,
             exclusive=own_index,
             plan=self.engine.plan,
+            pool=pool,
         )
         self.last_stats: RefreshStats | None = None
         self.last_error: StoreError | None = None
