@@ -171,7 +171,11 @@ def _in_process_model_inspection() -> None:
 
 @contextlib.contextmanager
 def vllm_importable(
-    keep: Sequence[str] = ("kvhit.bindings.vllm_connector",),
+    keep: Sequence[str] = (
+        "kvhit.bindings.vllm_connector",
+        "kvhit.bindings.vllm_lookup_server",
+        "kvhit.bindings.vllm_wire",
+    ),
 ) -> Iterator[VllmModules]:
     """Make ``import vllm`` work inside the block (the oracle's copy), for
     tests that run vLLM's own Scheduler and connectors; afterwards

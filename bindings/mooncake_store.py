@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvhit.kernels.checks import check_int, check_seconds
+
 __all__ = [
     "DEFAULT_BUSY_LOG_S",
     "DEFAULT_POOL_SIZE",
@@ -344,16 +346,8 @@ class StoreCallPool:
     def __init__(
         self, size: int = DEFAULT_POOL_SIZE, busy_log_s: float = DEFAULT_BUSY_LOG_S
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"size must be an int, got {size!r}")
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size!r}")
-        if isinstance(busy_log_s, bool) or not isinstance(busy_log_s, int | float):
-            raise TypeError(f"busy_log_s must be a number, got {busy_log_s!r}")
-        if not 0 < busy_log_s < float("inf"):
-            raise ValueError(f"busy_log_s must be > 0 and finite, got {busy_log_s!r}")
-        self.size = size
-        self.busy_log_s = float(busy_log_s)
+        self.size = check_int(size, "size", 1)
+        self.busy_log_s = check_seconds(busy_log_s, "busy_log_s")
         self._lock = threading.Lock()
         # Start times (monotonic) of the calls in flight, by call id.
         self._running: dict[int, float] = {}

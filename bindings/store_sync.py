@@ -431,7 +431,7 @@ class StoreSync:
                 # slots on a loaded host against 0.2 ms for 8 requests'
                 # keys). The tombstones left are purged by the next clear.
                 if removed:
-                    self.index.remove(*prev)
+                    self.index.remove_trusted(*prev)
             else:
                 self.index.clear()
             put_g, put_h = tg[keep], th[keep]
@@ -441,11 +441,14 @@ class StoreSync:
         else:
             # One probe, then touch only what changed: in a steady state most
             # answers agree with the index already.
-            inside = self.index.contains(tg, th)
+            # Keys this refresh built itself: the trusted probe and removal.
+            inside = self.index.contains_trusted(tg, th)
             new, stale = keep & ~inside, ~keep & inside
             added = self.index.add_trusted(tg[new], th[new]) if bool(new.any()) else 0
             removed = (
-                self.index.remove(tg[stale], th[stale]) if bool(stale.any()) else 0
+                self.index.remove_trusted(tg[stale], th[stale])
+                if bool(stale.any())
+                else 0
             )
             self._remember(u_g, u_h)
         self._last_cand = (g_all, r_all)
@@ -524,10 +527,10 @@ class StoreSync:
         seen = KeyIndex(self.hash_bytes, max(16, 2 * len(g)), "cpu")
         seen.add_trusted(torch.from_numpy(g), torch.from_numpy(np.ascontiguousarray(h)))
         kg_c, kh_c = kg.cpu(), kh.cpu()
-        idle = ~seen.contains(kg_c, kh_c)
+        idle = ~seen.contains_trusted(kg_c, kh_c)
         if bool(idle.any()):
             dev = self.index.device
-            self.num_forgotten += self.index.remove(
+            self.num_forgotten += self.index.remove_trusted(
                 kg_c[idle].to(dev), kh_c[idle].to(dev)
             )
 
@@ -662,14 +665,14 @@ def _tail_boundaries(
             sel = np.nonzero(wanted[c_owner])[0]
             idx = KeyIndex(batch.hash_bytes, max(16, 2 * sel.size), "cpu")
             if sel.size:
-                idx.add(
+                idx.add_trusted(
                     torch.from_numpy(c_owner[sel] * G + cg[sel]),
                     words.index_select(0, torch.from_numpy(cr[sel])),
                 )
             by_value.append(idx)
         return (
             by_value[0]
-            .contains(
+            .contains_trusted(
                 torch.from_numpy(owner * G + g),
                 words.index_select(0, torch.from_numpy(rows)),
             )
@@ -693,7 +696,7 @@ def _tail_boundaries(
             sel = np.nonzero(asked)[0]
             tg = torch.from_numpy(g[sel]).to(dev)
             th = words.index_select(0, torch.from_numpy(rows[sel])).to(dev)
-            found[sel] = index.contains(tg, th).cpu().numpy()
+            found[sel] = index.contains_trusted(tg, th).cpu().numpy()
         return found
 
     rr = np.repeat(req, len(groups))

@@ -5,7 +5,7 @@ vLLM's ``MooncakeStoreWorker.lookup`` asks the store only about some keys
 :func:`worker_candidates` lists the same keys for a whole batch from its CSR
 offsets, without a Python loop over requests, with the torch family's
 candidate rule (:mod:`kvhit.kernels.candidates_torch`, which the torch scanner
-uses too). The engine's ``lookup_candidates`` and ``bindings/mooncake.py`` (the
+uses too). The engine's ``lookup_candidates`` and ``bindings/store_sync.py`` (the
 keys it sends to a real store) call it.
 
 All tensors are int64 on one device unless said otherwise.

@@ -1,7 +1,7 @@
 """Store key strings, formatted in numba: ``prefix + hash.hex()``.
 
 A generic kernel for a store binding that names keys by a per-group prefix
-and the block hash in hex (the Mooncake binding, ``bindings/mooncake.py``,
+and the block hash in hex (the Mooncake binding, ``bindings/store_sync.py``,
 builds vLLM's ``MooncakeStoreWorker`` key strings with it). Compiled because
 a scheduler step of a thousand long prompts formats hundreds of thousands of
 keys: one pass writes them all as one ``\\n``-separated byte string, and one

@@ -340,7 +340,7 @@ CHECKS_ELSEWHERE = {
     ("kvhit.bindings.kv_events", "check_int"),
     ("kvhit.bindings.kv_events", "check_bool"),
     ("kvhit.bindings.kv_events", "check_seconds"),
-    ("kvhit.bindings.mooncake", "_check_namespace"),
+    ("kvhit.bindings.mooncake_store", "_check_namespace"),
 }
 #: Names of the private copies the second review found (issue 36).
 PRIVATE_COPIES = {"_resolve_device", "_is_int", "is_int", "_check_max_load"}

@@ -103,7 +103,8 @@ def scenarios(root: str) -> dict[str, Callable[[], Any]]:
             lookup()
             out[f"lookup[{backend}, {form} num_tokens]"] = lookup
 
-    from kvhit.bindings.mooncake import BatchedLookup, MooncakeKeys
+    from kvhit.bindings.mooncake_store import MooncakeKeys
+    from kvhit.bindings.store_sync import BatchedLookup
 
     class EveryKey:
         def batch_is_exist(self, keys: list[str]) -> list[int]:
