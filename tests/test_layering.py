@@ -329,6 +329,10 @@ CHECKS_ELSEWHERE = {
     ("kvhit.coordinator.fleet_index", "check_fleet"),
     # The spec-kind registry's own consistency, at import (not an argument).
     ("kvhit.coordinator.kinds", "_check_table"),
+    # Not an argument: the Mooncake store's reply (its wire format), and the
+    # installed vLLM release the connector reproduces.
+    ("kvhit.bindings.mooncake_store", "check_answer"),
+    ("kvhit.bindings.vllm_connector", "check_vllm_version"),
     # pending: kernels/scan.py, kernels/fleet_triton.py (the Triton launchers),
     # and bindings/ are other helpers' files.
     ("kvhit.kernels.scan", "_check_row_values"),
