@@ -307,6 +307,37 @@ def _engine_plans(plan: ScanPlan, E: int) -> tuple[np.ndarray, list[np.ndarray]]
     return cand, per_engine
 
 
+# (id(plan), E, device) -> (plan, its fleet rows on the device): keyed by
+# identity as _HOST_PLANS (the plan held keeps its id from being reused).
+_FLEET_PLAN_TENSORS: dict[tuple[int, int, torch.device], tuple[ScanPlan, tuple]] = {}
+
+
+def _fleet_plan_tensors(
+    plan: ScanPlan, E: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan as ``kernels/fleet_triton.hybrid_hits`` reads it for E
+    engines, on ``device``, built once per (plan, E, device): ``sg_rows``
+    int64 ``[E * S, SG_W]`` (:func:`_engine_plans`' per-engine rows, engine
+    ``e``'s at row ``e * S``), ``cand_rows`` int64 ``[G * E, CAND_WIDTH]``
+    (its candidate rows) and the plan's own candidate rows, int64 ``[G,
+    CAND_WIDTH]`` (``plan.plan_tensors``'). A steady stream of calls copies
+    nothing to the device."""
+    key = (id(plan), E, torch.device(device))
+    got = _FLEET_PLAN_TENSORS.get(key)
+    if got is not None and got[0] is plan:
+        return got[1]
+    cand, per_engine = _engine_plans(plan, E)
+    out = (
+        torch.from_numpy(np.concatenate(per_engine)).to(device),
+        torch.from_numpy(cand).to(device),
+        torch.tensor(plan.candidates_as_rows(), dtype=torch.int64, device=device),
+    )
+    if len(_FLEET_PLAN_TENSORS) >= 64:
+        _FLEET_PLAN_TENSORS.clear()
+    _FLEET_PLAN_TENSORS[key] = (plan, out)
+    return out
+
+
 def _first_block_holders(plan, view, fleet) -> np.ndarray | None:
     """bool ``[B, E]``: engines that may hit each request at all, or None when
     the layout gives no such bound. With a full-attention first SpecGroup a
@@ -484,5 +515,19 @@ def fleet_find(
         return torch.from_numpy(
             _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)
         )
+    hybrid = getattr(fleet.ops, "hybrid_hits", None)
+    if hybrid is not None:
+        # A family with a kernel for the whole rule (Triton): every (request,
+        # engine) pair in one launch over the entry index, no host sync.
+        plan = engine.plan
+        sg_rows, cand_rows, plan_cands = _fleet_plan_tensors(plan, E, fleet.device)
+        drop = bool(apply_eagle) and not lookup
+        params = (plan.hash_block_size, plan.alignment, int(plan.partial),
+                  int(plan.simple_hybrid), int(drop), int(lookup))  # fmt: skip
+        return hybrid(
+            fleet.entries.table, view.rows, view.offsets, view.lengths, lens,
+            None if lookup else view.token_lens, sg_rows, cand_rows, plan_cands,
+            fleet.live, E, params,
+        ).to(engine.device)  # fmt: skip
     out = _fleet_generic(engine, view, lens, fleet, apply_eagle, lookup)
     return out.to(engine.device)
