@@ -303,3 +303,65 @@ def test_launcher_refuses_bad_arguments():
         with pytest.raises(err, match=name if name != "params" else "params"):
             fleet_triton.hybrid_hits(**{**good, name: value})
     assert fleet_triton.hybrid_hits(**good).tolist() == [[0, 0]]
+
+
+# -- registers: the kernel compiled for sm_90 without a GPU ------------------------
+
+_REGISTERS = r"""
+import contextlib, io, json, os, re, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # ptxas must really run
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvhit.kernels import fleet_triton, scan
+
+triton.knobs.nvidia.dump_ptxas_log = True
+kernel = fleet_triton._hybrid_kernel
+consts = ("W", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD", "SG_W")
+sig = {}
+for name in kernel.arg_names:
+    if name in consts:
+        sig[name] = "constexpr"
+    elif name.endswith("_ptr"):
+        sig[name] = "*i64"
+    else:
+        sig[name] = "i64" if name == "cap_mask" else "i32"
+# dsv4-flash-like: W = 4 words, 4 SpecGroups, 2 members at most (as
+# tests/test_scan_registers.py compiles the engine's scan).
+for name, (has_tl, eagle, lookup) in {
+    "find": (0, 1, 0), "find no-eagle": (0, 0, 0),
+    "find token_lens": (1, 1, 0), "lookup": (1, 1, 1),
+}.items():
+    cx = dict(W=4, HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
+              BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": scan.NUM_WARPS,
+                                      "maxnreg": scan.MAXNREG})
+    assert out.asm["cubin"]
+    text = log.getvalue()
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                       text).groups()
+    print(json.dumps(dict(variant=name, regs=regs, spill_stores=int(st),
+                          spill_loads=int(ld))))
+"""
+
+
+def test_hybrid_kernel_fits_registers_without_spills():
+    # Compiled outside the interpreter for sm_90 (Triton's own ptxas): every
+    # variant the launcher builds, no spill, within the scan's register
+    # ceiling (MAXNREG 128: 16 one-warp programs per SM partition).
+    import json
+
+    from conftest import compile_outside_interpreter
+
+    out = compile_outside_interpreter(_REGISTERS)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(row)
+    assert len(rows) == 4
+    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
+    assert all(r["regs"] <= 128 for r in rows), rows
