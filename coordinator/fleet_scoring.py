@@ -524,10 +524,16 @@ def fleet_find(
         drop = bool(apply_eagle) and not lookup
         params = (plan.hash_block_size, plan.alignment, int(plan.partial),
                   int(plan.simple_hybrid), int(drop), int(lookup))  # fmt: skip
+        sg = plan.spec_groups[0]
+        first = None
+        if sg.kind == KIND_FULL and not sg.fine:
+            # Only engines holding a request's first block may hit it
+            # (_first_block_holders): the joint scan's runs say which.
+            first = (fleet.keys, fleet.bits, _host_plan(engine).members, sg.scale)
         return hybrid(
             fleet.entries.table, view.rows, view.offsets, view.lengths, lens,
             None if lookup else view.token_lens, sg_rows, cand_rows, plan_cands,
-            fleet.live, E, params,
+            fleet.live, E, params, first,
         ).to(engine.device)  # fmt: skip
     out = _fleet_generic(engine, view, lens, fleet, apply_eagle, lookup)
     return out.to(engine.device)

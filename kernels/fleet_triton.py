@@ -486,6 +486,8 @@ def _hybrid_kernel(
     cand_ptr,
     plan_cand_ptr,
     live_ptr,
+    runs_ptr,
+    first_scale,
     out_ptr,
     n_eng,
     n_sg,
@@ -495,6 +497,7 @@ def _hybrid_kernel(
     partial,
     simple_hybrid,
     W: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
     HAS_TL: tl.constexpr,
     APPLY_EAGLE: tl.constexpr,
     LOOKUP: tl.constexpr,
@@ -510,13 +513,22 @@ def _hybrid_kernel(
     ``ReferenceCoordinator.lookup``) over plan rows whose member groups are
     renamed ``g * E + e`` (``sg_ptr``: engine ``e``'s ``n_sg`` rows at row
     ``e * n_sg``; ``cand_ptr``: one candidate row per renamed group,
-    ``plan_cand_ptr`` the plan's own ``n_groups`` rows)."""
+    ``plan_cand_ptr`` the plan's own ``n_groups`` rows).
+
+    ``HAS_RUNS``: the first SpecGroup is full attention, not fine-grained,
+    and ``runs_ptr`` holds ``_fleet_kernel``'s rows for it (``end - first
+    miss``, ``end = n_units // first_scale``): a pair whose engine lacks the
+    request's first block hits 0 (its leading run is 0, and the convergence
+    loop never raises a hit above the full-attention run:
+    ``ReferenceCoordinator._round``), so its program stops after one load."""
     p = tl.program_id(0).to(tl.int64)
     r = p // n_eng
     e = p % n_eng
     live = (tl.load(live_ptr + e // 64) >> (e % 64)) & 1
+    n_units = tl.load(n_units_ptr + r)
+    if HAS_RUNS:
+        live = tl.where(n_units // first_scale - tl.load(runs_ptr + p) > 0, live, 0)
     if live == 1:
-        n_units = tl.load(n_units_ptr + r)
         length = tl.minimum(tl.load(len_ptr + r), _HYB_MAX_LEN)
         zero = n_units * 0
         if LOOKUP:
@@ -585,6 +597,8 @@ def hybrid_hits(
     live: torch.Tensor | np.ndarray,
     num_engines: int,
     params: Sequence[int],
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray, int]
+    | None = None,
 ) -> torch.Tensor:
     """vLLM's whole rule (any layout: sliding window, Mamba, chunked local,
     several SpecGroups, EAGLE, fine-grained hits) of every request against
@@ -608,6 +622,13 @@ def hybrid_hits(
     partial, simple hybrid, EAGLE drop, lookup). Every tensor contiguous, on
     the table's device; the plan rows are kvhit's (``coordinator/plan.py``),
     trusted.
+
+    ``first``: None, or when the plan's first SpecGroup is full attention and
+    not fine-grained, ``(keys, bits, members, scale)``: the FleetIndex's
+    tables (as :func:`full_runs`') and that SpecGroup's group ids (int64
+    ``[M]``) and scale. Then one launch of the joint scan first (its leading
+    runs, engines across lanes, every probe shared by all engines) and the
+    rule only for pairs whose run is not 0: two launches, still no host sync.
     """
     table = check_int64(table, "table", dim=2)
     dev = table.device
@@ -667,17 +688,42 @@ def hybrid_hits(
             "table is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"
         )
+    runs, first_scale = None, 1
+    if first is not None:
+        keys, bits, members, first_scale = first
+        fw, fnw, fdev = _check_tables(keys, bits)
+        if fdev != dev or fw != W or fnw != nw:
+            raise ValueError(
+                f"first's tables must be a FleetIndex's on {dev} with W = {W} and "
+                f"{nw} engine words, got W = {fw}, {fnw} words on {fdev}"
+            )
+        first_scale = check_size("first's scale", first_scale)
+        members = check_int64(_on_device(members, dev), "first's members", dim=1,
+                              device=dev, device_of="table")  # fmt: skip
+        if members.shape[0] < 1:
+            raise ValueError("first's members must name at least one group")
     out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
     if B == 0:
         return out
     S = n_sg // num_engines
     with device_guard(dev):
+        if first is not None:
+            # The joint scan's rows, left as ``end - first miss``
+            # (_fleet_kernel: the runs unfinished, read by the rule's programs).
+            runs = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
+            _fleet_kernel[(B, _split(B, dev))](
+                keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lengths,
+                members, members.shape[0], live, runs, num_engines, nw, first_scale,
+                1, 1, _split(B, dev), W=W, MODE=0, DROP=False,
+                MP=_pow2(members.shape[0]), BLOCK=BLOCK, num_warps=NUM_WARPS,
+            )  # fmt: skip
         _hybrid_kernel[(B * num_engines,)](
             rows, offsets, lengths, lens,
             token_lens if token_lens is not None else lengths,
-            table, cap - 1, sg_rows, cand_rows, plan_cands, live, out, num_engines,
+            table, cap - 1, sg_rows, cand_rows, plan_cands, live,
+            runs if runs is not None else out, first_scale, out, num_engines,
             S, G, hbs, align, int(partial), int(simple),
-            W=W, HAS_TL=lookup or token_lens is not None,
+            W=W, HAS_RUNS=runs is not None, HAS_TL=lookup or token_lens is not None,
             APPLY_EAGLE=drop or lookup, LOOKUP=lookup, BLOCK=scan_rules.BLOCK,
             S_PAD=_pow2(S), SG_W=sg_w, num_warps=scan_rules.NUM_WARPS,
             maxnreg=scan_rules.MAXNREG,

@@ -46,16 +46,19 @@ EXAMPLES = max(int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60")) // 4, 8)
 
 
 @contextmanager
-def on_triton():
+def on_triton(prune: bool = True):
     """FleetIndexes built inside are Triton ones (the CUDA rule, here
     interpreted); yields a dict counting the hybrid and joint launches. The
-    per-engine path is refused inside: a hybrid layout must not reach it."""
+    per-engine path is refused inside: a hybrid layout must not reach it.
+    ``prune=False``: hybrid_hits without its first stage (``first``), every
+    live pair scanned."""
     calls = {"hybrid": 0, "full": 0}
     real_hybrid, real_full = fleet_triton.hybrid_hits, fleet_triton.full_hits
 
     def hybrid(*a):
         calls["hybrid"] += 1
-        return real_hybrid(*a)
+        assert len(a) == 13
+        return real_hybrid(*a[:12], a[12] if prune else None)
 
     def full(*a):
         calls["full"] += 1
@@ -256,8 +259,9 @@ def test_engine_words_and_removed_engines(layout, E):
         stores_.append(keys)
     lens = [len(r) * hbs - rng.randint(0, hbs) for r in reqs]
     gone = (0, 64, 66) if E > 64 else (1,)
-    for apply_eagle in (True, False):
-        with on_triton() as calls:
+    # With the joint scan's first stage and without it.
+    for apply_eagle, prune in ((True, True), (False, True), (True, False)):
+        with on_triton(prune) as calls:
             fleet = helpers.make_fleet(stores_, backend="triton")
             for e in gone:
                 fleet.remove_engine(e)
@@ -278,7 +282,7 @@ def test_launcher_refuses_bad_arguments():
     rows = torch.zeros((1, 1), dtype=torch.int64)
     sg = torch.zeros((2, contract.SG_MEMBERS + 1), dtype=torch.int64)
     cand = torch.zeros((2, contract.CAND_WIDTH), dtype=torch.int64)
-    live = torch.tensor([-1])
+    live = torch.tensor([0])  # no live engine: the placeholder rows are never read
     good = dict(table=t, rows=rows, offsets=z, lengths=z, lens=z, token_lens=None,
                 sg_rows=sg, cand_rows=cand, plan_cands=cand[:1], live=live,
                 num_engines=2, params=(16, 16, 0, 0, 1, 0))  # fmt: skip
@@ -294,7 +298,7 @@ def test_launcher_refuses_bad_arguments():
             ValueError,
         ),
         ("cand_rows", cand[:1], ValueError),
-        ("live", torch.tensor([-1, -1]), ValueError),
+        ("live", torch.tensor([0, 0]), ValueError),
         ("num_engines", 2.0, TypeError),
         ("params", (16, 16, 0, 0, 1), ValueError),
         ("params", (16, 0, 0, 0, 1, 0), ValueError),
@@ -317,7 +321,8 @@ from kvhit.kernels import fleet_triton, scan
 
 triton.knobs.nvidia.dump_ptxas_log = True
 kernel = fleet_triton._hybrid_kernel
-consts = ("W", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD", "SG_W")
+consts = ("W", "HAS_RUNS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
+          "SG_W")
 sig = {}
 for name in kernel.arg_names:
     if name in consts:
@@ -328,11 +333,13 @@ for name in kernel.arg_names:
         sig[name] = "i64" if name == "cap_mask" else "i32"
 # dsv4-flash-like: W = 4 words, 4 SpecGroups, 2 members at most (as
 # tests/test_scan_registers.py compiles the engine's scan).
-for name, (has_tl, eagle, lookup) in {
-    "find": (0, 1, 0), "find no-eagle": (0, 0, 0),
-    "find token_lens": (1, 1, 0), "lookup": (1, 1, 1),
+# HAS_RUNS: after the joint scan (a full-attention first SpecGroup).
+for name, (runs, has_tl, eagle, lookup) in {
+    "find": (1, 0, 1, 0), "find no-eagle": (1, 0, 0, 0),
+    "find token_lens": (1, 1, 1, 0), "lookup": (1, 1, 1, 1),
+    "find all pairs": (0, 0, 1, 0), "lookup all pairs": (0, 1, 1, 1),
 }.items():
-    cx = dict(W=4, HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
+    cx = dict(W=4, HAS_RUNS=bool(runs), HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
               BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -362,6 +369,6 @@ def test_hybrid_kernel_fits_registers_without_spills():
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for row in rows:
         print(row)
-    assert len(rows) == 4
+    assert len(rows) == 6
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
     assert all(r["regs"] <= 128 for r in rows), rows
