@@ -49,8 +49,15 @@ the batch's keys that engine holds. On CUDA (``backend.auto_backend``'s
 rule; the ``"triton"`` backend) the same tables are driven by Triton
 kernels: keys inserted and found by ``kernels/hash_index.py``, engine sets
 updated, and the joint full-attention scan (runs and hits in one launch)
-and ``routing.prefix_blocks``' runs by ``kernels/fleet_triton.py``; hybrid
-layouts keep the per-engine path.
+and ``routing.prefix_blocks``' runs by ``kernels/fleet_triton.py``. Hybrid
+layouts there take ``fleet_triton.hybrid_hits`` (the family's
+``hybrid_hits``): one program per (request, engine) runs the LookupEngine's
+own Triton rule over the entry index with the plan's groups renamed ``g * E
++ e`` (:func:`_fleet_plan_tensors`), after, for a full-attention first
+SpecGroup, one joint scan that leaves only the pairs whose engine holds the
+request's first block to scan: two launches a call, no host round trip, no
+per-engine loop (the torch family's per-engine path stays for
+``backend="torch"``).
 
 This module reads a fleet through :class:`FleetTables` and imports no fleet
 module (``fleet_index`` imports it).

@@ -1,6 +1,8 @@
 """FleetIndex kernels on CUDA, in Triton: the joint full-attention scan of
 :mod:`kvhit.kernels.fleet_numba` (runs and vLLM's hits of every request
-against every engine, one launch) and the engine-set updates.
+against every engine, one launch), vLLM's whole rule for hybrid layouts
+(every (request, engine) pair, one launch after the joint scan) and the
+engine-set updates.
 
 The tables are the FleetIndex's on a non-CPU device
 (``coordinator/fleet_index.py``, STORAGE), two contiguous tensors:
@@ -36,6 +38,24 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
   ``num_tokens - 1`` rule), as ``fleet_numba._full_hits`` does.
 * **Integer division.** Triton's ``//`` and ``%`` truncate on a GPU and floor
   under the interpreter: every operand here is non-negative.
+
+Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
+several SpecGroups, EAGLE, fine-grained hits):
+
+* **One program per (request, engine), the engine's own rule.** The program
+  runs :mod:`kvhit.kernels.scan`'s jitted rule (``_converge``, the
+  convergence loop of ``ReferenceCoordinator._find`` / ``_round`` with every
+  kind's scan; in LOOKUP mode ``ReferenceCoordinator.lookup`` around it)
+  over the FleetIndex's entry index, a KeyIndex of ``(g * E + e, hash)``,
+  with plan rows whose member groups are renamed ``g * E + e`` (engine
+  ``e``'s SpecGroup rows start at row ``e * S``). The rule is spelled once,
+  in scan.py; this module only gives it a per-engine context.
+* **The joint scan first.** When the first SpecGroup is full attention and
+  not fine-grained, :func:`_fleet_kernel` (engines across lanes) leaves each
+  pair's leading run, and a program whose engine lacks the request's first
+  block writes 0 after one load: on a router's traffic most engines hold
+  none of a request, so most programs stop there. Two launches, no host
+  sync, whatever E.
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
