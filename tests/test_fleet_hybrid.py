@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from contextlib import contextmanager
 from unittest import mock
 
@@ -372,3 +373,72 @@ def test_hybrid_kernel_fits_registers_without_spills():
     assert len(rows) == 6
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
     assert all(r["regs"] <= 128 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    ("layout", "launches"),
+    [
+        (make_layout("gemma3"), ["_fleet_kernel", "_hybrid_kernel"]),
+        (
+            CacheLayout([Group(Mamba(16)), Group(SlidingWindow(16, 32))], 16, 16),
+            ["_hybrid_kernel"],
+        ),
+    ],
+    ids=["full-first", "no-full"],
+)
+def test_launches_per_call_and_no_host_copy(layout, launches):
+    # fleet_find on a hybrid layout: the joint scan (when the first
+    # SpecGroup is full attention) and the rule, nothing else launched, and
+    # nothing copied between host and device once the plan's rows are cached
+    # (the first call builds them): no .cpu(), .numpy(), .tolist(), .item()
+    # in fleet_scoring or fleet_triton.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    reqs = [chained_hashes(i, 6) for i in range(3)]
+    keys = saved_keys(layout, reqs[0], 96) | {(1, h) for h in reqs[1]}
+    seen: list[str] = []
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        seen.append(self.fn.__name__)
+        return real_run(self, *a, **k)
+
+    def copy(name):
+        real = getattr(torch.Tensor, name)
+
+        def refuse(self, *a, **k):
+            # Only the fleet's own code counts (a CPU batch's view reads its
+            # offsets through numpy, on the CPU only).
+            caller = sys._getframe(1).f_code.co_filename
+            assert not caller.endswith(("fleet_scoring.py", "fleet_triton.py")), (
+                f"a host copy: Tensor.{name} in {caller}"
+            )
+            return real(self, *a, **k)
+
+        return refuse
+
+    with on_triton():
+        fleet = helpers.make_fleet([keys, set(), keys, keys], backend="triton")
+        engine = LookupEngine(layout, backend="torch")
+        batch = HashBatch.from_bytes(reqs, 8)
+        lens = torch.tensor([96, 96, 0])
+        for lookup in (False, True):
+            fleet_scoring.fleet_find(engine, batch, lens, fleet, lookup=lookup)
+            seen.clear()
+            patches = [mock.patch.object(InterpretedFunction, "run", run)] + [
+                mock.patch.object(torch.Tensor, n, copy(n))
+                for n in ("cpu", "numpy", "tolist", "item")
+            ]
+            for p in patches:
+                p.start()
+            try:
+                got = fleet_scoring.fleet_find(
+                    engine, batch, lens, fleet, lookup=lookup
+                )
+            finally:
+                for p in reversed(patches):
+                    p.stop()
+            assert seen == launches
+            want = expected(layout, reqs, [keys, set(), keys, keys], lens.tolist(),
+                            lookup=lookup)  # fmt: skip
+            assert got.tolist() == want
