@@ -53,9 +53,9 @@ several SpecGroups, EAGLE, fine-grained hits):
 * **The joint scan first.** When the first SpecGroup is full attention and
   not fine-grained, :func:`_fleet_kernel` (engines across lanes) leaves each
   pair's leading run, and a program whose engine lacks the request's first
-  block writes 0 after one load: on a router's traffic most engines hold
-  none of a request, so most programs stop there. Two launches, no host
-  sync, whatever E.
+  block stops after two loads (its output stays 0): on a router's traffic
+  most engines hold none of a request, so most programs stop there. Two
+  launches, no host sync, whatever E.
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
