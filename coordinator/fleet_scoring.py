@@ -49,8 +49,15 @@ the batch's keys that engine holds. On CUDA (``backend.auto_backend``'s
 rule; the ``"triton"`` backend) the same tables are driven by Triton
 kernels: keys inserted and found by ``kernels/hash_index.py``, engine sets
 updated, and the joint full-attention scan (runs and hits in one launch)
-and ``routing.prefix_blocks``' runs by ``kernels/fleet_triton.py``; hybrid
-layouts keep the per-engine path.
+and ``routing.prefix_blocks``' runs by ``kernels/fleet_triton.py``. Hybrid
+layouts there take ``fleet_triton.hybrid_hits`` (the family's
+``hybrid_hits``): one program per (request, engine) runs the LookupEngine's
+own Triton rule over the entry index with the plan's groups renamed ``g * E
++ e`` (:func:`_fleet_plan_tensors`), after, for a full-attention first
+SpecGroup, one joint scan that leaves only the pairs whose engine holds the
+request's first block to scan: two launches a call, no host round trip, no
+per-engine loop (the torch family's per-engine path stays for
+``backend="torch"``).
 
 This module reads a fleet through :class:`FleetTables` and imports no fleet
 module (``fleet_index`` imports it).
@@ -307,6 +314,37 @@ def _engine_plans(plan: ScanPlan, E: int) -> tuple[np.ndarray, list[np.ndarray]]
     return cand, per_engine
 
 
+# (id(plan), E, device) -> (plan, its fleet rows on the device): keyed by
+# identity as _HOST_PLANS (the plan held keeps its id from being reused).
+_FLEET_PLAN_TENSORS: dict[tuple[int, int, torch.device], tuple[ScanPlan, tuple]] = {}
+
+
+def _fleet_plan_tensors(
+    plan: ScanPlan, E: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan as ``kernels/fleet_triton.hybrid_hits`` reads it for E
+    engines, on ``device``, built once per (plan, E, device): ``sg_rows``
+    int64 ``[E * S, SG_W]`` (:func:`_engine_plans`' per-engine rows, engine
+    ``e``'s at row ``e * S``), ``cand_rows`` int64 ``[G * E, CAND_WIDTH]``
+    (its candidate rows) and the plan's own candidate rows, int64 ``[G,
+    CAND_WIDTH]`` (``plan.plan_tensors``'). A steady stream of calls copies
+    nothing to the device."""
+    key = (id(plan), E, torch.device(device))
+    got = _FLEET_PLAN_TENSORS.get(key)
+    if got is not None and got[0] is plan:
+        return got[1]
+    cand, per_engine = _engine_plans(plan, E)
+    out = (
+        torch.from_numpy(np.concatenate(per_engine)).to(device),
+        torch.from_numpy(cand).to(device),
+        torch.tensor(plan.candidates_as_rows(), dtype=torch.int64, device=device),
+    )
+    if len(_FLEET_PLAN_TENSORS) >= 64:
+        _FLEET_PLAN_TENSORS.clear()
+    _FLEET_PLAN_TENSORS[key] = (plan, out)
+    return out
+
+
 def _first_block_holders(plan, view, fleet) -> np.ndarray | None:
     """bool ``[B, E]``: engines that may hit each request at all, or None when
     the layout gives no such bound. With a full-attention first SpecGroup a
@@ -484,5 +522,25 @@ def fleet_find(
         return torch.from_numpy(
             _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup)
         )
+    hybrid = getattr(fleet.ops, "hybrid_hits", None)
+    if hybrid is not None:
+        # A family with a kernel for the whole rule (Triton): every (request,
+        # engine) pair in one launch over the entry index, no host sync.
+        plan = engine.plan
+        sg_rows, cand_rows, plan_cands = _fleet_plan_tensors(plan, E, fleet.device)
+        drop = bool(apply_eagle) and not lookup
+        params = (plan.hash_block_size, plan.alignment, int(plan.partial),
+                  int(plan.simple_hybrid), int(drop), int(lookup))  # fmt: skip
+        sg = plan.spec_groups[0]
+        first = None
+        if sg.kind == KIND_FULL and not sg.fine:
+            # Only engines holding a request's first block may hit it
+            # (_first_block_holders): the joint scan's runs say which.
+            first = (fleet.keys, fleet.bits, _host_plan(engine).members, sg.scale)
+        return hybrid(
+            fleet.entries.table, view.rows, view.offsets, view.lengths, lens,
+            None if lookup else view.token_lens, sg_rows, cand_rows, plan_cands,
+            fleet.live, E, params, first,
+        ).to(engine.device)  # fmt: skip
     out = _fleet_generic(engine, view, lens, fleet, apply_eagle, lookup)
     return out.to(engine.device)

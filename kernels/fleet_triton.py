@@ -1,6 +1,8 @@
 """FleetIndex kernels on CUDA, in Triton: the joint full-attention scan of
 :mod:`kvhit.kernels.fleet_numba` (runs and vLLM's hits of every request
-against every engine, one launch) and the engine-set updates.
+against every engine, one launch), vLLM's whole rule for hybrid layouts
+(every (request, engine) pair, one launch after the joint scan) and the
+engine-set updates.
 
 The tables are the FleetIndex's on a non-CPU device
 (``coordinator/fleet_index.py``, STORAGE), two contiguous tensors:
@@ -37,6 +39,24 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
 * **Integer division.** Triton's ``//`` and ``%`` truncate on a GPU and floor
   under the interpreter: every operand here is non-negative.
 
+Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
+several SpecGroups, EAGLE, fine-grained hits):
+
+* **One program per (request, engine), the engine's own rule.** The program
+  runs :mod:`kvhit.kernels.scan`'s jitted rule (``_converge``, the
+  convergence loop of ``ReferenceCoordinator._find`` / ``_round`` with every
+  kind's scan; in LOOKUP mode ``ReferenceCoordinator.lookup`` around it)
+  over the FleetIndex's entry index, a KeyIndex of ``(g * E + e, hash)``,
+  with plan rows whose member groups are renamed ``g * E + e`` (engine
+  ``e``'s SpecGroup rows start at row ``e * S``). The rule is spelled once,
+  in scan.py; this module only gives it a per-engine context.
+* **The joint scan first.** When the first SpecGroup is full attention and
+  not fine-grained, :func:`_fleet_kernel` (engines across lanes) leaves each
+  pair's leading run, and a program whose engine lacks the request's first
+  block stops after two loads (its output stays 0): on a router's traffic
+  most engines hold none of a request, so most programs stop there. Two
+  launches, no host sync, whatever E.
+
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
 :class:`FleetOps` is the FleetIndex's adapter (the same calls as the numba and
@@ -54,8 +74,9 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import fleet_torch, hash_index
+from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
-from kvhit.kernels.contract import TOMBSTONE
+from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import device_guard, fix_interpreter
 
@@ -67,6 +88,7 @@ __all__ = [
     "clear_engine",
     "full_hits",
     "full_runs",
+    "hybrid_hits",
     "probe_bits",
     "set_bits",
 ]
@@ -464,6 +486,271 @@ def full_runs(
                  num_engines, scale, 1, 1, False, "ends")  # fmt: skip
 
 
+# -- hybrid layouts: vLLM's whole rule per (request, engine), one launch ----------------
+
+# Longest length the rule distinguishes, in tokens (kernels/scan.py divides
+# positions in 32 bits: longer lengths mean the same).
+_HYB_MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
+
+
+@triton.jit
+def _hybrid_kernel(
+    hashes_ptr,
+    offsets_ptr,
+    n_units_ptr,
+    len_ptr,
+    tok_len_ptr,
+    table_ptr,
+    cap_mask,
+    sg_ptr,
+    cand_ptr,
+    plan_cand_ptr,
+    live_ptr,
+    runs_ptr,
+    first_scale,
+    out_ptr,
+    n_eng,
+    n_sg,
+    n_groups,
+    hbs,
+    align,
+    partial,
+    simple_hybrid,
+    W: tl.constexpr,
+    HAS_RUNS: tl.constexpr,
+    HAS_TL: tl.constexpr,
+    APPLY_EAGLE: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    S_PAD: tl.constexpr,
+    SG_W: tl.constexpr,
+):
+    """Program ``p``: request ``p // E`` against engine ``p % E`` (a live
+    one; dead engines keep the zeroed output), ``out[r, e]``. The engine's
+    keys are the entry index's ``(g * E + e, hash)``: the program runs the
+    LookupEngine's own rule (:mod:`kvhit.kernels.scan`'s convergence loop,
+    ``ReferenceCoordinator._find``, and, ``LOOKUP``, the store worker's
+    ``ReferenceCoordinator.lookup``) over plan rows whose member groups are
+    renamed ``g * E + e`` (``sg_ptr``: engine ``e``'s ``n_sg`` rows at row
+    ``e * n_sg``; ``cand_ptr``: one candidate row per renamed group,
+    ``plan_cand_ptr`` the plan's own ``n_groups`` rows).
+
+    ``HAS_RUNS``: the first SpecGroup is full attention, not fine-grained,
+    and ``runs_ptr`` holds ``_fleet_kernel``'s rows for it (``end - first
+    miss``, ``end = n_units // first_scale``): a pair whose engine lacks the
+    request's first block hits 0 (its leading run is 0, and the convergence
+    loop never raises a hit above the full-attention run:
+    ``ReferenceCoordinator._round``), so its program stops after one load."""
+    p = tl.program_id(0).to(tl.int64)
+    r = p // n_eng
+    e = p % n_eng
+    live = (tl.load(live_ptr + e // 64) >> (e % 64)) & 1
+    n_units = tl.load(n_units_ptr + r)
+    if HAS_RUNS:
+        live = tl.where(n_units // first_scale - tl.load(runs_ptr + p) > 0, live, 0)
+    if live == 1:
+        length = tl.minimum(tl.load(len_ptr + r), _HYB_MAX_LEN)
+        zero = n_units * 0
+        if LOOKUP:
+            token_len = length // align * align
+        elif HAS_TL:
+            token_len = tl.load(tok_len_ptr + r)
+        else:
+            token_len = zero
+        # The request context of kernels/scan.py (its fields _C_*, in order),
+        # scalars as tensors as there: engine e's SpecGroup rows.
+        ctx = (
+            tl.load(offsets_ptr + r),
+            n_units,
+            token_len,
+            hashes_ptr,
+            table_ptr,
+            zero + cap_mask,
+            cand_ptr,
+            zero + partial,
+            zero + hbs,
+            zero + align,
+            sg_ptr + e * n_sg * SG_W,
+            zero + n_sg,
+            zero + simple_hybrid,
+        )
+        if LOOKUP:
+            # ReferenceCoordinator.lookup, as scan._worker_lookup: whether the
+            # worker asks any key depends on the plan only (its own candidate
+            # rows, not the E-fold renamed ones), then the search at the
+            # aligned length and, when it covers the whole prompt, again at
+            # align(num_tokens - 1) (bounded below num_tokens: two at most).
+            plain = (ctx[0], n_units, token_len, hashes_ptr, table_ptr, zero + cap_mask,
+                     plan_cand_ptr, zero + partial, zero + hbs, zero + align,
+                     ctx[10], zero + n_sg, zero + simple_hybrid)  # fmt: skip
+            asks = scan_rules._asks_any(plain, n_groups)
+            ok = (n_units > 0) & (token_len > 0) & asks
+            usable = tl.maximum(length - 1, 0) // align * align
+            bound = tl.where(ok, token_len, zero - 1)
+            hit = zero
+            searching = ok
+            while searching:
+                got, _l, _lo, _hi = scan_rules._converge(
+                    ctx, bound, W, True, True, True, BLOCK, S_PAD, SG_W, False
+                )
+                whole = got >= length
+                hit = tl.where(whole, zero, got)
+                bound = usable
+                searching = whole & (usable > 0)
+        else:
+            hit, _l, _lo, _hi = scan_rules._converge(
+                ctx, length, W, True, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, False
+            )
+        tl.store(out_ptr + p, hit)
+
+
+def hybrid_hits(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    lens: torch.Tensor,
+    token_lens: torch.Tensor | None,
+    sg_rows: torch.Tensor,
+    cand_rows: torch.Tensor,
+    plan_cands: torch.Tensor,
+    live: torch.Tensor | np.ndarray,
+    num_engines: int,
+    params: Sequence[int],
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray, int]
+    | None = None,
+) -> torch.Tensor:
+    """vLLM's whole rule (any layout: sliding window, Mamba, chunked local,
+    several SpecGroups, EAGLE, fine-grained hits) of every request against
+    every engine, one launch, no host sync: int64 ``[B, E]`` on the table's
+    device, 0 for dead engines. Entry ``[r, e]`` is what the engine's own
+    scan (:func:`kvhit.kernels.scan.scan_hits`, or with ``lookup``
+    :func:`kvhit.kernels.scan.worker_lookup`) answers for request ``r``
+    against engine ``e``'s keys alone.
+
+    ``table`` int64 ``[C, W + 1]``: the FleetIndex's entry index, a KeyIndex
+    table of ``(g * E + e, hash)``; ``rows`` int64 ``[T, W]``, ``offsets``
+    and ``lengths`` int64 ``[B]`` a batch's RaggedView; ``lens`` int64
+    ``[B]``, >= 0: the max lengths (or, ``lookup``, the prompt lengths);
+    ``token_lens`` int64 ``[B]`` or None: the view's worker restriction
+    (find only); ``sg_rows`` int64 ``[E * S, SG_W]``: the plan's SpecGroup
+    rows once per engine, members renamed ``g * E + e``; ``cand_rows`` int64
+    ``[G * E, CAND_WIDTH]``: row ``v`` is group ``v // E``'s candidate row;
+    ``plan_cands`` int64 ``[G, CAND_WIDTH]`` the plan's own; ``live`` int64
+    ``[NW]`` the active engines as an engine set (or an int64 numpy array,
+    copied once per value); ``params``: (hash block size, alignment,
+    partial, simple hybrid, EAGLE drop, lookup). Every tensor contiguous, on
+    the table's device; the plan rows are kvhit's (``coordinator/plan.py``),
+    trusted.
+
+    ``first``: None, or when the plan's first SpecGroup is full attention and
+    not fine-grained, ``(keys, bits, members, scale)``: the FleetIndex's
+    tables (as :func:`full_runs`') and that SpecGroup's group ids (int64
+    ``[M]``) and scale. Then one launch of the joint scan first (its leading
+    runs, engines across lanes, every probe shared by all engines) and the
+    rule only for pairs whose run is not 0: two launches, still no host sync.
+    """
+    table = check_int64(table, "table", dim=2)
+    dev = table.device
+    cap, w1 = table.shape
+    if cap < 1 or cap & (cap - 1) or w1 < 2:
+        raise ValueError(
+            f"table must have shape [capacity, W + 1], capacity a power of two, "
+            f"W >= 1, got {list(table.shape)}"
+        )
+    W = w1 - 1
+    rows = check_int64(rows, "rows", dim=2, device=dev, device_of="table")
+    if rows.shape[1] != W:
+        raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
+    B = check_int64(offsets, "offsets", dim=1, device=dev, device_of="table").shape[0]
+    for name, t in (("lengths", lengths), ("lens", lens), ("token_lens", token_lens)):
+        if t is None and name == "token_lens":
+            continue
+        check_int64(t, name, dim=1, device=dev, device_of="table")
+        if t.shape[0] != B:
+            raise ValueError(f"{name} must have shape [{B}], got {list(t.shape)}")
+    if isinstance(num_engines, bool) or not isinstance(num_engines, int):
+        raise TypeError(f"num_engines must be an int, got {num_engines!r}")
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    nw = -(-num_engines // 64)
+    live = check_int64(_on_device(live, dev), "live", dim=1, device=dev,
+                       device_of="table")  # fmt: skip
+    if live.shape[0] != nw:
+        raise ValueError(f"live must have shape [{nw}], got {list(live.shape)}")
+    n_sg, sg_w = check_int64(sg_rows, "sg_rows", dim=2, device=dev,
+                             device_of="table").shape  # fmt: skip
+    if n_sg < num_engines or n_sg % num_engines or sg_w <= SG_MEMBERS:
+        raise ValueError(
+            f"sg_rows must have shape [E * S, > {SG_MEMBERS}] (E = {num_engines}), "
+            f"got {list(sg_rows.shape)}"
+        )
+    G = check_int64(plan_cands, "plan_cands", dim=2, device=dev,
+                    device_of="table").shape[0]  # fmt: skip
+    if G < 1 or plan_cands.shape[1] != CAND_WIDTH:
+        raise ValueError(
+            f"plan_cands must have shape [G >= 1, {CAND_WIDTH}], "
+            f"got {list(plan_cands.shape)}"
+        )
+    check_int64(cand_rows, "cand_rows", dim=2, device=dev, device_of="table")
+    if list(cand_rows.shape) != [G * num_engines, CAND_WIDTH]:
+        raise ValueError(
+            f"cand_rows must have shape [{G * num_engines}, {CAND_WIDTH}], "
+            f"got {list(cand_rows.shape)}"
+        )
+    if len(params) != 6:
+        raise ValueError(f"params must hold 6 ints, got {len(params)}")
+    hbs = check_size("params[0] (hash block size)", params[0])
+    align = check_size("params[1] (alignment)", params[1])
+    partial, simple, drop, lookup = (bool(int(x)) for x in params[2:])
+    if dev.type == "cpu" and not _interpreting():
+        raise ValueError(
+            "table is on the CPU: the Triton kernels need a GPU, or "
+            "TRITON_INTERPRET=1 set before triton is imported"
+        )
+    runs, first_scale = None, 1
+    if first is not None:
+        keys, bits, members, first_scale = first
+        fw, fnw, fdev = _check_tables(keys, bits)
+        if fdev != dev or fw != W or fnw != nw:
+            raise ValueError(
+                f"first's tables must be a FleetIndex's on {dev} with W = {W} and "
+                f"{nw} engine words, got W = {fw}, {fnw} words on {fdev}"
+            )
+        first_scale = check_size("first's scale", first_scale)
+        members = check_int64(_on_device(members, dev), "first's members", dim=1,
+                              device=dev, device_of="table")  # fmt: skip
+        if members.shape[0] < 1:
+            raise ValueError("first's members must name at least one group")
+    out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
+    if B == 0:
+        return out
+    S = n_sg // num_engines
+    with device_guard(dev):
+        if first is not None:
+            # The joint scan's rows, left as ``end - first miss``
+            # (_fleet_kernel: the runs unfinished, read by the rule's programs).
+            runs = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
+            _fleet_kernel[(B, _split(B, dev))](
+                keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lengths,
+                members, members.shape[0], live, runs, num_engines, nw, first_scale,
+                1, 1, _split(B, dev), W=W, MODE=0, DROP=False,
+                MP=_pow2(members.shape[0]), BLOCK=BLOCK, num_warps=NUM_WARPS,
+            )  # fmt: skip
+        _hybrid_kernel[(B * num_engines,)](
+            rows, offsets, lengths, lens,
+            token_lens if token_lens is not None else lengths,
+            table, cap - 1, sg_rows, cand_rows, plan_cands, live,
+            runs if runs is not None else out, first_scale, out, num_engines,
+            S, G, hbs, align, int(partial), int(simple),
+            W=W, HAS_RUNS=runs is not None, HAS_TL=lookup or token_lens is not None,
+            APPLY_EAGLE=drop or lookup, LOOKUP=lookup, BLOCK=scan_rules.BLOCK,
+            S_PAD=_pow2(S), SG_W=sg_w, num_warps=scan_rules.NUM_WARPS,
+            maxnreg=scan_rules.MAXNREG,
+        )  # fmt: skip
+    return out
+
+
 # -- engine-set updates -----------------------------------------------------------
 
 
@@ -691,6 +978,9 @@ class FleetOps(fleet_torch.FleetOps):
     set_bits_kernel = staticmethod(set_bits)
     clear_bits_kernel = staticmethod(clear_bits)
     probe_bits_kernel = staticmethod(probe_bits)
+    # Every other layout (fleet_scoring.fleet_find): one launch over the
+    # entry index, every (request, engine) pair.
+    hybrid_hits = staticmethod(hybrid_hits)
 
     @staticmethod
     def clear_engine(

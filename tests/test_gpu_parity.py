@@ -285,3 +285,62 @@ def test_fleet_parity(device):
         st.sampled_from([1, 3, 64, 65, 130]),
         st.integers(0, 2**32 - 1),
     )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_fleet_parity_every_kind(device, kind):
+    # A Triton FleetIndex on ``device`` for every kind (hybrid layouts:
+    # kernels/fleet_triton.hybrid_hits, one launch family, no per-engine
+    # loop) against the CPU torch fleet (and, on the CPU, the reference per
+    # engine): fleet_hits (both EAGLE settings) and fleet_lookup; engines
+    # past one 64-engine word on CUDA, each a random thinning of a drawn
+    # store, one removed.
+    def test(data, apply_eagle, E, seed):
+        with triton_fleets_on(device):
+            check(data, apply_eagle, E, seed)
+
+    def check(data, apply_eagle, E, seed):
+        layout, reqs, exists, lens = data
+        rng = random.Random(seed)
+        keys = sorted(exists)
+        stores_ = [exists] + [
+            {k for k in keys if rng.random() < rng.choice([0.5, 0.9, 1.0])}
+            for _ in range(E - 1)
+        ]
+        fleets = [
+            fleet_of(stores_, device, "triton"),
+            fleet_of(stores_, "cpu", "torch"),
+        ]
+        if E > 1:
+            for fleet in fleets:
+                fleet.remove_engine(E - 1)
+            stores_[E - 1] = set()
+        batch = HashBatch.from_bytes(reqs, 8)
+        answers = []
+        for fleet in fleets:
+            engine = LookupEngine(layout, backend="torch", device=fleet.device)
+            b = batch.to(fleet.device)
+            hits = engine.fleet_hits(b, lens, fleet, apply_eagle=apply_eagle)
+            assert hits.device == fleet.device
+            answers.append(
+                (hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist())
+            )
+        assert answers[0] == answers[1]
+        if device == "cpu":
+            assert answers[0] == (
+                helpers.fleet_expected(layout, reqs, stores_, lens, apply_eagle),
+                helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
+            )
+
+    # Fewer examples than the other tests on CUDA: the oracle, the CPU torch
+    # fleet, scans engine by engine (up to 65 here).
+    layouts_ = st.sampled_from(pool(kind, device))
+    settings(max_examples=EXAMPLES[device] if device == "cpu" else 8, deadline=None)(
+        given(
+            case(layouts_, max_requests=6, max_hashes=max_hashes(device)),
+            st.booleans(),
+            st.sampled_from([1, 3] if device == "cpu" else [1, 3, 65]),
+            st.integers(0, 2**32 - 1),
+        )(test)
+    )()

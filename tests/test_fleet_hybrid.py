@@ -1,0 +1,444 @@
+"""Hybrid layouts on the Triton fleet (``kernels/fleet_triton.hybrid_hits``)
+under TRITON_INTERPRET=1: sliding window, Mamba, chunked local, several
+SpecGroups, EAGLE and fine-grained hits, every (request, engine) pair in one
+launch with no per-engine Python loop, checked exactly against the scalar
+reference (``ReferenceCoordinator.find_longest_cache_hit`` / ``lookup`` per
+engine) and the numba/CPU fleet (where numba imports: the GPU machine's twin
+has none).
+
+Patterns of ``tests/test_fleet_triton.py``: hypothesis over every kind and
+store mode, forced slot collisions in the entry index, empty and single
+requests and batches, all-hit and all-miss stores, non-power-of-two batches
+and engine counts (past one 64-engine word), removed engines.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from contextlib import contextmanager
+from unittest import mock
+
+import helpers
+import pytest
+import torch
+from helpers import fleet_expected as expected
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import case, chained_hashes, saved_keys, stores
+
+from kvhit import (
+    CacheLayout,
+    FleetIndex,
+    FullAttention,
+    Group,
+    HashBatch,
+    LookupEngine,
+    Mamba,
+    SlidingWindow,
+)
+from kvhit.bench.workloads import make_layout
+from kvhit.coordinator import fleet_index as fleet_mod
+from kvhit.coordinator import fleet_scoring
+from kvhit.kernels import contract, fleet_triton
+
+EXAMPLES = max(int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60")) // 4, 8)
+
+
+@contextmanager
+def on_triton(prune: bool = True):
+    """FleetIndexes built inside are Triton ones (the CUDA rule, here
+    interpreted); yields a dict counting the hybrid and joint launches. The
+    per-engine path is refused inside: a hybrid layout must not reach it.
+    ``prune=False``: hybrid_hits without its first stage (``first``), every
+    live pair scanned."""
+    calls = {"hybrid": 0, "full": 0}
+    real_hybrid, real_full = fleet_triton.hybrid_hits, fleet_triton.full_hits
+
+    def hybrid(*a):
+        calls["hybrid"] += 1
+        assert len(a) == 13
+        return real_hybrid(*a[:12], a[12] if prune else None)
+
+    def full(*a):
+        calls["full"] += 1
+        return real_full(*a)
+
+    def refuse(*a, **k):
+        raise AssertionError("the per-engine path ran on the Triton fleet")
+
+    with (
+        mock.patch.object(fleet_mod, "auto_backend", lambda device: "triton"),
+        mock.patch.object(fleet_triton.FleetOps, "hybrid_hits", staticmethod(hybrid)),
+        mock.patch.object(fleet_triton, "full_hits", full),
+        mock.patch.object(fleet_scoring, "_fleet_generic", refuse),
+    ):
+        yield calls
+
+
+def numba_answers(layout, requests, stores_, lens, apply_eagle):
+    """The numba/CPU fleet's (hits, lookups), or None without numba."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:  # the device twin has no numba
+        return None
+    fleet = helpers.make_fleet(stores_, backend="numba", num_engines=len(stores_))
+    engine = LookupEngine(layout, backend="numba")
+    batch = HashBatch.from_bytes(requests, 8)
+    return (
+        engine.fleet_hits(batch, lens, fleet, apply_eagle=apply_eagle).tolist(),
+        engine.fleet_lookup(batch, lens, fleet).tolist(),
+    )
+
+
+def check(layout, requests, stores_, lens, apply_eagle=True, capacity=16,
+          max_load=0.5, against_numba=True):  # fmt: skip
+    """fleet_hits and fleet_lookup through the Triton fleet equal the
+    reference per engine (and the numba fleet); returns the launch counts."""
+    E = len(stores_)
+    with on_triton() as calls:
+        fleet = FleetIndex(E, 8, capacity=capacity, backend="triton",
+                           max_load=max_load)  # fmt: skip
+        for e, keys in enumerate(stores_):
+            keys = sorted(keys)
+            if keys:
+                fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
+        engine = LookupEngine(layout, backend="torch")
+        batch = HashBatch.from_bytes(requests, 8)
+        hits = engine.fleet_hits(batch, lens, fleet, apply_eagle=apply_eagle)
+        assert hits.dtype == torch.int64 and list(hits.shape) == [len(requests), E]
+        looks = engine.fleet_lookup(batch, lens, fleet)
+    want = expected(layout, requests, stores_, lens, apply_eagle)
+    assert hits.tolist() == want
+    want_lookup = expected(layout, requests, stores_, lens, lookup=True)
+    assert looks.tolist() == want_lookup
+    if against_numba:
+        got = numba_answers(layout, requests, stores_, lens, apply_eagle)
+        assert got is None or got == (want, want_lookup)
+    return calls
+
+
+def is_joint(layout) -> bool:
+    """Whether fleet_find answers this layout by the joint full-attention
+    scan (one non-fine full-attention SpecGroup) for both hits and lookups."""
+    engine = LookupEngine(layout, backend="torch")
+    plan = engine.plan
+    return fleet_scoring._full_path(plan, False) and fleet_scoring._full_path(
+        plan, True
+    )
+
+
+@st.composite
+def hybrid_case(draw):
+    """A ``case()`` of any layout (every kind, merged groups, EAGLE, partial
+    hash hits, scratch groups) plus 0-3 more engines' stores (none, all,
+    random, prefix, saved, mixed)."""
+    layout, requests, exists, lens = draw(case())
+    more = draw(st.integers(0, 3))
+    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
+    return layout, requests, stores_, lens
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=hybrid_case(), apply_eagle=st.booleans())
+def test_random_parity_every_kind(data, apply_eagle):
+    layout, requests, stores_, lens = data
+    calls = check(layout, requests, stores_, lens, apply_eagle)
+    # One launch per call: the hybrid kernel, or the joint full-attention one.
+    kind = "full" if is_joint(layout) else "hybrid"
+    assert calls[kind] == 2 and sum(calls.values()) == 2
+
+
+def collide(gid: int, n: int, cap: int, seed: int) -> list[bytes]:
+    """``n`` distinct 8-byte hashes whose key ``(gid, hash)`` has its home
+    slot in {0, 1} of a ``cap``-slot table: one long probe chain."""
+    rng = random.Random(seed)
+    out: list[bytes] = []
+    while len(out) < n:
+        h = rng.getrandbits(64).to_bytes(8, "little")
+        word = int.from_bytes(h, "little", signed=True)
+        if contract.slot_hash(gid, [word]) & (cap - 1) <= 1 and h not in out:
+            out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["gemma3", "qwen3-next"])
+def test_forced_collisions(preset):
+    # Every hash of the requests has its key (group 0, engine 0) homed at
+    # slot 0 or 1 of the entry index (capacity fixed: no growth), so engine
+    # 0's probes walk one chain past the other keys; the table near its
+    # 0.95 load bound.
+    layout = make_layout(preset)
+    hbs, cap = layout.hash_block_size, 256
+    f = layout.scheduler_block_size // hbs
+    hs = collide(0, 6 * f, cap, seed=5)
+    reqs = [hs, hs[: 3 * f], hs[f:]]
+    stores_ = [saved_keys(layout, r, layout.align(len(r) * hbs)) for r in reqs]
+    stores_ = [stores_[0], stores_[1], stores_[0] - {(0, hs[f])}]
+    # No growth: the (engine, key) entries stay under the load bound.
+    assert sum(len(s) for s in stores_) <= 0.95 * cap
+    lens = [len(r) * hbs for r in reqs]
+    calls = check(layout, reqs, stores_, lens, capacity=cap, max_load=0.95)
+    assert calls["hybrid"] == 2
+
+
+@pytest.mark.parametrize("hit", ["all", "none"])
+def test_edge_batches(hit):
+    # Empty batch (no launch), one request, an empty request, all-hit and
+    # all-miss stores, a length 0 and one past the prompt (full attention
+    # bounds the scans), a non-power-of-two batch and engine count.
+    layout = make_layout("gemma3")
+    hbs = layout.hash_block_size
+    reqs = [chained_hashes(i, n) for i, n in enumerate((9, 0, 1, 5, 12))]
+    full = set()
+    for r in reqs:
+        full |= saved_keys(layout, r, layout.align(len(r) * hbs))
+    stores_ = [full if hit == "all" else set()] * 3
+    lens = [9 * hbs, 0, hbs, 0, 10**9 if hit == "all" else 12 * hbs]
+    assert check(layout, reqs[:1], stores_, lens[:1])["hybrid"] == 2
+    assert check(layout, reqs, stores_, lens)["hybrid"] == 2
+    # B = 0: fleet_find answers [0, E] without a launch.
+    assert check(layout, [], stores_, []) == {"hybrid": 0, "full": 0}
+
+
+def test_empty_batch_launches_nothing():
+    table = torch.zeros((4, 2), dtype=torch.int64)
+    z = torch.zeros(0, dtype=torch.int64)
+    sg = torch.zeros((3, contract.SG_MEMBERS + 1), dtype=torch.int64)
+    cand = torch.zeros((3, contract.CAND_WIDTH), dtype=torch.int64)
+    with mock.patch.object(fleet_triton, "_hybrid_kernel", None):
+        out = fleet_triton.hybrid_hits(
+            table, torch.zeros((0, 1), dtype=torch.int64), z, z, z, None, sg,
+            cand, cand[:1], torch.tensor([-1]), 3, (16, 16, 0, 0, 1, 0),
+        )  # fmt: skip
+    assert list(out.shape) == [0, 3]
+
+
+def eagle_mamba_layout() -> CacheLayout:
+    """Full attention 32 (EAGLE), SWA 16/w24 (EAGLE), Mamba 32: the EAGLE
+    proof margin past the hit, a Mamba group that never takes it, and the
+    convergence loop over three SpecGroups."""
+    return CacheLayout(
+        [
+            Group(FullAttention(32), eagle=True),
+            Group(SlidingWindow(16, 24), eagle=True),
+            Group(Mamba(32)),
+        ],
+        32,
+        16,
+        use_eagle=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "E"),
+    [(make_layout("dsv4-flash"), 3), (eagle_mamba_layout(), 67)],
+    ids=["dsv4", "eagle-mamba"],
+)
+def test_engine_words_and_removed_engines(layout, E):
+    # Each engine holds a prefix of every group's keys cut at its own point
+    # (Mamba states at every hash unit), some with a hole; a few engines
+    # removed (dead engines read 0); 67 engines: two engine-set words, the
+    # second partial. Both EAGLE settings.
+    rng = random.Random(11)
+    hbs = layout.hash_block_size
+    f = layout.scheduler_block_size // hbs
+    reqs = [chained_hashes(i % 2, rng.randint(f, 4 * f)) for i in range(2)]
+    G = layout.num_groups
+    stores_ = []
+    for e in range(E):
+        keys = set()
+        if e % 5 != 1:
+            for r in reqs:
+                cut = rng.randint(0, len(r))
+                keys |= {
+                    (g, h) for g in range(G) for h in r[: cut + rng.randint(-f, f)]
+                }
+        if keys and e % 7 == 0:
+            keys.discard(sorted(keys)[rng.randrange(len(keys))])
+        stores_.append(keys)
+    lens = [len(r) * hbs - rng.randint(0, hbs) for r in reqs]
+    gone = (0, 64, 66) if E > 64 else (1,)
+    # With the joint scan's first stage and without it.
+    for apply_eagle, prune in ((True, True), (False, True), (True, False)):
+        with on_triton(prune) as calls:
+            fleet = helpers.make_fleet(stores_, backend="triton")
+            for e in gone:
+                fleet.remove_engine(e)
+            engine = LookupEngine(layout, backend="torch")
+            batch = HashBatch.from_bytes(reqs, 8)
+            got = engine.fleet_hits(batch, lens, fleet, apply_eagle=apply_eagle)
+        want = expected(layout, reqs, stores_, lens, apply_eagle)
+        for row in want:
+            for e in gone:
+                row[e] = 0
+        assert got.tolist() == want and calls["hybrid"] == 1
+        assert max(max(row) for row in want) > 0
+
+
+def test_launcher_refuses_bad_arguments():
+    t = torch.zeros((4, 2), dtype=torch.int64)
+    z = torch.zeros(1, dtype=torch.int64)
+    rows = torch.zeros((1, 1), dtype=torch.int64)
+    sg = torch.zeros((2, contract.SG_MEMBERS + 1), dtype=torch.int64)
+    cand = torch.zeros((2, contract.CAND_WIDTH), dtype=torch.int64)
+    live = torch.tensor([0])  # no live engine: the placeholder rows are never read
+    good = dict(table=t, rows=rows, offsets=z, lengths=z, lens=z, token_lens=None,
+                sg_rows=sg, cand_rows=cand, plan_cands=cand[:1], live=live,
+                num_engines=2, params=(16, 16, 0, 0, 1, 0))  # fmt: skip
+    bad = [
+        ("table", torch.zeros((3, 2), dtype=torch.int64), ValueError),
+        ("table", torch.zeros((4, 2), dtype=torch.int32), TypeError),
+        ("rows", torch.zeros((1, 2), dtype=torch.int64), ValueError),
+        ("lens", torch.zeros(2, dtype=torch.int64), ValueError),
+        ("token_lens", torch.zeros(2, dtype=torch.int64), ValueError),
+        (
+            "sg_rows",
+            torch.zeros((3, contract.SG_MEMBERS + 1), dtype=torch.int64),
+            ValueError,
+        ),
+        ("cand_rows", cand[:1], ValueError),
+        ("live", torch.tensor([0, 0]), ValueError),
+        ("num_engines", 2.0, TypeError),
+        ("params", (16, 16, 0, 0, 1), ValueError),
+        ("params", (16, 0, 0, 0, 1, 0), ValueError),
+    ]
+    for name, value, err in bad:
+        with pytest.raises(err, match=name if name != "params" else "params"):
+            fleet_triton.hybrid_hits(**{**good, name: value})
+    assert fleet_triton.hybrid_hits(**good).tolist() == [[0, 0]]
+
+
+# -- registers: the kernel compiled for sm_90 without a GPU ------------------------
+
+_REGISTERS = r"""
+import contextlib, io, json, os, re, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # ptxas must really run
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvhit.kernels import fleet_triton, scan
+
+triton.knobs.nvidia.dump_ptxas_log = True
+kernel = fleet_triton._hybrid_kernel
+consts = ("W", "HAS_RUNS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
+          "SG_W")
+sig = {}
+for name in kernel.arg_names:
+    if name in consts:
+        sig[name] = "constexpr"
+    elif name.endswith("_ptr"):
+        sig[name] = "*i64"
+    else:
+        sig[name] = "i64" if name == "cap_mask" else "i32"
+# dsv4-flash-like: W = 4 words, 4 SpecGroups, 2 members at most (as
+# tests/test_scan_registers.py compiles the engine's scan).
+# HAS_RUNS: after the joint scan (a full-attention first SpecGroup).
+for name, (runs, has_tl, eagle, lookup) in {
+    "find": (1, 0, 1, 0), "find no-eagle": (1, 0, 0, 0),
+    "find token_lens": (1, 1, 1, 0), "lookup": (1, 1, 1, 1),
+    "find all pairs": (0, 0, 1, 0), "lookup all pairs": (0, 1, 1, 1),
+}.items():
+    cx = dict(W=4, HAS_RUNS=bool(runs), HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
+              BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": scan.NUM_WARPS,
+                                      "maxnreg": scan.MAXNREG})
+    assert out.asm["cubin"]
+    text = log.getvalue()
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                       text).groups()
+    print(json.dumps(dict(variant=name, regs=regs, spill_stores=int(st),
+                          spill_loads=int(ld))))
+"""
+
+
+def test_hybrid_kernel_fits_registers_without_spills():
+    # Compiled outside the interpreter for sm_90 (Triton's own ptxas): every
+    # variant the launcher builds, no spill, within the scan's register
+    # ceiling (MAXNREG 128: 16 one-warp programs per SM partition).
+    import json
+
+    from conftest import compile_outside_interpreter
+
+    out = compile_outside_interpreter(_REGISTERS)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(row)
+    assert len(rows) == 6
+    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
+    assert all(r["regs"] <= 128 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    ("layout", "launches"),
+    [
+        (make_layout("gemma3"), ["_fleet_kernel", "_hybrid_kernel"]),
+        (
+            CacheLayout([Group(Mamba(16)), Group(SlidingWindow(16, 32))], 16, 16),
+            ["_hybrid_kernel"],
+        ),
+    ],
+    ids=["full-first", "no-full"],
+)
+def test_launches_per_call_and_no_host_copy(layout, launches):
+    # fleet_find on a hybrid layout: the joint scan (when the first
+    # SpecGroup is full attention) and the rule, nothing else launched, and
+    # nothing copied between host and device once the plan's rows are cached
+    # (the first call builds them): no .cpu(), .numpy(), .tolist(), .item()
+    # in fleet_scoring or fleet_triton.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    reqs = [chained_hashes(i, 6) for i in range(3)]
+    keys = saved_keys(layout, reqs[0], 96) | {(1, h) for h in reqs[1]}
+    seen: list[str] = []
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        seen.append(self.fn.__name__)
+        return real_run(self, *a, **k)
+
+    def copy(name):
+        real = getattr(torch.Tensor, name)
+
+        def refuse(self, *a, **k):
+            # Only the fleet's own code counts (a CPU batch's view reads its
+            # offsets through numpy, on the CPU only).
+            caller = sys._getframe(1).f_code.co_filename
+            assert not caller.endswith(("fleet_scoring.py", "fleet_triton.py")), (
+                f"a host copy: Tensor.{name} in {caller}"
+            )
+            return real(self, *a, **k)
+
+        return refuse
+
+    with on_triton():
+        fleet = helpers.make_fleet([keys, set(), keys, keys], backend="triton")
+        engine = LookupEngine(layout, backend="torch")
+        batch = HashBatch.from_bytes(reqs, 8)
+        lens = torch.tensor([96, 96, 0])
+        for lookup in (False, True):
+            fleet_scoring.fleet_find(engine, batch, lens, fleet, lookup=lookup)
+            seen.clear()
+            patches = [mock.patch.object(InterpretedFunction, "run", run)] + [
+                mock.patch.object(torch.Tensor, n, copy(n))
+                for n in ("cpu", "numpy", "tolist", "item")
+            ]
+            for p in patches:
+                p.start()
+            try:
+                got = fleet_scoring.fleet_find(
+                    engine, batch, lens, fleet, lookup=lookup
+                )
+            finally:
+                for p in reversed(patches):
+                    p.stop()
+            assert seen == launches
+            want = expected(layout, reqs, [keys, set(), keys, keys], lens.tolist(),
+                            lookup=lookup)  # fmt: skip
+            assert got.tolist() == want
