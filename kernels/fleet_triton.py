@@ -43,7 +43,7 @@ Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
 several SpecGroups, EAGLE, fine-grained hits):
 
 * **One program per (request, engine), the engine's own rule.** The program
-  runs :mod:`kvhit.kernels.scan`'s jitted rule (``_converge``, the
+  runs :mod:`kvhit.kernels.scan`'s jitted rule (``converge``, the
   convergence loop of ``ReferenceCoordinator._find`` / ``_round`` with every
   kind's scan; in LOOKUP mode ``ReferenceCoordinator.lookup`` around it)
   over the FleetIndex's entry index, a KeyIndex of ``(g * E + e, hash)``,
@@ -522,6 +522,7 @@ def _hybrid_kernel(
     APPLY_EAGLE: tl.constexpr,
     LOOKUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEAD: tl.constexpr,
     S_PAD: tl.constexpr,
     SG_W: tl.constexpr,
 ):
@@ -583,23 +584,33 @@ def _hybrid_kernel(
             plain = (ctx[0], n_units, token_len, hashes_ptr, table_ptr, zero + cap_mask,
                      plan_cand_ptr, zero + partial, zero + hbs, zero + align,
                      ctx[10], zero + n_sg, zero + simple_hybrid)  # fmt: skip
-            asks = scan_rules._asks_any(plain, n_groups)
+            asks = scan_rules.asks_any(plain, n_groups)
             ok = (n_units > 0) & (token_len > 0) & asks
             usable = tl.maximum(length - 1, 0) // align * align
             bound = tl.where(ok, token_len, zero - 1)
             hit = zero
             searching = ok
             while searching:
-                got, _l, _lo, _hi = scan_rules._converge(
-                    ctx, bound, W, True, True, True, BLOCK, S_PAD, SG_W, False
+                got, _l, _lo, _hi = scan_rules.converge(
+                    ctx, bound, W, True, True, True, BLOCK, LEAD, S_PAD, SG_W, False
                 )
                 whole = got >= length
                 hit = tl.where(whole, zero, got)
                 bound = usable
                 searching = whole & (usable > 0)
         else:
-            hit, _l, _lo, _hi = scan_rules._converge(
-                ctx, length, W, True, HAS_TL, APPLY_EAGLE, BLOCK, S_PAD, SG_W, False
+            hit, _l, _lo, _hi = scan_rules.converge(
+                ctx,
+                length,
+                W,
+                True,
+                HAS_TL,
+                APPLY_EAGLE,
+                BLOCK,
+                LEAD,
+                S_PAD,
+                SG_W,
+                False,
             )
         tl.store(out_ptr + p, hit)
 
@@ -745,7 +756,7 @@ def hybrid_hits(
             S, G, hbs, align, int(partial), int(simple),
             W=W, HAS_RUNS=runs is not None, HAS_TL=lookup or token_lens is not None,
             APPLY_EAGLE=drop or lookup, LOOKUP=lookup, BLOCK=scan_rules.BLOCK,
-            S_PAD=_pow2(S), SG_W=sg_w, num_warps=scan_rules.NUM_WARPS,
+            LEAD=scan_rules.BLOCK * scan_rules.LEAD_FACTOR, S_PAD=_pow2(S), SG_W=sg_w, num_warps=scan_rules.NUM_WARPS,
             maxnreg=scan_rules.MAXNREG,
         )  # fmt: skip
     return out

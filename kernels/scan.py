@@ -710,7 +710,7 @@ def _eagle_drop(ctx, sg_row, verified, multi, APPLY_EAGLE: tl.constexpr):
 
 
 @triton.jit
-def _converge(
+def converge(
     ctx,
     max_len,
     W: tl.constexpr,
@@ -794,7 +794,7 @@ def _store_masks(
     SG_W: tl.constexpr,
 ):
     """Write every member group's load-mask span to ``mask_spans[r]``; ``masks`` is
-    ``(sg_len, sg_lo, sg_hi)`` from :func:`_converge`."""
+    ``(sg_len, sg_lo, sg_hi)`` from :func:`converge`."""
     sg_len, sg_lo, sg_hi = masks
     n_sg = ctx[_C_N_SG]
     sidx = tl.arange(0, S_PAD)
@@ -818,7 +818,7 @@ def _store_masks(
 
 
 @triton.jit
-def _asks_any(ctx, n_groups):
+def asks_any(ctx, n_groups):
     """Whether the store worker asks about any key at all (mirrors
     ``ReferenceCoordinator.lookup``'s ``if not candidates: return 0``): per
     prefix-cacheable group, the chunks it walks, and for a sparse lookup mask
@@ -869,13 +869,13 @@ def _worker_lookup(
     align = ctx[_C_ALIGN]
     token_len = ctx[_C_TOK_LEN]
     zero = num_tokens * 0
-    ok = (ctx[_C_LENS] > 0) & (token_len > 0) & _asks_any(ctx, n_groups)
+    ok = (ctx[_C_LENS] > 0) & (token_len > 0) & asks_any(ctx, n_groups)
     usable = _div(tl.maximum(num_tokens - 1, 0), align) * align
     bound = tl.where(ok, token_len, zero - 1)
     out = zero
     searching = ok
     while searching:
-        hit, _l, _lo, _hi = _converge(
+        hit, _l, _lo, _hi = converge(
             ctx, bound, W, HAS_INDEX, True, True, BLOCK, LEAD, S_PAD, SG_W, False
         )
         # The second search is bounded by usable < num_tokens: it never
@@ -953,7 +953,7 @@ def _scan_kernel(
             ctx, length, n_groups, W, HAS_INDEX, BLOCK, LEAD, S_PAD, SG_W
         )
     else:
-        hit, sg_len, sg_lo, sg_hi = _converge(
+        hit, sg_len, sg_lo, sg_hi = converge(
             ctx,
             length,
             W,

@@ -322,8 +322,8 @@ from kvhit.kernels import fleet_triton, scan
 
 triton.knobs.nvidia.dump_ptxas_log = True
 kernel = fleet_triton._hybrid_kernel
-consts = ("W", "HAS_RUNS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "S_PAD",
-          "SG_W")
+consts = ("W", "HAS_RUNS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "LEAD",
+          "S_PAD", "SG_W")
 sig = {}
 for name in kernel.arg_names:
     if name in consts:
@@ -341,7 +341,7 @@ for name, (runs, has_tl, eagle, lookup) in {
     "find all pairs": (0, 0, 1, 0), "lookup all pairs": (0, 1, 1, 1),
 }.items():
     cx = dict(W=4, HAS_RUNS=bool(runs), HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
-              BLOCK=scan.BLOCK, S_PAD=4, SG_W=12)
+              BLOCK=scan.BLOCK, LEAD=scan.BLOCK * scan.LEAD_FACTOR, S_PAD=4, SG_W=12)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx),
