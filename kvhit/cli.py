@@ -186,7 +186,7 @@ def _device_of(args: argparse.Namespace) -> str:
     """``--device``, checked against this machine (torch is imported here,
     after parsing: help never gets this far), or the default device."""
     from kvhit.bench.harness import default_device
-    from kvhit.coordinator.checks import check_device
+    from kvhit.kernels.checks import check_device
 
     if args.device is None:
         return default_device()

@@ -397,7 +397,7 @@ def test_the_cli_imports_only_light_names_from_bench() -> None:
     from_bench = {n.rsplit(".", 1)[0] for n in names if n.startswith("kvhit.bench.")}
     light = {"names", "peers", "traces", "workloads", "harness", "coordinator"}
     assert from_bench and {m.split(".")[2] for m in from_bench} <= light, from_bench
-    # harness and coordinator.checks only inside the --device check, after
+    # harness and kernels.checks only inside the --device check, after
     # parsing: help never reaches them.
     top = {
         f"{node.module}"
