@@ -15,15 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, layouts, saved_keys, store_from_masks
 
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
 from kvhit.coordinator.reference import ReferenceCoordinator, replay_boundaries
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-)
 from kvhit.kernels.contract import cdiv
 
 H = chained_hashes(7, 64)  # one shared prompt; tests slice it

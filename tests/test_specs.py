@@ -12,16 +12,8 @@ from helpers import merged_swa_eagle_layout
 from hypothesis import given, settings
 from strategies import layouts
 
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-    coverage_spec,
-    eagle_proof_margin,
-)
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
+from kvhit.coordinator.specs import coverage_spec, eagle_proof_margin
 
 
 def make(groups, sbs=16, hbs=4, **kw) -> CacheLayout:
