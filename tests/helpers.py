@@ -6,7 +6,8 @@ Imported as ``helpers`` (pytest puts ``tests/`` on the path, as for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -110,3 +111,27 @@ def block_stored(hashes: list[Any], gid: Any = 0, medium: Any = "cpu") -> Any:
         lora_name=None,
         group_idx=gid,
     )
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (wall seconds): the
+    figure a timing test compares, the least disturbed by a busy host."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def wait_until(
+    cond: Callable[[], Any], timeout_s: float, poll_s: float = 0.005
+) -> bool:
+    """Poll ``cond`` until it is true (True) or ``timeout_s`` seconds pass
+    (False): a test's wait on another thread, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

@@ -15,18 +15,15 @@ from kvhit.bench import harness
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.engine import LookupEngine
 
+# The smallest workload both commands take (argv fragment).
+TINY_WORKLOAD = ["--min-tokens", "32", "--max-tokens", "512", "--repeats", "1"]
 TINY_DEMO = [
     "demo",
     "--preset",
     "llama",
     "--requests",
     "24",
-    "--min-tokens",
-    "32",
-    "--max-tokens",
-    "512",
-    "--repeats",
-    "1",
+    *TINY_WORKLOAD,
     "--no-fresh-process",
     "-q",
 ]
@@ -36,12 +33,7 @@ TINY_BENCH = [
     "llama,qwen3-next",
     "--batch-sizes",
     "1,8",
-    "--min-tokens",
-    "32",
-    "--max-tokens",
-    "512",
-    "--repeats",
-    "1",
+    *TINY_WORKLOAD,
     "-q",
 ]
 
@@ -397,7 +389,7 @@ def test_the_cli_imports_only_light_names_from_bench() -> None:
     from_bench = {n.rsplit(".", 1)[0] for n in names if n.startswith("kvhit.bench.")}
     light = {"names", "peers", "traces", "workloads", "harness", "coordinator"}
     assert from_bench and {m.split(".")[2] for m in from_bench} <= light, from_bench
-    # harness and coordinator.checks only inside the --device check, after
+    # harness and kernels.checks only inside the --device check, after
     # parsing: help never reaches them.
     top = {
         f"{node.module}"

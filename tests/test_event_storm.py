@@ -32,6 +32,8 @@ import pytest
 pytest.importorskip("msgspec", exc_type=ImportError)
 zmq = pytest.importorskip("zmq", exc_type=ImportError)
 
+from helpers import wait_until  # noqa: E402
+
 from kvhit import FleetIndex  # noqa: E402
 from kvhit.bindings import kv_events as kv  # noqa: E402
 from kvhit.bindings.fleet_events import EngineStream, FleetFollower  # noqa: E402
@@ -595,26 +597,17 @@ def test_stragglers_of_replaced_publisher_are_foreign():
         assert f.wait_for_seq(2, WAIT_S)
         pub.reset()
         pub.publish(new[0])
-        assert _wait_until(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S, poll_s=0.002)
         replays = f.replays_requested
         frames = [[pub.topic, s.to_bytes(8, "big"), old[s]] for s in (0, 2)]
         for fr in frames:  # stragglers: seq 0 (applied), seq 2 (beyond)
             pub._send(fr)
-        assert _wait_until(lambda: f.foreign >= 2)
+        assert wait_until(lambda: f.foreign >= 2, WAIT_S, poll_s=0.002)
         pub.publish(new[1])
         assert f.wait_for_seq(1, WAIT_S)
         assert _key_set(index) == _replay_set(new)
         assert not f.stale and f.rebuilds == 1 and f.publisher_restarts == 1
         assert f.replays_requested - replays <= 2
-
-
-def _wait_until(cond: Any) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeypatch):
@@ -637,10 +630,10 @@ def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeyp
 
         for seq in (2, 1, 3, 0):  # forgotten: only the first one is checked
             copy(seq, batches[seq])
-        assert _wait_until(lambda: f.foreign == 4)
+        assert wait_until(lambda: f.foreign == 4, WAIT_S, poll_s=0.002)
         assert f.replays_requested == replays + 1
         copy(8, stores(3, 0, 99.0))  # differs from a remembered batch
-        assert _wait_until(lambda: f.foreign == 5)
+        assert wait_until(lambda: f.foreign == 5, WAIT_S, poll_s=0.002)
         assert f.replays_requested == replays + 2
         assert _key_set(index) == _replay_set(batches)
         assert not f.stale and f.publisher_restarts == 0

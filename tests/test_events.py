@@ -24,7 +24,7 @@ msgspec = pytest.importorskip(
     "msgspec", reason="needs msgspec (pip install kvhit[events])", exc_type=ImportError
 )
 
-from helpers import block_stored  # noqa: E402
+from helpers import block_stored, wait_until  # noqa: E402
 
 from kvhit.bindings import events as ev  # noqa: E402
 from kvhit.coordinator.key_index import KeyIndex  # noqa: E402
@@ -272,7 +272,7 @@ def test_apply_random_sequences_match_sequential_set():
 # --- sockets
 
 
-class _Publisher:
+class Publisher:
     """vLLM's ZmqEventPublisher wire format, driven step by step by a test.
 
     XPUB instead of PUB only so the test can wait for the subscription (no
@@ -390,12 +390,12 @@ class _Publisher:
 
 @pytest.fixture
 def publisher(zmq):
-    pub = _Publisher(zmq)
+    pub = Publisher(zmq)
     yield pub
     pub.close()
 
 
-def _follower(pub: _Publisher, index: Any, **kw: Any) -> ev.EventFollower:
+def _follower(pub: Publisher, index: Any, **kw: Any) -> ev.EventFollower:
     kw.setdefault("replay_timeout_s", 2.0)
     f = ev.EventFollower(pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, **kw)
     f.start()
@@ -566,15 +566,6 @@ def _frames(seq: int, payload: bytes) -> list[bytes]:
     return [TOPIC.encode(), seq.to_bytes(8, "big"), payload]
 
 
-def _wait(cond: Any, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 K = [bytes([i]) * 16 for i in range(40)]
 
 
@@ -591,7 +582,7 @@ def test_exact_duplicates_are_dropped_silently(publisher):
         publisher.send_raw(_frames(0, p0))  # an older one again
         publisher.send_raw(_frames(2, _payload(3.0, [block_stored([K[1]])])))
         assert f.wait_for_seq(2, WAIT_S)
-        assert _wait(lambda: f.duplicates == 2)
+        assert wait_until(lambda: f.duplicates == 2, WAIT_S)
         # Before: each duplicate counted as a publisher restart, index stale.
         assert not f.stale and f.publisher_restarts == 0 and f.batches_applied == 3
         assert _contents(index) == {(0, K[1])}
@@ -631,7 +622,7 @@ def test_late_batch_after_a_replayed_gap_is_a_duplicate(publisher):
             publisher.send_raw(_frames(seq, p[seq]))
         assert f.wait_for_seq(3, WAIT_S)
         publisher.send_raw(_frames(1, p[1]))  # arrives at last
-        assert _wait(lambda: f.duplicates == 1)
+        assert wait_until(lambda: f.duplicates == 1, WAIT_S)
         assert _contents(index) == {(0, k) for k in K[:4]}
         assert not f.stale and f.gaps_recovered == 1 and f.publisher_restarts == 0
 
@@ -650,7 +641,7 @@ def test_reorder_beyond_the_window_without_replay_marks_stale(publisher):
         assert _contents(index) == {(0, K[i]) for i in (0, 2, 3, 4)}
 
 
-def _publish_keys(pub: _Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
+def _publish_keys(pub: Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
     return pub.publish(_payload(ts, [block_stored(keys)]), **kw)
 
 
@@ -662,7 +653,7 @@ def test_restart_with_fewer_batches_is_rebuilt(publisher):
         assert f.wait_for_seq(2, WAIT_S)
         publisher.reset()  # a new vLLM: seq 0, an empty replay buffer
         _publish_keys(publisher, [K[20]], ts=10.0)
-        assert _wait(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
         assert f.wait_for_seq(0, WAIT_S)
         with f.lock:
             assert _contents(index) == {(0, K[20])}  # the new publisher's state
@@ -704,7 +695,7 @@ def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
         publisher.wait_subscriber()
         _publish_keys(publisher, [K[30]], ts=20.0)  # seq 3 == next_seq
         assert f.wait_for_seq(3, WAIT_S)
-        assert _wait(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
         with f.lock:
             assert _contents(index) == {(0, k) for k in [*K[20:23], K[30]]}
         assert f.reconnects == 1 and not f.stale
@@ -743,7 +734,7 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
         publisher.wait_subscriber()
         _publish_keys(publisher, [K[30]], ts=20.0)
         assert f.wait_for_seq(3, WAIT_S)
-        assert _wait(lambda: f.stale)
+        assert wait_until(lambda: f.stale, WAIT_S)
         assert f.reconnects == 1 and "reconnected" in f.last_error
 
 
@@ -757,12 +748,12 @@ def test_reconnect_with_a_silent_replay_marks_stale(publisher):
         publisher.restart()
         publisher.recorded_replay = []  # the new ROUTER never answers
         publisher.wait_subscriber()
-        assert _wait(lambda: f.stale)
+        assert wait_until(lambda: f.stale, WAIT_S)
         assert f.reconnects == 1 and "did not answer" in f.last_error
 
 
 def test_restart_whose_buffer_wrapped_marks_stale(zmq):
-    pub = _Publisher(zmq, buffer_steps=2)
+    pub = Publisher(zmq, buffer_steps=2)
     try:
         index = KeyIndex(hash_bytes=16, capacity=64)
         with _follower(pub, index) as f:
