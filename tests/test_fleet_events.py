@@ -55,10 +55,15 @@ def _expected(stores: list[set]) -> list[list[int]]:
     return [[ref.lookup(128, CHAIN, s) for s in stores]]
 
 
+def _llama_fleet(engines: int) -> tuple[FleetIndex, LookupEngine, HashBatch]:
+    """An empty fleet of ``engines`` (16-byte keys), a llama engine, and the
+    one-request batch of CHAIN."""
+    fleet = FleetIndex(engines, 16)
+    return fleet, LookupEngine(make_layout("llama")), HashBatch.from_bytes([CHAIN], 16)
+
+
 def test_three_streams_three_columns(publishers):
-    fleet = FleetIndex(4, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(4)
     with _start(publishers, fleet) as ff:
         a, b, c = publishers
         _stored(a, CHAIN[:6], 1.0)
@@ -76,9 +81,7 @@ def test_three_streams_three_columns(publishers):
 
 
 def test_gap_repair_per_engine(publishers):
-    fleet = FleetIndex(3, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(3)
     with _start(publishers, fleet) as ff:
         a, b, _ = publishers
         for i in range(5):  # engine 0 loses batches 2 and 3 live
@@ -91,9 +94,7 @@ def test_gap_repair_per_engine(publishers):
 
 
 def test_a_stale_engine_serves_zeros_the_others_keep_serving(publishers):
-    fleet = FleetIndex(3, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(3)
     with _start(publishers, fleet) as ff:
         a, b, c = publishers
         _stored(a, CHAIN[:4], 0.0)
