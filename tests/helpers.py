@@ -135,3 +135,22 @@ def wait_until(
             return False
         time.sleep(poll_s)
     return True
+
+
+def bind_retrying(
+    sock: Any, addr: str, timeout_s: float, poll_s: float = 0.005
+) -> None:
+    """Bind the zmq socket ``sock`` to ``addr``, retrying for ``timeout_s``
+    while the port is still taken: a closed socket releases its port
+    asynchronously (ZMQ's I/O thread)."""
+    import zmq  # optional (the events extra): only the event tests bind
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)

@@ -32,7 +32,7 @@ import pytest
 pytest.importorskip("msgspec", exc_type=ImportError)
 zmq = pytest.importorskip("zmq", exc_type=ImportError)
 
-from helpers import wait_until  # noqa: E402
+from helpers import bind_retrying, wait_until  # noqa: E402
 
 from kvhit import FleetIndex  # noqa: E402
 from kvhit.bindings import kv_events as kv  # noqa: E402
@@ -94,7 +94,7 @@ class StormPublisher:
         published before it reconnects is lost live (replayable)."""
         self.pub.close(linger=0)
         self.pub = self._pub_socket()
-        _bind(self.pub, self.endpoint)
+        bind_retrying(self.pub, self.endpoint, WAIT_S)
         self.reset()
         self.router_restart.set()
 
@@ -102,7 +102,7 @@ class StormPublisher:
         """Called by the ReplayServer's thread: a new ROUTER on the port."""
         self.router.close(linger=0)
         self.router = self._router_socket()
-        _bind(self.router, self.replay_endpoint)
+        bind_retrying(self.router, self.replay_endpoint, WAIT_S)
         self.router_restart.clear()
         return self.router
 
@@ -163,19 +163,6 @@ class StormPublisher:
     def close(self) -> None:
         self.pub.close(linger=0)
         self.router.close(linger=0)
-
-
-def _bind(sock: Any, addr: str) -> None:
-    # A closed socket releases its port asynchronously (ZMQ's I/O thread).
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            sock.bind(addr)
-            return
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
 
 
 class ReplayServer:

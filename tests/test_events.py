@@ -24,7 +24,7 @@ msgspec = pytest.importorskip(
     "msgspec", reason="needs msgspec (pip install kvhit[events])", exc_type=ImportError
 )
 
-from helpers import block_stored, wait_until  # noqa: E402
+from helpers import bind_retrying, block_stored, wait_until  # noqa: E402
 
 from kvhit.bindings import events as ev  # noqa: E402
 from kvhit.coordinator.key_index import KeyIndex  # noqa: E402
@@ -300,20 +300,8 @@ class Publisher:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         if self.endpoint:
-            # A closed socket releases its port asynchronously (ZMQ I/O thread).
-            for sock, addr in (
-                (self.pub, self.endpoint),
-                (self.router, self.replay_endpoint),
-            ):
-                deadline = time.monotonic() + WAIT_S
-                while True:
-                    try:
-                        sock.bind(addr)
-                        break
-                    except zmq.ZMQError:
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.01)
+            bind_retrying(self.pub, self.endpoint, WAIT_S, poll_s=0.01)
+            bind_retrying(self.router, self.replay_endpoint, WAIT_S, poll_s=0.01)
         else:
             port = self.pub.bind_to_random_port("tcp://127.0.0.1")
             self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -645,12 +633,18 @@ def _publish_keys(pub: Publisher, keys: list[bytes], ts: float, **kw: Any) -> in
     return pub.publish(_payload(ts, [block_stored(keys)]), **kw)
 
 
+def _three_batches_applied(pub: Publisher, f: Any) -> None:
+    """Publish seq 0..2 (keys K[0], K[1], K[2]) and wait until ``f`` has
+    applied them: the old publisher's stream before a restart."""
+    for i in range(3):
+        _publish_keys(pub, [K[i]], ts=1.0 + i)
+    assert f.wait_for_seq(2, WAIT_S)
+
+
 def test_restart_with_fewer_batches_is_rebuilt(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.reset()  # a new vLLM: seq 0, an empty replay buffer
         _publish_keys(publisher, [K[20]], ts=10.0)
         assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
@@ -666,9 +660,7 @@ def test_restart_with_more_batches_is_not_taken_for_a_gap(publisher):
     kept the old engine's keys, not stale."""
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.reset()
         for i in range(6):  # lost live (nobody heard them), kept for replay
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i, drop=True)
@@ -686,9 +678,7 @@ def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
     old stream, and the index is rebuilt from the new publisher's buffer."""
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         for i in range(3):  # before the subscriber is back: lost live
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
@@ -704,9 +694,7 @@ def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
 def test_network_blip_with_the_same_publisher_is_a_gap_repair(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         buffer, seq = list(publisher.buffer), publisher.seq
         publisher.restart()  # the connection drops, the publisher state stays
         publisher.buffer.extend(buffer)
@@ -725,9 +713,7 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
     f = ev.EventFollower(publisher.endpoint, None, index, topic=TOPIC)
     with f:
         publisher.wait_subscriber()
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         for i in range(3):
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
@@ -742,9 +728,7 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
 def test_reconnect_with_a_silent_replay_marks_stale(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, replay_timeout_s=0.3) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         publisher.recorded_replay = []  # the new ROUTER never answers
         publisher.wait_subscriber()
