@@ -6,6 +6,8 @@ Imported as ``helpers`` (pytest puts ``tests/`` on the path, as for
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -154,3 +156,20 @@ def bind_retrying(
             if time.monotonic() > deadline:
                 raise
             time.sleep(poll_s)
+
+
+def run_python(
+    code: str, timeout_s: float | None = None, env: dict[str, str] | None = None
+) -> str:
+    """Run ``code`` in a fresh Python (``sys.executable -c``, ``env`` or this
+    process's environment); assert it exits 0 (its stderr's tail otherwise)
+    and return its stdout."""
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from kvhit import __version__, cli, commands
 from kvhit.bench import harness
@@ -622,11 +623,7 @@ def test_help_answers_without_torch() -> None:
         "heavy = {'torch', 'numpy', 'numba', 'triton', 'matplotlib'}\n"
         "print(sorted(heavy & set(sys.modules)))\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    assert run_python(code, 60).strip() == "[]"
 
 
 @pytest.mark.timing
