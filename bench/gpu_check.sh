@@ -88,6 +88,25 @@ if [ "$DRY" != "1" ] && [ "$CUDA" != "1" ]; then
     exit 0
 fi
 
+# run_step MODULE LIMIT RESULTS WHEN ARGS...: python -m kvhit.bench.MODULE
+# ARGS under a hard limit of LIMIT s, logged to $OUTDIR/MODULE.log; then its
+# status line (a timeout keeps what it wrote to $OUTDIR/RESULTS; WHEN: "so
+# far" or "in all" after the elapsed seconds). A failure sets FAILED=1.
+run_step() {
+    local module=$1 limit=$2 results=$3 when=$4 t rc st
+    shift 4
+    t=$(date +%s)
+    timeout --kill-after=5 "$limit" "$PY" -m "kvhit.bench.$module" "$@" 2>&1 |
+        tee "$OUTDIR/$module.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in
+        0) st=PASS ;;
+        124 | 137) st="TIMEOUT (results so far: $OUTDIR/$results)"; FAILED=1 ;;
+        *) st="FAIL (rc $rc)"; FAILED=1 ;;
+    esac
+    say "== $module.py: $st in $(($(date +%s) - t)) s ($(elapsed) s $when)"
+}
+
 FAILED=0
 t=$(date +%s)
 if [ "$DRY" = "1" ]; then
@@ -122,16 +141,7 @@ left=$((BUDGET - FLEET_S - $(elapsed)))
 ARGS=(--out "$OUTDIR" --budget "$((left - 45))")
 [ "$DRY" = "1" ] && ARGS+=(--dry-run)
 [ -n "${KVHIT_GPU_CHECK_PRESETS:-}" ] && ARGS+=(--presets "$KVHIT_GPU_CHECK_PRESETS")
-t=$(date +%s)
-timeout --kill-after=5 "$left" "$PY" -m kvhit.bench.gpu_check "${ARGS[@]}" 2>&1 |
-    tee "$OUTDIR/gpu_check.log"
-rc=${PIPESTATUS[0]}
-case $rc in
-    0) st=PASS ;;
-    124 | 137) st="TIMEOUT (results so far: $OUTDIR/results.jsonl)"; FAILED=1 ;;
-    *) st="FAIL (rc $rc)"; FAILED=1 ;;
-esac
-say "== gpu_check.py: $st in $(($(date +%s) - t)) s ($(elapsed) s so far)"
+run_step gpu_check "$left" results.jsonl "so far" "${ARGS[@]}"
 
 # 3. The Triton fleet (bench/gpu_check_fleet.py) beside numba, every answer
 # compared: E = 1, 8, 64, 256 x B = 64, 1024, llama and dsv4-flash.
@@ -139,16 +149,7 @@ left=$((BUDGET - $(elapsed)))
 [ "$left" -lt 30 ] && left=30
 FARGS=(--out "$OUTDIR" --budget "$((left - 15))")
 [ "$DRY" = "1" ] && FARGS+=(--dry-run)
-t=$(date +%s)
-timeout --kill-after=5 "$left" "$PY" -m kvhit.bench.gpu_check_fleet "${FARGS[@]}" 2>&1 |
-    tee "$OUTDIR/gpu_check_fleet.log"
-rc=${PIPESTATUS[0]}
-case $rc in
-    0) st=PASS ;;
-    124 | 137) st="TIMEOUT (results so far: $OUTDIR/fleet.jsonl)"; FAILED=1 ;;
-    *) st="FAIL (rc $rc)"; FAILED=1 ;;
-esac
-say "== gpu_check_fleet.py: $st in $(($(date +%s) - t)) s ($(elapsed) s in all)"
+run_step gpu_check_fleet "$left" fleet.jsonl "in all" "${FARGS[@]}"
 if [ "$FAILED" = "1" ]; then
     say "FAILED (logs in $OUTDIR)"
     exit 1

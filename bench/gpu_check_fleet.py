@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, replace
 from statistics import median
 
+from kvhit.bench.gpu_common import config_changes, run_seconds
+
 __all__ = ["Config", "main", "run"]
 
 
@@ -132,18 +134,7 @@ def timed(fn, cfg: Config, device) -> tuple[float, int]:
     times: list[float] = []
     t_end = time.perf_counter() + cfg.time_cap_s
     while len(times) < cfg.repeats and (not times or time.perf_counter() < t_end):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        times.append(run_seconds(fn, device))
     return median(times), len(times)
 
 
@@ -279,15 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds")
     args = parser.parse_args(argv)
     cfg = Config.dry() if args.dry_run else Config()
-    changes: dict = {}
-    if args.presets:
-        changes["presets"] = tuple(p for p in args.presets.split(",") if p)
-    if args.blocks:
-        changes["blocks"] = args.blocks
-    if args.out:
-        changes["out_dir"] = args.out
-    if args.budget:
-        changes["budget_s"] = args.budget
+    changes = config_changes(args, blocks="blocks", out="out_dir", budget="budget_s")
     cfg = replace(cfg, **changes)
     import torch
 

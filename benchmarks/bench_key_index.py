@@ -94,9 +94,23 @@ def _median(benchmark) -> float:
     return benchmark.stats.stats.median if benchmark.stats is not None else float("nan")
 
 
-def _extra(benchmark, env_info, **info) -> None:
+def _record(
+    benchmark, env_info, backend: str, index: KeyIndex, keys: int, rate: str, **info
+) -> None:
+    """The run's environment and figures into ``benchmark.extra_info``: ``rate``
+    names the keys per second over the median round; load and bytes per key
+    are the index's as it stands."""
     benchmark.extra_info.update(env_info)
-    benchmark.extra_info.update(info)
+    benchmark.extra_info.update(
+        backend=backend,
+        device=DEVICE,
+        keys=keys,
+        load=round(len(index) / index.capacity, 4),
+        capacity=index.capacity,
+        bytes_per_key=index.memory_bytes() / len(index),
+        **info,
+    )
+    benchmark.extra_info[rate] = keys / _median(benchmark)
 
 
 @pytest.mark.parametrize("hit_ratio", HIT_RATIOS)
@@ -124,19 +138,7 @@ def test_probe(benchmark, env_info, backend, n, load, hit_ratio) -> None:
     rounds = 3 if n >= 10_000_000 else 7
     out = benchmark.pedantic(run, rounds=rounds, warmup_rounds=1, iterations=1)
     assert torch.equal(out, expect)
-    median = _median(benchmark)
-    _extra(
-        benchmark,
-        env_info,
-        backend=backend,
-        device=DEVICE,
-        keys=n,
-        load=round(len(index) / index.capacity, 4),
-        capacity=index.capacity,
-        hit_ratio=hit_ratio,
-        probes_per_s=n / median,
-        bytes_per_key=index.memory_bytes() / len(index),
-    )
+    _record(benchmark, env_info, backend, index, n, "probes_per_s", hit_ratio=hit_ratio)
 
 
 @pytest.mark.parametrize("load", LOADS)
@@ -167,15 +169,4 @@ def test_insert(benchmark, env_info, backend, n, load) -> None:
     rounds = 2 if n >= 10_000_000 else 5
     added = benchmark.pedantic(run, setup=setup, rounds=rounds, iterations=1)
     assert added == n and len(index) == n and index.capacity == cap
-    median = _median(benchmark)
-    _extra(
-        benchmark,
-        env_info,
-        backend=backend,
-        device=DEVICE,
-        keys=n,
-        load=round(n / cap, 4),
-        capacity=cap,
-        inserts_per_s=n / median,
-        bytes_per_key=index.memory_bytes() / n,
-    )
+    _record(benchmark, env_info, backend, index, n, "inserts_per_s")

@@ -35,15 +35,8 @@ from kvhit.coordinator.spec_types import (
     SlidingWindow,
     Spec,
 )
+from kvhit.kernels import masks
 from kvhit.kernels.contract import KIND_CHUNKED, KIND_FULL, KIND_MAMBA, KIND_SWA
-from kvhit.kernels.masks import (
-    mamba_replay_mask,
-    mamba_segment_mask,
-    sliding_window_need,
-    sparse_window_mask,
-    swa_replay_mask,
-    swa_segment_chunks,
-)
 
 __all__ = [
     "KINDS",
@@ -144,7 +137,7 @@ def _no_fields(spec: Spec, *_: object) -> Mapping[str, int]:
 
 def _swa_plan_fields(spec: SlidingWindow) -> Mapping[str, int]:
     # The run without EAGLE; the scans add the per-request EAGLE drop.
-    return {"need": sliding_window_need(spec.sliding_window, spec.block_size)}
+    return {"need": masks.sliding_window_need(spec.sliding_window, spec.block_size)}
 
 
 def _chunked_plan_fields(spec: ChunkedLocal) -> Mapping[str, int]:
@@ -159,8 +152,8 @@ def _swa_candidate_fields(
     block_size = spec.block_size
     if scheduler_block_size % block_size:
         return {}
-    need = sliding_window_need(spec.sliding_window, block_size, eagle)
-    per_segment = swa_segment_chunks(None, scheduler_block_size, block_size)
+    need = masks.sliding_window_need(spec.sliding_window, block_size, eagle)
+    per_segment = masks.swa_segment_chunks(None, scheduler_block_size, block_size)
     return {
         "sparse": need < per_segment,
         "per_segment": per_segment,
@@ -197,18 +190,18 @@ def _swa_batched_mask(
     if scheduler_block_size % block_size:
         return inside.clone(), True
     shift = 1 if use_eagle else 0
-    need = sliding_window_need(spec.sliding_window, block_size, shift)
+    need = masks.sliding_window_need(spec.sliding_window, block_size, shift)
     mask = inside.new_zeros(inside.shape)
-    per_segment = swa_segment_chunks(
+    per_segment = masks.swa_segment_chunks(
         retention_interval, scheduler_block_size, block_size
     )
     if per_segment is not None:
         if need >= per_segment:
             return inside.clone(), True
-        mask |= sparse_window_mask(chunks, per_segment, need, shift)
+        mask |= masks.sparse_window_mask(chunks, per_segment, need, shift)
     if retention_interval is not None:
         for boundary in boundaries:
-            mask |= swa_replay_mask(
+            mask |= masks.swa_replay_mask(
                 chunks, boundary[:, None], scheduler_block_size, block_size,
                 need, shift,
             )  # fmt: skip
@@ -233,9 +226,9 @@ def _mamba_batched_mask(
         per_segment = retention_interval // block_size
         if per_segment <= 1:
             return inside.clone(), True
-        mask |= mamba_segment_mask(chunks, per_segment)
+        mask |= masks.mamba_segment_mask(chunks, per_segment)
     for boundary in boundaries:
-        mask |= mamba_replay_mask(
+        mask |= masks.mamba_replay_mask(
             chunks, boundary[:, None], scheduler_block_size, block_size
         )
     return mask, False

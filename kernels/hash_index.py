@@ -63,6 +63,7 @@ __all__ = [
     "insert_gave_up",
     "probe",
     "probe_keys",
+    "program_lanes",
     "rehash",
     "slot_hash",
 ]
@@ -210,6 +211,18 @@ def probe_keys(
 
 
 @triton.jit
+def program_lanes(gid_ptr, n, BLOCK: tl.constexpr):
+    """This program's lanes in a launch of one lane per key over ``n`` keys:
+    ``(rows, valid, gids)``, ``rows`` int64 [BLOCK] its key indices, ``valid``
+    int1 [BLOCK] ``rows < n``, ``gids`` int64 [BLOCK] the keys' group ids from
+    ``gid_ptr`` (0 past ``n``). Exported, as ``probe_keys`` is, for kernels
+    built on the index's device functions."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    return rows, valid, tl.load(gid_ptr + rows, mask=valid, other=0)
+
+
+@triton.jit
 def _probe_kernel(
     table_ptr,
     cap_mask,
@@ -221,9 +234,7 @@ def _probe_kernel(
     BLOCK: tl.constexpr,
     ACQUIRE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     # ACQUIRE=False: plain loads, stream-ordered after the inserts; True:
     # acquire reads, an insert may be running on another stream (find_slots).
     found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
@@ -241,9 +252,7 @@ def _find_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     # Plain loads: stream-ordered after the inserts (find_slots).
     slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
     tl.store(out_ptr + rows, slot, mask=valid)
@@ -284,9 +293,7 @@ def _insert_kernel(
     # out: 1 = inserted here, 0 = already present, INSERT_FULL = no free slot
     # (corrupt or over-full table), INSERT_WAIT = gave up waiting on a BUSY
     # slot (the launcher retries those lanes).
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     pos = slot_hash(gids, key_ptr, rows, valid, W) & cap_mask
     empty_v = tl.full([BLOCK], _EMPTY, tl.int64)
     never_v = tl.full([BLOCK], _NEVER_C, tl.int64)
@@ -349,9 +356,7 @@ def _erase_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     # Plain loads: stream-ordered after the inserts (find_slots); erasing
     # lanes only race each other, and the atomic_min below decides that race.
     slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)

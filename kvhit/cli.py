@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvhit import __version__
+from kvhit import __version__, errors
 from kvhit.bench.names import (
     BACKENDS,
     DEFAULT_BATCH_SIZES,
@@ -54,15 +54,11 @@ from kvhit.errors import (
     ArgumentError,
 )
 
+# The exit codes and ArgumentError are kvhit.errors' (re-exported as its list).
 __all__ = [
-    "EXIT_CODES",
-    "EXIT_INTERNAL",
-    "EXIT_MISMATCH",
-    "EXIT_OK",
-    "EXIT_USAGE",
+    *errors.__all__,
     "QUICK_BATCH_SIZES",
     "QUICK_REPEATS",
-    "ArgumentError",
     "build_parser",
     "main",
 ]
@@ -319,6 +315,25 @@ def _add_output_args(p: argparse.ArgumentParser, plot_help: str) -> None:
     p.add_argument("--plot", metavar="FILE.png", help=f"{plot_help} (needs matplotlib)")
 
 
+def _add_preset(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        choices=list(PRESET_DESCRIPTIONS),
+        default="dsv4-flash",
+        help="cache layout",
+    )
+
+
+def _add_trace(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "trace",
+        metavar="TRACE",
+        nargs="?",
+        default=default,
+        help="trace file (default: the shipped Mooncake conversation trace)",
+    )
+
+
 def _subparser(
     sub: Any, name: str, help: str, description: str, presets_help: str
 ) -> argparse.ArgumentParser:
@@ -345,12 +360,7 @@ def _add_demo(sub: Any, presets_help: str) -> None:
         "reference loop.",
         presets_help,
     )
-    demo.add_argument(
-        "--preset",
-        choices=list(PRESET_DESCRIPTIONS),
-        default="dsv4-flash",
-        help="cache layout",
-    )
+    _add_preset(demo)
     demo.add_argument(
         "--requests", type=_int_at_least(1), default=1024, help="batch size"
     )
@@ -490,19 +500,8 @@ def _add_replay(sub: Any, presets_help: str) -> None:
         "loop's (on a sample of steps, answers checked).",
         presets_help,
     )
-    replay.add_argument(
-        "trace",
-        metavar="TRACE",
-        nargs="?",
-        default=str(SHIPPED_TRACE),
-        help="trace file (default: the shipped Mooncake conversation trace)",
-    )
-    replay.add_argument(
-        "--preset",
-        choices=list(PRESET_DESCRIPTIONS),
-        default="dsv4-flash",
-        help="cache layout",
-    )
+    _add_trace(replay, str(SHIPPED_TRACE))
+    _add_preset(replay)
     replay.add_argument(
         "--trace-block-size",
         type=_int_at_least(1),
@@ -573,25 +572,14 @@ def _add_route(sub: Any, presets_help: str) -> None:
         "The defaults reproduce README's table.",
         presets_help,
     )
-    route.add_argument(
-        "trace",
-        metavar="TRACE",
-        nargs="?",
-        default=None,
-        help="trace file (default: the shipped Mooncake conversation trace)",
-    )
+    _add_trace(route, None)
     route.add_argument(
         "--trace",
         dest="trace_option",
         default=None,
         help="deprecated: give the trace as TRACE",
     )
-    route.add_argument(
-        "--preset",
-        choices=list(PRESET_DESCRIPTIONS),
-        default="dsv4-flash",
-        help="cache layout",
-    )
+    _add_preset(route)
     route.add_argument(
         "--engines", type=_int_at_least(1), default=8, help="simulated engines E"
     )

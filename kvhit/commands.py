@@ -21,8 +21,10 @@ several routers (``kvhit.bench.route``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -91,6 +93,56 @@ def config_from(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
         if f.name not in values and hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)
     return cls(**values)
+
+
+def _read_announced(
+    command: str, config: Any, trace_block_size: int, err: TextIO, more: str = ""
+) -> list[TraceRequest]:
+    """The requests of ``config``'s trace (:func:`read_trace`, up to its
+    ``limit``), announced on ``err`` with the preset (and ``more``)."""
+    requests = read_trace(config.trace, config.limit, trace_block_size)
+    err.write(
+        f"kvhit {command}: {len(requests)} requests of {config.trace.name} on "
+        f"{config.preset}{more}\n"
+    )
+    return requests
+
+
+@contextlib.contextmanager
+def _progress_bar(quiet: bool, total: int, **kwargs: Any) -> Iterator[Any]:
+    """A tqdm bar of ``total`` requests (``kwargs`` to tqdm), closed on exit;
+    None when ``quiet`` (tqdm is then never imported: it is optional)."""
+    if quiet:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="req", leave=False, **kwargs)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _dump_json(doc: Any, path: str) -> None:
+    """Write ``doc`` to ``path`` as the commands' JSON (indent 1)."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _write_outputs(
+    command: str,
+    args: argparse.Namespace,
+    err: TextIO,
+    write_json: Callable[[str], None],
+    plot: Callable[[str], None],
+) -> None:
+    """The ``--json`` and ``--plot`` files a command was asked for, each
+    written by its callable (given the path) and announced on ``err``."""
+    for path, write in ((args.json, write_json), (args.plot, plot)):
+        if path:
+            write(path)
+            err.write(f"kvhit {command}: wrote {path}\n")
 
 
 def traffic_config(args: argparse.Namespace, num_requests: int) -> TrafficConfig:
@@ -286,12 +338,13 @@ def cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if result.peers:
         out.write("\n" + report.format_peer_table(result.peers))
     out.flush()
-    if args.json:
-        harness.write_json(args.json, result)
-        err.write(f"kvhit bench: wrote {args.json}\n")
-    if args.plot:
-        report.plot(result, args.plot)
-        err.write(f"kvhit bench: wrote {args.plot}\n")
+    _write_outputs(
+        "bench",
+        args,
+        err,
+        lambda path: harness.write_json(path, result),
+        lambda path: report.plot(result, path),
+    )
     return EXIT_OK
 
 
@@ -308,35 +361,23 @@ def replay_config(args: argparse.Namespace) -> replay_mod.ReplayConfig:
 def cmd_replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``kvhit replay``: the trace replayed, checked, timed and summarised."""
     config = replay_config(args)
-    requests = read_trace(config.trace, config.limit, config.trace_block_size)
-    err.write(
-        f"kvhit replay: {len(requests)} requests of {config.trace.name} on "
-        f"{config.preset}\n"
-    )
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
+    requests = _read_announced("replay", config, config.trace_block_size, err)
+    with _progress_bar(args.quiet, len(requests), desc="  replay") as bar:
 
-        bar = tqdm(total=len(requests), desc="  replay", unit="req", leave=False)
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(done - bar.n)
 
-    def progress(done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(done - bar.n)
-
-    try:
         result = replay_mod.replay(config, progress=progress, requests=requests)
-    finally:
-        if bar is not None:
-            bar.close()
     out.write("\n" + replay_mod.format_report(result))
     out.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
-        err.write(f"kvhit replay: wrote {args.json}\n")
-    if args.plot:
-        replay_mod.plot_replay(result, args.plot)
-        err.write(f"kvhit replay: wrote {args.plot}\n")
+    _write_outputs(
+        "replay",
+        args,
+        err,
+        lambda path: _dump_json(result.to_json(), path),
+        lambda path: replay_mod.plot_replay(result, path),
+    )
     return EXIT_OK
 
 
@@ -359,34 +400,24 @@ def route_config(args: argparse.Namespace) -> route_mod.RouteConfig:
 def cmd_route(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``kvhit route``: the trace routed across E engines, one row per router."""
     config = route_config(args)
-    requests = read_trace(config.trace, config.limit, replay_mod.TRACE_BLOCK_SIZE)
-    err.write(
-        f"kvhit route: {len(requests)} requests of {config.trace.name} on "
-        f"{config.preset}, E = {config.engines}\n"
+    requests = _read_announced(
+        "route", config, replay_mod.TRACE_BLOCK_SIZE, err, f", E = {config.engines}"
     )
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
+    with _progress_bar(args.quiet, len(requests) * len(config.routers)) as bar:
 
-        bar = tqdm(total=len(requests) * len(config.routers), unit="req", leave=False)
+        def progress(router: str, done: int, total: int) -> None:
+            if bar is not None:
+                bar.set_description(f"  {router}", refresh=False)
+                bar.update(config.routers.index(router) * total + done - bar.n)
 
-    def progress(router: str, done: int, total: int) -> None:
-        if bar is not None:
-            bar.set_description(f"  {router}", refresh=False)
-            bar.update(config.routers.index(router) * total + done - bar.n)
-
-    try:
         results = route_mod.replay(config, progress, requests=requests)
-    finally:
-        if bar is not None:
-            bar.close()
     out.write(route_mod.format_table(results, config) + "\n")
     out.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(route_mod.to_json(results, config), f, indent=1)
-        err.write(f"kvhit route: wrote {args.json}\n")
-    if args.plot:
-        route_mod.plot(results, config, args.plot)
-        err.write(f"kvhit route: wrote {args.plot}\n")
+    _write_outputs(
+        "route",
+        args,
+        err,
+        lambda path: _dump_json(route_mod.to_json(results, config), path),
+        lambda path: route_mod.plot(results, config, path),
+    )
     return EXIT_OK

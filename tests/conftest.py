@@ -46,8 +46,7 @@ def compile_outside_interpreter(script: str) -> str:
     on a non-zero exit and return its stdout. Skips where triton has no NVIDIA
     backend. Catches what the interpreter does not check (loop-carried type
     changes, memory-ordering lowering)."""
-    import subprocess
-    import sys
+    from helpers import run_python
 
     try:
         from triton.backends.nvidia import compiler  # noqa: F401
@@ -55,11 +54,7 @@ def compile_outside_interpreter(script: str) -> str:
         pytest.skip("triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout
+    return run_python(script, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,10 @@ Imported as ``helpers`` (pytest puts ``tests/`` on the path, as for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -110,3 +113,63 @@ def block_stored(hashes: list[Any], gid: Any = 0, medium: Any = "cpu") -> Any:
         lora_name=None,
         group_idx=gid,
     )
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (wall seconds): the
+    figure a timing test compares, the least disturbed by a busy host."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def wait_until(
+    cond: Callable[[], Any], timeout_s: float, poll_s: float = 0.005
+) -> bool:
+    """Poll ``cond`` until it is true (True) or ``timeout_s`` seconds pass
+    (False): a test's wait on another thread, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def bind_retrying(
+    sock: Any, addr: str, timeout_s: float, poll_s: float = 0.005
+) -> None:
+    """Bind the zmq socket ``sock`` to ``addr``, retrying for ``timeout_s``
+    while the port is still taken: a closed socket releases its port
+    asynchronously (ZMQ's I/O thread)."""
+    import zmq  # optional (the events extra): only the event tests bind
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)
+
+
+def run_python(
+    code: str, timeout_s: float | None = None, env: dict[str, str] | None = None
+) -> str:
+    """Run ``code`` in a fresh Python (``sys.executable -c``, ``env`` or this
+    process's environment); assert it exits 0 (its stderr's tail otherwise)
+    and return its stdout."""
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout

@@ -131,31 +131,26 @@ def build_batches(ev: types.ModuleType, convert: Any) -> list[Any]:
     h8 = [_h(f"short{i}", 8) for i in range(3)]
     stored = ev.BlockStored
     removed = ev.BlockRemoved
+
+    def plain(hashes: list[Any], parent: Any, tokens: list[int], **kw: Any) -> Any:
+        # A BlockStored of 16-token blocks with no LoRA adapter.
+        return stored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=16,
+            lora_id=None,
+            lora_name=None,
+            **kw,
+        )
+
     return [
         # 0: Mooncake store style (worker.py: medium="cpu", one hash per event).
         ev.KVEventBatch(
             ts=1000.0,
             events=[
-                stored(
-                    block_hashes=[h[0]],
-                    parent_block_hash=None,
-                    token_ids=list(range(16)),
-                    block_size=16,
-                    lora_id=None,
-                    medium="cpu",
-                    lora_name=None,
-                    group_idx=0,
-                ),
-                stored(
-                    block_hashes=[h[1]],
-                    parent_block_hash=h[0],
-                    token_ids=list(range(16, 32)),
-                    block_size=16,
-                    lora_id=None,
-                    medium="cpu",
-                    lora_name=None,
-                    group_idx=1,
-                ),
+                plain([h[0]], None, list(range(16)), medium="cpu", group_idx=0),
+                plain([h[1]], h[0], list(range(16, 32)), medium="cpu", group_idx=1),
             ],
         ),
         # 1: block-pool style: several hashes, every optional field set.
@@ -180,16 +175,7 @@ def build_batches(ev: types.ModuleType, convert: Any) -> list[Any]:
                     lookahead_token_ids=[[48], [49], [50]],
                 ),
                 removed(block_hashes=[h[0]], medium="cpu", group_idx=0),
-                stored(
-                    block_hashes=[h[0]],
-                    parent_block_hash=None,
-                    token_ids=list(range(16)),
-                    block_size=16,
-                    lora_id=None,
-                    medium="cpu",
-                    lora_name=None,
-                    group_idx=0,
-                ),
+                plain([h[0]], None, list(range(16)), medium="cpu", group_idx=0),
                 removed(block_hashes=[h[3]], medium=ev.MEDIUM_GPU, group_idx=2),
             ],
         ),
@@ -198,15 +184,7 @@ def build_batches(ev: types.ModuleType, convert: Any) -> list[Any]:
             ts=1002.25,
             events=[
                 ev.AllBlocksCleared(),
-                stored(
-                    block_hashes=[h[5], h[6]],
-                    parent_block_hash=None,
-                    token_ids=list(range(32)),
-                    block_size=16,
-                    lora_id=None,
-                    medium=None,
-                    lora_name=None,
-                ),
+                plain([h[5], h[6]], None, list(range(32)), medium=None),
             ],
         ),
         # 3: int hashes as a stock deployment publishes them
@@ -215,24 +193,18 @@ def build_batches(ev: types.ModuleType, convert: Any) -> list[Any]:
         ev.KVEventBatch(
             ts=1003.0,
             events=[
-                stored(
-                    block_hashes=[convert(h[7])],
-                    parent_block_hash=convert(h[6]),
-                    token_ids=list(range(16)),
-                    block_size=16,
-                    lora_id=None,
+                plain(
+                    [convert(h[7])],
+                    convert(h[6]),
+                    list(range(16)),
                     medium="cpu",
-                    lora_name=None,
                     group_idx=0,
                 ),
-                stored(
-                    block_hashes=[convert(x) for x in h8],
-                    parent_block_hash=None,
-                    token_ids=list(range(48)),
-                    block_size=16,
-                    lora_id=None,
+                plain(
+                    [convert(x) for x in h8],
+                    None,
+                    list(range(48)),
                     medium="cpu",
-                    lora_name=None,
                     group_idx=3,
                 ),
                 removed(block_hashes=[convert(h8[1])], medium="cpu", group_idx=3),

@@ -33,16 +33,9 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
 from kvhit.coordinator.reference import ReferenceCoordinator
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-    Spec,
-)
+from kvhit.coordinator.specs import Spec
 
 Key = tuple[int, bytes]
 

@@ -9,24 +9,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from kvhit import __version__, cli, commands
 from kvhit.bench import harness
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.engine import LookupEngine
 
+# The smallest workload both commands take (argv fragment).
+TINY_WORKLOAD = ["--min-tokens", "32", "--max-tokens", "512", "--repeats", "1"]
 TINY_DEMO = [
     "demo",
     "--preset",
     "llama",
     "--requests",
     "24",
-    "--min-tokens",
-    "32",
-    "--max-tokens",
-    "512",
-    "--repeats",
-    "1",
+    *TINY_WORKLOAD,
     "--no-fresh-process",
     "-q",
 ]
@@ -36,12 +34,7 @@ TINY_BENCH = [
     "llama,qwen3-next",
     "--batch-sizes",
     "1,8",
-    "--min-tokens",
-    "32",
-    "--max-tokens",
-    "512",
-    "--repeats",
-    "1",
+    *TINY_WORKLOAD,
     "-q",
 ]
 
@@ -630,11 +623,7 @@ def test_help_answers_without_torch() -> None:
         "heavy = {'torch', 'numpy', 'numba', 'triton', 'matplotlib'}\n"
         "print(sorted(heavy & set(sys.modules)))\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    assert run_python(code, 60).strip() == "[]"
 
 
 @pytest.mark.timing

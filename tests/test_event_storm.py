@@ -18,17 +18,21 @@ and checks that threads, file descriptors and RSS stay flat.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("msgspec", exc_type=ImportError)
 zmq = pytest.importorskip("zmq", exc_type=ImportError)
+
+from helpers import bind_retrying, wait_until  # noqa: E402
 
 from kvhit import FleetIndex  # noqa: E402
 from kvhit.bindings import kv_events as kv  # noqa: E402
@@ -90,7 +94,7 @@ class StormPublisher:
         published before it reconnects is lost live (replayable)."""
         self.pub.close(linger=0)
         self.pub = self._pub_socket()
-        _bind(self.pub, self.endpoint)
+        bind_retrying(self.pub, self.endpoint, WAIT_S)
         self.reset()
         self.router_restart.set()
 
@@ -98,7 +102,7 @@ class StormPublisher:
         """Called by the ReplayServer's thread: a new ROUTER on the port."""
         self.router.close(linger=0)
         self.router = self._router_socket()
-        _bind(self.router, self.replay_endpoint)
+        bind_retrying(self.router, self.replay_endpoint, WAIT_S)
         self.router_restart.clear()
         return self.router
 
@@ -159,19 +163,6 @@ class StormPublisher:
     def close(self) -> None:
         self.pub.close(linger=0)
         self.router.close(linger=0)
-
-
-def _bind(sock: Any, addr: str) -> None:
-    # A closed socket releases its port asynchronously (ZMQ's I/O thread).
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            sock.bind(addr)
-            return
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
 
 
 class ReplayServer:
@@ -534,28 +525,41 @@ def stores(engine: int, i: int, ts: float) -> bytes:
     return kv.encode_batch(kv.KVEventBatch(ts, [event]))
 
 
-def test_held_batch_of_replaced_publisher_never_applied():
-    """The storm's first find: a batch held for a reorder when its publisher
-    was replaced used to be applied as the new publisher's after the rebuild
-    (a phantom key; in the storm, its hole reported as unrecoverable)."""
+@contextlib.contextmanager
+def _one_follower(**kwargs: Any) -> Iterator[tuple[StormPublisher, Any, Any]]:
+    """A started EventFollower (``kwargs`` to it) on a fresh StormPublisher and
+    its replay server, into an empty KeyIndex: ``(publisher, index,
+    follower)``, all closed on exit."""
     from kvhit import KeyIndex
-    from kvhit.bindings.events import EventFollower
+    from kvhit.bindings import events as events_mod
 
     ctx = zmq.Context()
     pub = StormPublisher(ctx)
     server = ReplayServer([pub])
     index = KeyIndex(HASH_BYTES, capacity=64)
-
-    old = [stores(1, i, 1.0 + i) for i in range(3)]
-    new = [stores(2, i, 10.0 + i) for i in range(2)]
-    # The reorder wait outlasts the test: only the restart can touch seq 2.
-    f = EventFollower(
-        pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, reorder_wait_s=30.0
+    f = events_mod.EventFollower(
+        pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, **kwargs
     )
     try:
         f.start()
         pub.wait_subscriber()
         assert f.wait_for_seq(-1, WAIT_S)
+        yield pub, index, f
+    finally:
+        f.stop()
+        server.close()
+        pub.close()
+        ctx.term()
+
+
+def test_held_batch_of_replaced_publisher_never_applied():
+    """The storm's first find: a batch held for a reorder when its publisher
+    was replaced used to be applied as the new publisher's after the rebuild
+    (a phantom key; in the storm, its hole reported as unrecoverable)."""
+    old = [stores(1, i, 1.0 + i) for i in range(3)]
+    new = [stores(2, i, 10.0 + i) for i in range(2)]
+    # The reorder wait outlasts the test: only the restart can touch seq 2.
+    with _one_follower(reorder_wait_s=30.0) as (pub, index, f):
         pub.publish(old[0])
         pub.publish(old[1], "drop")
         pub.publish(old[2])  # held: seq 1 is missing
@@ -566,84 +570,43 @@ def test_held_batch_of_replaced_publisher_never_applied():
         assert f.wait_for_seq(1, WAIT_S)
         assert _key_set(index) == _replay_set(new)
         assert not f.stale and f.rebuilds == 1 and f.gaps_unrecovered == 0
-    finally:
-        f.stop()
-        server.close()
-        pub.close()
-        ctx.term()
 
 
 def test_stragglers_of_replaced_publisher_are_foreign():
     """Old batches arriving after the rebuild (below and beyond the new
     publisher's last seq) are dropped after one short replay each, with no
     second rebuild and nothing applied."""
-    from kvhit import KeyIndex
-    from kvhit.bindings.events import EventFollower
-
-    ctx = zmq.Context()
-    pub = StormPublisher(ctx)
-    server = ReplayServer([pub])
-    index = KeyIndex(HASH_BYTES, capacity=64)
     old = [stores(1, i, 1.0 + i) for i in range(3)]
     new = [stores(2, i, 10.0 + i) for i in range(2)]
-    f = EventFollower(
-        pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, reorder_wait_s=0.05
-    )
-    try:
-        f.start()
-        pub.wait_subscriber()
-        assert f.wait_for_seq(-1, WAIT_S)
+    with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
         for payload in old:
             pub.publish(payload)
         assert f.wait_for_seq(2, WAIT_S)
         pub.reset()
         pub.publish(new[0])
-        assert _wait_until(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S, poll_s=0.002)
         replays = f.replays_requested
         frames = [[pub.topic, s.to_bytes(8, "big"), old[s]] for s in (0, 2)]
         for fr in frames:  # stragglers: seq 0 (applied), seq 2 (beyond)
             pub._send(fr)
-        assert _wait_until(lambda: f.foreign >= 2)
+        assert wait_until(lambda: f.foreign >= 2, WAIT_S, poll_s=0.002)
         pub.publish(new[1])
         assert f.wait_for_seq(1, WAIT_S)
         assert _key_set(index) == _replay_set(new)
         assert not f.stale and f.rebuilds == 1 and f.publisher_restarts == 1
         assert f.replays_requested - replays <= 2
-    finally:
-        f.stop()
-        server.close()
-        pub.close()
-        ctx.term()
-
-
-def _wait_until(cond: Any) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeypatch):
     """Live copies older than what the follower remembers cost one replay per
     _CHECK_INTERVAL_S, not one each; a batch that differs from one it
     remembers is checked every time (a restart shows there)."""
-    from kvhit import KeyIndex
     from kvhit.bindings import events as events_mod
 
     monkeypatch.setattr(events_mod, "_RECENT", 4)
     monkeypatch.setattr(events_mod, "_CHECK_INTERVAL_S", 5.0)
-    ctx = zmq.Context()
-    pub = StormPublisher(ctx)
-    server = ReplayServer([pub])
-    index = KeyIndex(HASH_BYTES, capacity=64)
     batches = [stores(1, i, 1.0 + i) for i in range(10)]
-    f = events_mod.EventFollower(pub.endpoint, pub.replay_endpoint, index, topic=TOPIC)
-    try:
-        f.start()
-        pub.wait_subscriber()
-        assert f.wait_for_seq(-1, WAIT_S)
+    with _one_follower() as (pub, index, f):
         for payload in batches:
             pub.publish(payload)
         assert f.wait_for_seq(9, WAIT_S)
@@ -654,15 +617,10 @@ def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeyp
 
         for seq in (2, 1, 3, 0):  # forgotten: only the first one is checked
             copy(seq, batches[seq])
-        assert _wait_until(lambda: f.foreign == 4)
+        assert wait_until(lambda: f.foreign == 4, WAIT_S, poll_s=0.002)
         assert f.replays_requested == replays + 1
         copy(8, stores(3, 0, 99.0))  # differs from a remembered batch
-        assert _wait_until(lambda: f.foreign == 5)
+        assert wait_until(lambda: f.foreign == 5, WAIT_S, poll_s=0.002)
         assert f.replays_requested == replays + 2
         assert _key_set(index) == _replay_set(batches)
         assert not f.stale and f.publisher_restarts == 0
-    finally:
-        f.stop()
-        server.close()
-        pub.close()
-        ctx.term()

@@ -24,7 +24,7 @@ msgspec = pytest.importorskip(
     "msgspec", reason="needs msgspec (pip install kvhit[events])", exc_type=ImportError
 )
 
-from helpers import block_stored  # noqa: E402
+from helpers import bind_retrying, block_stored, wait_until  # noqa: E402
 
 from kvhit.bindings import events as ev  # noqa: E402
 from kvhit.coordinator.key_index import KeyIndex  # noqa: E402
@@ -272,7 +272,7 @@ def test_apply_random_sequences_match_sequential_set():
 # --- sockets
 
 
-class _Publisher:
+class Publisher:
     """vLLM's ZmqEventPublisher wire format, driven step by step by a test.
 
     XPUB instead of PUB only so the test can wait for the subscription (no
@@ -300,20 +300,8 @@ class _Publisher:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         if self.endpoint:
-            # A closed socket releases its port asynchronously (ZMQ I/O thread).
-            for sock, addr in (
-                (self.pub, self.endpoint),
-                (self.router, self.replay_endpoint),
-            ):
-                deadline = time.monotonic() + WAIT_S
-                while True:
-                    try:
-                        sock.bind(addr)
-                        break
-                    except zmq.ZMQError:
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.01)
+            bind_retrying(self.pub, self.endpoint, WAIT_S, poll_s=0.01)
+            bind_retrying(self.router, self.replay_endpoint, WAIT_S, poll_s=0.01)
         else:
             port = self.pub.bind_to_random_port("tcp://127.0.0.1")
             self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -390,12 +378,12 @@ class _Publisher:
 
 @pytest.fixture
 def publisher(zmq):
-    pub = _Publisher(zmq)
+    pub = Publisher(zmq)
     yield pub
     pub.close()
 
 
-def _follower(pub: _Publisher, index: Any, **kw: Any) -> ev.EventFollower:
+def _follower(pub: Publisher, index: Any, **kw: Any) -> ev.EventFollower:
     kw.setdefault("replay_timeout_s", 2.0)
     f = ev.EventFollower(pub.endpoint, pub.replay_endpoint, index, topic=TOPIC, **kw)
     f.start()
@@ -566,15 +554,6 @@ def _frames(seq: int, payload: bytes) -> list[bytes]:
     return [TOPIC.encode(), seq.to_bytes(8, "big"), payload]
 
 
-def _wait(cond: Any, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 K = [bytes([i]) * 16 for i in range(40)]
 
 
@@ -591,7 +570,7 @@ def test_exact_duplicates_are_dropped_silently(publisher):
         publisher.send_raw(_frames(0, p0))  # an older one again
         publisher.send_raw(_frames(2, _payload(3.0, [block_stored([K[1]])])))
         assert f.wait_for_seq(2, WAIT_S)
-        assert _wait(lambda: f.duplicates == 2)
+        assert wait_until(lambda: f.duplicates == 2, WAIT_S)
         # Before: each duplicate counted as a publisher restart, index stale.
         assert not f.stale and f.publisher_restarts == 0 and f.batches_applied == 3
         assert _contents(index) == {(0, K[1])}
@@ -631,7 +610,7 @@ def test_late_batch_after_a_replayed_gap_is_a_duplicate(publisher):
             publisher.send_raw(_frames(seq, p[seq]))
         assert f.wait_for_seq(3, WAIT_S)
         publisher.send_raw(_frames(1, p[1]))  # arrives at last
-        assert _wait(lambda: f.duplicates == 1)
+        assert wait_until(lambda: f.duplicates == 1, WAIT_S)
         assert _contents(index) == {(0, k) for k in K[:4]}
         assert not f.stale and f.gaps_recovered == 1 and f.publisher_restarts == 0
 
@@ -650,19 +629,25 @@ def test_reorder_beyond_the_window_without_replay_marks_stale(publisher):
         assert _contents(index) == {(0, K[i]) for i in (0, 2, 3, 4)}
 
 
-def _publish_keys(pub: _Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
+def _publish_keys(pub: Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
     return pub.publish(_payload(ts, [block_stored(keys)]), **kw)
+
+
+def _three_batches_applied(pub: Publisher, f: Any) -> None:
+    """Publish seq 0..2 (keys K[0], K[1], K[2]) and wait until ``f`` has
+    applied them: the old publisher's stream before a restart."""
+    for i in range(3):
+        _publish_keys(pub, [K[i]], ts=1.0 + i)
+    assert f.wait_for_seq(2, WAIT_S)
 
 
 def test_restart_with_fewer_batches_is_rebuilt(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.reset()  # a new vLLM: seq 0, an empty replay buffer
         _publish_keys(publisher, [K[20]], ts=10.0)
-        assert _wait(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
         assert f.wait_for_seq(0, WAIT_S)
         with f.lock:
             assert _contents(index) == {(0, K[20])}  # the new publisher's state
@@ -675,9 +660,7 @@ def test_restart_with_more_batches_is_not_taken_for_a_gap(publisher):
     kept the old engine's keys, not stale."""
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.reset()
         for i in range(6):  # lost live (nobody heard them), kept for replay
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i, drop=True)
@@ -695,16 +678,14 @@ def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
     old stream, and the index is rebuilt from the new publisher's buffer."""
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         for i in range(3):  # before the subscriber is back: lost live
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
         publisher.wait_subscriber()
         _publish_keys(publisher, [K[30]], ts=20.0)  # seq 3 == next_seq
         assert f.wait_for_seq(3, WAIT_S)
-        assert _wait(lambda: f.rebuilds == 1)
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
         with f.lock:
             assert _contents(index) == {(0, k) for k in [*K[20:23], K[30]]}
         assert f.reconnects == 1 and not f.stale
@@ -713,9 +694,7 @@ def test_restart_with_the_same_count_is_caught_by_the_reconnection(publisher):
 def test_network_blip_with_the_same_publisher_is_a_gap_repair(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         buffer, seq = list(publisher.buffer), publisher.seq
         publisher.restart()  # the connection drops, the publisher state stays
         publisher.buffer.extend(buffer)
@@ -734,16 +713,14 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
     f = ev.EventFollower(publisher.endpoint, None, index, topic=TOPIC)
     with f:
         publisher.wait_subscriber()
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         for i in range(3):
             _publish_keys(publisher, [K[20 + i]], ts=10.0 + i)
         publisher.wait_subscriber()
         _publish_keys(publisher, [K[30]], ts=20.0)
         assert f.wait_for_seq(3, WAIT_S)
-        assert _wait(lambda: f.stale)
+        assert wait_until(lambda: f.stale, WAIT_S)
         assert f.reconnects == 1 and "reconnected" in f.last_error
 
 
@@ -751,18 +728,16 @@ def test_restart_without_replay_endpoint_marks_stale(publisher):
 def test_reconnect_with_a_silent_replay_marks_stale(publisher):
     index = KeyIndex(hash_bytes=16, capacity=64)
     with _follower(publisher, index, replay_timeout_s=0.3) as f:
-        for i in range(3):
-            _publish_keys(publisher, [K[i]], ts=1.0 + i)
-        assert f.wait_for_seq(2, WAIT_S)
+        _three_batches_applied(publisher, f)
         publisher.restart()
         publisher.recorded_replay = []  # the new ROUTER never answers
         publisher.wait_subscriber()
-        assert _wait(lambda: f.stale)
+        assert wait_until(lambda: f.stale, WAIT_S)
         assert f.reconnects == 1 and "did not answer" in f.last_error
 
 
 def test_restart_whose_buffer_wrapped_marks_stale(zmq):
-    pub = _Publisher(zmq, buffer_steps=2)
+    pub = Publisher(zmq, buffer_steps=2)
     try:
         index = KeyIndex(hash_bytes=16, capacity=64)
         with _follower(pub, index) as f:

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("msgspec", exc_type=ImportError)
 zmq_mod = pytest.importorskip("zmq", exc_type=ImportError)
 
-from helpers import block_stored  # noqa: E402
-from test_events import TOPIC, _Publisher  # noqa: E402
+from helpers import block_stored, wait_until  # noqa: E402
+from test_events import TOPIC, Publisher  # noqa: E402
 
 from kvhit import FleetIndex, HashBatch, LookupEngine, ReferenceCoordinator  # noqa: E402
 from kvhit.bench.workloads import make_layout  # noqa: E402
@@ -27,27 +27,18 @@ CHAIN = K[:8]  # one request's block hashes (full attention, hash 16)
 
 @pytest.fixture
 def publishers():
-    pubs = [_Publisher(zmq_mod) for _ in range(3)]
+    pubs = [Publisher(zmq_mod) for _ in range(3)]
     yield pubs
     for p in pubs:
         p.close()
 
 
-def _stored(pub: _Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
+def _stored(pub: Publisher, keys: list[bytes], ts: float, **kw: Any) -> int:
     payload = ev.encode_batch(ev.KVEventBatch(ts, [block_stored(keys)]))
     return pub.publish(payload, **kw)
 
 
-def _wait(cond: Any) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def _start(pubs: list[_Publisher], fleet: FleetIndex, engine_ids=(0, 1, 2)):
+def _start(pubs: list[Publisher], fleet: FleetIndex, engine_ids=(0, 1, 2)):
     streams = [
         EngineStream(e, p.endpoint, p.replay_endpoint, TOPIC)
         for e, p in zip(engine_ids, pubs, strict=True)
@@ -64,10 +55,15 @@ def _expected(stores: list[set]) -> list[list[int]]:
     return [[ref.lookup(128, CHAIN, s) for s in stores]]
 
 
+def _llama_fleet(engines: int) -> tuple[FleetIndex, LookupEngine, HashBatch]:
+    """An empty fleet of ``engines`` (16-byte keys), a llama engine, and the
+    one-request batch of CHAIN."""
+    fleet = FleetIndex(engines, 16)
+    return fleet, LookupEngine(make_layout("llama")), HashBatch.from_bytes([CHAIN], 16)
+
+
 def test_three_streams_three_columns(publishers):
-    fleet = FleetIndex(4, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(4)
     with _start(publishers, fleet) as ff:
         a, b, c = publishers
         _stored(a, CHAIN[:6], 1.0)
@@ -85,9 +81,7 @@ def test_three_streams_three_columns(publishers):
 
 
 def test_gap_repair_per_engine(publishers):
-    fleet = FleetIndex(3, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(3)
     with _start(publishers, fleet) as ff:
         a, b, _ = publishers
         for i in range(5):  # engine 0 loses batches 2 and 3 live
@@ -100,9 +94,7 @@ def test_gap_repair_per_engine(publishers):
 
 
 def test_a_stale_engine_serves_zeros_the_others_keep_serving(publishers):
-    fleet = FleetIndex(3, 16)
-    engine = LookupEngine(make_layout("llama"))
-    batch = HashBatch.from_bytes([CHAIN], 16)
+    fleet, engine, batch = _llama_fleet(3)
     with _start(publishers, fleet) as ff:
         a, b, c = publishers
         _stored(a, CHAIN[:4], 0.0)
@@ -112,7 +104,7 @@ def test_a_stale_engine_serves_zeros_the_others_keep_serving(publishers):
         _stored(b, CHAIN[6:7], 2.0)
         _stored(c, CHAIN[:2], 0.0)
         assert ff.wait_for_seq(0, 0, WAIT_S) and ff.wait_for_seq(2, 0, WAIT_S)
-        assert _wait(lambda: ff.followers[1].stale)
+        assert wait_until(lambda: ff.followers[1].stale, WAIT_S)
         assert ff.stale_engines() == [1]
         assert ff.stale_mask().tolist() == [False, True, False]
         assert ff.fleet_lookup(engine, batch, [128]).tolist() == [[64, 0, 32]]
@@ -133,7 +125,7 @@ def test_a_restarted_engine_is_rebuilt_alone(publishers):
         assert ff.wait_for_seq(0, 2, WAIT_S) and ff.wait_for_seq(1, 0, WAIT_S)
         a.reset()  # engine 0 restarted: seq 0, empty replay buffer
         _stored(a, [K[20]], 10.0)
-        assert _wait(lambda: ff.followers[0].rebuilds == 1)
+        assert wait_until(lambda: ff.followers[0].rebuilds == 1, WAIT_S)
         assert ff.wait_for_seq(0, 0, WAIT_S)
         with ff.lock:
             g, h = fleet.engine_keys(0)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from itertools import accumulate
 
 import numpy as np
 import pytest
 import torch
+from helpers import best_seconds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -231,12 +231,7 @@ def test_packing_is_at_most_a_tenth_of_a_microsecond_per_hash() -> None:
     rng = np.random.default_rng(0)
     reqs = [rng.integers(-(1 << 62), 1 << 62, 200).tolist() for _ in range(500)]
     HashBatch.from_ints(reqs)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        HashBatch.from_ints(reqs)
-        times.append(time.perf_counter() - t0)
-    per_hash = min(times) / 100_000
+    per_hash = best_seconds(lambda: HashBatch.from_ints(reqs), 5) / 100_000
     # ~0.05 us here; 4x headroom for a loaded CI machine.
     assert per_hash < 0.4e-6, per_hash
 
@@ -563,12 +558,7 @@ def test_a_conversation_step_packs_at_a_few_tens_of_ns_per_int(form) -> None:
     step = [_as_form(r, form) for r in _conversation_step()]
     n = sum(map(len, step))
     HashBatch.from_ints(step)
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        HashBatch.from_ints(step)
-        times.append(time.perf_counter() - t0)
-    best = min(times)
+    best = best_seconds(lambda: HashBatch.from_ints(step), 20)
     # 4x headroom for a loaded CI machine.
     assert best / n < 160e-9, f"{best / n * 1e9:.0f} ns/int"
 

@@ -33,6 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhit import KeyIndex
+from kvhit.bench.gpu_common import capture_graph
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.triton_backend import TritonBackend
@@ -239,16 +240,7 @@ def test_lookup_captured_in_a_cuda_graph():
     backend = TritonBackend(ScanPlan.from_layout(layout), "cuda")
     view = batch.view()
     eager = backend.lookup(view, num_tokens, index)  # the warm-up
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.lookup(view, num_tokens, index)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = backend.lookup(view, num_tokens, index)
-    graph.replay()
-    torch.cuda.synchronize()
+    _, static = capture_graph(lambda: backend.lookup(view, num_tokens, index))
     assert torch.equal(static, eager) and int(eager.sum()) > 0
 
 

@@ -21,6 +21,7 @@ inside a function, is checked against the layering:
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,18 @@ def _in(target: str, layer: str) -> bool:
     return target == f"kvhit.{layer}" or target.startswith(f"kvhit.{layer}.")
 
 
+def _imports_of(layer: str, is_bad: Callable[[Import], bool]) -> list[str]:
+    """``module:line imports target`` for each import in ``layer`` that
+    ``is_bad``."""
+    return [
+        f"{m}:{i.line} imports {i.target}"
+        for m, imports in IMPORTS.items()
+        if _layer(m) == layer
+        for i in imports
+        if is_bad(i)
+    ]
+
+
 def test_every_folder_is_read():
     layers = {_layer(m) for m in MODULES}
     assert layers == {"kvhit", "kernels", "coordinator", "bindings", "bench"}
@@ -155,26 +168,17 @@ def test_every_folder_is_read():
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
-    bad = [
-        f"{m}:{i.line} imports {i.target}"
-        for m, imports in IMPORTS.items()
-        if _layer(m) == layer
-        for i in imports
-        if any(_in(i.target, f) for f in forbidden)
-    ]
+    bad = _imports_of(layer, lambda i: any(_in(i.target, f) for f in forbidden))
     assert not bad, "\n".join(bad)
 
 
 def test_bindings_reach_kernels_only_through_the_coordinator():
     # Except the one validation module, kernels/checks.py, which every
     # layer's public entry points check their input with (issue 36).
-    bad = [
-        f"{m}:{i.line} imports {i.target}"
-        for m, imports in IMPORTS.items()
-        if _layer(m) == "bindings"
-        for i in imports
-        if _in(i.target, "kernels") and i.target != "kvhit.kernels.checks"
-    ]
+    bad = _imports_of(
+        "bindings",
+        lambda i: _in(i.target, "kernels") and i.target != "kvhit.kernels.checks",
+    )
     assert not bad, "\n".join(bad)
 
 
@@ -200,9 +204,16 @@ def test_nothing_in_the_package_reaches_into_tests():
     assert not bad, "\n".join(bad)
 
 
-def _module_graph() -> dict[str, set[str]]:
+def _module_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Each module's imports of other kvhit modules; ``type_only``: those under
+    ``if TYPE_CHECKING`` too."""
     return {
-        m: {i.target for i in imports if not i.type_only and i.target in MODULES} - {m}
+        m: {
+            i.target
+            for i in imports
+            if (type_only or not i.type_only) and i.target in MODULES
+        }
+        - {m}
         for m, imports in IMPORTS.items()
     }
 
@@ -261,28 +272,17 @@ def test_imports_inside_functions_are_seen():
 
 
 def test_coordinator_imports_no_compiler_at_import_time():
-    bad = [
-        f"{m}:{i.line} imports {i.target}"
-        for m, imports in IMPORTS.items()
-        if _layer(m) == "coordinator"
-        for i in imports
-        if i.at_import_time and i.target.split(".")[0] in {"triton", "numba"}
-    ]
+    bad = _imports_of(
+        "coordinator",
+        lambda i: i.at_import_time and i.target.split(".")[0] in {"triton", "numba"},
+    )
     assert not bad, "\n".join(bad)
 
 
-def test_no_cycle_through_the_fleet_even_type_only():
-    # The fleet modules and the engine (issue 36: engine <-> fleet was a
-    # circle of type-only imports): no cycle passes through them, imports
-    # under ``if TYPE_CHECKING`` counted too.
-    graph = {
-        m: {i.target for i in imports if i.target in MODULES} - {m}
-        for m, imports in IMPORTS.items()
-    }
-    fleet = [m for m in MODULES if "fleet" in m or m.endswith(".routing")]
-    assert "kvhit.coordinator.fleet_index" in fleet
+def _on_a_cycle(graph: dict[str, set[str]], modules: list[str]) -> list[str]:
+    """The ``modules`` that reach themselves in ``graph``."""
     bad = []
-    for m in [*fleet, "kvhit.coordinator.engine"]:
+    for m in modules:
         seen, todo = set(), [m]
         while todo:
             for nxt in graph[todo.pop()] - seen:
@@ -290,6 +290,17 @@ def test_no_cycle_through_the_fleet_even_type_only():
                 todo.append(nxt)
         if m in seen:
             bad.append(m)
+    return bad
+
+
+def test_no_cycle_through_the_fleet_even_type_only():
+    # The fleet modules and the engine (issue 36: engine <-> fleet was a
+    # circle of type-only imports): no cycle passes through them, imports
+    # under ``if TYPE_CHECKING`` counted too.
+    graph = _module_graph(type_only=True)
+    fleet = [m for m in MODULES if "fleet" in m or m.endswith(".routing")]
+    assert "kvhit.coordinator.fleet_index" in fleet
+    bad = _on_a_cycle(graph, [*fleet, "kvhit.coordinator.engine"])
     assert not bad, f"import cycles through {bad}"
 
 
@@ -374,10 +385,7 @@ def test_only_kernels_checks_defines_check_functions():
 
 def test_no_cycle_through_the_backends_even_type_only():
     # backend <-> key_index was a type-only circle (issue 36).
-    graph = {
-        m: {i.target for i in imports if i.target in MODULES} - {m}
-        for m, imports in IMPORTS.items()
-    }
+    graph = _module_graph(type_only=True)
     roots = [
         m
         for m in MODULES
@@ -385,13 +393,34 @@ def test_no_cycle_through_the_backends_even_type_only():
         and _layer(m) == "coordinator"
     ]
     assert "kvhit.coordinator.backend" in roots
-    bad = []
-    for m in roots:
-        seen, todo = set(), [m]
-        while todo:
-            for nxt in graph[todo.pop()] - seen:
-                seen.add(nxt)
-                todo.append(nxt)
-        if m in seen:
-            bad.append(m)
+    bad = _on_a_cycle(graph, roots)
     assert not bad, f"import cycles through {bad}"
+
+
+def _underscore_imports(path: Path) -> list[str]:
+    """``path:line imports module._name`` for each private name ``path``
+    imports from another module (dunders and ``__future__`` aside)."""
+    own = path.stem
+    bad = []
+    for node in ast.walk(_parse(path)):
+        if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+            continue
+        module = node.module or ""
+        if module.rsplit(".", 1)[-1] == own and not node.level:
+            continue  # a module importing itself (a child process's script)
+        bad.extend(
+            f"{path.relative_to(ROOT)}:{node.lineno} imports {module}.{a.name}"
+            for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")
+        )
+    return bad
+
+
+def test_no_underscore_imports_across_modules():
+    # Issue 36: a private name stays in its module; what another module needs
+    # is public (the package, its tests and the benchmark scripts alike).
+    paths = [*MODULES.values(), *sorted((ROOT / "tests").glob("*.py"))]
+    paths += sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(paths) > len(MODULES)
+    bad = [b for p in paths for b in _underscore_imports(p)]
+    assert not bad, "\n".join(bad)

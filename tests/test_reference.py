@@ -11,19 +11,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import merged_swa_eagle_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, layouts, saved_keys, store_from_masks
 
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
 from kvhit.coordinator.reference import ReferenceCoordinator, replay_boundaries
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-)
 from kvhit.kernels.contract import cdiv
 
 H = chained_hashes(7, 64)  # one shared prompt; tests slice it
@@ -75,11 +69,7 @@ def test_seed1_mamba_gets_no_eagle_margin(flag_full):
 
 
 def test_seed2_merged_swa_eagle_store_then_lookup():
-    layout = make(
-        [Group(FullAttention(64)), Group(SlidingWindow(16, 32)),
-         Group(SlidingWindow(16, 32), eagle=True)],
-        sbs=64, hbs=16, use_eagle=True,
-    )  # fmt: skip
+    layout = merged_swa_eagle_layout()
     assert layout.eagle_group_ids == frozenset({1, 2})
     ref = ReferenceCoordinator(layout)
     masks = ref.store_mask(128, num_prompt_tokens=130)

@@ -12,16 +12,8 @@ from helpers import merged_swa_eagle_layout
 from hypothesis import given, settings
 from strategies import layouts
 
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-    coverage_spec,
-    eagle_proof_margin,
-)
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
+from kvhit.coordinator.specs import coverage_spec, eagle_proof_margin
 
 
 def make(groups, sbs=16, hbs=4, **kw) -> CacheLayout:
@@ -229,11 +221,7 @@ def test_full_attention_spec_groups_come_first_rest_in_group_order():
 
 
 def test_eagle_bit_of_any_member_promotes_the_merged_group():
-    layout = make(
-        [Group(FullAttention(64)), Group(SlidingWindow(16, 32)),
-         Group(SlidingWindow(16, 32), eagle=True)],
-        sbs=64, hbs=16, use_eagle=True,
-    )  # fmt: skip
+    layout = merged_swa_eagle_layout()
     full, swa = layout.spec_groups
     assert swa.group_ids == (1, 2) and swa.use_eagle
     # A group is flagged, so the use_eagle fallback does not touch full attention.

@@ -207,8 +207,7 @@ def test_default_key_is_stable_across_processes() -> None:
     """The default key is a digest of a canonical serialisation: a fresh
     interpreter (another hash seed, other object addresses) computes the same
     one, and tags of different types stay apart."""
-    import subprocess
-    import sys
+    from helpers import run_python
 
     code = (
         "from kvhit import CacheLayout, FullAttention, Group, SlidingWindow\n"
@@ -218,12 +217,7 @@ def test_default_key_is_stable_across_processes() -> None:
         "print(torch_ops.register_layout(layout))\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="123")
-    keys = {
-        subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True
-        ).stdout.strip()
-        for env["PYTHONHASHSEED"] in ("1", "2")
-    }
+    keys = {run_python(code, env=env).strip() for env["PYTHONHASHSEED"] in ("1", "2")}
     from kvhit import CacheLayout, FullAttention, Group, SlidingWindow
 
     def layout(tag):

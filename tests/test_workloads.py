@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from helpers import run_python
 
 from kvhit.bench.workloads import (
     LONG_HIT,
@@ -80,13 +79,7 @@ def test_deterministic_across_hash_seeds() -> None:
         "sorted(w.store_keys))).encode()).hexdigest())"
     )
     outs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            env={"PYTHONHASHSEED": seed, "PATH": ""},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        run_python(code, env={"PYTHONHASHSEED": seed, "PATH": ""})
         for seed in ("1", "2")
     }
     assert len(outs) == 1
