@@ -41,9 +41,6 @@ from kvhit.bindings.kv_events import (
     KVEventBatch,
     MalformedPayload,
     apply,
-    check_bool,
-    check_int,
-    check_seconds,
     commit_plan,
     decode_batch,
     decode_keys,
@@ -53,6 +50,7 @@ from kvhit.bindings.kv_events import (
     media_set,
     plan_events,
 )
+from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
 __all__ = [
     "END_SEQ",

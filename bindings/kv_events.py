@@ -72,6 +72,7 @@ import torch
 
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
+from kvhit.kernels.checks import check_bool, check_int
 
 __all__ = [
     "END_SEQ",
@@ -95,9 +96,6 @@ __all__ = [
     "RemovedKeys",
     "StoredKeys",
     "apply",
-    "check_bool",
-    "check_int",
-    "check_seconds",
     "commit_plan",
     "decode_batch",
     "decode_keys",
@@ -360,35 +358,6 @@ def media_set(
                 f"{name}, position {pos}: must be a str, got {type(m).__name__}"
             )
     return frozenset(media)
-
-
-def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi)``; TypeError/ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo or (hi is not None and value >= hi):
-        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
-def check_bool(value: Any, name: str) -> bool:
-    """``value`` if it is a bool; TypeError naming it otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def check_seconds(value: Any, name: str, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"{name} must be a number of seconds, got {type(value).__name__}"
-        )
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-    return float(value)
 
 
 def _words_of_bytes(joined: bytes, n: int, hash_bytes: int) -> np.ndarray:

@@ -352,9 +352,6 @@ CHECKS_ELSEWHERE = {
     ("kvhit.bindings.torch_ops", "_check_tensor"),
     ("kvhit.bindings.torch_ops", "_check_probe"),
     ("kvhit.bindings.torch_ops", "_check_lookup"),
-    ("kvhit.bindings.kv_events", "check_int"),
-    ("kvhit.bindings.kv_events", "check_bool"),
-    ("kvhit.bindings.kv_events", "check_seconds"),
     ("kvhit.bindings.mooncake_store", "_check_namespace"),
 }
 #: Names of the private copies the second review found (issue 36).

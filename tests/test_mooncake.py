@@ -19,6 +19,7 @@ import pytest
 import torch
 from mooncake_fixture import MooncakeMaster, connect_client, mooncake_unavailable
 
+from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
 from kvhit.bindings.mooncake_store import (
     MooncakeKeys,
     StoreBusy,
@@ -32,14 +33,6 @@ from kvhit.coordinator.engine import LookupEngine
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.reference import ReferenceCoordinator
-from kvhit.coordinator.specs import (
-    CacheLayout,
-    ChunkedLocal,
-    FullAttention,
-    Group,
-    Mamba,
-    SlidingWindow,
-)
 
 HB = 32  # sha256-wide hashes, as vLLM's default
 
