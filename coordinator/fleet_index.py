@@ -482,6 +482,12 @@ class FleetIndex:
         n = g.shape[0]
         if n == 0:
             return 0
+        entry_keys = g * self.num_engines + e
+        if not self.entries.has_room_for(n):
+            # The entry index grows first, before anything else changes: a
+            # growth that runs out of memory then leaves the fleet intact.
+            fresh = ~self.entries.contains_trusted(entry_keys, h)
+            self.entries.reserve(int(fresh.sum()))
         if self._size + self._tombstones + n > self._limit(self.capacity):
             # Count the keys that are really new before growing, so that
             # re-adding known keys never inflates the table.
@@ -494,7 +500,7 @@ class FleetIndex:
         self._size += self.ops.insert(self.table, self.W, g, h)
         slots = self.ops.find(self.table, self.W, g, h)
         new = self.ops.set_bits(self.bits, slots, e, self.num_engines)
-        self.entries.add(g * self.num_engines + e, h)
+        self.entries.add_trusted(entry_keys, h)
         self._per_engine += new
         self._version += 1
         return int(new.sum())

@@ -104,7 +104,9 @@ __all__ = [
     "KeyIndex",
     "ReadOnlyIndexError",
     "hash_kernels",
+    "capturing",
     "normalize_keys",
+    "refuse_growth_in_capture",
     "resolve_backend",
 ]
 
@@ -286,6 +288,28 @@ def normalize_keys(
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a
+    build or host without CUDA, where torch's query raises)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def refuse_growth_in_capture(what: str, n: int, room: int) -> None:
+    """RuntimeError when a growth (``n`` keys that may be new, room for
+    ``room``) would run inside a CUDA-graph capture: counting the new keys
+    syncs the host and a rehash allocates, neither allowed in a capture, so
+    the caller refuses before it changes anything."""
+    if capturing():
+        raise RuntimeError(
+            f"{what}: {n} keys may need a table growth (room for {room} more) "
+            "during a CUDA graph capture, which cannot allocate or sync; "
+            "reserve() the capacity before capturing"
+        )
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -775,6 +799,11 @@ class KeyIndex:
         if g.shape[0] == 0:
             return 0
         if not self.has_room_for(g.shape[0]):
+            refuse_growth_in_capture(
+                "add",
+                g.shape[0],
+                self._limit(self.capacity) - len(self) - self.tombstones,
+            )
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
