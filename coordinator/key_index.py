@@ -476,6 +476,7 @@ class KeyIndex:
         self._tombstones = tombstones
         self._growable = growable
         self._read_only = read_only
+        self._pad = padding_mask(hash_bytes)
         # Bumped by every change of the table's contents or identity, so that
         # adopt() can tell a grown copy built from the current state.
         self._version = 0
@@ -535,6 +536,32 @@ class KeyIndex:
     # -- properties ---------------------------------------------------------
 
     @property
+    def table(self) -> torch.Tensor:
+        """The table: int64 ``[capacity, W + 1]`` (module docstring)."""
+        return self._table
+
+    @table.setter
+    def table(self, table: torch.Tensor) -> None:
+        self._table = table
+        # A numpy view of a host table, made once per table rather than per
+        # store (``Tensor.numpy()`` costs about a microsecond), and the load
+        # limit of its capacity: the host store path reads only these.
+        host = table.device.type == "cpu" and not table.requires_grad
+        self._np_table = table.numpy() if host else None
+        self._cap_limit = self._limit(table.shape[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The numpy view must alias the table: a copy or unpickle rebuilds it.
+        state = self.__dict__.copy()
+        state.pop("_np_table", None)
+        state.pop("_kernels", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.table = state["_table"]
+
+    @property
     def capacity(self) -> int:
         """Number of slots (a power of two)."""
         return self.table.shape[0]
@@ -555,6 +582,8 @@ class KeyIndex:
         and when :meth:`to` moves the table)."""
         self._resolved = resolve_backend(self._backend, device)
         self.__dict__.pop("_kernels", None)
+        # The numba family stores through numpy views (see _add_host).
+        self._host = self._resolved == "numba"
 
     @functools.cached_property
     def _kernels(self) -> ModuleType:
@@ -786,8 +815,99 @@ class KeyIndex:
         Raises CapacityError (index unchanged) when a fixed-capacity index
         cannot take the new keys.
         """
+        if self._host and self._np_table is not None and not self._read_only:
+            keys = self._host_keys(group_ids, hashes)
+            if keys is not None:
+                return self._add_host(*keys)
         g, h = self.normalize_keys(group_ids, hashes)
         return self.add_trusted(g, h)
+
+    def _host_keys(
+        self, group_ids: Any, hashes: Any
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys as numpy views (int64 ``[N]``, int64 ``[N, W]``,
+        C-contiguous) when they come in a form that needs no conversion and
+        pass every check :func:`normalize_keys` makes, else None (the caller
+        then takes the general path, which converts them or raises naming the
+        argument). Only the common forms of a store are taken here: a CPU
+        int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
+        int, CPU int64 tensor or int64 numpy array of group ids."""
+        W = self.W
+        if isinstance(hashes, HashBatch):
+            if hashes.hash_bytes != self.hash_bytes:
+                return None
+            hashes = hashes.hashes
+        if isinstance(hashes, torch.Tensor):
+            if (
+                hashes.dtype != torch.int64
+                or hashes.device.type != "cpu"
+                or hashes.requires_grad
+                or hashes.layout is not torch.strided
+            ):
+                return None
+            hashes = hashes.numpy()
+        elif not isinstance(hashes, np.ndarray) or hashes.dtype not in (
+            np.int64,
+            np.uint64,
+        ):
+            return None
+        if hashes.ndim != 2 or hashes.shape[1] != W or not hashes.flags.c_contiguous:
+            return None
+        h = hashes.view(np.int64)
+        n = h.shape[0]
+        pad = self._pad
+        if pad and n and (h[:, -1] & pad).any():
+            return None
+        if type(group_ids) is int:
+            if not 0 <= group_ids < 1 << 63:
+                return None
+            return np.full(n, group_ids, dtype=np.int64), h
+        if isinstance(group_ids, torch.Tensor):
+            if (
+                group_ids.dtype != torch.int64
+                or group_ids.device.type != "cpu"
+                or group_ids.requires_grad
+                or group_ids.layout is not torch.strided
+            ):
+                return None
+            group_ids = group_ids.numpy()
+        elif not isinstance(group_ids, np.ndarray) or group_ids.dtype != np.int64:
+            return None
+        if (
+            group_ids.ndim != 1
+            or group_ids.shape[0] != n
+            or not group_ids.flags.c_contiguous
+            or (n and group_ids.min() < 0)
+        ):
+            return None
+        return group_ids, h
+
+    def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
+        """:meth:`add_trusted` on numpy views of normalized keys, for the
+        numba family on a host table: no tensor is made. A batch that may
+        need a rehash takes the general path (rare: growth is amortized)."""
+        n = g.shape[0]
+        if n == 0:
+            return 0
+        if self._size + self._tombstones + n > self._cap_limit:
+            return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
+        try:
+            added = self._kernels.insert_count(self._np_table, g, h)
+        except RuntimeError:
+            self._recount()
+            raise
+        self._size += added
+        if added:
+            self._version += 1
+        return added
+
+    def _recount(self) -> None:
+        """Count the table again after a failed insert stored part of a batch,
+        so that len() and the tombstones match it."""
+        col = self.table[:, 0]
+        self._size = int((col >= 0).sum().item())
+        self._tombstones = int((col == TOMBSTONE).sum().item())
+        self._version += 1
 
     def add_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
@@ -798,6 +918,12 @@ class KeyIndex:
         self._check_writable("add")
         if g.shape[0] == 0:
             return 0
+        if (
+            self._host
+            and self._np_table is not None
+            and self._size + self._tombstones + g.shape[0] <= self._cap_limit
+        ):
+            return self._add_host(g.numpy(), h.numpy())
         if not self.has_room_for(g.shape[0]):
             refuse_growth_in_capture(
                 "add",
@@ -818,12 +944,8 @@ class KeyIndex:
             added = self._insert(self.table, g, h)
         except RuntimeError:
             # A failed insert (triton: hash_index.InsertError, the table full
-            # or a BUSY wait ran out) stored the batch's other keys: count
-            # the table again so len() and the tombstones match it.
-            col = self.table[:, 0]
-            self._size = int((col >= 0).sum().item())
-            self._tombstones = int((col == TOMBSTONE).sum().item())
-            self._version += 1
+            # or a BUSY wait ran out) stored the batch's other keys.
+            self._recount()
             raise
         self._size += added
         if added:
