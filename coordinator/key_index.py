@@ -816,17 +816,18 @@ class KeyIndex:
         cannot take the new keys.
         """
         if self._host and self._np_table is not None and not self._read_only:
-            keys = self._host_keys(group_ids, hashes)
+            keys = self.host_keys(group_ids, hashes)
             if keys is not None:
                 return self._add_host(*keys)
         g, h = self.normalize_keys(group_ids, hashes)
         return self.add_trusted(g, h)
 
-    def _host_keys(
+    def host_keys(
         self, group_ids: Any, hashes: Any
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The keys as numpy views (int64 ``[N]``, int64 ``[N, W]``,
-        C-contiguous) when they come in a form that needs no conversion and
+        C-contiguous) for this index's host store path (the fleet's too)
+        when they come in a form that needs no conversion and
         pass every check :func:`normalize_keys` makes, else None (the caller
         then takes the general path, which converts them or raises naming the
         argument). Only the common forms of a store are taken here: a CPU
@@ -900,6 +901,21 @@ class KeyIndex:
         if added:
             self._version += 1
         return added
+
+    @property
+    def host_table(self) -> np.ndarray | None:
+        """The table as a numpy view when the numba family stores into it on
+        the host (a writable CPU table), else None."""
+        if self._host and not self._read_only:
+            return self._np_table
+        return None
+
+    def note_stored(self, n: int) -> None:
+        """Count ``n`` keys a caller's kernel stored into :attr:`host_table`
+        (the fleet's fused store, which leaves room first)."""
+        self._size += n
+        if n:
+            self._version += 1
 
     def _recount(self) -> None:
         """Count the table again after a failed insert stored part of a batch,
