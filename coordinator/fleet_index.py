@@ -191,6 +191,9 @@ class FleetIndex:
             driven by Triton kernels), "torch" (any device) or "auto" (numba
             on the CPU, triton on CUDA, torch elsewhere).
         max_load: the load factor bound, in ``key_index.MAX_LOAD_RANGE``.
+        warm: load or compile the kernel family's kernels now (numba: the
+            stores' and the router call's), so that the first call of a
+            serving process does not pay for it; ``False`` defers it.
 
     Keys are given as in :func:`kvhit.coordinator.key_index.normalize_keys`;
     ``engine_ids`` as an int (every key), a sequence of ints, an integer numpy
@@ -238,8 +241,11 @@ class FleetIndex:
         device: torch.device | str = "cpu",
         backend: str = "auto",
         max_load: float = 0.5,
+        warm: bool = True,
     ) -> None:
         num_engines = check_int(num_engines, "num_engines", 1, MAX_ENGINES + 1)
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
         W = num_words(hash_bytes)
         capacity = check_int(capacity, "capacity", 1, MAX_CAPACITY + 1)
         max_load = check_max_load(max_load, MAX_LOAD_RANGE)
@@ -249,7 +255,8 @@ class FleetIndex:
         cap = _next_pow2(capacity)
         nw = (num_engines + 63) // 64
         entries = KeyIndex(hash_bytes, capacity=cap, device=dev,
-                           backend=ops.entries_backend, max_load=max_load)  # fmt: skip
+                           backend=ops.entries_backend, max_load=max_load,
+                           warm=warm)  # fmt: skip
         self._init(
             num_engines,
             hash_bytes,
@@ -263,6 +270,10 @@ class FleetIndex:
             0,
             0,
         )
+        if warm and hasattr(ops, "warm_up"):
+            # The family's kernels loaded now (where it compiles ahead), so
+            # the first store or router call does not pay for it.
+            ops.warm_up()
 
     def _init(self, num_engines, hash_bytes, keys, bits, entries, active, backend,
               ops, max_load, size, tombs) -> None:  # fmt: skip

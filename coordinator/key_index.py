@@ -388,6 +388,10 @@ class KeyIndex:
             read and write the same table, so any answers for any other.
         max_load: the load factor bound, in :data:`MAX_LOAD_RANGE`.
         growable: False fixes the capacity (see below).
+        warm: load or compile the bound kernel family now where it compiles
+            ahead (numba), so that the first store or probe of a serving
+            process does not pay for it; ``False`` defers it (and the import
+            of numba) to the first call.
 
     Keys are given as in :func:`normalize_keys`. Every public method validates
     all of its arguments before it changes anything: a bad argument raises
@@ -426,6 +430,7 @@ class KeyIndex:
         backend: str = "auto",
         max_load: float = 0.5,
         growable: bool = True,
+        warm: bool = True,
     ) -> None:
         W = num_words(hash_bytes)
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
@@ -441,6 +446,8 @@ class KeyIndex:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
         dev = resolve_device(device)
         resolve_backend(backend, dev)
         self._init(
@@ -452,6 +459,14 @@ class KeyIndex:
             size=0,
             tombstones=0,
         )
+        if warm:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Load (or compile) the bound kernel family's kernels now where it
+        has a ``warm_up`` (numba); see ``warm`` in the class docstring."""
+        if self._host:
+            self._kernels.warm_up()
 
     def _init(
         self,

@@ -53,9 +53,12 @@ __all__ = [
     "insert_keys",
     "probe_bits",
     "set_bits",
+    "warm_up",
 ]
 
 _JIT = {"cache": True, "nogil": True}
+# Whether warm_up() ran in this process.
+_warm = False
 # Blocks whose home rows are loaded together before the run logic reads them
 # (:func:`_gather_tile`): a request's first tile, and the most. A block costs
 # a cache miss into a table far larger than the caches when a batch's slots
@@ -809,6 +812,34 @@ def engine_classes(
     return rep
 
 
+def warm_up() -> None:
+    """Load (or compile, on a cold numba cache) the kernels a FleetIndex's
+    stores and a router's fleet call run, on scratch tables with the argument
+    types of the real calls, so that a serving process's first call does not
+    pay for them. Once per process."""
+    global _warm
+    if _warm:
+        return
+    W = NW = 1
+    table = np.zeros((4, W + 1 + NW), dtype=np.int64)
+    table[:, 0] = _EMPTY
+    keys, bits = table[:, : W + 1], table[:, W + 1 :]
+    entries = np.zeros((4, W + 1), dtype=np.int64)
+    entries[:, 0] = _EMPTY
+    one = np.zeros(1, dtype=np.int64)
+    h = np.ones((1, W), dtype=np.int64)
+    add_entries(table, entries, one, h, one, 1, np.zeros(1, dtype=np.int64))
+    insert_keys(table, one, h)
+    slots = find_keys(table, one, h)
+    set_bits(bits, slots, one)
+    clear_bits(keys, bits, slots, one)
+    none = np.zeros(0, dtype=np.int64)
+    params = np.zeros(7, dtype=np.int64)
+    params[6] = 1
+    full_hits_checked(table, h, none, none, none, one, one, params)
+    _warm = True
+
+
 # -- the FleetIndex's table operations -----------------------------------------------
 
 
@@ -844,6 +875,9 @@ class FleetOps:
     #: The fused host store (:func:`add_entries`), which a FleetIndex calls
     #: on numpy views when the family has one.
     add_entries = staticmethod(add_entries)
+    #: Load the kernels now (:func:`warm_up`); a FleetIndex calls it when
+    #: built warm.
+    warm_up = staticmethod(warm_up)
 
     @staticmethod
     def host_table(table: torch.Tensor) -> np.ndarray:

@@ -57,6 +57,8 @@ _TOMBSTONE = np.int64(TOMBSTONE)
 # misses in flight a 10^6-key batch probes ~1.7x faster (measured: 16 and 8
 # were alike, 4 lost a third of the gain).
 _AHEAD = 8
+# Whether warm_up() ran in this process.
+_warm = False
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -341,7 +343,10 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
 def warm_up() -> None:
     """Load (or compile, on a cold cache) the kernels a KeyIndex calls on
     its host path, on a scratch table, so that the first store or probe of a
-    serving process does not pay for it."""
+    serving process does not pay for it. Once per process."""
+    global _warm
+    if _warm:
+        return
     table = np.zeros((4, 2), dtype=np.int64)
     table[:, 0] = _EMPTY
     gids = np.zeros(1, dtype=np.int64)
@@ -357,3 +362,4 @@ def warm_up() -> None:
     new = np.zeros((4, 2), dtype=np.int64)
     new[:, 0] = _EMPTY
     _rehash_kernel(table, new)
+    _warm = True

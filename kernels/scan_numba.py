@@ -113,6 +113,7 @@ from kvhit.kernels.contract import (
     CAND_SCALE,
     CAND_SHIFT,
     CAND_SPARSE,
+    EMPTY,
     KIND_CHUNKED,
     KIND_FULL,
     KIND_MAMBA,
@@ -157,6 +158,7 @@ __all__ = [
     "lookup_hits",
     "prefetching",
     "prepare_scan",
+    "warm_up",
     "scan_prepared",
 ]
 
@@ -1237,3 +1239,18 @@ def count_probes(
     return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
                    hash_block_size, alignment, partial, simple_hybrid, False,
                    True)  # fmt: skip
+
+
+def warm_up(prep: ScanPrep) -> None:
+    """Load (or compile, on a cold numba cache) the compiled batch programs
+    :func:`scan_prepared` runs for ``prep``'s layout, serial and, where
+    numba has threads, parallel, on a one-request batch with no hashes and an
+    empty table (nothing is read past the arrays): a serving process's first
+    lookup then costs what every later one does."""
+    rows = np.zeros((1, 1), np.int64)
+    zero = np.zeros(1, np.int64)
+    table = np.zeros((2, 2), np.int64)
+    table[:, 0] = EMPTY
+    for parallel in (False, True) if _THREADS_AVAILABLE else (False,):
+        for mode in (FIND, LOOKUP):
+            scan_prepared(prep, rows, zero, zero, zero, table, mode, parallel)
