@@ -836,7 +836,12 @@ def warm_up() -> None:
     none = np.zeros(0, dtype=np.int64)
     params = np.zeros(7, dtype=np.int64)
     params[6] = 1
-    full_hits_checked(table, h, none, none, none, one, one, params)
+    # The router's members and params are read-only arrays (cached per
+    # plan): numba types them apart from writable ones.
+    members = one.copy()
+    for a in (members, params):
+        a.flags.writeable = False
+    full_hits_checked(table, h, none, none, none, members, one, params)
     _warm = True
 
 
