@@ -157,6 +157,13 @@ class BatchBackend(Backend, Protocol):
     methods, so each backend owns its fast path (the numba one never builds
     a view or a torch tensor of lengths)."""
 
+    def warm_up(self) -> None:
+        """Load or compile the kernels a lookup runs, so that the first call
+        of a serving process does not pay for it (a no-op where nothing is
+        compiled ahead). :class:`~kvhit.coordinator.engine.LookupEngine`
+        calls it at construction unless built with ``warm=False``."""
+        ...
+
     def lengths(self, value: Any, name: str, n: int) -> Any:
         """``value`` (``n`` per-request lengths in any form a caller holds
         them) checked once (``kernels/checks.py``) and in the form this

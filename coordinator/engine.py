@@ -147,6 +147,10 @@ class LookupEngine:
         cpu_threads: intra-op threads torch may use while the torch backend
             runs on the CPU (restored afterwards; ``None`` leaves torch's
             setting alone). Only the torch backend reads it.
+        warm: load or compile the backend's kernels now
+            (``impl.warm_up()``), so that the first lookup of a serving
+            process costs what later ones do; ``False`` defers that to the
+            first call (e.g. an engine built only to be inspected).
 
     Attributes:
         backend: the backend's name (``"auto"`` resolved).
@@ -165,6 +169,7 @@ class LookupEngine:
         backend: str = "auto",
         device: torch.device | str | None = None,
         cpu_threads: int | None = 1,
+        warm: bool = True,
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise TypeError(
@@ -172,6 +177,8 @@ class LookupEngine:
             )
         if cpu_threads is not None:
             check_int(cpu_threads, "cpu_threads", 1)
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
         device = check_device(device if device is not None else "cpu")
         backend = resolve_backend(backend, device, BACKENDS, cpu_interpreter=True)
         self.layout = layout
@@ -183,6 +190,8 @@ class LookupEngine:
         self.impl: BatchBackend = backend_class(backend)(self.plan, device)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
+        if warm:
+            self.impl.warm_up()
 
     # -- validation ---------------------------------------------------------
 

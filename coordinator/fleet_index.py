@@ -191,6 +191,9 @@ class FleetIndex:
             driven by Triton kernels), "torch" (any device) or "auto" (numba
             on the CPU, triton on CUDA, torch elsewhere).
         max_load: the load factor bound, in ``key_index.MAX_LOAD_RANGE``.
+        warm: load or compile the kernel family's kernels now (numba: the
+            stores' and the router call's), so that the first call of a
+            serving process does not pay for it; ``False`` defers it.
 
     Keys are given as in :func:`kvhit.coordinator.key_index.normalize_keys`;
     ``engine_ids`` as an int (every key), a sequence of ints, an integer numpy
@@ -238,8 +241,11 @@ class FleetIndex:
         device: torch.device | str = "cpu",
         backend: str = "auto",
         max_load: float = 0.5,
+        warm: bool = True,
     ) -> None:
         num_engines = check_int(num_engines, "num_engines", 1, MAX_ENGINES + 1)
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
         W = num_words(hash_bytes)
         capacity = check_int(capacity, "capacity", 1, MAX_CAPACITY + 1)
         max_load = check_max_load(max_load, MAX_LOAD_RANGE)
@@ -249,7 +255,8 @@ class FleetIndex:
         cap = _next_pow2(capacity)
         nw = (num_engines + 63) // 64
         entries = KeyIndex(hash_bytes, capacity=cap, device=dev,
-                           backend=ops.entries_backend, max_load=max_load)  # fmt: skip
+                           backend=ops.entries_backend, max_load=max_load,
+                           warm=warm)  # fmt: skip
         self._init(
             num_engines,
             hash_bytes,
@@ -263,6 +270,10 @@ class FleetIndex:
             0,
             0,
         )
+        if warm and hasattr(ops, "warm_up"):
+            # The family's kernels loaded now (where it compiles ahead), so
+            # the first store or router call does not pay for it.
+            ops.warm_up()
 
     def _init(self, num_engines, hash_bytes, keys, bits, entries, active, backend,
               ops, max_load, size, tombs) -> None:  # fmt: skip
@@ -283,6 +294,9 @@ class FleetIndex:
         self.bits.copy_(bits)
         self.entries = entries
         self.active_mask = active.to("cpu").clone()
+        # Views the host store reads (active_mask changes in place only).
+        self._active_np = self.active_mask.numpy()
+        self._store_host = getattr(ops, "add_entries", None)
         self.live = self.live_words()
         self.max_load = max_load
         self._size = size
@@ -478,10 +492,20 @@ class FleetIndex:
         hashes[i])``; idempotent. Returns the number of (engine, key) entries
         that were new. Refused (ValueError naming ``engine_ids``) for an
         engine removed by :meth:`remove_engine`."""
+        if self._store_host is not None:
+            stored = self._add_host(engine_ids, group_ids, hashes)
+            if stored is not None:
+                return stored
         e, g, h = self._entries(engine_ids, group_ids, hashes, need_active=True)
         n = g.shape[0]
         if n == 0:
             return 0
+        entry_keys = g * self.num_engines + e
+        if not self.entries.has_room_for(n):
+            # The entry index grows first, before anything else changes: a
+            # growth that runs out of memory then leaves the fleet intact.
+            fresh = ~self.entries.contains_trusted(entry_keys, h)
+            self.entries.reserve(int(fresh.sum()))
         if self._size + self._tombstones + n > self._limit(self.capacity):
             # Count the keys that are really new before growing, so that
             # re-adding known keys never inflates the table.
@@ -494,10 +518,77 @@ class FleetIndex:
         self._size += self.ops.insert(self.table, self.W, g, h)
         slots = self.ops.find(self.table, self.W, g, h)
         new = self.ops.set_bits(self.bits, slots, e, self.num_engines)
-        self.entries.add(g * self.num_engines + e, h)
+        self.entries.add_trusted(entry_keys, h)
         self._per_engine += new
         self._version += 1
         return int(new.sum())
+
+    def _add_host(self, engine_ids: Any, group_ids: Any, hashes: Any) -> int | None:
+        """:meth:`add` in one kernel pass on numpy views (the family's
+        ``add_entries``: keys, engine bits, entry index and per-engine counts
+        together), for arguments in a form that needs no conversion and a
+        store that needs no growth; None hands the call to the general path
+        (which converts, grows, or raises naming the argument)."""
+        entries = self.entries
+        keys = entries.host_keys(group_ids, hashes)
+        ent_table = entries.host_table
+        if keys is None or ent_table is None:
+            return None
+        g, h = keys
+        n = g.shape[0]
+        e = self._host_engines(engine_ids, n)
+        if e is None:
+            return None
+        if n == 0:
+            return 0
+        if (
+            self._size + self._tombstones + n > self._limit(self.capacity)
+            or not entries.has_room_for(n)
+            or (self.num_engines > 1 and g.max() > self.max_group_id)
+        ):
+            return None
+        new_keys, new_bits, new_entries = self._store_host(
+            self.host_table, ent_table, g, h, e, self.num_engines, self._per_engine
+        )
+        self._size += new_keys
+        entries.note_stored(new_entries)
+        self._version += 1
+        return new_bits
+
+    def _host_engines(self, engine_ids: Any, n: int) -> np.ndarray | None:
+        """``engine_ids`` as a numpy int64 ``[n]`` view when it is an int, a
+        CPU int64 tensor or an int64 numpy array of active engines, else None
+        (see :meth:`_add_host`)."""
+        E = self.num_engines
+        active = self._active_np
+        if type(engine_ids) is int:
+            if not 0 <= engine_ids < E or not active[engine_ids]:
+                return None
+            return np.full(n, engine_ids, dtype=np.int64)
+        if isinstance(engine_ids, torch.Tensor):
+            if (
+                engine_ids.dtype != torch.int64
+                or engine_ids.device.type != "cpu"
+                or engine_ids.requires_grad
+                or engine_ids.layout is not torch.strided
+            ):
+                return None
+            engine_ids = engine_ids.numpy()
+        elif not isinstance(engine_ids, np.ndarray) or engine_ids.dtype != np.int64:
+            return None
+        if (
+            engine_ids.ndim != 1
+            or engine_ids.shape[0] != n
+            or not engine_ids.flags.c_contiguous
+        ):
+            return None
+        if n and (
+            engine_ids.min() < 0
+            or engine_ids.max() >= E
+            or not active[engine_ids].all()
+        ):
+            return None
+        return engine_ids
 
     def remove(self, engine_ids: Any, group_ids: Any, hashes: Any) -> int:
         """Engine ``engine_ids[i]`` no longer holds key ``(group_ids[i],

@@ -104,7 +104,9 @@ __all__ = [
     "KeyIndex",
     "ReadOnlyIndexError",
     "hash_kernels",
+    "capturing",
     "normalize_keys",
+    "refuse_growth_in_capture",
     "resolve_backend",
 ]
 
@@ -288,6 +290,28 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a
+    build or host without CUDA, where torch's query raises)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def refuse_growth_in_capture(what: str, n: int, room: int) -> None:
+    """RuntimeError when a growth (``n`` keys that may be new, room for
+    ``room``) would run inside a CUDA-graph capture: counting the new keys
+    syncs the host and a rehash allocates, neither allowed in a capture, so
+    the caller refuses before it changes anything."""
+    if capturing():
+        raise RuntimeError(
+            f"{what}: {n} keys may need a table growth (room for {room} more) "
+            "during a CUDA graph capture, which cannot allocate or sync; "
+            "reserve() the capacity before capturing"
+        )
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
     :data:`BACKENDS`), by the one rule of ``coordinator/backend.py``: "auto"
@@ -364,6 +388,10 @@ class KeyIndex:
             read and write the same table, so any answers for any other.
         max_load: the load factor bound, in :data:`MAX_LOAD_RANGE`.
         growable: False fixes the capacity (see below).
+        warm: load or compile the bound kernel family now where it compiles
+            ahead (numba), so that the first store or probe of a serving
+            process does not pay for it; ``False`` defers it (and the import
+            of numba) to the first call.
 
     Keys are given as in :func:`normalize_keys`. Every public method validates
     all of its arguments before it changes anything: a bad argument raises
@@ -402,6 +430,7 @@ class KeyIndex:
         backend: str = "auto",
         max_load: float = 0.5,
         growable: bool = True,
+        warm: bool = True,
     ) -> None:
         W = num_words(hash_bytes)
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
@@ -417,6 +446,8 @@ class KeyIndex:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
+        if not isinstance(warm, bool):
+            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
         dev = resolve_device(device)
         resolve_backend(backend, dev)
         self._init(
@@ -428,6 +459,14 @@ class KeyIndex:
             size=0,
             tombstones=0,
         )
+        if warm:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Load (or compile) the bound kernel family's kernels now where it
+        has a ``warm_up`` (numba); see ``warm`` in the class docstring."""
+        if self._host:
+            self._kernels.warm_up()
 
     def _init(
         self,
@@ -452,6 +491,7 @@ class KeyIndex:
         self._tombstones = tombstones
         self._growable = growable
         self._read_only = read_only
+        self._pad = padding_mask(hash_bytes)
         # Bumped by every change of the table's contents or identity, so that
         # adopt() can tell a grown copy built from the current state.
         self._version = 0
@@ -511,6 +551,32 @@ class KeyIndex:
     # -- properties ---------------------------------------------------------
 
     @property
+    def table(self) -> torch.Tensor:
+        """The table: int64 ``[capacity, W + 1]`` (module docstring)."""
+        return self._table
+
+    @table.setter
+    def table(self, table: torch.Tensor) -> None:
+        self._table = table
+        # A numpy view of a host table, made once per table rather than per
+        # store (``Tensor.numpy()`` costs about a microsecond), and the load
+        # limit of its capacity: the host store path reads only these.
+        host = table.device.type == "cpu" and not table.requires_grad
+        self._np_table = table.numpy() if host else None
+        self._cap_limit = self._limit(table.shape[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The numpy view must alias the table: a copy or unpickle rebuilds it.
+        state = self.__dict__.copy()
+        state.pop("_np_table", None)
+        state.pop("_kernels", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.table = state["_table"]
+
+    @property
     def capacity(self) -> int:
         """Number of slots (a power of two)."""
         return self.table.shape[0]
@@ -531,6 +597,8 @@ class KeyIndex:
         and when :meth:`to` moves the table)."""
         self._resolved = resolve_backend(self._backend, device)
         self.__dict__.pop("_kernels", None)
+        # The numba family stores through numpy views (see _add_host).
+        self._host = self._resolved == "numba"
 
     @functools.cached_property
     def _kernels(self) -> ModuleType:
@@ -762,8 +830,115 @@ class KeyIndex:
         Raises CapacityError (index unchanged) when a fixed-capacity index
         cannot take the new keys.
         """
+        if self._host and self._np_table is not None and not self._read_only:
+            keys = self.host_keys(group_ids, hashes)
+            if keys is not None:
+                return self._add_host(*keys)
         g, h = self.normalize_keys(group_ids, hashes)
         return self.add_trusted(g, h)
+
+    def host_keys(
+        self, group_ids: Any, hashes: Any
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys as numpy views (int64 ``[N]``, int64 ``[N, W]``,
+        C-contiguous) for this index's host store path (the fleet's too)
+        when they come in a form that needs no conversion and
+        pass every check :func:`normalize_keys` makes, else None (the caller
+        then takes the general path, which converts them or raises naming the
+        argument). Only the common forms of a store are taken here: a CPU
+        int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
+        int, CPU int64 tensor or int64 numpy array of group ids."""
+        W = self.W
+        if isinstance(hashes, HashBatch):
+            if hashes.hash_bytes != self.hash_bytes:
+                return None
+            hashes = hashes.hashes
+        if isinstance(hashes, torch.Tensor):
+            if (
+                hashes.dtype != torch.int64
+                or hashes.device.type != "cpu"
+                or hashes.requires_grad
+                or hashes.layout is not torch.strided
+            ):
+                return None
+            hashes = hashes.numpy()
+        elif not isinstance(hashes, np.ndarray) or hashes.dtype not in (
+            np.int64,
+            np.uint64,
+        ):
+            return None
+        if hashes.ndim != 2 or hashes.shape[1] != W or not hashes.flags.c_contiguous:
+            return None
+        h = hashes.view(np.int64)
+        n = h.shape[0]
+        pad = self._pad
+        if pad and n and (h[:, -1] & pad).any():
+            return None
+        if type(group_ids) is int:
+            if not 0 <= group_ids < 1 << 63:
+                return None
+            return np.full(n, group_ids, dtype=np.int64), h
+        if isinstance(group_ids, torch.Tensor):
+            if (
+                group_ids.dtype != torch.int64
+                or group_ids.device.type != "cpu"
+                or group_ids.requires_grad
+                or group_ids.layout is not torch.strided
+            ):
+                return None
+            group_ids = group_ids.numpy()
+        elif not isinstance(group_ids, np.ndarray) or group_ids.dtype != np.int64:
+            return None
+        if (
+            group_ids.ndim != 1
+            or group_ids.shape[0] != n
+            or not group_ids.flags.c_contiguous
+            or (n and group_ids.min() < 0)
+        ):
+            return None
+        return group_ids, h
+
+    def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
+        """:meth:`add_trusted` on numpy views of normalized keys, for the
+        numba family on a host table: no tensor is made. A batch that may
+        need a rehash takes the general path (rare: growth is amortized)."""
+        n = g.shape[0]
+        if n == 0:
+            return 0
+        if self._size + self._tombstones + n > self._cap_limit:
+            return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
+        try:
+            added = self._kernels.insert_count(self._np_table, g, h)
+        except RuntimeError:
+            self._recount()
+            raise
+        self._size += added
+        if added:
+            self._version += 1
+        return added
+
+    @property
+    def host_table(self) -> np.ndarray | None:
+        """The table as a numpy view when the numba family stores into it on
+        the host (a writable CPU table), else None."""
+        if self._host and not self._read_only:
+            return self._np_table
+        return None
+
+    def note_stored(self, n: int) -> None:
+        """Count ``n`` keys a caller's kernel stored into :attr:`host_table`
+        (the fleet's fused store, which leaves room first)."""
+        self._size += n
+        if n:
+            self._version += 1
+
+    def _recount(self) -> None:
+        """Count the table again after a failed insert stored part of a batch,
+        so that len() and the tombstones match it."""
+        col = self.table[:, 0]
+        self._size = int((col >= 0).sum().item())
+        self._tombstones = int((col == TOMBSTONE).sum().item())
+        self._version += 1
 
     def add_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
@@ -774,7 +949,18 @@ class KeyIndex:
         self._check_writable("add")
         if g.shape[0] == 0:
             return 0
+        if (
+            self._host
+            and self._np_table is not None
+            and self._size + self._tombstones + g.shape[0] <= self._cap_limit
+        ):
+            return self._add_host(g.numpy(), h.numpy())
         if not self.has_room_for(g.shape[0]):
+            refuse_growth_in_capture(
+                "add",
+                g.shape[0],
+                self._limit(self.capacity) - len(self) - self.tombstones,
+            )
             # The batch may not fit: count exactly how many keys are new
             # (absent and distinct) before deciding to grow, so that re-adding
             # known keys never inflates the table.
@@ -789,12 +975,8 @@ class KeyIndex:
             added = self._insert(self.table, g, h)
         except RuntimeError:
             # A failed insert (triton: hash_index.InsertError, the table full
-            # or a BUSY wait ran out) stored the batch's other keys: count
-            # the table again so len() and the tombstones match it.
-            col = self.table[:, 0]
-            self._size = int((col >= 0).sum().item())
-            self._tombstones = int((col == TOMBSTONE).sum().item())
-            self._version += 1
+            # or a BUSY wait ran out) stored the batch's other keys.
+            self._recount()
             raise
         self._size += added
         if added:

@@ -92,6 +92,12 @@ class NumbaBackend:
             self._prep_cache = (sn, prep)
         return self._prep_cache
 
+    def warm_up(self) -> None:
+        """``BatchBackend.warm_up``: the plan's rows built and the compiled
+        batch programs loaded (or compiled, on a cold cache) now."""
+        sn, prep = self._prep()
+        sn.warm_up(prep)
+
     # -- the host path: the engine's calls, without torch in the loop --------
     #
     # A scheduler step of one request costs ~1 us in the compiled kernel; a

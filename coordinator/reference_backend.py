@@ -75,6 +75,9 @@ class ReferenceBackend(ViewBackend):
         self.device = torch.device(device)
         self.reference = ReferenceCoordinator(plan.layout)
 
+    def warm_up(self) -> None:
+        """Nothing to load ahead: plain Python (``BatchBackend.warm_up``)."""
+
     def _requests(self, view: RaggedView) -> list[list[bytes]]:
         # Whole words: the index's keys are unpacked the same way, and the
         # zero padding keeps equal hashes equal.

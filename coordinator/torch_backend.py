@@ -47,6 +47,9 @@ class TorchBackend(ViewBackend):
         # The plan as the numba and Triton kernels take it: rows and params.
         self._rows = torch_plan(plan.as_rows(), plan.candidates_as_rows(), plan.params)
 
+    def warm_up(self) -> None:
+        """Nothing to load ahead: torch ops (``BatchBackend.warm_up``)."""
+
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
         with torch.inference_mode():

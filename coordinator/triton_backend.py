@@ -65,6 +65,10 @@ class TritonBackend(ViewBackend):
         # Kernel variants called at least once (compiled and loaded).
         self._warm: set[tuple] = set()
 
+    def warm_up(self) -> None:
+        """``BatchBackend.warm_up``: a stub for now (the Triton kernels still
+        compile on their first call)."""
+
     def _warm_up(self, device: torch.device, variant: tuple) -> None:
         """Refuse the first call of a kernel variant during a graph capture:
         that call compiles and loads the kernel, which cannot be captured."""

@@ -42,6 +42,7 @@ lock_cache_saves()
 
 __all__ = [
     "FleetOps",
+    "add_entries",
     "clear_bits",
     "clear_engine",
     "engine_classes",
@@ -52,9 +53,12 @@ __all__ = [
     "insert_keys",
     "probe_bits",
     "set_bits",
+    "warm_up",
 ]
 
 _JIT = {"cache": True, "nogil": True}
+# Whether warm_up() ran in this process.
+_warm = False
 # Blocks whose home rows are loaded together before the run logic reads them
 # (:func:`_gather_tile`): a request's first tile, and the most. A block costs
 # a cache miss into a table far larger than the caches when a batch's slots
@@ -108,6 +112,103 @@ def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
     if gids.shape[0] and insert_rows(table, gids, hashes, out) >= 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return int(out.sum())
+
+
+@numba.njit(inline="always", **_JIT)
+def _claim(table, gid, keys, r):
+    """Slot of key ``(gid, keys[r])`` in ``table`` (its key in the first
+    ``W + 1`` columns), storing it in the first EMPTY slot of its probe
+    sequence when absent: ``2 * slot + 1`` when stored now, ``2 * slot`` when
+    it was there, -1 when the table has no free slot (as KeyIndex's insert:
+    only EMPTY slots are claimed, tombstones are passed over)."""
+    cap = table.shape[0]
+    mask = cap - 1
+    W = keys.shape[1]
+    slot = key_slot_hash(gid, keys, r) & mask
+    for _ in range(cap):
+        g = table[slot, 0]
+        if g == _EMPTY:
+            for j in range(W):
+                table[slot, 1 + j] = keys[r, j]
+            table[slot, 0] = gid
+            return 2 * slot + 1
+        if g == gid:
+            same = True
+            for j in range(W):
+                if table[slot, 1 + j] != keys[r, j]:
+                    same = False
+                    break
+            if same:
+                return 2 * slot
+        slot = (slot + 1) & mask
+    return -1
+
+
+@numba.njit(**_JIT)
+def _add_entries(table, entries, gids, hashes, engines, num_engines, per_engine, out):
+    """The whole of a FleetIndex store, one pass per entry: the key into
+    ``table`` (keys, then engine sets), engine ``engines[r]``'s bit, and when
+    the bit is new the entry key ``gids[r] * E + engines[r]`` into the entry
+    index's table ``entries`` and one more key for ``per_engine``.
+    ``out``: keys, engine bits and entries newly stored. Returns -1, or the
+    first row that found no free slot (rows before it are stored)."""
+    W1 = hashes.shape[1] + 1
+    for r in range(gids.shape[0]):
+        got = _claim(table, gids[r], hashes, r)
+        if got < 0:
+            return r
+        out[0] += got & 1
+        e = engines[r]
+        slot = got >> 1
+        w = W1 + (e >> 6)
+        b = np.int64(1) << np.int64(e & 63)
+        if table[slot, w] & b == 0:
+            got = _claim(entries, gids[r] * num_engines + e, hashes, r)
+            if got < 0:
+                return r
+            out[2] += got & 1
+            table[slot, w] |= b
+            per_engine[e] += 1
+            out[1] += 1
+    return -1
+
+
+def add_entries(
+    table: np.ndarray,
+    entries: np.ndarray,
+    gids: np.ndarray,
+    hashes: np.ndarray,
+    engines: np.ndarray,
+    num_engines: int,
+    per_engine: np.ndarray,
+) -> tuple[int, int, int]:
+    """A FleetIndex store on its host tables, in place: engine ``engines[r]``
+    holds key ``(gids[r], hashes[r])``.
+
+    table: int64 ``[C, W + 1 + NW]`` (keys, then engine sets); entries: the
+    entry index's table, int64 ``[C', W + 1]``; gids, engines: int64 ``[N]``
+    (engines in ``[0, E)``); hashes: int64 ``[N, W]``; per_engine: int64
+    ``[E]``, the keys per engine, counted up. All C-contiguous, trusted (the
+    FleetIndex checked them and left room in both tables). Returns (keys,
+    engine bits, entries) newly stored. RuntimeError if a table had no free
+    slot (rows before the failing one are stored)."""
+    out = np.zeros(3, dtype=np.int64)
+    if (
+        gids.shape[0]
+        and _add_entries(
+            table,
+            entries,
+            gids,
+            hashes,
+            engines,
+            np.int64(num_engines),
+            per_engine,
+            out,
+        )
+        >= 0
+    ):
+        raise RuntimeError("insert: the table has no free slot for some keys")
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 @numba.njit(**_JIT)
@@ -711,6 +812,39 @@ def engine_classes(
     return rep
 
 
+def warm_up() -> None:
+    """Load (or compile, on a cold numba cache) the kernels a FleetIndex's
+    stores and a router's fleet call run, on scratch tables with the argument
+    types of the real calls, so that a serving process's first call does not
+    pay for them. Once per process."""
+    global _warm
+    if _warm:
+        return
+    W = NW = 1
+    table = np.zeros((4, W + 1 + NW), dtype=np.int64)
+    table[:, 0] = _EMPTY
+    keys, bits = table[:, : W + 1], table[:, W + 1 :]
+    entries = np.zeros((4, W + 1), dtype=np.int64)
+    entries[:, 0] = _EMPTY
+    one = np.zeros(1, dtype=np.int64)
+    h = np.ones((1, W), dtype=np.int64)
+    add_entries(table, entries, one, h, one, 1, np.zeros(1, dtype=np.int64))
+    insert_keys(table, one, h)
+    slots = find_keys(table, one, h)
+    set_bits(bits, slots, one)
+    clear_bits(keys, bits, slots, one)
+    none = np.zeros(0, dtype=np.int64)
+    params = np.zeros(7, dtype=np.int64)
+    params[6] = 1
+    # The router's members and params are read-only arrays (cached per
+    # plan): numba types them apart from writable ones.
+    members = one.copy()
+    for a in (members, params):
+        a.flags.writeable = False
+    full_hits_checked(table, h, none, none, none, members, one, params)
+    _warm = True
+
+
 # -- the FleetIndex's table operations -----------------------------------------------
 
 
@@ -742,6 +876,13 @@ class FleetOps:
         table = torch.from_numpy(np.zeros((capacity, W + 1 + NW), dtype=np.int64))
         table[:, 0] = EMPTY
         return table, table[:, : W + 1], table[:, W + 1 :]
+
+    #: The fused host store (:func:`add_entries`), which a FleetIndex calls
+    #: on numpy views when the family has one.
+    add_entries = staticmethod(add_entries)
+    #: Load the kernels now (:func:`warm_up`); a FleetIndex calls it when
+    #: built warm.
+    warm_up = staticmethod(warm_up)
 
     @staticmethod
     def host_table(table: torch.Tensor) -> np.ndarray:

@@ -39,7 +39,16 @@ from kvhit.kernels.probe_numba import (
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
 
-__all__ = ["erase", "find", "insert", "insert_rows", "probe", "rehash"]
+__all__ = [
+    "erase",
+    "find",
+    "insert",
+    "insert_count",
+    "insert_rows",
+    "probe",
+    "rehash",
+    "warm_up",
+]
 
 _EMPTY = np.int64(EMPTY)
 _TOMBSTONE = np.int64(TOMBSTONE)
@@ -48,6 +57,8 @@ _TOMBSTONE = np.int64(TOMBSTONE)
 # misses in flight a 10^6-key batch probes ~1.7x faster (measured: 16 and 8
 # were alike, 4 lost a third of the gain).
 _AHEAD = 8
+# Whether warm_up() ran in this process.
+_warm = False
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -112,6 +123,53 @@ def _insert_kernel(table, gids, keys, out):
         if not placed:
             return r
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_count_kernel(table, gids, keys):
+    """:func:`_insert_kernel` without the per-row output: returns the number
+    of keys newly stored, or ``-1 - r`` where row ``r`` found no free slot
+    (rows before it are inserted)."""
+    cap = table.shape[0]
+    mask = cap - 1
+    W = keys.shape[1]
+    added = 0
+    _prefetch_first(table, gids, keys)
+    for r in range(gids.shape[0]):
+        _prefetch_home(table, gids, keys, r + _AHEAD)
+        gid = gids[r]
+        slot = key_slot_hash(gid, keys, r) & mask
+        placed = False
+        for _ in range(cap):
+            g = table[slot, 0]
+            if g == _EMPTY:
+                for j in range(W):
+                    table[slot, 1 + j] = keys[r, j]
+                table[slot, 0] = gid
+                added += 1
+                placed = True
+                break
+            if g == gid and slot_holds_key(table, slot, keys, r):
+                placed = True
+                break
+            slot = (slot + 1) & mask
+        if not placed:
+            return -1 - r
+    return added
+
+
+def insert_count(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
+    """The host fast path of :func:`insert` on numpy views, trusted (a
+    KeyIndex's own table and keys it normalized): ``table`` int64
+    ``[capacity, W + 1]``, ``gids`` int64 ``[N]``, ``hashes`` int64 ``[N,
+    W]``, all C-contiguous. Returns the number of keys newly stored; raises
+    RuntimeError as :func:`insert` when some key found no free slot."""
+    if gids.shape[0] == 0:
+        return 0
+    added = _insert_count_kernel(table, gids, hashes)
+    if added < 0:
+        raise RuntimeError("insert: the table has no free slot for some keys")
+    return added
 
 
 #: The insert kernel on numpy arrays, for a table whose rows carry more than
@@ -280,3 +338,28 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
     if n < 0:
         raise RuntimeError("rehash: the new table has no free slot for some keys")
     return int(n)
+
+
+def warm_up() -> None:
+    """Load (or compile, on a cold cache) the kernels a KeyIndex calls on
+    its host path, on a scratch table, so that the first store or probe of a
+    serving process does not pay for it. Once per process."""
+    global _warm
+    if _warm:
+        return
+    table = np.zeros((4, 2), dtype=np.int64)
+    table[:, 0] = _EMPTY
+    gids = np.zeros(1, dtype=np.int64)
+    keys = np.ones((1, 1), dtype=np.int64)
+    insert_count(table, gids, keys)
+    for kernel, dtype in (
+        (_find_kernel, np.int64),
+        (_probe_kernel, np.bool_),
+        (_insert_kernel, np.int8),
+        (_erase_kernel, np.int8),
+    ):
+        kernel(table, gids, keys, np.zeros(1, dtype=dtype))
+    new = np.zeros((4, 2), dtype=np.int64)
+    new[:, 0] = _EMPTY
+    _rehash_kernel(table, new)
+    _warm = True

@@ -23,9 +23,10 @@ Design (why it looks like this):
   torch tensors. The plan is runtime data, so one compiled specialisation
   serves every layout (the cold compile happens once per machine: ``cache``).
 * **Requests over threads only when it pays.** Every entry point comes as a
-  serial and a ``prange`` loop over the same per-request function; the
-  launcher picks by batch size (:data:`PARALLEL_MIN_REQUESTS`), and callers can
-  force either. ``nogil`` lets a scheduler thread and an event follower run
+  serial and a ``prange`` loop over the same per-request function (threads
+  take runs of requests of equal hashes); the launcher picks by the batch's
+  work (:data:`PARALLEL_MIN_HASHES`, or :data:`PARALLEL_MIN_REQUESTS`
+  requests), and callers can force either. ``nogil`` lets a scheduler thread and an event follower run
   while a batch is answered.
 * **One compiled signature.** Find and the worker's lookup are one
   per-request function with a mode flag, the call's flags travel as one int64
@@ -113,6 +114,7 @@ from kvhit.kernels.contract import (
     CAND_SCALE,
     CAND_SHIFT,
     CAND_SPARSE,
+    EMPTY,
     KIND_CHUNKED,
     KIND_FULL,
     KIND_MAMBA,
@@ -148,6 +150,7 @@ __all__ = [
     "FIND",
     "FIND_EAGLE",
     "LOOKUP",
+    "PARALLEL_MIN_HASHES",
     "PARALLEL_MIN_REQUESTS",
     "PREFETCH_MIN_REQUESTS",
     "PREFETCH_MIN_TABLE_BYTES",
@@ -157,7 +160,9 @@ __all__ = [
     "lookup_hits",
     "prefetching",
     "prepare_scan",
+    "warm_up",
     "scan_prepared",
+    "threaded",
 ]
 
 
@@ -185,6 +190,18 @@ def _env_int(name: str, default: int) -> int:
 
 
 PARALLEL_MIN_REQUESTS = _env_int("KVHIT_NUMBA_PARALLEL_MIN", 1024)
+# From this many hashes in a batch on (``KVHIT_NUMBA_PARALLEL_MIN_HASHES``
+# overrides it), a batch of two requests or more runs on threads whatever its
+# request count: the work to split is the hashes to scan, so 64 long-hit
+# requests (150K hashes, ~0.2 ms on one core) are threaded while a step of
+# 64 short ones (a few thousand) stays serial. ``_batch_parallel`` splits the
+# batch by hashes too. The same caveat as above holds: on a host whose cores
+# other processes keep busy a threaded call can stall for milliseconds
+# (measured on the shared 2-core machine at B = 64 long-hit: from 4.9x faster
+# than one thread to 3.5x slower, call to call); a value past any batch
+# (``KVHIT_NUMBA_PARALLEL_MIN_HASHES=1000000000``, with the request bound) or
+# ``NUMBA_NUM_THREADS=1`` keeps every batch serial.
+PARALLEL_MIN_HASHES = _env_int("KVHIT_NUMBA_PARALLEL_MIN_HASHES", 65536)
 
 # Scratch columns per SpecGroup of one request.
 _ST_HIT = 0
@@ -909,12 +926,41 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
                  prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
+# Runs of requests a threaded batch is cut into: four per thread numba
+# starts with (a constant, so that the loop caches; a process that lowers its
+# thread count later only gets more runs per thread).
+_RUNS = 4 * numba.config.NUMBA_NUM_THREADS
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
                     prm, hit, mask_spans, scratch, gscr):  # fmt: skip
-    for r in numba.prange(offsets.shape[0]):
-        _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
-                 prm, hit, mask_spans, scratch, gscr)  # fmt: skip
+    # Threads take runs of requests of equal work (hashes), not equal request
+    # counts: a batch of a few long prompts among short ones is spread evenly.
+    # Four runs per thread let a thread that was descheduled fall behind
+    # without the others waiting for its whole share.
+    # A request's work is its hashes plus one (the fixed cost of a request
+    # with none); run c takes the requests whose work starts in its share.
+    # Each run finds its requests in one pass over the lengths (O(B) adds,
+    # nothing allocated).
+    n = offsets.shape[0]
+    k = min(n, _RUNS)
+    total = 0
+    for r in range(n):
+        total += lengths[r] + 1
+    for c in numba.prange(k):
+        lo = c * total
+        hi = (c + 1) * total
+        before = 0
+        for r in range(n):
+            at = before * k
+            before += lengths[r] + 1
+            if at < lo:
+                continue
+            if at >= hi:
+                break
+            _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg,
+                     cand, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 # -- launchers -----------------------------------------------------------------------
@@ -931,9 +977,16 @@ def _homes_cols(sg: np.ndarray) -> int:
     return max(_RUN_STRETCH, need) * int(sg[:, SG_N_MEMBERS].max())
 
 
-def _threaded(n_req: int, parallel: bool | None) -> bool:
+def threaded(n_req: int, n_hashes: int, parallel: bool | None) -> bool:
+    """Whether a batch of ``n_req`` requests and ``n_hashes`` hashes runs on
+    numba's threads: forced by ``parallel``, else by its work (see
+    :data:`PARALLEL_MIN_HASHES`)."""
     if parallel is None:
-        return n_req >= PARALLEL_MIN_REQUESTS and _THREADS_AVAILABLE
+        return (
+            _THREADS_AVAILABLE
+            and n_req >= 2
+            and (n_hashes >= PARALLEL_MIN_HASHES or n_req >= PARALLEL_MIN_REQUESTS)
+        )
     return bool(parallel)
 
 
@@ -1053,7 +1106,7 @@ def scan_prepared(
     # Every request's hit is written (lookup mode zeroes it first).
     hit = np.empty(n, np.int64)
     sg, cand = prep.sg, prep.cand
-    fn = _batch_parallel if _threaded(n, parallel) else _batch_serial
+    fn = _batch_parallel if threaded(n, rows.shape[0], parallel) else _batch_serial
     # prefetching(), spelled out: a one-request call skips the table test.
     pf = n >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn(rows, offsets, lengths, token_lengths, prep.no_tl, table, sg, cand,
@@ -1075,7 +1128,7 @@ def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand
     # prefetching scans' home slots.
     extra = counters or (_homes_cols(sg_rows) if prm[_P_PREFETCH] else 0)
     gscr = np.empty((n_req, cand_rows.shape[0] + extra), dtype=np.int64)
-    fn = _batch_parallel if _threaded(n_req, parallel) else _batch_serial
+    fn = _batch_parallel if threaded(n_req, rows.shape[0], parallel) else _batch_serial
     fn(_c64(rows), _c64(offsets), _c64(lengths), _c64(token_lengths), token_lens, table,
        sg_rows, cand_rows, prm, hit, mask_spans, scratch, gscr)  # fmt: skip
     if counters:
@@ -1237,3 +1290,18 @@ def count_probes(
     return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
                    hash_block_size, alignment, partial, simple_hybrid, False,
                    True)  # fmt: skip
+
+
+def warm_up(prep: ScanPrep) -> None:
+    """Load (or compile, on a cold numba cache) the compiled batch programs
+    :func:`scan_prepared` runs for ``prep``'s layout, serial and, where
+    numba has threads, parallel, on a one-request batch with no hashes and an
+    empty table (nothing is read past the arrays): a serving process's first
+    lookup then costs what every later one does."""
+    rows = np.zeros((1, 1), np.int64)
+    zero = np.zeros(1, np.int64)
+    table = np.zeros((2, 2), np.int64)
+    table[:, 0] = EMPTY
+    for parallel in (False, True) if _THREADS_AVAILABLE else (False,):
+        for mode in (FIND, LOOKUP):
+            scan_prepared(prep, rows, zero, zero, zero, table, mode, parallel)

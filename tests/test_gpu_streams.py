@@ -187,12 +187,6 @@ def capturing(device: str) -> contextlib.AbstractContextManager:
     return torch.cuda.graph(torch.cuda.CUDAGraph())
 
 
-@pytest.mark.xfail(
-    reason="missing (coordinator/key_index.py, not this helper's): KeyIndex.add "
-    "does not check for a CUDA-graph capture before it grows; on CUDA the "
-    "growth fails inside the capture with CUDA's own error",
-    strict=False,
-)
 @pytest.mark.parametrize("device", DEVICES)
 def test_growth_during_capture_is_refused_with_a_clear_error(device):
     # An add that must grow the table inside a capture would allocate and

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, saved_keys
 
-from kvhit import HashBatch, LookupEngine, ReferenceCoordinator
+from kvhit import HashBatch, KeyIndex, LookupEngine, ReferenceCoordinator
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
@@ -223,7 +223,9 @@ def test_numba_backend_refuses_other_devices():
 
 def test_numba_is_imported_only_by_its_first_use():
     """``import kvhit``, building the layout and importing the numba backend's
-    module never import numba; the first numba call does."""
+    module never import numba; neither does a numba engine or index built
+    with ``warm=False``, whose first call does; a warm engine (the default)
+    imports it at construction."""
     script = (
         "import sys\n"
         "import kvhit\n"
@@ -233,16 +235,26 @@ def test_numba_is_imported_only_by_its_first_use():
         "e = kvhit.LookupEngine(make_layout('llama'), backend='torch')\n"
         "assert 'numba' not in sys.modules, 'numba imported early'\n"
         "assert 'triton' not in sys.modules, 'triton imported early'\n"
-        "e = kvhit.LookupEngine(make_layout('llama'))\n"
+        "e = kvhit.LookupEngine(make_layout('llama'), warm=False)\n"
         "assert e.backend == 'numba' and 'numba' not in sys.modules\n"
         "b = kvhit.HashBatch.from_bytes([[b'x' * 8]], 8)\n"
-        "e.lookup(b, [16], kvhit.KeyIndex(8, capacity=16))\n"
+        "index = kvhit.KeyIndex(8, capacity=16, warm=False)\n"
+        "assert 'numba' not in sys.modules\n"
+        "e.lookup(b, [16], index)\n"
         "assert 'numba' in sys.modules\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    warm = (
+        "import sys\n"
+        "import kvhit\n"
+        "from kvhit.bench.workloads import make_layout\n"
+        "kvhit.LookupEngine(make_layout('llama'))\n"
+        "assert 'numba' in sys.modules, 'a warm engine loads its kernels'\n"
     )
-    assert res.returncode == 0, res.stderr[-2000:]
+    for code in (script, warm):
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
 
 
 def _count(layout, requests, lens, exists):
@@ -638,3 +650,57 @@ def test_prepare_scan_refuses_bad_sizes():
                 sg.numpy(), cand.numpy(), hash_block_size=hbs, alignment=align,
                 partial=False, simple_hybrid=False,
             )  # fmt: skip
+
+
+# -- threads by work ---------------------------------------------------------------
+
+
+def test_threads_are_picked_by_work_not_request_count():
+    hashes = scan_numba.PARALLEL_MIN_HASHES
+    on = scan_numba.numba.config.NUMBA_NUM_THREADS > 1
+    assert scan_numba.threaded(64, hashes, None) is on
+    assert scan_numba.threaded(2, hashes, None) is on
+    if PARALLEL_MIN_REQUESTS > 64:
+        assert scan_numba.threaded(64, hashes - 1, None) is False
+    assert scan_numba.threaded(PARALLEL_MIN_REQUESTS, 0, None) is on
+    # One request never waits for a second thread; forcing wins both ways.
+    assert scan_numba.threaded(1, 10 * hashes, None) is False
+    assert scan_numba.threaded(1, 0, True) is True
+    assert scan_numba.threaded(10**6, 10**9, False) is False
+
+
+@pytest.mark.parametrize("value", ["-1", "many"])
+def test_parallel_min_hashes_is_checked_naming_the_variable(value):
+    res = subprocess.run(
+        [sys.executable, "-c", "import kvhit.kernels.scan_numba"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KVHIT_NUMBA_PARALLEL_MIN_HASHES": value},
+    )
+    assert res.returncode != 0
+    assert "KVHIT_NUMBA_PARALLEL_MIN_HASHES" in res.stderr
+
+
+@pytest.mark.parametrize("long_at", [0, 5, 39])
+def test_threaded_runs_of_equal_work_answer_every_request(long_at):
+    # One long request among short and empty ones: the runs of equal work
+    # are uneven in requests (one run may hold a single request, another
+    # dozens); every request is answered as the serial loop answers it.
+    layout = make_layout("llama")
+    rng = np.random.default_rng(long_at)
+    pool = [bytes(rng.integers(0, 256, 8, dtype=np.uint8)) for _ in range(400)]
+    requests = [pool[: int(rng.integers(0, 6))] for _ in range(40)]
+    requests[long_at] = pool
+    batch = HashBatch.from_bytes(requests, 8)
+    index = KeyIndex(8, capacity=1024)
+    index.add(0, pool[:350])
+    lens = [16 * len(r) + 8 for r in requests]
+    engine = LookupEngine(layout)
+    got = []
+    for parallel in (False, True):
+        engine.impl.parallel = parallel
+        got.append(engine.lookup(batch, lens, index))
+        got.append(engine.find_longest_cache_hit(batch, lens, index).hit_lengths)
+    assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])
+    assert int(got[0][long_at]) > 0

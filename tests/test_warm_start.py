@@ -1,0 +1,115 @@
+"""Warm start: LookupEngine, KeyIndex and FleetIndex load their kernels at
+construction unless built with ``warm=False``; every backend class has
+``warm_up`` (the BatchBackend protocol)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import pytest
+import torch
+from helpers import merged_swa_eagle_layout
+
+from kvhit.coordinator.backend import BatchBackend
+from kvhit.coordinator.engine import BACKEND_CLASSES, LookupEngine, backend_class
+from kvhit.coordinator.fleet_index import FleetIndex
+from kvhit.coordinator.key_index import KeyIndex
+from kvhit.coordinator.packing import HashBatch
+from kvhit.coordinator.plan import ScanPlan
+
+
+@pytest.mark.parametrize("name", sorted(BACKEND_CLASSES))
+def test_every_backend_class_has_warm_up(name):
+    cls = backend_class(name)
+    assert callable(getattr(cls, "warm_up", None))
+    if name != "triton":
+        impl = cls(ScanPlan.from_layout(merged_swa_eagle_layout()), torch.device("cpu"))
+        assert isinstance(impl, BatchBackend)
+        assert impl.warm_up() is None
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_engine_warms_its_backend_unless_asked_not_to(warm):
+    cls = backend_class("numba")
+    with mock.patch.object(cls, "warm_up", autospec=True) as warm_up:
+        engine = LookupEngine(merged_swa_eagle_layout(), backend="numba", warm=warm)
+    assert warm_up.call_count == int(warm)
+    assert engine.impl.plan is not None
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda w: LookupEngine(merged_swa_eagle_layout(), warm=w),
+        lambda w: KeyIndex(32, warm=w),
+        lambda w: FleetIndex(2, 32, warm=w),
+    ],
+)
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_warm_must_be_a_bool(build, bad):
+    with pytest.raises(TypeError, match="warm"):
+        build(bad)
+
+
+def test_a_warm_engine_answers_as_a_cold_one():
+    layout = merged_swa_eagle_layout()
+    batch = HashBatch.from_ints([list(range(1, 40)), list(range(7, 20)), []])
+    index = KeyIndex(batch.hash_bytes, warm=False)
+    index.add(0, batch.hashes[:30])
+    index.add([1, 2] * 5, batch.hashes[:10])
+    lens = [39 * 16, 13 * 16, 0]
+    got = [
+        LookupEngine(layout, warm=w).find_longest_cache_hit(batch, lens, index)
+        for w in (True, False)
+    ]
+    assert torch.equal(got[0].hit_lengths, got[1].hit_lengths)
+
+
+def _modules_after(code: str) -> set[str]:
+    """The kvhit kernel modules a fresh process has imported after ``code``."""
+    script = textwrap.dedent(code) + textwrap.dedent(
+        """
+        import sys
+        print(",".join(m for m in sys.modules if m.startswith("kvhit.kernels")))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    return set(out.stdout.strip().split(","))
+
+
+def test_cold_construction_defers_the_kernels():
+    cold = _modules_after(
+        """
+        from kvhit.coordinator.key_index import KeyIndex
+        KeyIndex(32, warm=False)
+        """
+    )
+    assert "kvhit.kernels.hash_index_numba" not in cold
+    warm = _modules_after(
+        """
+        from kvhit.coordinator.key_index import KeyIndex
+        from kvhit.kernels import hash_index_numba
+        KeyIndex(32)
+        assert hash_index_numba._warm
+        """
+    )
+    assert "kvhit.kernels.hash_index_numba" in warm
+
+
+def test_warm_fleet_loads_its_store_and_router_kernels():
+    modules = _modules_after(
+        """
+        from kvhit.coordinator.fleet_index import FleetIndex
+        from kvhit.kernels import fleet_numba, hash_index_numba
+        FleetIndex(3, 32)
+        assert fleet_numba._warm and hash_index_numba._warm
+        for f in (fleet_numba._add_entries, fleet_numba.full_hits_checked):
+            assert f.signatures, f
+        """
+    )
+    assert "kvhit.kernels.fleet_numba" in modules
