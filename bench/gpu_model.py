@@ -50,6 +50,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -455,22 +456,36 @@ def count_call(fn) -> tuple[object, CallCounts, Tracer]:
                     counts.other_launches += 1
             return func(*args, **(kwargs or {}))
 
+    # Tensors a counted ``.cpu()`` made: on a GPU they are host memory, and
+    # reading them (``.numpy()``) waits on nothing more.
+    # id -> weakref (tensors compare elementwise, so no WeakSet).
+    on_host: dict[int, weakref.ref] = {}
+
+    def is_on_host(t: object) -> bool:
+        ref = on_host.get(id(t))
+        return ref is not None and ref() is t
+
     class Function(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
+            copied = name == "cpu"
             if not tracer.inside_launch and name in _SYNC_METHODS:
                 # bool()/item() reach _local_scalar_dense too: count once.
                 if name in ("item", "__bool__", "__int__", "__index__", "__float__"):
                     pass
+                elif args and is_on_host(args[0]):
+                    copied = False
                 else:
                     counts.syncs += 1
                     counts.sync_calls[name] += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if copied and not tracer.inside_launch and isinstance(out, torch.Tensor):
+                on_host[id(out)] = weakref.ref(out)
+            return out
 
     with tracer, Function(), Dispatch():
         out = fn()
     counts.triton_launches = len(tracer.launches)
-    del torch
     return out, counts, tracer
 
 
