@@ -20,7 +20,7 @@ from kvhit.coordinator.graph_runner import GraphConfig, GraphRunner
 def _store(device, capacity: int = 4096):
     layout = make_layout("dsv4-flash")
     rng = random.Random(7)
-    prompts = [chained_hashes(4 + i, rng.randint(60, 300)) for i in range(6)]
+    prompts = [chained_hashes(4 + i, rng.randint(60, 160)) for i in range(6)]
     # Shared prefixes: later prompts start with an earlier one's hashes.
     prompts += [p[: rng.randint(0, len(p))] + chained_hashes(20 + i, 70)
                 for i, p in enumerate(prompts)]  # fmt: skip
@@ -43,19 +43,20 @@ def _batch(prompts, rng, n, device):
 def test_answers_equal_eager_across_buckets(device):
     layout, prompts, index = _store(device)
     engine = LookupEngine(layout, backend="triton", device=device)
-    runner = GraphRunner(engine, index, GraphConfig(max_requests=16, max_hashes=4096))
+    runner = GraphRunner(engine, index, GraphConfig(max_requests=8, max_hashes=4096))
     rng = random.Random(1)
     # Non-powers of two, a bucket reused after a larger one (stale padding),
     # single requests, and tensors as well as lists of lengths.
-    for n in (3, 1, 5, 16, 3, 7, 1, 12):
+    hits = []
+    for i, n in enumerate((3, 1, 8, 3, 1)):
         batch, tokens = _batch(prompts, rng, n, device)
         want = engine.lookup(batch, tokens, index)
-        got = runner.lookup(batch, tokens)
-        assert got.tolist() == want.tolist(), n
-        t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        assert runner.lookup(batch, t).tolist() == want.tolist()
-    assert set(runner._buckets) <= {1, 2, 4, 8, 16}
-    assert any(want.tolist())  # the store hits somewhere
+        hits += want.tolist()
+        if i % 2:
+            tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        assert runner.lookup(batch, tokens).tolist() == want.tolist(), n
+    assert set(runner._buckets) == {1, 4, 8}
+    assert any(hits) and not all(hits)  # hits and misses
 
 
 def test_padding_requests_never_leak_into_the_answer(device):
@@ -81,7 +82,7 @@ def test_the_hash_buffer_grows_in_powers_of_two(device):
     runner = GraphRunner(engine, index)
     rng = random.Random(2)
     sizes = []
-    for n in (1, 4, 13):
+    for n in (1, 3, 6):
         batch, tokens = _batch(prompts, rng, n, device)
         assert (
             runner.lookup(batch, tokens).tolist()
@@ -112,11 +113,13 @@ def test_a_moved_table_is_seen(device):
     rng = random.Random(4)
     batch, tokens = _batch(prompts, rng, 6, device)
     runner.lookup(batch, tokens)
-    before = index.table.data_ptr()
+    before = index.table.shape[0]
     # More keys than the table holds: it grows (a new tensor).
-    extra = sorted(saved_keys(layout, chained_hashes(99, 300), 1200))
+    extra = sorted(saved_keys(layout, chained_hashes(99, 800), 3200))
     index.add([g for g, _ in extra], [h for _, h in extra])
-    assert index.table.data_ptr() != before
+    # (The new tensor may reuse the old one's address: the runner keys its
+    # graphs on the address and the shape.)
+    assert index.table.shape[0] > before
     for p in prompts[1::2]:
         keys = sorted(saved_keys(layout, p, len(p) * 4))
         index.add([g for g, _ in keys], [h for _, h in keys])
