@@ -114,7 +114,7 @@ from kvhit.kernels.checks import (
     table_capacity,
 )
 from kvhit.kernels.hash_index import slot_hash
-from kvhit.kernels.launch import device_guard, fix_interpreter
+from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter
 
 __all__ = [
     "BLOCK",
@@ -1101,6 +1101,11 @@ def _validate(
         )
 
 
+# The scan kernel's launch options, and its launcher past the binder.
+_OPTIONS = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+_DIRECT = DirectLauncher()
+
+
 def launch_scan(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
@@ -1152,40 +1157,45 @@ def launch_scan(
         return hit, mask_spans
     n_sg, sg_w = sg_rows.shape
     # Unused pointer arguments still need a tensor on the device.
+    args = (
+        hashes,
+        offsets,
+        n_units,
+        lengths,
+        token_len if token_len is not None else n_units,
+        table if table is not None else hashes,
+        (table.shape[0] - 1) if table is not None else 0,
+        sg_rows,
+        cand_rows,
+        hit,
+        mask_spans,
+        n_sg,
+        # Plain ints: a numpy integer passes the checks, and Triton
+        # specialises on the argument's Python type.
+        int(num_groups),
+        int(hash_block_size),
+        int(alignment),
+        int(partial),
+        int(simple_hybrid),
+    )
+    # In signature order (the direct launch passes them positionally).
+    constexprs = {
+        "W": hashes.shape[1],
+        "HAS_INDEX": table is not None,
+        "HAS_TL": lookup or token_len is not None,
+        "APPLY_EAGLE": bool(apply_eagle) or lookup,
+        "LOOKUP": lookup,
+        "BLOCK": block,
+        "LEAD": block * LEAD_FACTOR,
+        "S_PAD": _pow2(n_sg),
+        "SG_W": sg_w,
+    }
+    # The ints are never specialised (the kernel's do_not_specialize) but
+    # their type is: i64 past 2**31.
+    key = (tuple(constexprs.values()), tuple(a >= 2**31 for a in args[11:] + args[6:7]))
     # Triton launches on the current device, not the table's (launch.py).
     with device_guard(device):
-        _scan_kernel[(n_req,)](
-            hashes,
-            offsets,
-            n_units,
-            lengths,
-            token_len if token_len is not None else n_units,
-            table if table is not None else hashes,
-            (table.shape[0] - 1) if table is not None else 0,
-            sg_rows,
-            cand_rows,
-            hit,
-            mask_spans,
-            n_sg,
-            # Plain ints: a numpy integer passes the checks, and Triton
-            # specialises on the argument's Python type.
-            int(num_groups),
-            int(hash_block_size),
-            int(alignment),
-            int(partial),
-            int(simple_hybrid),
-            W=hashes.shape[1],
-            HAS_INDEX=table is not None,
-            HAS_TL=lookup or token_len is not None,
-            APPLY_EAGLE=bool(apply_eagle) or lookup,
-            LOOKUP=lookup,
-            BLOCK=block,
-            LEAD=block * LEAD_FACTOR,
-            S_PAD=_pow2(n_sg),
-            SG_W=sg_w,
-            num_warps=NUM_WARPS,
-            maxnreg=MAXNREG,
-        )
+        _DIRECT.launch(_scan_kernel, n_req, key, args, constexprs, _OPTIONS, device)
     return hit, mask_spans
 
 
