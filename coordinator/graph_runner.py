@@ -152,9 +152,10 @@ class GraphRunner:
         self.device = engine.device
         self._impl = engine.impl
         self._words = index.hash_bytes // 8
-        self._req = torch.zeros(
-            3, config.max_requests, dtype=torch.int64, device=self.device
-        )
+        # Rows 16-byte aligned (an even width): Triton specialises on it, and
+        # the warm-up call and the capture must see the same variant.
+        width = config.max_requests + config.max_requests % 2
+        self._req = torch.zeros(3, width, dtype=torch.int64, device=self.device)
         self._hashes = torch.zeros(
             0, self._words, dtype=torch.int64, device=self.device
         )
@@ -167,7 +168,7 @@ class GraphRunner:
 
     def bucket(self, requests: int) -> int:
         """The request bucket of a batch of ``requests`` (0 for an empty
-        batch, None-like -1 past ``max_requests``)."""
+        batch, -1 past ``max_requests``: run eagerly)."""
         if requests > self.config.max_requests:
             return -1
         return max(self.config.min_requests, _pow2(requests)) if requests else 0

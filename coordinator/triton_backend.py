@@ -12,6 +12,19 @@ a call: building them inside a CUDA-graph capture is illegal, so a call on
 another device than the backend's during a capture is refused with a clear
 error instead.
 
+The engine's validated calls (``lookup_batch`` / ``find_batch``, issue 31) make
+one launch and at most one host sync, the copy of the answer: a tensor of
+lengths on the device is not read before the launch (the kernel flags a
+negative length, :data:`kvhit.kernels.scan.LENGTH_FLAG`, and the copy raises
+the ValueError ``kernels/checks.py`` words); a list of lengths is checked on
+the host and sent through a reused pinned buffer (:class:`PinnedLengths`),
+no sync at all. The batch's view and the plan's tensors and keywords are
+built once, and the kernel is launched past Triton's per-call binder
+(``kernels/launch.py``'s ``DirectLauncher``). :meth:`TritonBackend.warm_up`
+compiles or loads the lookup variant at construction, so no scheduler step
+pays the compile; ``coordinator/graph_runner.py`` replays lookups from CUDA
+graphs.
+
 Launch parameters (``BLOCK``, ``NUM_WARPS``, ``MAXNREG``) are chosen once, with
 their reasons, at the top of ``kernels/scan.py``.
 
@@ -87,13 +100,14 @@ class PinnedLengths:
                 # the copies that read it have finished.
                 size = max(64, 1 << max(n - 1, 0).bit_length())
                 buf = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            elif done is not None:
-                done.synchronize()
+                if done is None:
+                    done = slot[1] = torch.cuda.Event()
+            # The copy that last read this buffer (a no-op before any).
+            done.synchronize()
             buf.numpy()[:n] = arr
             out = torch.empty(n, dtype=torch.int64, device=self.device)
             out.copy_(buf[:n], non_blocking=True)
-            slot[1] = torch.cuda.Event()
-            slot[1].record(torch.cuda.current_stream(self.device))
+            done.record(torch.cuda.current_stream(self.device))
         return out
 
 

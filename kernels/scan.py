@@ -89,9 +89,11 @@ Design (why it looks like this):
   operands and every possibly negative remainder goes through ``_fmod``.
 
 Probes past a request's hashes are misses (the reference raises there).
-Preconditions the launcher cannot check without a device sync: for every
-request ``r``, ``offsets[r] + n_units[r] <= hashes.shape[0]``; lengths are >=
-0. The plan rows' values (member group ids inside ``cand_rows``, sizes that
+A negative length is scanned as 0 and its hit is :data:`LENGTH_FLAG` (-1), so
+a caller that did not check the lengths' values checks the answer it copies
+anyway (issue 31: no host sync before the launch). Preconditions the launcher
+cannot check without a device sync: for every request ``r``, ``offsets[r] +
+n_units[r] <= hashes.shape[0]``. The plan rows' values (member group ids inside ``cand_rows``, sizes that
 divide >= 1: ``checks.check_plan_rows``) are checked with one host copy per
 rows tensor, remembered while the tensor is not written in place.
 """

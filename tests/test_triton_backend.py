@@ -313,3 +313,18 @@ def test_warm_up_loads_the_lookup_variant():
         out = backend.lookup(view, n, index)
     graph.replay()
     assert out.tolist() == [0]
+
+
+@pytest.mark.gpu
+def test_pinned_lengths_equal_tensor_lengths_on_cuda():
+    """Lists of lengths of growing and shrinking sizes go through the two
+    reused pinned buffers; every answer equals the tensor path's."""
+    from kvhit.coordinator.engine import LookupEngine
+
+    layout, requests, exists, index, num_tokens = _case("cuda")
+    engine = LookupEngine(layout, backend="triton", device="cuda")
+    for n in (1, 5, 2, 5, 3, 5):
+        batch = HashBatch.from_bytes(requests[:n], 8, "cuda")
+        t = torch.tensor(num_tokens[:n], dtype=torch.int64, device="cuda")
+        want = engine.lookup(batch, t, index).tolist()
+        assert engine.lookup(batch, num_tokens[:n], index).tolist() == want
