@@ -11,7 +11,8 @@ Steps, in order: preflight (GPU, driver, CUDA, torch, triton, numba, commit,
 the Triton features the kernels need, a ptxas the driver accepts); KeyIndex
 inserts/s and probes/s for 32-byte keys at load 0.5; the long-hit dsv4 table
 (issue 31: B = 1, 8, 64, 1024, 4096 prompts of up to 16K tokens, the
-validated eager lookup, its CUDA-graph replay and numba on 1 thread and on
+validated eager lookup, its CUDA-graph replay, GraphRunner.lookup (the
+scheduler's path: static buffers, a graph per bucket) and numba on 1 thread and on
 all cores, every request compared to numba); per preset, smallest
 first, the workload built once, directly as tensors on the
 device (random hash words with shared prefixes, a store holding the keys the
@@ -624,14 +625,17 @@ def time_longhit(w: Workload, cfg: Config, report: Report) -> list[dict]:
     on 1 thread and on all of them, every request of the triton answer
     compared to numba's. One row per batch size, emitted as it is measured."""
     import numba
+    import torch
 
     from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.graph_runner import GraphRunner
     from kvhit.coordinator.plan import ScanPlan
     from kvhit.coordinator.triton_backend import TritonBackend
 
     device = w.batch.device
     engine = LookupEngine(w.layout, backend="triton", device=device)
     backend = TritonBackend(ScanPlan.from_layout(w.layout), device)
+    runner = GraphRunner(engine, w.index)
     cores = numba_threads()
     rows = []
     for b in cfg.longhit_batches:
@@ -643,6 +647,13 @@ def time_longhit(w: Workload, cfg: Config, report: Report) -> list[dict]:
         )
         if device.type == "cuda":
             row["graph_s"] = _graph_time(backend, batch.view(), nt, w.index, got, cfg)
+        # The scheduler's path (coordinator/graph_runner.py): validated,
+        # copied into its bucket's static buffers, replayed (eager on the CPU).
+        if not torch.equal(runner.lookup(batch, nt), got):
+            raise AssertionError(f"long-hit B = {b}: GraphRunner differs from eager")
+        row["runner_s"] = _timed(
+            lambda b=batch, n=nt: runner.lookup(b, n), cfg.repeats, device
+        )
         want, (ne, hb, hnt, host) = numba_lookup(w.layout, batch, nt, w.index)
         old = numba.get_num_threads()
         try:
@@ -825,13 +836,14 @@ def summary(report: Report, cfg: Config) -> str:
             f"Long-hit dsv4-flash, prompts up to {cfg.longhit_tokens} tokens "
             f"(numba on {report.longhit[0]['numba_threads']} threads = all cores):",
             "",
-            "| B | lookup (validated, eager) | graph | numba, 1 thread "
-            "| numba, all cores | parity |",
-            "|---:|---:|---:|---:|---:|---|",
+            "| B | lookup (validated, eager) | graph | GraphRunner.lookup "
+            "| numba, 1 thread | numba, all cores | parity |",
+            "|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in report.longhit:
             lines.append(
                 f"| {r['B']} | {_fmt_s(r.get('eager_s'))} | {_fmt_s(r.get('graph_s'))} "
+                f"| {_fmt_s(r.get('runner_s'))} "
                 f"| {_fmt_s(r.get('numba_1_s'))} | {_fmt_s(r.get('numba_all_s'))} "
                 f"| {r['parity']} |"
             )

@@ -50,6 +50,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -120,13 +121,24 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: workloads, and per call of LookupEngine.lookup / lookup_unchecked on the
 #: triton backend (warm), Triton launches, other kernel launches, host syncs.
 #: Round trips at a094dd7 (the H200's kernel): 136 and 64; issue 31's wide
-#: tiles: 42 and 8.
+#: tiles: 42 and 8. Per call, before issue 31's host path: ``lookup`` with a
+#: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
+#: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
+#: 5 torch ops; now 1 sync (the answer's copy, which carries the in-kernel
+#: length check), 2 torch ops; a list of lengths 0 syncs (checked on the
+#: host, on CUDA through a pinned buffer). ``lookup_unchecked``'s one sync is
+#: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
+#: one subtraction kernel), which the engine, not the backend, calls.
 RECORDED: dict[str, int] = {
     "quick_longhit_max_rt": 42,
     "quick_llama_max_rt": 8,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
-    "lookup_syncs": 2,
+    "lookup_syncs": 1,
+    "lookup_torch_ops": 2,
+    "list_triton_launches": 1,
+    "list_other_launches": 0,
+    "list_syncs": 0,
     "unchecked_triton_launches": 1,
     "unchecked_other_launches": 0,
     "unchecked_syncs": 1,
@@ -455,22 +467,36 @@ def count_call(fn) -> tuple[object, CallCounts, Tracer]:
                     counts.other_launches += 1
             return func(*args, **(kwargs or {}))
 
+    # Tensors a counted ``.cpu()`` made: on a GPU they are host memory, and
+    # reading them (``.numpy()``) waits on nothing more.
+    # id -> weakref (tensors compare elementwise, so no WeakSet).
+    on_host: dict[int, weakref.ref] = {}
+
+    def is_on_host(t: object) -> bool:
+        ref = on_host.get(id(t))
+        return ref is not None and ref() is t
+
     class Function(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
+            copied = name == "cpu"
             if not tracer.inside_launch and name in _SYNC_METHODS:
                 # bool()/item() reach _local_scalar_dense too: count once.
                 if name in ("item", "__bool__", "__int__", "__index__", "__float__"):
                     pass
+                elif args and is_on_host(args[0]):
+                    copied = False
                 else:
                     counts.syncs += 1
                     counts.sync_calls[name] += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if copied and not tracer.inside_launch and isinstance(out, torch.Tensor):
+                on_host[id(out)] = weakref.ref(out)
+            return out
 
     with tracer, Function(), Dispatch():
         out = fn()
     counts.triton_launches = len(tracer.launches)
-    del torch
     return out, counts, tracer
 
 
@@ -822,8 +848,10 @@ def call_counts(quick: bool = True) -> dict[str, CallCounts]:
     case = longhit_case(4, 1024, 4, "counts")
     engine = LookupEngine(case.layout, backend="triton", device="cpu")
     out = {}
+    tokens = case.num_tokens.tolist()
     for name, fn in (
         ("lookup", lambda: engine.lookup(case.batch, case.num_tokens, case.index)),
+        ("lookup (list)", lambda: engine.lookup(case.batch, tokens, case.index)),
         (
             "lookup_unchecked",
             lambda: engine.lookup_unchecked(case.batch, case.num_tokens, case.index),

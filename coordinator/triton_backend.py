@@ -12,6 +12,19 @@ a call: building them inside a CUDA-graph capture is illegal, so a call on
 another device than the backend's during a capture is refused with a clear
 error instead.
 
+The engine's validated calls (``lookup_batch`` / ``find_batch``, issue 31) make
+one launch and at most one host sync, the copy of the answer: a tensor of
+lengths on the device is not read before the launch (the kernel flags a
+negative length, :data:`kvhit.kernels.scan.LENGTH_FLAG`, and the copy raises
+the ValueError ``kernels/checks.py`` words); a list of lengths is checked on
+the host and sent through a reused pinned buffer (:class:`PinnedLengths`),
+no sync at all. The batch's view and the plan's tensors and keywords are
+built once, and the kernel is launched past Triton's per-call binder
+(``kernels/launch.py``'s ``DirectLauncher``). :meth:`TritonBackend.warm_up`
+compiles or loads the lookup variant at construction, so no scheduler step
+pays the compile; ``coordinator/graph_runner.py`` replays lookups from CUDA
+graphs.
+
 Launch parameters (``BLOCK``, ``NUM_WARPS``, ``MAXNREG``) are chosen once, with
 their reasons, at the top of ``kernels/scan.py``.
 
@@ -21,18 +34,31 @@ import time); the kernel module is imported on the first call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvhit.coordinator.backend import ViewBackend
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
+from kvhit.kernels import contract as kc
+from kvhit.kernels.checks import check_lengths, host_lengths
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import RaggedView
+    from kvhit.coordinator.packing import HashBatch, RaggedView
 
-__all__ = ["TritonBackend", "stream_capturing"]
+__all__ = ["PinnedLengths", "TritonBackend", "stream_capturing"]
+
+#: Lengths as :meth:`TritonBackend.lengths` gives them to ``find_batch`` /
+#: ``lookup_batch``: the int64 ``[B]`` tensor on the device, and the
+#: caller's value with its argument name when the values are still to be
+#: checked (by the kernel: a negative length's hit is ``scan.LENGTH_FLAG``),
+#: or None when they were checked on the host.
+Lengths = tuple[torch.Tensor, tuple[Any, str] | None]
 
 
 def stream_capturing(device: torch.device) -> bool:
@@ -41,6 +67,48 @@ def stream_capturing(device: torch.device) -> bool:
     module = getattr(torch, device.type, None)
     capturing = getattr(module, "is_current_stream_capturing", None)
     return bool(capturing is not None and capturing())
+
+
+class PinnedLengths:
+    """Host int64 lengths onto a CUDA device through reused pinned buffers:
+    one asynchronous copy, no pageable staging and no allocation of pinned
+    memory per call. Two buffers in turn, each reused only once the copy
+    that last read it has finished (an event, normally long done), so a
+    call never waits on its own copy.
+
+    Args:
+        device: the CUDA device the lengths go to.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # [buffer, event of the copy that last read it (None: none yet)].
+        self._bufs: list[list[Any]] = [[None, None], [None, None]]
+        self._turn = 0
+        self._lock = threading.Lock()
+
+    def to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """``arr`` (int64 ``[n]``, checked) as a new int64 ``[n]`` tensor on
+        the device, copied on the current stream."""
+        n = arr.shape[0]
+        with self._lock:
+            slot = self._bufs[self._turn]
+            self._turn ^= 1
+            buf, done = slot
+            if buf is None or buf.shape[0] < n:
+                # Torch's pinned allocator keeps a replaced buffer alive until
+                # the copies that read it have finished.
+                size = max(64, 1 << max(n - 1, 0).bit_length())
+                buf = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                if done is None:
+                    done = slot[1] = torch.cuda.Event()
+            # The copy that last read this buffer (a no-op before any).
+            done.synchronize()
+            buf.numpy()[:n] = arr
+            out = torch.empty(n, dtype=torch.int64, device=self.device)
+            out.copy_(buf[:n], non_blocking=True)
+            done.record(torch.cuda.current_stream(self.device))
+        return out
 
 
 class TritonBackend(ViewBackend):
@@ -64,6 +132,14 @@ class TritonBackend(ViewBackend):
         self._plan_rows = {sg_rows.device: (sg_rows, cand_rows)}
         # Kernel variants called at least once (compiled and loaded).
         self._warm: set[tuple] = set()
+        # PlanParams' fields are the launcher's keywords; built once.
+        self._kwargs = dict(self.plan.params._asdict())
+        # HashBatch -> (offsets' version, its view): a scheduler asking twice
+        # about one batch builds the view (and its subtraction kernel) once.
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pinned = (
+            PinnedLengths(self.device) if self.device.type == "cuda" else None
+        )
 
     def warm_up(self) -> None:
         """``BatchBackend.warm_up``: a stub for now (the Triton kernels still
@@ -101,9 +177,111 @@ class TritonBackend(ViewBackend):
         # The engine checked the index's hash width against the batch's.
         return None if index is None else index.table
 
-    def _plan_kwargs(self) -> dict:
-        # PlanParams' fields are the launchers' keywords.
-        return self.plan.params._asdict()
+    # -- the engine's host path (BatchBackend) ---------------------------------
+
+    def view(self, batch: HashBatch) -> RaggedView:
+        """``batch.view()``, built once per batch (rebuilt when its offsets
+        are written in place)."""
+        offsets = batch.offsets
+        seen = self._views.get(batch)
+        if seen is not None and seen[0] is offsets and seen[1] == offsets._version:
+            return seen[2]
+        view = batch.view()
+        self._views[batch] = (offsets, offsets._version, view)
+        return view
+
+    def lengths(self, value: Any, name: str, n: int) -> Lengths:
+        """See :meth:`BatchBackend.lengths`. An int64, 1-D, contiguous tensor
+        of ``n`` entries on the device is taken as it is: its values are
+        checked by the kernel and the answer's copy (:meth:`check_answer`),
+        not by a host sync before the launch. A list, tuple or numpy array
+        is checked on the host and goes to a CUDA device through a reused
+        pinned buffer (:class:`PinnedLengths`). Everything else goes through
+        ``checks.check_lengths`` (the errors it raises)."""
+        if (
+            type(value) is torch.Tensor
+            and value.dtype is torch.int64
+            and value.device == self.device
+            and value.dim() == 1
+            and value.shape[0] == n
+            and value.layout is torch.strided
+            and value.is_contiguous()
+        ):
+            return value, (value, name)
+        if self._pinned is not None and not isinstance(value, torch.Tensor):
+            return self._pinned.to_device(host_lengths(value, name, n)), None
+        return check_lengths(value, name, n, self.device).contiguous(), None
+
+    def check_answer(self, hit: torch.Tensor, lens: Lengths) -> None:
+        """Raise the lengths' ValueError (naming the argument and position)
+        where the kernel flagged a negative length: one copy of the answer
+        ``hit`` (int64 ``[B]``) to the host, none when the lengths were
+        checked there."""
+        if lens[1] is None or not hit.shape[0]:
+            return
+        host = hit.cpu()
+        if host.numpy().min() < 0:
+            value, name = lens[1]
+            check_lengths(value, name, hit.shape[0], self.device)
+            raise AssertionError(f"the kernel flagged {name}, checks.py did not")
+
+    def find_batch(
+        self,
+        batch: HashBatch,
+        max_lengths: Lengths,
+        index: KeyIndex | None,
+        apply_eagle: bool,
+        spans: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See :meth:`BatchBackend.find_batch`: one launch, and one copy of
+        the hits when the lengths' values are the kernel's to check."""
+        if len(batch) == 0:
+            return super().find_batch(batch, max_lengths[0], index, apply_eagle)
+        hit, mask_spans = self.find(
+            self.view(batch), max_lengths[0], index, apply_eagle
+        )
+        self.check_answer(hit, max_lengths)
+        return hit, mask_spans
+
+    def lookup_batch(
+        self, batch: HashBatch, num_tokens: Lengths, index: KeyIndex
+    ) -> torch.Tensor:
+        """See :meth:`BatchBackend.lookup_batch`: one launch, and one copy of
+        the answer when the lengths' values are the kernel's to check."""
+        if len(batch) == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        hit = self.lookup(self.view(batch), num_tokens[0], index)
+        self.check_answer(hit, num_tokens)
+        return hit
+
+    # -- warm start ----------------------------------------------------------------
+
+    #: Hash widths (int64 words) whose lookup variant :meth:`warm_up`
+    #: compiles or loads: 32-byte keys (vLLM's sha256 block hashes).
+    warm_hash_words: tuple[int, ...] = (4,)
+
+    def warm_up(self) -> None:
+        """Compile (or load from Triton's cache) the lookup kernel variant of
+        this layout for each of :attr:`warm_hash_words`, on a one-request
+        batch against an empty table, so that no scheduler step pays the
+        compile. Under the interpreter (a CPU device) there is nothing to
+        compile: a no-op."""
+        if self.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        from kvhit.kernels.scan import launch_scan
+
+        sg_rows, cand_rows = self._rows(self.device)
+        ones = torch.ones(1, dtype=torch.int64, device=self.device)
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for w in self.warm_hash_words:
+            hashes = torch.zeros(1, w, dtype=torch.int64, device=self.device)
+            table = torch.full(
+                (16, w + 1), kc.EMPTY, dtype=torch.int64, device=self.device
+            )
+            launch_scan(hashes, zeros, ones, ones, None, table, sg_rows, cand_rows,
+                        apply_eagle=True, lookup=True, **self._kwargs)  # fmt: skip
+            self._warm.add(("lookup", w))
+        torch.cuda.synchronize(self.device)
 
     def find(
         self,
@@ -114,7 +292,7 @@ class TritonBackend(ViewBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hits and load-mask spans, as :meth:`Backend.find`: ``(hit int64
         [R], mask_spans int64 [R, G, 3])``, one launch, no host sync."""
-        from kvhit.kernels.scan import scan_hits
+        from kvhit.kernels.scan import launch_scan
 
         sg_rows, cand_rows = self._rows(view.device)
         variant = (
@@ -125,17 +303,18 @@ class TritonBackend(ViewBackend):
             bool(apply_eagle),
         )
         self._warm_up(view.device, variant)
-        out = scan_hits(
+        out = launch_scan(
             view.rows,
             view.offsets,
             view.lengths,
             max_lengths,
+            view.token_lens,
+            self._table(index),
             sg_rows,
             cand_rows,
-            table=self._table(index),
-            token_len=view.token_lens,
-            apply_eagle=apply_eagle,
-            **self._plan_kwargs(),
+            apply_eagle=bool(apply_eagle),
+            lookup=False,
+            **self._kwargs,
         )
         self._warm.add(variant)
         return out
@@ -146,22 +325,25 @@ class TritonBackend(ViewBackend):
         """The store worker's rule, as :meth:`Backend.lookup`: int64 ``[R]``,
         one launch (both searches of the ``num_tokens - 1`` rule inside it),
         no host sync, one torch op (the output) besides the launch."""
-        from kvhit.kernels.scan import worker_lookup
+        from kvhit.kernels.scan import launch_scan
 
         if view.token_lens is not None:
             raise ValueError("lookup derives token_lens itself: view.token_lens set")
         sg_rows, cand_rows = self._rows(view.device)
         variant = ("lookup", view.rows.shape[1])
         self._warm_up(view.device, variant)
-        out = worker_lookup(
+        out, _ = launch_scan(
             view.rows,
             view.offsets,
             view.lengths,
             num_tokens,
+            None,
+            self._table(index),
             sg_rows,
             cand_rows,
-            table=self._table(index),
-            **self._plan_kwargs(),
+            apply_eagle=True,
+            lookup=True,
+            **self._kwargs,
         )
         self._warm.add(variant)
         return out

@@ -18,7 +18,13 @@ import re
 
 import torch
 
-__all__ = ["FEATURES", "device_guard", "fix_interpreter", "missing_features"]
+__all__ = [
+    "FEATURES",
+    "DirectLauncher",
+    "device_guard",
+    "fix_interpreter",
+    "missing_features",
+]
 
 #: What the kernels need from Triton beyond its core, and where:
 #: ``atomic_cas`` / ``atomic_xchg(sem=)`` the insert's claim and publish,
@@ -128,3 +134,85 @@ def fix_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interpreter._patch_lang_tensor = patched
+
+
+def _knobs() -> object:
+    """``triton.knobs`` (Triton >= 3.4; ImportError before)."""
+    from triton import knobs
+
+    return knobs
+
+
+class DirectLauncher:
+    """Launch a ``@triton.jit`` kernel's compiled variants without Triton's
+    per-call Python binding (issue 31: ~25 us a call on Triton 3.6).
+
+    The first call of a variant goes through ``kernel[grid](...)``, which
+    compiles or loads it and returns the ``CompiledKernel``; later calls of
+    the same variant call its launcher directly, as ``JITFunction.run`` does
+    after its binder: ``compiled.run(grid, stream, function, metadata, ...,
+    *every argument in signature order)`` (Triton 3.6 to 3.9). The variant
+    key is the caller's (its constexprs and argument types) plus the 16-byte
+    alignment of every tensor argument, which Triton specialises on.
+
+    Launch hooks (``triton.knobs.runtime.launch_enter_hook``, a profiler's)
+    are called as the binder path calls them. The binder path is kept: under
+    the interpreter, when ``KVHIT_TRITON_DIRECT=0``, and for good once a
+    direct launch raises TypeError or AttributeError (a Triton whose
+    launcher takes other arguments: the error comes before anything is
+    launched).
+
+    One launcher per kernel; the kernel itself is passed on every call (read
+    where it is defined, so a test's wrapper of it is seen).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = (
+            os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and os.environ.get("KVHIT_TRITON_DIRECT", "1") != "0"
+        )
+        self._compiled: dict[tuple, object] = {}
+        self.direct_launches = 0
+
+    def launch(
+        self,
+        kernel: object,
+        grid: int,
+        key: tuple,
+        args: tuple,
+        constexprs: dict,
+        options: dict,
+        device: torch.device,
+    ) -> None:
+        """``kernel[(grid,)](*args, **constexprs, **options)`` on ``device``'s
+        current stream. ``args``: the runtime arguments in signature order,
+        then ``constexprs`` in signature order (the kernel's last
+        parameters); ``key``: what else the variant depends on."""
+        if self.enabled:
+            align = tuple(
+                a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)
+            )
+            full = (device.index, key, align)
+            compiled = self._compiled.get(full)
+            if compiled is not None:
+                stream = torch.cuda.current_stream(device).cuda_stream
+                every = (*args, *constexprs.values())
+                try:
+                    # What JITFunction.run does once its binder is done,
+                    # launch hooks (a profiler's) included.
+                    hooks = _knobs().runtime
+                    meta = compiled.launch_metadata((grid,), stream, *every)
+                    compiled.run(grid, 1, 1, stream, compiled.function,
+                                 compiled.packed_metadata, meta,
+                                 hooks.launch_enter_hook, hooks.launch_exit_hook,
+                                 *every)  # fmt: skip
+                    self.direct_launches += 1
+                    return
+                except (TypeError, AttributeError, ImportError):
+                    self.enabled = False
+                    self._compiled.clear()
+        compiled = kernel[(grid,)](*args, **constexprs, **options)
+        if self.enabled and all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
+        ):
+            self._compiled[full] = compiled

@@ -89,9 +89,11 @@ Design (why it looks like this):
   operands and every possibly negative remainder goes through ``_fmod``.
 
 Probes past a request's hashes are misses (the reference raises there).
-Preconditions the launcher cannot check without a device sync: for every
-request ``r``, ``offsets[r] + n_units[r] <= hashes.shape[0]``; lengths are >=
-0. The plan rows' values (member group ids inside ``cand_rows``, sizes that
+A negative length is scanned as 0 and its hit is :data:`LENGTH_FLAG` (-1), so
+a caller that did not check the lengths' values checks the answer it copies
+anyway (issue 31: no host sync before the launch). Preconditions the launcher
+cannot check without a device sync: for every request ``r``, ``offsets[r] +
+n_units[r] <= hashes.shape[0]``. The plan rows' values (member group ids inside ``cand_rows``, sizes that
 divide >= 1: ``checks.check_plan_rows``) are checked with one host copy per
 rows tensor, remembered while the tensor is not written in place.
 """
@@ -114,13 +116,15 @@ from kvhit.kernels.checks import (
     table_capacity,
 )
 from kvhit.kernels.hash_index import slot_hash
-from kvhit.kernels.launch import device_guard, fix_interpreter
+from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter
 
 __all__ = [
     "BLOCK",
     "LEAD_FACTOR",
+    "LENGTH_FLAG",
     "MAXNREG",
     "NUM_WARPS",
+    "launch_scan",
     "scan_hits",
     "worker_lookup",
 ]
@@ -191,6 +195,9 @@ _CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
 # Fixed, not a multiple of the caller's width: the leading run's wide tiles
 # would otherwise widen these vectors too.
 _DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP * 32)
+# The hit of a request whose length is negative (a flag, never a hit).
+LENGTH_FLAG = -1
+_LENGTH_FLAG: tl.constexpr = tl.constexpr(LENGTH_FLAG)
 # The longest length the kernel distinguishes, in tokens (see _div).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
 
@@ -887,7 +894,21 @@ def _worker_lookup(
     return out
 
 
-@triton.jit
+# Plain ints are never specialised (issue 31, warm start): Triton would
+# otherwise compile a variant per value class (== 1, divisible by 16) of the
+# table's capacity and the layout's sizes, so a warm-up call would not load
+# the variant a real call needs.
+@triton.jit(
+    do_not_specialize=[
+        "cap_mask",
+        "n_sg",
+        "n_groups",
+        "hbs",
+        "align",
+        "partial",
+        "simple_hybrid",
+    ]
+)
 def _scan_kernel(
     hashes_ptr,
     offsets_ptr,
@@ -923,7 +944,13 @@ def _scan_kernel(
     n_units = tl.load(n_units_ptr + r)
     # Positions are divided in 32 bits (_div): lengths past _MAX_LEN tokens
     # mean the same as _MAX_LEN (no request has that many hashes' tokens).
-    length = tl.minimum(tl.load(len_ptr + r), _MAX_LEN)
+    # A negative length is the caller's error, checked here rather than by a
+    # host sync before the launch: the request is scanned as length 0 and its
+    # hit is -1 (no hit is negative), which the host sees in the one copy of
+    # the answer it makes anyway (``scan.LENGTH_FLAG``).
+    raw = tl.load(len_ptr + r)
+    bad = raw < 0
+    length = tl.minimum(tl.maximum(raw, 0), _MAX_LEN)
     zero = n_units * 0
     if LOOKUP:
         token_len = _div(length, align) * align
@@ -968,7 +995,7 @@ def _scan_kernel(
         )
         masks = (sg_len, sg_lo, sg_hi)
         _store_masks(ctx, mask_spans_ptr, r, n_groups, hit, masks, S_PAD, SG_W)
-    tl.store(hit_ptr + r, hit)
+    tl.store(hit_ptr + r, tl.where(bad, _LENGTH_FLAG, hit))
 
 
 def _interpreting() -> bool:
@@ -1076,6 +1103,104 @@ def _validate(
         )
 
 
+# The scan kernel's launch options, and its launcher past the binder.
+_OPTIONS = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
+_DIRECT = DirectLauncher()
+
+
+def launch_scan(
+    hashes: torch.Tensor,
+    offsets: torch.Tensor,
+    n_units: torch.Tensor,
+    lengths: torch.Tensor,
+    token_len: torch.Tensor | None,
+    table: torch.Tensor | None,
+    sg_rows: torch.Tensor,
+    cand_rows: torch.Tensor,
+    *,
+    hash_block_size: int,
+    alignment: int,
+    partial: bool,
+    simple_hybrid: bool,
+    num_groups: int,
+    apply_eagle: bool,
+    lookup: bool,
+    block: int = BLOCK,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of :func:`_scan_kernel`, one program per request, for a
+    trusted caller: nothing is checked (the backend built every argument
+    itself, or checked it once through ``kernels/checks.py``). Arguments as
+    :func:`scan_hits` (``lengths``: max_lengths, or with ``lookup`` the
+    prompts' num_tokens, int64 ``[R]``, possibly negative: see below).
+
+    Args:
+        out: None, or int64 ``[R]`` contiguous on ``hashes``' device to hold
+            the hits (a CUDA graph's static buffer): then no allocation in
+            LOOKUP mode.
+
+    Returns:
+        ``(hit int64 [R], mask_spans int64 [R, G, 3])``; in LOOKUP mode
+        ``mask_spans`` is ``hit`` itself (the kernel never writes mask spans
+        there). ``hit[r]`` is :data:`LENGTH_FLAG` where ``lengths[r] < 0``
+        (the request is scanned as length 0): the caller that has not checked
+        the lengths' values checks the answer instead. No host sync.
+    """
+    n_req = offsets.shape[0]
+    device = hashes.device
+    hit = (
+        out if out is not None else torch.empty(n_req, dtype=torch.int64, device=device)
+    )
+    if lookup:
+        mask_spans = hit
+    else:
+        mask_spans = torch.zeros(n_req, num_groups, 3, dtype=torch.int64, device=device)
+    if not n_req:
+        return hit, mask_spans
+    n_sg, sg_w = sg_rows.shape
+    # Unused pointer arguments still need a tensor on the device.
+    args = (
+        hashes,
+        offsets,
+        n_units,
+        lengths,
+        token_len if token_len is not None else n_units,
+        table if table is not None else hashes,
+        (table.shape[0] - 1) if table is not None else 0,
+        sg_rows,
+        cand_rows,
+        hit,
+        mask_spans,
+        n_sg,
+        # Plain ints: a numpy integer passes the checks, and Triton
+        # specialises on the argument's Python type.
+        int(num_groups),
+        int(hash_block_size),
+        int(alignment),
+        int(partial),
+        int(simple_hybrid),
+    )
+    # In signature order (the direct launch passes them positionally).
+    constexprs = {
+        "W": hashes.shape[1],
+        "HAS_INDEX": table is not None,
+        "HAS_TL": lookup or token_len is not None,
+        "APPLY_EAGLE": bool(apply_eagle) or lookup,
+        "LOOKUP": lookup,
+        "BLOCK": block,
+        "LEAD": block * LEAD_FACTOR,
+        "S_PAD": _pow2(n_sg),
+        "SG_W": sg_w,
+    }
+    # The ints are never specialised (the kernel's do_not_specialize) but
+    # their type is: i64 past 2**31.
+    key = (tuple(constexprs.values()), tuple(a >= 2**31 for a in args[11:] + args[6:7]))
+    # Triton launches on the current device, not the table's (launch.py).
+    with device_guard(device):
+        _DIRECT.launch(_scan_kernel, n_req, key, args, constexprs, _OPTIONS, device)
+    return hit, mask_spans
+
+
 def _launch(
     hashes: torch.Tensor,
     offsets: torch.Tensor,
@@ -1095,11 +1220,9 @@ def _launch(
     lookup: bool,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both launchers' work: every check (:func:`_validate`, before anything
-    is allocated), the outputs, then one launch of :func:`_scan_kernel`, one
-    program per request. ``lengths`` is ``(argument name, int64 [R])``.
-    Returns ``(hit int64 [R], mask_spans int64 [R, G, 3])``; in LOOKUP mode ``mask_spans``
-    is ``hit`` itself (the kernel never writes mask spans there)."""
+    """The public launchers' work: every check (:func:`_validate`, before
+    anything is allocated), then :func:`launch_scan`. ``lengths`` is
+    ``(argument name, int64 [R])``."""
     _validate(
         hashes,
         offsets,
@@ -1114,53 +1237,24 @@ def _launch(
         num_groups,
         block,
     )
-    n_req = offsets.shape[0]
-    hit = torch.empty(n_req, dtype=torch.int64, device=hashes.device)
-    if lookup:
-        mask_spans = hit
-    else:
-        mask_spans = torch.zeros(
-            n_req, num_groups, 3, dtype=torch.int64, device=hashes.device
-        )
-    if not n_req:
-        return hit, mask_spans
-    n_sg, sg_w = sg_rows.shape
-    # Unused pointer arguments still need a tensor on the device.
-    # Triton launches on the current device, not the table's (launch.py).
-    with device_guard(hashes.device):
-        _scan_kernel[(n_req,)](
-            hashes,
-            offsets,
-            n_units,
-            lengths[1],
-            token_len if token_len is not None else n_units,
-            table if table is not None else hashes,
-            (table.shape[0] - 1) if table is not None else 0,
-            sg_rows,
-            cand_rows,
-            hit,
-            mask_spans,
-            n_sg,
-            # Plain ints: a numpy integer passes the checks, and Triton
-            # specialises on the argument's Python type.
-            int(num_groups),
-            int(hash_block_size),
-            int(alignment),
-            int(partial),
-            int(simple_hybrid),
-            W=hashes.shape[1],
-            HAS_INDEX=table is not None,
-            HAS_TL=lookup or token_len is not None,
-            APPLY_EAGLE=bool(apply_eagle) or lookup,
-            LOOKUP=lookup,
-            BLOCK=block,
-            LEAD=block * LEAD_FACTOR,
-            S_PAD=_pow2(n_sg),
-            SG_W=sg_w,
-            num_warps=NUM_WARPS,
-            maxnreg=MAXNREG,
-        )
-    return hit, mask_spans
+    return launch_scan(
+        hashes,
+        offsets,
+        n_units,
+        lengths[1],
+        token_len,
+        table,
+        sg_rows,
+        cand_rows,
+        hash_block_size=hash_block_size,
+        alignment=alignment,
+        partial=partial,
+        simple_hybrid=simple_hybrid,
+        num_groups=num_groups,
+        apply_eagle=apply_eagle,
+        lookup=lookup,
+        block=block,
+    )
 
 
 def scan_hits(

@@ -51,6 +51,7 @@ def test_dry_run_runs_every_step(capsys, tmp_path):
     )
     assert rows[4]["first_call_s"] > 0 and rows[4]["eager_s"] > 0
     assert rows[2]["B"] == 1 and rows[3]["B"] == 3 and rows[3]["numba_1_s"] > 0
+    assert rows[2]["runner_s"] > 0 and "GraphRunner.lookup" in table
     assert (tmp_path / "summary.md").read_text().startswith("### GPU check")
 
 

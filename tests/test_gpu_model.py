@@ -99,10 +99,18 @@ def test_round_trips_launches_and_syncs_stay_at_the_recorded_figures(capsys):
     assert 0 < got["quick-longhit"] <= rec["quick_longhit_max_rt"]
     assert 0 < got["quick-llama"] <= rec["quick_llama_max_rt"]
     calls = out["per_call"]
-    for call, key in (("lookup", "lookup"), ("lookup_unchecked", "unchecked")):
+    for call, key in (
+        ("lookup", "lookup"),
+        ("lookup (list)", "list"),
+        ("lookup_unchecked", "unchecked"),
+    ):
         c = calls[call]
         assert c["triton_launches"] == rec[f"{key}_triton_launches"] == 1
         assert c["other_launches"] <= rec[f"{key}_other_launches"]
         assert c["syncs"] <= rec[f"{key}_syncs"]
+    # Issue 31's host path: the validated lookup's one sync is the copy of
+    # its answer (the lengths are checked in the kernel); a list none.
+    assert rec["lookup_syncs"] == 1 and rec["list_syncs"] == 0
+    assert calls["lookup"]["torch_ops"] <= rec["lookup_torch_ops"]
     text = capsys.readouterr().out
     assert "round trips/request" in text and "| lookup | 1 |" in text

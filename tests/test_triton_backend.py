@@ -199,3 +199,132 @@ def test_lookup_refuses_a_view_with_token_lens(device):
     view = HashBatch.from_bytes(requests, 8, device).view(n)
     with pytest.raises(ValueError, match="token_lens"):
         backend.lookup(view, n, index)
+
+
+# -- issue 31: the engine's host path on the triton backend ---------------------
+
+
+def test_engine_lookup_checks_lengths_in_the_kernel(device, monkeypatch):
+    """A tensor of lengths is not read before the launch: the kernel flags a
+    negative length and the one copy of the answer raises, naming the
+    argument and position; nothing is returned for it."""
+    from kvhit.coordinator.engine import LookupEngine
+
+    layout, requests, exists, index, num_tokens = _case(device)
+    engine = LookupEngine(layout, backend="triton", device=device)
+    batch = HashBatch.from_bytes(requests, 8, device)
+    n = torch.tensor(num_tokens, dtype=torch.int64, device=device)
+    want = engine.lookup(batch, num_tokens, index).tolist()
+
+    out, rec, reads, launches = _instrumented_call(
+        monkeypatch, lambda: engine.lookup(batch, n, index)
+    )
+    assert out.tolist() == want and launches == [(len(requests),)]
+    # One copy to the host, the answer's (then read as numpy, on the host);
+    # no other read (the view is cached per batch).
+    assert reads.reads == ["cpu", "numpy"], reads.reads
+    assert rec.syncs == [] and len(rec.ops) <= 3, rec.ops
+
+    for bad, pos, value in (
+        ([4, -4, 8, 0, 1], 1, -4),
+        ([0, 1, 2, 3, -(2**40)], 4, -(2**40)),
+    ):
+        t = torch.tensor(bad, dtype=torch.int64, device=device)
+        with pytest.raises(
+            ValueError, match=rf"num_tokens\[{pos}\] must be >= 0, got {value}"
+        ):
+            engine.lookup(batch, t, index)
+        with pytest.raises(ValueError, match=rf"max_lengths\[{pos}\] must be >= 0"):
+            engine.find_longest_cache_hit(batch, t, index)
+    # A list is checked on the host: no read of device values at all.
+    out, rec, reads, _ = _instrumented_call(
+        monkeypatch, lambda: engine.lookup(batch, num_tokens, index)
+    )
+    assert out.tolist() == want and reads.reads == [] and rec.syncs == []
+    with pytest.raises(ValueError, match=r"num_tokens\[2\] must be >= 0, got -1"):
+        engine.lookup(batch, [1, 2, -1, 0, 3], index)
+
+
+def test_the_kernel_flags_negative_lengths_and_scans_the_rest(device):
+    """``launch_scan`` with negative lengths: those requests' hits are
+    ``LENGTH_FLAG``, every other request's equals the reference."""
+    from kvhit.kernels.scan import LENGTH_FLAG, launch_scan
+
+    layout, requests, exists, index, num_tokens = _case(device)
+    backend = TritonBackend(ScanPlan.from_layout(layout), device)
+    view = HashBatch.from_bytes(requests, 8, device).view()
+    lens = torch.tensor([-1, 281, -7, 0, 400], dtype=torch.int64, device=device)
+    sg_rows, cand_rows = backend._rows(view.device)
+    kwargs = dict(ScanPlan.from_layout(layout).params._asdict())
+    for lookup in (True, False):
+        hit, _ = launch_scan(view.rows, view.offsets, view.lengths, lens, None,
+                             index.table, sg_rows, cand_rows, apply_eagle=True,
+                             lookup=lookup, **kwargs)  # fmt: skip
+        ref = ReferenceCoordinator(layout)
+        got = hit.tolist()
+        assert got[0] == got[2] == LENGTH_FLAG
+        for r in (1, 3, 4):
+            t = int(lens[r])
+            want = (
+                ref.lookup(t, requests[r], exists)
+                if lookup
+                else ref.find_longest_cache_hit(requests[r], t, exists)[1]
+            )
+            assert got[r] == want, (lookup, r)
+
+
+def test_the_view_is_built_once_per_batch(device):
+    layout, requests, _, index, num_tokens = _case(device)
+    backend = TritonBackend(ScanPlan.from_layout(layout), device)
+    batch = HashBatch.from_bytes(requests, 8, device)
+    v = backend.view(batch)
+    assert backend.view(batch) is v
+    other = HashBatch.from_bytes(requests[:2], 8, device)
+    assert backend.view(other) is not v and len(backend.view(other)) == 2
+    # Offsets written in place: the view is built again.
+    batch.offsets.add_(0)
+    assert backend.view(batch) is not v
+
+
+def test_warm_up_is_a_no_op_under_the_interpreter(device):
+    backend = TritonBackend(ScanPlan.from_layout(make_layout("dsv4-flash")), device)
+    if torch.device(device).type == "cuda":
+        pytest.skip(
+            "the CUDA warm-up is tested by test_warm_up_loads_the_lookup_variant"
+        )
+    backend.warm_up()
+    assert backend._warm == set()
+
+
+@pytest.mark.gpu
+def test_warm_up_loads_the_lookup_variant():
+    """After ``warm_up`` the first lookup compiles nothing: it may even run
+    inside a CUDA-graph capture (the backend refuses a cold variant there)."""
+    layout, requests, exists, index, num_tokens = _case("cuda")
+    index = KeyIndex(32, capacity=1024, device="cuda")
+    backend = TritonBackend(ScanPlan.from_layout(layout), "cuda")
+    backend.warm_up()
+    assert ("lookup", 4) in backend._warm
+    hashes = [[bytes([i]) * 32 for i in range(1, 9)]]
+    view = HashBatch.from_bytes(hashes, 32, "cuda").view()
+    n = torch.tensor([32], dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.lookup(view, n, index)
+    graph.replay()
+    assert out.tolist() == [0]
+
+
+@pytest.mark.gpu
+def test_pinned_lengths_equal_tensor_lengths_on_cuda():
+    """Lists of lengths of growing and shrinking sizes go through the two
+    reused pinned buffers; every answer equals the tensor path's."""
+    from kvhit.coordinator.engine import LookupEngine
+
+    layout, requests, exists, index, num_tokens = _case("cuda")
+    engine = LookupEngine(layout, backend="triton", device="cuda")
+    for n in (1, 5, 2, 5, 3, 5):
+        batch = HashBatch.from_bytes(requests[:n], 8, "cuda")
+        t = torch.tensor(num_tokens[:n], dtype=torch.int64, device="cuda")
+        want = engine.lookup(batch, t, index).tolist()
+        assert engine.lookup(batch, num_tokens[:n], index).tolist() == want

@@ -1,0 +1,128 @@
+"""kernels/launch.py's DirectLauncher: the first call of a variant goes
+through Triton's binder (``kernel[grid](...)``), later ones straight to the
+compiled kernel's launcher with every argument in signature order; a
+launcher that refuses the arguments (TypeError) or a launch hook sends it
+back to the binder. Fakes stand in for Triton here (the real path needs a
+GPU: test_gpu_parity and the gpu-marked test below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvhit.kernels.launch import DirectLauncher
+
+
+class _Compiled:
+    def __init__(self, log, refuse=False):
+        self.log, self.refuse = log, refuse
+        self.function, self.packed_metadata = "fn", "meta"
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("md", grid, stream, len(args))
+
+    def run(self, *a):
+        if self.refuse:
+            raise TypeError("launcher takes other arguments")
+        self.log.append(("direct", a))
+
+
+class _Kernel:
+    def __init__(self, refuse=False):
+        self.log, self.refuse = [], refuse
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.log.append(("binder", grid, args, kwargs))
+            return _Compiled(self.log, self.refuse)
+
+        return call
+
+
+@pytest.fixture
+def cuda_stream(monkeypatch):
+    class Stream:
+        cuda_stream = 7
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+
+def _launcher():
+    d = DirectLauncher()
+    d.enabled = True  # the interpreter disables it; the fakes need no GPU
+    return d
+
+
+def test_binder_first_then_direct_with_every_argument_in_order(cuda_stream):
+    k, d = _Kernel(), _launcher()
+    x = torch.zeros(4, dtype=torch.int64)
+    dev = torch.device("cpu")
+    for _ in range(3):
+        d.launch(k, 5, ("v",), (x, 3), {"W": 4, "B": True}, {"num_warps": 2}, dev)
+    assert [e[0] for e in k.log] == ["binder", "direct", "direct"]
+    assert k.log[0][1:] == ((5,), (x, 3), {"W": 4, "B": True, "num_warps": 2})
+    from triton import knobs
+
+    rt = knobs.runtime
+    md = ("md", (5,), 7, 4)
+    want = (5, 1, 1, 7, "fn", "meta", md, rt.launch_enter_hook, rt.launch_exit_hook)
+    assert k.log[1][1] == (*want, x, 3, 4, True)
+    assert d.direct_launches == 2
+    # Another variant key, or a misaligned tensor, is compiled by the binder.
+    d.launch(k, 5, ("w",), (x, 3), {"W": 4}, {}, dev)
+    d.launch(k, 5, ("v",), (x[1:], 3), {"W": 4, "B": True}, {}, dev)
+    assert [e[0] for e in k.log[3:]] == ["binder", "binder"]
+
+
+def test_a_refusing_launcher_falls_back_for_good(cuda_stream):
+    k, d = _Kernel(refuse=True), _launcher()
+    x = torch.zeros(2, dtype=torch.int64)
+    dev = torch.device("cpu")
+    for _ in range(3):
+        d.launch(k, 1, (), (x,), {}, {}, dev)
+    assert [e[0] for e in k.log] == ["binder", "binder", "binder"]
+    assert not d.enabled and d.direct_launches == 0
+
+
+def test_the_interpreter_never_launches_directly(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not DirectLauncher().enabled
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KVHIT_TRITON_DIRECT", "0")
+    assert not DirectLauncher().enabled
+
+
+@pytest.mark.gpu
+def test_direct_launches_equal_binder_launches():
+    """On CUDA: the engine's lookups through the direct path equal the
+    binder's (the direct path switched off), and the direct path ran."""
+    import random
+
+    from strategies import chained_hashes, saved_keys
+
+    from kvhit import HashBatch, KeyIndex
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.kernels import scan
+
+    layout = make_layout("dsv4-flash")
+    rng = random.Random(0)
+    prompts = [chained_hashes(i, rng.randint(1, 300)) for i in range(40)]
+    keys = set()
+    for p in prompts[::2]:
+        keys |= saved_keys(layout, p, len(p) * 4)
+    keys = sorted(keys)
+    index = KeyIndex(8, capacity=1 << 14, device="cuda")
+    index.add([g for g, _ in keys], [h for _, h in keys])
+    engine = LookupEngine(layout, backend="triton", device="cuda")
+    batch = HashBatch.from_bytes(prompts, 8, "cuda")
+    tokens = [len(p) * 4 - rng.randint(0, 3) for p in prompts]
+    before = scan._DIRECT.direct_launches
+    direct = [engine.lookup(batch, tokens, index).tolist() for _ in range(3)]
+    assert scan._DIRECT.direct_launches > before
+    scan._DIRECT.enabled = False
+    try:
+        binder = engine.lookup(batch, tokens, index).tolist()
+    finally:
+        scan._DIRECT.enabled = True
+    assert direct == [binder] * 3 and any(binder)
