@@ -51,6 +51,8 @@ import traceback
 from dataclasses import dataclass, field
 from statistics import median
 
+from kvhit.bench.gpu_common import capture_graph, config_changes, run_seconds
+
 __all__ = ["Config", "main", "run"]
 
 
@@ -366,25 +368,9 @@ def _sync(device) -> None:
 
 def _timed(fn, repeats: int, device) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    import torch
-
     fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return median(times)
+    return median(run_seconds(fn, device) for _ in range(repeats))
 
 
 def check_parity(
@@ -688,16 +674,7 @@ def _graph_time(backend, view, num_tokens, index, eager, cfg: Config) -> float:
     checked against ``eager``."""
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.lookup(view, num_tokens, index)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = backend.lookup(view, num_tokens, index)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, static = capture_graph(lambda: backend.lookup(view, num_tokens, index))
     if not torch.equal(static, eager):
         raise AssertionError("CUDA-graph replay differs from the eager lookup")
     return _timed(graph.replay, cfg.repeats, view.rows.device)
@@ -976,17 +953,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     cfg = Config.dry() if args.dry_run else Config()
-    changes = {}
-    if args.presets:
-        changes["presets"] = tuple(p for p in args.presets.split(",") if p)
-    if args.requests:
-        changes["requests"] = args.requests
-    if args.max_tokens:
-        changes["max_tokens"] = args.max_tokens
-    if args.out:
-        changes["out_dir"] = args.out
-    if args.budget:
-        changes["budget_s"] = args.budget
+    changes = config_changes(
+        args, requests="requests", max_tokens="max_tokens", out="out_dir",
+        budget="budget_s",
+    )  # fmt: skip
     if changes:
         cfg = Config(**{**cfg.__dict__, **changes})
     import torch

@@ -141,10 +141,6 @@ class TritonBackend(ViewBackend):
             PinnedLengths(self.device) if self.device.type == "cuda" else None
         )
 
-    def warm_up(self) -> None:
-        """``BatchBackend.warm_up``: a stub for now (the Triton kernels still
-        compile on their first call)."""
-
     def _warm_up(self, device: torch.device, variant: tuple) -> None:
         """Refuse the first call of a kernel variant during a graph capture:
         that call compiles and loads the kernel, which cannot be captured."""
