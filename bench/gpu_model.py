@@ -131,7 +131,9 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: one subtraction kernel), which the engine, not the backend, calls.
 RECORDED: dict[str, int] = {
     "quick_longhit_max_rt": 42,
-    "quick_llama_max_rt": 8,
+    # 8 with the next tile's home slots loaded ahead, which Triton 3.6 (the
+    # H200 machine's) cannot compile: its layout pass fails on that loop.
+    "quick_llama_max_rt": 9,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,

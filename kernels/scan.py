@@ -38,9 +38,10 @@ Design (why it looks like this):
 * **Wide tiles for the long part (issue 31).** Full attention's leading run,
   where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
   blocks at a time across the program's warps; the first miss is a
-  min-reduction, and the next tile's home slots (its hash words) are loaded
-  before that reduction is known, so a step of the run costs the table's
-  round trips only. The short searches (sliding-window tails, Mamba
+  min-reduction. (Loading the next tile's home slots before that reduction
+  ends would save a round trip a step, but Triton 3.6's
+  TritonGPURemoveLayoutConversions pass fails on that loop-carried vector,
+  and 3.6 is what the H200 machine has.) The short searches (sliding-window tails, Mamba
   states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
   ``bench/gpu_model.py`` counts the dependent round trips of each request
   under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).
@@ -142,9 +143,9 @@ fix_interpreter()
 BLOCK = 32
 # The leading full-attention run (the long part of a long hit) is probed in
 # tiles of LEAD_FACTOR * BLOCK blocks: one lane per thread of the NUM_WARPS
-# warps, the first miss found by a min-reduction across them, the next tile's
-# hash words loaded before that reduction ends (bench/gpu_model.py: 128-block
-# tiles take llama's longest 128K run from ~200 dependent steps to ~50).
+# warps, the first miss found by a min-reduction across them
+# (bench/gpu_model.py: 128-block tiles take llama's longest 128K run from
+# ~200 dependent steps to ~50).
 LEAD_FACTOR = 4
 # Two warps per program: the wide tile's 128 lanes are 2 per thread (at one
 # warp, 4 per thread, the index variants spill on sm_90; at four, no spills
@@ -485,27 +486,22 @@ def _leading_run(
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step (the wide tile, ``LEAD`` for full attention's run); the next step's
-    home slots (its hash words) are loaded before this step's first miss is
-    known: the run goes on only when every lane hit, so the next tile is then
-    exactly ``BLOCK`` further, and the hash-row round trip leaves every step
-    but the first."""
+    step (the wide tile, ``LEAD`` for full attention's run); a step's home
+    slots are computed in it (carrying the next step's across the loop, one
+    round trip less a step, breaks Triton 3.6's layout pass)."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
     gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
     blk = start + lane
-    home = _home(ctx, gids, (blk + 1) * scale - 1, blk < end, W, HAS_INDEX)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        nxt = blk + BLOCK
-        home_next = _home(ctx, gids, (nxt + 1) * scale - 1, nxt < end, W, HAS_INDEX)
+        home = _home(ctx, gids, units, blk < end, W, HAS_INDEX)
         hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
-        home = home_next
     return count
 
 
