@@ -105,7 +105,7 @@ def hybrid_kernel(
             token_len = tl.load(tok_len_ptr + r)
         else:
             token_len = zero
-        # The request context of kernels/scan.py (its fields _C_*, in order),
+        # The request context of kernels/scan_sg.py (its fields C_*, in order),
         # scalars as tensors as there: engine e's SpecGroup rows.
         ctx = (
             tl.load(offsets_ptr + r),
