@@ -189,6 +189,8 @@ NUM_WARPS = 2
 # spills), since its structure, not this number, bounds it. At two warps, 128
 # leaves 8 resident programs per SM (1056 on an H200).
 MAXNREG = 128
+# The one other choice, the duplicate-value search's width, is
+# scan_sg.DUP_STEP (next to the search it sizes).
 
 # The hit of a request whose length is negative (a flag, never a hit).
 LENGTH_FLAG = -1
