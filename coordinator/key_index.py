@@ -71,11 +71,10 @@ so ``(W + 1) * 8 / load`` bytes per key.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -83,13 +82,18 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
-from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
+from kvhit.coordinator.key_index_keys import keys_on_device, normalize_keys
+from kvhit.coordinator.key_index_state import (
+    STATE_VERSION,
+    checksum_culprit,
+    table_checksum,
+    verify_structure,
+)
+from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
 from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_table_tensor,
-    check_tensor,
-    is_int,
     resolve_device,
 )
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
@@ -127,7 +131,6 @@ MAX_LOAD_RANGE = (0.05, 0.95)
 #: The most slots a table may have (2**34: 640 GiB at 32-byte keys); growth
 #: past it is refused with ValueError instead of attempting the allocation.
 MAX_CAPACITY = 1 << 34
-_STATE_VERSION = 2
 
 
 class CapacityError(RuntimeError):
@@ -142,148 +145,6 @@ class ReadOnlyIndexError(TypeError):
 # --------------------------------------------------------------------------
 # Arguments: devices and keys
 # --------------------------------------------------------------------------
-
-
-def _normalize_hashes(
-    hashes: Any, hash_bytes: int, device: torch.device
-) -> torch.Tensor:
-    """``hashes`` as a contiguous int64 ``[N, W]`` tensor on ``device``."""
-    W = num_words(hash_bytes)
-    if isinstance(hashes, HashBatch):
-        if hashes.hash_bytes != hash_bytes:
-            raise ValueError(
-                f"hashes: HashBatch has hash_bytes={hashes.hash_bytes}, "
-                f"index has hash_bytes={hash_bytes}"
-            )
-        hashes = hashes.hashes
-    if isinstance(hashes, np.ndarray):
-        # Words are bit patterns: uint64 is the same data as int64.
-        if hashes.dtype not in (np.int64, np.uint64):
-            raise TypeError(
-                f"hashes: a numpy array must be int64 [N, {W}] words, got dtype "
-                f"{hashes.dtype} (pass bytes as a sequence of bytes objects)"
-            )
-        if hashes.ndim != 2 or hashes.shape[1] != W:
-            raise ValueError(
-                f"hashes must have shape [N, {W}] for hash_bytes={hash_bytes}, "
-                f"got numpy shape {list(hashes.shape)}"
-            )
-        words = np.ascontiguousarray(hashes).view(np.int64)
-        hashes = torch.from_numpy(words.copy()).to(device)
-    if isinstance(hashes, torch.Tensor):
-        check_tensor(
-            hashes, "hashes", device=device, device_of="index", holds_data=False
-        )
-        if hashes.dim() != 2 or hashes.shape[1] != W:
-            raise ValueError(
-                f"hashes must have shape [N, {W}] for hash_bytes={hash_bytes}, "
-                f"got {list(hashes.shape)}"
-            )
-        pad = padding_mask(hash_bytes)
-        if pad and hashes.shape[0] and bool(((hashes[:, -1] & pad) != 0).any()):
-            raise ValueError(
-                f"hashes: padding bits past hash_bytes={hash_bytes} in the last "
-                "word must be zero"
-            )
-        return hashes.contiguous()
-    if isinstance(hashes, bytes | bytearray | memoryview | str):
-        raise TypeError(
-            "hashes must be an int64 tensor [N, W] or a sequence of bytes, "
-            f"not a single {type(hashes).__name__}"
-        )
-    if isinstance(hashes, Sequence):
-        return pack_hashes(hashes, hash_bytes).to(device)
-    raise TypeError(
-        "hashes must be an int64 tensor [N, W], a HashBatch or a sequence of "
-        f"bytes, got {type(hashes).__name__}"
-    )
-
-
-def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.Tensor:
-    """``group_ids`` for ``n`` keys as a contiguous int64 ``[n]`` tensor on
-    ``device``, every id in ``[0, 2**63)``."""
-    if isinstance(group_ids, bool | np.bool_):
-        raise TypeError("group_ids must be int64, not bool")
-    if is_int(group_ids):
-        gid = int(group_ids)
-        if gid < 0:
-            raise ValueError(f"group_ids must be >= 0, got {gid}")
-        if gid >= 1 << 63:
-            raise ValueError(f"group_ids must fit in int64, got {gid}")
-        return torch.full((n,), gid, dtype=torch.int64, device=device)
-    if isinstance(group_ids, np.ndarray):
-        if group_ids.dtype.kind not in "iu":
-            raise TypeError(
-                f"group_ids must hold integers, got dtype {group_ids.dtype}"
-            )
-        if group_ids.dtype == np.uint64 and group_ids.size:
-            if int(group_ids.max()) >= 1 << 63:
-                raise ValueError("group_ids must fit in int64")
-        group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(device)
-    if isinstance(group_ids, torch.Tensor):
-        check_tensor(
-            group_ids, "group_ids", device=device, device_of="index", holds_data=False
-        )
-        if group_ids.dim() == 0:
-            group_ids = group_ids.expand(n)
-    elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
-        bad = next((i for i, g in enumerate(group_ids) if not is_int(g)), None)
-        if bad is not None:
-            raise TypeError(
-                f"group_ids must be a sequence of ints, got "
-                f"{type(group_ids[bad]).__name__} at position {bad}"
-            )
-        try:
-            group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
-        except (RuntimeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"group_ids must fit in int64 ({exc})") from None
-        group_ids = group_ids.to(device)
-    else:
-        raise TypeError(
-            "group_ids must be an int, a sequence of ints or an int64 tensor, "
-            f"got {type(group_ids).__name__}"
-        )
-    if group_ids.dim() != 1:
-        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
-    if group_ids.shape[0] != n:
-        raise ValueError(
-            f"group_ids has {group_ids.shape[0]} entries but hashes has {n} keys"
-        )
-    if n and bool((group_ids < 0).any()):
-        raise ValueError("group_ids must be >= 0 (negative values are sentinels)")
-    return group_ids.contiguous()
-
-
-def normalize_keys(
-    group_ids: Any,
-    hashes: Any,
-    hash_bytes: int,
-    device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate keys and bring them to the form every table kernel reads.
-
-    Args:
-        group_ids: the keys' group ids: an int (broadcast to every key), a
-            sequence of ints, an integer numpy array ``[N]`` or an int64 tensor
-            ``[N]`` (or 0-d, broadcast) on ``device``; each in ``[0, 2**63)``.
-        hashes: the keys' block hashes: an int64 tensor ``[N, W]`` on
-            ``device`` (words packed as in ``coordinator/packing.py``, padding
-            bits zero), an int64/uint64 numpy array ``[N, W]``, a
-            :class:`HashBatch` of width ``hash_bytes``, or a sequence of
-            ``bytes`` of width ``hash_bytes``.
-        hash_bytes: the hash width in bytes; ``W = ceil(hash_bytes / 8)``.
-        device: the device of the table the keys are for.
-
-    Returns:
-        ``(gids, words)``: int64 ``[N]`` and int64 ``[N, W]``, contiguous, on
-        ``device``.
-
-    Raises TypeError/ValueError naming the argument; reads nothing but its
-    arguments and changes nothing.
-    """
-    dev = resolve_device(device)
-    words = _normalize_hashes(hashes, hash_bytes, dev)
-    return _normalize_group_ids(group_ids, words.shape[0], dev), words
 
 
 def _next_pow2(n: int) -> int:
@@ -327,44 +188,6 @@ def hash_kernels(backend: str) -> ModuleType:
     """The hash-index kernel module of a resolved ``backend`` ("numba",
     "torch" or "triton"; see :data:`KERNEL_MODULES`), imported now."""
     return importlib.import_module(KERNEL_MODULES[backend])
-
-
-def _table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int) -> str:
-    """blake2b of the table bytes and the counts (hex); what state_dict signs."""
-    data = table.detach().to("cpu").contiguous().numpy()
-    h = hashlib.blake2b(digest_size=16)
-    h.update(
-        f"kvhit.KeyIndex/{_STATE_VERSION}/{hash_bytes}/{list(data.shape)}/{size}/"
-        f"{tombs}/".encode()
-    )
-    h.update(memoryview(data).cast("B"))
-    return h.hexdigest()
-
-
-def _checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
-    """Which part of a state whose checksum failed disagrees. The checksum
-    signs the table bytes and the counts together, so the counts the table
-    itself holds are tried in place of the fields: a field that differs from
-    them is named, and is the whole story when the table's own counts sign it;
-    otherwise the table's bytes (or the checksum itself: one signature cannot
-    tell the two apart) changed."""
-    col = table[:, 0]
-    held = {
-        "size": int((col >= 0).sum().item()),
-        "tombstones": int((col == TOMBSTONE).sum().item()),
-    }
-    wrong = [
-        f"state[{field!r}] ({state[field]}; the table holds {n})"
-        for field, n in held.items()
-        if state[field] != n
-    ]
-    signed = _table_checksum(
-        table, state["hash_bytes"], held["size"], held["tombstones"]
-    )
-    if wrong and state["checksum"] == signed:
-        return " and ".join(wrong) + " was"
-    table_part = "state['table'] (its bytes, shape or hash_bytes) or state['checksum']"
-    return " and ".join([*wrong, table_part]) + " was"
 
 
 # --------------------------------------------------------------------------
@@ -654,9 +477,7 @@ class KeyIndex:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`normalize_keys` for this index's ``hash_bytes`` and device:
         ``(int64 [N], int64 [N, W])``, contiguous, on ``self.device``."""
-        dev = self.device
-        words = _normalize_hashes(hashes, self.hash_bytes, dev)
-        return _normalize_group_ids(group_ids, words.shape[0], dev), words
+        return keys_on_device(group_ids, hashes, self.hash_bytes, self.device)
 
     def _check_writable(self, what: str) -> None:
         if self._read_only:
@@ -1074,13 +895,13 @@ class KeyIndex:
         """
         size, tombs = len(self), self.tombstones
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "hash_bytes": self.hash_bytes,
             "max_load": self.max_load,
             "size": size,
             "tombstones": tombs,
             "table": self.table,
-            "checksum": _table_checksum(self.table, self.hash_bytes, size, tombs),
+            "checksum": table_checksum(self.table, self.hash_bytes, size, tombs),
         }
 
     @classmethod
@@ -1109,12 +930,12 @@ class KeyIndex:
             if field not in state:
                 raise ValueError(f"state: missing field {field!r}")
         version = state["version"]
-        if type(version) is not int or version != _STATE_VERSION:
+        if type(version) is not int or version != STATE_VERSION:
             # Only the layout this code writes is read: a table saved under
             # another version may hash or pack keys differently.
             raise ValueError(
                 f"state: unknown version {version!r} (this kvhit reads version "
-                f"{_STATE_VERSION} only)"
+                f"{STATE_VERSION} only)"
             )
         hash_bytes = state["hash_bytes"]
         W = num_words(hash_bytes)
@@ -1131,47 +952,16 @@ class KeyIndex:
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
         dev = resolve_device(device if device is not None else table.device)
         resolve_backend(backend, dev)
-        if state["checksum"] != _table_checksum(table, hash_bytes, size, tombs):
+        if state["checksum"] != table_checksum(table, hash_bytes, size, tombs):
             raise ValueError(
-                f"state: checksum mismatch: {_checksum_culprit(state, table)} "
+                f"state: checksum mismatch: {checksum_culprit(state, table)} "
                 "changed or corrupted after state_dict()"
             )
         table = copy_table(table, dev)
         obj = cls.__new__(cls)
         obj._init(hash_bytes, table, backend, max_load, growable, size, tombs)
-        obj._check_structure(size, tombs)
+        verify_structure(obj.table, hash_bytes, obj._kernels.find, size, tombs)
         if size + tombs > obj._limit(cap):
             # Saved with a higher max_load; restore the invariant.
             obj._rehash(obj._capacity_for(0))
         return obj
-
-    def _check_structure(self, size: int, tombs: int) -> None:
-        """The layout invariants of the table (ValueError naming state['table'])."""
-        table = self.table
-        col = table[:, 0]
-        if bool((col < TOMBSTONE).any()):
-            raise ValueError("state['table'] holds BUSY or unknown sentinels")
-        n_live = int((col >= 0).sum().item())
-        n_tombs = int((col == TOMBSTONE).sum().item())
-        if n_live != size or n_tombs != tombs:
-            raise ValueError(
-                f"state: table holds {n_live} keys and {n_tombs} tombstones, "
-                f"fields say {size} and {tombs}"
-            )
-        if n_live + n_tombs >= table.shape[0]:
-            raise ValueError("state['table'] has no EMPTY slot")
-        if bool((table[col == EMPTY, 1:] != 0).any()):
-            raise ValueError("state['table'] has nonzero words in EMPTY slots")
-        live_slots = (col >= 0).nonzero().squeeze(1)
-        live = table.index_select(0, live_slots)
-        pad = padding_mask(self.hash_bytes)
-        if pad and bool(((live[:, -1] & pad) != 0).any()):
-            raise ValueError("state['table'] has nonzero padding bits")
-        found = self._kernels.find(
-            table, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
-        )
-        if not torch.equal(found, live_slots):
-            raise ValueError(
-                "state['table'] is inconsistent: some keys are not reachable "
-                "from their home slot along the probe sequence (or appear twice)"
-            )

@@ -167,7 +167,7 @@ def unpack_engines(words: np.ndarray, num_engines: int) -> torch.Tensor:
 def hits_of_runs(runs: np.ndarray, bs: int, align: int, drop: bool) -> np.ndarray:
     """vLLM's full-attention hit from the leading run of ``runs`` blocks
     (``reference.full_attention_hit`` without the fine-grained tail, as
-    ``kernels/scan_numba.py``'s ``_scan_sg`` for a non-fine full SpecGroup):
+    ``kernels/scan_numba_sg.py``'s ``scan_sg`` for a non-fine full SpecGroup):
     ``run * bs``, less ``min(align, bs)`` under the EAGLE drop, aligned."""
     hit = runs * bs
     if drop:

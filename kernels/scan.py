@@ -64,7 +64,7 @@ Design (why it looks like this):
   worker's candidate restriction, ``APPLY_EAGLE``, ``LOOKUP``, ``BLOCK`` and
   the table widths, so the compile count per layout is bounded, while kinds and
   sizes are uniform scalar branches within a program.
-* **Own table probe.** ``_table_has`` follows the layout contract of
+* **Own table probe.** ``table_has`` follows the layout contract of
   ``coordinator/key_index.py`` with the slot hash of
   ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
   ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
@@ -78,7 +78,7 @@ Design (why it looks like this):
 * **The store worker's candidate restriction** (``token_len``): a present key
   counts only at a position the worker asks about, or when the same hash value
   stands at such a position in the request (the worker's set holds values).
-  The position test is closed-form; the value test (``_dup_candidate``) runs
+  The position test is closed-form; the value test (``dup_candidate``) runs
   only for lanes present but not at a candidate, and enumerates the group's
   candidate positions directly rather than the whole prompt, because an EAGLE
   peek past the lookup length often lands on such a key.
@@ -87,7 +87,7 @@ Design (why it looks like this):
   scalars are broadcast (``zeros + x``) before they meet vectors.
 * **Integer division.** Triton's ``//`` and ``%`` truncate toward zero on a
   GPU but floor under the interpreter; every ``//`` here has non-negative
-  operands and every possibly negative remainder goes through ``_fmod``.
+  operands and every possibly negative remainder goes through ``ifmod``.
 
 Probes past a request's hashes are misses (the reference raises there).
 A negative length is scanned as 0 and its hit is :data:`LENGTH_FLAG` (-1), so
@@ -116,8 +116,36 @@ from kvhit.kernels.checks import (
     check_size,
     table_capacity,
 )
-from kvhit.kernels.hash_index import slot_hash
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter
+from kvhit.kernels.scan_sg import (
+    C_ALIGN,
+    C_CANDS,
+    C_HBS,
+    C_LENS,
+    C_N_SG,
+    C_PARTIAL,
+    C_SGS,
+    C_SIMPLE,
+    C_TOK_LEN,
+    CAND_BLOCK_SIZE,
+    CAND_CACHEABLE,
+    CAND_NEED,
+    CAND_PER_SEGMENT,
+    CAND_SCALE,
+    CAND_SHIFT,
+    CAND_SPARSE,
+    CAND_WIDTH,
+    KIND_FULL,
+    SG_BLOCK_SIZE,
+    SG_KIND,
+    SG_MARGIN,
+    SG_MEMBERS,
+    SG_N_MEMBERS,
+    eagle_drop,
+    idiv,
+    sg_result,
+    sg_searches,
+)
 
 __all__ = [
     "BLOCK",
@@ -162,554 +190,14 @@ NUM_WARPS = 2
 # spills), since its structure, not this number, bounds it. At two warps, 128
 # leaves 8 resident programs per SM (1056 on an H200).
 MAXNREG = 128
-# Candidate positions the duplicate-value search (_dup_candidate) compares per
-# step, as a multiple of 32. That search walks a group's candidates for each
-# present-but-not-asked lane (EAGLE peeks make those common), so wider is
-# faster, but each step's vectors cost registers: the lookup variant needs 116
-# registers at 1, 120 at 2, 124 at 4 on sm_90 (the budget is 128).
-_DUP_STEP = 2
+# The one other choice, the duplicate-value search's width, is
+# scan_sg.DUP_STEP (next to the search it sizes).
 
-# -- the kernel contract, as constexprs (kernels/contract.py) ---------------------
-_EMPTY: tl.constexpr = tl.constexpr(kc.EMPTY)
-_FULL: tl.constexpr = tl.constexpr(kc.KIND_FULL)
-_SWA: tl.constexpr = tl.constexpr(kc.KIND_SWA)
-_MAMBA: tl.constexpr = tl.constexpr(kc.KIND_MAMBA)
-_SG_KIND: tl.constexpr = tl.constexpr(kc.SG_KIND)
-_SG_BLOCK_SIZE: tl.constexpr = tl.constexpr(kc.SG_BLOCK_SIZE)
-_SG_SCALE: tl.constexpr = tl.constexpr(kc.SG_SCALE)
-_SG_USE_EAGLE: tl.constexpr = tl.constexpr(kc.SG_USE_EAGLE)
-_SG_MARGIN: tl.constexpr = tl.constexpr(kc.SG_MARGIN)
-_SG_NEED: tl.constexpr = tl.constexpr(kc.SG_NEED)
-_SG_PERIOD: tl.constexpr = tl.constexpr(kc.SG_PERIOD)
-_SG_FINE: tl.constexpr = tl.constexpr(kc.SG_FINE)
-_SG_CHUNK: tl.constexpr = tl.constexpr(kc.SG_CHUNK)
-_SG_N_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_N_MEMBERS)
-_SG_MEMBERS: tl.constexpr = tl.constexpr(kc.SG_MEMBERS)
-_CAND_CACHEABLE: tl.constexpr = tl.constexpr(kc.CAND_CACHEABLE)
-_CAND_BLOCK_SIZE: tl.constexpr = tl.constexpr(kc.CAND_BLOCK_SIZE)
-_CAND_SCALE: tl.constexpr = tl.constexpr(kc.CAND_SCALE)
-_CAND_SPARSE: tl.constexpr = tl.constexpr(kc.CAND_SPARSE)
-_CAND_PER_SEGMENT: tl.constexpr = tl.constexpr(kc.CAND_PER_SEGMENT)
-_CAND_NEED: tl.constexpr = tl.constexpr(kc.CAND_NEED)
-_CAND_SHIFT: tl.constexpr = tl.constexpr(kc.CAND_SHIFT)
-_CAND_WIDTH: tl.constexpr = tl.constexpr(kc.CAND_WIDTH)
-# Fixed, not a multiple of the caller's width: the leading run's wide tiles
-# would otherwise widen these vectors too.
-_DUP_LANES: tl.constexpr = tl.constexpr(_DUP_STEP * 32)
 # The hit of a request whose length is negative (a flag, never a hit).
 LENGTH_FLAG = -1
 _LENGTH_FLAG: tl.constexpr = tl.constexpr(LENGTH_FLAG)
-# The longest length the kernel distinguishes, in tokens (see _div).
+# The longest length the kernel distinguishes, in tokens (see idiv).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
-
-# -- the request context ``ctx``: one tuple, these fields -------------------------
-_C_OFF: tl.constexpr = tl.constexpr(0)  # first row of the request in hashes
-_C_LENS: tl.constexpr = tl.constexpr(1)  # its number of hash units
-_C_TOK_LEN: tl.constexpr = tl.constexpr(2)  # the worker's lookup length (HAS_TL)
-_C_HASHES: tl.constexpr = tl.constexpr(3)  # hashes_ptr, int64 [T, W]
-_C_TABLE: tl.constexpr = tl.constexpr(4)  # table_ptr, int64 [cap, W + 1]
-_C_CAP_MASK: tl.constexpr = tl.constexpr(5)  # capacity - 1
-_C_CANDS: tl.constexpr = tl.constexpr(6)  # cand_ptr, int64 [G, CAND_WIDTH]
-_C_PARTIAL: tl.constexpr = tl.constexpr(7)  # ScanPlan.partial
-_C_HBS: tl.constexpr = tl.constexpr(8)  # hash_block_size
-_C_ALIGN: tl.constexpr = tl.constexpr(9)  # the hit alignment
-_C_SGS: tl.constexpr = tl.constexpr(10)  # sg_ptr, int64 [S, SG_W]
-_C_N_SG: tl.constexpr = tl.constexpr(11)  # S
-_C_SIMPLE: tl.constexpr = tl.constexpr(12)  # ScanPlan.simple_hybrid
-
-
-@triton.jit
-def _fmod(a, b):
-    """Floor remainder of ``a`` by ``b > 0`` (never negative), whatever the
-    sign convention of ``%`` on the target."""
-    r = (a.to(tl.int32) % b.to(tl.int32)).to(tl.int64)
-    return tl.where(r < 0, r + b, r)
-
-
-@triton.jit
-def _div(a, b):
-    """``a // b`` for ``a >= 0``, ``b > 0`` below 2**31, computed in 32 bits:
-    a 64-bit division is a subroutine call on the GPU, whose calling
-    convention spills live registers to local memory around it."""
-    return (a.to(tl.int32) // b.to(tl.int32)).to(tl.int64)
-
-
-@triton.jit
-def _rem(a, b):
-    """``a % b`` for ``a >= 0``, ``b > 0`` below 2**31 (32 bits, as _div)."""
-    return (a.to(tl.int32) % b.to(tl.int32)).to(tl.int64)
-
-
-@triton.jit
-def _home(ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
-    KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
-    not wait on each other, one round trip); lanes outside ``mask`` or the
-    request hash zeros. Zeros without an index."""
-    valid = mask & (units >= 0) & (units < ctx[_C_LENS])
-    pos = gids * 0
-    if HAS_INDEX:
-        rows = ctx[_C_OFF] + tl.where(valid, units, 0)
-        pos = slot_hash(gids, ctx[_C_HASHES], rows, valid, W) & ctx[_C_CAP_MASK]
-    return pos
-
-
-@triton.jit
-def _table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
-    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
-    is its home slot (:func:`_home`).
-
-    The table layout contract of ``coordinator/key_index.py``: home slot
-    ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
-    group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. A probe step loads the slot's group id, its
-    words and the key's words at once (one round trip, not one per word):
-    the words are compared only where the group id matches, but loading them
-    regardless costs bandwidth the step has to spare, not latency; the key's
-    words are loaded again each step rather than held (registers: the index
-    variants are at the 128 budget). Column 0 is read with a plain load:
-    lookups are stream-ordered after the inserts they must see.
-    """
-    table_ptr = ctx[_C_TABLE]
-    cap_mask = ctx[_C_CAP_MASK]
-    hashes_ptr = ctx[_C_HASHES]
-    found = mask & (gids < gids)
-    active = mask
-    # A vector step count: lanes stop independently.
-    steps = tl.zeros_like(gids)
-    while tl.max(active.to(tl.int32), axis=0) > 0:
-        slot = table_ptr + pos * (W + 1)
-        g = tl.load(slot, mask=active, other=_EMPTY)
-        # Every word masked by `active` only (not by the previous word's
-        # compare): the 2W loads go out together.
-        same = active
-        for j in tl.static_range(W):
-            t = tl.load(slot + 1 + j, mask=active, other=0)
-            k = tl.load(hashes_ptr + rows * W + j, mask=active, other=0)
-            same = same & (t == k)
-        hit = active & (g == gids) & same
-        found = found | hit
-        # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
-        # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
-        # the probe still ends after `capacity` steps.
-        steps += 1
-        active = active & ~hit & (g != _EMPTY) & (steps <= cap_mask)
-        pos = (pos + 1) & cap_mask
-    return found
-
-
-@triton.jit
-def _is_candidate(ctx, units, gid):
-    """int1 [N]: does the store worker ask about hash unit ``units`` (int64 [N])
-    for group ``gid`` in a lookup of ``token_len`` tokens (by position only)?
-    Mirrors ``ReferenceCoordinator.lookup_candidates``."""
-    n_units = ctx[_C_LENS]
-    token_len = ctx[_C_TOK_LEN]
-    row = ctx[_C_CANDS] + gid * _CAND_WIDTH
-    bs = tl.load(row + _CAND_BLOCK_SIZE)
-    s = tl.load(row + _CAND_SCALE)
-    sparse = tl.load(row + _CAND_SPARSE)
-    per_segment = tl.load(row + _CAND_PER_SEGMENT)
-    need = tl.load(row + _CAND_NEED)
-    shift = tl.load(row + _CAND_SHIFT)
-    # The limits are ``masks.asked_chunks`` (``ScanPlan.asked_chunks``): with
-    # partial hash hits, then dense (the sparse one is in ``sparse_ok``).
-    in_partial = units < tl.minimum(n_units, _div(token_len, ctx[_C_HBS]))
-    u1 = tl.maximum(units + 1, 0)
-    c = _div(u1, s) - 1
-    ok = (_rem(u1, s) == 0) & (c >= 0)
-    ok = ok & (c < tl.minimum(_div(n_units, s), _div(token_len + bs - 1, bs)))
-    # The SWA lookup mask keeps the last `need` chunks of each segment
-    # (``masks.sparse_window_mask``).
-    in_seg = _fmod(c - shift, tl.maximum(per_segment, 1)) >= per_segment - need
-    sparse_ok = (c < _div(token_len, bs)) & (c >= shift) & in_seg
-    # Broadcast before mixing with vectors: the interpreter types a bool
-    # scalar-vector & / | as int64.
-    ok = ok & (((units * 0 + sparse) == 0) | sparse_ok)
-    return tl.where(ctx[_C_PARTIAL] != 0, in_partial, ok)
-
-
-@triton.jit
-def _candidate_chunk(k, sparse_ok, shift, per_segment, need_chunks):
-    """The ``k``-th candidate chunk (in increasing order) of a group: every
-    chunk, or with a sparse lookup mask the ``need_chunks`` last of each segment."""
-    # The sparse branch is ``masks.sparse_window_chunk``.
-    return tl.where(
-        sparse_ok,
-        shift
-        + _div(k, need_chunks) * per_segment
-        + (per_segment - need_chunks)
-        + _rem(k, need_chunks),
-        k,
-    )
-
-
-@triton.jit
-def _dup_candidate(ctx, units, odd, gid, W: tl.constexpr, BLOCK: tl.constexpr):
-    """int1 [BLOCK]: for lanes ``odd`` (present, not a candidate position),
-    whether the same hash value stands at a candidate position of the request.
-
-    Only entered when some lane is odd. That is rare for duplicates but not
-    for the probe itself: an EAGLE peek past the lookup length lands on a
-    stored key the worker did not ask about (multi-turn prefixes), so this
-    must not walk the whole prompt. It enumerates the group's candidate
-    positions directly (the SWA lookup mask keeps ``need`` chunks per
-    segment), ``_DUP_LANES`` per step, one odd lane at a time.
-    """
-    off = ctx[_C_OFF]
-    n_units = ctx[_C_LENS]
-    token_len = ctx[_C_TOK_LEN]
-    hashes_ptr = ctx[_C_HASHES]
-    lane = tl.arange(0, BLOCK)
-    kl = tl.arange(0, _DUP_LANES).to(tl.int64)
-    row = ctx[_C_CANDS] + gid * _CAND_WIDTH
-    bs = tl.load(row + _CAND_BLOCK_SIZE)
-    s = tl.load(row + _CAND_SCALE)
-    sparse = tl.load(row + _CAND_SPARSE) != 0
-    per_segment = tl.load(row + _CAND_PER_SEGMENT)
-    need = tl.load(row + _CAND_NEED)
-    shift = tl.load(row + _CAND_SHIFT)
-    zero = n_units * 0
-    is_partial = ctx[_C_PARTIAL] != 0
-    sparse_ok = ~is_partial & sparse
-    # Candidates are the chunks c < limit (hash units, with partial hits) that
-    # the mask keeps, enumerated in increasing order of c by k = 0, 1, ...;
-    # ``limit`` is ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
-    limit = tl.minimum(_div(n_units, s), _div(token_len + bs - 1, bs))
-    limit = tl.where(sparse, tl.minimum(limit, _div(token_len, bs)), limit)
-    limit = tl.where(
-        is_partial, tl.minimum(n_units, _div(token_len, ctx[_C_HBS])), limit
-    )
-    limit = tl.where(sparse_ok & (need <= 0), zero, limit)
-    need_chunks = tl.maximum(need, 1)
-    scale = tl.where(is_partial, zero + 1, s)
-
-    found = lane < 0
-    todo = odd
-    i = tl.min(tl.where(todo, lane, BLOCK), axis=0)
-    while i < BLOCK:
-        u = tl.sum(tl.where(lane == i, units, 0), axis=0)
-        k0 = zero
-        going = _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
-        hit = zero > 0
-        while going:
-            c = _candidate_chunk(k0 + kl, sparse_ok, shift, per_segment, need_chunks)
-            eq = c < limit
-            v = off + (c + 1) * scale - 1
-            for j in tl.static_range(W):
-                a = tl.load(hashes_ptr + (off + u) * W + j)
-                b = tl.load(hashes_ptr + v * W + j, mask=eq, other=0)
-                eq = eq & (b == a)
-            hit = tl.max(eq.to(tl.int32), axis=0) > 0
-            k0 += _DUP_LANES
-            going = ~hit & (
-                _candidate_chunk(k0, sparse_ok, shift, per_segment, need_chunks) < limit
-            )
-        # Broadcast before mixing with vectors (interpreter quirk, see above).
-        hit_v = (tl.zeros([BLOCK], tl.int32) + hit.to(tl.int32)) != 0
-        found = found | ((lane == i) & hit_v)
-        todo = todo & (lane != i)
-        i = tl.min(tl.where(todo, lane, BLOCK), axis=0)
-    return found
-
-
-@triton.jit
-def _probe(
-    ctx,
-    units,
-    mask,
-    sg_row,
-    home0,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? ``home0``
-    are the keys' home slots for the first member (:func:`_home`, computed
-    by the caller, possibly ahead of time). Lanes outside ``mask`` or the
-    request's hashes are misses."""
-    n_units = ctx[_C_LENS]
-    valid = mask & (units >= 0) & (units < n_units)
-    rows = ctx[_C_OFF] + tl.where(valid, units, 0)
-    hit = valid
-    for k in range(tl.load(sg_row + _SG_N_MEMBERS)):
-        gid = tl.load(sg_row + _SG_MEMBERS + k)
-        if HAS_INDEX:
-            # Only lanes every earlier member holds: the result is an AND.
-            gids = tl.zeros([BLOCK], tl.int64) + gid
-            pos = home0
-            if k > 0:
-                pos = _home(ctx, gids, units, hit, W, HAS_INDEX)
-            present = _table_has(ctx, gids, rows, pos, hit, W)
-        else:
-            present = hit
-        if HAS_TL:
-            cand = _is_candidate(ctx, units, gid)
-            odd = present & ~cand
-            if tl.max(odd.to(tl.int32), axis=0) > 0:
-                cand = cand | _dup_candidate(ctx, units, odd, gid, W, BLOCK)
-            present = present & cand
-        hit = hit & present
-    return hit
-
-
-@triton.jit
-def _probe_now(
-    ctx,
-    units,
-    mask,
-    sg_row,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """:func:`_probe` with the first member's home slots computed here."""
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
-    home0 = _home(ctx, gids, units, mask, W, HAS_INDEX)
-    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK)
-
-
-@triton.jit
-def _leading_run(
-    ctx,
-    sg_row,
-    start,
-    end,
-    scale,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """How many consecutive blocks from ``start`` (below ``end``) hit; block
-    ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step (the wide tile, ``LEAD`` for full attention's run); a step's home
-    slots are computed in it (carrying the next step's across the loop, one
-    round trip less a step, breaks Triton 3.6's layout pass)."""
-    lane = tl.arange(0, BLOCK)
-    count = start * 0
-    going = end > start
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + _SG_MEMBERS)
-    blk = start + lane
-    while going:
-        blk = start + count + lane
-        units = (blk + 1) * scale - 1
-        home = _home(ctx, gids, units, blk < end, W, HAS_INDEX)
-        hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
-        lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
-        count += lead
-        going = (lead == BLOCK) & (start + count < end)
-    return count
-
-
-@triton.jit
-def _rightmost(
-    ctx,
-    sg_row,
-    search,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
-    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none.
-    ``search`` is ``(top, low, q, resid, need, scale)``."""
-    top, low, q, resid, need, scale = search
-    lane = tl.arange(0, BLOCK)
-    low = tl.maximum(low, need - 1)
-    j = top - _fmod(top - resid, q)
-    found = top * 0 - 1
-    going = j >= low
-    if need == 1:
-        # BLOCK candidates per step, highest first.
-        while going:
-            cand = j - lane * q
-            units = (cand + 1) * scale - 1
-            hit = _probe_now(
-                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK
-            )
-            k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
-            found = tl.where(k < BLOCK, j - k * q, found)
-            j = j - BLOCK * q
-            going = (k == BLOCK) & (j >= low)
-    else:
-        # Check the window [j - need + 1, j] from its top; on a miss at m no
-        # candidate >= m can succeed (its window holds m): go below m.
-        while going:
-            miss = top * 0 - 1
-            d0 = j * 0
-            checking = d0 < need
-            while checking:
-                d = d0 + lane
-                use = d < need
-                units = (j - d + 1) * scale - 1
-                hit = _probe_now(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
-                k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
-                miss = tl.where(k < BLOCK, j - d0 - k, miss)
-                d0 += BLOCK
-                checking = (k == BLOCK) & (d0 < need)
-            found = tl.where(miss < 0, j, found)
-            j = (miss - 1) - _fmod(miss - 1 - resid, q)
-            going = (miss >= 0) & (j >= low)
-    return found
-
-
-@triton.jit
-def _sg_shape(ctx, sg_row, bound, drop):
-    """The derived numbers of a SpecGroup scan up to ``bound`` tokens, as a
-    tuple: ``(kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid)``.
-    Called before the searches and again after them (recomputing beats
-    holding ten values through the probe loops)."""
-    align = ctx[_C_ALIGN]
-    kind = tl.load(sg_row + _SG_KIND)
-    bs = tl.load(sg_row + _SG_BLOCK_SIZE)
-    scale = tl.load(sg_row + _SG_SCALE)
-    q = tl.load(sg_row + _SG_PERIOD)
-    fine = tl.load(sg_row + _SG_FINE) != 0
-    chunk = tl.maximum(tl.load(sg_row + _SG_CHUNK), 1)
-    zero = bound * 0
-    m = _div(bound, bs)
-    # Fine-grained (align < bs): the full view has bs // align units per block.
-    fscale = tl.where(fine, _div(bs, align), scale)
-    sb = _div(tl.where(bound > 0, _div(bound, chunk) * chunk, zero), bs)
-    # SG_NEED is ``masks.sliding_window_need`` without EAGLE; the drop is its
-    # ``eagle`` term.
-    need_eff = tl.maximum(tl.load(sg_row + _SG_NEED) + drop, 1)
-    swa_resid = tl.where(drop != 0, zero, q - 1)
-    return kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid
-
-
-@triton.jit
-def _sg_searches(
-    ctx,
-    sg_row,
-    bound,
-    drop,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    LEAD: tl.constexpr,
-):
-    """The three searches of a SpecGroup scan, ``(n, j, p)``.
-
-    Every kind is one leading run ``n`` (full attention, chunked local), then
-    one rightmost search ``j`` (full attention's fine-grained tail, sliding
-    window, Mamba), then one more leading run ``p`` (the sliding window's
-    short-run fallback); a kind that needs no phase gives it an empty range.
-    Three call sites instead of one per kind keep the inlined code small.
-    """
-    align = ctx[_C_ALIGN]
-    n_units = ctx[_C_LENS]
-    shape = _sg_shape(ctx, sg_row, bound, drop)
-    kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
-    is_full = kind == _FULL
-    is_swa = kind == _SWA
-    is_mamba = kind == _MAMBA
-    is_chunk = ~(is_full | is_swa | is_mamba)
-    zero = bound * 0
-
-    # Each kind's scan mirrors its reference: ``reference.full_attention_hit``,
-    # ``sliding_window_hit``, ``mamba_hit``, ``chunked_local_hit``.
-    # Phase A: full attention's leading run; chunked local's run after the
-    # null blocks before the last attention chunk.
-    a_start = tl.where(is_chunk, sb, zero)
-    a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
-    a_end = tl.where(is_full, tl.minimum(m, _div(n_units, fscale)), a_end)
-    a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD)
-
-    # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
-    # unit inside the next block; Mamba: the rightmost aligned state
-    # (fine-grained: hash unit); sliding window: a run of need_eff blocks.
-    first = n * fscale
-    f_top = tl.minimum(tl.minimum(first + fscale - 1, _div(bound, align)), n_units) - 1
-    b_top = tl.where(is_mamba, tl.minimum(_div(bound, align), n_units) - 1, zero - 1)
-    b_top = tl.where(is_swa | (is_mamba & ~fine), m - 1, b_top)
-    b_top = tl.where(is_full, tl.where(fine, f_top, zero - 1), b_top)
-    unit_level = fine & (is_full | is_mamba)
-    b_resid = tl.where(unit_level, zero, tl.where(is_swa, swa_resid, q - 1))
-    search = (
-        b_top,
-        tl.where(is_full, first, zero),
-        tl.where(unit_level, zero + 1, q),
-        b_resid,
-        tl.where(is_swa, need_eff, zero + 1),
-        tl.where(unit_level, zero + 1, scale),
-    )
-    j = _rightmost(ctx, sg_row, search, W, HAS_INDEX, HAS_TL, BLOCK)
-
-    # Phase C: a sliding window with no run of `need` blocks still hits with
-    # the leading run (shorter than need - 1 blocks).
-    c_end = tl.where(is_swa & (j < 0), tl.minimum(m, need_eff - 1), zero)
-    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK)
-    return n, j, p
-
-
-@triton.jit
-def _sg_result(ctx, sg_row, bound, drop, n, j, p):
-    """A SpecGroup scan's answer from its searches: ``(hit, length, lo, hi)``,
-    the hit in tokens and the members' load-mask span."""
-    align = ctx[_C_ALIGN]
-    shape = _sg_shape(ctx, sg_row, bound, drop)
-    kind, bs, scale, q, fine, m, fscale, sb, need_eff, swa_resid = shape
-    zero = bound * 0
-    got = j >= 0
-    dropping = drop != 0
-    # Full attention (``reference.full_attention_hit``).
-    f_tail = fine & got
-    f_blocks = n + f_tail.to(tl.int64)
-    f_hit = tl.where(f_tail, (j + 1) * align, n * bs)
-    f_hit = tl.where(dropping & (f_hit > 0), f_hit - tl.minimum(align, bs), f_hit)
-    f_hit = f_hit - _rem(f_hit, align)
-    f_blocks = tl.minimum(f_blocks, _div(f_hit + bs - 1, bs))
-    # Sliding window (``reference.sliding_window_hit``).
-    s_len = tl.where(dropping, j, j + 1)
-    s_lo = j - need_eff + 1
-    j0 = (p - 1) - _fmod(p - 1 - swa_resid, q)
-    run = tl.where(j0 >= 0, j0 + 1, zero)
-    run = run - _rem(run, q)
-    run = tl.where(dropping & (run > 0), run - 1, run)
-    run = run - _rem(run, q)
-    s_len = tl.where(got, s_len, run)
-    s_lo = tl.where(got, s_lo, zero)
-    # Mamba (``reference.mamba_hit``).
-    j_pos = tl.maximum(j, 0)
-    m_len = tl.where(got, tl.where(fine, _div(j_pos, fscale) + 1, j_pos + 1), zero)
-    m_hit = tl.where(got, tl.where(fine, (j_pos + 1) * align, (j_pos + 1) * bs), zero)
-    m_lo = m_len - got.to(tl.int64)
-    # Chunked local (``reference.chunked_local_hit``).
-    c_len = sb + n
-
-    is_full = kind == _FULL
-    is_swa = kind == _SWA
-    is_mamba = kind == _MAMBA
-    hit = tl.where(is_mamba, m_hit, c_len * bs)
-    hit = tl.where(is_swa, s_len * bs, hit)
-    hit = tl.where(is_full, f_hit, hit)
-    length = tl.where(is_mamba, m_len, c_len)
-    length = tl.where(is_swa, s_len, length)
-    length = tl.where(is_full, f_blocks, length)
-    lo = tl.where(is_mamba, m_lo, sb)
-    lo = tl.where(is_swa, s_lo, lo)
-    lo = tl.where(is_full, zero, lo)
-    return hit, length, lo, length
-
-
-@triton.jit
-def _eagle_drop(ctx, sg_row, verified, multi, APPLY_EAGLE: tl.constexpr):
-    """1 where this SpecGroup's scan applies the EAGLE drop, else 0 (int64)."""
-    zero = ctx[_C_LENS] * 0
-    drop = zero
-    if APPLY_EAGLE:
-        use_eagle = (zero + tl.load(sg_row + _SG_USE_EAGLE)) != 0
-        # Once verified, a SpecGroup of several converges without the drop.
-        drop = (use_eagle & (~multi | (verified == 0))).to(tl.int64)
-    return drop
 
 
 @triton.jit
@@ -730,8 +218,8 @@ def converge(
     ``max_len < 0``, then the hit is ``max_len``): ``(hit, sg_len, sg_lo,
     sg_hi)``, the hit in tokens and, when ``MASKS``, each SpecGroup's mask
     span (``S_PAD``-wide vectors; zeros otherwise)."""
-    n_units = ctx[_C_LENS]
-    n_sg = ctx[_C_N_SG]
+    n_units = ctx[C_LENS]
+    n_sg = ctx[C_N_SG]
     zero = n_units * 0
     multi = n_sg > 1
     sidx = tl.arange(0, S_PAD)
@@ -749,24 +237,24 @@ def converge(
     while active:
         curr = hit_length
         for idx in range(n_sg):
-            row = ctx[_C_SGS] + idx * SG_W
+            row = ctx[C_SGS] + idx * SG_W
             sel = sidx == idx
-            if (tl.load(row + _SG_KIND) == _FULL) & (full_done != 0):
+            if (tl.load(row + SG_KIND) == KIND_FULL) & (full_done != 0):
                 # Full attention is scanned once; later rounds only clip it.
                 curr = tl.minimum(curr, tl.sum(tl.where(sel, sg_hit, 0), axis=0))
             else:
                 was_verified = tl.sum(tl.where(sel, verified, 0), axis=0)
-                drop = _eagle_drop(ctx, row, was_verified, multi, APPLY_EAGLE)
+                drop = eagle_drop(ctx, row, was_verified, multi, APPLY_EAGLE)
                 # EAGLE peeks one proof margin past the hit, then drops it
                 # (margin is 0 for Mamba); a lone SpecGroup scans max_length.
-                margin = tl.load(row + _SG_MARGIN)
+                margin = tl.load(row + SG_MARGIN)
                 bound = curr
                 if multi & (margin > 0) & (drop != 0):
-                    bound = tl.minimum(curr + margin, n_units * ctx[_C_HBS])
-                n, j, p = _sg_searches(
+                    bound = tl.minimum(curr + margin, n_units * ctx[C_HBS])
+                n, j, p = sg_searches(
                     ctx, row, bound, drop, W, HAS_INDEX, HAS_TL, BLOCK, LEAD
                 )
-                new_hit, length, lo, hi = _sg_result(ctx, row, bound, drop, n, j, p)
+                new_hit, length, lo, hi = sg_result(ctx, row, bound, drop, n, j, p)
                 shrunk = (drop == 0) & (new_hit < curr)
                 verified = tl.where(sel & ((zs + drop) != 0), zs + 1, verified)
                 verified = tl.where(shrunk, zs, verified)
@@ -781,7 +269,7 @@ def converge(
         # common hit shrinks (a simple hybrid stops after one shrink).
         shrank = curr < hit_length
         hit_length = tl.where(shrank | ~multi, curr, hit_length)
-        active = shrank & multi & (ctx[_C_SIMPLE] == 0)
+        active = shrank & multi & (ctx[C_SIMPLE] == 0)
     return hit_length, sg_len, sg_lo, sg_hi
 
 
@@ -799,21 +287,21 @@ def _store_masks(
     """Write every member group's load-mask span to ``mask_spans[r]``; ``masks`` is
     ``(sg_len, sg_lo, sg_hi)`` from :func:`converge`."""
     sg_len, sg_lo, sg_hi = masks
-    n_sg = ctx[_C_N_SG]
+    n_sg = ctx[C_N_SG]
     sidx = tl.arange(0, S_PAD)
     for idx in range(n_sg):
-        row = ctx[_C_SGS] + idx * SG_W
-        bs = tl.load(row + _SG_BLOCK_SIZE)
+        row = ctx[C_SGS] + idx * SG_W
+        bs = tl.load(row + SG_BLOCK_SIZE)
         sel = sidx == idx
         length = tl.sum(tl.where(sel, sg_len, 0), axis=0)
         lo = tl.sum(tl.where(sel, sg_lo, 0), axis=0)
         hi = tl.sum(tl.where(sel, sg_hi, 0), axis=0)
-        if (n_sg > 1) & (tl.load(row + _SG_KIND) == _FULL):
+        if (n_sg > 1) & (tl.load(row + SG_KIND) == KIND_FULL):
             # Full attention keeps only the blocks of the common hit.
-            length = tl.minimum(length, _div(hit_length + bs - 1, bs))
+            length = tl.minimum(length, idiv(hit_length + bs - 1, bs))
             hi = length
-        for k in range(tl.load(row + _SG_N_MEMBERS)):
-            gid = tl.load(row + _SG_MEMBERS + k)
+        for k in range(tl.load(row + SG_N_MEMBERS)):
+            gid = tl.load(row + SG_MEMBERS + k)
             out = mask_spans_ptr + (r * n_groups + gid) * 3
             tl.store(out + 0, length)
             tl.store(out + 1, lo)
@@ -826,28 +314,28 @@ def asks_any(ctx, n_groups):
     ``ReferenceCoordinator.lookup``'s ``if not candidates: return 0``): per
     prefix-cacheable group, the chunks it walks, and for a sparse lookup mask
     whether they reach its lowest kept chunk."""
-    n_units = ctx[_C_LENS]
-    token_len = ctx[_C_TOK_LEN]
-    partial = ctx[_C_PARTIAL] != 0
+    n_units = ctx[C_LENS]
+    token_len = ctx[C_TOK_LEN]
+    partial = ctx[C_PARTIAL] != 0
     anyc = n_units < 0
     for gid in range(n_groups):
-        row = ctx[_C_CANDS] + gid * _CAND_WIDTH
-        bs = tl.load(row + _CAND_BLOCK_SIZE)
-        sparse = tl.load(row + _CAND_SPARSE) != 0
-        need = tl.load(row + _CAND_NEED)
+        row = ctx[C_CANDS] + gid * CAND_WIDTH
+        bs = tl.load(row + CAND_BLOCK_SIZE)
+        sparse = tl.load(row + CAND_SPARSE) != 0
+        need = tl.load(row + CAND_NEED)
         # ``masks.sparse_window_chunk(0, per_segment, need, shift)``.
-        lowest = tl.load(row + _CAND_SHIFT) + tl.load(row + _CAND_PER_SEGMENT) - need
+        lowest = tl.load(row + CAND_SHIFT) + tl.load(row + CAND_PER_SEGMENT) - need
         # ``masks.asked_chunks`` (``ScanPlan.asked_chunks``).
         asked = tl.minimum(
-            _div(n_units, tl.load(row + _CAND_SCALE)), _div(token_len + bs - 1, bs)
+            idiv(n_units, tl.load(row + CAND_SCALE)), idiv(token_len + bs - 1, bs)
         )
-        asked = tl.where(sparse, tl.minimum(asked, _div(token_len, bs)), asked)
+        asked = tl.where(sparse, tl.minimum(asked, idiv(token_len, bs)), asked)
         asked = tl.where(
-            partial, tl.minimum(n_units, _div(token_len, ctx[_C_HBS])), asked
+            partial, tl.minimum(n_units, idiv(token_len, ctx[C_HBS])), asked
         )
         dense = partial | ~sparse
         here = tl.where(dense, asked > 0, (need > 0) & (asked > lowest))
-        anyc = anyc | ((tl.load(row + _CAND_CACHEABLE) != 0) & here)
+        anyc = anyc | ((tl.load(row + CAND_CACHEABLE) != 0) & here)
     return anyc
 
 
@@ -869,11 +357,11 @@ def _worker_lookup(
     is searched again at ``align(num_tokens - 1)``, still restricted to the
     keys asked at the original length. The second search reuses the loop, so
     the convergence code is inlined once."""
-    align = ctx[_C_ALIGN]
-    token_len = ctx[_C_TOK_LEN]
+    align = ctx[C_ALIGN]
+    token_len = ctx[C_TOK_LEN]
     zero = num_tokens * 0
-    ok = (ctx[_C_LENS] > 0) & (token_len > 0) & asks_any(ctx, n_groups)
-    usable = _div(tl.maximum(num_tokens - 1, 0), align) * align
+    ok = (ctx[C_LENS] > 0) & (token_len > 0) & asks_any(ctx, n_groups)
+    usable = idiv(tl.maximum(num_tokens - 1, 0), align) * align
     bound = tl.where(ok, token_len, zero - 1)
     out = zero
     searching = ok
@@ -938,7 +426,7 @@ def _scan_kernel(
     the prompts' num_tokens (the worker's restriction is then derived here)."""
     r = tl.program_id(0).to(tl.int64)
     n_units = tl.load(n_units_ptr + r)
-    # Positions are divided in 32 bits (_div): lengths past _MAX_LEN tokens
+    # Positions are divided in 32 bits (idiv): lengths past _MAX_LEN tokens
     # mean the same as _MAX_LEN (no request has that many hashes' tokens).
     # A negative length is the caller's error, checked here rather than by a
     # host sync before the launch: the request is scanned as length 0 and its
@@ -949,7 +437,7 @@ def _scan_kernel(
     length = tl.minimum(tl.maximum(raw, 0), _MAX_LEN)
     zero = n_units * 0
     if LOOKUP:
-        token_len = _div(length, align) * align
+        token_len = idiv(length, align) * align
     elif HAS_TL:
         token_len = tl.load(tok_len_ptr + r)
     else:

@@ -46,13 +46,13 @@ Design (why it looks like this):
   does not ask about. On the long-hit workload (``bench/probe_count.py``) a
   lookup makes ~52 probes against a floor of ~46 the rule needs, 1.2 slots
   and 1.6 cache lines each: the probes are few, their misses are what costs.
-* **The probe path is inlined.** ``_probe`` and the scan primitives that
-  call it (``_leading_run``, ``_rightmost``, ``_prefetch_blocks``) are
+* **The probe path is inlined.** ``probe_block`` and the scan primitives that
+  call it (``leading_run``, ``rightmost_run``, ``prefetch_blocks``) are
   ``inline="always"``: as calls, each passed a dozen arrays (seven words
   each) per probe, which cost about a third of a warm lookup's time and kept
   the CPU from running ahead into the next probe's loads (long-hit B = 1024,
   thread time: warm 2.15 -> 1.47 us per request, cold 6.4 -> 3.8 us without
-  prefetching). Inlining further up (``_scan_sg``: no change; ``_find_one``:
+  prefetching). Inlining further up (``scan_sg``: no change; ``_find_one``:
   2.3x slower, numba then keeps reference counting in the loops) does not pay.
 * **Blocks probed as a group are fetched as a group.** A sliding window's
   ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
@@ -64,7 +64,7 @@ Design (why it looks like this):
   instead of hashing again. Rows are cheap to fetch early (no slot hash): a
   run's next stretch as a stretch starts and, once full attention has its
   answer, the window each sliding-window group will search first
-  (``_prefetch_windows``), so those slot hashes wait less on their rows
+  (``prefetch_windows``), so those slot hashes wait less on their rows
   (1.03-1.05x).
 * **Memory and compute, about half each.** Measured on the long-hit
   workload (one thread, thread time per request; ``bench/probe_count.py``'s
@@ -115,32 +115,32 @@ from kvhit.kernels.contract import (
     CAND_SHIFT,
     CAND_SPARSE,
     EMPTY,
-    KIND_CHUNKED,
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
     SG_BLOCK_SIZE,
-    SG_CHUNK,
-    SG_FINE,
     SG_KIND,
     SG_MARGIN,
     SG_MEMBERS,
     SG_N_MEMBERS,
     SG_NEED,
-    SG_PERIOD,
-    SG_SCALE,
     SG_USE_EAGLE,
     PlanParams,
 )
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
-    key_slot_hash,
-    prefetch_cell,
-    prefetch_row,
-    table_find,
-    table_find_counted,
-    table_find_from,
+)
+from kvhit.kernels.scan_numba_sg import (
+    COUNTING_BIT,
+    JIT,
+    NEVER,
+    PREFETCH_BIT,
+    RUN_STRETCH,
+    candidate_limits,
+    cdiv,
+    prefetch_windows,
+    scan_sg,
 )
 
 # Before anything here compiles: see kernels/numba_cache.py.
@@ -213,21 +213,12 @@ _ST_DROP = 4
 _ST_BOUND = 5
 _ST_KEEP = 6
 _ST_COLS = 7
-# A bound no scan answer is known to hold down to.
-_NEVER = 1 << 62
 
-# No reference counting (numba's ``_nrt`` flag off): no kernel here allocates
-# or returns an array, and every array it is given outlives the call, so the
-# atomic count updates numba would place around each array it passes or
-# slices (a view per request, a dozen arrays per call) only cost time: 1.04-
-# 1.09x on long-hit lookups. The threaded loop keeps it (its scheduler may
-# allocate).
-_JIT = {"cache": True, "nogil": True, "_nrt": False}
 
 # From this many requests on (``KVHIT_NUMBA_PREFETCH_MIN`` overrides it), and
 # on a table of at least PREFETCH_MIN_TABLE_BYTES, the scans prefetch a
 # sliding window's blocks before probing them and a leading run's next
-# _RUN_STRETCH blocks (see _prefetch_blocks). Measured on this 2-core box,
+# RUN_STRETCH blocks (see prefetch_blocks). Measured on this 2-core box,
 # one thread, thread CPU time, side by side with the scans without it:
 # long-hit 1.1x at B = 2048 and 1.25-1.3x at B = 4096 (40 and 80 MB
 # tables); but 0.8-0.95x at B = 64, where what a batch touches stays in
@@ -272,441 +263,10 @@ def prefetching(n_req: int, table: np.ndarray) -> bool:
     return n_req >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
 
 
-_RUN_STRETCH = 8
-
-# Bits of a scan's ``has_index`` (bit 1: probe the index): prefetch, and
-# count every probe (count_probes: ``glim``'s columns past the limits are
-# counters, not kept home slots).
-_PREFETCH = 2
-_COUNTING = 4
-
-
-@numba.njit(**_JIT)
-def _cdiv(a, b):
-    # Mirrors masks.cdiv (kernels/contract.py).
-    return -((-a) // b)
-
-
-# -- presence -------------------------------------------------------------------
-
-
-@numba.njit(**_JIT)
-def _candidate_limits(n_units, token_len, cand, partial, hbs, glim):
-    """Per group, how many chunks (hash units, with partial hash hits) the
-    store worker's loop walks for a lookup of ``token_len`` tokens, into
-    ``glim`` (int64 ``[G]``); computed once per request so that a probe's
-    position test costs one division. Mirrors the loop bounds of
-    ``ReferenceCoordinator.lookup_candidates``."""
-    # The limit is coordinator.masks.asked_chunks (ScanPlan.asked_chunks).
-    for gid in range(cand.shape[0]):
-        if partial:
-            glim[gid] = min(n_units, token_len // hbs)
-            continue
-        bs = cand[gid, CAND_BLOCK_SIZE]
-        lim = min(n_units // cand[gid, CAND_SCALE], _cdiv(token_len, bs))
-        if cand[gid, CAND_SPARSE] != 0:
-            # The SWA lookup mask has token_len // bs entries.
-            lim = min(lim, token_len // bs)
-        glim[gid] = lim
-
-
-@numba.njit(inline="always", **_JIT)
-def _is_candidate(u, blk, bscale, glim, cand, gid, partial):
-    """Does the store worker ask about hash unit ``u`` (block ``blk`` at
-    hash-unit scale ``bscale``: ``u = (blk + 1) * bscale - 1``) for group
-    ``gid`` (by position; ``glim`` from :func:`_candidate_limits`)? Mirrors
-    ``ReferenceCoordinator.lookup_candidates``."""
-    if cand[gid, CAND_CACHEABLE] == 0:
-        return False
-    if partial:
-        return u < glim[gid]
-    s = cand[gid, CAND_SCALE]
-    u1 = u + 1
-    if s == bscale:
-        # The scan's own blocks (the common case): chunk ``blk``, no division.
-        c = blk
-    elif s == 1:
-        c = u
-    else:
-        c = u1 // s - 1
-        if (c + 1) * s != u1:
-            return False
-    if c >= glim[gid]:
-        return False
-    if cand[gid, CAND_SPARSE] != 0:
-        # The SWA lookup mask (``reference.sliding_window_reachable_mask``
-        # without retention): the last `need` chunks of each scheduler
-        # segment; mirrors ``masks.sparse_window_mask``.
-        shift = cand[gid, CAND_SHIFT]
-        per = cand[gid, CAND_PER_SEGMENT]
-        if c < shift or (c - shift) % per < per - cand[gid, CAND_NEED]:
-            return False
-    return True
-
-
-@numba.njit(**_JIT)
-def _same_hash(rows, a, b):
-    for j in range(rows.shape[1]):
-        if rows[a, j] != rows[b, j]:
-            return False
-    return True
-
-
-@numba.njit(**_JIT)
-def _dup_candidate(u, off, glim, rows, cand, gid, partial):
-    """Whether the hash at unit ``u`` (not a candidate position) also stands at
-    a candidate position of the request: the worker's present set holds hash
-    values, not positions (``ReferenceCoordinator.lookup``'s ``present``).
-    Enumerates the candidate positions directly, as the Triton kernel does."""
-    if cand[gid, CAND_CACHEABLE] == 0:
-        return False
-    me = off + u
-    lim = glim[gid]
-    if partial:
-        for v in range(lim):
-            if _same_hash(rows, off + v, me):
-                return True
-        return False
-    s = cand[gid, CAND_SCALE]
-    if cand[gid, CAND_SPARSE] == 0:
-        for c in range(lim):
-            if _same_hash(rows, off + (c + 1) * s - 1, me):
-                return True
-        return False
-    shift = cand[gid, CAND_SHIFT]
-    per = cand[gid, CAND_PER_SEGMENT]
-    need = cand[gid, CAND_NEED]
-    if need <= 0:
-        return False
-    # Kept chunks: c = shift + m * per + (per - need) + t, 0 <= t < need
-    # (``masks.sparse_window_chunk`` of k = m * need + t).
-    base = shift + per - need
-    while base < lim:
-        for t in range(need):
-            c = base + t
-            if c >= lim:
-                break
-            if _same_hash(rows, off + (c + 1) * s - 1, me):
-                return True
-        base += per
-    return False
-
-
-@numba.njit(inline="always", **_JIT)
-def _probe(blk, bscale, sg, sgi, off, n_units, glim, has_tl, rows, table, has_index,
-           cand, partial, hbs, hb):  # fmt: skip
-    """Is block ``blk`` (hash unit ``u = (blk + 1) * bscale - 1``) of the
-    request present for every member group of SpecGroup ``sgi``? A merged
-    SpecGroup hits only when every member holds the hash (reference
-    ``_Pool.hit``). Units past the hashes are misses."""
-    u = (blk + 1) * bscale - 1
-    if u < 0 or u >= n_units:
-        return False
-    row = off + u
-    nm = sg[sgi, SG_N_MEMBERS]
-    for k in range(nm):
-        gid = sg[sgi, SG_MEMBERS + k]
-        # Cheapest test first: the position rule, then the table, then (only
-        # for a present key at a position the worker does not ask) the value.
-        odd = has_tl and not _is_candidate(u, blk, bscale, glim, cand, gid, partial)
-        if has_index:
-            # count_probes: ``glim``'s columns past the limits are counters.
-            if has_index >= _COUNTING:
-                # Per SpecGroup too: column COUNT_COLS + sgi past the limits.
-                glim[cand.shape[0] + COUNT_COLS + sgi] += 1
-                slot = table_find_counted(table, gid, rows, row, glim, cand.shape[0])
-            elif hb >= 0:
-                # The home slot _prefetch_blocks hashed already.
-                slot = table_find_from(
-                    table, glim[cand.shape[0] + (blk - hb) * nm + k], gid, rows, row
-                )
-            else:
-                slot = table_find(table, gid, rows, row)
-            if slot < 0:
-                return False
-        if odd and not _dup_candidate(u, off, glim, rows, cand, gid, partial):
-            return False
-    return True
-
-
-# -- prefetching --------------------------------------------------------------------
-
-
-@numba.njit(inline="always", **_JIT)
-def _prefetch_blocks(first, last, scale, sg, sgi, off, n_units, rows, table, glim,
-                     base):  # fmt: skip
-    """Start the loads of probing blocks ``first..last`` (either order) of
-    SpecGroup ``sgi``: their hash rows, then every member's home slot.
-
-    On a table far past the caches a probe is two dependent misses (its hash
-    row, then its slot), and a scan's probes follow each other; blocks a scan
-    will probe as a group (a sliding window, the next stretch of a leading
-    run) are fetched together instead, so their misses overlap. The rows
-    first, all of them: the slot hashes then wait for one row miss, not one
-    each. Both ends of a home slot: a 40-byte slot straddles two 64-byte
-    lines half the time, and its key words are read right after its group
-    id. Hints only: no effect on results.
-
-    The home slots are kept in ``glim`` from column ``base`` on (per block
-    and member from block ``min(first, last)``; ``base`` -1: not kept) when
-    they fit, so that the probes of these
-    blocks do not hash their keys again: returns that first block, or -1
-    when they were not kept (long-hit lookups 1.0-1.13x). Not for one-word
-    keys, whose hash is cheaper than keeping it (the trace's full
-    attention: 0.90x kept, 0.96x not)."""
-    lo = max(min(first, last), 0)
-    hi = max(first, last)
-    # Only blocks keyed inside the request: block i reads hash unit
-    # (i + 1) * scale - 1.
-    hi = min(hi, n_units // scale - 1)
-    for i in range(lo, hi + 1):
-        prefetch_row(rows, off + (i + 1) * scale - 1)
-    mask = table.shape[0] - 1
-    last = table.shape[1] - 1
-    nm = sg[sgi, SG_N_MEMBERS]
-    keep = (
-        base >= 0 and rows.shape[1] > 1 and (hi - lo + 1) * nm <= glim.shape[0] - base
-    )
-    for i in range(lo, hi + 1):
-        r = off + (i + 1) * scale - 1
-        for k in range(nm):
-            home = key_slot_hash(sg[sgi, SG_MEMBERS + k], rows, r) & mask
-            prefetch_cell(table, home, 0)
-            prefetch_cell(table, home, last)
-            if keep:
-                glim[base + (i - lo) * nm + k] = home
-    return lo if keep else -1
-
-
-@numba.njit(inline="always", **_JIT)
-def _prefetch_rows(first, last, scale, off, n_units, rows):
-    """Start the loads of the hash rows of probing blocks ``first..last``
-    only (no slot hashing: cheap enough to spend on blocks a scan may not
-    reach). Hints only: no effect on results."""
-    hi = min(last, n_units // scale - 1)
-    for i in range(max(first, 0), hi + 1):
-        prefetch_row(rows, off + (i + 1) * scale - 1)
-
-
-@numba.njit(**_JIT)
-def _prefetch_windows(start, curr, apply_eagle, sg, off, n_units, rows, hbs):
-    """After full attention's first scan: start the row loads of the window
-    each sliding-window SpecGroup from ``start`` on will search first, as
-    ``_find_one``'s first round goes if those windows hit (its bound carried
-    along from ``curr``, the EAGLE margin included), so their slot hashes
-    need not wait a round trip for the rows. Hints only."""
-    multi = sg.shape[0] > 1
-    for idx in range(start, sg.shape[0]):
-        if sg[idx, SG_KIND] != KIND_SWA:
-            break
-        bs = sg[idx, SG_BLOCK_SIZE]
-        q = sg[idx, SG_PERIOD]
-        drop = apply_eagle and sg[idx, SG_USE_EAGLE] != 0
-        bound = curr
-        if multi and drop:
-            bound = min(curr + sg[idx, SG_MARGIN], n_units * hbs)
-        need = max(sg[idx, SG_NEED] + (1 if drop else 0), 1)
-        top = bound // bs - 1
-        if top < need - 1:
-            break
-        j = top - (top - (0 if drop else q - 1)) % q
-        if j < need - 1:
-            break
-        _prefetch_rows(j - need + 1, j, sg[idx, SG_SCALE], off, n_units, rows)
-        curr = (j if drop else j + 1) * bs
-
-
-@numba.njit(inline="always", **_JIT)
-def _homes_base(has_index, cand):
-    # Where _prefetch_blocks keeps home slots in ``glim``: past the limits,
-    # unless those columns are count_probes' counters.
-    return -1 if has_index >= _COUNTING else cand.shape[0]
-
-
-# -- scan primitives -------------------------------------------------------------
-
-
-@numba.njit(inline="always", **_JIT)
-def _leading_run(start, end, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                 table, has_index, cand, partial, hbs):  # fmt: skip
-    """How many consecutive blocks from ``start`` (below ``end``) hit; block
-    ``i`` is keyed by hash unit ``(i + 1) * scale - 1`` (reference ``_View``)."""
-    count = 0
-    hb = -1
-    for i in range(start, end):
-        if has_index & _PREFETCH and (i - start) % _RUN_STRETCH == 0:
-            hb = _prefetch_blocks(i, min(i + _RUN_STRETCH, end) - 1, scale, sg,
-                                  sgi, off, n_units, rows, table, glim,
-                                  _homes_base(has_index, cand))  # fmt: skip
-            _prefetch_rows(i + _RUN_STRETCH, min(i + 2 * _RUN_STRETCH, end) - 1,
-                           scale, off, n_units, rows)  # fmt: skip
-        if not _probe(i, scale, sg, sgi, off, n_units, glim, has_tl, rows, table,
-                      has_index, cand, partial, hbs, hb):  # fmt: skip
-            break
-        count += 1
-    return count
-
-
-@numba.njit(inline="always", **_JIT)
-def _rightmost(top, low, q, resid, need, scale, sg, sgi, off, n_units, glim,
-               has_tl, rows, table, has_index, cand, partial, hbs):  # fmt: skip
-    """The largest block ``j`` with ``low <= j <= top``, ``j % q == resid`` and
-    ``need >= 1`` hit blocks ending at ``j``; -1 when there is none. A miss at
-    block ``m`` rules out every candidate whose window holds ``m``."""
-    low = max(low, need - 1)
-    j = top - (top - resid) % q
-    while j >= low:
-        hb = -1
-        if has_index & _PREFETCH and need > 1:
-            hb = _prefetch_blocks(j, j - need + 1, scale, sg, sgi, off, n_units,
-                                  rows, table, glim,
-                                  _homes_base(has_index, cand))  # fmt: skip
-        miss = -1
-        for d in range(need):
-            b = j - d
-            if not _probe(b, scale, sg, sgi, off, n_units, glim, has_tl, rows,
-                          table, has_index, cand, partial, hbs, hb):  # fmt: skip
-                miss = b
-                break
-        if miss < 0:
-            return j
-        j = (miss - 1) - (miss - 1 - resid) % q
-    return -1
-
-
-# -- one SpecGroup -------------------------------------------------------------------
-
-
-@numba.njit(**_JIT)
-def _scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
-             has_index, cand, partial, hbs, align):  # fmt: skip
-    """Scan SpecGroup ``sgi`` up to ``bound`` tokens (``drop``: the EAGLE
-    drop). Returns ``(hit, length, lo, keep)``: the hit in tokens, the members'
-    load mask as ``length`` entries, True on ``[lo, length)``, and the least
-    bound down to which a scan with the same drop gives the same answer
-    (``_NEVER``: unknown).
-
-    As in the Triton kernel, every kind is at most three phases: (0) a leading
-    run (full attention; chunked local after its null blocks), (1) a
-    rightmost search (full attention's fine-grained tail, the sliding-window
-    run, the Mamba state), (2) a leading run again (the sliding window's
-    short-run fallback). One call site per primitive keeps the compiled code
-    (and the cold compile) small.
-    """
-    kind = sg[sgi, SG_KIND]
-    bs = sg[sgi, SG_BLOCK_SIZE]
-    scale = sg[sgi, SG_SCALE]
-    q = sg[sgi, SG_PERIOD]
-    fine = sg[sgi, SG_FINE] != 0
-    m = bound // bs
-    # Fine-grained (align < bs): a block is bs // align hash units.
-    fscale = bs // align if fine else scale
-    chunk = max(sg[sgi, SG_CHUNK], 1)
-    start_tok = bound // chunk * chunk if bound > 0 else 0
-    sb = start_tok // bs
-    # SG_NEED is ``masks.sliding_window_need`` without EAGLE; the drop is its
-    # ``eagle`` term.
-    need = max(sg[sgi, SG_NEED] + (1 if drop else 0), 1)
-    swa_resid = 0 if drop else q - 1
-    n = 0  # phase 0's run
-    j = -1  # phase 1's block / hash unit
-    p = 0  # phase 2's run
-    for phase in range(3):
-        if phase == 1:
-            if kind == KIND_FULL:
-                if not fine:
-                    continue
-                # ``reference.full_attention_hit``: the highest hit hash unit inside
-                # the first block past the run.
-                first = n * fscale
-                top = min(first + fscale - 1, bound // align, n_units) - 1
-                low, bq, resid, bneed, bscale = first, 1, 0, 1, 1
-            elif kind == KIND_SWA:
-                # ``reference.sliding_window_hit``: the rightmost run of `need` hit
-                # blocks whose top leaves an aligned hit after the EAGLE pop.
-                top, low, bq, resid, bneed, bscale = m - 1, 0, q, swa_resid, need, scale
-            elif kind == KIND_MAMBA:
-                # ``reference.mamba_hit``: the rightmost stored state (fine:
-                # hash unit) on an aligned boundary.
-                if fine:
-                    top = min(bound // align, n_units) - 1
-                    low, bq, resid, bneed, bscale = 0, 1, 0, 1, 1
-                else:
-                    top, low, bq, resid, bneed, bscale = m - 1, 0, q, q - 1, 1, scale
-            else:
-                continue
-            j = _rightmost(top, low, bq, resid, bneed, bscale, sg, sgi, off,
-                           n_units, glim, has_tl, rows, table, has_index,
-                           cand, partial, hbs)  # fmt: skip
-            continue
-        if phase == 0:
-            if kind == KIND_FULL:
-                # ``reference.full_attention_hit``: the leading run of hit blocks.
-                start, end, lscale = 0, min(m, n_units // fscale), fscale
-            elif kind == KIND_CHUNKED:
-                # ``reference.chunked_local_hit``: null blocks up to the last
-                # attention chunk, then the leading run.
-                start, end, lscale = sb, max(m, sb), scale
-            else:
-                continue
-        else:
-            if kind != KIND_SWA or j >= 0:
-                continue
-            # No run of `need` blocks: the run from block 0 (shorter than
-            # the window) still hits.
-            start, end, lscale = 0, min(m, need - 1), scale
-        run = _leading_run(start, end, lscale, sg, sgi, off, n_units, glim,
-                           has_tl, rows, table, has_index, cand, partial,
-                           hbs)  # fmt: skip
-        if phase == 0:
-            n = run
-        else:
-            p = run
-
-    if kind == KIND_FULL:
-        blocks = n
-        hit = n * bs
-        if j >= 0:
-            blocks += 1
-            hit = (j + 1) * align
-        if drop and hit > 0:
-            hit -= min(align, bs)
-        hit -= hit % align
-        return hit, min(blocks, _cdiv(hit, bs)), 0, _NEVER
-    if kind == KIND_SWA:
-        if j >= 0:
-            # The largest run under a bound stays the largest under any
-            # smaller bound that keeps it.
-            length = j if drop else j + 1
-            return length * bs, length, j - need + 1, (j + 1) * bs
-        # Re-aligned, then EAGLE-popped and re-aligned.
-        j0 = (p - 1) - (p - 1 - swa_resid) % q
-        run = j0 + 1 if j0 >= 0 else 0
-        run -= run % q
-        if drop and run > 0:
-            run -= 1
-            run -= run % q
-        return run * bs, run, 0, _NEVER
-    if kind == KIND_MAMBA:
-        # Never an EAGLE drop. The rightmost stored state below a bound stays
-        # the rightmost under any smaller bound that keeps it.
-        if j < 0:
-            return 0, 0, 0, 0
-        if fine:
-            length = j // fscale + 1
-            hit = (j + 1) * align
-        else:
-            length = j + 1
-            hit = (j + 1) * bs
-        return hit, length, length - 1, hit
-    length = sb + n
-    return length * bs, length, sb, _NEVER
-
-
 # -- one request -------------------------------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
               has_index, sg, cand, hbs, align, partial, simple_hybrid,
               st):  # fmt: skip
@@ -717,7 +277,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
     multi = n_sg > 1
     for idx in range(n_sg):
         st[idx, _ST_VERIFIED] = 0
-        st[idx, _ST_KEEP] = _NEVER
+        st[idx, _ST_KEEP] = NEVER
     hit_length = max_len
     full_done = False
     while True:
@@ -758,14 +318,14 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                     and sg[idx, SG_NEED] >= 1
                     and not drop
                     and was_drop
-                    and keep != _NEVER
+                    and keep != NEVER
                     and keep - bs <= bound < keep
                 ):
                     reuse = True
             if reuse:
                 hit = st[idx, _ST_HIT]
             else:
-                hit, length, lo, keep = _scan_sg(idx, bound, drop, sg, off,
+                hit, length, lo, keep = scan_sg(idx, bound, drop, sg, off,
                                                  n_units, glim, has_tl, rows,
                                                  table, has_index, cand, partial,
                                                  hbs, align)  # fmt: skip
@@ -775,8 +335,8 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
                 st[idx, _ST_KEEP] = keep
                 st[idx, _ST_DROP] = 1 if drop else 0
                 st[idx, _ST_BOUND] = bound
-                if kind == KIND_FULL and has_index & _PREFETCH:
-                    _prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
+                if kind == KIND_FULL and has_index & PREFETCH_BIT:
+                    prefetch_windows(idx + 1, hit, apply_eagle, sg, off, n_units,
                                       rows, hbs)  # fmt: skip
             if drop:
                 st[idx, _ST_VERIFIED] = 1
@@ -797,12 +357,12 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
         if sg[idx, SG_KIND] == KIND_FULL:
             # Full attention keeps only the blocks of the common hit.
             st[idx, _ST_LEN] = min(
-                st[idx, _ST_LEN], _cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
+                st[idx, _ST_LEN], cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
             )
     return hit_length
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def _any_candidate(n_units, token_len, cand, partial, hbs):
     """Whether the store worker asks about any key at all (its
     ``lookup_candidates`` is not empty)."""
@@ -816,7 +376,7 @@ def _any_candidate(n_units, token_len, cand, partial, hbs):
                 return True
             continue
         bs = cand[gid, CAND_BLOCK_SIZE]
-        asked = min(n_units // cand[gid, CAND_SCALE], _cdiv(token_len, bs))
+        asked = min(n_units // cand[gid, CAND_SCALE], cdiv(token_len, bs))
         if cand[gid, CAND_SPARSE] == 0:
             if asked > 0:
                 return True
@@ -846,7 +406,7 @@ _P_COUNT = 9
 _P_COLS = 10
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
              hit, mask_spans, scratch, gscr):  # fmt: skip
     """Request ``r``: its hit at ``max_length = token_lengths[r]`` (and its load-mask
@@ -875,8 +435,8 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         n_tok = max_len
         token_len = n_tok // align * align
         has_tl = True
-        # Bits: 1 probe the index, _PREFETCH prefetch, _COUNTING count.
-        has_index = 1 + _PREFETCH * (prm[_P_PREFETCH] != 0) + _COUNTING * counting
+        # Bits: 1 probe the index, PREFETCH_BIT prefetch, COUNTING_BIT count.
+        has_index = 1 + PREFETCH_BIT * (prm[_P_PREFETCH] != 0) + COUNTING_BIT * counting
         apply_eagle = True
         hit[r] = 0
         if n_units <= 0 or token_len <= 0:
@@ -888,10 +448,10 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         n_tok = 0
         has_tl = prm[_P_HAS_TL] != 0
         token_len = token_lens[r] if has_tl else 0
-        has_index = prm[_P_HAS_INDEX] * (1 + _PREFETCH * (prm[_P_PREFETCH] != 0))
+        has_index = prm[_P_HAS_INDEX] * (1 + PREFETCH_BIT * (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
     if has_tl:
-        _candidate_limits(n_units, token_len, cand, partial, hbs, glim)
+        candidate_limits(n_units, token_len, cand, partial, hbs, glim)
     h = 0
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,
@@ -918,7 +478,7 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
 # -- batch loops: serial and threaded twins ---------------------------------------------
 
 
-@numba.njit(**_JIT)
+@numba.njit(**JIT)
 def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand, prm,
                   hit, mask_spans, scratch, gscr):  # fmt: skip
     for r in range(offsets.shape[0]):
@@ -971,10 +531,10 @@ _THREADS_AVAILABLE = numba.config.NUMBA_NUM_THREADS > 1
 
 def _homes_cols(sg: np.ndarray) -> int:
     # Per request, room for the home slots of the longest stretch or window
-    # _prefetch_blocks hashes (a sliding window's need, EAGLE included), per
+    # prefetch_blocks hashes (a sliding window's need, EAGLE included), per
     # member; a longer one is not kept (its probes hash again).
     need = int(sg[:, SG_NEED].max()) + 1
-    return max(_RUN_STRETCH, need) * int(sg[:, SG_N_MEMBERS].max())
+    return max(RUN_STRETCH, need) * int(sg[:, SG_N_MEMBERS].max())
 
 
 def threaded(n_req: int, n_hashes: int, parallel: bool | None) -> bool:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -251,10 +252,7 @@ def test_numba_is_imported_only_by_its_first_use():
         "assert 'numba' in sys.modules, 'a warm engine loads its kernels'\n"
     )
     for code in (script, warm):
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-        )
-        assert res.returncode == 0, res.stderr[-2000:]
+        helpers.run_python(code, 300)
 
 
 def _count(layout, requests, lens, exists):

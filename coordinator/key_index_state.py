@@ -1,0 +1,97 @@
+"""A KeyIndex's persistence helpers (``KeyIndex.state_dict`` /
+``from_state_dict``): the state's version, its checksum and what a restored
+table must satisfy. Split from ``coordinator/key_index.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kvhit.coordinator.packing import padding_mask
+from kvhit.kernels.contract import EMPTY, TOMBSTONE
+
+__all__ = ["STATE_VERSION", "checksum_culprit", "table_checksum", "verify_structure"]
+
+#: The layout version ``state_dict`` writes and ``from_state_dict`` reads.
+STATE_VERSION = 2
+
+
+def table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int) -> str:
+    """blake2b of the table bytes and the counts (hex); what state_dict signs."""
+    data = table.detach().to("cpu").contiguous().numpy()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(
+        f"kvhit.KeyIndex/{STATE_VERSION}/{hash_bytes}/{list(data.shape)}/{size}/"
+        f"{tombs}/".encode()
+    )
+    h.update(memoryview(data).cast("B"))
+    return h.hexdigest()
+
+
+def checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
+    """Which part of a state whose checksum failed disagrees. The checksum
+    signs the table bytes and the counts together, so the counts the table
+    itself holds are tried in place of the fields: a field that differs from
+    them is named, and is the whole story when the table's own counts sign it;
+    otherwise the table's bytes (or the checksum itself: one signature cannot
+    tell the two apart) changed."""
+    col = table[:, 0]
+    held = {
+        "size": int((col >= 0).sum().item()),
+        "tombstones": int((col == TOMBSTONE).sum().item()),
+    }
+    wrong = [
+        f"state[{field!r}] ({state[field]}; the table holds {n})"
+        for field, n in held.items()
+        if state[field] != n
+    ]
+    signed = table_checksum(
+        table, state["hash_bytes"], held["size"], held["tombstones"]
+    )
+    if wrong and state["checksum"] == signed:
+        return " and ".join(wrong) + " was"
+    table_part = "state['table'] (its bytes, shape or hash_bytes) or state['checksum']"
+    return " and ".join([*wrong, table_part]) + " was"
+
+
+def verify_structure(
+    table: torch.Tensor,
+    hash_bytes: int,
+    find: Callable[..., torch.Tensor],
+    size: int,
+    tombs: int,
+) -> None:
+    """The layout invariants of a restored table (ValueError naming
+    state['table']): ``table`` int64 ``[C, W + 1]``, ``find`` its backend's
+    ``find(table, W, gids, words)`` launcher (int64 ``[N]`` slots)."""
+    col = table[:, 0]
+    if bool((col < TOMBSTONE).any()):
+        raise ValueError("state['table'] holds BUSY or unknown sentinels")
+    n_live = int((col >= 0).sum().item())
+    n_tombs = int((col == TOMBSTONE).sum().item())
+    if n_live != size or n_tombs != tombs:
+        raise ValueError(
+            f"state: table holds {n_live} keys and {n_tombs} tombstones, "
+            f"fields say {size} and {tombs}"
+        )
+    if n_live + n_tombs >= table.shape[0]:
+        raise ValueError("state['table'] has no EMPTY slot")
+    if bool((table[col == EMPTY, 1:] != 0).any()):
+        raise ValueError("state['table'] has nonzero words in EMPTY slots")
+    live_slots = (col >= 0).nonzero().squeeze(1)
+    live = table.index_select(0, live_slots)
+    pad = padding_mask(hash_bytes)
+    if pad and bool(((live[:, -1] & pad) != 0).any()):
+        raise ValueError("state['table'] has nonzero padding bits")
+    found = find(
+        table, table.shape[1] - 1, live[:, 0].contiguous(), live[:, 1:].contiguous()
+    )
+    if not torch.equal(found, live_slots):
+        raise ValueError(
+            "state['table'] is inconsistent: some keys are not reachable "
+            "from their home slot along the probe sequence (or appear twice)"
+        )
