@@ -555,7 +555,7 @@ def full_runs(
     """Per request and engine, the leading run of full-attention blocks the
     engine holds (``table`` int64 ``[C, W + 1 + num_words]``: keys, then
     engine sets; the leading-run phase of ``reference.full_attention_hit``,
-    as ``kernels/scan_numba.py``'s ``scan_numba_sg.leading_run``): int64 ``[R, E]``.
+    as ``kernels/scan_numba_sg.py``'s ``leading_run``): int64 ``[R, E]``.
 
     Block ``i`` of request ``r`` is keyed by hash row ``offsets[r] + (i + 1) *
     scale - 1`` and needs the key in every group of ``members`` (a merged
