@@ -421,3 +421,18 @@ def test_no_underscore_imports_across_modules():
     assert len(paths) > len(MODULES)
     bad = [b for p in paths for b in _underscore_imports(p)]
     assert not bad, "\n".join(bad)
+
+
+#: The most lines a product module may have (issue 36: a module past it
+#: holds two concerns; split it along a seam, as scan/scan_sg).
+MAX_MODULE_LINES = 1000
+
+
+def test_no_product_module_over_the_line_limit():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for folder in PACKAGES
+        for path in (ROOT / folder).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, long
