@@ -138,7 +138,7 @@ from kvhit.kernels.scan_numba_sg import (
     PREFETCH_BIT,
     RUN_STRETCH,
     candidate_limits,
-    cdiv,
+    jit_cdiv,
     prefetch_windows,
     scan_sg,
 )
@@ -357,7 +357,7 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
         if sg[idx, SG_KIND] == KIND_FULL:
             # Full attention keeps only the blocks of the common hit.
             st[idx, _ST_LEN] = min(
-                st[idx, _ST_LEN], cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
+                st[idx, _ST_LEN], jit_cdiv(hit_length, sg[idx, SG_BLOCK_SIZE])
             )
     return hit_length
 
@@ -376,7 +376,7 @@ def _any_candidate(n_units, token_len, cand, partial, hbs):
                 return True
             continue
         bs = cand[gid, CAND_BLOCK_SIZE]
-        asked = min(n_units // cand[gid, CAND_SCALE], cdiv(token_len, bs))
+        asked = min(n_units // cand[gid, CAND_SCALE], jit_cdiv(token_len, bs))
         if cand[gid, CAND_SPARSE] == 0:
             if asked > 0:
                 return True

@@ -55,7 +55,7 @@ __all__ = [
     "PREFETCH_BIT",
     "RUN_STRETCH",
     "candidate_limits",
-    "cdiv",
+    "jit_cdiv",
     "leading_run",
     "prefetch_blocks",
     "prefetch_windows",
@@ -85,8 +85,8 @@ COUNTING_BIT = 4
 
 
 @numba.njit(**JIT)
-def cdiv(a, b):
-    # Mirrors masks.cdiv (kernels/contract.py).
+def jit_cdiv(a, b):
+    # Mirrors masks.cdiv (kernels/contract.py), compiled.
     return -((-a) // b)
 
 
@@ -106,7 +106,7 @@ def candidate_limits(n_units, token_len, cand, partial, hbs, glim):
             glim[gid] = min(n_units, token_len // hbs)
             continue
         bs = cand[gid, CAND_BLOCK_SIZE]
-        lim = min(n_units // cand[gid, CAND_SCALE], cdiv(token_len, bs))
+        lim = min(n_units // cand[gid, CAND_SCALE], jit_cdiv(token_len, bs))
         if cand[gid, CAND_SPARSE] != 0:
             # The SWA lookup mask has token_len // bs entries.
             lim = min(lim, token_len // bs)
@@ -475,7 +475,7 @@ def scan_sg(sgi, bound, drop, sg, off, n_units, glim, has_tl, rows, table,
         if drop and hit > 0:
             hit -= min(align, bs)
         hit -= hit % align
-        return hit, min(blocks, cdiv(hit, bs)), 0, NEVER
+        return hit, min(blocks, jit_cdiv(hit, bs)), 0, NEVER
     if kind == KIND_SWA:
         if j >= 0:
             # The largest run under a bound stays the largest under any
