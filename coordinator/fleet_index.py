@@ -76,6 +76,7 @@ from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_tensor,
+    host_int64,
     is_int,
     resolve_device,
 )
@@ -565,19 +566,10 @@ class FleetIndex:
             if not 0 <= engine_ids < E or not active[engine_ids]:
                 return None
             return np.full(n, engine_ids, dtype=np.int64)
-        if isinstance(engine_ids, torch.Tensor):
-            if (
-                engine_ids.dtype != torch.int64
-                or engine_ids.device.type != "cpu"
-                or engine_ids.requires_grad
-                or engine_ids.layout is not torch.strided
-            ):
-                return None
-            engine_ids = engine_ids.numpy()
-        elif not isinstance(engine_ids, np.ndarray) or engine_ids.dtype != np.int64:
-            return None
+        engine_ids = host_int64(engine_ids)
         if (
-            engine_ids.ndim != 1
+            engine_ids is None
+            or engine_ids.ndim != 1
             or engine_ids.shape[0] != n
             or not engine_ids.flags.c_contiguous
         ):

@@ -94,6 +94,7 @@ from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_table_tensor,
+    host_int64,
     resolve_device,
 )
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
@@ -674,23 +675,9 @@ class KeyIndex:
             if hashes.hash_bytes != self.hash_bytes:
                 return None
             hashes = hashes.hashes
-        if isinstance(hashes, torch.Tensor):
-            if (
-                hashes.dtype != torch.int64
-                or hashes.device.type != "cpu"
-                or hashes.requires_grad
-                or hashes.layout is not torch.strided
-            ):
-                return None
-            hashes = hashes.numpy()
-        elif not isinstance(hashes, np.ndarray) or hashes.dtype not in (
-            np.int64,
-            np.uint64,
-        ):
+        h = host_int64(hashes, unsigned_ok=True)
+        if h is None or h.ndim != 2 or h.shape[1] != W or not h.flags.c_contiguous:
             return None
-        if hashes.ndim != 2 or hashes.shape[1] != W or not hashes.flags.c_contiguous:
-            return None
-        h = hashes.view(np.int64)
         n = h.shape[0]
         pad = self._pad
         if pad and n and (h[:, -1] & pad).any():
@@ -699,19 +686,10 @@ class KeyIndex:
             if not 0 <= group_ids < 1 << 63:
                 return None
             return np.full(n, group_ids, dtype=np.int64), h
-        if isinstance(group_ids, torch.Tensor):
-            if (
-                group_ids.dtype != torch.int64
-                or group_ids.device.type != "cpu"
-                or group_ids.requires_grad
-                or group_ids.layout is not torch.strided
-            ):
-                return None
-            group_ids = group_ids.numpy()
-        elif not isinstance(group_ids, np.ndarray) or group_ids.dtype != np.int64:
-            return None
+        group_ids = host_int64(group_ids)
         if (
-            group_ids.ndim != 1
+            group_ids is None
+            or group_ids.ndim != 1
             or group_ids.shape[0] != n
             or not group_ids.flags.c_contiguous
             or (n and group_ids.min() < 0)
