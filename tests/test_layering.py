@@ -13,9 +13,12 @@ inside a function, is checked against the layering:
   exceptions aside);
 - nothing in the package imports from tests/ (nor puts tests/ on sys.path);
 - the graph of kvhit's modules, drawn from every import that runs (at module
-  level or inside a function: a function-level import only hides a cycle;
-  not those under ``if TYPE_CHECKING``), has no cycle;
-- coordinator/ imports neither triton nor numba at module level.
+  level or inside a function: a function-level import only hides a cycle),
+  has no cycle, and none either with the imports under ``if TYPE_CHECKING``;
+- coordinator/ imports neither triton nor numba at module level, not even
+  through a kernels/ module it imports at module level;
+- no module imports another's underscore names, and no product module is
+  over MAX_MODULE_LINES lines.
 """
 
 from __future__ import annotations
@@ -245,6 +248,13 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle)
 
 
+def test_no_import_cycles_even_type_only():
+    # Issue 36's target: 0 import circles, type-only ones included
+    # (ARCHITECTURE.md, "Layers").
+    cycle = _find_cycle(_module_graph(type_only=True))
+    assert cycle is None, " -> ".join(cycle)
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
@@ -277,6 +287,36 @@ def test_coordinator_imports_no_compiler_at_import_time():
         lambda i: i.at_import_time and i.target.split(".")[0] in {"triton", "numba"},
     )
     assert not bad, "\n".join(bad)
+
+
+def _loads_at_import(module: str) -> set[str]:
+    """Every module importing ``module`` loads: its module-level imports, and
+    theirs, followed through kvhit's modules."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for i in IMPORTS.get(todo.pop(), []):
+            if i.at_import_time and i.target not in seen:
+                seen.add(i.target)
+                if i.target in MODULES:
+                    todo.append(i.target)
+    return seen
+
+
+def test_coordinator_loads_no_compiler_through_kernels_at_import_time():
+    # ARCHITECTURE.md: not even through a kernels/ module (a backend, a
+    # KeyIndex, a FleetIndex or the candidate rule imports its kernel module
+    # when it is built or first runs).
+    bad = {
+        m: sorted(
+            t for t in _loads_at_import(m) if t.split(".")[0] in {"triton", "numba"}
+        )
+        for m in MODULES
+        if _layer(m) == "coordinator"
+    }
+    bad = {m: ts for m, ts in bad.items() if ts}
+    assert not bad, bad
+    assert "numba" in _loads_at_import("kvhit.kernels.scan_numba")
 
 
 def _on_a_cycle(graph: dict[str, set[str]], modules: list[str]) -> list[str]:
