@@ -6,6 +6,8 @@ inside a function, is checked against the layering:
 
 - kernels/ imports nothing from coordinator/, bindings/ or bench/;
 - coordinator/ imports nothing from bindings/ or bench/;
+- bindings/ import nothing from bench/ or the CLI (kvhit/'s modules), bench/
+  nothing from the CLI;
 - bindings/ reach kernels/ only through coordinator/ (and the one
   validation module, kernels/checks.py);
 - coordinator/engine.py compares no backend name, and only
@@ -172,6 +174,24 @@ def test_every_folder_is_read():
 )
 def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
     bad = _imports_of(layer, lambda i: any(_in(i.target, f) for f in forbidden))
+    assert not bad, "\n".join(bad)
+
+
+#: The CLI's modules (kvhit/): the top layer; the package's ``kvhit`` (its
+#: ``__version__``) is read by every layer.
+CLI_MODULES = ("kvhit.cli", "kvhit.commands", "kvhit.errors", "kvhit.__main__")
+
+
+def test_bindings_and_bench_do_not_import_higher_layers():
+    # ARCHITECTURE.md "Layers": kvhit/ (the CLI) -> bench/ -> bindings/.
+    def higher(*layers: str):
+        return lambda i: (
+            any(_in(i.target, f) for f in layers)
+            or any(i.target == m or i.target.startswith(m + ".") for m in CLI_MODULES)
+        )
+
+    bad = _imports_of("bindings", higher("bench"))
+    bad += _imports_of("bench", higher())
     assert not bad, "\n".join(bad)
 
 
