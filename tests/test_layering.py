@@ -6,6 +6,8 @@ inside a function, is checked against the layering:
 
 - kernels/ imports nothing from coordinator/, bindings/ or bench/;
 - coordinator/ imports nothing from bindings/ or bench/;
+- bindings/ import nothing from bench/ or the CLI (kvhit/'s modules), bench/
+  nothing from the CLI;
 - bindings/ reach kernels/ only through coordinator/ (and the one
   validation module, kernels/checks.py);
 - coordinator/engine.py compares no backend name, and only
@@ -13,9 +15,12 @@ inside a function, is checked against the layering:
   exceptions aside);
 - nothing in the package imports from tests/ (nor puts tests/ on sys.path);
 - the graph of kvhit's modules, drawn from every import that runs (at module
-  level or inside a function: a function-level import only hides a cycle;
-  not those under ``if TYPE_CHECKING``), has no cycle;
-- coordinator/ imports neither triton nor numba at module level.
+  level or inside a function: a function-level import only hides a cycle),
+  has no cycle, and none either with the imports under ``if TYPE_CHECKING``;
+- coordinator/ imports neither triton nor numba at module level, not even
+  through a kernels/ module it imports at module level;
+- no module imports another's underscore names, and no product module is
+  over MAX_MODULE_LINES lines.
 """
 
 from __future__ import annotations
@@ -172,6 +177,24 @@ def test_lower_layers_do_not_import_higher_ones(layer, forbidden):
     assert not bad, "\n".join(bad)
 
 
+#: The CLI's modules (kvhit/): the top layer; the package's ``kvhit`` (its
+#: ``__version__``) is read by every layer.
+CLI_MODULES = ("kvhit.cli", "kvhit.commands", "kvhit.errors", "kvhit.__main__")
+
+
+def test_bindings_and_bench_do_not_import_higher_layers():
+    # ARCHITECTURE.md "Layers": kvhit/ (the CLI) -> bench/ -> bindings/.
+    def higher(*layers: str):
+        return lambda i: (
+            any(_in(i.target, f) for f in layers)
+            or any(i.target == m or i.target.startswith(m + ".") for m in CLI_MODULES)
+        )
+
+    bad = _imports_of("bindings", higher("bench"))
+    bad += _imports_of("bench", higher())
+    assert not bad, "\n".join(bad)
+
+
 def test_bindings_reach_kernels_only_through_the_coordinator():
     # Except the one validation module, kernels/checks.py, which every
     # layer's public entry points check their input with (issue 36).
@@ -245,6 +268,13 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle)
 
 
+def test_no_import_cycles_even_type_only():
+    # Issue 36's target: 0 import circles, type-only ones included
+    # (ARCHITECTURE.md, "Layers").
+    cycle = _find_cycle(_module_graph(type_only=True))
+    assert cycle is None, " -> ".join(cycle)
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
@@ -277,6 +307,36 @@ def test_coordinator_imports_no_compiler_at_import_time():
         lambda i: i.at_import_time and i.target.split(".")[0] in {"triton", "numba"},
     )
     assert not bad, "\n".join(bad)
+
+
+def _loads_at_import(module: str) -> set[str]:
+    """Every module importing ``module`` loads: its module-level imports, and
+    theirs, followed through kvhit's modules."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for i in IMPORTS.get(todo.pop(), []):
+            if i.at_import_time and i.target not in seen:
+                seen.add(i.target)
+                if i.target in MODULES:
+                    todo.append(i.target)
+    return seen
+
+
+def test_coordinator_loads_no_compiler_through_kernels_at_import_time():
+    # ARCHITECTURE.md: not even through a kernels/ module (a backend, a
+    # KeyIndex, a FleetIndex or the candidate rule imports its kernel module
+    # when it is built or first runs).
+    bad = {
+        m: sorted(
+            t for t in _loads_at_import(m) if t.split(".")[0] in {"triton", "numba"}
+        )
+        for m in MODULES
+        if _layer(m) == "coordinator"
+    }
+    bad = {m: ts for m, ts in bad.items() if ts}
+    assert not bad, bad
+    assert "numba" in _loads_at_import("kvhit.kernels.scan_numba")
 
 
 def _on_a_cycle(graph: dict[str, set[str]], modules: list[str]) -> list[str]:
