@@ -22,6 +22,11 @@ Public API:
 - ``saved_keys(layout, block_hashes, num_prompt_tokens, ...)``: store_mask then
   store_from_masks (plain function).
 - ``chained_hashes(seed, n, width=8, prefix=())``: deterministic hash chain.
+- ``fleet_case(layout_strategy=None)``: ``case()`` with 1-4 engines' stores.
+- ``merged_group_case(n_requests, engines=70)``: a fixed fleet case of two
+  merged full-attention groups (plain function).
+- ``edge_fleet_batch(layout, sizes, hit)``: a fixed all-hit or all-miss
+  batch for the fleet edge tests (plain function).
 - ``has_full_attention(layout)``, ``max_valid_length(layout, n_hashes)``.
 """
 
@@ -31,6 +36,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
+from helpers import merged_full_layout
 from hypothesis import strategies as st
 
 from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
@@ -375,22 +381,47 @@ def saved_keys(
     return store_from_masks(layout, block_hashes, aligned, masks, start_token)
 
 
-def merged_group_stores(
-    requests: Sequence[Sequence[bytes]], rng: random.Random, engines: int
-) -> list[set[Key]]:
-    """Stores of ``engines`` engines for a layout of two merged full-attention
-    groups (0 and 1): per engine and request, group 0 holds a random prefix of
-    the hashes and group 1 a random prefix of that, so a block is whole (both
-    keys present) only up to the shorter one."""
-    out = []
+def merged_group_case(
+    n_requests: int, engines: int = 70
+) -> tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]:
+    """``(layout, requests, stores_, lens)`` for :func:`helpers.merged_full_layout`
+    (two merged full-attention groups, 0 and 1): ``n_requests`` chained
+    requests of 0-20 hashes; per engine and request, group 0 holds a random
+    prefix of the hashes and group 1 a random prefix of that, so a block is
+    whole (both keys present) only up to the shorter one; each length is the
+    whole prompt. Deterministic (seed 11)."""
+    layout = merged_full_layout()
+    rng = random.Random(11)
+    requests = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(n_requests)]
+    stores_ = []
     for _ in range(engines):
         keys: set[Key] = set()
         for r in requests:
             cut = rng.randint(0, len(r))
             for g in (0, 1):
                 keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
-        out.append(keys)
-    return out
+        stores_.append(keys)
+    lens = [len(r) * layout.hash_block_size for r in requests]
+    return layout, requests, stores_, lens
+
+
+def edge_fleet_batch(
+    layout: CacheLayout, sizes: Sequence[int], hit: str, engines: int = 3
+) -> tuple[list[list[bytes]], list[set[Key]], list[int]]:
+    """``(requests, stores_, lens)``: five chained requests of ``sizes``
+    hashes (seeds 0-4; ``sizes[1]`` is 0: an empty request); ``engines``
+    stores each holding every saved key (``hit == "all"``) or nothing
+    (``"none"``); lengths: the whole first prompt, 0, one hash block, 0, and
+    past the last prompt (all-hit: full attention bounds the scan) or its
+    whole length."""
+    hbs = layout.hash_block_size
+    requests = [chained_hashes(i, n) for i, n in enumerate(sizes)]
+    full: set[Key] = set()
+    for r in requests:
+        full |= saved_keys(layout, r, layout.align(len(r) * hbs))
+    stores_ = [full if hit == "all" else set()] * engines
+    last = 10**9 if hit == "all" else sizes[-1] * hbs
+    return requests, stores_, [sizes[0] * hbs, 0, hbs, 0, last]
 
 
 def _universe(layout: CacheLayout, requests: Sequence[Sequence[bytes]]) -> list[Key]:
@@ -540,3 +571,16 @@ def case(
     exists = draw(stores(layout, requests, modes=store_modes))
     lens = [draw(lengths(layout, len(r))) for r in requests]
     return layout, requests, exists, lens
+
+
+@st.composite
+def fleet_case(
+    draw: st.DrawFn, layout_strategy: st.SearchStrategy[CacheLayout] | None = None
+) -> tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]:
+    """``case(layout_strategy)`` plus 0-3 more engines' stores (:func:`stores`
+    of the same requests: none, all, random, prefix, saved, mixed):
+    ``(layout, requests, stores_, lens)``, engine 0's store the case's."""
+    layout, requests, exists, lens = draw(case(layout_strategy))
+    more = draw(st.integers(0, 3))
+    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
+    return layout, requests, stores_, lens

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from strategies import (
     case,
     chained_hashes,
+    fleet_case,
     layouts,
-    merged_group_stores,
+    merged_group_case,
     saved_keys,
-    stores,
 )
 
 from kvhit import (
@@ -45,16 +45,6 @@ def _check(layout, requests, stores_, lens, engine_backend="numba",
     assert got.tolist() == expected(layout, requests, stores_, lens, apply_eagle)
     got = engine.fleet_lookup(batch, lens, fleet)
     assert got.tolist() == expected(layout, requests, stores_, lens, lookup=True)
-
-
-@st.composite
-def fleet_case(draw, layout_strategy=None):
-    """``case()`` plus 0-3 more engines' stores (``stores()`` of the same
-    requests: none, all, random, prefix, saved, mixed)."""
-    layout, requests, exists, lens = draw(case(layout_strategy))
-    more = draw(st.integers(0, 3))
-    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
-    return layout, requests, stores_, lens
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -647,14 +637,9 @@ def test_torch_fleet_behind_the_triton_backend(preset):
 def test_merged_full_attention_groups_past_64_engines():
     # Two equal full-attention groups merge into one SpecGroup: a block needs
     # its key in both; 70 engines take two engine-set words.
-    from kvhit import CacheLayout, FullAttention, Group
-
-    layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+    layout, reqs, stores_, lens = merged_group_case(6)
     assert len(layout.spec_groups) == 1
-    rng = random.Random(11)
-    reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(6)]
-    stores_ = merged_group_stores(reqs, rng, 70)
-    _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
+    _check(layout, reqs, stores_, lens)
 
 
 @st.composite

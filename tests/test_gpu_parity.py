@@ -33,9 +33,7 @@ from kvhit import (
     HashBatch,
     KeyIndex,
     LookupEngine,
-    Mamba,
     ReferenceCoordinator,
-    SlidingWindow,
 )
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator import fleet_index
@@ -63,34 +61,20 @@ def all_layouts(kind: str) -> list[CacheLayout]:
     if kind == "full":
         return [
             make_layout("llama"),
-            CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16),
+            helpers.merged_full_layout(),
             CacheLayout([Group(FullAttention(12))], 12, 3, use_eagle=True),
         ]
     if kind == "sliding_window":
         return [
             make_layout("gemma3"),
             make_layout("dsv4-flash"),
-            CacheLayout(
-                [Group(FullAttention(12)), Group(SlidingWindow(6, 7), eagle=True)],
-                12,
-                3,
-                use_eagle=True,
-            ),
+            helpers.swa_eagle_layout(),
         ]
     if kind == "mamba":
-        return [
-            make_layout("qwen3-next"),
-            CacheLayout(
-                [Group(FullAttention(6)), Group(Mamba(6)), Group(SlidingWindow(3, 5))],
-                6,
-                3,
-                use_eagle=True,
-                partial_hash_hits=True,
-            ),
-        ]
+        return [make_layout("qwen3-next"), helpers.mamba_partial_layout()]
     assert kind == "chunked_local"
     return [
-        CacheLayout([Group(ChunkedLocal(4, 12)), Group(SlidingWindow(2, 3))], 4, 2),
+        helpers.chunked_swa_layout(),
         CacheLayout([Group(FullAttention(16)), Group(ChunkedLocal(16, 64))], 16, 16),
     ]
 

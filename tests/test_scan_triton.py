@@ -18,7 +18,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import key_index
+from helpers import (
+    chunked_swa_layout,
+    key_index,
+    mamba_partial_layout,
+    swa_eagle_layout,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -31,7 +36,6 @@ from strategies import (
 
 from kvhit import (
     CacheLayout,
-    ChunkedLocal,
     FullAttention,
     Group,
     HashBatch,
@@ -173,20 +177,9 @@ def test_small_block_matches_reference(device, data, apply_eagle):
 def _edge_layouts() -> list[CacheLayout]:
     return [
         CacheLayout([Group(FullAttention(4))], 4, 2),
-        CacheLayout(
-            [Group(FullAttention(12)), Group(SlidingWindow(6, 7), eagle=True)],
-            12,
-            3,
-            use_eagle=True,
-        ),
-        CacheLayout(
-            [Group(FullAttention(6)), Group(Mamba(6)), Group(SlidingWindow(3, 5))],
-            6,
-            3,
-            use_eagle=True,
-            partial_hash_hits=True,
-        ),
-        CacheLayout([Group(ChunkedLocal(4, 12)), Group(SlidingWindow(2, 3))], 4, 2),
+        swa_eagle_layout(),
+        mamba_partial_layout(),
+        chunked_swa_layout(),
     ]
 
 
