@@ -103,6 +103,38 @@ def triton_fleets_on(device: str) -> contextlib.AbstractContextManager:
     return mock.patch.object(fleet_index, "auto_backend", lambda device: "triton")
 
 
+def fleets_agree(
+    fleets: list[FleetIndex],
+    layout: CacheLayout,
+    reqs: list[list[bytes]],
+    stores_: list[set],
+    lens: list[int],
+    device: str,
+    apply_eagle: bool = True,
+) -> None:
+    """fleet_hits (``apply_eagle``) and fleet_lookup of ``reqs`` answer the
+    same through each of ``fleets`` (the Triton one on ``device``, the CPU
+    torch one), each on its fleet's device; on the CPU also as the reference
+    per engine over ``stores_``."""
+    batch = HashBatch.from_bytes(reqs, 8)
+    answers = []
+    for fleet in fleets:
+        engine = LookupEngine(layout, backend="torch", device=fleet.device)
+        b = batch.to(fleet.device)
+        hits = engine.fleet_hits(b, lens, fleet, apply_eagle=apply_eagle)
+        assert hits.device == fleet.device
+        answers.append((hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist()))
+    assert answers[0] == answers[1]
+    if device == "cpu":
+        # The interpreter's sizes are small enough for the reference loop
+        # (the CPU torch fleet is the oracle on CUDA: it is the reference's
+        # in tests/test_fleet.py).
+        assert answers[0] == (
+            helpers.fleet_expected(layout, reqs, stores_, lens, apply_eagle),
+            helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
+        )
+
+
 def max_hashes(device: str) -> int:
     # Longer prompts on CUDA: leading runs cross several 128-block tiles.
     return 40 if device == "cpu" else 400
@@ -241,26 +273,8 @@ def test_fleet_parity(device):
             for fleet in fleets:
                 fleet.remove_engine(e)
             stores_[e] = set()
-        batch = HashBatch.from_bytes(reqs, 8)
         lens = [max(len(r) * hbs - rng.randint(0, 20), 0) for r in reqs]
-        answers = []
-        for fleet in fleets:
-            engine = LookupEngine(layout, backend="torch", device=fleet.device)
-            b = batch.to(fleet.device)
-            hits = engine.fleet_hits(b, lens, fleet)
-            assert hits.device == fleet.device
-            answers.append(
-                (hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist())
-            )
-        assert answers[0] == answers[1]
-        if device == "cpu":
-            # The interpreter's sizes are small enough for the reference loop
-            # (the CPU torch fleet is the oracle on CUDA: it is the reference's
-            # in tests/test_fleet.py).
-            assert answers[0] == (
-                helpers.fleet_expected(layout, reqs, stores_, lens),
-                helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
-            )
+        fleets_agree(fleets, layout, reqs, stores_, lens, device)
 
     run_examples(
         device,
@@ -300,22 +314,7 @@ def test_fleet_parity_every_kind(device, kind):
             for fleet in fleets:
                 fleet.remove_engine(E - 1)
             stores_[E - 1] = set()
-        batch = HashBatch.from_bytes(reqs, 8)
-        answers = []
-        for fleet in fleets:
-            engine = LookupEngine(layout, backend="torch", device=fleet.device)
-            b = batch.to(fleet.device)
-            hits = engine.fleet_hits(b, lens, fleet, apply_eagle=apply_eagle)
-            assert hits.device == fleet.device
-            answers.append(
-                (hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist())
-            )
-        assert answers[0] == answers[1]
-        if device == "cpu":
-            assert answers[0] == (
-                helpers.fleet_expected(layout, reqs, stores_, lens, apply_eagle),
-                helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
-            )
+        fleets_agree(fleets, layout, reqs, stores_, lens, device, apply_eagle)
 
     # Fewer examples than the other tests on CUDA: the oracle, the CPU torch
     # fleet, scans engine by engine (up to 65 here).
