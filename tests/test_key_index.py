@@ -82,6 +82,24 @@ def _split(
     return g, h
 
 
+def _with_tombstones(
+    keys: list[Key],
+    hash_bytes: int,
+    capacity: int,
+    device: str,
+    backend: str,
+    *,
+    added: int,
+    removed: int,
+) -> KeyIndex:
+    """A KeyIndex that was given ``keys[:added]``, then lost ``keys[:removed]``
+    again (their slots left as tombstones)."""
+    index = KeyIndex(hash_bytes, capacity=capacity, device=device, backend=backend)
+    index.add(*_split(keys[:added], hash_bytes, device))
+    index.remove(*_split(keys[:removed], hash_bytes, device))
+    return index
+
+
 def _adversarial(rng: np.random.Generator, hash_bytes: int) -> list[Key]:
     """Keys that differ in as little as possible from each other."""
     base = bytearray(rng.bytes(hash_bytes))
@@ -1133,9 +1151,7 @@ def test_freeze_after_reserve(backend: str) -> None:
 def test_grown_for_then_adopt(backend: str, device: str) -> None:
     backend = _on_device(backend, device)
     keys = _rand_keys(np.random.default_rng(44), 300, 32)
-    index = KeyIndex(32, capacity=16, device=device, backend=backend)
-    index.add(*_split(keys[:8], 32, device))
-    index.remove(*_split(keys[:2], 32, device))
+    index = _with_tombstones(keys, 32, 16, device, backend, added=8, removed=2)
     old_table = index.table.clone()
     assert not index.has_room_for(292)
     grown = index.grown_for(292)
@@ -1183,9 +1199,7 @@ def test_grown_for_then_adopt(backend: str, device: str) -> None:
 def test_from_table_read_only_view(backend: str, device: str) -> None:
     backend = _on_device(backend, device)
     keys = _rand_keys(np.random.default_rng(46), 40, 12)
-    owner = KeyIndex(12, capacity=128, device=device, backend=backend)
-    owner.add(*_split(keys[:30], 12, device))
-    owner.remove(*_split(keys[:5], 12, device))
+    owner = _with_tombstones(keys, 12, 128, device, backend, added=30, removed=5)
     view = KeyIndex.from_table(owner.table, 12, backend=backend)
     assert view.read_only and view.table is owner.table  # no copy
     assert len(view) == 25 and view.tombstones == 5 and view.W == 2
