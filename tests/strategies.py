@@ -23,6 +23,9 @@ Public API:
   store_from_masks (plain function).
 - ``chained_hashes(seed, n, width=8, prefix=())``: deterministic hash chain.
 - ``fleet_case(layout_strategy=None)``: ``case()`` with 1-4 engines' stores.
+- ``preset_requests(preset, seed, n_requests, max_hashes, seeds=3)``: a
+  preset's layout and chained requests of random lengths (plain function).
+- ``full_fleet_case()``: ``fleet_case()`` of full-attention-only layouts.
 - ``merged_group_case(n_requests, engines=70)``: a fixed fleet case of two
   merged full-attention groups (plain function).
 - ``edge_fleet_batch(layout, sizes, hit)``: a fixed all-hit or all-miss
@@ -40,6 +43,7 @@ from helpers import merged_full_layout
 from hypothesis import strategies as st
 
 from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
+from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import Spec
 
@@ -381,6 +385,28 @@ def saved_keys(
     return store_from_masks(layout, block_hashes, aligned, masks, start_token)
 
 
+def preset_requests(
+    preset: str, seed: int, n_requests: int, max_hashes: int, seeds: int = 3
+) -> tuple[CacheLayout, random.Random, list[list[bytes]]]:
+    """``(layout, rng, requests)``: the ``preset``'s layout, the
+    ``random.Random(seed)`` the requests were drawn from (for the caller to
+    draw on) and ``n_requests`` chained requests of 0 to ``max_hashes``
+    hashes, request ``i`` on chain ``i % seeds`` (so requests share
+    prefixes)."""
+    rng = random.Random(seed)
+    return make_layout(preset), rng, random_chains(rng, n_requests, max_hashes, seeds)
+
+
+def random_chains(
+    rng: random.Random, n_requests: int, max_hashes: int, seeds: int = 3
+) -> list[list[bytes]]:
+    """``n_requests`` chained requests of 0 to ``max_hashes`` hashes (lengths
+    drawn from ``rng``), request ``i`` on chain ``i % seeds``."""
+    return [
+        chained_hashes(i % seeds, rng.randint(0, max_hashes)) for i in range(n_requests)
+    ]
+
+
 def merged_group_case(
     n_requests: int, engines: int = 70
 ) -> tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]:
@@ -392,7 +418,7 @@ def merged_group_case(
     whole prompt. Deterministic (seed 11)."""
     layout = merged_full_layout()
     rng = random.Random(11)
-    requests = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(n_requests)]
+    requests = random_chains(rng, n_requests, 20)
     stores_ = []
     for _ in range(engines):
         keys: set[Key] = set()
@@ -584,3 +610,11 @@ def fleet_case(
     more = draw(st.integers(0, 3))
     stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
     return layout, requests, stores_, lens
+
+
+def full_fleet_case() -> st.SearchStrategy[
+    tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]
+]:
+    """:func:`fleet_case` over full-attention-only layouts without scratch
+    groups: mostly one non-fine SpecGroup, the joint bitset scan's case."""
+    return fleet_case(layouts(kinds=("full",), allow_scratch_groups=False))

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from strategies import (
     chained_hashes,
     edge_fleet_batch,
-    fleet_case,
-    layouts,
+    full_fleet_case,
     merged_group_case,
+    preset_requests,
     saved_keys,
 )
 
@@ -98,10 +98,7 @@ def check(layout, requests, stores_, lens, apply_eagle=True, num_engines=None):
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(
-    data=fleet_case(layouts(kinds=("full",), allow_scratch_groups=False)),
-    apply_eagle=st.booleans(),
-)
+@given(data=full_fleet_case(), apply_eagle=st.booleans())
 def test_random_parity(data, apply_eagle):
     # Random full-attention layouts (the joint kernel where the layout is one
     # non-fine SpecGroup, the per-engine path with the Triton table
@@ -115,10 +112,8 @@ def test_random_parity(data, apply_eagle):
 def test_presets_past_64_engines(preset):
     # 70 engines: two engine-set words (the second one partial); every
     # engine's store a different cut of the saved prefix, engine 69 too.
-    layout = make_layout(preset)
-    rng = random.Random(3)
+    layout, rng, reqs = preset_requests(preset, 3, 5, 40)
     hbs = layout.hash_block_size
-    reqs = [chained_hashes(i % 3, rng.randint(0, 40)) for i in range(5)]
     stores_ = []
     for e in range(70):
         keys = set()

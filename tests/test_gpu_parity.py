@@ -22,7 +22,7 @@ import helpers
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import ALL_KINDS, case, chained_hashes, saved_keys
+from strategies import ALL_KINDS, case, preset_requests, saved_keys
 
 from kvhit import (
     CacheLayout,
@@ -250,11 +250,10 @@ def test_fleet_parity(device):
             check(preset, E, seed)
 
     def check(preset, E, seed):
-        layout = make_layout(preset)
-        rng = random.Random(seed)
-        hbs = layout.hash_block_size
         n = 300 if device == "cuda" else 40
-        reqs = [chained_hashes(i % 3, rng.randint(0, n)) for i in range(7)] + [[]]
+        layout, rng, reqs = preset_requests(preset, seed, 7, n)
+        reqs.append([])
+        hbs = layout.hash_block_size
         stores_ = []
         for _ in range(E):
             keys: set = set()
