@@ -302,13 +302,9 @@ def build_workload(preset: str, cfg: Config, device) -> Workload:
     import torch
 
     from kvhit.bench.workloads import make_layout
-    from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import HashBatch, num_words
 
     layout = make_layout(preset)
     hbs = layout.hash_block_size
-    W = num_words(cfg.hash_bytes)
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
     B, max_units = cfg.requests, max(cfg.max_tokens // hbs, 1)
 
@@ -316,10 +312,33 @@ def build_workload(preset: str, cfg: Config, device) -> Workload:
         return torch.randint(lo, hi, shape, generator=gen).to(device)
 
     units = rand(B, lo=max_units // 8, hi=max_units + 1)
-    n_sys = 16
-    zipf = 1.0 / torch.arange(1, n_sys + 1, dtype=torch.float64)
+    zipf = 1.0 / torch.arange(1, _SYSTEM_PROMPTS + 1, dtype=torch.float64)
     sys_id = torch.multinomial(zipf, B, replacement=True, generator=gen).to(device)
     shared = (units.to(torch.float64) * rand(B, hi=1001) / 1000).to(torch.int64)
+    batch = _prefix_batch(units, shared, sys_id, max_units, cfg, gen, device)
+    num_tokens = units * hbs - rand(B, hi=hbs)  # some not block-aligned
+    stored = (num_tokens.to(torch.float64) * rand(B, lo=300, hi=1001) / 1000).to(
+        torch.int64
+    )
+    index = _stored_index(layout, batch, stored, 0.05, gen, device)
+    return Workload(preset, layout, batch, num_tokens, index)
+
+
+# System prompts the workloads' prompts share prefixes of (picked Zipf-like).
+_SYSTEM_PROMPTS = 16
+
+
+def _prefix_batch(units, shared, sys_id, pool_units: int, cfg: Config, gen, device):
+    """A HashBatch of random words (as distinct as sha256's) for prompts of
+    ``units`` (int64 [B]) hash units, where the first ``shared[b]`` units of
+    prompt ``b`` are those of system prompt ``sys_id[b]`` (both int64 [B];
+    each system prompt ``pool_units`` random units long); drawn from ``gen``
+    with torch ops on ``device``."""
+    import torch
+
+    from kvhit.coordinator.packing import HashBatch, num_words
+
+    B, W = units.shape[0], num_words(cfg.hash_bytes)
     offsets = torch.zeros(B + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(units, 0)
     total = int(offsets[-1])
@@ -329,31 +348,41 @@ def build_workload(preset: str, cfg: Config, device) -> Workload:
         -(1 << 63), (1 << 63) - 1, (total, W), generator=gen, dtype=torch.int64
     ).to(device)
     pool = torch.randint(
-        -(1 << 63), (1 << 63) - 1, (n_sys, max_units, W), generator=gen
+        -(1 << 63),
+        (1 << 63) - 1,
+        (_SYSTEM_PROMPTS, pool_units, W),
+        generator=gen,
+        dtype=torch.int64,
     ).to(device)
-    in_prefix = pos < shared[owner]
-    rows = in_prefix.nonzero().squeeze(1)
+    rows = (pos < shared[owner]).nonzero().squeeze(1)
     words[rows] = pool[sys_id[owner[rows]], pos[rows]]
-    batch = HashBatch(words, offsets, cfg.hash_bytes)
-    num_tokens = units * hbs - rand(B, hi=hbs)  # some not block-aligned
-    stored = (num_tokens.to(torch.float64) * rand(B, lo=300, hi=1001) / 1000).to(
-        torch.int64
-    )
+    return HashBatch(words, offsets, cfg.hash_bytes)
+
+
+def _stored_index(layout, batch, stored, evicted: float, gen, device):
+    """A triton KeyIndex on ``device`` holding the keys the store worker asks
+    for of ``batch`` at ``stored`` tokens (int64 [B]), each evicted with
+    probability ``evicted`` (drawn from ``gen``)."""
+    import torch
+
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+
     engine = LookupEngine(layout, backend="torch", device=device)
     gids, cand_rows = engine.lookup_candidates(batch, stored)
-    keep = torch.rand(gids.shape[0], generator=gen).to(device) >= 0.05
+    keep = torch.rand(gids.shape[0], generator=gen).to(device) >= evicted
     gids, cand_rows = gids[keep], cand_rows[keep]
     # Room for every key at load <= 0.5: the table never grows (or moves),
     # which a captured CUDA graph needs. The triton backend on the CPU too
     # (the dry run's interpreter): this checks the Triton kernels.
     index = KeyIndex(
-        cfg.hash_bytes,
+        batch.hash_bytes,
         capacity=max(4 * gids.shape[0], 64),
         device=device,
         backend="triton",
     )
-    index.add(gids, words[cand_rows])
-    return Workload(preset, layout, batch, num_tokens, index)
+    index.add(gids, batch.hashes[cand_rows])
+    return index
 
 
 # -- steps -----------------------------------------------------------------------
@@ -521,13 +550,9 @@ def build_longhit(cfg: Config, device) -> Workload:
     import torch
 
     from kvhit.bench.workloads import make_layout
-    from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import HashBatch, num_words
 
     layout = make_layout("dsv4-flash")
     hbs = layout.hash_block_size
-    W = num_words(cfg.hash_bytes)
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 2)
     B = max(cfg.longhit_batches)
     hi = max(cfg.longhit_tokens // hbs, 1)
@@ -536,37 +561,14 @@ def build_longhit(cfg: Config, device) -> Workload:
         return torch.randint(lo, hi, shape, generator=gen).to(device)
 
     units = rand(B, lo=max(hi // 8, 1), hi=hi + 1)
-    zipf = 1.0 / torch.arange(1, 17, dtype=torch.float64)
+    zipf = 1.0 / torch.arange(1, _SYSTEM_PROMPTS + 1, dtype=torch.float64)
     sys_id = torch.multinomial(zipf, B, replacement=True, generator=gen).to(device)
     fracs = torch.tensor([0.25, 0.5, 0.9, 1.0], dtype=torch.float64, device=device)
     shared = (units.to(torch.float64) * fracs[rand(B, hi=4)]).to(torch.int64)
-    offsets = torch.zeros(B + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(units, 0)
-    total = int(offsets[-1])
-    owner = torch.repeat_interleave(torch.arange(B, device=device), units)
-    pos = torch.arange(total, device=device) - offsets[:-1][owner]
-    words = torch.randint(
-        -(1 << 63), (1 << 63) - 1, (total, W), generator=gen, dtype=torch.int64
-    ).to(device)
-    pool = torch.randint(
-        -(1 << 63), (1 << 63) - 1, (16, hi, W), generator=gen, dtype=torch.int64
-    ).to(device)
-    rows = (pos < shared[owner]).nonzero().squeeze(1)
-    words[rows] = pool[sys_id[owner[rows]], pos[rows]]
-    batch = HashBatch(words, offsets, cfg.hash_bytes)
+    batch = _prefix_batch(units, shared, sys_id, hi, cfg, gen, device)
     num_tokens = units * hbs
     stored = torch.where(rand(B, hi=2) == 1, num_tokens, torch.zeros_like(num_tokens))
-    engine = LookupEngine(layout, backend="torch", device=device)
-    gids, cand_rows = engine.lookup_candidates(batch, stored)
-    keep = torch.rand(gids.shape[0], generator=gen).to(device) >= 0.02
-    gids, cand_rows = gids[keep], cand_rows[keep]
-    index = KeyIndex(
-        cfg.hash_bytes,
-        capacity=max(4 * gids.shape[0], 64),
-        device=device,
-        backend="triton",
-    )
-    index.add(gids, words[cand_rows])
+    index = _stored_index(layout, batch, stored, 0.02, gen, device)
     return Workload("dsv4-longhit", layout, batch, num_tokens, index)
 
 

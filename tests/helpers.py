@@ -17,10 +17,12 @@ import torch
 
 from kvhit import (
     CacheLayout,
+    ChunkedLocal,
     FleetIndex,
     FullAttention,
     Group,
     KeyIndex,
+    Mamba,
     ReferenceCoordinator,
     SlidingWindow,
 )
@@ -96,6 +98,49 @@ def merged_swa_eagle_layout() -> CacheLayout:
         16,
         use_eagle=True,
     )
+
+
+def full_mamba_eagle_layout() -> CacheLayout:
+    """The first seed layout (ARCHITECTURE.md): full attention 16 and Mamba
+    16, scheduler and hash block 16, ``use_eagle``."""
+    return CacheLayout(
+        [Group(FullAttention(16)), Group(Mamba(16))], 16, 16, use_eagle=True
+    )
+
+
+def merged_full_layout() -> CacheLayout:
+    """Two equal full-attention groups of 32 tokens, merged into one SpecGroup
+    (a block needs its key in both), scheduler block 32, hash block 16."""
+    return CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+
+
+def swa_eagle_layout() -> CacheLayout:
+    """Full attention 12 and an EAGLE sliding window (6, 7), hash block 3:
+    block sizes that are not powers of two."""
+    return CacheLayout(
+        [Group(FullAttention(12)), Group(SlidingWindow(6, 7), eagle=True)],
+        12,
+        3,
+        use_eagle=True,
+    )
+
+
+def mamba_partial_layout() -> CacheLayout:
+    """Full attention 6, Mamba 6 and a sliding window (3, 5), hash block 3,
+    ``use_eagle`` and partial hash hits."""
+    return CacheLayout(
+        [Group(FullAttention(6)), Group(Mamba(6)), Group(SlidingWindow(3, 5))],
+        6,
+        3,
+        use_eagle=True,
+        partial_hash_hits=True,
+    )
+
+
+def chunked_swa_layout() -> CacheLayout:
+    """Chunked local attention (4, chunks of 12) and a sliding window (2, 3),
+    hash block 2: no full-attention group."""
+    return CacheLayout([Group(ChunkedLocal(4, 12)), Group(SlidingWindow(2, 3))], 4, 2)
 
 
 def block_stored(hashes: list[Any], gid: Any = 0, medium: Any = "cpu") -> Any:

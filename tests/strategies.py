@@ -22,6 +22,14 @@ Public API:
 - ``saved_keys(layout, block_hashes, num_prompt_tokens, ...)``: store_mask then
   store_from_masks (plain function).
 - ``chained_hashes(seed, n, width=8, prefix=())``: deterministic hash chain.
+- ``fleet_case(layout_strategy=None)``: ``case()`` with 1-4 engines' stores.
+- ``preset_requests(preset, seed, n_requests, max_hashes, seeds=3)``: a
+  preset's layout and chained requests of random lengths (plain function).
+- ``full_fleet_case()``: ``fleet_case()`` of full-attention-only layouts.
+- ``merged_group_case(n_requests, engines=70)``: a fixed fleet case of two
+  merged full-attention groups (plain function).
+- ``edge_fleet_batch(layout, sizes, hit)``: a fixed all-hit or all-miss
+  batch for the fleet edge tests (plain function).
 - ``has_full_attention(layout)``, ``max_valid_length(layout, n_hashes)``.
 """
 
@@ -31,9 +39,11 @@ import hashlib
 import random
 from collections.abc import Sequence
 
+from helpers import merged_full_layout
 from hypothesis import strategies as st
 
 from kvhit import CacheLayout, ChunkedLocal, FullAttention, Group, Mamba, SlidingWindow
+from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.reference import ReferenceCoordinator
 from kvhit.coordinator.specs import Spec
 
@@ -375,22 +385,69 @@ def saved_keys(
     return store_from_masks(layout, block_hashes, aligned, masks, start_token)
 
 
-def merged_group_stores(
-    requests: Sequence[Sequence[bytes]], rng: random.Random, engines: int
-) -> list[set[Key]]:
-    """Stores of ``engines`` engines for a layout of two merged full-attention
-    groups (0 and 1): per engine and request, group 0 holds a random prefix of
-    the hashes and group 1 a random prefix of that, so a block is whole (both
-    keys present) only up to the shorter one."""
-    out = []
+def preset_requests(
+    preset: str, seed: int, n_requests: int, max_hashes: int, seeds: int = 3
+) -> tuple[CacheLayout, random.Random, list[list[bytes]]]:
+    """``(layout, rng, requests)``: the ``preset``'s layout, the
+    ``random.Random(seed)`` the requests were drawn from (for the caller to
+    draw on) and ``n_requests`` chained requests of 0 to ``max_hashes``
+    hashes, request ``i`` on chain ``i % seeds`` (so requests share
+    prefixes)."""
+    rng = random.Random(seed)
+    return make_layout(preset), rng, random_chains(rng, n_requests, max_hashes, seeds)
+
+
+def random_chains(
+    rng: random.Random, n_requests: int, max_hashes: int, seeds: int = 3
+) -> list[list[bytes]]:
+    """``n_requests`` chained requests of 0 to ``max_hashes`` hashes (lengths
+    drawn from ``rng``), request ``i`` on chain ``i % seeds``."""
+    return [
+        chained_hashes(i % seeds, rng.randint(0, max_hashes)) for i in range(n_requests)
+    ]
+
+
+def merged_group_case(
+    n_requests: int, engines: int = 70
+) -> tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]:
+    """``(layout, requests, stores_, lens)`` for :func:`helpers.merged_full_layout`
+    (two merged full-attention groups, 0 and 1): ``n_requests`` chained
+    requests of 0-20 hashes; per engine and request, group 0 holds a random
+    prefix of the hashes and group 1 a random prefix of that, so a block is
+    whole (both keys present) only up to the shorter one; each length is the
+    whole prompt. Deterministic (seed 11)."""
+    layout = merged_full_layout()
+    rng = random.Random(11)
+    requests = random_chains(rng, n_requests, 20)
+    stores_ = []
     for _ in range(engines):
         keys: set[Key] = set()
         for r in requests:
             cut = rng.randint(0, len(r))
             for g in (0, 1):
                 keys |= {(g, h) for h in r[: cut if g == 0 else rng.randint(0, cut)]}
-        out.append(keys)
-    return out
+        stores_.append(keys)
+    lens = [len(r) * layout.hash_block_size for r in requests]
+    return layout, requests, stores_, lens
+
+
+def edge_fleet_batch(
+    layout: CacheLayout, sizes: Sequence[int], hit: str, engines: int = 3
+) -> tuple[list[list[bytes]], list[set[Key]], list[int]]:
+    """``(requests, stores_, lens)``: five chained requests of ``sizes``
+    hashes (seeds 0-4; ``sizes[1]`` is 0: an empty request); ``engines``
+    stores each holding every saved key (``hit == "all"``) or nothing
+    (``"none"``); lengths: the whole first prompt, 0, one hash block, 0, and
+    past the last prompt (all-hit: full attention bounds the scan) or its
+    whole length."""
+    hbs = layout.hash_block_size
+    requests = [chained_hashes(i, n) for i, n in enumerate(sizes)]
+    full: set[Key] = set()
+    for r in requests:
+        full |= saved_keys(layout, r, layout.align(len(r) * hbs))
+    stores_ = [full if hit == "all" else set()] * engines
+    last = 10**9 if hit == "all" else sizes[-1] * hbs
+    return requests, stores_, [sizes[0] * hbs, 0, hbs, 0, last]
 
 
 def _universe(layout: CacheLayout, requests: Sequence[Sequence[bytes]]) -> list[Key]:
@@ -540,3 +597,24 @@ def case(
     exists = draw(stores(layout, requests, modes=store_modes))
     lens = [draw(lengths(layout, len(r))) for r in requests]
     return layout, requests, exists, lens
+
+
+@st.composite
+def fleet_case(
+    draw: st.DrawFn, layout_strategy: st.SearchStrategy[CacheLayout] | None = None
+) -> tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]:
+    """``case(layout_strategy)`` plus 0-3 more engines' stores (:func:`stores`
+    of the same requests: none, all, random, prefix, saved, mixed):
+    ``(layout, requests, stores_, lens)``, engine 0's store the case's."""
+    layout, requests, exists, lens = draw(case(layout_strategy))
+    more = draw(st.integers(0, 3))
+    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
+    return layout, requests, stores_, lens
+
+
+def full_fleet_case() -> st.SearchStrategy[
+    tuple[CacheLayout, list[list[bytes]], list[set[Key]], list[int]]
+]:
+    """:func:`fleet_case` over full-attention-only layouts without scratch
+    groups: mostly one non-fine SpecGroup, the joint bitset scan's case."""
+    return fleet_case(layouts(kinds=("full",), allow_scratch_groups=False))

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import key_index, merged_swa_eagle_layout
+from helpers import full_mamba_eagle_layout, key_index, merged_swa_eagle_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -32,7 +32,6 @@ from kvhit import (
     HashBatch,
     KeyIndex,
     LookupEngine,
-    Mamba,
     ReferenceCoordinator,
 )
 from kvhit.bench.workloads import make_layout
@@ -55,10 +54,15 @@ def make_engine(layout, backend: str, device: str = "cpu") -> LookupEngine:
     return LookupEngine(layout, backend=backend, device=device)
 
 
-def _check_find(layout, requests, exists, lens, backend, apply_eagle):
+def _against_reference(layout, requests, backend):
+    """``(reference, engine, batch)`` for a parity case: the scalar reference
+    of ``layout``, the test backend's engine and the 8-byte CPU batch."""
     ref = ReferenceCoordinator(layout)
-    engine = make_engine(layout, backend)
-    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    return ref, make_engine(layout, backend), HashBatch.from_bytes(requests, 8, "cpu")
+
+
+def _check_find(layout, requests, exists, lens, backend, apply_eagle):
+    ref, engine, batch = _against_reference(layout, requests, backend)
     res = engine.find_longest_cache_hit(
         batch, lens, key_index(exists), apply_eagle=apply_eagle, with_masks=True
     )
@@ -82,9 +86,7 @@ def test_find_parity(backend, data, apply_eagle):
 @given(data=case())
 def test_lookup_parity(backend, data):
     layout, requests, exists, lens = data
-    ref = ReferenceCoordinator(layout)
-    engine = make_engine(layout, backend)
-    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    ref, engine, batch = _against_reference(layout, requests, backend)
     got = engine.lookup(batch, lens, key_index(exists)).tolist()
     want = [ref.lookup(n, hl, exists) for hl, n in zip(requests, lens, strict=True)]
     assert got == want
@@ -95,9 +97,7 @@ def test_lookup_parity(backend, data):
 @given(data=case())
 def test_load_masks_and_candidates_parity(backend, data):
     layout, requests, _, lens = data
-    ref = ReferenceCoordinator(layout)
-    engine = make_engine(layout, backend)
-    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    ref, engine, batch = _against_reference(layout, requests, backend)
     res = engine.load_masks(batch, lens)
     got = res.mask_lists()
     for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
@@ -156,11 +156,17 @@ def _dev_index(keys, engine: LookupEngine) -> KeyIndex:
     return key_index(keys).to(engine.device)
 
 
+def _saved_prompt(engine: LookupEngine, hashes, aligned: int, masks):
+    """One prompt saved through the store ``masks`` up to ``aligned`` tokens:
+    ``(exists, batch, index)``, the batch and index on the engine's device."""
+    exists = store_from_masks(engine.layout, hashes, aligned, masks)
+    batch = HashBatch.from_bytes([hashes], 8, engine.device)
+    return exists, batch, _dev_index(exists, engine)
+
+
 @pytest.mark.parametrize("backend", SEED_BACKENDS)
 def test_seed_full_mamba_eagle(backend, device):
-    layout = CacheLayout(
-        [Group(FullAttention(16)), Group(Mamba(16))], 16, 16, use_eagle=True
-    )
+    layout = full_mamba_eagle_layout()
     hashes = chained_hashes(1, 4)
     exists = {(g, h) for g in (0, 1) for h in hashes}
     engine = _engine(layout, backend, device)
@@ -180,9 +186,7 @@ def test_seed_merged_swa_eagle(backend, device):
     masks = engine.store_masks([128], num_prompt_tokens=[130]).mask_lists()[0]
     assert masks[1] == masks[2]
     hashes = chained_hashes(2, 130 // 16)
-    exists = store_from_masks(layout, hashes, 128, masks)
-    batch = HashBatch.from_bytes([hashes], 8, engine.device)
-    index = _dev_index(exists, engine)
+    exists, batch, index = _saved_prompt(engine, hashes, 128, masks)
     res = engine.find_longest_cache_hit(batch, [128], index)
     assert res.hit_lengths.tolist() == [64]
     assert engine.lookup(batch, [128], index).tolist() == [64]
@@ -194,9 +198,7 @@ def test_seed_dsv4_flash(backend, device):
     engine = _engine(layout, backend, device)
     masks = engine.store_masks([768]).mask_lists()[0]
     hashes = chained_hashes(3, 768 // 4)
-    exists = store_from_masks(layout, hashes, 768, masks)
-    batch = HashBatch.from_bytes([hashes], 8, engine.device)
-    index = _dev_index(exists, engine)
+    exists, batch, index = _saved_prompt(engine, hashes, 768, masks)
     res = engine.find_longest_cache_hit(batch, [768], index)
     assert res.hit_lengths.tolist() == [512]
     want = ReferenceCoordinator(layout).lookup(768, hashes, exists)

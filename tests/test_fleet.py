@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 from strategies import (
     case,
     chained_hashes,
+    fleet_case,
+    full_fleet_case,
     layouts,
-    merged_group_stores,
+    merged_group_case,
+    preset_requests,
     saved_keys,
-    stores,
 )
 
 from kvhit import (
@@ -47,16 +49,6 @@ def _check(layout, requests, stores_, lens, engine_backend="numba",
     assert got.tolist() == expected(layout, requests, stores_, lens, lookup=True)
 
 
-@st.composite
-def fleet_case(draw, layout_strategy=None):
-    """``case()`` plus 0-3 more engines' stores (``stores()`` of the same
-    requests: none, all, random, prefix, saved, mixed)."""
-    layout, requests, exists, lens = draw(case(layout_strategy))
-    more = draw(st.integers(0, 3))
-    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
-    return layout, requests, stores_, lens
-
-
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(data=fleet_case(), apply_eagle=st.booleans())
 def test_fleet_parity_every_layout(data, apply_eagle):
@@ -65,10 +57,7 @@ def test_fleet_parity_every_layout(data, apply_eagle):
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(
-    data=fleet_case(layouts(kinds=("full",), allow_scratch_groups=False)),
-    apply_eagle=st.booleans(),
-)
+@given(data=full_fleet_case(), apply_eagle=st.booleans())
 def test_fleet_parity_full_attention(data, apply_eagle):
     # Mostly the joint bitset scan (one non-fine full SpecGroup).
     layout, requests, stores_, lens = data
@@ -261,10 +250,9 @@ def test_presets_many_engines(preset, num_engines):
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next"])
 @pytest.mark.parametrize("engine_backend", ["numba", "torch", "reference"])
 def test_one_engine_equals_find_longest_cache_hit(preset, engine_backend):
-    layout = make_layout(preset)
-    rng = random.Random(7)
+    layout, rng, reqs = preset_requests(preset, 7, 6, 40, seeds=2)
+    reqs.append([])
     hbs = layout.hash_block_size
-    reqs = [chained_hashes(i % 2, rng.randint(0, 40)) for i in range(6)] + [[]]
     keys = set()
     for r in reqs[:4]:
         keys |= saved_keys(layout, r, layout.align(len(r) * hbs))
@@ -636,10 +624,8 @@ def test_torch_fleet_behind_the_triton_backend(preset):
     # What runs on CUDA (torch table operations; llama: the joint scan as
     # torch ops, dsv4-flash: the per-engine path through the Triton backend),
     # here under TRITON_INTERPRET=1 at a small size.
-    layout = make_layout(preset)
-    rng = random.Random(0)
+    layout, _, reqs = preset_requests(preset, 0, 4, 80, seeds=2)
     hbs = layout.hash_block_size
-    reqs = [chained_hashes(i % 2, rng.randint(0, 80)) for i in range(4)]
     stores_ = [saved_keys(layout, r, layout.align(len(r) * hbs)) for r in reqs[:3]]
     _check(layout, reqs, stores_, [len(r) * hbs for r in reqs], "triton", "torch")
 
@@ -647,14 +633,9 @@ def test_torch_fleet_behind_the_triton_backend(preset):
 def test_merged_full_attention_groups_past_64_engines():
     # Two equal full-attention groups merge into one SpecGroup: a block needs
     # its key in both; 70 engines take two engine-set words.
-    from kvhit import CacheLayout, FullAttention, Group
-
-    layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+    layout, reqs, stores_, lens = merged_group_case(6)
     assert len(layout.spec_groups) == 1
-    rng = random.Random(11)
-    reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(6)]
-    stores_ = merged_group_stores(reqs, rng, 70)
-    _check(layout, reqs, stores_, [len(r) * 16 for r in reqs])
+    _check(layout, reqs, stores_, lens)
 
 
 @st.composite

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -55,16 +57,22 @@ def _expected(stores: list[set]) -> list[list[int]]:
     return [[ref.lookup(128, CHAIN, s) for s in stores]]
 
 
-def _llama_fleet(engines: int) -> tuple[FleetIndex, LookupEngine, HashBatch]:
-    """An empty fleet of ``engines`` (16-byte keys), a llama engine, and the
+@contextlib.contextmanager
+def _following_llama(
+    pubs: list[Publisher], engines: int
+) -> Iterator[tuple[FleetFollower, FleetIndex, LookupEngine, HashBatch]]:
+    """A started follower of ``pubs`` (:func:`_start`) into an empty fleet of
+    ``engines`` (16-byte keys); yields it, the fleet, a llama engine and the
     one-request batch of CHAIN."""
     fleet = FleetIndex(engines, 16)
-    return fleet, LookupEngine(make_layout("llama")), HashBatch.from_bytes([CHAIN], 16)
+    engine = LookupEngine(make_layout("llama"))
+    batch = HashBatch.from_bytes([CHAIN], 16)
+    with _start(pubs, fleet) as ff:
+        yield ff, fleet, engine, batch
 
 
 def test_three_streams_three_columns(publishers):
-    fleet, engine, batch = _llama_fleet(4)
-    with _start(publishers, fleet) as ff:
+    with _following_llama(publishers, 4) as (ff, fleet, engine, batch):
         a, b, c = publishers
         _stored(a, CHAIN[:6], 1.0)
         _stored(b, CHAIN[:2], 1.0)
@@ -81,8 +89,7 @@ def test_three_streams_three_columns(publishers):
 
 
 def test_gap_repair_per_engine(publishers):
-    fleet, engine, batch = _llama_fleet(3)
-    with _start(publishers, fleet) as ff:
+    with _following_llama(publishers, 3) as (ff, fleet, engine, batch):
         a, b, _ = publishers
         for i in range(5):  # engine 0 loses batches 2 and 3 live
             _stored(a, [CHAIN[i]], float(i), drop=i in (2, 3))
@@ -94,8 +101,7 @@ def test_gap_repair_per_engine(publishers):
 
 
 def test_a_stale_engine_serves_zeros_the_others_keep_serving(publishers):
-    fleet, engine, batch = _llama_fleet(3)
-    with _start(publishers, fleet) as ff:
+    with _following_llama(publishers, 3) as (ff, fleet, engine, batch):
         a, b, c = publishers
         _stored(a, CHAIN[:4], 0.0)
         _stored(b, CHAIN[:5], 0.0)

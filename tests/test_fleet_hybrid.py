@@ -26,7 +26,7 @@ import torch
 from helpers import fleet_expected as expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import case, chained_hashes, saved_keys, stores
+from strategies import chained_hashes, edge_fleet_batch, fleet_case, saved_keys
 
 from kvhit import (
     CacheLayout,
@@ -129,19 +129,8 @@ def is_joint(layout) -> bool:
     )
 
 
-@st.composite
-def hybrid_case(draw):
-    """A ``case()`` of any layout (every kind, merged groups, EAGLE, partial
-    hash hits, scratch groups) plus 0-3 more engines' stores (none, all,
-    random, prefix, saved, mixed)."""
-    layout, requests, exists, lens = draw(case())
-    more = draw(st.integers(0, 3))
-    stores_ = [exists] + [draw(stores(layout, requests)) for _ in range(more)]
-    return layout, requests, stores_, lens
-
-
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(data=hybrid_case(), apply_eagle=st.booleans())
+@given(data=fleet_case(), apply_eagle=st.booleans())
 def test_random_parity_every_kind(data, apply_eagle):
     layout, requests, stores_, lens = data
     calls = check(layout, requests, stores_, lens, apply_eagle)
@@ -189,13 +178,7 @@ def test_edge_batches(hit):
     # all-miss stores, a length 0 and one past the prompt (full attention
     # bounds the scans), a non-power-of-two batch and engine count.
     layout = make_layout("gemma3")
-    hbs = layout.hash_block_size
-    reqs = [chained_hashes(i, n) for i, n in enumerate((9, 0, 1, 5, 12))]
-    full = set()
-    for r in reqs:
-        full |= saved_keys(layout, r, layout.align(len(r) * hbs))
-    stores_ = [full if hit == "all" else set()] * 3
-    lens = [9 * hbs, 0, hbs, 0, 10**9 if hit == "all" else 12 * hbs]
+    reqs, stores_, lens = edge_fleet_batch(layout, (9, 0, 1, 5, 12), hit)
     assert check(layout, reqs[:1], stores_, lens[:1])["hybrid"] == 2
     assert check(layout, reqs, stores_, lens)["hybrid"] == 2
     # B = 0: fleet_find answers [0, E] without a launch.

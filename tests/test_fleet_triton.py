@@ -26,12 +26,12 @@ from helpers import fleet_expected as expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
-    case,
     chained_hashes,
-    layouts,
-    merged_group_stores,
+    edge_fleet_batch,
+    full_fleet_case,
+    merged_group_case,
+    preset_requests,
     saved_keys,
-    stores,
 )
 
 from kvhit import (
@@ -97,19 +97,8 @@ def check(layout, requests, stores_, lens, apply_eagle=True, num_engines=None):
     return len(calls)
 
 
-@st.composite
-def fleet_case(draw):
-    """A full-attention ``case()`` plus 0-3 more engines' stores."""
-    layout, requests, exists, lens = draw(
-        case(layouts(kinds=("full",), allow_scratch_groups=False))
-    )
-    more = draw(st.integers(0, 3))
-    return layout, requests, [exists] + [draw(stores(layout, requests))
-                                         for _ in range(more)], lens  # fmt: skip
-
-
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(data=fleet_case(), apply_eagle=st.booleans())
+@given(data=full_fleet_case(), apply_eagle=st.booleans())
 def test_random_parity(data, apply_eagle):
     # Random full-attention layouts (the joint kernel where the layout is one
     # non-fine SpecGroup, the per-engine path with the Triton table
@@ -123,10 +112,8 @@ def test_random_parity(data, apply_eagle):
 def test_presets_past_64_engines(preset):
     # 70 engines: two engine-set words (the second one partial); every
     # engine's store a different cut of the saved prefix, engine 69 too.
-    layout = make_layout(preset)
-    rng = random.Random(3)
+    layout, rng, reqs = preset_requests(preset, 3, 5, 40)
     hbs = layout.hash_block_size
-    reqs = [chained_hashes(i % 3, rng.randint(0, 40)) for i in range(5)]
     stores_ = []
     for e in range(70):
         keys = set()
@@ -144,12 +131,9 @@ def test_presets_past_64_engines(preset):
 def test_merged_groups_past_64_engines():
     # Two equal full-attention groups merge: a block needs its key in both
     # (MP = 2 probe lanes per block); 70 engines take two words.
-    layout = CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16)
+    layout, reqs, stores_, lens = merged_group_case(5)
     assert len(layout.spec_groups) == 1
-    rng = random.Random(11)
-    reqs = [chained_hashes(i % 3, rng.randint(0, 20)) for i in range(5)]
-    stores_ = merged_group_stores(reqs, rng, 70)
-    assert check(layout, reqs, stores_, [len(r) * 16 for r in reqs]) == 2
+    assert check(layout, reqs, stores_, lens) == 2
 
 
 @pytest.mark.parametrize("hit", ["all", "none"])
@@ -161,13 +145,7 @@ def test_edge_batches(hit):
         make_layout("llama"),
         CacheLayout([Group(FullAttention(16))], 16, 16, use_eagle=True),
     ):
-        hbs = layout.hash_block_size
-        reqs = [chained_hashes(i, n) for i, n in enumerate((33, 0, 1, 7, 40))]
-        full = set()
-        for r in reqs:
-            full |= saved_keys(layout, r, layout.align(len(r) * hbs))
-        stores_ = [full if hit == "all" else set()] * 3
-        lens = [33 * hbs, 0, hbs, 0, 10**9 if hit == "all" else 40 * hbs]
+        reqs, stores_, lens = edge_fleet_batch(layout, (33, 0, 1, 7, 40), hit)
         assert check(layout, reqs[:1], stores_, lens[:1]) == 2
         assert check(layout, reqs, stores_, lens) == 2
         assert check(layout, [], stores_, []) == 0  # B = 0 never launches

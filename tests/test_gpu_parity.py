@@ -22,7 +22,7 @@ import helpers
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import ALL_KINDS, case, chained_hashes, saved_keys
+from strategies import ALL_KINDS, case, preset_requests, saved_keys
 
 from kvhit import (
     CacheLayout,
@@ -33,9 +33,7 @@ from kvhit import (
     HashBatch,
     KeyIndex,
     LookupEngine,
-    Mamba,
     ReferenceCoordinator,
-    SlidingWindow,
 )
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator import fleet_index
@@ -63,34 +61,20 @@ def all_layouts(kind: str) -> list[CacheLayout]:
     if kind == "full":
         return [
             make_layout("llama"),
-            CacheLayout([Group(FullAttention(32)), Group(FullAttention(32))], 32, 16),
+            helpers.merged_full_layout(),
             CacheLayout([Group(FullAttention(12))], 12, 3, use_eagle=True),
         ]
     if kind == "sliding_window":
         return [
             make_layout("gemma3"),
             make_layout("dsv4-flash"),
-            CacheLayout(
-                [Group(FullAttention(12)), Group(SlidingWindow(6, 7), eagle=True)],
-                12,
-                3,
-                use_eagle=True,
-            ),
+            helpers.swa_eagle_layout(),
         ]
     if kind == "mamba":
-        return [
-            make_layout("qwen3-next"),
-            CacheLayout(
-                [Group(FullAttention(6)), Group(Mamba(6)), Group(SlidingWindow(3, 5))],
-                6,
-                3,
-                use_eagle=True,
-                partial_hash_hits=True,
-            ),
-        ]
+        return [make_layout("qwen3-next"), helpers.mamba_partial_layout()]
     assert kind == "chunked_local"
     return [
-        CacheLayout([Group(ChunkedLocal(4, 12)), Group(SlidingWindow(2, 3))], 4, 2),
+        helpers.chunked_swa_layout(),
         CacheLayout([Group(FullAttention(16)), Group(ChunkedLocal(16, 64))], 16, 16),
     ]
 
@@ -117,6 +101,38 @@ def triton_fleets_on(device: str) -> contextlib.AbstractContextManager:
     if device != "cpu":
         return contextlib.nullcontext()
     return mock.patch.object(fleet_index, "auto_backend", lambda device: "triton")
+
+
+def fleets_agree(
+    fleets: list[FleetIndex],
+    layout: CacheLayout,
+    reqs: list[list[bytes]],
+    stores_: list[set],
+    lens: list[int],
+    device: str,
+    apply_eagle: bool = True,
+) -> None:
+    """fleet_hits (``apply_eagle``) and fleet_lookup of ``reqs`` answer the
+    same through each of ``fleets`` (the Triton one on ``device``, the CPU
+    torch one), each on its fleet's device; on the CPU also as the reference
+    per engine over ``stores_``."""
+    batch = HashBatch.from_bytes(reqs, 8)
+    answers = []
+    for fleet in fleets:
+        engine = LookupEngine(layout, backend="torch", device=fleet.device)
+        b = batch.to(fleet.device)
+        hits = engine.fleet_hits(b, lens, fleet, apply_eagle=apply_eagle)
+        assert hits.device == fleet.device
+        answers.append((hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist()))
+    assert answers[0] == answers[1]
+    if device == "cpu":
+        # The interpreter's sizes are small enough for the reference loop
+        # (the CPU torch fleet is the oracle on CUDA: it is the reference's
+        # in tests/test_fleet.py).
+        assert answers[0] == (
+            helpers.fleet_expected(layout, reqs, stores_, lens, apply_eagle),
+            helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
+        )
 
 
 def max_hashes(device: str) -> int:
@@ -234,11 +250,10 @@ def test_fleet_parity(device):
             check(preset, E, seed)
 
     def check(preset, E, seed):
-        layout = make_layout(preset)
-        rng = random.Random(seed)
-        hbs = layout.hash_block_size
         n = 300 if device == "cuda" else 40
-        reqs = [chained_hashes(i % 3, rng.randint(0, n)) for i in range(7)] + [[]]
+        layout, rng, reqs = preset_requests(preset, seed, 7, n)
+        reqs.append([])
+        hbs = layout.hash_block_size
         stores_ = []
         for _ in range(E):
             keys: set = set()
@@ -257,26 +272,8 @@ def test_fleet_parity(device):
             for fleet in fleets:
                 fleet.remove_engine(e)
             stores_[e] = set()
-        batch = HashBatch.from_bytes(reqs, 8)
         lens = [max(len(r) * hbs - rng.randint(0, 20), 0) for r in reqs]
-        answers = []
-        for fleet in fleets:
-            engine = LookupEngine(layout, backend="torch", device=fleet.device)
-            b = batch.to(fleet.device)
-            hits = engine.fleet_hits(b, lens, fleet)
-            assert hits.device == fleet.device
-            answers.append(
-                (hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist())
-            )
-        assert answers[0] == answers[1]
-        if device == "cpu":
-            # The interpreter's sizes are small enough for the reference loop
-            # (the CPU torch fleet is the oracle on CUDA: it is the reference's
-            # in tests/test_fleet.py).
-            assert answers[0] == (
-                helpers.fleet_expected(layout, reqs, stores_, lens),
-                helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
-            )
+        fleets_agree(fleets, layout, reqs, stores_, lens, device)
 
     run_examples(
         device,
@@ -316,22 +313,7 @@ def test_fleet_parity_every_kind(device, kind):
             for fleet in fleets:
                 fleet.remove_engine(E - 1)
             stores_[E - 1] = set()
-        batch = HashBatch.from_bytes(reqs, 8)
-        answers = []
-        for fleet in fleets:
-            engine = LookupEngine(layout, backend="torch", device=fleet.device)
-            b = batch.to(fleet.device)
-            hits = engine.fleet_hits(b, lens, fleet, apply_eagle=apply_eagle)
-            assert hits.device == fleet.device
-            answers.append(
-                (hits.tolist(), engine.fleet_lookup(b, lens, fleet).tolist())
-            )
-        assert answers[0] == answers[1]
-        if device == "cpu":
-            assert answers[0] == (
-                helpers.fleet_expected(layout, reqs, stores_, lens, apply_eagle),
-                helpers.fleet_expected(layout, reqs, stores_, lens, lookup=True),
-            )
+        fleets_agree(fleets, layout, reqs, stores_, lens, device, apply_eagle)
 
     # Fewer examples than the other tests on CUDA: the oracle, the CPU torch
     # fleet, scans engine by engine (up to 65 here).

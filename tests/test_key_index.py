@@ -56,6 +56,14 @@ def backend(request) -> str:
     return request.param
 
 
+def _on_device(backend: str, device: str) -> str:
+    """``backend``, or a skip where it cannot run on ``device`` (numba runs
+    on the CPU only)."""
+    if backend == "numba" and device != "cpu":
+        pytest.skip("numba runs on the CPU")
+    return backend
+
+
 def _kernels():
     return hash_index
 
@@ -72,6 +80,24 @@ def _split(
     g = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)
     h = pack_hashes([k[1] for k in keys], hash_bytes).to(device)
     return g, h
+
+
+def _with_tombstones(
+    keys: list[Key],
+    hash_bytes: int,
+    capacity: int,
+    device: str,
+    backend: str,
+    *,
+    added: int,
+    removed: int,
+) -> KeyIndex:
+    """A KeyIndex that was given ``keys[:added]``, then lost ``keys[:removed]``
+    again (their slots left as tombstones)."""
+    index = KeyIndex(hash_bytes, capacity=capacity, device=device, backend=backend)
+    index.add(*_split(keys[:added], hash_bytes, device))
+    index.remove(*_split(keys[:removed], hash_bytes, device))
+    return index
 
 
 def _adversarial(rng: np.random.Generator, hash_bytes: int) -> list[Key]:
@@ -128,9 +154,7 @@ def _check_against(index: KeyIndex, universe: list[Key], present: set[Key]) -> N
 @triton.jit
 def _hash_kernel(gid_ptr, key_ptr, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
     # Another kernel calling the exported device function, as the engine will.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = hash_index.program_lanes(gid_ptr, n, BLOCK)
     tl.store(
         out_ptr + rows, hash_index.slot_hash(gids, key_ptr, rows, valid, W), mask=valid
     )
@@ -147,9 +171,7 @@ def _probe_via_device_fn(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # noqa: N803
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = rows < n
-    gids = tl.load(gid_ptr + rows, mask=valid, other=0)
+    rows, valid, gids = hash_index.program_lanes(gid_ptr, n, BLOCK)
     hit = hash_index.probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W)
     tl.store(out_ptr + rows, hit.to(tl.int8), mask=valid)
 
@@ -1127,12 +1149,9 @@ def test_freeze_after_reserve(backend: str) -> None:
 
 
 def test_grown_for_then_adopt(backend: str, device: str) -> None:
-    if backend == "numba" and device != "cpu":
-        pytest.skip("numba runs on the CPU")
+    backend = _on_device(backend, device)
     keys = _rand_keys(np.random.default_rng(44), 300, 32)
-    index = KeyIndex(32, capacity=16, device=device, backend=backend)
-    index.add(*_split(keys[:8], 32, device))
-    index.remove(*_split(keys[:2], 32, device))
+    index = _with_tombstones(keys, 32, 16, device, backend, added=8, removed=2)
     old_table = index.table.clone()
     assert not index.has_room_for(292)
     grown = index.grown_for(292)
@@ -1178,12 +1197,9 @@ def test_grown_for_then_adopt(backend: str, device: str) -> None:
 
 
 def test_from_table_read_only_view(backend: str, device: str) -> None:
-    if backend == "numba" and device != "cpu":
-        pytest.skip("numba runs on the CPU")
+    backend = _on_device(backend, device)
     keys = _rand_keys(np.random.default_rng(46), 40, 12)
-    owner = KeyIndex(12, capacity=128, device=device, backend=backend)
-    owner.add(*_split(keys[:30], 12, device))
-    owner.remove(*_split(keys[:5], 12, device))
+    owner = _with_tombstones(keys, 12, 128, device, backend, added=30, removed=5)
     view = KeyIndex.from_table(owner.table, 12, backend=backend)
     assert view.read_only and view.table is owner.table  # no copy
     assert len(view) == 25 and view.tombstones == 5 and view.W == 2
@@ -1294,8 +1310,7 @@ def test_insert_into_a_table_of_busy_slots_terminates(device: str) -> None:
 def test_erase_of_absent_keys_leaves_slot_0_untouched(
     backend: str, device: str
 ) -> None:
-    if backend == "numba" and device != "cpu":
-        pytest.skip("numba runs on the CPU")
+    backend = _on_device(backend, device)
     index = KeyIndex(8, capacity=16, device=device, backend=backend)
     # Plant the compare value the old erase sent every not-found lane's CAS
     # to slot 0 with: an unmasked CAS would overwrite it with TOMBSTONE.

@@ -172,6 +172,19 @@ def store_set(keys: MooncakeKeys, layout: CacheLayout, pairs, present_keys) -> s
 # -- keys -----------------------------------------------------------------------
 
 
+def _saved_store(layout: CacheLayout, reqs, ntoks):
+    """``(keys, pairs, store)``: one-rank Mooncake keys of model ``m``, the
+    ``(group, hash)`` pairs vLLM saves for every request, and a FakeStore
+    holding all of them."""
+    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
+    pairs = set()
+    for r, n in zip(reqs, ntoks, strict=True):
+        pairs |= saved_pairs(layout, r, n)
+    store_keys: set = set()
+    put_pairs(keys, pairs, store_keys)
+    return keys, pairs, FakeStore(store_keys)
+
+
 def test_key_strings_match_vllm_format():
     keys = MooncakeKeys(
         "DeepSeek-V4-Flash",
@@ -327,13 +340,7 @@ def test_refresh_adds_and_removes_exactly_the_candidates():
     layout = dsv4_layout()
     rng = random.Random(3)
     reqs, ntoks = workload(rng, layout, 8, 8)
-    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
-    pairs = set()
-    for r, n in zip(reqs, ntoks, strict=True):
-        pairs |= saved_pairs(layout, r, n)
-    store_keys: set = set()
-    put_pairs(keys, pairs, store_keys)
-    store = FakeStore(store_keys)
+    keys, pairs, store = _saved_store(layout, reqs, ntoks)
     idx = KeyIndex(HB, capacity=16)
     sync = StoreSync(store, keys, idx, layout)
     # A stale key outside this batch's candidates must survive a refresh.
@@ -377,13 +384,7 @@ def _snapshot(idx: KeyIndex):
 def test_store_errors_leave_index_unchanged(answer, match):
     layout = dsv4_layout()
     reqs, ntoks = workload(random.Random(5), layout, 6, 8)
-    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
-    pairs = set()
-    for r, n in zip(reqs, ntoks, strict=True):
-        pairs |= saved_pairs(layout, r, n)
-    store_keys: set = set()
-    put_pairs(keys, pairs, store_keys)
-    store = FakeStore(store_keys)
+    keys, pairs, store = _saved_store(layout, reqs, ntoks)
     bl = BatchedLookup(layout, store, keys, hash_bytes=HB)
     batch = HashBatch.from_bytes(reqs, HB)
     good = bl.lookup(batch, ntoks)
@@ -619,13 +620,7 @@ def _primed(seed: int = 7, **kw):
     """A BatchedLookup with a good first step behind it, and its inputs."""
     layout = dsv4_layout()
     reqs, ntoks = workload(random.Random(seed), layout, 6, 8)
-    keys = MooncakeKeys("m", [[(0, 0, 0, 0)]] * 5)
-    pairs = set()
-    for r, n in zip(reqs, ntoks, strict=True):
-        pairs |= saved_pairs(layout, r, n)
-    store_keys: set = set()
-    put_pairs(keys, pairs, store_keys)
-    store = FakeStore(store_keys)
+    keys, pairs, store = _saved_store(layout, reqs, ntoks)
     bl = BatchedLookup(layout, store, keys, hash_bytes=HB, **kw)
     batch = HashBatch.from_bytes(reqs, HB)
     assert bl.lookup(batch, ntoks).any()

@@ -18,7 +18,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import key_index
+from helpers import (
+    chunked_swa_layout,
+    key_index,
+    mamba_partial_layout,
+    swa_eagle_layout,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -31,7 +36,6 @@ from strategies import (
 
 from kvhit import (
     CacheLayout,
-    ChunkedLocal,
     FullAttention,
     Group,
     HashBatch,
@@ -87,6 +91,32 @@ def _check_all(layout, requests, exists, lens, device, apply_eagle=True) -> None
     assert lm == want_lm, layout
 
 
+def _launch(
+    layout: CacheLayout,
+    requests: list[list[bytes]],
+    lens: list[int],
+    width: int,
+    device: str,
+    block: int,
+) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """The launchers' arguments for ``requests`` (``width``-byte hashes) at
+    ``lens``: the positional ``(rows, offsets, lengths, max_lengths, sg_rows,
+    cand_rows)`` on ``device`` and the plan's scalars with ``block``."""
+    plan = ScanPlan.from_layout(layout)
+    view = HashBatch.from_bytes(requests, width, device).view()
+    sg_rows, cand_rows = plan_tensors(plan, device)
+    ml = torch.tensor(lens, dtype=torch.int64, device=device)
+    kw = dict(
+        hash_block_size=plan.hash_block_size,
+        alignment=plan.alignment,
+        partial=plan.partial,
+        simple_hybrid=plan.simple_hybrid,
+        num_groups=plan.num_groups,
+        block=block,
+    )
+    return (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows), kw
+
+
 def _kernel_parity(layout, requests, exists, lens, device, apply_eagle) -> None:
     """The launchers with a tiny block equal the reference: ``scan_hits`` with
     and without an index and with the store worker's restriction (the
@@ -94,22 +124,10 @@ def _kernel_parity(layout, requests, exists, lens, device, apply_eagle) -> None:
     from kvhit.kernels.scan import scan_hits, worker_lookup
 
     ref = ReferenceCoordinator(layout)
-    plan = ScanPlan.from_layout(layout)
-    view = HashBatch.from_bytes(requests, 8, device).view()
-    sg_rows, cand_rows = plan_tensors(plan, device)
-    kw = dict(
-        hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment,
-        partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
-        num_groups=plan.num_groups,
-        block=2,
-    )
-    ml = torch.tensor(lens, dtype=torch.int64, device=device)
+    args, kw = _launch(layout, requests, lens, 8, device, block=2)
     index = key_index(exists, device)
     a = layout.alignment
     tok = torch.tensor([n // a * a for n in lens], dtype=torch.int64, device=device)
-    args = (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows)
     for table, token_len in ((index.table, None), (None, None), (index.table, tok)):
         hit, tri = scan_hits(
             *args, table=table, token_len=token_len, apply_eagle=apply_eagle, **kw
@@ -173,20 +191,9 @@ def test_small_block_matches_reference(device, data, apply_eagle):
 def _edge_layouts() -> list[CacheLayout]:
     return [
         CacheLayout([Group(FullAttention(4))], 4, 2),
-        CacheLayout(
-            [Group(FullAttention(12)), Group(SlidingWindow(6, 7), eagle=True)],
-            12,
-            3,
-            use_eagle=True,
-        ),
-        CacheLayout(
-            [Group(FullAttention(6)), Group(Mamba(6)), Group(SlidingWindow(3, 5))],
-            6,
-            3,
-            use_eagle=True,
-            partial_hash_hits=True,
-        ),
-        CacheLayout([Group(ChunkedLocal(4, 12)), Group(SlidingWindow(2, 3))], 4, 2),
+        swa_eagle_layout(),
+        mamba_partial_layout(),
+        chunked_swa_layout(),
     ]
 
 
@@ -503,20 +510,8 @@ def test_long_leading_runs_with_near_miss_keys(device, data, run, kind, block):
             exists |= {(g, _near_miss(h, word)) for g in gids}
     n_tok = n_units * 4 - data.draw(st.integers(0, 3))
     ref = ReferenceCoordinator(layout)
-    plan = ScanPlan.from_layout(layout)
-    view = HashBatch.from_bytes([hashes], 32, device).view()
-    sg_rows, cand_rows = plan_tensors(plan, device)
+    args, kw = _launch(layout, [hashes], [n_tok], 32, device, block)
     index = key_index(exists, device, width=32)
-    kw = dict(
-        hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment,
-        partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
-        num_groups=plan.num_groups,
-        block=block,
-    )
-    ml = torch.tensor([n_tok], dtype=torch.int64, device=device)
-    args = (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows)
     hit, tri = scan_hits(
         *args, table=index.table, token_len=None, apply_eagle=True, **kw
     )
