@@ -234,7 +234,7 @@ class TritonBackend(ViewBackend):
         if len(batch) == 0:
             return self.empty_find()
         hit, mask_spans = self.find_view(
-            FindQuery(self.view(batch), max_lengths[0], index, apply_eagle)
+            (self.view(batch), max_lengths[0], index, apply_eagle)
         )
         self.check_answer(hit, max_lengths)
         return hit, mask_spans
