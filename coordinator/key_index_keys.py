@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
-from kvhit.kernels.checks import check_int, check_tensor, is_int, resolve_device
+from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
 __all__ = ["keys_on_device", "normalize_ids", "normalize_keys"]
 
@@ -99,9 +99,12 @@ def normalize_ids(
     if isinstance(ids, bool | np.bool_):
         raise TypeError(f"{name} must be int64, not bool")
     if is_int(ids):
-        value = check_int(ids, name, 0, bound)
+        value = int(ids)
         if value >= 1 << 63:
             raise ValueError(f"{name} must fit in int64, got {value}")
+        if value < 0 or (bound is not None and value >= bound):
+            span = ">= 0" if bound is None else f"in [0, {bound})"
+            raise ValueError(f"{name} must be {span}, got {value}")
         return torch.full((n,), value, dtype=torch.int64, device=device)
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
