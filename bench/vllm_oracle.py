@@ -47,7 +47,7 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,12 @@ from kvhit.bench.vllm_real import (
     vllm_groups,
     vllm_importable,
     vllm_spec,
+)
+from kvhit.coordinator.spec_types import (
+    ChunkedLocal,
+    FullAttention,
+    Mamba,
+    SlidingWindow,
 )
 
 # vllm_real's names are re-exported: the tests and bench scripts reach them
@@ -278,35 +284,9 @@ class VllmOracle:
 # ---------------------------------------------------------------------------
 
 
-# Stand-ins with kvhit's spec / group / layout attribute names, used when kvhit
-# is not importable (``--check``) and to describe generated layouts.
-@dataclass(frozen=True)
-class FullAttention:
-    block_size: int
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class SlidingWindow:
-    block_size: int
-    sliding_window: int
-    extra_retained_tokens: int = 0
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class Mamba:
-    block_size: int
-    tag: Hashable = None
-
-
-@dataclass(frozen=True)
-class ChunkedLocal:
-    block_size: int
-    attention_chunk_size: int
-    tag: Hashable = None
-
-
+# The spec classes are kvhit's own (plain data, no rule: spec_types imports
+# nothing of kvhit's); the group and layout are stand-ins with kvhit's
+# attribute names, used to describe generated layouts (kvhit may refuse them).
 @dataclass(frozen=True)
 class Group:
     spec: Any
@@ -327,22 +307,18 @@ class LayoutParams:
     partial_hash_hits: bool = False
 
     def kwargs(self) -> dict[str, Any]:
-        return dict(
-            scheduler_block_size=self.scheduler_block_size,
-            hash_block_size=self.hash_block_size,
-            use_eagle=self.use_eagle,
-            retention_interval=self.retention_interval,
-            partial_hash_hits=self.partial_hash_hits,
-        )
+        """``CacheLayout``'s keyword arguments besides the groups: every other
+        field, by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "groups"
+        }
 
     def __repr__(self) -> str:
         gs = ", ".join(_group_repr(g) for g in self.groups)
-        return (
-            f"CacheLayout(groups=[{gs}], scheduler_block_size="
-            f"{self.scheduler_block_size}, hash_block_size={self.hash_block_size}, "
-            f"use_eagle={self.use_eagle}, retention_interval="
-            f"{self.retention_interval}, partial_hash_hits={self.partial_hash_hits})"
-        )
+        rest = "".join(f", {k}={v}" for k, v in self.kwargs().items())
+        return f"CacheLayout(groups=[{gs}]{rest})"
 
 
 def _group_repr(g: Group) -> str:
@@ -358,19 +334,9 @@ def kvhit_layout(params: LayoutParams):
     """Build kvhit's ``CacheLayout`` from ``params`` with kvhit's own classes."""
     from kvhit.coordinator import specs as S
 
-    conv = {
-        "FullAttention": lambda s: S.FullAttention(s.block_size, tag=s.tag),
-        "SlidingWindow": lambda s: S.SlidingWindow(
-            s.block_size, s.sliding_window, s.extra_retained_tokens, tag=s.tag
-        ),
-        "Mamba": lambda s: S.Mamba(s.block_size, tag=s.tag),
-        "ChunkedLocal": lambda s: S.ChunkedLocal(
-            s.block_size, s.attention_chunk_size, tag=s.tag
-        ),
-    }
     groups = [
         S.Group(
-            conv[type(g.spec).__name__](g.spec),
+            g.spec,
             eagle=g.eagle,
             prefix_cacheable=g.prefix_cacheable,
             name=g.name,

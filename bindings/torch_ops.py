@@ -353,14 +353,9 @@ def _lookup_op(
 
 
 @_lookup_op.register_fake
-def _lookup_fake(
-    hashes: torch.Tensor,
-    offsets: torch.Tensor,
-    num_tokens: torch.Tensor,
-    table: torch.Tensor,
-    hash_bytes: int,
-    layout_key: str,
-) -> torch.Tensor:
+def _lookup_fake(*args: Any) -> torch.Tensor:
+    # The op's arguments, in its schema's order (see _lookup_op), checked alike.
+    hashes, offsets, num_tokens, table, hash_bytes, _ = args
     _check_lookup(hashes, offsets, num_tokens, table, hash_bytes)
     return num_tokens.new_empty(num_tokens.shape[0])
 

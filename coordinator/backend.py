@@ -37,6 +37,7 @@ __all__ = [
     "RUNS_ON",
     "Backend",
     "BatchBackend",
+    "FindQuery",
     "ViewBackend",
     "auto_backend",
     "check_runs_on",
@@ -192,11 +193,19 @@ class BatchBackend(Backend, Protocol):
         ...
 
 
+#: One :meth:`Backend.find` call, as :meth:`ViewBackend.find` hands it to
+#: :meth:`ViewBackend.find_view`: ``(view, max_lengths, index, apply_eagle)``,
+#: the protocol's arguments (see :meth:`Backend.find` for each), written once.
+#: A plain tuple: a NamedTuple's constructor costs ~0.5 us per call, on the
+#: engine's find path.
+FindQuery = tuple["RaggedView", torch.Tensor, Any, bool]
+
+
 class ViewBackend:
     """The :class:`BatchBackend` methods of a backend that reads views: the
     lengths as an int64 tensor on its device, the batch as its
     :class:`RaggedView`. Subclasses set ``plan`` and ``device`` and implement
-    :class:`Backend`."""
+    :meth:`find_view` and :meth:`Backend.lookup`."""
 
     plan: ScanPlan
     device: torch.device
@@ -204,12 +213,28 @@ class ViewBackend:
     def find(
         self, view: RaggedView, max_lengths: torch.Tensor, index: Any, apply_eagle: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.find`: the call as one :data:`FindQuery`, answered
+        by the backend's :meth:`find_view`."""
+        return self.find_view((view, max_lengths, index, apply_eagle))
+
+    def find_view(self, query: FindQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's own :meth:`Backend.find` of ``query``: ``(hit int64
+        [R], mask_spans int64 [R, G, 3])``."""
         raise NotImplementedError
 
     def lookup(
         self, view: RaggedView, num_tokens: torch.Tensor, index: Any
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def empty_find(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.find` of no request: int64 ``[0]`` and int64
+        ``[0, G, 3]`` on the device."""
+        return (
+            torch.zeros(0, dtype=torch.int64, device=self.device),
+            torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
+                        device=self.device),
+        )  # fmt: skip
 
     def lengths(self, value: Any, name: str, n: int) -> torch.Tensor:
         """See :meth:`BatchBackend.lengths`: int64 ``[n]`` on the device."""
@@ -225,11 +250,7 @@ class ViewBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """See :meth:`BatchBackend.find_batch` (the spans always come)."""
         if len(batch) == 0:
-            return (
-                torch.zeros(0, dtype=torch.int64, device=self.device),
-                torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
-                            device=self.device),
-            )  # fmt: skip
+            return self.empty_find()
         return self.find(batch.view(), max_lengths, index, apply_eagle)
 
     def lookup_batch(

@@ -57,7 +57,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,16 +71,17 @@ from kvhit.coordinator.key_index import (
     KeyIndex,
     normalize_keys,
 )
-from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
+from kvhit.coordinator.key_index_keys import normalize_ids
+from kvhit.coordinator.key_index_state import verify_reachable, verify_slots
+from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_tensor,
     host_int64,
-    is_int,
     resolve_device,
 )
-from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.fleet_torch import unpack_engines
 from kvhit.kernels.hash_index_torch import new_table
 
@@ -372,55 +373,9 @@ class FleetIndex:
         on the index's device, each in ``[0, E)`` (and active, with
         ``need_active``). Raises TypeError/ValueError naming ``engine_ids``."""
         dev = self.device
-        E = self.num_engines
-        if isinstance(engine_ids, bool | np.bool_):
-            raise TypeError("engine_ids must be int64, not bool")
-        if is_int(engine_ids):
-            e = check_int(engine_ids, "engine_ids", 0, E)
-            t = torch.full((n,), e, dtype=torch.int64, device=dev)
-        elif isinstance(engine_ids, np.ndarray):
-            if engine_ids.dtype.kind not in "iu":
-                raise TypeError(
-                    f"engine_ids must hold integers, got dtype {engine_ids.dtype}"
-                )
-            if engine_ids.ndim != 1:
-                raise ValueError(
-                    f"engine_ids must have shape [N], got {list(engine_ids.shape)}"
-                )
-            if engine_ids.size and (
-                int(engine_ids.max()) >= E or int(engine_ids.min()) < 0
-            ):
-                raise ValueError(f"engine_ids must be in [0, {E})")
-            t = torch.from_numpy(engine_ids.astype(np.int64)).to(dev)
-        elif isinstance(engine_ids, torch.Tensor):
-            check_tensor(engine_ids, "engine_ids", device=dev, device_of="index")
-            t = engine_ids.expand(n) if engine_ids.dim() == 0 else engine_ids
-        elif isinstance(engine_ids, Sequence) and not isinstance(
-            engine_ids, str | bytes
-        ):
-            bad = next((i for i, v in enumerate(engine_ids) if not is_int(v)), None)
-            if bad is not None:
-                raise TypeError(
-                    "engine_ids must be a sequence of ints, got "
-                    f"{type(engine_ids[bad]).__name__} at position {bad}"
-                )
-            vals = [int(v) for v in engine_ids]
-            if any(not 0 <= v < E for v in vals):
-                raise ValueError(f"engine_ids must be in [0, {E})")
-            t = torch.tensor(vals, dtype=torch.int64).to(dev)
-        else:
-            raise TypeError(
-                "engine_ids must be an int, a sequence of ints or an int64 "
-                f"tensor, got {type(engine_ids).__name__}"
-            )
-        if t.dim() != 1:
-            raise ValueError(f"engine_ids must have shape [N], got {list(t.shape)}")
-        if t.shape[0] != n:
-            raise ValueError(
-                f"engine_ids has {t.shape[0]} entries but hashes has {n} keys"
-            )
-        if n and bool(((t < 0) | (t >= E)).any()):
-            raise ValueError(f"engine_ids must be in [0, {E})")
+        t = normalize_ids(
+            engine_ids, "engine_ids", n, dev, bound=self.num_engines, holds_data=True
+        )
         if need_active and n:
             inactive = ~self.active_mask.to(dev)[t]
             if bool(inactive.any()):
@@ -429,7 +384,7 @@ class FleetIndex:
                     f"engine_ids: engine {e} was removed from the fleet "
                     "(add_engine first)"
                 )
-        return t.contiguous()
+        return t
 
     def _entries(
         self, engine_ids: Any, group_ids: Any, hashes: Any, need_active: bool
@@ -833,21 +788,7 @@ class FleetIndex:
 
     def _check_structure(self) -> None:
         keys, bits = self.keys, self.bits
-        col = keys[:, 0]
-        if bool((col < TOMBSTONE).any()):
-            raise ValueError("state['keys'] holds BUSY or unknown sentinels")
-        live_mask = col >= 0
-        n_live = int(live_mask.sum().item())
-        n_tombs = int((col == TOMBSTONE).sum().item())
-        if n_live != self._size or n_tombs != self._tombstones:
-            raise ValueError(
-                f"state: tables hold {n_live} keys and {n_tombs} tombstones, "
-                f"fields say {self._size} and {self._tombstones}"
-            )
-        if n_live + n_tombs >= keys.shape[0]:
-            raise ValueError("state['keys'] has no EMPTY slot")
-        if bool((keys[col == EMPTY, 1:] != 0).any()):
-            raise ValueError("state['keys'] has nonzero words in EMPTY slots")
+        live_mask = verify_slots(keys, "keys", self._size, self._tombstones)
         if bool((bits[~live_mask] != 0).any()):
             raise ValueError("state['bits'] has engines in EMPTY or TOMBSTONE slots")
         if bool((bits[live_mask] == 0).all(dim=1).any()):
@@ -859,19 +800,13 @@ class FleetIndex:
         counts = counts[: self.num_engines]
         if counts[~self.active_mask.numpy()].any():
             raise ValueError("state['bits'] gives keys to an inactive engine")
-        live_slots = live_mask.nonzero().squeeze(1)
-        live = keys.index_select(0, live_slots)
-        pad = padding_mask(self.hash_bytes)
-        if pad and bool(((live[:, -1] & pad) != 0).any()):
-            raise ValueError("state['keys'] has nonzero padding bits")
-        found = self.ops.find(
-            self.table, self.W, live[:, 0].contiguous(), live[:, 1:].contiguous()
+        verify_reachable(
+            keys,
+            "keys",
+            self.hash_bytes,
+            live_mask,
+            lambda g, h: self.ops.find(self.table, self.W, g, h),
         )
-        if not torch.equal(found.to(live_slots.device), live_slots):
-            raise ValueError(
-                "state['keys'] is inconsistent: some keys are not reachable from "
-                "their home slot along the probe sequence (or appear twice)"
-            )
         self._per_engine = counts.astype(np.int64)
         # The entry index holds exactly the (engine, key) pairs of the bits.
         v, h = self.entries.keys()

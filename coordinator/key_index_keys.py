@@ -1,7 +1,8 @@
 """The keys a KeyIndex (and a FleetIndex) is given, brought to the form every
 table kernel reads: :func:`normalize_keys` (the public entry point, which
 resolves the device) and :func:`keys_on_device` (a resolved device, what
-``KeyIndex.normalize_keys`` calls). Split from ``coordinator/key_index.py``,
+``KeyIndex.normalize_keys`` calls), and :func:`normalize_ids` (per-key ids:
+group ids here, a FleetIndex's engine ids). Split from ``coordinator/key_index.py``,
 which re-exports :func:`normalize_keys`.
 """
 
@@ -16,7 +17,7 @@ import torch
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
 from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
-__all__ = ["keys_on_device", "normalize_keys"]
+__all__ = ["keys_on_device", "normalize_ids", "normalize_keys"]
 
 
 def _normalize_hashes(
@@ -74,59 +75,74 @@ def _normalize_hashes(
     )
 
 
-def _normalize_group_ids(group_ids: Any, n: int, device: torch.device) -> torch.Tensor:
-    """``group_ids`` for ``n`` keys as a contiguous int64 ``[n]`` tensor on
-    ``device``, every id in ``[0, 2**63)``."""
-    if isinstance(group_ids, bool | np.bool_):
-        raise TypeError("group_ids must be int64, not bool")
-    if is_int(group_ids):
-        gid = int(group_ids)
-        if gid < 0:
-            raise ValueError(f"group_ids must be >= 0, got {gid}")
-        if gid >= 1 << 63:
-            raise ValueError(f"group_ids must fit in int64, got {gid}")
-        return torch.full((n,), gid, dtype=torch.int64, device=device)
-    if isinstance(group_ids, np.ndarray):
-        if group_ids.dtype.kind not in "iu":
-            raise TypeError(
-                f"group_ids must hold integers, got dtype {group_ids.dtype}"
-            )
-        if group_ids.dtype == np.uint64 and group_ids.size:
-            if int(group_ids.max()) >= 1 << 63:
-                raise ValueError("group_ids must fit in int64")
-        group_ids = torch.from_numpy(group_ids.astype(np.int64)).to(device)
-    if isinstance(group_ids, torch.Tensor):
-        check_tensor(
-            group_ids, "group_ids", device=device, device_of="index", holds_data=False
-        )
-        if group_ids.dim() == 0:
-            group_ids = group_ids.expand(n)
-    elif isinstance(group_ids, Sequence) and not isinstance(group_ids, str | bytes):
-        bad = next((i for i, g in enumerate(group_ids) if not is_int(g)), None)
+def normalize_ids(
+    ids: Any,
+    name: str,
+    n: int,
+    device: torch.device,
+    bound: int | None = None,
+    holds_data: bool = False,
+) -> torch.Tensor:
+    """Per-key ids (a FleetIndex's engine ids, every table's group ids) for
+    ``n`` keys as a contiguous int64 ``[n]`` tensor on ``device``, each in
+    ``[0, bound)`` (``[0, 2**63)`` without ``bound``).
+
+    Args:
+        ids: an int (broadcast to every key), a sequence of ints, an integer
+            numpy array ``[n]`` or an int64 tensor ``[n]`` (or 0-d,
+            broadcast) on ``device``.
+        name: the argument's name, in every error.
+        holds_data: refuse a meta tensor (see ``checks.check_tensor``).
+
+    Raises TypeError/ValueError naming ``name``.
+    """
+    if isinstance(ids, bool | np.bool_):
+        raise TypeError(f"{name} must be int64, not bool")
+    if is_int(ids):
+        value = int(ids)
+        if value >= 1 << 63:
+            raise ValueError(f"{name} must fit in int64, got {value}")
+        if value < 0 or (bound is not None and value >= bound):
+            span = ">= 0" if bound is None else f"in [0, {bound})"
+            raise ValueError(f"{name} must be {span}, got {value}")
+        return torch.full((n,), value, dtype=torch.int64, device=device)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}")
+        if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 1 << 63:
+            raise ValueError(f"{name} must fit in int64")
+        ids = torch.from_numpy(ids.astype(np.int64)).to(device)
+    if isinstance(ids, torch.Tensor):
+        check_tensor(ids, name, device=device, device_of="index", holds_data=holds_data)
+        if ids.dim() == 0:
+            ids = ids.expand(n)
+    elif isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
+        bad = next((i for i, v in enumerate(ids) if not is_int(v)), None)
         if bad is not None:
             raise TypeError(
-                f"group_ids must be a sequence of ints, got "
-                f"{type(group_ids[bad]).__name__} at position {bad}"
+                f"{name} must be a sequence of ints, got "
+                f"{type(ids[bad]).__name__} at position {bad}"
             )
         try:
-            group_ids = torch.tensor([int(g) for g in group_ids], dtype=torch.int64)
+            ids = torch.tensor([int(v) for v in ids], dtype=torch.int64)
         except (RuntimeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"group_ids must fit in int64 ({exc})") from None
-        group_ids = group_ids.to(device)
+            raise ValueError(f"{name} must fit in int64 ({exc})") from None
+        ids = ids.to(device)
     else:
         raise TypeError(
-            "group_ids must be an int, a sequence of ints or an int64 tensor, "
-            f"got {type(group_ids).__name__}"
+            f"{name} must be an int, a sequence of ints or an int64 tensor, "
+            f"got {type(ids).__name__}"
         )
-    if group_ids.dim() != 1:
-        raise ValueError(f"group_ids must have shape [N], got {list(group_ids.shape)}")
-    if group_ids.shape[0] != n:
-        raise ValueError(
-            f"group_ids has {group_ids.shape[0]} entries but hashes has {n} keys"
-        )
-    if n and bool((group_ids < 0).any()):
-        raise ValueError("group_ids must be >= 0 (negative values are sentinels)")
-    return group_ids.contiguous()
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must have shape [N], got {list(ids.shape)}")
+    if ids.shape[0] != n:
+        raise ValueError(f"{name} has {ids.shape[0]} entries but hashes has {n} keys")
+    if bound is None:
+        if n and bool((ids < 0).any()):
+            raise ValueError(f"{name} must be >= 0 (negative values are sentinels)")
+    elif n and bool(((ids < 0) | (ids >= bound)).any()):
+        raise ValueError(f"{name} must be in [0, {bound})")
+    return ids.contiguous()
 
 
 def normalize_keys(
@@ -165,4 +181,4 @@ def keys_on_device(
     """:func:`normalize_keys` for a resolved ``device``: ``(int64 [N], int64
     [N, W])``, contiguous, on ``device``."""
     words = _normalize_hashes(hashes, hash_bytes, device)
-    return _normalize_group_ids(group_ids, words.shape[0], device), words
+    return normalize_ids(group_ids, "group_ids", words.shape[0], device), words

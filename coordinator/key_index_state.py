@@ -14,7 +14,14 @@ import torch
 from kvhit.coordinator.packing import padding_mask
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 
-__all__ = ["STATE_VERSION", "checksum_culprit", "table_checksum", "verify_structure"]
+__all__ = [
+    "STATE_VERSION",
+    "checksum_culprit",
+    "table_checksum",
+    "verify_reachable",
+    "verify_slots",
+    "verify_structure",
+]
 
 #: The layout version ``state_dict`` writes and ``from_state_dict`` reads.
 STATE_VERSION = 2
@@ -58,6 +65,54 @@ def checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:
     return " and ".join([*wrong, table_part]) + " was"
 
 
+def verify_slots(keys: torch.Tensor, name: str, size: int, tombs: int) -> torch.Tensor:
+    """The slot states of a restored table (ValueError naming ``state[name]``):
+    ``keys`` int64 ``[C, 1 + W]``, column 0 a group id or a sentinel, holds
+    ``size`` keys and ``tombs`` tombstones, an EMPTY slot, zero words in EMPTY
+    slots. Returns the live slots: bool ``[C]``. A KeyIndex's table and a
+    FleetIndex's keys are checked alike."""
+    col = keys[:, 0]
+    if bool((col < TOMBSTONE).any()):
+        raise ValueError(f"state[{name!r}] holds BUSY or unknown sentinels")
+    live_mask = col >= 0
+    n_live = int(live_mask.sum().item())
+    n_tombs = int((col == TOMBSTONE).sum().item())
+    if n_live != size or n_tombs != tombs:
+        raise ValueError(
+            f"state: state[{name!r}] holds {n_live} keys and {n_tombs} "
+            f"tombstones, fields say {size} and {tombs}"
+        )
+    if n_live + n_tombs >= keys.shape[0]:
+        raise ValueError(f"state[{name!r}] has no EMPTY slot")
+    if bool((keys[col == EMPTY, 1:] != 0).any()):
+        raise ValueError(f"state[{name!r}] has nonzero words in EMPTY slots")
+    return live_mask
+
+
+def verify_reachable(
+    keys: torch.Tensor,
+    name: str,
+    hash_bytes: int,
+    live_mask: torch.Tensor,
+    find: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """The live keys of a restored table (``keys`` and ``live_mask`` as
+    :func:`verify_slots` takes and gives them): zero padding bits, and each
+    found by ``find(gids int64 [N], words int64 [N, W]) -> slots int64 [N]``
+    at its own slot, once. ValueError naming ``state[name]``."""
+    live_slots = live_mask.nonzero().squeeze(1)
+    live = keys.index_select(0, live_slots)
+    pad = padding_mask(hash_bytes)
+    if pad and bool(((live[:, -1] & pad) != 0).any()):
+        raise ValueError(f"state[{name!r}] has nonzero padding bits")
+    found = find(live[:, 0].contiguous(), live[:, 1:].contiguous())
+    if not torch.equal(found.to(live_slots.device), live_slots):
+        raise ValueError(
+            f"state[{name!r}] is inconsistent: some keys are not reachable "
+            "from their home slot along the probe sequence (or appear twice)"
+        )
+
+
 def verify_structure(
     table: torch.Tensor,
     hash_bytes: int,
@@ -68,30 +123,8 @@ def verify_structure(
     """The layout invariants of a restored table (ValueError naming
     state['table']): ``table`` int64 ``[C, W + 1]``, ``find`` its backend's
     ``find(table, W, gids, words)`` launcher (int64 ``[N]`` slots)."""
-    col = table[:, 0]
-    if bool((col < TOMBSTONE).any()):
-        raise ValueError("state['table'] holds BUSY or unknown sentinels")
-    n_live = int((col >= 0).sum().item())
-    n_tombs = int((col == TOMBSTONE).sum().item())
-    if n_live != size or n_tombs != tombs:
-        raise ValueError(
-            f"state: table holds {n_live} keys and {n_tombs} tombstones, "
-            f"fields say {size} and {tombs}"
-        )
-    if n_live + n_tombs >= table.shape[0]:
-        raise ValueError("state['table'] has no EMPTY slot")
-    if bool((table[col == EMPTY, 1:] != 0).any()):
-        raise ValueError("state['table'] has nonzero words in EMPTY slots")
-    live_slots = (col >= 0).nonzero().squeeze(1)
-    live = table.index_select(0, live_slots)
-    pad = padding_mask(hash_bytes)
-    if pad and bool(((live[:, -1] & pad) != 0).any()):
-        raise ValueError("state['table'] has nonzero padding bits")
-    found = find(
-        table, table.shape[1] - 1, live[:, 0].contiguous(), live[:, 1:].contiguous()
+    live_mask = verify_slots(table, "table", size, tombs)
+    W = table.shape[1] - 1
+    verify_reachable(
+        table, "table", hash_bytes, live_mask, lambda g, h: find(table, W, g, h)
     )
-    if not torch.equal(found, live_slots):
-        raise ValueError(
-            "state['table'] is inconsistent: some keys are not reachable "
-            "from their home slot along the probe sequence (or appear twice)"
-        )

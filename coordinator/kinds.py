@@ -75,22 +75,40 @@ PlanFieldsFn = Callable[[Spec], Mapping[str, int]]
 CandidateFieldsFn = Callable[[Spec, int, bool], Mapping[str, int | bool]]
 
 
+def _no_fields(spec: Spec, *_: object) -> Mapping[str, int]:
+    return {}
+
+
+def _every_chunk_batched(
+    spec: Spec, chunks: Any, inside: Any, *_: object
+) -> tuple[Any, bool]:
+    """:data:`BatchedMaskFn` of ``managers.every_block_reachable``."""
+    return inside.clone(), True
+
+
 @dataclass(frozen=True)
 class SpecKind:
     """One KV-cache manager kind.
 
+    The defaults are the common case, so that each entry of :data:`KINDS`
+    states only what sets its kind apart: every block reachable, stored where
+    reachable, no kind-specific plan fields, no flags but the proof margin.
+
     Attributes:
-        name: ``spec.kind`` / ``SpecGroup.kind`` (``"full"``, ...).
+        name: ``spec.kind`` / ``SpecGroup.kind`` (``"full"``, ...): the spec
+            class's ``kind``, not given.
         code: the ``KIND_*`` code kernels read in ``ScanPlan.as_rows()``.
         spec_type: the kvhit spec class.
         vllm_names: vLLM 0.33.0 spec class names whose manager this kind
             reproduces (``bindings/vllm.py`` maps them).
         scan: the reference ``find_longest_cache_hit`` (:data:`ScanFn`).
         reachable_mask: the reference lookup/reachable mask (:data:`MaskFn`).
-        store_mask: the reference store mask (:data:`MaskFn`).
+        store_mask: the reference store mask (:data:`MaskFn`); None (the
+            default) is ``reachable_mask``.
         batched_reachable_mask: ``reachable_mask`` for a batch
             (:data:`BatchedMaskFn`).
-        batched_store_mask: ``store_mask`` for a batch (:data:`BatchedMaskFn`).
+        batched_store_mask: ``store_mask`` for a batch (:data:`BatchedMaskFn`);
+            None (the default) is ``batched_reachable_mask``.
         plan_fields: its ``SpecGroupPlan`` fields (:data:`PlanFieldsFn`).
         candidate_fields: its ``CandidatePlan`` fields
             (:data:`CandidateFieldsFn`).
@@ -105,20 +123,28 @@ class SpecKind:
             be unverified; vllm-project/vllm PR #45614).
     """
 
-    name: str
+    name: str = dataclasses.field(init=False)
     code: int
     spec_type: type
     vllm_names: tuple[str, ...]
     scan: ScanFn
-    reachable_mask: MaskFn
-    store_mask: MaskFn
-    batched_reachable_mask: BatchedMaskFn
-    batched_store_mask: BatchedMaskFn
-    plan_fields: PlanFieldsFn
-    candidate_fields: CandidateFieldsFn
-    fine_grained: bool
-    is_full_attention: bool
-    takes_proof_margin: bool
+    reachable_mask: MaskFn = managers.every_block_reachable
+    store_mask: MaskFn = None  # type: ignore[assignment]  # see __post_init__
+    batched_reachable_mask: BatchedMaskFn = _every_chunk_batched
+    batched_store_mask: BatchedMaskFn = None  # type: ignore[assignment]
+    plan_fields: PlanFieldsFn = _no_fields
+    candidate_fields: CandidateFieldsFn = _no_fields
+    fine_grained: bool = False
+    is_full_attention: bool = False
+    takes_proof_margin: bool = True
+
+    def __post_init__(self) -> None:
+        # Frozen: the derived fields are set once, here.
+        object.__setattr__(self, "name", self.spec_type.kind)
+        if self.store_mask is None:
+            object.__setattr__(self, "store_mask", self.reachable_mask)
+        if self.batched_store_mask is None:
+            object.__setattr__(self, "batched_store_mask", self.batched_reachable_mask)
 
     @property
     def spec_fields(self) -> frozenset[str]:
@@ -129,10 +155,6 @@ class SpecKind:
             for f in dataclasses.fields(self.spec_type)
             if f.init and f.name != "tag"
         )
-
-
-def _no_fields(spec: Spec, *_: object) -> Mapping[str, int]:
-    return {}
 
 
 def _swa_plan_fields(spec: SlidingWindow) -> Mapping[str, int]:
@@ -160,13 +182,6 @@ def _swa_candidate_fields(
         "need": need,
         "shift": 1 if eagle else 0,
     }
-
-
-def _every_chunk_batched(
-    spec: Spec, chunks: Any, inside: Any, *_: object
-) -> tuple[Any, bool]:
-    """:data:`BatchedMaskFn` of ``managers.every_block_reachable``."""
-    return inside.clone(), True
 
 
 def _no_chunk_batched(
@@ -237,39 +252,24 @@ def _mamba_batched_mask(
 #: Every kind, in code order.
 KINDS: tuple[SpecKind, ...] = (
     SpecKind(
-        name="full",
         code=KIND_FULL,
         spec_type=FullAttention,
         vllm_names=("FullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"),
         scan=managers.full_attention_hit,
-        reachable_mask=managers.every_block_reachable,
-        store_mask=managers.every_block_reachable,
-        batched_reachable_mask=_every_chunk_batched,
-        batched_store_mask=_every_chunk_batched,
-        plan_fields=_no_fields,
-        candidate_fields=_no_fields,
         fine_grained=True,
         is_full_attention=True,
-        takes_proof_margin=True,
     ),
     SpecKind(
-        name="sliding_window",
         code=KIND_SWA,
         spec_type=SlidingWindow,
         vllm_names=("SlidingWindowSpec", "SlidingWindowMLASpec"),
         scan=managers.sliding_window_hit,
         reachable_mask=managers.sliding_window_reachable_mask,
-        store_mask=managers.sliding_window_reachable_mask,
         batched_reachable_mask=_swa_batched_mask,
-        batched_store_mask=_swa_batched_mask,
         plan_fields=_swa_plan_fields,
         candidate_fields=_swa_candidate_fields,
-        fine_grained=False,
-        is_full_attention=False,
-        takes_proof_margin=True,
     ),
     SpecKind(
-        name="mamba",
         code=KIND_MAMBA,
         spec_type=Mamba,
         vllm_names=("MambaSpec",),
@@ -278,27 +278,15 @@ KINDS: tuple[SpecKind, ...] = (
         store_mask=managers.no_block_stored,
         batched_reachable_mask=_mamba_batched_mask,
         batched_store_mask=_no_chunk_batched,
-        plan_fields=_no_fields,
-        candidate_fields=_no_fields,
         fine_grained=True,
-        is_full_attention=False,
         takes_proof_margin=False,
     ),
     SpecKind(
-        name="chunked_local",
         code=KIND_CHUNKED,
         spec_type=ChunkedLocal,
         vllm_names=("ChunkedLocalAttentionSpec",),
         scan=managers.chunked_local_hit,
-        reachable_mask=managers.every_block_reachable,
-        store_mask=managers.every_block_reachable,
-        batched_reachable_mask=_every_chunk_batched,
-        batched_store_mask=_every_chunk_batched,
         plan_fields=_chunked_plan_fields,
-        candidate_fields=_no_fields,
-        fine_grained=False,
-        is_full_attention=False,
-        takes_proof_margin=True,
     ),
 )
 
@@ -314,9 +302,6 @@ def _check_table(kinds: Sequence[SpecKind]) -> None:
     for what, values in (("name", names), ("code", codes), ("vLLM name", vllm)):
         if len(set(values)) != len(values):
             raise AssertionError(f"duplicate spec-kind {what} in {values}")
-    for k in kinds:
-        if k.spec_type.kind != k.name:
-            raise AssertionError(f"{k.spec_type.__name__}.kind is not {k.name!r}")
 
 
 _check_table(KINDS)

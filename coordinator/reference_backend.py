@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvhit.coordinator.backend import ViewBackend
+from kvhit.coordinator.backend import FindQuery, ViewBackend
 from kvhit.coordinator.packing import unpack_hashes
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference import ReferenceCoordinator
@@ -87,18 +87,14 @@ class ReferenceBackend(ViewBackend):
         lengths = view.lengths.cpu().tolist()
         return [flat[o : o + n] for o, n in zip(offs, lengths, strict=True)]
 
-    def find(
-        self,
-        view: RaggedView,
-        max_lengths: torch.Tensor,
-        index: KeyIndex | None,
-        apply_eagle: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``Backend.find``: ``(hit int64 [R], mask_spans int64 [R, G, 3])``.
+    def find_view(self, query: FindQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``ViewBackend.find_view``: ``ReferenceCoordinator.
+        find_longest_cache_hit`` per request.
 
         Raises:
             ValueError: where the reference raises (a scan past the hashes).
         """
+        view, max_lengths, index, apply_eagle = query
         ref = self.reference
         exists = None if index is None else index_keys(index)
         requests = self._requests(view)

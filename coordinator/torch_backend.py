@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvhit.coordinator.backend import ViewBackend
+from kvhit.coordinator.backend import FindQuery, ViewBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.kernels import hash_index_torch
 from kvhit.kernels.scan_torch import Prober, TorchScanner, torch_plan, worker_lookup
@@ -80,21 +80,11 @@ class TorchBackend(ViewBackend):
 
         return probe
 
-    def find(
-        self,
-        view: RaggedView,
-        max_lengths: torch.Tensor,
-        index: KeyIndex | None,
-        apply_eagle: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``Backend.find``: ``(hit int64 [R], mask_spans int64 [R, G, 3])``."""
-        n = len(view)
-        if n == 0:
-            return (
-                torch.zeros(0, dtype=torch.int64, device=self.device),
-                torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
-                            device=self.device),
-            )  # fmt: skip
+    def find_view(self, query: FindQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``ViewBackend.find_view``: :class:`TorchScanner` over the view."""
+        view, max_lengths, index, apply_eagle = query
+        if len(view) == 0:
+            return self.empty_find()
         with self._threads():
             hit, mask_spans = TorchScanner(
                 self._rows, self._prober(index, view.rows)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import ViewBackend
+from kvhit.coordinator.backend import FindQuery, ViewBackend
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels import contract as kc
 from kvhit.kernels.checks import check_lengths, host_lengths
@@ -232,9 +232,9 @@ class TritonBackend(ViewBackend):
         """See :meth:`BatchBackend.find_batch`: one launch, and one copy of
         the hits when the lengths' values are the kernel's to check."""
         if len(batch) == 0:
-            return super().find_batch(batch, max_lengths[0], index, apply_eagle)
-        hit, mask_spans = self.find(
-            self.view(batch), max_lengths[0], index, apply_eagle
+            return self.empty_find()
+        hit, mask_spans = self.find_view(
+            (self.view(batch), max_lengths[0], index, apply_eagle)
         )
         self.check_answer(hit, max_lengths)
         return hit, mask_spans
@@ -279,16 +279,12 @@ class TritonBackend(ViewBackend):
             self._warm.add(("lookup", w))
         torch.cuda.synchronize(self.device)
 
-    def find(
-        self,
-        view: RaggedView,
-        max_lengths: torch.Tensor,
-        index: KeyIndex | None,
-        apply_eagle: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hits and load-mask spans, as :meth:`Backend.find`: ``(hit int64
-        [R], mask_spans int64 [R, G, 3])``, one launch, no host sync."""
+    def find_view(self, query: FindQuery) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hits and load-mask spans, as :meth:`ViewBackend.find_view`: ``(hit
+        int64 [R], mask_spans int64 [R, G, 3])``, one launch, no host sync."""
         from kvhit.kernels.scan import launch_scan
+
+        view, max_lengths, index, apply_eagle = query
 
         sg_rows, cand_rows = self._rows(view.device)
         variant = (
