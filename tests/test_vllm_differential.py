@@ -76,16 +76,30 @@ def test_oracle_leaves_no_vllm_behind(vllm_mods):
     assert not any(str(vo.oracle_dir()) in p for p in sys.path)
 
 
+def _stand_in(name: str, *fields: str) -> type:
+    """A class that is not kvhit's: only its name and attributes match."""
+
+    def init(self, *args, tag=None, **kw):
+        self.__dict__.update(zip(fields, args), tag=tag, **kw)
+
+    return type(name, (), {"__init__": init})
+
+
 def test_oracle_is_duck_typed_on_stand_ins(vllm_mods):
     """The converter needs only attribute and class names (kvhit's or not)."""
+    full = _stand_in("FullAttention", "block_size")
+    swa = _stand_in("SlidingWindow", "block_size", "sliding_window")
+    mamba = _stand_in("Mamba", "block_size")
+    chunked = _stand_in("ChunkedLocal", "block_size", "attention_chunk_size")
+    assert not isinstance(full(16), vo.FullAttention)
     lay = vo.LayoutParams(
         [
-            vo.Group(vo.FullAttention(16)),
-            vo.Group(vo.FullAttention(16, tag="mla")),
-            vo.Group(vo.SlidingWindow(16, 32, extra_retained_tokens=16)),
-            vo.Group(vo.SlidingWindow(16, 48)),
-            vo.Group(vo.Mamba(16), prefix_cacheable=False),
-            vo.Group(vo.ChunkedLocal(16, 64), eagle=False),
+            vo.Group(full(16)),
+            vo.Group(full(16, tag="mla")),
+            vo.Group(swa(16, 32, extra_retained_tokens=16)),
+            vo.Group(swa(16, 48)),
+            vo.Group(mamba(16), prefix_cacheable=False),
+            vo.Group(chunked(16, 64), eagle=False),
         ],
         16,
         16,
