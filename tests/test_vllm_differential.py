@@ -80,7 +80,7 @@ def _stand_in(name: str, *fields: str) -> type:
     """A class that is not kvhit's: only its name and attributes match."""
 
     def init(self, *args, tag=None, **kw):
-        self.__dict__.update(zip(fields, args), tag=tag, **kw)
+        self.__dict__.update(zip(fields, args, strict=False), tag=tag, **kw)
 
     return type(name, (), {"__init__": init})
 
