@@ -508,6 +508,11 @@ _STORES = (BlockStored, StoredKeys)
 _REMOVES = (BlockRemoved, RemovedKeys)
 
 
+def _where(pos: int, ev: Any) -> str:
+    """How an error names event ``pos`` of a batch (made only on an error)."""
+    return f"event {pos} ({ev.__struct_config__.tag})"
+
+
 def plan_events(
     events: Iterable[KVCacheEvent],
     hash_bytes: int,
@@ -531,25 +536,39 @@ def plan_events(
     for pos, ev in enumerate(events):
         kind = type(ev)
         if kind in _STORES or kind in _REMOVES:
-            where = f"event {pos} ({ev.__struct_config__.tag})"
             medium = ev.medium
-            if medium is not None and not isinstance(medium, str):
-                raise TypeError(
-                    f"{where}: medium must be a str or None, got {type(medium).__name__}"
-                )
+            if medium is not None and type(medium) is not str:
+                if not isinstance(medium, str):
+                    raise TypeError(
+                        f"{_where(pos, ev)}: medium must be a str or None, got "
+                        f"{type(medium).__name__}"
+                    )
             if media is not None and medium not in media:
                 plan.skipped += 1
                 continue
             # Events without group_idx come from single-group publishers.
             gid = default_group_id if ev.group_idx is None else ev.group_idx
-            if isinstance(gid, bool) or not isinstance(gid, int):
-                raise TypeError(
-                    f"{where}: group_idx must be an int, got {type(gid).__name__}"
-                )
+            if type(gid) is not int:
+                if isinstance(gid, bool) or not isinstance(gid, int):
+                    raise TypeError(
+                        f"{_where(pos, ev)}: group_idx must be an int, got "
+                        f"{type(gid).__name__}"
+                    )
             # KeyIndex reserves negative ids as slot sentinels; ids are int64.
             if not 0 <= gid < INT64_LIMIT:
-                raise ValueError(f"{where}: group_idx {gid} is not in [0, 2**63)")
-            words = event_words(ev.block_hashes, hash_bytes, where)
+                raise ValueError(
+                    f"{_where(pos, ev)}: group_idx {gid} is not in [0, 2**63)"
+                )
+            hashes = ev.block_hashes
+            # vLLM's two encodings straight from the msgpack; anything else
+            # (and every error, named by event and position) by event_words.
+            words = (
+                raw_hash_words(hashes, hash_bytes)
+                if type(hashes) is msgspec.Raw
+                else None
+            )
+            if words is None:
+                words = event_words(hashes, hash_bytes, _where(pos, ev))
             if words.shape[0]:
                 parts.append((kind in _STORES, gid, words))
             plan.events += 1
@@ -593,11 +612,13 @@ def index_hash_bytes(index: Any) -> int:
 @dataclass
 class PlanKeys:
     """A plan's keys as the KeyIndex takes them: (group ids int64 ``[N]``,
-    hashes int64 ``[N, W]``) on the index's device, or None when empty.
-    ``removes`` and ``adds`` are disjoint; either may repeat a key."""
+    hashes int64 ``[N, W]``), C-contiguous numpy arrays for a CPU index (what
+    the host store paths read: no tensor is made) or tensors on the index's
+    device, or None when empty. ``removes`` and ``adds`` are disjoint; either
+    may repeat a key."""
 
-    removes: tuple[torch.Tensor, torch.Tensor] | None
-    adds: tuple[torch.Tensor, torch.Tensor] | None
+    removes: tuple[Any, Any] | None
+    adds: tuple[Any, Any] | None
 
     @property
     def n_adds(self) -> int:
@@ -653,13 +674,16 @@ def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
     if not plan.parts:
         return PlanKeys(None, None)
     removes, adds = _net_effect(plan.parts)
-    cpu = _device_type(device) == "cpu"
+    if _device_type(device) == "cpu":
+        return PlanKeys(removes, adds)
 
     def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
         if keys is None:
             return None
-        g, h = torch.from_numpy(keys[0]), torch.from_numpy(keys[1])
-        return (g, h) if cpu else (g.to(device), h.to(device))
+        return (
+            torch.from_numpy(keys[0]).to(device),
+            torch.from_numpy(keys[1]).to(device),
+        )
 
     return PlanKeys(tensors(removes), tensors(adds))
 
@@ -675,12 +699,12 @@ def _new_keys(index: KeyIndex, plan: EventPlan, keys: PlanKeys) -> int | None:
     """
     if keys.adds is None:
         return None
+    if not plan.clear and keys.n_adds <= index.room():
+        return None  # the usual case: one test, no probe
     limit = math.floor(index.max_load * index.capacity)
     if plan.clear:
         return keys.n_adds if keys.n_adds > limit else None
     used = len(index) + index.tombstones
-    if used + keys.n_adds <= limit:
-        return None
     new = int((~index.contains(*keys.adds)).sum().item())
     return new if used + new > limit else None
 
@@ -712,9 +736,13 @@ def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
 
 
 def _device_type(device: Any) -> str:
-    return (
-        device.type if isinstance(device, torch.device) else torch.device(device).type
-    )
+    if type(device) is torch.device:
+        return device.type
+    return "cpu" if device == "cpu" else torch.device(device).type
+
+
+#: The lock of a commit made without one (a nullcontext may be re-entered).
+_NO_LOCK = contextlib.nullcontext()
 
 
 def commit_plan(
@@ -729,7 +757,7 @@ def commit_plan(
     lock wait O(1), not a rehash, and a failure while building (out of
     memory, a fixed-capacity index) leaves ``index`` as it was.
     """
-    lock = lock if lock is not None else contextlib.nullcontext()
+    lock = lock if lock is not None else _NO_LOCK
     device = getattr(index, "device", "cpu")
     keys = plan_keys(plan, index_hash_bytes(index), device)
     grown = None

@@ -115,6 +115,9 @@ __all__ = [
     "resolve_backend",
 ]
 
+_INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
+
 #: Backend -> its hash-index kernel module (the same launchers in each:
 #: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
 #: index first binds it: coordinator/ never imports triton or numba before.
@@ -497,6 +500,13 @@ class KeyIndex:
     def _limit(self, capacity: int) -> int:
         return math.floor(self.max_load * capacity)
 
+    def room(self) -> int:
+        """How many new keys fit before the next rehash (growth or tombstone
+        purge): ``floor(max_load * capacity) - len - tombstones``."""
+        if self._size is None or self._tombstones is None:
+            return self._limit(self.capacity) - len(self) - self.tombstones
+        return self._cap_limit - self._size - self._tombstones
+
     def has_room_for(self, extra_keys: int) -> bool:
         """Whether ``extra_keys`` new keys can be added without a rehash (no
         growth and no tombstone purge)."""
@@ -670,13 +680,26 @@ class KeyIndex:
         argument). Only the common forms of a store are taken here: a CPU
         int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
         int, CPU int64 tensor or int64 numpy array of group ids."""
-        W = self.W
-        if isinstance(hashes, HashBatch):
-            if hashes.hash_bytes != self.hash_bytes:
+        # Exact types first: a numpy array (a router's rows) is told apart
+        # without isinstance on torch.Tensor, whose metaclass hook costs
+        # about a microsecond a call.
+        if type(hashes) is np.ndarray:
+            dt = hashes.dtype
+            if dt == _INT64:
+                h = hashes
+            elif dt == _UINT64:
+                h = hashes.view(_INT64)
+            else:
                 return None
-            hashes = hashes.hashes
-        h = host_int64(hashes, unsigned_ok=True)
-        if h is None or h.ndim != 2 or h.shape[1] != W or not h.flags.c_contiguous:
+        else:
+            if isinstance(hashes, HashBatch):
+                if hashes.hash_bytes != self.hash_bytes:
+                    return None
+                hashes = hashes.hashes
+            h = host_int64(hashes, unsigned_ok=True)
+            if h is None:
+                return None
+        if h.ndim != 2 or h.shape[1] != self.W or not h.flags.c_contiguous:
             return None
         n = h.shape[0]
         pad = self._pad
@@ -685,17 +708,23 @@ class KeyIndex:
         if type(group_ids) is int:
             if not 0 <= group_ids < 1 << 63:
                 return None
-            return np.full(n, group_ids, dtype=np.int64), h
-        group_ids = host_int64(group_ids)
+            g = np.empty(n, dtype=_INT64)
+            g.fill(group_ids)  # (np.full costs several times as much)
+            return g, h
+        if type(group_ids) is np.ndarray and group_ids.dtype == _INT64:
+            g = group_ids
+        else:
+            g = host_int64(group_ids)
+            if g is None:
+                return None
         if (
-            group_ids is None
-            or group_ids.ndim != 1
-            or group_ids.shape[0] != n
-            or not group_ids.flags.c_contiguous
-            or (n and group_ids.min() < 0)
+            g.ndim != 1
+            or g.shape[0] != n
+            or not g.flags.c_contiguous
+            or (n and g.item(g.argmin()) < 0)  # argmin: no reduction set-up
         ):
             return None
-        return group_ids, h
+        return g, h
 
     def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
         """:meth:`add_trusted` on numpy views of normalized keys, for the
@@ -739,21 +768,30 @@ class KeyIndex:
         self._tombstones = int((col == TOMBSTONE).sum().item())
         self._version += 1
 
-    def add_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+    def add_trusted(
+        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+    ) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
         itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0,
         ``hashes`` int64 ``[N, W]`` with zero padding bits, both contiguous
-        on this index's device), e.g. a store refresh's present keys."""
+        on this index's device; on the CPU numpy arrays too), e.g. a store
+        refresh's present keys or a KV event's (``bindings/kv_events.py``)."""
         g, h = group_ids, hashes
-        self._check_writable("add")
-        if g.shape[0] == 0:
+        if self._read_only:
+            self._check_writable("add")
+        n = g.shape[0]
+        if n == 0:
             return 0
         if (
             self._host
             and self._np_table is not None
-            and self._size + self._tombstones + g.shape[0] <= self._cap_limit
+            and self._size + self._tombstones + n <= self._cap_limit
         ):
+            if type(g) is np.ndarray:
+                return self._add_host(g, h)
             return self._add_host(g.numpy(), h.numpy())
+        if type(g) is np.ndarray:
+            g, h = torch.from_numpy(g), torch.from_numpy(h)
         if not self.has_room_for(g.shape[0]):
             refuse_growth_in_capture(
                 "add",
@@ -787,13 +825,17 @@ class KeyIndex:
         g, h = self.normalize_keys(group_ids, hashes)
         return self.remove_trusted(g, h)
 
-    def remove_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+    def remove_trusted(
+        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+    ) -> int:
         """:meth:`remove` with **no key validation**, for keys kvhit built
-        itself in the normalized form (as :meth:`add_trusted`), e.g. a store
-        sync's evicted keys."""
+        itself in the normalized form (as :meth:`add_trusted`, numpy arrays
+        too on the CPU), e.g. a store sync's evicted keys."""
         self._check_writable("remove")
         if group_ids.shape[0] == 0:
             return 0
+        if type(group_ids) is np.ndarray:
+            group_ids, hashes = torch.from_numpy(group_ids), torch.from_numpy(hashes)
         erased = self._kernels.erase(
             self.table, self.W, group_ids, hashes, trusted=True
         )
