@@ -19,7 +19,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from kvhit.bindings.kv_events import (
     media_set,
     plan_events,
 )
+from kvhit.bindings.stop_on_exit import StopOnExit
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
 __all__ = [
@@ -113,7 +113,7 @@ class _Restart(Exception):
     """Raised inside the follower when the stream belongs to a new publisher."""
 
 
-class EventFollower:
+class EventFollower(StopOnExit):
     """Subscribe to a vLLM ``ZmqEventPublisher`` and keep ``index`` current.
 
     A daemon thread reads the PUB stream, applies batches in sequence order and
@@ -262,14 +262,11 @@ class EventFollower:
         self._honor_clears = honor_clears
         self._default_group_id = default_group_id
         self.lock = lock if lock is not None else threading.RLock()
-        self.replay_timeout_s = float(replay_timeout_s)
-        self.idle_probe_s = idle_probe_s
-        self.max_drain = max_drain
-        self.rcvhwm = rcvhwm
-        self.poll_ms = poll_ms
+        # Timing and socket settings, as checked above.
+        self.replay_timeout_s, self.idle_probe_s = float(replay_timeout_s), idle_probe_s
+        self.max_drain, self.rcvhwm, self.poll_ms = max_drain, rcvhwm, poll_ms
         self.on_commit = on_commit
-        self.reorder_window = reorder_window
-        self.reorder_wait_s = float(reorder_wait_s)
+        self.reorder_window, self.reorder_wait_s = reorder_window, float(reorder_wait_s)
 
         # Sequence state (follower thread only).
         self._start_seq = start_seq
@@ -352,14 +349,6 @@ class EventFollower:
     def __enter__(self) -> EventFollower:
         # ``with EventFollower(...).start() as f`` is fine too.
         return self if self._thread is not None else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def running(self) -> bool:

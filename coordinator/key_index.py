@@ -74,7 +74,7 @@ import functools
 import importlib
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -735,14 +735,19 @@ class KeyIndex:
             return 0
         if self._size + self._tombstones + n > self._cap_limit:
             return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
+        return self._stored(self._kernels.insert_count, self._np_table, g, h)
+
+    def _stored(self, insert: Callable[..., int], table: Any, g: Any, h: Any) -> int:
+        """``insert(table, g, h)`` (returns the keys newly stored), counted.
+        A failed insert (RuntimeError: numba's table full; triton's
+        ``hash_index.InsertError``, the table full or a BUSY wait ran out)
+        stored the batch's other keys, so the table is counted again."""
         try:
-            added = self._kernels.insert_count(self._np_table, g, h)
+            added = insert(table, g, h)
         except RuntimeError:
             self._recount()
             raise
-        self._size += added
-        if added:
-            self._version += 1
+        self.note_stored(added)
         return added
 
     @property
@@ -808,17 +813,7 @@ class KeyIndex:
             g, h = self._distinct(g, h)
             if not self.has_room_for(g.shape[0]):
                 self._rehash(self._capacity_for(g.shape[0]))
-        try:
-            added = self._insert(self.table, g, h)
-        except RuntimeError:
-            # A failed insert (triton: hash_index.InsertError, the table full
-            # or a BUSY wait ran out) stored the batch's other keys.
-            self._recount()
-            raise
-        self._size += added
-        if added:
-            self._version += 1
-        return added
+        return self._stored(self._insert, self.table, g, h)
 
     def remove(self, group_ids: Any, hashes: Any) -> int:
         """Remove keys (absent keys are ignored); returns the number removed."""

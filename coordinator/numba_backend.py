@@ -138,28 +138,32 @@ class NumbaBackend:
         """See ``BatchBackend.find_batch``: ``max_lengths`` from
         :meth:`lengths`, ``index`` not None; no spans tensor unless
         ``spans``."""
-        if len(batch) == 0:
+        # The batch's arrays first: their count answers len(batch) without
+        # another Python call (a step of one request pays for every call).
+        rows, starts, lengths = batch.host_arrays()
+        if not starts.shape[0]:
             return (
                 torch.zeros(0, dtype=torch.int64),
                 torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
             )
-        sn, prep = self._prep()
-        rows, starts, lengths = batch.host_arrays()
+        sn, prep = self._prep_cache or self._prep()
         hit, mask_spans = sn.scan_prepared(
             prep, rows, starts, lengths, max_lengths, self._host_table(index),
             sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
         )  # fmt: skip
-        return torch.from_numpy(hit), torch.from_numpy(mask_spans) if spans else None
+        if spans:
+            return torch.from_numpy(hit), torch.from_numpy(mask_spans)
+        return torch.from_numpy(hit), None
 
     def lookup_batch(
         self, batch: HashBatch, num_tokens: np.ndarray, index: KeyIndex
     ) -> torch.Tensor:
         """See ``BatchBackend.lookup_batch``: ``num_tokens`` from
         :meth:`lengths`."""
-        if len(batch) == 0:
-            return torch.zeros(0, dtype=torch.int64)
-        sn, prep = self._prep()
         rows, starts, lengths = batch.host_arrays()
+        if not starts.shape[0]:
+            return torch.zeros(0, dtype=torch.int64)
+        sn, prep = self._prep_cache or self._prep()
         hit = sn.scan_prepared(
             prep, rows, starts, lengths, num_tokens, self._host_table(index),
             sn.LOOKUP, self.parallel,
