@@ -23,28 +23,17 @@ from typing import Any
 
 import torch
 
+# The wire schema and apply() are re-exported (kv_events.FOLLOWER_EXPORTS).
+from kvhit.bindings.kv_events import *  # noqa: F403
 from kvhit.bindings.kv_events import (
     END_SEQ,
+    FOLLOWER_EXPORTS,
     INT64_LIMIT,
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    MEDIUM_MOONCAKE_STORE,
-    MEDIUM_STORAGE,
-    AllBlocksCleared,
     ApplyStats,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
     EventPlan,
-    KVCacheEvent,
-    KVEventBatch,
     MalformedPayload,
-    apply,
     commit_plan,
-    decode_batch,
     decode_keys,
-    encode_batch,
-    hash_to_bytes,
     index_hash_bytes,
     media_set,
     plan_events,
@@ -52,26 +41,7 @@ from kvhit.bindings.kv_events import (
 from kvhit.bindings.stop_on_exit import StopOnExit
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
-__all__ = [
-    "END_SEQ",
-    "MEDIUM_CPU",
-    "MEDIUM_GPU",
-    "MEDIUM_MOONCAKE_STORE",
-    "MEDIUM_STORAGE",
-    "AllBlocksCleared",
-    "ApplyStats",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "EventFollower",
-    "KVCacheEvent",
-    "KVEventBatch",
-    "MalformedPayload",
-    "apply",
-    "decode_batch",
-    "encode_batch",
-    "hash_to_bytes",
-]
+__all__ = ["EventFollower", *FOLLOWER_EXPORTS]
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +65,13 @@ _RECENT_BYTES = 1 << 20
 _CHECK_INTERVAL_S = 0.1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Msg:
     seq: int
     payload: bytes
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """Batches decoded in order but not yet committed."""
 
@@ -540,7 +510,7 @@ class EventFollower(StopOnExit):
             msg = self._parse(frames, live=True)
             if msg is not None:
                 pending = self._accept(msg, pending)
-        self._flush(pending)
+        self._flush(pending, reuse=False)
 
     def _accept(self, msg: _Msg, pending: _Pending, retry: bool = True) -> _Pending:
         """Place one live message: apply, hold, drop, or detect a restart.
@@ -652,8 +622,10 @@ class EventFollower(StopOnExit):
         self._recent.clear()
         self._recent_bytes = 0
 
-    def _flush(self, pending: _Pending) -> None:
-        """Commit ``pending`` (O(1) under the lock, see ``commit_plan``).
+    def _flush(self, pending: _Pending, reuse: bool = True) -> None:
+        """Commit ``pending`` (O(1) under the lock, see ``commit_plan``),
+        emptied for more batches unless ``reuse`` is False (the caller drops
+        it).
 
         Also publishes ``next_seq`` as committed, for :meth:`wait_for_seq`.
         """
@@ -675,7 +647,8 @@ class EventFollower(StopOnExit):
                 self.commits += 1
                 if self.on_commit is not None:
                     self.on_commit(stats)
-        pending.plan, pending.batches = EventPlan(), 0
+        if reuse:
+            pending.plan, pending.batches = EventPlan(), 0
         with self._progress:
             self.committed_seq = self.next_seq
             self._progress.notify_all()

@@ -74,34 +74,40 @@ from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
 from kvhit.kernels.checks import check_bool, check_int
 
-__all__ = [
+#: The names ``bindings/events.py`` re-exports beside ``EventFollower``: the
+#: wire schema and :func:`apply` (written once, here).
+FOLLOWER_EXPORTS = (
     "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_MOONCAKE_STORE",
     "MEDIUM_STORAGE",
     "AllBlocksCleared",
-    "INT64_LIMIT",
     "ApplyStats",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
-    "EventPlan",
     "KVCacheEvent",
     "KVEventBatch",
+    "MalformedPayload",
+    "apply",
+    "decode_batch",
+    "encode_batch",
+    "hash_to_bytes",
+)
+__all__ = [
+    *FOLLOWER_EXPORTS,
+    "FOLLOWER_EXPORTS",
+    "INT64_LIMIT",
+    "EventPlan",
     "KeyEventBatch",
     "LE_INT64",
-    "MalformedPayload",
     "PlanKeys",
     "RemovedKeys",
     "StoredKeys",
-    "apply",
     "commit_plan",
-    "decode_batch",
     "decode_keys",
-    "encode_batch",
     "event_words",
-    "hash_to_bytes",
     "hash_words",
     "index_hash_bytes",
     "media_set",
@@ -670,11 +676,17 @@ def _net_effect(
 
 def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
     """Pack the plan's keys (validated by ``plan_events``) before any mutation:
-    the removes and adds of its net effect, as tensors on ``device``."""
+    the removes and adds of its net effect, numpy for a CPU ``device``, else
+    tensors on ``device`` (see :class:`PlanKeys`). ``hash_bytes``: the
+    index's width (the words already have it)."""
+    return _plan_keys(plan, device, _device_type(device) == "cpu")
+
+
+def _plan_keys(plan: EventPlan, device: Any, cpu: bool) -> PlanKeys:
     if not plan.parts:
         return PlanKeys(None, None)
     removes, adds = _net_effect(plan.parts)
-    if _device_type(device) == "cpu":
+    if cpu:
         return PlanKeys(removes, adds)
 
     def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
@@ -759,7 +771,8 @@ def commit_plan(
     """
     lock = lock if lock is not None else _NO_LOCK
     device = getattr(index, "device", "cpu")
-    keys = plan_keys(plan, index_hash_bytes(index), device)
+    device_type = _device_type(device)
+    keys = _plan_keys(plan, device, device_type == "cpu")
     grown = None
     if isinstance(index, KeyIndex):
         n_new = _new_keys(index, plan, keys)
@@ -785,7 +798,7 @@ def commit_plan(
                 )
                 add = index.add_trusted if trusted else index.add
                 added = add(*keys.adds)
-        if sync and _device_type(device) == "cuda":
+        if sync and device_type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
     # here, after the lock: freeing a large table takes a while.

@@ -388,7 +388,9 @@ class KeyIndex:
         # A numpy view of a host table, made once per table rather than per
         # store (``Tensor.numpy()`` costs about a microsecond), and the load
         # limit of its capacity: the host store path reads only these.
-        host = table.device.type == "cpu" and not table.requires_grad
+        # The device too: a tensor makes a new torch.device on every read.
+        self._device = table.device
+        host = self._device.type == "cpu" and not table.requires_grad
         self._np_table = table.numpy() if host else None
         self._cap_limit = self._limit(table.shape[0])
 
@@ -411,7 +413,7 @@ class KeyIndex:
     @property
     def device(self) -> torch.device:
         """Device of the table."""
-        return self.table.device
+        return self._device
 
     @property
     def backend(self) -> str:
