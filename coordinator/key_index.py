@@ -74,6 +74,7 @@ import functools
 import importlib
 import math
 import numbers
+from array import array
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -682,9 +683,7 @@ class KeyIndex:
         argument). Only the common forms of a store are taken here: a CPU
         int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
         int, CPU int64 tensor or int64 numpy array of group ids."""
-        # Exact types first: a numpy array (a router's rows) is told apart
-        # without isinstance on torch.Tensor, whose metaclass hook costs
-        # about a microsecond a call.
+        # Exact types first: a numpy array (a router's rows) needs no torch.
         if type(hashes) is np.ndarray:
             dt = hashes.dtype
             if dt == _INT64:
@@ -693,11 +692,12 @@ class KeyIndex:
                 h = hashes.view(_INT64)
             else:
                 return None
+        elif isinstance(hashes, HashBatch):
+            if hashes.hash_bytes != self.hash_bytes or hashes.device.type != "cpu":
+                return None
+            # The batch's own numpy rows (from_ints makes no tensor for them).
+            h = hashes.host_arrays()[0]
         else:
-            if isinstance(hashes, HashBatch):
-                if hashes.hash_bytes != self.hash_bytes:
-                    return None
-                hashes = hashes.hashes
             h = host_int64(hashes, unsigned_ok=True)
             if h is None:
                 return None
@@ -715,6 +715,15 @@ class KeyIndex:
             return g, h
         if type(group_ids) is np.ndarray and group_ids.dtype == _INT64:
             g = group_ids
+        elif type(group_ids) is list:
+            # Exactly ints (bools refused by type); array('q') refuses any
+            # past int64, and the sign is tested below.
+            if not set(map(type, group_ids)) <= {int}:
+                return None
+            try:
+                g = np.frombuffer(array("q", group_ids), dtype=_INT64)
+            except OverflowError:
+                return None
         else:
             g = host_int64(group_ids)
             if g is None:
@@ -740,9 +749,8 @@ class KeyIndex:
         return self._stored(self._kernels.insert_count, self._np_table, g, h)
 
     def _stored(self, insert: Callable[..., int], table: Any, g: Any, h: Any) -> int:
-        """``insert(table, g, h)`` (returns the keys newly stored), counted.
-        A failed insert (RuntimeError: numba's table full; triton's
-        ``hash_index.InsertError``, the table full or a BUSY wait ran out)
+        """``insert(table, g, h)`` (the keys newly stored), counted. A failed
+        insert (RuntimeError: the table full; triton: a BUSY wait ran out too)
         stored the batch's other keys, so the table is counted again."""
         try:
             added = insert(table, g, h)
@@ -751,6 +759,12 @@ class KeyIndex:
             raise
         self.note_stored(added)
         return added
+
+    @property
+    def table_view(self) -> np.ndarray | None:
+        """The table as a numpy view when it is on the CPU (any backend; made
+        once per table tensor), for readers (the numba lookup); else None."""
+        return self._np_table
 
     @property
     def host_table(self) -> np.ndarray | None:
