@@ -59,8 +59,8 @@ BACKENDS = ("auto", *BACKEND_CLASSES)
 Lengths = torch.Tensor | Sequence[int]
 
 
-def _no_table() -> None:
-    """The engine's remembered table before any index was checked."""
+def _nothing() -> None:
+    """A dead weak reference: what the engine remembers before any check."""
     return None
 
 
@@ -196,9 +196,14 @@ class LookupEngine:
         self.plan = ScanPlan.from_layout(layout)
         self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: BatchBackend = backend_class(backend)(self.plan, device)
-        # The table of the last index _check_batch accepted, and its width.
-        self._checked_table: Callable[[], torch.Tensor | None] = _no_table
-        self._checked_hash_bytes = 0
+        # The last index _check_batch accepted, its table then and its width
+        # (weak references: the engine must not keep a dropped table alive),
+        # set as one tuple, so a thread never reads half of another's update.
+        self._checked: tuple[Callable[[], Any], Callable[[], Any], int] = (
+            _nothing,
+            _nothing,
+            0,
+        )
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
         if warm:
@@ -209,11 +214,13 @@ class LookupEngine:
     def _check_batch(
         self, batch: Any, index: KeyIndex | None, need_index: bool = True
     ) -> None:
+        checked_index, checked_table, checked_width = self._checked
         if (
             type(index) is KeyIndex
             and type(batch) is HashBatch
-            and index.table is self._checked_table()
-            and batch.hash_bytes == self._checked_hash_bytes
+            and index is checked_index()
+            and index.table is checked_table()
+            and batch.hash_bytes == checked_width
             and batch.device == self.device
         ):
             # The index passed every test below with this very table (a
@@ -237,9 +244,12 @@ class LookupEngine:
                 f"batch hash width ({batch.hash_bytes} bytes) differs from the "
                 f"index's ({index.hash_bytes} bytes)"
             )
-        # A weak reference: the engine must not keep a dropped table alive.
-        self._checked_table = weakref.ref(index.table)
-        self._checked_hash_bytes = index.hash_bytes
+        if type(index) is KeyIndex:
+            self._checked = (
+                weakref.ref(index),
+                weakref.ref(index.table),
+                index.hash_bytes,
+            )
 
     def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
         """``value`` (per-request lengths, any form ``kernels/checks.py``

@@ -70,3 +70,14 @@ def test_the_engine_keeps_no_table_alive(engine):
     del index
     gc.collect()
     assert table() is None
+
+
+def test_two_indexes_over_one_table_are_told_apart(engine):
+    # 12- and 16-byte keys both take two words: one table can back both
+    # widths, so the table alone must not stand for the width checked.
+    narrow = KeyIndex(12, capacity=16)
+    wide = KeyIndex.from_table(narrow.table, 16)
+    batch = HashBatch.from_bytes([[bytes(12)]], 12)
+    assert hits(engine, batch, narrow) == [0]
+    with pytest.raises(ValueError, match="hash width"):
+        hits(engine, batch, wide)
