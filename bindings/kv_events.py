@@ -192,34 +192,42 @@ class KVEventBatch(EventBatch):
 # bytes (``raw_hash_words``), ``token_ids`` (16 ints a block) is skipped, and
 # ``extra_keys``/``lookahead_token_ids`` are ignored; every other field is
 # decoded and type-checked as in ``KVEventBatch``, required ones required.
+# Each such struct is made from vLLM's (one list of fields, in its order).
 
 
-class StoredKeys(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    """A ``BlockStored`` as the follower decodes it (hashes still msgpack)."""
+def _keys_struct(
+    full: type[msgspec.Struct], name: str, raw: tuple[str, ...], drop: tuple[str, ...]
+) -> Any:
+    """``full``'s wire schema (same tag, fields in the same order, the same
+    types and defaults) with the fields ``raw`` kept as ``msgspec.Raw`` and
+    the fields ``drop`` left out (skipped as unknown when decoded)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(full):
+        if f.name in drop:
+            continue
+        typ = msgspec.Raw if f.name in raw else f.type
+        fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
+    struct = msgspec.defstruct(
+        name,
+        fields,
+        tag=full.__struct_config__.tag,
+        omit_defaults=True,
+        gc=False,
+        module=__name__,
+    )
+    struct.__doc__ = (
+        f"A ``{full.__name__}`` as the follower decodes it (hashes still msgpack)."
+    )
+    return struct
 
-    block_hashes: msgspec.Raw
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
 
-
-class RemovedKeys(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    """A ``BlockRemoved`` as the follower decodes it (hashes still msgpack)."""
-
-    block_hashes: msgspec.Raw
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+StoredKeys = _keys_struct(
+    BlockStored,
+    "StoredKeys",
+    raw=("block_hashes", "token_ids"),
+    drop=("extra_keys", "lookahead_token_ids"),
+)
+RemovedKeys = _keys_struct(BlockRemoved, "RemovedKeys", raw=("block_hashes",), drop=())
 
 
 class KeyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
