@@ -211,14 +211,19 @@ class _KvhitSteps:
         self.hit_blocks += sum(mine)
         t0 = perf()
         rows, starts, lengths = batch.host_arrays()
-        take = rows_past(starts, lengths, np.array(mine, dtype=np.int64))
-        if take.size:
+        if hi - lo == 1:
+            # One request: its rows past the hit are one slice (as a router
+            # slices its list), not rows_past's gather of a batch.
+            new = rows[int(starts[0]) + mine[0] : int(starts[0] + lengths[0])]
+        else:
+            new = rows[rows_past(starts, lengths, np.array(mine, dtype=np.int64))]
+        if new.shape[0]:
             self.index.add(
-                torch.zeros(take.size, dtype=torch.int64),
-                torch.from_numpy(rows[take]),
+                torch.zeros(new.shape[0], dtype=torch.int64),
+                torch.from_numpy(new),
             )
         self.store.append(perf() - t0)
-        self.stored += int(take.size)
+        self.stored += new.shape[0]
         return mine
 
 

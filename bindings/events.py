@@ -19,59 +19,29 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
 
+# The wire schema and apply() are re-exported (kv_events.FOLLOWER_EXPORTS).
+from kvhit.bindings.kv_events import *  # noqa: F403
 from kvhit.bindings.kv_events import (
     END_SEQ,
+    FOLLOWER_EXPORTS,
     INT64_LIMIT,
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    MEDIUM_MOONCAKE_STORE,
-    MEDIUM_STORAGE,
-    AllBlocksCleared,
     ApplyStats,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
     EventPlan,
-    KVCacheEvent,
-    KVEventBatch,
     MalformedPayload,
-    apply,
     commit_plan,
-    decode_batch,
     decode_keys,
-    encode_batch,
-    hash_to_bytes,
     index_hash_bytes,
     media_set,
     plan_events,
 )
+from kvhit.bindings.stop_on_exit import StopOnExit
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
-__all__ = [
-    "END_SEQ",
-    "MEDIUM_CPU",
-    "MEDIUM_GPU",
-    "MEDIUM_MOONCAKE_STORE",
-    "MEDIUM_STORAGE",
-    "AllBlocksCleared",
-    "ApplyStats",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "EventFollower",
-    "KVCacheEvent",
-    "KVEventBatch",
-    "MalformedPayload",
-    "apply",
-    "decode_batch",
-    "encode_batch",
-    "hash_to_bytes",
-]
+__all__ = ["EventFollower", *FOLLOWER_EXPORTS]
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +65,13 @@ _RECENT_BYTES = 1 << 20
 _CHECK_INTERVAL_S = 0.1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Msg:
     seq: int
     payload: bytes
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """Batches decoded in order but not yet committed."""
 
@@ -113,7 +83,7 @@ class _Restart(Exception):
     """Raised inside the follower when the stream belongs to a new publisher."""
 
 
-class EventFollower:
+class EventFollower(StopOnExit):
     """Subscribe to a vLLM ``ZmqEventPublisher`` and keep ``index`` current.
 
     A daemon thread reads the PUB stream, applies batches in sequence order and
@@ -262,14 +232,11 @@ class EventFollower:
         self._honor_clears = honor_clears
         self._default_group_id = default_group_id
         self.lock = lock if lock is not None else threading.RLock()
-        self.replay_timeout_s = float(replay_timeout_s)
-        self.idle_probe_s = idle_probe_s
-        self.max_drain = max_drain
-        self.rcvhwm = rcvhwm
-        self.poll_ms = poll_ms
+        # Timing and socket settings, as checked above.
+        self.replay_timeout_s, self.idle_probe_s = float(replay_timeout_s), idle_probe_s
+        self.max_drain, self.rcvhwm, self.poll_ms = max_drain, rcvhwm, poll_ms
         self.on_commit = on_commit
-        self.reorder_window = reorder_window
-        self.reorder_wait_s = float(reorder_wait_s)
+        self.reorder_window, self.reorder_wait_s = reorder_window, float(reorder_wait_s)
 
         # Sequence state (follower thread only).
         self._start_seq = start_seq
@@ -352,14 +319,6 @@ class EventFollower:
     def __enter__(self) -> EventFollower:
         # ``with EventFollower(...).start() as f`` is fine too.
         return self if self._thread is not None else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def running(self) -> bool:
@@ -551,7 +510,7 @@ class EventFollower:
             msg = self._parse(frames, live=True)
             if msg is not None:
                 pending = self._accept(msg, pending)
-        self._flush(pending)
+        self._flush(pending, reuse=False)
 
     def _accept(self, msg: _Msg, pending: _Pending, retry: bool = True) -> _Pending:
         """Place one live message: apply, hold, drop, or detect a restart.
@@ -663,8 +622,10 @@ class EventFollower:
         self._recent.clear()
         self._recent_bytes = 0
 
-    def _flush(self, pending: _Pending) -> None:
-        """Commit ``pending`` (O(1) under the lock, see ``commit_plan``).
+    def _flush(self, pending: _Pending, reuse: bool = True) -> None:
+        """Commit ``pending`` (O(1) under the lock, see ``commit_plan``),
+        emptied for more batches unless ``reuse`` is False (the caller drops
+        it).
 
         Also publishes ``next_seq`` as committed, for :meth:`wait_for_seq`.
         """
@@ -686,7 +647,8 @@ class EventFollower:
                 self.commits += 1
                 if self.on_commit is not None:
                     self.on_commit(stats)
-        pending.plan, pending.batches = EventPlan(), 0
+        if reuse:
+            pending.plan, pending.batches = EventPlan(), 0
         with self._progress:
             self.committed_seq = self.next_seq
             self._progress.notify_all()

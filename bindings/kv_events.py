@@ -74,34 +74,40 @@ from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
 from kvhit.kernels.checks import check_bool, check_int
 
-__all__ = [
+#: The names ``bindings/events.py`` re-exports beside ``EventFollower``: the
+#: wire schema and :func:`apply` (written once, here).
+FOLLOWER_EXPORTS = (
     "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_MOONCAKE_STORE",
     "MEDIUM_STORAGE",
     "AllBlocksCleared",
-    "INT64_LIMIT",
     "ApplyStats",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
-    "EventPlan",
     "KVCacheEvent",
     "KVEventBatch",
+    "MalformedPayload",
+    "apply",
+    "decode_batch",
+    "encode_batch",
+    "hash_to_bytes",
+)
+__all__ = [
+    *FOLLOWER_EXPORTS,
+    "FOLLOWER_EXPORTS",
+    "INT64_LIMIT",
+    "EventPlan",
     "KeyEventBatch",
     "LE_INT64",
-    "MalformedPayload",
     "PlanKeys",
     "RemovedKeys",
     "StoredKeys",
-    "apply",
     "commit_plan",
-    "decode_batch",
     "decode_keys",
-    "encode_batch",
     "event_words",
-    "hash_to_bytes",
     "hash_words",
     "index_hash_bytes",
     "media_set",
@@ -186,34 +192,42 @@ class KVEventBatch(EventBatch):
 # bytes (``raw_hash_words``), ``token_ids`` (16 ints a block) is skipped, and
 # ``extra_keys``/``lookahead_token_ids`` are ignored; every other field is
 # decoded and type-checked as in ``KVEventBatch``, required ones required.
+# Each such struct is made from vLLM's (one list of fields, in its order).
 
 
-class StoredKeys(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    """A ``BlockStored`` as the follower decodes it (hashes still msgpack)."""
+def _keys_struct(
+    full: type[msgspec.Struct], name: str, raw: tuple[str, ...], drop: tuple[str, ...]
+) -> Any:
+    """``full``'s wire schema (same tag, fields in the same order, the same
+    types and defaults) with the fields ``raw`` kept as ``msgspec.Raw`` and
+    the fields ``drop`` left out (skipped as unknown when decoded)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(full):
+        if f.name in drop:
+            continue
+        typ = msgspec.Raw if f.name in raw else f.type
+        fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
+    struct = msgspec.defstruct(
+        name,
+        fields,
+        tag=full.__struct_config__.tag,
+        omit_defaults=True,
+        gc=False,
+        module=__name__,
+    )
+    struct.__doc__ = (
+        f"A ``{full.__name__}`` as the follower decodes it (hashes still msgpack)."
+    )
+    return struct
 
-    block_hashes: msgspec.Raw
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
 
-
-class RemovedKeys(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    """A ``BlockRemoved`` as the follower decodes it (hashes still msgpack)."""
-
-    block_hashes: msgspec.Raw
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+StoredKeys = _keys_struct(
+    BlockStored,
+    "StoredKeys",
+    raw=("block_hashes", "token_ids"),
+    drop=("extra_keys", "lookahead_token_ids"),
+)
+RemovedKeys = _keys_struct(BlockRemoved, "RemovedKeys", raw=("block_hashes",), drop=())
 
 
 class KeyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -508,6 +522,11 @@ _STORES = (BlockStored, StoredKeys)
 _REMOVES = (BlockRemoved, RemovedKeys)
 
 
+def _where(pos: int, ev: Any) -> str:
+    """How an error names event ``pos`` of a batch (made only on an error)."""
+    return f"event {pos} ({ev.__struct_config__.tag})"
+
+
 def plan_events(
     events: Iterable[KVCacheEvent],
     hash_bytes: int,
@@ -531,25 +550,39 @@ def plan_events(
     for pos, ev in enumerate(events):
         kind = type(ev)
         if kind in _STORES or kind in _REMOVES:
-            where = f"event {pos} ({ev.__struct_config__.tag})"
             medium = ev.medium
-            if medium is not None and not isinstance(medium, str):
-                raise TypeError(
-                    f"{where}: medium must be a str or None, got {type(medium).__name__}"
-                )
+            if medium is not None and type(medium) is not str:
+                if not isinstance(medium, str):
+                    raise TypeError(
+                        f"{_where(pos, ev)}: medium must be a str or None, got "
+                        f"{type(medium).__name__}"
+                    )
             if media is not None and medium not in media:
                 plan.skipped += 1
                 continue
             # Events without group_idx come from single-group publishers.
             gid = default_group_id if ev.group_idx is None else ev.group_idx
-            if isinstance(gid, bool) or not isinstance(gid, int):
-                raise TypeError(
-                    f"{where}: group_idx must be an int, got {type(gid).__name__}"
-                )
+            if type(gid) is not int:
+                if isinstance(gid, bool) or not isinstance(gid, int):
+                    raise TypeError(
+                        f"{_where(pos, ev)}: group_idx must be an int, got "
+                        f"{type(gid).__name__}"
+                    )
             # KeyIndex reserves negative ids as slot sentinels; ids are int64.
             if not 0 <= gid < INT64_LIMIT:
-                raise ValueError(f"{where}: group_idx {gid} is not in [0, 2**63)")
-            words = event_words(ev.block_hashes, hash_bytes, where)
+                raise ValueError(
+                    f"{_where(pos, ev)}: group_idx {gid} is not in [0, 2**63)"
+                )
+            hashes = ev.block_hashes
+            # vLLM's two encodings straight from the msgpack; anything else
+            # (and every error, named by event and position) by event_words.
+            words = (
+                raw_hash_words(hashes, hash_bytes)
+                if type(hashes) is msgspec.Raw
+                else None
+            )
+            if words is None:
+                words = event_words(hashes, hash_bytes, _where(pos, ev))
             if words.shape[0]:
                 parts.append((kind in _STORES, gid, words))
             plan.events += 1
@@ -593,11 +626,13 @@ def index_hash_bytes(index: Any) -> int:
 @dataclass
 class PlanKeys:
     """A plan's keys as the KeyIndex takes them: (group ids int64 ``[N]``,
-    hashes int64 ``[N, W]``) on the index's device, or None when empty.
-    ``removes`` and ``adds`` are disjoint; either may repeat a key."""
+    hashes int64 ``[N, W]``), C-contiguous numpy arrays for a CPU index (what
+    the host store paths read: no tensor is made) or tensors on the index's
+    device, or None when empty. ``removes`` and ``adds`` are disjoint; either
+    may repeat a key."""
 
-    removes: tuple[torch.Tensor, torch.Tensor] | None
-    adds: tuple[torch.Tensor, torch.Tensor] | None
+    removes: tuple[Any, Any] | None
+    adds: tuple[Any, Any] | None
 
     @property
     def n_adds(self) -> int:
@@ -649,17 +684,26 @@ def _net_effect(
 
 def plan_keys(plan: EventPlan, hash_bytes: int, device: Any) -> PlanKeys:
     """Pack the plan's keys (validated by ``plan_events``) before any mutation:
-    the removes and adds of its net effect, as tensors on ``device``."""
+    the removes and adds of its net effect, numpy for a CPU ``device``, else
+    tensors on ``device`` (see :class:`PlanKeys`). ``hash_bytes``: the
+    index's width (the words already have it)."""
+    return _plan_keys(plan, device, _device_type(device) == "cpu")
+
+
+def _plan_keys(plan: EventPlan, device: Any, cpu: bool) -> PlanKeys:
     if not plan.parts:
         return PlanKeys(None, None)
     removes, adds = _net_effect(plan.parts)
-    cpu = _device_type(device) == "cpu"
+    if cpu:
+        return PlanKeys(removes, adds)
 
     def tensors(keys: tuple[np.ndarray, np.ndarray] | None) -> Any:
         if keys is None:
             return None
-        g, h = torch.from_numpy(keys[0]), torch.from_numpy(keys[1])
-        return (g, h) if cpu else (g.to(device), h.to(device))
+        return (
+            torch.from_numpy(keys[0]).to(device),
+            torch.from_numpy(keys[1]).to(device),
+        )
 
     return PlanKeys(tensors(removes), tensors(adds))
 
@@ -675,12 +719,12 @@ def _new_keys(index: KeyIndex, plan: EventPlan, keys: PlanKeys) -> int | None:
     """
     if keys.adds is None:
         return None
+    if not plan.clear and keys.n_adds <= index.room():
+        return None  # the usual case: one test, no probe
     limit = math.floor(index.max_load * index.capacity)
     if plan.clear:
         return keys.n_adds if keys.n_adds > limit else None
     used = len(index) + index.tombstones
-    if used + keys.n_adds <= limit:
-        return None
     new = int((~index.contains(*keys.adds)).sum().item())
     return new if used + new > limit else None
 
@@ -712,9 +756,13 @@ def _adopt(index: KeyIndex, grown: KeyIndex) -> bool:
 
 
 def _device_type(device: Any) -> str:
-    return (
-        device.type if isinstance(device, torch.device) else torch.device(device).type
-    )
+    if type(device) is torch.device:
+        return device.type
+    return "cpu" if device == "cpu" else torch.device(device).type
+
+
+#: The lock of a commit made without one (a nullcontext may be re-entered).
+_NO_LOCK = contextlib.nullcontext()
 
 
 def commit_plan(
@@ -729,9 +777,10 @@ def commit_plan(
     lock wait O(1), not a rehash, and a failure while building (out of
     memory, a fixed-capacity index) leaves ``index`` as it was.
     """
-    lock = lock if lock is not None else contextlib.nullcontext()
+    lock = lock if lock is not None else _NO_LOCK
     device = getattr(index, "device", "cpu")
-    keys = plan_keys(plan, index_hash_bytes(index), device)
+    device_type = _device_type(device)
+    keys = _plan_keys(plan, device, device_type == "cpu")
     grown = None
     if isinstance(index, KeyIndex):
         n_new = _new_keys(index, plan, keys)
@@ -757,7 +806,7 @@ def commit_plan(
                 )
                 add = index.add_trusted if trusted else index.add
                 added = add(*keys.adds)
-        if sync and _device_type(device) == "cuda":
+        if sync and device_type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     # The old table, handed back in ``grown`` by KeyIndex.adopt, is freed
     # here, after the lock: freeing a large table takes a while.

@@ -24,7 +24,8 @@ backends agree wherever the reference answers.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,13 @@ BACKEND_CLASSES: dict[str, str] = {
     "reference": "kvhit.coordinator.reference_backend:ReferenceBackend",
 }
 BACKENDS = ("auto", *BACKEND_CLASSES)
+#: Per-request lengths in any form the engine takes (``kernels/checks.py``).
+Lengths = torch.Tensor | Sequence[int]
+
+
+def _nothing() -> None:
+    """A dead weak reference: what the engine remembers before any check."""
+    return None
 
 
 def backend_class(name: str) -> type[BatchBackend]:
@@ -188,6 +196,14 @@ class LookupEngine:
         self.plan = ScanPlan.from_layout(layout)
         self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: BatchBackend = backend_class(backend)(self.plan, device)
+        # The last index _check_batch accepted, its table then and its width
+        # (weak references: the engine must not keep a dropped table alive),
+        # set as one tuple, so a thread never reads half of another's update.
+        self._checked: tuple[Callable[[], Any], Callable[[], Any], int] = (
+            _nothing,
+            _nothing,
+            0,
+        )
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
         if warm:
@@ -198,6 +214,19 @@ class LookupEngine:
     def _check_batch(
         self, batch: Any, index: KeyIndex | None, need_index: bool = True
     ) -> None:
+        checked_index, checked_table, checked_width = self._checked
+        if (
+            type(index) is KeyIndex
+            and type(batch) is HashBatch
+            and index is checked_index()
+            and index.table is checked_table()
+            and batch.hash_bytes == checked_width
+            and batch.device == self.device
+        ):
+            # The index passed every test below with this very table (a
+            # table moved or grown is another tensor, tested again), and the
+            # batch matches it: a step's warm lookup tests no more.
+            return
         if not isinstance(batch, HashBatch):
             raise TypeError(f"batch must be a HashBatch, got {type(batch).__name__}")
         if batch.device != self.device:
@@ -214,6 +243,12 @@ class LookupEngine:
             raise ValueError(
                 f"batch hash width ({batch.hash_bytes} bytes) differs from the "
                 f"index's ({index.hash_bytes} bytes)"
+            )
+        if type(index) is KeyIndex:
+            self._checked = (
+                weakref.ref(index),
+                weakref.ref(index.table),
+                index.hash_bytes,
             )
 
     def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
@@ -436,7 +471,7 @@ class LookupEngine:
     def fleet_hits(
         self,
         batch: HashBatch,
-        max_lengths: torch.Tensor | Sequence[int],
+        max_lengths: Lengths,
         fleet: Any,
         apply_eagle: bool = True,
     ) -> torch.Tensor:

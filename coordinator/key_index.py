@@ -74,7 +74,8 @@ import functools
 import importlib
 import math
 import numbers
-from collections.abc import Mapping
+from array import array
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -114,6 +115,9 @@ __all__ = [
     "refuse_growth_in_capture",
     "resolve_backend",
 ]
+
+_INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
 
 #: Backend -> its hash-index kernel module (the same launchers in each:
 #: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
@@ -385,7 +389,9 @@ class KeyIndex:
         # A numpy view of a host table, made once per table rather than per
         # store (``Tensor.numpy()`` costs about a microsecond), and the load
         # limit of its capacity: the host store path reads only these.
-        host = table.device.type == "cpu" and not table.requires_grad
+        # The device too: a tensor makes a new torch.device on every read.
+        self._device = table.device
+        host = self._device.type == "cpu" and not table.requires_grad
         self._np_table = table.numpy() if host else None
         self._cap_limit = self._limit(table.shape[0])
 
@@ -408,7 +414,7 @@ class KeyIndex:
     @property
     def device(self) -> torch.device:
         """Device of the table."""
-        return self.table.device
+        return self._device
 
     @property
     def backend(self) -> str:
@@ -496,6 +502,13 @@ class KeyIndex:
 
     def _limit(self, capacity: int) -> int:
         return math.floor(self.max_load * capacity)
+
+    def room(self) -> int:
+        """How many new keys fit before the next rehash (growth or tombstone
+        purge): ``floor(max_load * capacity) - len - tombstones``."""
+        if self._size is None or self._tombstones is None:
+            return self._limit(self.capacity) - len(self) - self.tombstones
+        return self._cap_limit - self._size - self._tombstones
 
     def has_room_for(self, extra_keys: int) -> bool:
         """Whether ``extra_keys`` new keys can be added without a rehash (no
@@ -670,13 +683,25 @@ class KeyIndex:
         argument). Only the common forms of a store are taken here: a CPU
         int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
         int, CPU int64 tensor or int64 numpy array of group ids."""
-        W = self.W
-        if isinstance(hashes, HashBatch):
-            if hashes.hash_bytes != self.hash_bytes:
+        # Exact types first: a numpy array (a router's rows) needs no torch.
+        if type(hashes) is np.ndarray:
+            dt = hashes.dtype
+            if dt == _INT64:
+                h = hashes
+            elif dt == _UINT64:
+                h = hashes.view(_INT64)
+            else:
                 return None
-            hashes = hashes.hashes
-        h = host_int64(hashes, unsigned_ok=True)
-        if h is None or h.ndim != 2 or h.shape[1] != W or not h.flags.c_contiguous:
+        elif isinstance(hashes, HashBatch):
+            if hashes.hash_bytes != self.hash_bytes or hashes.device.type != "cpu":
+                return None
+            # The batch's own numpy rows (from_ints makes no tensor for them).
+            h = hashes.host_arrays()[0]
+        else:
+            h = host_int64(hashes, unsigned_ok=True)
+            if h is None:
+                return None
+        if h.ndim != 2 or h.shape[1] != self.W or not h.flags.c_contiguous:
             return None
         n = h.shape[0]
         pad = self._pad
@@ -685,17 +710,32 @@ class KeyIndex:
         if type(group_ids) is int:
             if not 0 <= group_ids < 1 << 63:
                 return None
-            return np.full(n, group_ids, dtype=np.int64), h
-        group_ids = host_int64(group_ids)
+            g = np.empty(n, dtype=_INT64)
+            g.fill(group_ids)  # (np.full costs several times as much)
+            return g, h
+        if type(group_ids) is np.ndarray and group_ids.dtype == _INT64:
+            g = group_ids
+        elif type(group_ids) is list:
+            # Exactly ints (bools refused by type); array('q') refuses any
+            # past int64, and the sign is tested below.
+            if not set(map(type, group_ids)) <= {int}:
+                return None
+            try:
+                g = np.frombuffer(array("q", group_ids), dtype=_INT64)
+            except OverflowError:
+                return None
+        else:
+            g = host_int64(group_ids)
+            if g is None:
+                return None
         if (
-            group_ids is None
-            or group_ids.ndim != 1
-            or group_ids.shape[0] != n
-            or not group_ids.flags.c_contiguous
-            or (n and group_ids.min() < 0)
+            g.ndim != 1
+            or g.shape[0] != n
+            or not g.flags.c_contiguous
+            or (n and g.item(g.argmin()) < 0)  # argmin: no reduction set-up
         ):
             return None
-        return group_ids, h
+        return g, h
 
     def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
         """:meth:`add_trusted` on numpy views of normalized keys, for the
@@ -706,15 +746,25 @@ class KeyIndex:
             return 0
         if self._size + self._tombstones + n > self._cap_limit:
             return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
+        return self._stored(self._kernels.insert_count, self._np_table, g, h)
+
+    def _stored(self, insert: Callable[..., int], table: Any, g: Any, h: Any) -> int:
+        """``insert(table, g, h)`` (the keys newly stored), counted. A failed
+        insert (RuntimeError: the table full; triton: a BUSY wait ran out too)
+        stored the batch's other keys, so the table is counted again."""
         try:
-            added = self._kernels.insert_count(self._np_table, g, h)
+            added = insert(table, g, h)
         except RuntimeError:
             self._recount()
             raise
-        self._size += added
-        if added:
-            self._version += 1
+        self.note_stored(added)
         return added
+
+    @property
+    def table_view(self) -> np.ndarray | None:
+        """The table as a numpy view when it is on the CPU (any backend; made
+        once per table tensor), for readers (the numba lookup); else None."""
+        return self._np_table
 
     @property
     def host_table(self) -> np.ndarray | None:
@@ -739,21 +789,30 @@ class KeyIndex:
         self._tombstones = int((col == TOMBSTONE).sum().item())
         self._version += 1
 
-    def add_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+    def add_trusted(
+        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+    ) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
         itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0,
         ``hashes`` int64 ``[N, W]`` with zero padding bits, both contiguous
-        on this index's device), e.g. a store refresh's present keys."""
+        on this index's device; on the CPU numpy arrays too), e.g. a store
+        refresh's present keys or a KV event's (``bindings/kv_events.py``)."""
         g, h = group_ids, hashes
-        self._check_writable("add")
-        if g.shape[0] == 0:
+        if self._read_only:
+            self._check_writable("add")
+        n = g.shape[0]
+        if n == 0:
             return 0
         if (
             self._host
             and self._np_table is not None
-            and self._size + self._tombstones + g.shape[0] <= self._cap_limit
+            and self._size + self._tombstones + n <= self._cap_limit
         ):
+            if type(g) is np.ndarray:
+                return self._add_host(g, h)
             return self._add_host(g.numpy(), h.numpy())
+        if type(g) is np.ndarray:
+            g, h = torch.from_numpy(g), torch.from_numpy(h)
         if not self.has_room_for(g.shape[0]):
             refuse_growth_in_capture(
                 "add",
@@ -770,30 +829,24 @@ class KeyIndex:
             g, h = self._distinct(g, h)
             if not self.has_room_for(g.shape[0]):
                 self._rehash(self._capacity_for(g.shape[0]))
-        try:
-            added = self._insert(self.table, g, h)
-        except RuntimeError:
-            # A failed insert (triton: hash_index.InsertError, the table full
-            # or a BUSY wait ran out) stored the batch's other keys.
-            self._recount()
-            raise
-        self._size += added
-        if added:
-            self._version += 1
-        return added
+        return self._stored(self._insert, self.table, g, h)
 
     def remove(self, group_ids: Any, hashes: Any) -> int:
         """Remove keys (absent keys are ignored); returns the number removed."""
         g, h = self.normalize_keys(group_ids, hashes)
         return self.remove_trusted(g, h)
 
-    def remove_trusted(self, group_ids: torch.Tensor, hashes: torch.Tensor) -> int:
+    def remove_trusted(
+        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+    ) -> int:
         """:meth:`remove` with **no key validation**, for keys kvhit built
-        itself in the normalized form (as :meth:`add_trusted`), e.g. a store
-        sync's evicted keys."""
+        itself in the normalized form (as :meth:`add_trusted`, numpy arrays
+        too on the CPU), e.g. a store sync's evicted keys."""
         self._check_writable("remove")
         if group_ids.shape[0] == 0:
             return 0
+        if type(group_ids) is np.ndarray:
+            group_ids, hashes = torch.from_numpy(group_ids), torch.from_numpy(hashes)
         erased = self._kernels.erase(
             self.table, self.W, group_ids, hashes, trusted=True
         )

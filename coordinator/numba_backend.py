@@ -79,7 +79,6 @@ class NumbaBackend:
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
         self._prep_cache = None
-        self._table_cache: tuple[Any, np.ndarray] | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -113,19 +112,14 @@ class NumbaBackend:
         return host_lengths(value, name, n)
 
     def _host_table(self, index: KeyIndex) -> np.ndarray:
-        """``index.table`` as C-contiguous int64 numpy, re-viewed only when
-        the index replaced its table tensor (growth, rehash) or another index
-        comes. A table that would need a copy is copied on every call (a
-        cached copy would miss later inserts)."""
-        table = index.table
-        cached = self._table_cache
-        if cached is not None and cached[0] is table:
-            return cached[1]
-        arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
-        if arr.dtype != np.int64 or not arr.flags.c_contiguous:
-            return np.ascontiguousarray(arr, dtype=np.int64)
-        self._table_cache = (table, arr)
-        return arr
+        """``index.table`` as C-contiguous int64 numpy: the index's own view
+        (made once per table tensor, so nothing here keeps a dropped table
+        alive), or a copy on every call for a table that needs one (a cached
+        copy would miss later inserts)."""
+        arr = index.table_view
+        if arr is not None and arr.flags.c_contiguous and arr.dtype == np.int64:
+            return arr
+        return _c(_table(index))
 
     def find_batch(
         self,
@@ -138,28 +132,32 @@ class NumbaBackend:
         """See ``BatchBackend.find_batch``: ``max_lengths`` from
         :meth:`lengths`, ``index`` not None; no spans tensor unless
         ``spans``."""
-        if len(batch) == 0:
+        # The batch's arrays first: their count answers len(batch) without
+        # another Python call (a step of one request pays for every call).
+        rows, starts, lengths = batch.host_arrays()
+        if not starts.shape[0]:
             return (
                 torch.zeros(0, dtype=torch.int64),
                 torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
             )
-        sn, prep = self._prep()
-        rows, starts, lengths = batch.host_arrays()
+        sn, prep = self._prep_cache or self._prep()
         hit, mask_spans = sn.scan_prepared(
             prep, rows, starts, lengths, max_lengths, self._host_table(index),
             sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
         )  # fmt: skip
-        return torch.from_numpy(hit), torch.from_numpy(mask_spans) if spans else None
+        if spans:
+            return torch.from_numpy(hit), torch.from_numpy(mask_spans)
+        return torch.from_numpy(hit), None
 
     def lookup_batch(
         self, batch: HashBatch, num_tokens: np.ndarray, index: KeyIndex
     ) -> torch.Tensor:
         """See ``BatchBackend.lookup_batch``: ``num_tokens`` from
         :meth:`lengths`."""
-        if len(batch) == 0:
-            return torch.zeros(0, dtype=torch.int64)
-        sn, prep = self._prep()
         rows, starts, lengths = batch.host_arrays()
+        if not starts.shape[0]:
+            return torch.zeros(0, dtype=torch.int64)
+        sn, prep = self._prep_cache or self._prep()
         hit = sn.scan_prepared(
             prep, rows, starts, lengths, num_tokens, self._host_table(index),
             sn.LOOKUP, self.parallel,

@@ -68,6 +68,7 @@ def test_host_path_matches_the_general_path(hash_bytes, sizes, pool, groups, see
             (g, h),
             (torch.from_numpy(g), torch.from_numpy(h)),
             (int(g[0]) if n else 0, h.view(np.uint64)),
+            (g.tolist(), h),
         ]
         gf, hf = forms[i % len(forms)]
         if i % len(forms) == 2:
@@ -75,7 +76,14 @@ def test_host_path_matches_the_general_path(hash_bytes, sizes, pool, groups, see
         assert fast.add(gf, hf) == ref.add(g, h)
         same(fast, ref)
         assert fast.add_trusted(torch.from_numpy(g), torch.from_numpy(h)) == 0
+        assert fast.add_trusted(g, h) == 0  # numpy on the CPU too
         same(fast, ref)
+        assert fast.room() == fast._limit(fast.capacity) - len(fast) - fast.tombstones
+        assert fast.has_room_for(fast.room()) and not fast.has_room_for(fast.room() + 1)
+    # remove_trusted takes numpy too, and agrees with remove.
+    g, h = ref.keys()
+    assert fast.remove_trusted(g.numpy(), h.numpy()) == ref.remove(g, h) == len(g)
+    same(fast, ref)
 
 
 def test_host_path_takes_a_hash_batch_slice():
@@ -84,6 +92,25 @@ def test_host_path_takes_a_hash_batch_slice():
     rows = batch.hashes[25:]
     assert fast.add(7, rows) == ref.add(7, rows) == 30
     assert fast.add(7, batch) == ref.add(7, batch) == 25
+    same(fast, ref)
+
+
+def test_host_path_takes_a_from_ints_batch_without_its_tensors():
+    # README's form: a list of group ids and a HashBatch from from_ints. The
+    # host path reads the batch's numpy rows; its tensors are never made.
+    batch = HashBatch.from_ints([[11, 12, 0, 1]])
+    fast, ref = pair(8, 64)
+    assert fast.host_keys([0, 1, 0, 1], batch) is not None
+    assert fast.add([0, 1, 0, 1], batch) == 4
+    assert "hashes" not in vars(batch)
+    assert ref.add([0, 1, 0, 1], batch.hashes) == 4
+    same(fast, ref)
+    # A list of group ids that is not all ints in range goes to the general
+    # path, which refuses it naming the argument.
+    for bad, error in (([0, True, 0, 0], TypeError), ([0, -1, 0, 0], ValueError)):
+        assert fast.host_keys(bad, batch) is None
+        with pytest.raises(error, match="group_ids"):
+            fast.add(bad, batch)
     same(fast, ref)
 
 
