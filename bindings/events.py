@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -38,10 +39,9 @@ from kvhit.bindings.kv_events import (
     media_set,
     plan_events,
 )
-from kvhit.bindings.stop_on_exit import StopOnExit
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
-__all__ = ["EventFollower", *FOLLOWER_EXPORTS]
+__all__ = ["EventFollower", "StopOnExit", *FOLLOWER_EXPORTS]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,22 @@ class _Pending:
 
 class _Restart(Exception):
     """Raised inside the follower when the stream belongs to a new publisher."""
+
+
+class StopOnExit:
+    """Leaving a ``with`` block calls ``self.stop()`` (which the class
+    defines), whatever the block raised; the exception is not swallowed."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 class EventFollower(StopOnExit):

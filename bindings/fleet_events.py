@@ -16,12 +16,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
 
-from kvhit.bindings.events import EventFollower
+from kvhit.bindings.events import EventFollower, StopOnExit
 from kvhit.coordinator.fleet_index import FleetIndex
 
 __all__ = ["EngineStream", "FleetFollower"]
@@ -39,7 +38,7 @@ class EngineStream:
     topic: str = ""
 
 
-class FleetFollower:
+class FleetFollower(StopOnExit):
     """One :class:`EventFollower` per engine stream, into one FleetIndex.
 
     Args:
@@ -158,14 +157,6 @@ class FleetFollower:
 
     def __enter__(self) -> FleetFollower:
         return self if self.running else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def running(self) -> bool:
