@@ -39,6 +39,7 @@ __all__ = [
     "CAND_SHIFT",
     "CAND_SPARSE",
     "CAND_WIDTH",
+    "CandRow",
     "EMPTY",
     "HASH_CONSTANTS",
     "KIND_CHUNKED",
@@ -65,6 +66,7 @@ __all__ = [
     "SG_PERIOD",
     "SG_SCALE",
     "SG_USE_EAGLE",
+    "SpecGroupRow",
     "TOMBSTONE",
     "cdiv",
     "slot_hash",
@@ -130,18 +132,44 @@ KIND_MAMBA = 2
 KIND_CHUNKED = 3
 
 # -- a SpecGroup row (ScanPlan.as_rows()) -------------------------------------------
-SG_COLS = (
-    "kind",
-    "block_size",
-    "scale",
-    "use_eagle",
-    "margin",
-    "need",
-    "period",
-    "fine",
-    "chunk",
-    "n_members",
-)
+
+
+class SpecGroupRow(NamedTuple):
+    """One SpecGroup as numbers, its fields in row order (:data:`SG_COLS`),
+    its member group ids last, as a tuple. ``coordinator/plan.py``'s
+    ``SpecGroupPlan`` (which documents the fields) is one; the torch scan
+    decodes rows into them (:meth:`from_row`)."""
+
+    kind: int
+    block_size: int
+    scale: int
+    use_eagle: bool
+    margin: int
+    need: int
+    period: int
+    fine: bool
+    chunk: int
+    group_ids: tuple[int, ...]
+
+    def as_row(self, width: int) -> list[int]:
+        """The row kernels read: the fields, ``n_members``, then the members
+        padded with -1 to ``width`` (the widest SpecGroup's count)."""
+        members = list(self.group_ids) + [-1] * (width - len(self.group_ids))
+        return [*(int(v) for v in self[:-1]), len(self.group_ids), *members]
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> SpecGroupRow:
+        """A row of :meth:`as_row` (a list of ints) decoded."""
+        n = row[SG_N_MEMBERS]
+        return cls(
+            *(ty(v) for ty, v in zip(_SG_TYPES, row[:SG_N_MEMBERS], strict=True)),
+            tuple(row[SG_MEMBERS : SG_MEMBERS + n]),
+        )
+
+
+#: Every field but the members, then their count.
+SG_COLS = (*SpecGroupRow._fields[:-1], "n_members")
+_SG_TYPES = tuple(bool if f in ("use_eagle", "fine") else int for f in SG_COLS[:-1])
 SG_KIND = 0
 SG_BLOCK_SIZE = 1
 SG_SCALE = 2
@@ -156,16 +184,34 @@ SG_N_MEMBERS = 9
 SG_MEMBERS = len(SG_COLS)
 
 # -- a per-group candidate row (ScanPlan.candidates, in group order) ----------------
-CAND_COLS = (
-    "cacheable",
-    "block_size",
-    "scale",
-    "sparse",
-    "per_segment",
-    "need",
-    "shift",
-    "group_id",
-)
+
+
+class CandRow(NamedTuple):
+    """One group's candidate row, its fields in row order (:data:`CAND_COLS`).
+    ``coordinator/plan.py``'s ``CandidatePlan`` (which documents the fields)
+    is one; the torch kernels decode rows into them (:meth:`from_row`)."""
+
+    cacheable: bool
+    block_size: int
+    scale: int
+    sparse: bool
+    per_segment: int
+    need: int
+    shift: int
+    group_id: int
+
+    def as_row(self) -> list[int]:
+        """The row kernels read, in ``CAND_COLS`` order."""
+        return [int(v) for v in self]
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> CandRow:
+        """A row of :meth:`as_row` (a list of ints) decoded."""
+        return cls(*(ty(v) for ty, v in zip(_CAND_TYPES, row, strict=True)))
+
+
+CAND_COLS = CandRow._fields
+_CAND_TYPES = tuple(bool if f in ("cacheable", "sparse") else int for f in CAND_COLS)
 CAND_CACHEABLE = 0
 CAND_BLOCK_SIZE = 1
 CAND_SCALE = 2

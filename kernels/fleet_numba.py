@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.hash_index_numba import insert_rows
+from kvhit.kernels.hash_index_numba import insert_count
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -107,11 +107,10 @@ def find_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> np.nda
 def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
     """Insert keys into ``table`` (as :func:`find_keys`) in place, each once;
     returns the number newly stored. The caller leaves room (an EMPTY slot on
-    every probe path); RuntimeError if some key found no free slot."""
-    out = np.zeros(gids.shape[0], dtype=np.int8)
-    if gids.shape[0] and insert_rows(table, gids, hashes, out) >= 0:
-        raise RuntimeError("insert: the table has no free slot for some keys")
-    return int(out.sum())
+    every probe path); RuntimeError if some key found no free slot. The
+    KeyIndex's insert (``hash_index_numba.insert_count``), which touches only
+    the key columns."""
+    return insert_count(table, gids, hashes)
 
 
 @numba.njit(inline="always", **_JIT)

@@ -44,7 +44,6 @@ __all__ = [
     "find",
     "insert",
     "insert_count",
-    "insert_rows",
     "probe",
     "rehash",
     "warm_up",
@@ -92,12 +91,16 @@ def _probe_kernel(table, gids, keys, out):
 
 @numba.njit(cache=True, nogil=True)
 def _insert_kernel(table, gids, keys, out):
-    """out[r] = 1 where key r was new and stored, 0 where already present
-    (earlier in the table or earlier in this batch). Returns the first row
-    that found no free slot, or -1; rows before it are inserted."""
+    """Insert the keys; unless ``out`` is None (int8 ``[N]``), out[r] = 1
+    where key r was new and stored, 0 where already present (earlier in the
+    table or earlier in this batch). Returns the number of keys newly
+    stored, or ``-1 - r`` where row ``r`` found no free slot (rows before it
+    are inserted). ``out=None`` compiles its own copy with every ``out``
+    branch pruned: the count-only loop, as fast as one written for it."""
     cap = table.shape[0]
     mask = cap - 1
     W = keys.shape[1]
+    added = 0
     _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
         _prefetch_home(table, gids, keys, r + _AHEAD)
@@ -112,44 +115,14 @@ def _insert_kernel(table, gids, keys, out):
                 for j in range(W):
                     table[slot, 1 + j] = keys[r, j]
                 table[slot, 0] = gid
-                out[r] = 1
-                placed = True
-                break
-            if g == gid and slot_holds_key(table, slot, keys, r):
-                out[r] = 0
-                placed = True
-                break
-            slot = (slot + 1) & mask
-        if not placed:
-            return r
-    return -1
-
-
-@numba.njit(cache=True, nogil=True)
-def _insert_count_kernel(table, gids, keys):
-    """:func:`_insert_kernel` without the per-row output: returns the number
-    of keys newly stored, or ``-1 - r`` where row ``r`` found no free slot
-    (rows before it are inserted)."""
-    cap = table.shape[0]
-    mask = cap - 1
-    W = keys.shape[1]
-    added = 0
-    _prefetch_first(table, gids, keys)
-    for r in range(gids.shape[0]):
-        _prefetch_home(table, gids, keys, r + _AHEAD)
-        gid = gids[r]
-        slot = key_slot_hash(gid, keys, r) & mask
-        placed = False
-        for _ in range(cap):
-            g = table[slot, 0]
-            if g == _EMPTY:
-                for j in range(W):
-                    table[slot, 1 + j] = keys[r, j]
-                table[slot, 0] = gid
                 added += 1
+                if out is not None:
+                    out[r] = 1
                 placed = True
                 break
             if g == gid and slot_holds_key(table, slot, keys, r):
+                if out is not None:
+                    out[r] = 0
                 placed = True
                 break
             slot = (slot + 1) & mask
@@ -163,19 +136,15 @@ def insert_count(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int
     KeyIndex's own table and keys it normalized): ``table`` int64
     ``[capacity, W + 1]``, ``gids`` int64 ``[N]``, ``hashes`` int64 ``[N,
     W]``, all C-contiguous. Returns the number of keys newly stored; raises
-    RuntimeError as :func:`insert` when some key found no free slot."""
+    RuntimeError as :func:`insert` when some key found no free slot. Only
+    the key columns are touched: ``table`` may carry more after its ``W + 1``
+    (the fleet index's engine sets)."""
     if gids.shape[0] == 0:
         return 0
-    added = _insert_count_kernel(table, gids, hashes)
+    added = _insert_kernel(table, gids, hashes, None)
     if added < 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return added
-
-
-#: The insert kernel on numpy arrays, for a table whose rows carry more than
-#: the key after its ``W + 1`` key columns (the fleet index's engine sets):
-#: ``insert_rows(table, gids, keys, out)`` touches only the key columns.
-insert_rows = _insert_kernel
 
 
 @numba.njit(cache=True, nogil=True)
@@ -297,10 +266,8 @@ def insert(
     keeps load <= max_load < 1). Arguments as :func:`find`. Raises
     RuntimeError if a key found no free slot (rows before it are inserted).
     """
-    out, first_failed = _launch(
-        _insert_kernel, np.int8, table, W, group_ids, hashes, trusted
-    )
-    if first_failed >= 0:
+    out, added = _launch(_insert_kernel, np.int8, table, W, group_ids, hashes, trusted)
+    if out.shape[0] and added < 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return torch.from_numpy(out) > 0
 
@@ -351,7 +318,7 @@ def warm_up() -> None:
     table[:, 0] = _EMPTY
     gids = np.zeros(1, dtype=np.int64)
     keys = np.ones((1, 1), dtype=np.int64)
-    insert_count(table, gids, keys)
+    insert_count(table, gids, keys)  # the insert kernel's out=None copy
     for kernel, dtype in (
         (_find_kernel, np.int64),
         (_probe_kernel, np.bool_),
