@@ -22,12 +22,15 @@ imports it only when the numba backend runs.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 import torch
 
 from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.hash_ops import key_op
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -91,7 +94,7 @@ def _probe_kernel(table, gids, keys, out):
 
 @numba.njit(cache=True, nogil=True)
 def _insert_kernel(table, gids, keys, out):
-    """Insert the keys; unless ``out`` is None (int8 ``[N]``), out[r] = 1
+    """Insert the keys; unless ``out`` is None (bool ``[N]``), out[r] = 1
     where key r was new and stored, 0 where already present (earlier in the
     table or earlier in this batch). Returns the number of keys newly
     stored, or ``-1 - r`` where row ``r`` found no free slot (rows before it
@@ -206,57 +209,38 @@ def _views(
     return table.numpy(), group_ids.numpy(), hashes.numpy()
 
 
-def _launch(
-    kernel, dtype, table, W, group_ids, hashes, trusted
-) -> tuple[np.ndarray, int]:
+def _run(kernel, dtype, table, W, group_ids, hashes, trusted) -> torch.Tensor:
     """Every launcher's work: check (:func:`_views`), allocate ``out``
     (zeros ``[N]`` of ``dtype``) and, when there are keys, run
-    ``kernel(table, group_ids, hashes, out)``. Returns ``out`` and the
-    kernel's return value (-1 when it did not run or returns nothing)."""
+    ``kernel(table, group_ids, hashes, out)``; ``out`` as a tensor. A
+    negative return (the insert's ``-1 - r``) is a key that found no free
+    slot: RuntimeError (the rows before it are inserted)."""
     t, g, h = _views(table, W, group_ids, hashes, trusted)
     out = np.zeros(g.shape[0], dtype=dtype)
-    ret = kernel(t, g, h, out) if g.shape[0] else None
-    return out, -1 if ret is None else int(ret)
+    if g.shape[0]:
+        ret = kernel(t, g, h, out)
+        if ret is not None and ret < 0:
+            raise RuntimeError("insert: the table has no free slot for some keys")
+    return torch.from_numpy(out)
 
 
-def find(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+find = key_op(
+    "find",
     """Slot of each key, or -1 where absent: int64 ``[N]``.
 
     table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
     ``[N]``; hashes: int64 ``[N, W]``; all contiguous, on the CPU.
     ``trusted``: the caller built them so (a KeyIndex): nothing is checked.
-    """
-    return torch.from_numpy(
-        _launch(_find_kernel, np.int64, table, W, group_ids, hashes, trusted)[0]
-    )
-
-
-def probe(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
-    """Membership of keys: bool ``[N]``. Arguments as :func:`find`."""
-    return torch.from_numpy(
-        _launch(_probe_kernel, np.bool_, table, W, group_ids, hashes, trusted)[0]
-    )
-
-
-def insert(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+    """,
+    partial(_run, _find_kernel, np.int64),
+)
+probe = key_op(
+    "probe",
+    """Membership of keys: bool ``[N]``. Arguments as :func:`find`.""",
+    partial(_run, _probe_kernel, np.bool_),
+)
+insert = key_op(
+    "insert",
     """Insert keys into ``table`` in place; bool ``[N]``, True where the key was
     new and this row stored it.
 
@@ -265,29 +249,16 @@ def insert(
     The caller must leave room (an EMPTY slot on every probe path; KeyIndex
     keeps load <= max_load < 1). Arguments as :func:`find`. Raises
     RuntimeError if a key found no free slot (rows before it are inserted).
-    """
-    out, added = _launch(_insert_kernel, np.int8, table, W, group_ids, hashes, trusted)
-    if out.shape[0] and added < 0:
-        raise RuntimeError("insert: the table has no free slot for some keys")
-    return torch.from_numpy(out) > 0
-
-
-def erase(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+    """,
+    partial(_run, _insert_kernel, np.bool_),
+)
+erase = key_op(
+    "erase",
     """Replace keys by tombstones in place; bool ``[N]``, True where this row
     removed the key (absent keys and later repeats are False). Arguments as
-    :func:`find`."""
-    return (
-        torch.from_numpy(
-            _launch(_erase_kernel, np.int8, table, W, group_ids, hashes, trusted)[0]
-        )
-        > 0
-    )
+    :func:`find`.""",
+    partial(_run, _erase_kernel, np.bool_),
+)
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
@@ -322,8 +293,8 @@ def warm_up() -> None:
     for kernel, dtype in (
         (_find_kernel, np.int64),
         (_probe_kernel, np.bool_),
-        (_insert_kernel, np.int8),
-        (_erase_kernel, np.int8),
+        (_insert_kernel, np.bool_),
+        (_erase_kernel, np.bool_),
     ):
         kernel(table, gids, keys, np.zeros(1, dtype=dtype))
     new = np.zeros((4, 2), dtype=np.int64)
