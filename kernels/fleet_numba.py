@@ -434,24 +434,6 @@ def _gather_first(table, g0, rows, offsets, lengths, ends, scale, r, slots):
     _gather_tile(table, g0, rows, row0, scale, min(_TILE0, end), slots)
 
 
-@numba.njit(**_JIT)
-def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
-    b0 = table.shape[1] - nw
-    acc = np.empty(nw, dtype=np.int64)
-    cur = np.empty(_TILE, dtype=np.int64)
-    nxt = np.empty(_TILE, dtype=np.int64)
-    n_req = offsets.shape[0]
-    g0 = members[0]
-    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
-    for r in range(n_req):
-        cur, nxt = nxt, cur
-        if r + 1 < n_req:
-            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
-        acc[:] = live
-        row0, end = _request_end(offsets, lengths, ends, scale, r)
-        _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, cur)
-
-
 @numba.njit(inline="always", **_JIT)
 def _hit_of_run(run, bs, align, drop):
     """``kernels/fleet_torch.hits_of_runs`` for one run (vLLM's
@@ -465,20 +447,20 @@ def _hit_of_run(run, bs, align, drop):
 
 
 @numba.njit(**_JIT)
-def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
-    nw = params[0]
-    scale = params[1]
-    bs = params[2]
-    align = params[3]
-    drop = params[4] != 0
-    lookup = params[5] != 0
+def _full_scan(table, nw, scale, rows, offsets, lengths, ends, members, live, out,
+               lens, params):  # fmt: skip
+    """Per request and engine the leading run into ``out`` (:func:`full_runs`)
+    or, with ``lens`` and ``params`` (not None), the run turned into vLLM's
+    hit as soon as its request is scanned (:func:`full_hits`: ``params``
+    theirs). ``lens=None`` compiles its own copy with the hit code pruned."""
     b0 = table.shape[1] - nw
     n_req = offsets.shape[0]
     n_eng = out.shape[1]
-    ends = np.empty(n_req, dtype=np.int64)
-    for r in range(n_req):
-        bound = lens[r] // align * align if lookup else lens[r]
-        ends[r] = bound // bs
+    if lens is not None:
+        bs = params[2]
+        align = params[3]
+        drop = params[4] != 0
+        lookup = params[5] != 0
     acc = np.empty(nw, dtype=np.int64)
     cur = np.empty(_TILE, dtype=np.int64)
     nxt = np.empty(_TILE, dtype=np.int64)
@@ -492,6 +474,8 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         acc[:] = live
         row0, end = _request_end(offsets, lengths, ends, scale, r)
         _run_request(table, b0, rows, row0, end, scale, members, acc, out, r, cur)
+        if lens is None:
+            continue
         # Runs -> hits, in place (``kernels/fleet_torch.FleetOps.full_hits``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
@@ -517,6 +501,22 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
             out[r, e] = hit
             last_run = run
             last_hit = hit
+
+
+@numba.njit(**_JIT)
+def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
+    nw = params[0]
+    scale = params[1]
+    bs = params[2]
+    align = params[3]
+    lookup = params[5] != 0
+    n_req = offsets.shape[0]
+    ends = np.empty(n_req, dtype=np.int64)
+    for r in range(n_req):
+        bound = lens[r] // align * align if lookup else lens[r]
+        ends[r] = bound // bs
+    _full_scan(table, nw, scale, rows, offsets, lengths, ends, members, live, out,
+               lens, params)  # fmt: skip
 
 
 # ctz by de Bruijn multiplication: numba has no count-trailing-zeros intrinsic.
@@ -565,8 +565,8 @@ def full_runs(
     """
     runs = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
     if offsets.shape[0]:
-        _full_runs(table, np.int64(num_words), rows, offsets, lengths, ends,
-                   np.int64(scale), members, live, runs)  # fmt: skip
+        _full_scan(table, np.int64(num_words), np.int64(scale), rows, offsets,
+                   lengths, ends, members, live, runs, None, None)  # fmt: skip
     return runs
 
 
