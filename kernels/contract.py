@@ -25,6 +25,7 @@ What lives here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
@@ -158,8 +159,8 @@ class SpecGroupRow(NamedTuple):
         return [*(int(v) for v in self[:-1]), len(self.group_ids), *members]
 
     @classmethod
-    def from_row(cls, row: list[int]) -> SpecGroupRow:
-        """A row of :meth:`as_row` (a list of ints) decoded."""
+    def from_row(cls, row: Sequence[int]) -> SpecGroupRow:
+        """A row of :meth:`as_row` (ints) decoded."""
         n = row[SG_N_MEMBERS]
         return cls(
             *(ty(v) for ty, v in zip(_SG_TYPES, row[:SG_N_MEMBERS], strict=True)),
@@ -205,9 +206,11 @@ class CandRow(NamedTuple):
         return [int(v) for v in self]
 
     @classmethod
-    def from_row(cls, row: list[int]) -> CandRow:
-        """A row of :meth:`as_row` (a list of ints) decoded."""
-        return cls(*(ty(v) for ty, v in zip(_CAND_TYPES, row, strict=True)))
+    def from_row(cls, row: Sequence[int]) -> CandRow:
+        """A row of :meth:`as_row` (ints) decoded."""
+        return cls(
+            *(ty(v) for ty, v in zip(_CAND_TYPES, row[:CAND_WIDTH], strict=True))
+        )
 
 
 CAND_COLS = CandRow._fields
