@@ -17,7 +17,12 @@ What lives here:
 * the columns of a SpecGroup row (``SG_*``, then the member group ids from
   ``SG_MEMBERS``) and of a per-group candidate row (``CAND_*``), as
   ``coordinator/plan.py`` builds them: the one candidate layout the Triton
-  scan, the numba scan and ``kernels/candidates_numba.py`` read;
+  scan, the numba scan and ``kernels/candidates_numba.py`` read; the two
+  rows as records, :class:`SpecGroupRow` and :class:`CandRow` (the plan's
+  ``SpecGroupPlan`` and ``CandidatePlan`` are them, the torch kernels decode
+  rows into them);
+* :func:`key_op`, the launcher signature the hash-index families share
+  (``find``, ``probe``, ``insert``, ``erase``);
 * :class:`PlanParams`, a plan's scalar parameters, the one value type every
   scan family (numba, Triton, torch) takes beside the rows;
 * :func:`cdiv`.
@@ -25,8 +30,11 @@ What lives here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BUSY",
@@ -69,7 +77,9 @@ __all__ = [
     "SG_USE_EAGLE",
     "SpecGroupRow",
     "TOMBSTONE",
+    "KeyOp",
     "cdiv",
+    "key_op",
     "slot_hash",
 ]
 
@@ -256,3 +266,39 @@ class PlanParams(NamedTuple):
     alignment: int
     partial: bool
     simple_hybrid: bool
+
+
+#: A family's launcher: ``op(table, W, group_ids, hashes, trusted=...)``,
+#: table int64 ``[capacity, W + 1]`` (a KeyIndex table), group_ids int64
+#: ``[N]``, hashes int64 ``[N, W]``, all contiguous on one device; returns a
+#: tensor ``[N]``, one entry per key (see each launcher).
+KeyOp = Callable[..., "torch.Tensor"]
+
+
+def key_op(
+    name: str, doc: str, work: KeyOp, *, trusted_by_default: bool = False
+) -> KeyOp:
+    """The launcher ``name`` of a hash-index family (``kernels/hash_index.py``
+    for Triton, ``hash_index_numba.py``, ``hash_index_torch.py``; documented
+    by ``doc``): the signature they share, so that a KeyIndex calls the family
+    its backend names without knowing which, calling ``work(table, W,
+    group_ids, hashes, trusted)``.
+
+    ``trusted`` (default ``trusted_by_default``): the caller built the
+    arguments so (a KeyIndex's own table and normalized keys), and nothing
+    is checked. The launcher reports ``work``'s module as its own."""
+
+    def op(
+        table: torch.Tensor,
+        W: int,
+        group_ids: torch.Tensor,
+        hashes: torch.Tensor,
+        trusted: bool = trusted_by_default,
+    ) -> torch.Tensor:
+        return work(table, W, group_ids, hashes, trusted)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    # A functools.partial of the family's function names no module itself.
+    op.__module__ = getattr(work, "func", work).__module__
+    return op

@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from kvhit.kernels.checks import check_probe_args
-from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.hash_ops import key_op
+from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,

@@ -36,8 +36,8 @@ from kvhit.kernels.contract import (
     M3,
     SEED,
     TOMBSTONE,
+    key_op,
 )
-from kvhit.kernels.hash_ops import key_op
 
 __all__ = [
     "copy_table",
@@ -255,7 +255,7 @@ def _run(
     """Every launcher's work, ``work(table, group_ids, hashes)``: the words
     come from ``table``'s width, and nothing is checked (every torch
     launcher is trusted; ``W`` and ``trusted`` are accepted so that the three
-    hash-index families share one signature, :mod:`kvhit.kernels.hash_ops`)."""
+    hash-index families share one signature, :func:`kvhit.kernels.contract.key_op`)."""
     return work(table, group_ids, hashes)
 
 
