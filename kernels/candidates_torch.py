@@ -6,7 +6,7 @@ functions give the same keys for a whole batch of requests, without a Python
 loop over them. The torch scanner (:mod:`kvhit.kernels.scan_torch`) restricts
 its probes with them, and ``coordinator/candidates.worker_candidates`` lists
 the keys the engine and the Mooncake binding send to a store. The numba family
-spells the rule in ``kernels/candidates_numba.py`` and ``kernels/scan_numba.py``,
+spells the rule in ``kernels/candidates_numba.py`` and ``kernels/scan_numba_sg.py``,
 the Triton family in ``kernels/scan.py``.
 
 A plan comes as its candidate rows (:func:`candidate_rows` decodes
