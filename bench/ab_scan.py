@@ -1,7 +1,7 @@
 """Two builds of the numba lookup kernel side by side, in one process.
 
-``python -m kvhit.bench.ab_scan OTHER.py [--preset dsv4-longhit]
-[--requests 4096] [--pool N] [--repeats 15]`` loads ``OTHER.py`` (another
+``python -m kvhit.bench.ab_scan OTHER.py [--sg OTHER_SG.py] [--preset
+dsv4-longhit] [--requests 4096] [--pool N] [--repeats 15]`` loads ``OTHER.py`` (another
 version of ``kernels/scan_numba.py``, e.g. ``git show
 main:kernels/scan_numba.py > /tmp/scan_main.py``) beside this checkout's,
 checks that both give the engine's answer on every request of the workload
@@ -22,9 +22,14 @@ back to back took 19.6 to 28.8 ms (long-hit B = 4096, eight runs in half an
 hour), where against itself in one process it gives 0.99x (quartiles
 0.94-1.04x); a kernel change worth 5-10 % is only visible this way.
 
-Only the kernel module is swapped: the table layout, the slot hash
-(``kernels/probe_numba.py``) and the plan rows are this checkout's, so a
-change to those needs two checkouts and ``kvhit bench`` in each.
+Only the kernel modules are swapped: ``scan_numba.py``, and with ``--sg
+OTHER_SG.py`` its SpecGroup scan ``kernels/scan_numba_sg.py`` (the other
+``scan_numba.py`` then imports that one; by default both sides share this
+checkout's; numba caches compiled code by file path, so with ``--sg`` give
+the other ``scan_numba.py`` as a copy outside this checkout, e.g. ``git show
+main:kernels/scan_numba.py``). The table layout, the slot hash (``kernels/probe_numba.py``) and
+the plan rows are this checkout's, so a change to those needs two checkouts
+and ``kvhit bench`` in each.
 """
 
 from __future__ import annotations
@@ -47,33 +52,57 @@ from kvhit.coordinator.plan import plan_tensors
 #: The name the other kernel module is loaded under (numba caches its
 #: compiled code by the file's path, not by this name).
 OTHER_MODULE = "kvhit_ab_scan_other"
+#: The name the other SpecGroup scan (``--sg``) is loaded under.
+OTHER_SG_MODULE = "kvhit_ab_scan_other_sg"
+_SG_NAME = "kvhit.kernels.scan_numba_sg"
 
 
-def load_scan(path: str | Path) -> ModuleType:
-    """The kernel module at ``path`` (a ``scan_numba.py``), imported under
-    :data:`OTHER_MODULE`; ValueError naming ``other`` when it is not a file
-    or lacks the launcher API (``prepare_scan``, ``scan_prepared``,
-    ``LOOKUP``). This checkout's own file is the module already imported:
-    the same source compiles to the same kernel, and a second copy would
-    only be compiled again (~30 s on a fresh clone) to be timed against
-    itself."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"other: {str(path)!r} is not a file")
-    from kvhit.kernels import scan_numba
-
-    if p.resolve() == Path(scan_numba.__file__).resolve():
-        return scan_numba
-    spec = importlib.util.spec_from_file_location(OTHER_MODULE, p)
+def _exec(name: str, path: Path, what: str) -> ModuleType:
+    """The file ``path`` imported as module ``name`` (in ``sys.modules``);
+    ValueError naming ``what`` when it cannot be."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"other: {str(path)!r} cannot be imported as a module")
+        raise ValueError(f"{what}: {str(path)!r} cannot be imported as a module")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[OTHER_MODULE] = module
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[OTHER_MODULE]
+        del sys.modules[name]
         raise
+    return module
+
+
+def load_scan(path: str | Path, sg: str | Path | None = None) -> ModuleType:
+    """The kernel module at ``path`` (a ``scan_numba.py``), imported under
+    :data:`OTHER_MODULE`, built on the SpecGroup scan at ``sg`` (a
+    ``scan_numba_sg.py``, imported under :data:`OTHER_SG_MODULE`; default
+    this checkout's); ValueError naming ``other`` (or ``sg``) when it is not
+    a file or lacks the launcher API (``prepare_scan``, ``scan_prepared``,
+    ``LOOKUP``). This checkout's own files are the modules already imported:
+    the same source compiles to the same kernel, and a second copy would
+    only be compiled again (~30 s on a fresh clone) to be timed against
+    itself."""
+    from kvhit.kernels import scan_numba, scan_numba_sg
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"other: {str(path)!r} is not a file")
+    own_sg = Path(scan_numba_sg.__file__).resolve()
+    if sg is not None and not Path(sg).is_file():
+        raise ValueError(f"sg: {str(sg)!r} is not a file")
+    if sg is None or Path(sg).resolve() == own_sg:
+        if p.resolve() == Path(scan_numba.__file__).resolve():
+            return scan_numba
+        module = _exec(OTHER_MODULE, p, "other")
+    else:
+        # The other scan_numba.py imports its SpecGroup scan by the package
+        # name: that name stands for the other file while it is imported.
+        sys.modules[_SG_NAME] = _exec(OTHER_SG_MODULE, Path(sg), "sg")
+        try:
+            module = _exec(OTHER_MODULE, p, "other")
+        finally:
+            sys.modules[_SG_NAME] = scan_numba_sg
     missing = [
         n for n in ("prepare_scan", "scan_prepared", "LOOKUP") if not hasattr(module, n)
     ]
@@ -193,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "version of kernels/scan_numba.py, paired rounds in one process.",
     )
     p.add_argument("other", help="path of the other scan_numba.py")
+    p.add_argument(
+        "--sg",
+        default=None,
+        help="path of the other side's scan_numba_sg.py (default: this checkout's)",
+    )
     p.add_argument("--preset", default="dsv4-longhit", choices=sorted(PRESETS))
     p.add_argument("--requests", type=_positive, default=4096, help="per call")
     p.add_argument(
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if pool < args.requests:
         p.error(f"--pool must be at least --requests ({args.requests}), got {pool}")
     try:
-        other = load_scan(args.other)
+        other = load_scan(args.other, args.sg)
     except (ValueError, ImportError, SyntaxError) as exc:
         print(f"ab_scan: {exc}", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ import torch
 
 from kvhit.coordinator.kinds import kind_of
 from kvhit.coordinator.specs import CacheLayout, SpecGroup
-from kvhit.kernels.contract import CAND_COLS, PlanParams
+from kvhit.kernels.contract import CandRow, PlanParams, SpecGroupRow
 from kvhit.kernels.masks import IntLike, asked_chunks
 
 __all__ = [
@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class SpecGroupPlan:
-    """One SpecGroup, as numbers.
+class SpecGroupPlan(SpecGroupRow):
+    """One SpecGroup, as numbers: a :class:`~kvhit.kernels.contract.SpecGroupRow`
+    (its fields in row order, :meth:`as_row` the row kernels read).
 
     ``kind`` is the kind's code (``SpecKind.code``); ``scale`` the hash units
     per block; ``need`` the sliding-window run without EAGLE
@@ -66,21 +66,13 @@ class SpecGroupPlan:
     ``A < bs``); ``chunk`` the chunked-local attention chunk in tokens.
     """
 
-    kind: int
-    block_size: int
-    scale: int
-    group_ids: tuple[int, ...]
-    use_eagle: bool
-    margin: int
-    need: int
-    period: int
-    fine: bool
-    chunk: int
+    __slots__ = ()
 
 
-@dataclass(frozen=True)
-class CandidatePlan:
-    """Which chunks of a group the store worker asks about in ``lookup``.
+class CandidatePlan(CandRow):
+    """Which chunks of a group the store worker asks about in ``lookup``: a
+    :class:`~kvhit.kernels.contract.CandRow` (its fields in row order,
+    :meth:`as_row` the row kernels read).
 
     Without partial hash hits, chunk ``c`` of the group is asked iff
     ``c < masks.asked_chunks(...)`` (:meth:`ScanPlan.asked_chunks`) and, when
@@ -89,18 +81,7 @@ class CandidatePlan:
     ``token_len // hash_block_size`` is asked for every prefix-cacheable group.
     """
 
-    group_id: int
-    cacheable: bool
-    block_size: int
-    scale: int
-    sparse: bool
-    per_segment: int
-    need: int
-    shift: int
-
-    def as_row(self) -> list[int]:
-        """The row kernels read, in ``CAND_COLS`` order (kernels/contract.py)."""
-        return [int(getattr(self, col)) for col in CAND_COLS]
+    __slots__ = ()
 
 
 def _spec_group_plan(layout: CacheLayout, sg: SpecGroup) -> SpecGroupPlan:
@@ -196,25 +177,7 @@ class ScanPlan:
         use_eagle, margin, need, period, fine, chunk, n_members, members... (padded
         with -1 to the largest SpecGroup)."""
         width = max(len(sg.group_ids) for sg in self.spec_groups)
-        rows = []
-        for sg in self.spec_groups:
-            members = list(sg.group_ids) + [-1] * (width - len(sg.group_ids))
-            rows.append(
-                [
-                    sg.kind,
-                    sg.block_size,
-                    sg.scale,
-                    int(sg.use_eagle),
-                    sg.margin,
-                    sg.need,
-                    sg.period,
-                    int(sg.fine),
-                    sg.chunk,
-                    len(sg.group_ids),
-                    *members,
-                ]
-            )
-        return rows
+        return [sg.as_row(width) for sg in self.spec_groups]
 
     def candidates_as_rows(self) -> list[list[int]]:
         """One int row per group for kernels (``CandidatePlan.as_row``):

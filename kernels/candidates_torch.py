@@ -6,7 +6,7 @@ functions give the same keys for a whole batch of requests, without a Python
 loop over them. The torch scanner (:mod:`kvhit.kernels.scan_torch`) restricts
 its probes with them, and ``coordinator/candidates.worker_candidates`` lists
 the keys the engine and the Mooncake binding send to a store. The numba family
-spells the rule in ``kernels/candidates_numba.py`` and ``kernels/scan_numba.py``,
+spells the rule in ``kernels/candidates_numba.py`` and ``kernels/scan_numba_sg.py``,
 the Triton family in ``kernels/scan.py``.
 
 A plan comes as its candidate rows (:func:`candidate_rows` decodes
@@ -19,11 +19,11 @@ one device unless said otherwise. Imports neither triton nor numba.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from kvhit.kernels.contract import CAND_COLS, PlanParams
+from kvhit.kernels.contract import CandRow, PlanParams
 from kvhit.kernels.masks import asked_chunks, sparse_window_chunk, sparse_window_mask
 
 __all__ = [
@@ -36,30 +36,11 @@ __all__ = [
 ]
 
 
-class CandRow(NamedTuple):
-    """One group's candidate row (``contract.CAND_COLS``, in that order)."""
-
-    cacheable: bool
-    block_size: int
-    scale: int
-    sparse: bool
-    per_segment: int
-    need: int
-    shift: int
-    group_id: int
-
-
-assert CandRow._fields == CAND_COLS
-
-
 def candidate_rows(cand_rows: Any) -> tuple[CandRow, ...]:
     """``cand_rows`` (int64 ``[G, CAND_WIDTH]``: a tensor, a numpy array or
     lists) as one :class:`CandRow` per group."""
     rows = cand_rows.tolist() if hasattr(cand_rows, "tolist") else cand_rows
-    return tuple(
-        CandRow(bool(r[0]), r[1], r[2], bool(r[3]), r[4], r[5], r[6], r[7])
-        for r in rows
-    )
+    return tuple(CandRow.from_row(r) for r in rows)
 
 
 def asked(cp: Any, params: PlanParams, num_hashes: Any, token_len: Any) -> Any:

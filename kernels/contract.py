@@ -17,7 +17,12 @@ What lives here:
 * the columns of a SpecGroup row (``SG_*``, then the member group ids from
   ``SG_MEMBERS``) and of a per-group candidate row (``CAND_*``), as
   ``coordinator/plan.py`` builds them: the one candidate layout the Triton
-  scan, the numba scan and ``kernels/candidates_numba.py`` read;
+  scan, the numba scan and ``kernels/candidates_numba.py`` read; the two
+  rows as records, :class:`SpecGroupRow` and :class:`CandRow` (the plan's
+  ``SpecGroupPlan`` and ``CandidatePlan`` are them, the torch kernels decode
+  rows into them);
+* :func:`key_op`, the launcher signature the hash-index families share
+  (``find``, ``probe``, ``insert``, ``erase``);
 * :class:`PlanParams`, a plan's scalar parameters, the one value type every
   scan family (numba, Triton, torch) takes beside the rows;
 * :func:`cdiv`.
@@ -25,7 +30,11 @@ What lives here:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BUSY",
@@ -39,6 +48,7 @@ __all__ = [
     "CAND_SHIFT",
     "CAND_SPARSE",
     "CAND_WIDTH",
+    "CandRow",
     "EMPTY",
     "HASH_CONSTANTS",
     "KIND_CHUNKED",
@@ -65,8 +75,11 @@ __all__ = [
     "SG_PERIOD",
     "SG_SCALE",
     "SG_USE_EAGLE",
+    "SpecGroupRow",
     "TOMBSTONE",
+    "KeyOp",
     "cdiv",
+    "key_op",
     "slot_hash",
 ]
 
@@ -130,18 +143,44 @@ KIND_MAMBA = 2
 KIND_CHUNKED = 3
 
 # -- a SpecGroup row (ScanPlan.as_rows()) -------------------------------------------
-SG_COLS = (
-    "kind",
-    "block_size",
-    "scale",
-    "use_eagle",
-    "margin",
-    "need",
-    "period",
-    "fine",
-    "chunk",
-    "n_members",
-)
+
+
+class SpecGroupRow(NamedTuple):
+    """One SpecGroup as numbers, its fields in row order (:data:`SG_COLS`),
+    its member group ids last, as a tuple. ``coordinator/plan.py``'s
+    ``SpecGroupPlan`` (which documents the fields) is one; the torch scan
+    decodes rows into them (:meth:`from_row`)."""
+
+    kind: int
+    block_size: int
+    scale: int
+    use_eagle: bool
+    margin: int
+    need: int
+    period: int
+    fine: bool
+    chunk: int
+    group_ids: tuple[int, ...]
+
+    def as_row(self, width: int) -> list[int]:
+        """The row kernels read: the fields, ``n_members``, then the members
+        padded with -1 to ``width`` (the widest SpecGroup's count)."""
+        members = list(self.group_ids) + [-1] * (width - len(self.group_ids))
+        return [*(int(v) for v in self[:-1]), len(self.group_ids), *members]
+
+    @classmethod
+    def from_row(cls, row: Sequence[int]) -> SpecGroupRow:
+        """A row of :meth:`as_row` (ints) decoded."""
+        n = row[SG_N_MEMBERS]
+        return cls(
+            *(ty(v) for ty, v in zip(_SG_TYPES, row[:SG_N_MEMBERS], strict=True)),
+            tuple(row[SG_MEMBERS : SG_MEMBERS + n]),
+        )
+
+
+#: Every field but the members, then their count.
+SG_COLS = (*SpecGroupRow._fields[:-1], "n_members")
+_SG_TYPES = tuple(bool if f in ("use_eagle", "fine") else int for f in SG_COLS[:-1])
 SG_KIND = 0
 SG_BLOCK_SIZE = 1
 SG_SCALE = 2
@@ -156,16 +195,36 @@ SG_N_MEMBERS = 9
 SG_MEMBERS = len(SG_COLS)
 
 # -- a per-group candidate row (ScanPlan.candidates, in group order) ----------------
-CAND_COLS = (
-    "cacheable",
-    "block_size",
-    "scale",
-    "sparse",
-    "per_segment",
-    "need",
-    "shift",
-    "group_id",
-)
+
+
+class CandRow(NamedTuple):
+    """One group's candidate row, its fields in row order (:data:`CAND_COLS`).
+    ``coordinator/plan.py``'s ``CandidatePlan`` (which documents the fields)
+    is one; the torch kernels decode rows into them (:meth:`from_row`)."""
+
+    cacheable: bool
+    block_size: int
+    scale: int
+    sparse: bool
+    per_segment: int
+    need: int
+    shift: int
+    group_id: int
+
+    def as_row(self) -> list[int]:
+        """The row kernels read, in ``CAND_COLS`` order."""
+        return [int(v) for v in self]
+
+    @classmethod
+    def from_row(cls, row: Sequence[int]) -> CandRow:
+        """A row of :meth:`as_row` (ints) decoded."""
+        return cls(
+            *(ty(v) for ty, v in zip(_CAND_TYPES, row[:CAND_WIDTH], strict=True))
+        )
+
+
+CAND_COLS = CandRow._fields
+_CAND_TYPES = tuple(bool if f in ("cacheable", "sparse") else int for f in CAND_COLS)
 CAND_CACHEABLE = 0
 CAND_BLOCK_SIZE = 1
 CAND_SCALE = 2
@@ -207,3 +266,39 @@ class PlanParams(NamedTuple):
     alignment: int
     partial: bool
     simple_hybrid: bool
+
+
+#: A family's launcher: ``op(table, W, group_ids, hashes, trusted=...)``,
+#: table int64 ``[capacity, W + 1]`` (a KeyIndex table), group_ids int64
+#: ``[N]``, hashes int64 ``[N, W]``, all contiguous on one device; returns a
+#: tensor ``[N]``, one entry per key (see each launcher).
+KeyOp = Callable[..., "torch.Tensor"]
+
+
+def key_op(
+    name: str, doc: str, work: KeyOp, *, trusted_by_default: bool = False
+) -> KeyOp:
+    """The launcher ``name`` of a hash-index family (``kernels/hash_index.py``
+    for Triton, ``hash_index_numba.py``, ``hash_index_torch.py``; documented
+    by ``doc``): the signature they share, so that a KeyIndex calls the family
+    its backend names without knowing which, calling ``work(table, W,
+    group_ids, hashes, trusted)``.
+
+    ``trusted`` (default ``trusted_by_default``): the caller built the
+    arguments so (a KeyIndex's own table and normalized keys), and nothing
+    is checked. The launcher reports ``work``'s module as its own."""
+
+    def op(
+        table: torch.Tensor,
+        W: int,
+        group_ids: torch.Tensor,
+        hashes: torch.Tensor,
+        trusted: bool = trusted_by_default,
+    ) -> torch.Tensor:
+        return work(table, W, group_ids, hashes, trusted)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    # A functools.partial of the family's function names no module itself.
+    op.__module__ = getattr(work, "func", work).__module__
+    return op

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.hash_index_numba import insert_rows
+from kvhit.kernels.hash_index_numba import insert_count
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -107,11 +107,10 @@ def find_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> np.nda
 def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
     """Insert keys into ``table`` (as :func:`find_keys`) in place, each once;
     returns the number newly stored. The caller leaves room (an EMPTY slot on
-    every probe path); RuntimeError if some key found no free slot."""
-    out = np.zeros(gids.shape[0], dtype=np.int8)
-    if gids.shape[0] and insert_rows(table, gids, hashes, out) >= 0:
-        raise RuntimeError("insert: the table has no free slot for some keys")
-    return int(out.sum())
+    every probe path); RuntimeError if some key found no free slot. The
+    KeyIndex's insert (``hash_index_numba.insert_count``), which touches only
+    the key columns."""
+    return insert_count(table, gids, hashes)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -435,24 +434,6 @@ def _gather_first(table, g0, rows, offsets, lengths, ends, scale, r, slots):
     _gather_tile(table, g0, rows, row0, scale, min(_TILE0, end), slots)
 
 
-@numba.njit(**_JIT)
-def _full_runs(table, nw, rows, offsets, lengths, ends, scale, members, live, runs):
-    b0 = table.shape[1] - nw
-    acc = np.empty(nw, dtype=np.int64)
-    cur = np.empty(_TILE, dtype=np.int64)
-    nxt = np.empty(_TILE, dtype=np.int64)
-    n_req = offsets.shape[0]
-    g0 = members[0]
-    _gather_first(table, g0, rows, offsets, lengths, ends, scale, 0, nxt)
-    for r in range(n_req):
-        cur, nxt = nxt, cur
-        if r + 1 < n_req:
-            _gather_first(table, g0, rows, offsets, lengths, ends, scale, r + 1, nxt)
-        acc[:] = live
-        row0, end = _request_end(offsets, lengths, ends, scale, r)
-        _run_request(table, b0, rows, row0, end, scale, members, acc, runs, r, cur)
-
-
 @numba.njit(inline="always", **_JIT)
 def _hit_of_run(run, bs, align, drop):
     """``kernels/fleet_torch.hits_of_runs`` for one run (vLLM's
@@ -466,20 +447,20 @@ def _hit_of_run(run, bs, align, drop):
 
 
 @numba.njit(**_JIT)
-def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
-    nw = params[0]
-    scale = params[1]
-    bs = params[2]
-    align = params[3]
-    drop = params[4] != 0
-    lookup = params[5] != 0
+def _full_scan(table, nw, scale, rows, offsets, lengths, ends, members, live, out,
+               lens, params):  # fmt: skip
+    """Per request and engine the leading run into ``out`` (:func:`full_runs`)
+    or, with ``lens`` and ``params`` (not None), the run turned into vLLM's
+    hit as soon as its request is scanned (:func:`full_hits`: ``params``
+    theirs). ``lens=None`` compiles its own copy with the hit code pruned."""
     b0 = table.shape[1] - nw
     n_req = offsets.shape[0]
     n_eng = out.shape[1]
-    ends = np.empty(n_req, dtype=np.int64)
-    for r in range(n_req):
-        bound = lens[r] // align * align if lookup else lens[r]
-        ends[r] = bound // bs
+    if lens is not None:
+        bs = params[2]
+        align = params[3]
+        drop = params[4] != 0
+        lookup = params[5] != 0
     acc = np.empty(nw, dtype=np.int64)
     cur = np.empty(_TILE, dtype=np.int64)
     nxt = np.empty(_TILE, dtype=np.int64)
@@ -493,6 +474,8 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
         acc[:] = live
         row0, end = _request_end(offsets, lengths, ends, scale, r)
         _run_request(table, b0, rows, row0, end, scale, members, acc, out, r, cur)
+        if lens is None:
+            continue
         # Runs -> hits, in place (``kernels/fleet_torch.FleetOps.full_hits``).
         n_tok = lens[r]
         again = (n_tok - 1) // align * align if n_tok > 0 else np.int64(-1)
@@ -518,6 +501,22 @@ def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
             out[r, e] = hit
             last_run = run
             last_hit = hit
+
+
+@numba.njit(**_JIT)
+def _full_hits(table, rows, offsets, lengths, lens, members, live, params, out):
+    nw = params[0]
+    scale = params[1]
+    bs = params[2]
+    align = params[3]
+    lookup = params[5] != 0
+    n_req = offsets.shape[0]
+    ends = np.empty(n_req, dtype=np.int64)
+    for r in range(n_req):
+        bound = lens[r] // align * align if lookup else lens[r]
+        ends[r] = bound // bs
+    _full_scan(table, nw, scale, rows, offsets, lengths, ends, members, live, out,
+               lens, params)  # fmt: skip
 
 
 # ctz by de Bruijn multiplication: numba has no count-trailing-zeros intrinsic.
@@ -566,8 +565,8 @@ def full_runs(
     """
     runs = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
     if offsets.shape[0]:
-        _full_runs(table, np.int64(num_words), rows, offsets, lengths, ends,
-                   np.int64(scale), members, live, runs)  # fmt: skip
+        _full_scan(table, np.int64(num_words), np.int64(scale), rows, offsets,
+                   lengths, ends, members, live, runs, None, None)  # fmt: skip
     return runs
 
 

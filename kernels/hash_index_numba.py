@@ -22,12 +22,14 @@ imports it only when the numba backend runs.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 import torch
 
 from kvhit.kernels.checks import check_probe_args
-from kvhit.kernels.contract import EMPTY, TOMBSTONE
+from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -44,7 +46,6 @@ __all__ = [
     "find",
     "insert",
     "insert_count",
-    "insert_rows",
     "probe",
     "rehash",
     "warm_up",
@@ -92,12 +93,16 @@ def _probe_kernel(table, gids, keys, out):
 
 @numba.njit(cache=True, nogil=True)
 def _insert_kernel(table, gids, keys, out):
-    """out[r] = 1 where key r was new and stored, 0 where already present
-    (earlier in the table or earlier in this batch). Returns the first row
-    that found no free slot, or -1; rows before it are inserted."""
+    """Insert the keys; unless ``out`` is None (bool ``[N]``), out[r] = 1
+    where key r was new and stored, 0 where already present (earlier in the
+    table or earlier in this batch). Returns the number of keys newly
+    stored, or ``-1 - r`` where row ``r`` found no free slot (rows before it
+    are inserted). ``out=None`` compiles its own copy with every ``out``
+    branch pruned: the count-only loop, as fast as one written for it."""
     cap = table.shape[0]
     mask = cap - 1
     W = keys.shape[1]
+    added = 0
     _prefetch_first(table, gids, keys)
     for r in range(gids.shape[0]):
         _prefetch_home(table, gids, keys, r + _AHEAD)
@@ -112,44 +117,14 @@ def _insert_kernel(table, gids, keys, out):
                 for j in range(W):
                     table[slot, 1 + j] = keys[r, j]
                 table[slot, 0] = gid
-                out[r] = 1
-                placed = True
-                break
-            if g == gid and slot_holds_key(table, slot, keys, r):
-                out[r] = 0
-                placed = True
-                break
-            slot = (slot + 1) & mask
-        if not placed:
-            return r
-    return -1
-
-
-@numba.njit(cache=True, nogil=True)
-def _insert_count_kernel(table, gids, keys):
-    """:func:`_insert_kernel` without the per-row output: returns the number
-    of keys newly stored, or ``-1 - r`` where row ``r`` found no free slot
-    (rows before it are inserted)."""
-    cap = table.shape[0]
-    mask = cap - 1
-    W = keys.shape[1]
-    added = 0
-    _prefetch_first(table, gids, keys)
-    for r in range(gids.shape[0]):
-        _prefetch_home(table, gids, keys, r + _AHEAD)
-        gid = gids[r]
-        slot = key_slot_hash(gid, keys, r) & mask
-        placed = False
-        for _ in range(cap):
-            g = table[slot, 0]
-            if g == _EMPTY:
-                for j in range(W):
-                    table[slot, 1 + j] = keys[r, j]
-                table[slot, 0] = gid
                 added += 1
+                if out is not None:
+                    out[r] = 1
                 placed = True
                 break
             if g == gid and slot_holds_key(table, slot, keys, r):
+                if out is not None:
+                    out[r] = 0
                 placed = True
                 break
             slot = (slot + 1) & mask
@@ -163,19 +138,15 @@ def insert_count(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int
     KeyIndex's own table and keys it normalized): ``table`` int64
     ``[capacity, W + 1]``, ``gids`` int64 ``[N]``, ``hashes`` int64 ``[N,
     W]``, all C-contiguous. Returns the number of keys newly stored; raises
-    RuntimeError as :func:`insert` when some key found no free slot."""
+    RuntimeError as :func:`insert` when some key found no free slot. Only
+    the key columns are touched: ``table`` may carry more after its ``W + 1``
+    (the fleet index's engine sets)."""
     if gids.shape[0] == 0:
         return 0
-    added = _insert_count_kernel(table, gids, hashes)
+    added = _insert_kernel(table, gids, hashes, None)
     if added < 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
     return added
-
-
-#: The insert kernel on numpy arrays, for a table whose rows carry more than
-#: the key after its ``W + 1`` key columns (the fleet index's engine sets):
-#: ``insert_rows(table, gids, keys, out)`` touches only the key columns.
-insert_rows = _insert_kernel
 
 
 @numba.njit(cache=True, nogil=True)
@@ -237,57 +208,38 @@ def _views(
     return table.numpy(), group_ids.numpy(), hashes.numpy()
 
 
-def _launch(
-    kernel, dtype, table, W, group_ids, hashes, trusted
-) -> tuple[np.ndarray, int]:
+def _run(kernel, dtype, table, W, group_ids, hashes, trusted) -> torch.Tensor:
     """Every launcher's work: check (:func:`_views`), allocate ``out``
     (zeros ``[N]`` of ``dtype``) and, when there are keys, run
-    ``kernel(table, group_ids, hashes, out)``. Returns ``out`` and the
-    kernel's return value (-1 when it did not run or returns nothing)."""
+    ``kernel(table, group_ids, hashes, out)``; ``out`` as a tensor. A
+    negative return (the insert's ``-1 - r``) is a key that found no free
+    slot: RuntimeError (the rows before it are inserted)."""
     t, g, h = _views(table, W, group_ids, hashes, trusted)
     out = np.zeros(g.shape[0], dtype=dtype)
-    ret = kernel(t, g, h, out) if g.shape[0] else None
-    return out, -1 if ret is None else int(ret)
+    if g.shape[0]:
+        ret = kernel(t, g, h, out)
+        if ret is not None and ret < 0:
+            raise RuntimeError("insert: the table has no free slot for some keys")
+    return torch.from_numpy(out)
 
 
-def find(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+find = key_op(
+    "find",
     """Slot of each key, or -1 where absent: int64 ``[N]``.
 
     table: int64 ``[capacity, W + 1]`` (a KeyIndex table); group_ids: int64
     ``[N]``; hashes: int64 ``[N, W]``; all contiguous, on the CPU.
     ``trusted``: the caller built them so (a KeyIndex): nothing is checked.
-    """
-    return torch.from_numpy(
-        _launch(_find_kernel, np.int64, table, W, group_ids, hashes, trusted)[0]
-    )
-
-
-def probe(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
-    """Membership of keys: bool ``[N]``. Arguments as :func:`find`."""
-    return torch.from_numpy(
-        _launch(_probe_kernel, np.bool_, table, W, group_ids, hashes, trusted)[0]
-    )
-
-
-def insert(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+    """,
+    partial(_run, _find_kernel, np.int64),
+)
+probe = key_op(
+    "probe",
+    """Membership of keys: bool ``[N]``. Arguments as :func:`find`.""",
+    partial(_run, _probe_kernel, np.bool_),
+)
+insert = key_op(
+    "insert",
     """Insert keys into ``table`` in place; bool ``[N]``, True where the key was
     new and this row stored it.
 
@@ -296,31 +248,16 @@ def insert(
     The caller must leave room (an EMPTY slot on every probe path; KeyIndex
     keeps load <= max_load < 1). Arguments as :func:`find`. Raises
     RuntimeError if a key found no free slot (rows before it are inserted).
-    """
-    out, first_failed = _launch(
-        _insert_kernel, np.int8, table, W, group_ids, hashes, trusted
-    )
-    if first_failed >= 0:
-        raise RuntimeError("insert: the table has no free slot for some keys")
-    return torch.from_numpy(out) > 0
-
-
-def erase(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = False,
-) -> torch.Tensor:
+    """,
+    partial(_run, _insert_kernel, np.bool_),
+)
+erase = key_op(
+    "erase",
     """Replace keys by tombstones in place; bool ``[N]``, True where this row
     removed the key (absent keys and later repeats are False). Arguments as
-    :func:`find`."""
-    return (
-        torch.from_numpy(
-            _launch(_erase_kernel, np.int8, table, W, group_ids, hashes, trusted)[0]
-        )
-        > 0
-    )
+    :func:`find`.""",
+    partial(_run, _erase_kernel, np.bool_),
+)
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
@@ -351,12 +288,12 @@ def warm_up() -> None:
     table[:, 0] = _EMPTY
     gids = np.zeros(1, dtype=np.int64)
     keys = np.ones((1, 1), dtype=np.int64)
-    insert_count(table, gids, keys)
+    insert_count(table, gids, keys)  # the insert kernel's out=None copy
     for kernel, dtype in (
         (_find_kernel, np.int64),
         (_probe_kernel, np.bool_),
-        (_insert_kernel, np.int8),
-        (_erase_kernel, np.int8),
+        (_insert_kernel, np.bool_),
+        (_erase_kernel, np.bool_),
     ):
         kernel(table, gids, keys, np.zeros(1, dtype=dtype))
     new = np.zeros((4, 2), dtype=np.int64)

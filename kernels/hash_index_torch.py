@@ -20,6 +20,9 @@ neither triton nor numba.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -33,6 +36,7 @@ from kvhit.kernels.contract import (
     M3,
     SEED,
     TOMBSTONE,
+    key_op,
 )
 
 __all__ = [
@@ -104,19 +108,10 @@ def slot_hash(group_ids: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & LOW33)
 
 
-def find(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = True,
+def _find(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
-    """Slot of each key in ``table``, or -1 where absent: int64 ``[N]``.
-
-    table: int64 ``[capacity, W + 1]``; group_ids: int64 ``[N]``; hashes:
-    int64 ``[N, W]``. Vectorised probe rounds over a shrinking set of keys
-    still searching.
-    """
+    """:data:`find` (its words: ``table``'s columns 1..W)."""
     n = group_ids.shape[0]
     dev = table.device
     out = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -166,43 +161,24 @@ def find(
     return out
 
 
-def probe(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = True,
+def _probe(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
-    """Membership of keys in a KeyIndex table: bool ``[N]``.
-
-    table: int64 ``[capacity, W + 1]`` (``index.table``); group_ids: int64
-    ``[N]``; hashes: int64 ``[N, W]``; all on one device. No validation:
-    every torch launcher is trusted (``trusted`` is accepted so that the
-    three hash-index families share one signature).
-    """
-    return find(table, W, group_ids, hashes) >= 0
+    """:data:`probe` (its words: ``table``'s columns 1..W)."""
+    return _find(table, group_ids, hashes) >= 0
 
 
-def insert(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = True,
+def _insert(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
-    """Insert keys into ``table`` in place; bool ``[N]``, True where stored.
-
-    Keys already present and repeats within the batch are stored once (the
-    count of new keys is ``result.sum()``). The caller must leave room (an
-    EMPTY slot on every probe path). Same semantics as the Triton insert.
-    """
+    """:data:`insert` (its words: ``table``'s columns 1..W)."""
     n = group_ids.shape[0]
     stored = torch.zeros(n, dtype=torch.bool, device=table.device)
     if n == 0:
         return stored
     cap_mask = table.shape[0] - 1
     flat = table.view(-1)
-    stride = W + 1
+    stride = table.shape[1]
     pos = slot_hash(group_ids, hashes) & cap_mask
     idx = torch.arange(n, device=table.device)
     gid, key = group_ids, hashes
@@ -250,19 +226,13 @@ def insert(
     return stored
 
 
-def erase(
-    table: torch.Tensor,
-    W: int,
-    group_ids: torch.Tensor,
-    hashes: torch.Tensor,
-    trusted: bool = True,
+def _erase(
+    table: torch.Tensor, group_ids: torch.Tensor, hashes: torch.Tensor
 ) -> torch.Tensor:
-    """Replace keys by tombstones in place; bool ``[N]``, True where this row
-    removed the key (absent keys and later repeats are False), as the Triton
-    and numba erases. Arguments as :func:`probe`."""
+    """:data:`erase` (its words: ``table``'s columns 1..W)."""
     n = group_ids.shape[0]
     removed = torch.zeros(n, dtype=torch.bool, device=table.device)
-    slots = find(table, W, group_ids, hashes)
+    slots = _find(table, group_ids, hashes)
     rows = (slots >= 0).nonzero().squeeze(1)
     if rows.numel() == 0:
         return removed
@@ -272,6 +242,65 @@ def erase(
     removed[first] = True
     table[:, 0].index_fill_(0, distinct, TOMBSTONE)
     return removed
+
+
+def _run(
+    work: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    table: torch.Tensor,
+    W: int,
+    group_ids: torch.Tensor,
+    hashes: torch.Tensor,
+    trusted: bool,
+) -> torch.Tensor:
+    """Every launcher's work, ``work(table, group_ids, hashes)``: the words
+    come from ``table``'s width, and nothing is checked (every torch
+    launcher is trusted; ``W`` and ``trusted`` are accepted so that the three
+    hash-index families share one signature, :func:`kvhit.kernels.contract.key_op`)."""
+    return work(table, group_ids, hashes)
+
+
+find = key_op(
+    "find",
+    """Slot of each key in ``table``, or -1 where absent: int64 ``[N]``.
+
+    table: int64 ``[capacity, W + 1]``; group_ids: int64 ``[N]``; hashes:
+    int64 ``[N, W]``. Vectorised probe rounds over a shrinking set of keys
+    still searching.
+    """,
+    partial(_run, _find),
+    trusted_by_default=True,
+)
+probe = key_op(
+    "probe",
+    """Membership of keys in a KeyIndex table: bool ``[N]``.
+
+    table: int64 ``[capacity, W + 1]`` (``index.table``); group_ids: int64
+    ``[N]``; hashes: int64 ``[N, W]``; all on one device. No validation:
+    every torch launcher is trusted (``trusted`` is accepted so that the
+    three hash-index families share one signature).
+    """,
+    partial(_run, _probe),
+    trusted_by_default=True,
+)
+insert = key_op(
+    "insert",
+    """Insert keys into ``table`` in place; bool ``[N]``, True where stored.
+
+    Keys already present and repeats within the batch are stored once (the
+    count of new keys is ``result.sum()``). The caller must leave room (an
+    EMPTY slot on every probe path). Same semantics as the Triton insert.
+    """,
+    partial(_run, _insert),
+    trusted_by_default=True,
+)
+erase = key_op(
+    "erase",
+    """Replace keys by tombstones in place; bool ``[N]``, True where this row
+    removed the key (absent keys and later repeats are False), as the Triton
+    and numba erases. Arguments as :func:`probe`.""",
+    partial(_run, _erase),
+    trusted_by_default=True,
+)
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
@@ -284,5 +313,5 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
     dropped. Raises RuntimeError if ``new`` has no room.
     """
     live = table[table[:, 0] >= 0]
-    stored = insert(new, W, live[:, 0].contiguous(), live[:, 1:].contiguous())
+    stored = _insert(new, live[:, 0].contiguous(), live[:, 1:].contiguous())
     return int(stored.sum().item())

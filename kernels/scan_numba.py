@@ -107,13 +107,6 @@ from kvhit.kernels.checks import (
     table_capacity,
 )
 from kvhit.kernels.contract import (
-    CAND_BLOCK_SIZE,
-    CAND_CACHEABLE,
-    CAND_NEED,
-    CAND_PER_SEGMENT,
-    CAND_SCALE,
-    CAND_SHIFT,
-    CAND_SPARSE,
     EMPTY,
     KIND_FULL,
     KIND_MAMBA,
@@ -137,6 +130,7 @@ from kvhit.kernels.scan_numba_sg import (
     NEVER,
     PREFETCH_BIT,
     RUN_STRETCH,
+    any_candidate,
     candidate_limits,
     jit_cdiv,
     prefetch_windows,
@@ -362,35 +356,6 @@ def _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows, table,
     return hit_length
 
 
-@numba.njit(**JIT)
-def _any_candidate(n_units, token_len, cand, partial, hbs):
-    """Whether the store worker asks about any key at all (its
-    ``lookup_candidates`` is not empty)."""
-    # ``asked`` is masks.asked_chunks; the lowest kept chunk is
-    # masks.sparse_window_chunk(0, per_segment, need, shift).
-    for gid in range(cand.shape[0]):
-        if cand[gid, CAND_CACHEABLE] == 0:
-            continue
-        if partial:
-            if min(n_units, token_len // hbs) > 0:
-                return True
-            continue
-        bs = cand[gid, CAND_BLOCK_SIZE]
-        asked = min(n_units // cand[gid, CAND_SCALE], jit_cdiv(token_len, bs))
-        if cand[gid, CAND_SPARSE] == 0:
-            if asked > 0:
-                return True
-            continue
-        asked = min(asked, token_len // bs)
-        need = cand[gid, CAND_NEED]
-        # The lowest chunk a sparse lookup mask keeps.
-        if need > 0 and asked > (
-            cand[gid, CAND_SHIFT] + cand[gid, CAND_PER_SEGMENT] - need
-        ):
-            return True
-    return False
-
-
 # Flags and sizes of one call (an int64 vector, so that every call has one
 # signature and the dispatcher types few arguments).
 _P_HAS_TL = 0
@@ -441,7 +406,8 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         hit[r] = 0
         if n_units <= 0 or token_len <= 0:
             return
-        if not _any_candidate(n_units, token_len, cand, partial, hbs):
+        candidate_limits(n_units, token_len, cand, partial, hbs, glim)
+        if not any_candidate(glim, cand, partial):
             return
         max_len = token_len
     else:
@@ -450,8 +416,8 @@ def _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg, ca
         token_len = token_lens[r] if has_tl else 0
         has_index = prm[_P_HAS_INDEX] * (1 + PREFETCH_BIT * (prm[_P_PREFETCH] != 0))
         apply_eagle = prm[_P_APPLY_EAGLE] != 0
-    if has_tl:
-        candidate_limits(n_units, token_len, cand, partial, hbs, glim)
+        if has_tl:
+            candidate_limits(n_units, token_len, cand, partial, hbs, glim)
     h = 0
     for _ in range(2):
         h = _find_one(max_len, off, n_units, glim, has_tl, apply_eagle, rows,

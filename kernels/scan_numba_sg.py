@@ -54,6 +54,7 @@ __all__ = [
     "NEVER",
     "PREFETCH_BIT",
     "RUN_STRETCH",
+    "any_candidate",
     "candidate_limits",
     "jit_cdiv",
     "leading_run",
@@ -111,6 +112,29 @@ def candidate_limits(n_units, token_len, cand, partial, hbs, glim):
             # The SWA lookup mask has token_len // bs entries.
             lim = min(lim, token_len // bs)
         glim[gid] = lim
+
+
+@numba.njit(**JIT)
+def any_candidate(glim, cand, partial):
+    """Whether the store worker asks about any key at all (its
+    ``lookup_candidates`` is not empty), from the limits
+    :func:`candidate_limits` wrote into ``glim``."""
+    for gid in range(cand.shape[0]):
+        if cand[gid, CAND_CACHEABLE] == 0:
+            continue
+        asked = glim[gid]
+        if partial or cand[gid, CAND_SPARSE] == 0:
+            if asked > 0:
+                return True
+            continue
+        need = cand[gid, CAND_NEED]
+        # The lowest chunk a sparse lookup mask keeps
+        # (masks.sparse_window_chunk(0, per_segment, need, shift)).
+        if need > 0 and asked > (
+            cand[gid, CAND_SHIFT] + cand[gid, CAND_PER_SEGMENT] - need
+        ):
+            return True
+    return False
 
 
 @numba.njit(inline="always", **JIT)

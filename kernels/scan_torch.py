@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 import torch
 
 from kvhit.kernels.candidates_torch import (
-    CandRow,
     asked,
     candidate_rows,
     candidate_units,
@@ -49,10 +48,9 @@ from kvhit.kernels.contract import (
     KIND_FULL,
     KIND_MAMBA,
     KIND_SWA,
-    SG_COLS,
-    SG_MEMBERS,
-    SG_N_MEMBERS,
+    CandRow,
     PlanParams,
+    SpecGroupRow,
     cdiv,
 )
 
@@ -77,21 +75,6 @@ _GROWTH = 2
 _MAX_WINDOW = 4096
 
 
-class SpecGroupRow(NamedTuple):
-    """One SpecGroup row (``contract.SG_COLS``), its members as a tuple."""
-
-    kind: int
-    block_size: int
-    scale: int
-    use_eagle: bool
-    margin: int
-    need: int
-    period: int
-    fine: bool
-    chunk: int
-    group_ids: tuple[int, ...]
-
-
 class TorchPlan(NamedTuple):
     """A plan as the torch scan reads it: its rows, decoded once
     (:func:`torch_plan`), and its scalar parameters."""
@@ -106,17 +89,7 @@ def torch_plan(sg_rows: Any, cand_rows: Any, params: PlanParams) -> TorchPlan:
     ``cand_rows [G, CAND_WIDTH]``, as tensors, numpy arrays or lists: what
     ``coordinator/plan.py`` builds, trusted) for :class:`TorchScanner`."""
     rows = sg_rows.tolist() if hasattr(sg_rows, "tolist") else sg_rows
-    n_fields = len(SG_COLS) - 1  # every column before n_members
-    sgs = tuple(
-        SpecGroupRow(
-            *(
-                bool(v) if SG_COLS[c] in ("use_eagle", "fine") else v
-                for c, v in enumerate(r[:n_fields])
-            ),
-            tuple(r[SG_MEMBERS : SG_MEMBERS + r[SG_N_MEMBERS]]),
-        )  # fmt: skip
-        for r in rows
-    )
+    sgs = tuple(SpecGroupRow.from_row(r) for r in rows)
     return TorchPlan(sgs, candidate_rows(cand_rows), params)
 
 

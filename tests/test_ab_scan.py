@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 import textwrap
 
 import pytest
@@ -10,7 +12,7 @@ pytest.importorskip("numba")
 
 from kvhit.bench import ab_scan  # noqa: E402
 from kvhit.bench.workloads import TrafficConfig, generate  # noqa: E402
-from kvhit.kernels import scan_numba  # noqa: E402
+from kvhit.kernels import scan_numba, scan_numba_sg  # noqa: E402
 
 _ARGS = ["--preset", "llama", "--requests", "16", "--repeats", "2"]
 
@@ -93,3 +95,23 @@ def test_a_pool_smaller_than_a_call_is_a_usage_error(capsys):
         ab_scan.main([scan_numba.__file__, "--requests", "8", "--pool", "4"])
     assert e.value.code == 2
     assert "--pool must be at least --requests (8), got 4" in capsys.readouterr().err
+
+
+def test_the_other_kernel_imports_the_other_sg(tmp_path):
+    """``--sg``: the other scan_numba.py is built on the other
+    scan_numba_sg.py, and this checkout's modules are left as they were."""
+    other_scan = shutil.copy(scan_numba.__file__, tmp_path / "scan_numba.py")
+    other_sg = shutil.copy(scan_numba_sg.__file__, tmp_path / "scan_numba_sg.py")
+    module = ab_scan.load_scan(other_scan, other_sg)
+    assert module is not scan_numba
+    assert module.scan_sg is sys.modules[ab_scan.OTHER_SG_MODULE].scan_sg
+    assert module.scan_sg is not scan_numba_sg.scan_sg
+    assert sys.modules["kvhit.kernels.scan_numba_sg"] is scan_numba_sg
+    # This checkout's sg named explicitly is the default.
+    assert ab_scan.load_scan(scan_numba.__file__, scan_numba_sg.__file__) is scan_numba
+
+
+def test_bad_sg_is_named(tmp_path, capsys):
+    missing = str(tmp_path / "missing.py")
+    assert ab_scan.main([scan_numba.__file__, "--sg", missing, *_ARGS]) == 2
+    assert "sg: " in capsys.readouterr().err
