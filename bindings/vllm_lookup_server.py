@@ -51,8 +51,10 @@ from kvhit.bindings.vllm_wire import (
     joined_batch,
     kvhit_rpc_path,
     positive_option,
+    publish_local,
     split_hashes,
     wire_item,
+    withdraw_local,
 )
 
 __all__ = ["MAX_SERVER_CRASHES", "KvhitLookupServer"]
@@ -233,10 +235,15 @@ class KvhitLookupServer:
         self._ipc_path = path.removeprefix("ipc://")
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
-        self.ctx = zmq.Context()
+        # The process's shared context: a client in this process reaches the
+        # inproc endpoint only on the same context.
+        self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(path)
+        self._local = publish_local(path)
+        self.socket.bind(self._local)
+        self._path = path
         self.running = True
         self.thread = threading.Thread(
             target=self._serve, name="KvhitLookupServer", daemon=True
@@ -327,8 +334,10 @@ class KvhitLookupServer:
                 logger.exception("kvhit lookup server: reply failed")
 
     def close(self) -> None:
-        """Stop serving, remove the socket file and end the ZMQ context."""
+        """Stop serving, remove the socket file and end the idle store
+        workers (the process's shared ZMQ context stays)."""
         self.running = False
+        self.store_pool.close()
         if self.thread is not None:
             self.thread.join(timeout=5.0)
             if self.thread.is_alive():
@@ -337,11 +346,12 @@ class KvhitLookupServer:
                 logger.warning("kvhit lookup server: thread did not stop")
                 return
         if self.socket is not None:
+            withdraw_local(self._path, self._local)
             self.socket.close(linger=0)
             self.socket = None
             if os.path.exists(self._ipc_path):
                 os.unlink(self._ipc_path)
-            self.ctx.term()
+            # The shared context stays: other sockets of the process use it.
 
     # -- answering -----------------------------------------------------------------
 
