@@ -53,6 +53,7 @@ from kvhit.coordinator.specs import CacheLayout
 
 __all__ = [
     "DEFAULT_FORGET_AFTER",
+    "SERIAL_CLEAR_SLOTS",
     "BatchedLookup",
     "RefreshStats",
     "StoreSync",
@@ -64,6 +65,11 @@ __all__ = [
 
 #: Refreshes after which a key no refresh asked about is dropped from the index.
 DEFAULT_FORGET_AFTER = 64
+#: Slots up to which an exclusive index is cleared each refresh rather than
+#: having last step's keys removed: the fill stays under torch's intra-op
+#: grain (32,768 elements with up to 7 int64 columns), so it runs on the
+#: calling thread in ~5-7 us, against ~12 us to remove 50 keys.
+SERIAL_CLEAR_SLOTS = 4096
 
 
 # -- candidates --------------------------------------------------------------------
@@ -420,7 +426,11 @@ class StoreSync:
             # requests: 43 ms vs 173 ms + the changes), and bounds it.
             removed = len(self.index)
             prev = self._written
-            if (
+            if self.index.capacity <= SERIAL_CLEAR_SLOTS:
+                # A small table: clearing it is one short memset on this
+                # thread, cheaper than removing even a few keys.
+                self.index.clear()
+            elif (
                 prev is not None
                 and removed == prev[0].shape[0]
                 and 4 * (removed + self.index.tombstones) <= self.index.capacity
