@@ -498,12 +498,14 @@ class KvhitLookupServer:
         """Per request of ``res``, what the worker's ``lookup`` returns."""
         hits = res.hit_lengths.tolist()
         tails = res.tail_key_boundaries.tolist()
+        # Rows missing a tail key, found at once (not per row in Python).
+        lost = (res.tail_key_boundaries < 0).any(1).tolist()
         out: list[MooncakeLookupResult] = []
-        for hit, row in zip(hits, tails, strict=True):
+        for hit, row, no_tail in zip(hits, tails, lost, strict=True):
             if hit <= 0:
                 out.append(MooncakeLookupResult(hit, ()))
                 continue
-            if any(b < 0 for b in row):
+            if no_tail:
                 # vLLM's worker asserts here (and its server thread dies);
                 # loading with no key for the tail block is never right.
                 logger.warning(
@@ -514,7 +516,7 @@ class KvhitLookupServer:
             out.append(
                 MooncakeLookupResult(
                     hit,
-                    tuple(TailKeyBoundary(g, b) for g, b in enumerate(row) if b != 0),
+                    tuple([TailKeyBoundary(g, b) for g, b in enumerate(row) if b]),
                 )
             )
         return out
