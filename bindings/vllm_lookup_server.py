@@ -41,7 +41,7 @@ from kvhit.bindings.mooncake_store import (
     model_name_for_vllm,
     rank_namespaces_for_vllm,
 )
-from kvhit.bindings.store_sync import SERIAL_CLEAR_SLOTS, BatchedLookup, TailKeyLookup
+from kvhit.bindings.store_sync import BatchedLookup, TailKeyLookup
 from kvhit.bindings.vllm import layout_from_vllm
 from kvhit.bindings.vllm_wire import (
     DEFAULT_STORE_TIMEOUT_S,
@@ -482,11 +482,6 @@ class KvhitLookupServer:
                 device="cpu",
                 backend=self.backend,
                 hash_bytes=width,
-                # The index holds one step's present keys (rewritten each
-                # step): a small table, cleared on this thread, grows only
-                # for a large step. A 64K-slot one's periodic clear woke
-                # torch's intra-op threads (10-50 ms on a loaded host).
-                capacity=SERIAL_CLEAR_SLOTS // 4,
                 timeout_s=self.store_timeout_s,
                 pool=self.store_pool,
             )
