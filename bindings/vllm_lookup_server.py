@@ -469,7 +469,11 @@ class KvhitLookupServer:
         blob = bytes(range(256)) * (n * width // 256 + 1)
         item = (4 * self.layout.scheduler_block_size, width, blob[: n * width])
         batch, ntok = joined_batch([item, item], [0, 1], width)
-        bl.lookup_with_tail_keys_unchecked(batch, ntok)
+        # Twice: the second refresh takes the steady state's path (last
+        # step's keys removed, not a cleared table), so its kernels load
+        # here, not in the first step.
+        for _ in range(2):
+            bl.lookup_with_tail_keys_unchecked(batch, ntok)
 
     def _lookup_for(self, width: int) -> BatchedLookup:
         bl = self._lookups.get(width)
