@@ -10,10 +10,17 @@ requests (prompts sharing system prompts, half of them stored), it times the
 first ``schedule()`` (every request waiting, each looked up) and counts the
 store's existence calls in it. Fresh schedulers per repetition; medians.
 
+What a long-running server pays once (building the side, its engine and
+kernels; its first lookup) is timed apart and printed beside each row.
+``--breakdown`` cuts kvhit's step at every stage (``step_timeline.py``: the
+client's codec, the IPC hand-offs, packing, candidates, key strings, the
+store pool's hand-off, the store call, the index rewrite, the engine, the
+tail keys, the reply) and prints each interval's median.
+
 Run::
 
-    PYTHONPATH=tests .venv/bin/python benchmarks/bench_vllm_step.py [--sizes 8 64 512] [--reps 3]
-        [--json out.json]
+    PYTHONSAFEPATH=1 PYTHONPATH=tests:benchmarks .venv/bin/python benchmarks/bench_vllm_step.py
+        [--sizes 8 64 512] [--reps 3] [--json out.json] [--breakdown]
 """
 
 from __future__ import annotations
