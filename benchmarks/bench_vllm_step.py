@@ -10,10 +10,17 @@ requests (prompts sharing system prompts, half of them stored), it times the
 first ``schedule()`` (every request waiting, each looked up) and counts the
 store's existence calls in it. Fresh schedulers per repetition; medians.
 
+What a long-running server pays once (building the side, its engine and
+kernels; its first lookup) is timed apart and printed beside each row.
+``--breakdown`` cuts kvhit's step at every stage (``step_timeline.py``: the
+client's codec, the IPC hand-offs, packing, candidates, key strings, the
+store pool's hand-off, the store call, the index rewrite, the engine, the
+tail keys, the reply) and prints each interval's median.
+
 Run::
 
-    PYTHONPATH=tests .venv/bin/python benchmarks/bench_vllm_step.py [--sizes 8 64 512] [--reps 3]
-        [--json out.json]
+    PYTHONSAFEPATH=1 PYTHONPATH=tests:benchmarks .venv/bin/python benchmarks/bench_vllm_step.py
+        [--sizes 8 64 512] [--reps 3] [--json out.json] [--breakdown]
 """
 
 from __future__ import annotations
@@ -79,6 +86,11 @@ def put_keys(raw_store, worker, reqs, hbs: int, frac: float, rng) -> int:
 
 
 def one_step(h, kind, case, store, reqs, n):
+    """One timed ``schedule()`` of ``n`` waiting requests on a fresh side:
+    ``(seconds, store calls, scheduled, loads, setup)`` where ``setup`` holds
+    what a long-running server pays once (building the side, its engine and
+    kernels; its first lookup), timed apart, and the step's ``(t0, t1)``."""
+    s0 = time.perf_counter()
     side = h.build_side(kind, case, store, {"load_async": False}, num_blocks=40000,
                         max_num_seqs=max(n, 8),
                         max_num_batched_tokens=max(n, 8) * 600)  # fmt: skip
@@ -90,9 +102,11 @@ def one_step(h, kind, case, store, reqs, n):
         # What a running server has done long before: build its engine and
         # touch the store once (not timed, not counted).
         warm = h.make_request("warm", reqs[0], side.hash_block_size, 1)
+        s1 = time.perf_counter()
         for server in side.servers[1:]:
             server.resolve([(warm.num_tokens, list(warm.block_hashes))])
         side.worker.lookup(warm.num_tokens, warm.block_hashes)
+        s2 = time.perf_counter()
         c0 = store.calls
         t0 = time.perf_counter()
         out = side.scheduler.schedule()
@@ -102,7 +116,9 @@ def one_step(h, kind, case, store, reqs, n):
             for m in out.kv_connector_metadata.requests
             if m.load_spec is not None and m.load_spec.can_load
         )
-        return dt, store.calls - c0, len(out.scheduled_new_reqs), loaded
+        setup = {"build_s": s1 - s0, "first_lookup_s": s2 - s1}
+        return (dt, store.calls - c0, len(out.scheduled_new_reqs), loaded, setup,
+                (t0, t0 + dt))  # fmt: skip
     finally:
         side.close()
 
@@ -112,6 +128,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time kvhit's step stage by stage (benchmarks/step_timeline.py)",
+    )
     args = ap.parse_args(argv)
     if any(s <= 0 for s in args.sizes) or args.reps <= 0:
         ap.error("--sizes and --reps must be positive")
@@ -129,6 +150,11 @@ def main(argv=None) -> int:
     rows = []
     with vo.vllm_importable(), MooncakeMaster() as master:
         import vllm_sched_harness as h
+
+        if args.breakdown:
+            import step_timeline
+
+            step_timeline.install()
 
         raw = connect_client(master, global_segment_size=256 << 20)
         try:
@@ -153,6 +179,10 @@ def main(argv=None) -> int:
                     row[f"{kind}_loads"] = v[0][3]
                 assert res["stock"][0][3] == res["kvhit"][0][3], "different loads"
                 row["speedup"] = row["stock_ms"] / row["kvhit_ms"]
+                for part in ("build_s", "first_lookup_s"):
+                    row[f"kvhit_setup_{part}"] = statistics.median(
+                        x[4][part] for x in res["kvhit"]
+                    )
                 rows.append(row)
                 print(
                     f"{n:4d} waiting: stock {row['stock_ms']:8.1f} ms "
@@ -161,6 +191,26 @@ def main(argv=None) -> int:
                     f"store call(s) | {row['speedup']:.1f}x, "
                     f"{row['kvhit_loads']} loads"
                 )
+                print(
+                    f"     kvhit one-time setup (apart): side built in "
+                    f"{row['kvhit_setup_build_s'] * 1e3:.0f} ms, first lookup "
+                    f"{row['kvhit_setup_first_lookup_s'] * 1e3:.1f} ms"
+                )
+                if args.breakdown:
+                    import step_timeline
+                    from tabulate import tabulate
+
+                    steps = [step_timeline.step_intervals(*x[5]) for x in res["kvhit"]]
+                    parts = step_timeline.table(steps)
+                    for s in steps:  # where each repetition's time went
+                        top = sorted(s, key=lambda x: -x[1])[:3]
+                        print(f"     rep {sum(d for _, d in s) * 1e3:6.2f} ms: " + ", ".join(
+                            f"{k} {d * 1e3:.2f}" for k, d in top))  # fmt: skip
+                    row["kvhit_breakdown_ms"] = {k: ms for k, ms, _ in parts}
+                    print(tabulate(
+                        [(k, f"{ms:.3f}", f"{sh:.0%}") for k, ms, sh in parts],
+                        headers=["kvhit step interval", "median ms", "share"],
+                    ))  # fmt: skip
         finally:
             master.stop()
     if args.json:

@@ -19,6 +19,7 @@ negative status for any key, an answer of the wrong length or type -- raises
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from kvhit.kernels.checks import check_int, check_seconds
 
 __all__ = [
     "DEFAULT_BUSY_LOG_S",
+    "DEFAULT_IDLE_S",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_TIMEOUT_S",
     "ExistenceStore",
@@ -53,6 +55,9 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_POOL_SIZE = 3
 #: Seconds between two "every store call is stuck" log lines of one pool.
 DEFAULT_BUSY_LOG_S = 30.0
+#: Seconds an idle :class:`StoreCallPool` worker waits for a call before it
+#: ends: a server asked every step keeps its workers.
+DEFAULT_IDLE_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -311,46 +316,80 @@ class PoolStats:
 
 
 class _Call:
-    """One call's outcome, written by its thread under the pool's lock."""
+    """One call's outcome, written by its worker under the pool's lock.
 
-    __slots__ = ("abandoned", "done", "error", "result")
+    ``done`` is a raw lock held until the outcome is in: the caller waits on
+    it with its deadline, the worker releases it (the cheapest hand-off a
+    thread can wait on with a timeout: one futex, no condition variable)."""
+
+    __slots__ = ("abandoned", "done", "error", "finished", "result")
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
         self.result: Any = None
         self.error: BaseException | None = None
         self.abandoned = False
+        self.finished = False
+
+
+class _Worker:
+    """One worker thread of a :class:`StoreCallPool`: ``wake`` is a raw lock
+    held while it has no job; the pool sets ``job`` and releases it."""
+
+    __slots__ = ("job", "wake")
+
+    def __init__(self, job: tuple) -> None:
+        self.job: tuple | None = job
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
 
 
 class StoreCallPool:
     """Store calls with a deadline, at most ``size`` in flight.
 
-    Each call runs on a daemon thread of its own that ends with the call (a
-    ``ThreadPoolExecutor`` joins its workers at interpreter exit, so a call
-    that never returns would hang the process's exit; and its queue would let
-    calls pile up behind stuck ones). A call past its deadline is abandoned:
-    the caller gets :class:`StoreError` at once and the answer, when it comes,
-    is discarded; its slot is free again only when the call returns. While a
+    Calls run on at most ``size`` daemon worker threads, kept alive between
+    calls: a call goes to an idle worker with one lock release (no thread
+    start per call, no queue, no polling), and a new worker starts only when
+    none is idle. A call past its deadline is abandoned: the caller gets
+    :class:`StoreError` at once and the answer, when it comes, is discarded;
+    its worker (and slot) is free again only when the call returns. While a
     slot is free a new call starts at once, whatever hangs; when every slot
     holds a stuck call, :meth:`call` raises :class:`StoreBusy` without asking
     and says so in one WARNING line per ``busy_log_s`` (the rest counted).
 
+    Not a ``ThreadPoolExecutor``: it joins its workers at interpreter exit, so
+    a call that never returns would hang the process's exit, and its queue
+    would let calls pile up behind stuck ones. A worker idle for ``idle_s``
+    ends (a later call starts another); :meth:`close` ends the idle ones at
+    once. Threads never number more than ``size``, however long the store
+    hangs.
+
     Args:
         size: calls in flight at most (>= 1).
         busy_log_s: seconds between two "every call is stuck" lines (> 0).
+        idle_s: seconds an idle worker waits for a call before it ends (> 0).
 
     Raises:
-        ValueError, TypeError: a bad ``size`` or ``busy_log_s``.
+        ValueError, TypeError: a bad ``size``, ``busy_log_s`` or ``idle_s``.
     """
 
     def __init__(
-        self, size: int = DEFAULT_POOL_SIZE, busy_log_s: float = DEFAULT_BUSY_LOG_S
+        self,
+        size: int = DEFAULT_POOL_SIZE,
+        busy_log_s: float = DEFAULT_BUSY_LOG_S,
+        idle_s: float = DEFAULT_IDLE_S,
     ) -> None:
         self.size = check_int(size, "size", 1)
         self.busy_log_s = check_seconds(busy_log_s, "busy_log_s")
+        self.idle_s = check_seconds(idle_s, "idle_s")
         self._lock = threading.Lock()
         # Start times (monotonic) of the calls in flight, by call id.
         self._running: dict[int, float] = {}
+        # Workers waiting for a call, the most recently used last (its
+        # stack and caches are the warmest).
+        self._idle: list[_Worker] = []
+        self._closed = False
         self._ids = itertools.count()
         self._max_in_flight = 0
         self._calls = self._timeouts = self._late = self._busy = 0
@@ -360,6 +399,12 @@ class StoreCallPool:
     def in_flight(self) -> int:
         """Calls running now, abandoned ones included (<= ``size``)."""
         return len(self._running)
+
+    @property
+    def idle_workers(self) -> int:
+        """Worker threads waiting for a call (with ``in_flight``, at most
+        ``size`` threads in all)."""
+        return len(self._idle)
 
     def stats(self) -> PoolStats:
         """The counters, read together."""
@@ -386,6 +431,8 @@ class StoreCallPool:
         """
         n_keys = len(keys)
         now = time.monotonic()
+        box = _Call()
+        worker: _Worker | None = None
         with self._lock:
             if len(self._running) >= self.size:
                 self._busy += 1
@@ -399,6 +446,10 @@ class StoreCallPool:
                 self._running[cid] = now
                 self._calls += 1
                 self._max_in_flight = max(self._max_in_flight, len(self._running))
+                job = (cid, fn, keys, box)
+                if self._idle:
+                    worker = self._idle.pop()
+                    worker.job = job
         if busy:
             if say:
                 logger.warning(
@@ -415,20 +466,24 @@ class StoreCallPool:
                 f"store calls are stuck (the oldest for {oldest:.1f} s)",
                 n_keys,
             )
-        box = _Call()
-        thread = threading.Thread(
-            target=self._run, args=(cid, fn, keys, box), daemon=True,
-            name="kvhit-store-call",
-        )  # fmt: skip
-        try:
-            thread.start()
-        except RuntimeError as exc:  # no thread to be had: a miss, not a crash
+        if worker is not None:
+            worker.wake.release()
+        else:
+            # No idle worker: the live ones all run calls, fewer than
+            # ``size``, so one more thread keeps the bound.
+            thread = threading.Thread(
+                target=self._serve, args=(_Worker(job),), daemon=True,
+                name="kvhit-store-call",
+            )  # fmt: skip
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: a miss, not a crash
+                with self._lock:
+                    del self._running[cid]
+                raise StoreError(f"batch_is_exist not started: {exc}", n_keys) from exc
+        if not box.done.acquire(timeout=timeout_s):
             with self._lock:
-                del self._running[cid]
-            raise StoreError(f"batch_is_exist not started: {exc}", n_keys) from exc
-        if not box.done.wait(timeout_s):
-            with self._lock:
-                if not box.done.is_set():
+                if not box.finished:
                     box.abandoned = True
                     self._timeouts += 1
             if box.abandoned:
@@ -443,20 +498,51 @@ class StoreCallPool:
             ) from box.error
         return box.result
 
-    def _run(
-        self, cid: int, fn: Callable[[list[str]], Any], keys: list[str], box: _Call
-    ) -> None:
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            result = fn(keys)
-        except BaseException as exc:  # re-raised in the caller's thread
-            error = exc
+    def close(self) -> None:
+        """End the idle workers now; a worker whose call is still running
+        ends when it returns. Calls after ``close`` still run (on a worker
+        that ends with its call)."""
         with self._lock:
-            del self._running[cid]
-            if box.abandoned:
-                # Nobody waits for it: drop the answer (and its frames).
-                self._late += 1
-            else:
-                box.result, box.error = result, error
-            box.done.set()
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.wake.release()  # with no job: it ends
+
+    def _serve(self, worker: _Worker) -> None:
+        """A worker thread: runs its job, then waits ``idle_s`` for the next."""
+        job = worker.job
+        while job is not None:
+            cid, fn, keys, box = job
+            job = None
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = fn(keys)
+            except BaseException as exc:  # re-raised in the caller's thread
+                error = exc
+            with self._lock:
+                del self._running[cid]
+                if box.abandoned:
+                    # Nobody waits for it: drop the answer (and its frames).
+                    self._late += 1
+                else:
+                    box.result, box.error = result, error
+                box.finished = True
+                worker.job = None
+                keep = not self._closed
+                if keep:
+                    self._idle.append(worker)
+            box.done.release()
+            del fn, keys, box, result, error
+            if not keep:
+                return
+            if not worker.wake.acquire(timeout=self.idle_s):
+                with self._lock:
+                    if worker.job is None:
+                        if worker in self._idle:
+                            self._idle.remove(worker)
+                        return
+                # A call was handed over as the wait ended: its release is
+                # on its way.
+                worker.wake.acquire()
+            job = worker.job

@@ -82,6 +82,7 @@ from kvhit.bindings.vllm_wire import (
     SEQ,
     connector_extra,
     kvhit_rpc_path,
+    local_endpoint,
     positive_option,
     wire_item,
 )
@@ -149,10 +150,13 @@ class KvhitLookupClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._path = kvhit_rpc_path(vllm_config)
-        self.ctx = zmq.Context()
+        # The process's shared context: a server in this process is reached
+        # on its inproc endpoint (see ``vllm_wire.local_endpoint``).
+        self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(self._path)
+        self.endpoint = local_endpoint(self._path) or self._path
+        self.socket.connect(self.endpoint)
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="KvhitLookupClient"
         )
@@ -229,6 +233,13 @@ class KvhitLookupClient:
         return out
 
     def _ask(self, payload: list) -> list[MooncakeLookupResult]:
+        endpoint = local_endpoint(self._path) or self._path
+        if endpoint != self.endpoint:
+            # The server started (or restarted) in this process after we
+            # connected, or left it: follow it.
+            self.socket.disconnect(self.endpoint)
+            self.socket.connect(endpoint)
+            self.endpoint = endpoint
         self.num_messages += 1
         self._seq += 1
         seq = SEQ.pack(self._seq)
@@ -323,8 +334,7 @@ class KvhitLookupClient:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
-        self.socket.close(linger=0)
-        self.ctx.term()
+        self.socket.close(linger=0)  # the shared context stays
         self.inner.close()
 
 

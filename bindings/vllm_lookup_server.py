@@ -51,8 +51,10 @@ from kvhit.bindings.vllm_wire import (
     joined_batch,
     kvhit_rpc_path,
     positive_option,
+    publish_local,
     split_hashes,
     wire_item,
+    withdraw_local,
 )
 
 __all__ = ["MAX_SERVER_CRASHES", "KvhitLookupServer"]
@@ -233,10 +235,15 @@ class KvhitLookupServer:
         self._ipc_path = path.removeprefix("ipc://")
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
-        self.ctx = zmq.Context()
+        # The process's shared context: a client in this process reaches the
+        # inproc endpoint only on the same context.
+        self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(path)
+        self._local = publish_local(path)
+        self.socket.bind(self._local)
+        self._path = path
         self.running = True
         self.thread = threading.Thread(
             target=self._serve, name="KvhitLookupServer", daemon=True
@@ -327,8 +334,10 @@ class KvhitLookupServer:
                 logger.exception("kvhit lookup server: reply failed")
 
     def close(self) -> None:
-        """Stop serving, remove the socket file and end the ZMQ context."""
+        """Stop serving, remove the socket file and end the idle store
+        workers (the process's shared ZMQ context stays)."""
         self.running = False
+        self.store_pool.close()
         if self.thread is not None:
             self.thread.join(timeout=5.0)
             if self.thread.is_alive():
@@ -337,11 +346,12 @@ class KvhitLookupServer:
                 logger.warning("kvhit lookup server: thread did not stop")
                 return
         if self.socket is not None:
+            withdraw_local(self._path, self._local)
             self.socket.close(linger=0)
             self.socket = None
             if os.path.exists(self._ipc_path):
                 os.unlink(self._ipc_path)
-            self.ctx.term()
+            # The shared context stays: other sockets of the process use it.
 
     # -- answering -----------------------------------------------------------------
 
@@ -459,7 +469,11 @@ class KvhitLookupServer:
         blob = bytes(range(256)) * (n * width // 256 + 1)
         item = (4 * self.layout.scheduler_block_size, width, blob[: n * width])
         batch, ntok = joined_batch([item, item], [0, 1], width)
-        bl.lookup_with_tail_keys_unchecked(batch, ntok)
+        # Twice: the second refresh takes the steady state's path (last
+        # step's keys removed, not a cleared table), so its kernels load
+        # here, not in the first step.
+        for _ in range(2):
+            bl.lookup_with_tail_keys_unchecked(batch, ntok)
 
     def _lookup_for(self, width: int) -> BatchedLookup:
         bl = self._lookups.get(width)
@@ -483,12 +497,14 @@ class KvhitLookupServer:
         """Per request of ``res``, what the worker's ``lookup`` returns."""
         hits = res.hit_lengths.tolist()
         tails = res.tail_key_boundaries.tolist()
+        # Rows missing a tail key, found at once (not per row in Python).
+        lost = (res.tail_key_boundaries < 0).any(1).tolist()
         out: list[MooncakeLookupResult] = []
-        for hit, row in zip(hits, tails, strict=True):
+        for hit, row, no_tail in zip(hits, tails, lost, strict=True):
             if hit <= 0:
                 out.append(MooncakeLookupResult(hit, ()))
                 continue
-            if any(b < 0 for b in row):
+            if no_tail:
                 # vLLM's worker asserts here (and its server thread dies);
                 # loading with no key for the tail block is never right.
                 logger.warning(
@@ -499,7 +515,7 @@ class KvhitLookupServer:
             out.append(
                 MooncakeLookupResult(
                     hit,
-                    tuple(TailKeyBoundary(g, b) for g, b in enumerate(row) if b != 0),
+                    tuple([TailKeyBoundary(g, b) for g, b in enumerate(row) if b]),
                 )
             )
         return out

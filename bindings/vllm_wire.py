@@ -10,12 +10,20 @@ miss). The client's DEALER sends ``[b"", seq (8 bytes), payload]`` and the
 server's ROUTER replies with the same envelope; a REQ client (``[b"",
 payload]``, no seq) is answered ``[b"", reply]``.
 
+When both sides live in one process (vLLM's single-process executor runs
+worker rank 0 beside the scheduler), the server also binds an ``inproc://``
+endpoint on the process's shared ZMQ context and the client connects there
+(:func:`local_endpoint`): the same socket and messages, without the two ZMQ
+I/O threads an ``ipc://`` message wakes on its way each direction.
+
 The ``kv_connector_extra_config`` options both sides read are here too.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,8 +50,11 @@ __all__ = [
     "connector_extra",
     "joined_batch",
     "kvhit_rpc_path",
+    "local_endpoint",
     "positive_option",
+    "publish_local",
     "split_hashes",
+    "withdraw_local",
     "wire_item",
 ]
 
@@ -78,6 +89,37 @@ def kvhit_rpc_path(vllm_config: VllmConfig) -> str:
     honours ``VLLM_RPC_BASE_PATH``, ``lookup_rpc_port`` and the DP rank) with
     a ``_kvhit`` suffix, so both servers run side by side."""
     return get_zmq_rpc_path_lookup(vllm_config) + "_kvhit"
+
+
+# The lookup servers of this process: their ipc path -> their inproc
+# endpoint on ``zmq.Context.instance()``.
+_LOCAL: dict[str, str] = {}
+_LOCAL_LOCK = threading.Lock()
+_LOCAL_IDS = itertools.count()
+
+
+def publish_local(path: str) -> str:
+    """A new ``inproc://`` endpoint for the server of ``path`` in this
+    process, recorded for :func:`local_endpoint` (each server its own name:
+    a client finds a restarted server's new one)."""
+    endpoint = f"inproc://kvhit-lookup-{next(_LOCAL_IDS)}"
+    with _LOCAL_LOCK:
+        _LOCAL[path] = endpoint
+    return endpoint
+
+
+def withdraw_local(path: str, endpoint: str) -> None:
+    """Forget ``endpoint`` (its server closes), unless a newer server of
+    ``path`` replaced it."""
+    with _LOCAL_LOCK:
+        if _LOCAL.get(path) == endpoint:
+            del _LOCAL[path]
+
+
+def local_endpoint(path: str) -> str | None:
+    """The inproc endpoint of the server of ``path`` in this process (on
+    ``zmq.Context.instance()``), or None when it runs elsewhere."""
+    return _LOCAL.get(path)
 
 
 def connector_extra(vllm_config: VllmConfig) -> dict[str, Any]:

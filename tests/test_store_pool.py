@@ -40,6 +40,13 @@ def wait_idle(pool: StoreCallPool, limit_s: float = 5.0) -> None:
     assert pool.in_flight == 0
 
 
+def wait_threads(count: int, limit_s: float = 5.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while threading.active_count() > count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert threading.active_count() <= count
+
+
 def test_a_stuck_call_blocks_nothing_after_it():
     pool = StoreCallPool(3)
     store = Hanging(only_first=1)
@@ -93,12 +100,15 @@ def test_in_flight_never_exceeds_the_size_however_long_the_store_hangs(size):
     wait_idle(pool)
     st = pool.stats()
     assert st.max_in_flight == size and st.late == size and st.busy == 160 - size
-    deadline = time.monotonic() + 5  # the store threads end with their call
-    while threading.active_count() > threads_before and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert threading.active_count() <= threads_before
-    # Recovered: the next call is asked and answered.
+    # The workers of the returned calls wait for the next ones: still at
+    # most ``size`` store threads.
+    assert threading.active_count() <= threads_before + size
+    assert pool.idle_workers == size
+    # Recovered: the next call is asked and answered, on a kept worker.
     assert pool.call(store, ["k"], 1.0) == [1]
+    assert threading.active_count() <= threads_before + size
+    pool.close()  # the idle workers end at once
+    wait_threads(threads_before)
 
 
 def test_every_slot_stuck_refuses_at_once_with_one_line_per_interval(caplog):
@@ -151,8 +161,60 @@ def test_store_exceptions_are_store_errors_with_their_cause():
         ({"busy_log_s": 0}, ValueError),
         ({"busy_log_s": float("nan")}, ValueError),
         ({"busy_log_s": "1"}, TypeError),
+        ({"idle_s": 0}, ValueError),
+        ({"idle_s": float("inf")}, ValueError),
     ],
 )
 def test_bad_arguments_are_refused(kw, exc):
     with pytest.raises(exc, match=next(iter(kw))):
         StoreCallPool(**kw)
+
+
+def test_workers_are_kept_between_calls_and_end_when_idle_or_closed():
+    """A call goes to the worker the last one ran on (no thread started per
+    call); an idle worker ends after ``idle_s``; ``close`` ends idle ones at
+    once, and a call after it still runs, on a worker that ends with it."""
+    threads_before = threading.active_count()
+    pool = StoreCallPool(3, idle_s=0.3)
+    seen: list[threading.Thread] = []
+
+    def store(keys: list[str]) -> list[int]:
+        seen.append(threading.current_thread())
+        return [1] * len(keys)
+
+    for _ in range(20):
+        assert pool.call(store, ["k"], 1.0) == [1]
+    assert len(set(seen)) == 1 and pool.idle_workers == 1
+    assert threading.active_count() == threads_before + 1
+    wait_threads(threads_before)  # idle past idle_s: ended
+    assert pool.idle_workers == 0
+    assert pool.call(store, ["k"], 1.0) == [1]  # a new worker
+    assert len(set(seen)) == 2 and pool.idle_workers == 1
+    pool.close()
+    wait_threads(threads_before)
+    assert pool.call(store, ["k"], 1.0) == [1]
+    wait_threads(threads_before)
+    assert pool.idle_workers == 0 and pool.in_flight == 0
+    assert pool.stats().calls == 22
+
+
+def test_a_stuck_worker_is_not_reused_until_it_returns():
+    """A worker whose call was abandoned takes no new call while it hangs;
+    once it returns it waits for the next one (threads <= size)."""
+    pool = StoreCallPool(2, idle_s=5)
+    store = Hanging(only_first=1)
+    threads_before = threading.active_count()
+    try:
+        with pytest.raises(StoreError, match="timeout_s"):
+            pool.call(store, ["a"], 0.02)
+        for _ in range(5):
+            assert pool.call(store, ["a"], 1.0) == [1]
+        assert pool.in_flight == 1 and pool.idle_workers == 1
+        assert threading.active_count() == threads_before + 2
+    finally:
+        store.gate.set()
+    wait_idle(pool)
+    assert pool.idle_workers == 2 and store.calls == 6
+    assert pool.stats().late == 1
+    pool.close()
+    wait_threads(threads_before)

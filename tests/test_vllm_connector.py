@@ -35,14 +35,9 @@ def harness(sched_harness):
 
 def prompts(rng: random.Random, n: int) -> list[list[int]]:
     """Requests sharing a few system prompts, lengths 20..330 tokens."""
-    systems = [[rng.randrange(3, 1000) for _ in range(rng.randrange(24, 140))]
-               for _ in range(3)]  # fmt: skip
-    out = []
-    for _ in range(n):
-        head = rng.choice(systems) if rng.random() < 0.8 else []
-        tail = [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 190))]
-        out.append((head + tail)[: rng.randrange(20, 330)] or tail)
-    return out
+    import vllm_sched_harness as h
+
+    return h.shared_prompts(rng, n, system=(24, 140), tail=(4, 190), length=(20, 330))
 
 
 def fill_store(h, rng, store, worker, reqs, hash_block_size, skip=()):
@@ -296,15 +291,23 @@ def _server_setup(h, store):
     return vc, h.fake_worker(vc, kvc, store)
 
 
+def _stored_server(h, seed: int, n: int):
+    """A worker over a fresh CountingStore holding part of ``n`` prompts'
+    keys: ``(store, vllm_config, worker, prompts, rng)`` (``rng`` as the
+    store was filled, for more draws)."""
+    rng = random.Random(seed)
+    store = h.CountingStore()
+    vc, worker = _server_setup(h, store)
+    reqs = prompts(rng, n)
+    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    return store, vc, worker, reqs, rng
+
+
 def test_server_store_error_gives_misses_and_replies(harness):
     from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
-    rng = random.Random(5)
-    store = h.CountingStore()
-    vc, worker = _server_setup(h, store)
-    reqs = prompts(rng, 6)
-    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    store, vc, worker, reqs, rng = _stored_server(h, 5, 6)
     server = KvhitLookupServer(worker, vc, start=False)
     batch = [
         (len(t), list(h.make_request("x", t, worker.hash_block_size, 1).block_hashes))
@@ -329,11 +332,7 @@ def test_server_mixed_widths_one_path(harness):
     from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
-    rng = random.Random(8)
-    store = h.CountingStore()
-    vc, worker = _server_setup(h, store)
-    reqs = prompts(rng, 8)
-    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    store, vc, worker, reqs, rng = _stored_server(h, 8, 8)
     batch = []
     for i, t in enumerate(reqs):
         hs = list(h.make_request("x", t, worker.hash_block_size, 1).block_hashes)
@@ -359,11 +358,7 @@ def test_server_falls_back_when_keys_differ(harness, caplog):
     from kvhit.bindings.vllm_lookup_server import KvhitLookupServer
 
     h = harness
-    rng = random.Random(6)
-    store = h.CountingStore()
-    vc, worker = _server_setup(h, store)
-    reqs = prompts(rng, 5)
-    fill_store(h, rng, store, worker, reqs, worker.hash_block_size)
+    store, vc, worker, reqs, rng = _stored_server(h, 6, 5)
     want = [
         worker.lookup(
             len(t), h.make_request("x", t, worker.hash_block_size, 1).block_hashes

@@ -202,23 +202,10 @@ def test_late_reply_is_never_applied_to_a_later_step(h):
     report("late reply", [late_wait])
 
 
-class Boom(BaseException):
-    """What no handler expects (not an Exception)."""
-
-
 def test_server_loop_failure_restarts_then_falls_back(h, caplog):
     d, store, reqs = setup(h, 4)
     server = d.side.servers[-1]
-    real = server._lookup_for
-    fails = {"left": 1}
-
-    def lookup_for(width):
-        if fails["left"]:
-            fails["left"] -= 1
-            raise Boom("injected")
-        return real(width)
-
-    server._lookup_for = lookup_for
+    fails = h.crash_lookups(server, left=1)  # raises h.Boom
     waits = []
     try:
         with caplog.at_level(logging.ERROR):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import time
 
 import pytest
 import vllm_sched_harness
@@ -125,14 +126,9 @@ class CountingStore:
 
 def prompts(rng: random.Random, n: int) -> list[list[int]]:
     """A few shared system prompts, then tails; 8..300 tokens."""
-    systems = [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 120))]
-               for _ in range(3)]  # fmt: skip
-    out = []
-    for _ in range(n):
-        head = rng.choice(systems) if rng.random() < 0.8 else []
-        tail = [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 180))]
-        out.append((head + tail)[: rng.randrange(8, 300)])
-    return out
+    import vllm_sched_harness as h
+
+    return h.shared_prompts(rng, n, system=(20, 120), tail=(1, 180), length=(8, 300))
 
 
 def store_keys(rng, worker, all_hashes, partial_tail) -> list[str]:
@@ -310,6 +306,30 @@ SLACK_S = 0.5
 STEP_S = 0.05
 
 
+def _healthy_start(d, reqs, waits: list[float], pace_s: float = 0.0):
+    """A ``step()`` that adds 3 more of ``reqs`` and runs one scheduler step
+    (at most one per ``pace_s``), noting its lookup wait in ``waits``;
+    three such steps are run and must match vLLM's worker with some hits."""
+    k = 0
+    last = 0.0
+
+    def step():
+        nonlocal k, last
+        if pace_s:
+            time.sleep(max(0.0, last + pace_s - time.monotonic()))
+            last = time.monotonic()
+        for _ in range(3):
+            d.add(f"r{k}", reqs[k % len(reqs)])
+            k += 1
+        rec = d.step()
+        waits.append(rec.wait_s)
+        return rec
+
+    recs = [step() for _ in range(3)]
+    assert all(d.truth(r) == [] for r in recs) and any(_hits(r) for r in recs)
+    return step
+
+
 def _end_to_end(h, tag: str):
     """vLLM's real Scheduler with the kvhit connector (scheduler role) and the
     connector's worker role over the real master, on one config: every
@@ -371,7 +391,6 @@ def test_master_sigstop_then_sigcont(world):
     master still answers the stuck calls may miss), equal to vLLM's worker."""
     import os
     import signal
-    import time
 
     h = world
     rng = random.Random(7)
@@ -380,25 +399,10 @@ def test_master_sigstop_then_sigcont(world):
     pid = h.master.proc.pid
     try:
         reqs = _stored_prompts(h, worker, rng, 30)
-        k = 0
-        last = [0.0]
-
-        def step():
-            # A step at most every STEP_S, as a model's forward pass paces
-            # vLLM's steps: back to back, the steps of an empty model come
-            # a millisecond apart and a step counts no time.
-            nonlocal k
-            time.sleep(max(0.0, last[0] + STEP_S - time.monotonic()))
-            last[0] = time.monotonic()
-            for _ in range(3):
-                d.add(f"r{k}", reqs[k % len(reqs)])
-                k += 1
-            rec = d.step()
-            waits.append(rec.wait_s)
-            return rec
-
-        recs = [step() for _ in range(3)]
-        assert all(d.truth(r) == [] for r in recs) and any(_hits(r) for r in recs)
+        # A step at most every STEP_S, as a model's forward pass paces
+        # vLLM's steps: back to back, the steps of an empty model come a
+        # millisecond apart and a step counts no time.
+        step = _healthy_start(d, reqs, waits, pace_s=STEP_S)
         os.kill(pid, signal.SIGSTOP)
         try:
             t_end = time.monotonic() + 3 * server.store_timeout_s
@@ -442,7 +446,6 @@ def test_master_killed_and_restarted_empty(world):
     master lacks; then the connector either serves the new master's keys
     (reconnected) or keeps answering misses with the store error logged."""
     import signal
-    import time
 
     from kvhit.bindings.mooncake_store import StoreError
 
@@ -452,19 +455,7 @@ def test_master_killed_and_restarted_empty(world):
     waits = []
     try:
         reqs = _stored_prompts(h, worker, rng, 30)
-        k = 0
-
-        def step():
-            nonlocal k
-            for _ in range(3):
-                d.add(f"r{k}", reqs[k % len(reqs)])
-                k += 1
-            rec = d.step()
-            waits.append(rec.wait_s)
-            return rec
-
-        recs = [step() for _ in range(3)]
-        assert all(d.truth(r) == [] for r in recs) and any(_hits(r) for r in recs)
+        step = _healthy_start(d, reqs, waits)
         h.master.proc.send_signal(signal.SIGKILL)
         h.master.proc.wait(10)
         t_end = time.monotonic() + 1.5
@@ -486,9 +477,10 @@ def test_master_killed_and_restarted_empty(world):
         outcome = "put refused"
         if rc == 0:
             deadline = time.monotonic() + 15
+            n = 0
             while time.monotonic() < deadline:
-                d.add(f"f{k}", fresh)
-                k += 1
+                d.add(f"f{n}", fresh)
+                n += 1
                 rec = d.step()
                 waits.append(rec.wait_s)
                 if any(_hits(rec)):

@@ -29,6 +29,47 @@ KVHIT_MODULE = "kvhit.bindings.vllm_connector"
 _PORTS = itertools.count(20000 + random.Random().randrange(20000))
 
 
+class Boom(BaseException):
+    """A failure no handler expects (not an Exception)."""
+
+
+def crash_lookups(server: Any, left: int = 0) -> dict[str, int]:
+    """Make ``server._lookup_for`` raise :class:`Boom` while the returned
+    counter's ``"left"`` is positive (one less per raise); the server's own
+    method otherwise."""
+    real = server._lookup_for
+    crash = {"left": left}
+
+    def lookup_for(width: int) -> Any:
+        if crash["left"]:
+            crash["left"] -= 1
+            raise Boom("injected")
+        return real(width)
+
+    server._lookup_for = lookup_for
+    return crash
+
+
+def shared_prompts(
+    rng: random.Random,
+    n: int,
+    system: tuple[int, int],
+    tail: tuple[int, int],
+    length: tuple[int, int],
+) -> list[list[int]]:
+    """``n`` prompts: 80 % start with one of 3 system prompts of
+    ``randrange(*system)`` tokens, then a tail of ``randrange(*tail)``,
+    cut to ``randrange(*length)`` tokens (token ids 3..999)."""
+    systems = [[rng.randrange(3, 1000) for _ in range(rng.randrange(*system))]
+               for _ in range(3)]  # fmt: skip
+    out = []
+    for _ in range(n):
+        head = rng.choice(systems) if rng.random() < 0.8 else []
+        body = [rng.randrange(3, 1000) for _ in range(rng.randrange(*tail))]
+        out.append((head + body)[: rng.randrange(*length)])
+    return out
+
+
 def next_port() -> int:
     """A lookup_rpc_port no other scheduler of this process uses."""
     return next(_PORTS)
@@ -489,7 +530,9 @@ class Driver:
 
 
 def resources() -> dict[str, int]:
-    """This process's threads, open fds, sockets among them, and RSS (KiB)."""
+    """This process's threads, open fds, sockets among them, and RSS (KiB);
+    ``store_threads``: the store pools' workers among the threads (a pool
+    keeps up to its size of them between calls)."""
     import os
 
     fds = os.listdir("/proc/self/fd")
@@ -505,6 +548,9 @@ def resources() -> dict[str, int]:
     )
     return {
         "threads": int(status["Threads"]),
+        "store_threads": sum(
+            t.name == "kvhit-store-call" for t in threading.enumerate()
+        ),
         "fds": len(fds),
         "sockets": socks,
         "rss_kib": int(status["VmRSS"].split()[0]),
