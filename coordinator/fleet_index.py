@@ -72,7 +72,7 @@ from kvhit.coordinator.key_index import (
     normalize_keys,
 )
 from kvhit.coordinator.key_index_keys import normalize_ids
-from kvhit.coordinator.key_index_state import verify_reachable, verify_slots
+from kvhit.coordinator.key_index_state import next_pow2, verify_reachable, verify_slots
 from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.kernels.checks import (
     check_int,
@@ -132,10 +132,6 @@ def _resolve_backend(backend: Any, device: torch.device) -> str:
 # --------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _state_checksum(
@@ -254,7 +250,7 @@ class FleetIndex:
         dev = resolve_device(device)
         backend = _resolve_backend(backend, dev)
         ops = fleet_ops(backend)
-        cap = _next_pow2(capacity)
+        cap = next_pow2(capacity)
         nw = (num_engines + 63) // 64
         entries = KeyIndex(hash_bytes, capacity=cap, device=dev,
                            backend=ops.entries_backend, max_load=max_load,
@@ -467,7 +463,7 @@ class FleetIndex:
             # re-adding known keys never inflates the table.
             absent = self.ops.find(self.table, self.W, g, h) < 0
             ga, ha = g[absent].contiguous(), h[absent].contiguous()
-            scratch = new_table(_next_pow2(2 * ga.shape[0] + 1), self.W, self.device)
+            scratch = new_table(next_pow2(2 * ga.shape[0] + 1), self.W, self.device)
             n_new = self.ops.insert(scratch, self.W, ga, ha)
             if self._size + self._tombstones + n_new > self._limit(self.capacity):
                 self._rehash(self._capacity_for(n_new))

@@ -86,7 +86,10 @@ from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
 from kvhit.coordinator.key_index_keys import keys_on_device, normalize_keys
 from kvhit.coordinator.key_index_state import (
     STATE_VERSION,
+    capturing,
     checksum_culprit,
+    next_pow2,
+    refuse_growth_in_capture,
     table_checksum,
     verify_structure,
 )
@@ -150,32 +153,6 @@ class ReadOnlyIndexError(TypeError):
 # --------------------------------------------------------------------------
 # Arguments: devices and keys
 # --------------------------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False on a
-    build or host without CUDA, where torch's query raises)."""
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except (RuntimeError, AssertionError):
-        return False
-
-
-def refuse_growth_in_capture(what: str, n: int, room: int) -> None:
-    """RuntimeError when a growth (``n`` keys that may be new, room for
-    ``room``) would run inside a CUDA-graph capture: counting the new keys
-    syncs the host and a rehash allocates, neither allowed in a capture, so
-    the caller refuses before it changes anything."""
-    if capturing():
-        raise RuntimeError(
-            f"{what}: {n} keys may need a table growth (room for {room} more) "
-            "during a CUDA graph capture, which cannot allocate or sync; "
-            "reserve() the capacity before capturing"
-        )
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -280,7 +257,7 @@ class KeyIndex:
         resolve_backend(backend, dev)
         self._init(
             hash_bytes,
-            new_table(_next_pow2(int(capacity)), W, dev),
+            new_table(next_pow2(int(capacity)), W, dev),
             backend,
             max_load,
             growable,
@@ -543,7 +520,7 @@ class KeyIndex:
         inserted into a scratch table, whose insert reports exactly one row
         per distinct key (several times faster than ``torch.unique(dim=0)``
         on rows)."""
-        scratch = new_table(_next_pow2(2 * g.shape[0] + 1), self.W, self.device)
+        scratch = new_table(next_pow2(2 * g.shape[0] + 1), self.W, self.device)
         first = self._kernels.insert(scratch, self.W, g, h)
         return g[first].contiguous(), h[first].contiguous()
 
@@ -885,19 +862,16 @@ class KeyIndex:
     def clear(self) -> None:
         """Remove every key; the capacity (and the table's storage) is kept."""
         self._check_writable("clear")
-        # One contiguous fill, then the sentinel column: two strided fills
-        # woke torch's thread pool and took ~15 ms for a 64K-slot table on a
-        # loaded 2-core host (0.2 ms this way).
-        if self.table.device.type == "cpu":
-            # numpy fills on this thread: torch's fill of a table past its
-            # intra-op grain wakes the thread pool (16K slots: 5 ms median
-            # against 67 us on a loaded 2-core host).
-            table = self.table.numpy()
+        # On the CPU numpy fills on this thread: torch's fill of a table past
+        # its intra-op grain wakes the thread pool (16K slots: 5 ms median
+        # against 67 us on a loaded 2-core host).
+        table = self.table
+        if table.device.type == "cpu":
+            table = table.numpy()
             table.fill(0)
-            table[:, 0] = EMPTY
         else:
-            self.table.zero_()
-            self.table[:, 0] = EMPTY
+            table.zero_()
+        table[:, 0] = EMPTY
         self._size = 0
         self._tombstones = 0
         self._version += 1

@@ -15,6 +15,9 @@ from kvhit.coordinator.packing import padding_mask
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 
 __all__ = [
+    "capturing",
+    "next_pow2",
+    "refuse_growth_in_capture",
     "STATE_VERSION",
     "checksum_culprit",
     "table_checksum",
@@ -128,3 +131,33 @@ def verify_structure(
     verify_reachable(
         table, "table", hash_bytes, live_mask, lambda g, h: find(table, W, g, h)
     )
+
+
+# Table sizes and CUDA-graph captures, for KeyIndex and FleetIndex alike.
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n`` <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a
+    build or host without CUDA, where torch's query raises)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def refuse_growth_in_capture(what: str, n: int, room: int) -> None:
+    """RuntimeError when a growth (``n`` keys that may be new, room for
+    ``room``) would run inside a CUDA-graph capture: counting the new keys
+    syncs the host and a rehash allocates, neither allowed in a capture, so
+    the caller refuses before it changes anything."""
+    if capturing():
+        raise RuntimeError(
+            f"{what}: {n} keys may need a table growth (room for {room} more) "
+            "during a CUDA graph capture, which cannot allocate or sync; "
+            "reserve() the capacity before capturing"
+        )
