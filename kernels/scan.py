@@ -69,9 +69,10 @@ Design (why it looks like this):
   ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
   ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
   must see, and an acquire per probe step would sit on the latency-bound
-  critical path. A probe step loads the slot's group id, its words and the
-  key's words at once (no load waits on another's compare): one round trip
-  per slot visited. Every slot visited counts toward the probe bound, BUSY ones
+  critical path. A probe loads the key's words once (its home slot and
+  every compare use them), and a probe step loads the slot's group id and
+  words at once (no load waits on another's compare): one round trip per
+  slot visited. Every slot visited counts toward the probe bound, BUSY ones
   included (the scan passes over BUSY, never waits on it), so a probe ends even
   on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
   where earlier members hit (an AND).

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract as kc
-from kvhit.kernels.hash_index import slot_hash
+from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
 from kvhit.kernels.launch import fix_interpreter
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "idiv",
     "ifmod",
     "irem",
+    "load_keys",
     "sg_result",
     "sg_searches",
     "table_has",
@@ -144,38 +145,52 @@ def irem(a, b):
 
 
 @triton.jit
-def home_slots(ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
-    KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
-    not wait on each other, one round trip); lanes outside ``mask`` or the
-    request hash zeros. Zeros without an index."""
+def load_keys(ctx, units, mask, W: tl.constexpr):
+    """The request's hash words at hash units ``units`` (int64 [N]), a tuple
+    of ``W`` int64 [N] vectors (the W loads do not wait on each other: one
+    round trip); lanes outside ``mask`` or the request hold zeros. Loaded
+    once per probe and held: the home slot and every compare of the probe
+    use them (loading them again per step doubled the hash-row bytes)."""
     valid = mask & (units >= 0) & (units < ctx[C_LENS])
+    rows = ctx[C_OFF] + tl.where(valid, units, 0)
+    hashes_ptr = ctx[C_HASHES]
+    keys = ()
+    for j in tl.static_range(W):
+        keys = keys + (tl.load(hashes_ptr + rows * W + j, mask=valid, other=0),)
+    return keys
+
+
+@triton.jit
+def home_slots(ctx, gids, keys, W: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """int64 [N]: the home slot of key ``(gids, keys)`` in the KeyIndex table
+    (``hash_index.slot_hash & cap_mask`` of the words :func:`load_keys`
+    gave); zeros without an index."""
     pos = gids * 0
     if HAS_INDEX:
-        rows = ctx[C_OFF] + tl.where(valid, units, 0)
-        pos = slot_hash(gids, ctx[C_HASHES], rows, valid, W) & ctx[C_CAP_MASK]
+        h = hash_init(gids)
+        for j in tl.static_range(W):
+            h = hash_mix(h, keys[j])
+        pos = hash_finish(h) & ctx[C_CAP_MASK]
     return pos
 
 
 @triton.jit
-def table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
-    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
-    is its home slot (:func:`home_slots`).
+def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
+    """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
+    the words :func:`load_keys` gave, ``pos`` the home slot
+    (:func:`home_slots`).
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. A probe step loads the slot's group id, its
-    words and the key's words at once (one round trip, not one per word):
-    the words are compared only where the group id matches, but loading them
-    regardless costs bandwidth the step has to spare, not latency; the key's
-    words are loaded again each step rather than held (registers: the index
-    variants are at the 128 budget). Column 0 is read with a plain load:
-    lookups are stream-ordered after the inserts they must see.
+    BUSY slots are passed over. A probe step loads the slot's group id and
+    its words at once (one round trip, not one per word): the words are
+    compared only where the group id matches, but loading them regardless
+    costs bandwidth the step has to spare, not latency. Column 0 is read with
+    a plain load: lookups are stream-ordered after the inserts they must see.
     """
     table_ptr = ctx[C_TABLE]
     cap_mask = ctx[C_CAP_MASK]
-    hashes_ptr = ctx[C_HASHES]
     found = mask & (gids < gids)
     active = mask
     # A vector step count: lanes stop independently.
@@ -184,12 +199,11 @@ def table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
         slot = table_ptr + pos * (W + 1)
         g = tl.load(slot, mask=active, other=EMPTY)
         # Every word masked by `active` only (not by the previous word's
-        # compare): the 2W loads go out together.
+        # compare): the W loads go out together.
         same = active
         for j in tl.static_range(W):
             t = tl.load(slot + 1 + j, mask=active, other=0)
-            k = tl.load(hashes_ptr + rows * W + j, mask=active, other=0)
-            same = same & (t == k)
+            same = same & (t == keys[j])
         hit = active & (g == gids) & same
         found = found | hit
         # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
@@ -322,30 +336,28 @@ def _probe(
     units,
     mask,
     sg_row,
-    home0,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? ``home0``
-    are the keys' home slots for the first member (:func:`home_slots`, computed
-    by the caller, possibly ahead of time). Lanes outside ``mask`` or the
+    present for every member group of the SpecGroup at ``sg_row``? Each
+    member loads the keys' words once (:func:`load_keys`), for the lanes every
+    earlier member holds; they are not held across members (the duplicate
+    search between them needs the registers). Lanes outside ``mask`` or the
     request's hashes are misses."""
     n_units = ctx[C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
-    rows = ctx[C_OFF] + tl.where(valid, units, 0)
     hit = valid
     for k in range(tl.load(sg_row + SG_N_MEMBERS)):
         gid = tl.load(sg_row + SG_MEMBERS + k)
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            pos = home0
-            if k > 0:
-                pos = home_slots(ctx, gids, units, hit, W, HAS_INDEX)
-            present = table_has(ctx, gids, rows, pos, hit, W)
+            keys = load_keys(ctx, units, hit, W)
+            pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
+            present = table_has(ctx, gids, keys, pos, hit, W)
         else:
             present = hit
         if HAS_TL:
@@ -356,23 +368,6 @@ def _probe(
             present = present & cand
         hit = hit & present
     return hit
-
-
-@triton.jit
-def _probe_now(
-    ctx,
-    units,
-    mask,
-    sg_row,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """:func:`_probe` with the first member's home slots computed here."""
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + SG_MEMBERS)
-    home0 = home_slots(ctx, gids, units, mask, W, HAS_INDEX)
-    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK)
 
 
 @triton.jit
@@ -389,18 +384,17 @@ def _leading_run(
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step (the wide tile, ``LEAD`` for full attention's run); a step's home
-    slots are computed in it (carrying the next step's across the loop, one
-    round trip less a step, breaks Triton 3.6's layout pass)."""
+    step (the wide tile, ``LEAD`` for full attention's run); a step's keys
+    and home slots are loaded and computed in it (carrying the next step's
+    across the loop, one round trip less a step, breaks Triton 3.6's layout
+    pass)."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + SG_MEMBERS)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        home = home_slots(ctx, gids, units, blk < end, W, HAS_INDEX)
-        hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
+        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
@@ -431,9 +425,7 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            hit = _probe_now(
-                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK
-            )
+            hit = _probe(ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
             j = j - BLOCK * q
@@ -449,7 +441,7 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe_now(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
