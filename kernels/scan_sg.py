@@ -175,6 +175,21 @@ def home_slots(ctx, gids, keys, W: tl.constexpr, HAS_INDEX: tl.constexpr):
 
 
 @triton.jit
+def _visit(ctx, gids, keys, pos, active, W: tl.constexpr):
+    """One probe step at slot ``pos`` for lanes ``active``: ``(hit, open)``,
+    whether the slot holds the key and whether it is not EMPTY (the probe
+    goes on past it). The slot's group id and words are loaded at once: the
+    words are compared only where the group id matches, but loading them
+    regardless costs bandwidth the step has to spare, not latency."""
+    slot = ctx[C_TABLE] + pos * (W + 1)
+    g = tl.load(slot, mask=active, other=EMPTY)
+    same = active
+    for j in tl.static_range(W):
+        same = same & (tl.load(slot + 1 + j, mask=active, other=0) == keys[j])
+    return active & (g == gids) & same, g != EMPTY
+
+
+@triton.jit
 def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
     """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
     the words :func:`load_keys` gave, ``pos`` the home slot
@@ -183,35 +198,33 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. A probe step loads the slot's group id and
-    its words at once (one round trip, not one per word): the words are
-    compared only where the group id matches, but loading them regardless
-    costs bandwidth the step has to spare, not latency. Column 0 is read with
-    a plain load: lookups are stream-ordered after the inserts they must see.
+    BUSY slots are passed over. Column 0 is read with a plain load: lookups
+    are stream-ordered after the inserts they must see.
+
+    The first step visits the home slot alone (most present keys are there);
+    every later step visits the next two slots at once, so a chain of ``L``
+    slots (an absent key's walk to an EMPTY slot, the longest in a step's
+    lanes) costs ``1 + ceil((L - 1) / 2)`` round trips, not ``L``. The second
+    slot's loads are spent where the first ends the chain.
     """
-    table_ptr = ctx[C_TABLE]
     cap_mask = ctx[C_CAP_MASK]
-    found = mask & (gids < gids)
-    active = mask
-    # A vector step count: lanes stop independently.
-    steps = tl.zeros_like(gids)
+    found, open0 = _visit(ctx, gids, keys, pos, mask, W)
+    # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
+    # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert) the
+    # probe still ends after `capacity` visits. Active lanes have all made
+    # the same number of visits (a vector: the interpreter types a bool
+    # scalar & vector as int64).
+    steps = gids * 0 + 1
+    active = mask & ~found & open0 & (steps <= cap_mask)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        slot = table_ptr + pos * (W + 1)
-        g = tl.load(slot, mask=active, other=EMPTY)
-        # Every word masked by `active` only (not by the previous word's
-        # compare): the W loads go out together.
-        same = active
-        for j in tl.static_range(W):
-            t = tl.load(slot + 1 + j, mask=active, other=0)
-            same = same & (t == keys[j])
-        hit = active & (g == gids) & same
-        found = found | hit
-        # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
-        # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
-        # the probe still ends after `capacity` steps.
-        steps += 1
-        active = active & ~hit & (g != EMPTY) & (steps <= cap_mask)
         pos = (pos + 1) & cap_mask
+        hit_a, open_a = _visit(ctx, gids, keys, pos, active, W)
+        pos = (pos + 1) & cap_mask
+        hit_b, open_b = _visit(ctx, gids, keys, pos, active, W)
+        on_b = active & ~hit_a & open_a & (steps + 1 <= cap_mask)
+        found = found | hit_a | (on_b & hit_b)
+        steps += 2
+        active = on_b & ~hit_b & open_b & (steps <= cap_mask)
     return found
 
 
