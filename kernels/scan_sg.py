@@ -190,7 +190,7 @@ def _visit(ctx, gids, keys, pos, active, W: tl.constexpr):
 
 
 @triton.jit
-def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
+def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
     """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
     the words :func:`load_keys` gave, ``pos`` the home slot
     (:func:`home_slots`).
@@ -202,10 +202,13 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
     are stream-ordered after the inserts they must see.
 
     The first step visits the home slot alone (most present keys are there);
-    every later step visits the next two slots at once, so a chain of ``L``
-    slots (an absent key's walk to an EMPTY slot, the longest in a step's
-    lanes) costs ``1 + ceil((L - 1) / 2)`` round trips, not ``L``. The second
-    slot's loads are spent where the first ends the chain.
+    every later step visits the next ``SPAN`` slots at once, so a chain of
+    ``L`` slots (an absent key's walk to an EMPTY slot, the longest in a
+    step's lanes) costs ``1 + ceil((L - 1) / SPAN)`` round trips, not ``L``.
+    The slots past the one that ends a lane's chain are loaded for nothing:
+    the short searches, where absent keys are common, take 4; the wide
+    tile, whose lanes mostly hit at home, 2 (more moved bytes and saved no
+    round trip on llama).
     """
     cap_mask = ctx[C_CAP_MASK]
     found, open0 = _visit(ctx, gids, keys, pos, mask, W)
@@ -217,14 +220,16 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr):
     steps = gids * 0 + 1
     active = mask & ~found & open0 & (steps <= cap_mask)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        pos = (pos + 1) & cap_mask
-        hit_a, open_a = _visit(ctx, gids, keys, pos, active, W)
-        pos = (pos + 1) & cap_mask
-        hit_b, open_b = _visit(ctx, gids, keys, pos, active, W)
-        on_b = active & ~hit_a & open_a & (steps + 1 <= cap_mask)
-        found = found | hit_a | (on_b & hit_b)
-        steps += 2
-        active = on_b & ~hit_b & open_b & (steps <= cap_mask)
+        # The SPAN slots' loads wait only on `active`: one round trip.
+        on = active
+        for _s in tl.static_range(SPAN):
+            pos = (pos + 1) & cap_mask
+            hit, open_s = _visit(ctx, gids, keys, pos, active, W)
+            hit = on & hit
+            found = found | hit
+            steps += 1
+            on = on & ~hit & open_s & (steps <= cap_mask)
+        active = on
     return found
 
 
@@ -370,7 +375,11 @@ def _probe(
             gids = tl.zeros([BLOCK], tl.int64) + gid
             keys = load_keys(ctx, units, hit, W)
             pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
-            present = table_has(ctx, gids, keys, pos, hit, W)
+            # SPAN: see table_has.
+            if BLOCK > 32:
+                present = table_has(ctx, gids, keys, pos, hit, W, 2)
+            else:
+                present = table_has(ctx, gids, keys, pos, hit, W, 4)
         else:
             present = hit
         if HAS_TL:
