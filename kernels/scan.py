@@ -155,6 +155,7 @@ __all__ = [
     "MAXNREG",
     "NUM_WARPS",
     "launch_scan",
+    "request_ctx",
     "scan_hits",
     "worker_lookup",
 ]
@@ -199,6 +200,45 @@ LENGTH_FLAG = -1
 _LENGTH_FLAG: tl.constexpr = tl.constexpr(LENGTH_FLAG)
 # The longest length the kernel distinguishes, in tokens (see idiv).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
+
+
+@triton.jit
+def request_ctx(
+    offset,
+    n_units,
+    token_len,
+    hashes_ptr,
+    table_ptr,
+    cap_mask,
+    cand_ptr,
+    partial,
+    hbs,
+    align,
+    sg_ptr,
+    n_sg,
+    simple_hybrid,
+):
+    """The request context ``ctx``: kernels/scan_sg.py's fields ``C_*``, in
+    this order. Built the same way by the scan kernel and the fleet's hybrid
+    kernel. Scalar arguments become tensors: Triton specialises ints equal
+    to 1 into constexprs, which a tuple cannot carry and on which ``~`` is
+    Python's."""
+    zero = n_units * 0
+    return (
+        offset,
+        n_units,
+        token_len,
+        hashes_ptr,
+        table_ptr,
+        zero + cap_mask,
+        cand_ptr,
+        zero + partial,
+        zero + hbs,
+        zero + align,
+        sg_ptr,
+        zero + n_sg,
+        zero + simple_hybrid,
+    )
 
 
 @triton.jit
@@ -443,22 +483,20 @@ def _scan_kernel(
         token_len = tl.load(tok_len_ptr + r)
     else:
         token_len = zero
-    # Scalar arguments as tensors: Triton specialises ints equal to 1 into
-    # constexprs, which a tuple cannot carry and on which `~` is Python's.
-    ctx = (
+    ctx = request_ctx(
         tl.load(offsets_ptr + r),
         n_units,
         token_len,
         hashes_ptr,
         table_ptr,
-        zero + cap_mask,
+        cap_mask,
         cand_ptr,
-        zero + partial,
-        zero + hbs,
-        zero + align,
+        partial,
+        hbs,
+        align,
         sg_ptr,
-        zero + n_sg,
-        zero + simple_hybrid,
+        n_sg,
+        simple_hybrid,
     )
     if LOOKUP:
         hit = _worker_lookup(
