@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvhit.kernels.launch import DirectLauncher
+from kvhit.kernels.launch import DirectLauncher, int_key
 
 
 class _Compiled:
@@ -72,6 +72,26 @@ def test_binder_first_then_direct_with_every_argument_in_order(cuda_stream):
     d.launch(k, 5, ("w",), (x, 3), {"W": 4}, {}, dev)
     d.launch(k, 5, ("v",), (x[1:], 3), {"W": 4, "B": True}, {}, dev)
     assert [e[0] for e in k.log[3:]] == ["binder", "binder"]
+
+
+def test_a_two_dimensional_grid_and_the_int_key(cuda_stream):
+    # The fleet scan's grid is (requests, programs per request).
+    k, d = _Kernel(), _launcher()
+    x = torch.zeros(4, dtype=torch.int64)
+    dev = torch.device("cpu")
+    for _ in range(2):
+        d.launch(k, (6, 4), ("v",), (x, 2), {"W": 4}, {"num_warps": 4}, dev)
+    assert k.log[0][:2] == ("binder", (6, 4))
+    assert k.log[1][0] == "direct" and k.log[1][1][:3] == (6, 4, 1)
+    assert k.log[1][1][6] == ("md", (6, 4), 7, 3)
+    # The binder's int specialisations: == 1, divisible by 16, 64 bits.
+    assert int_key((1, 32, 7, 2**31, -(2**31))) == (
+        (True, False, False),
+        (False, True, False),
+        (False, False, False),
+        (False, True, True),
+        (False, True, False),
+    )
 
 
 def test_a_refusing_launcher_falls_back_for_good(cuda_stream):
