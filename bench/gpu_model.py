@@ -122,7 +122,7 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: triton backend (warm), Triton launches, other kernel launches, host syncs.
 #: Round trips at a094dd7 (the H200's kernel): 136 and 64; issue 31's wide
 #: tiles: 42 and 8 (9 once Triton 3.6 forced the prefetch out); a probe's
-#: later steps visiting 2-4 slots at once: 33 and 7. Bytes per request of
+#: later steps visiting two slots at once: 35 and 7. Bytes per request of
 #: quick-llama (hash rows and table slots): the key's words loaded once per
 #: probe, not again at every probe step: 18208 -> 12861 bytes. Per call, before
 #: issue 31's host path: ``lookup`` with a
@@ -134,7 +134,7 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
 RECORDED: dict[str, int] = {
-    "quick_longhit_max_rt": 33,
+    "quick_longhit_max_rt": 35,
     # Loading the next tile's words ahead would save a round trip a tile
     # step: Triton 3.6 (the H200 machine's) cannot compile it in a while
     # loop, and in a for loop it spills (the words of two tiles held).

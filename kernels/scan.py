@@ -38,10 +38,11 @@ Design (why it looks like this):
 * **Wide tiles for the long part (issue 31).** Full attention's leading run,
   where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
   blocks at a time across the program's warps; the first miss is a
-  min-reduction. (Loading the next tile's home slots before that reduction
-  ends would save a round trip a step, but Triton 3.6's
-  TritonGPURemoveLayoutConversions pass fails on that loop-carried vector,
-  and 3.6 is what the H200 machine has.) The short searches (sliding-window tails, Mamba
+  min-reduction. (Loading the next tile's words before that reduction ends
+  would save a round trip a step, but Triton 3.6's
+  TritonGPURemoveLayoutConversions pass fails on that vector carried by a
+  ``while`` loop, and in a ``for`` loop the two tiles' words spill; 3.6 is
+  what the H200 machine has.) The short searches (sliding-window tails, Mamba
   states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
   ``bench/gpu_model.py`` counts the dependent round trips of each request
   under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).

@@ -206,9 +206,9 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
     ``L`` slots (an absent key's walk to an EMPTY slot, the longest in a
     step's lanes) costs ``1 + ceil((L - 1) / SPAN)`` round trips, not ``L``.
     The slots past the one that ends a lane's chain are loaded for nothing:
-    the short searches, where absent keys are common, take 4; the wide
-    tile, whose lanes mostly hit at home, 2 (more moved bytes and saved no
-    round trip on llama).
+    the scan takes 2 (``bench/gpu_model.py``: 4 saved at most one critical
+    round trip at 4096 x 16K long-hit and moved more bytes on every
+    workload).
     """
     cap_mask = ctx[C_CAP_MASK]
     found, open0 = _visit(ctx, gids, keys, pos, mask, W)
@@ -375,11 +375,7 @@ def _probe(
             gids = tl.zeros([BLOCK], tl.int64) + gid
             keys = load_keys(ctx, units, hit, W)
             pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
-            # SPAN: see table_has.
-            if BLOCK > 32:
-                present = table_has(ctx, gids, keys, pos, hit, W, 2)
-            else:
-                present = table_has(ctx, gids, keys, pos, hit, W, 4)
+            present = table_has(ctx, gids, keys, pos, hit, W, 2)
         else:
             present = hit
         if HAS_TL:
