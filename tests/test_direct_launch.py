@@ -146,3 +146,51 @@ def test_direct_launches_equal_binder_launches():
     finally:
         scan._DIRECT.enabled = True
     assert direct == [binder] * 3 and any(binder)
+
+
+@pytest.mark.gpu
+def test_fleet_direct_launches_equal_binder_launches():
+    """On CUDA: the Triton fleet's scan (two launches a call, issue 32's host
+    path) through the direct path equals the binder's, and the direct path
+    ran."""
+    import random
+
+    from strategies import chained_hashes, saved_keys
+
+    from kvhit import FleetIndex, HashBatch, LookupEngine
+    from kvhit.bench.workloads import make_layout
+    from kvhit.kernels import fleet_triton
+
+    layout = make_layout("llama")
+    hbs = layout.hash_block_size
+    rng = random.Random(0)
+    prompts = [chained_hashes(i % 5, rng.randint(1, 600)) for i in range(24)]
+    fleet = FleetIndex(3, 8, capacity=1 << 14, device="cuda", backend="triton")
+    for e in range(3):
+        keys: set = set()
+        for p in prompts[e::3]:
+            keys |= saved_keys(layout, p, layout.align(rng.randint(0, len(p)) * hbs))
+        keys = sorted(keys)
+        fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
+    engine = LookupEngine(layout, backend="torch", device="cuda")
+    batch = HashBatch.from_bytes(prompts, 8, "cuda")
+    lens = [len(p) * hbs for p in prompts]
+    launchers = (fleet_triton._DIRECT_FLEET, fleet_triton._DIRECT_FINISH)
+    before = [d.direct_launches for d in launchers]
+
+    def answers():
+        return (
+            engine.fleet_hits(batch, lens, fleet).tolist(),
+            engine.fleet_lookup(batch, lens, fleet).tolist(),
+        )
+
+    direct = [answers() for _ in range(3)]
+    assert all(d.direct_launches > b for d, b in zip(launchers, before, strict=True))
+    for d in launchers:
+        d.enabled = False
+    try:
+        binder = answers()
+    finally:
+        for d in launchers:
+            d.enabled = True
+    assert direct == [binder] * 3 and any(any(row) for row in binder[0])
