@@ -45,7 +45,7 @@ Design (why it looks like this):
   what the H200 machine has.) The short searches (sliding-window tails, Mamba
   states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
   ``bench/gpu_model.py`` counts the dependent round trips of each request
-  under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).
+  under the interpreter (long-hit dsv4 16K at B = 1: 68 at a094dd7, 24 now).
 * **State lives in registers, and little of it.** Per-SpecGroup results are
   ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
   written to ``mask_spans`` once, at the end (scalar stores and loads by different
@@ -484,21 +484,9 @@ def _scan_kernel(
         token_len = tl.load(tok_len_ptr + r)
     else:
         token_len = zero
-    ctx = request_ctx(
-        tl.load(offsets_ptr + r),
-        n_units,
-        token_len,
-        hashes_ptr,
-        table_ptr,
-        cap_mask,
-        cand_ptr,
-        partial,
-        hbs,
-        align,
-        sg_ptr,
-        n_sg,
-        simple_hybrid,
-    )
+    ctx = request_ctx(tl.load(offsets_ptr + r), n_units, token_len, hashes_ptr,
+                      table_ptr, cap_mask, cand_ptr, partial, hbs, align, sg_ptr,
+                      n_sg, simple_hybrid)  # fmt: skip
     if LOOKUP:
         hit = _worker_lookup(
             ctx, length, n_groups, W, HAS_INDEX, BLOCK, LEAD, S_PAD, SG_W
