@@ -40,23 +40,10 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
   under the interpreter: every operand here is non-negative.
 
 Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
-several SpecGroups, EAGLE, fine-grained hits):
-
-* **One program per (request, engine), the engine's own rule.** The program
-  runs :mod:`kvhit.kernels.scan`'s jitted rule (``converge``, the
-  convergence loop of ``ReferenceCoordinator._find`` / ``_round`` with every
-  kind's scan; in LOOKUP mode ``ReferenceCoordinator.lookup`` around it)
-  over the FleetIndex's entry index, a KeyIndex of ``(g * E + e, hash)``,
-  with plan rows whose member groups are renamed ``g * E + e`` (engine
-  ``e``'s SpecGroup rows start at row ``e * S``). The rule is spelled once,
-  in scan.py; :mod:`kvhit.kernels.fleet_triton_hybrid` (the kernel) only
-  gives it a per-engine context, and :func:`hybrid_hits` here launches it.
-* **The joint scan first.** When the first SpecGroup is full attention and
-  not fine-grained, :func:`_fleet_kernel` (engines across lanes) leaves each
-  pair's leading run, and a program whose engine lacks the request's first
-  block stops after two loads (its output stays 0): on a router's traffic
-  most engines hold none of a request, so most programs stop there. Two
-  launches, no host sync, whatever E.
+several SpecGroups, EAGLE, fine-grained hits) run one program per (request,
+engine) with the engine's own rule, after the joint scan above when the
+first SpecGroup is full attention: :mod:`kvhit.kernels.fleet_triton_hybrid`
+holds that kernel and its design; :func:`hybrid_hits` here launches it.
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
