@@ -190,7 +190,17 @@ def _visit(ctx, gids, keys, pos, active, W: tl.constexpr):
 
 
 @triton.jit
-def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
+def table_has(
+    ctx,
+    gids,
+    keys,
+    pos,
+    mask,
+    W: tl.constexpr,
+    SPAN: tl.constexpr,
+    FIRST_MISS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
     the words :func:`load_keys` gave, ``pos`` the home slot
     (:func:`home_slots`).
@@ -209,6 +219,13 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
     the scan takes 2 (``bench/gpu_model.py``: 4 saved at most one critical
     round trip at 4096 x 16K long-hit and moved more bytes on every
     workload).
+
+    ``FIRST_MISS`` (0, 1 or 2): the caller takes only the first lane that is
+    not a hit (a leading run, a run window), so lanes above the lowest lane
+    known absent (its chain ended, or it was masked off) do not matter:
+    their chains stop after the home slot's step (1: the wide tile, whose
+    registers allow no more) or after every step (2). Those lanes then read
+    as misses; every lane below them is exact.
     """
     cap_mask = ctx[C_CAP_MASK]
     found, open0 = _visit(ctx, gids, keys, pos, mask, W)
@@ -219,6 +236,10 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
     # scalar & vector as int64).
     steps = gids * 0 + 1
     active = mask & ~found & open0 & (steps <= cap_mask)
+    if FIRST_MISS:
+        lane = tl.arange(0, BLOCK)
+        cut = tl.min(tl.where(~found & ~active, lane, BLOCK), axis=0)
+        active = active & (lane < cut)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # The SPAN slots' loads wait only on `active`: one round trip.
         on = active
@@ -230,6 +251,12 @@ def table_has(ctx, gids, keys, pos, mask, W: tl.constexpr, SPAN: tl.constexpr):
             steps += 1
             on = on & ~hit & open_s & (steps <= cap_mask)
         active = on
+        if FIRST_MISS > 1:
+            # Only the lanes below the first known miss count (the caller
+            # takes the first miss): the others' chains stop here.
+            lane = tl.arange(0, BLOCK)
+            cut = tl.min(tl.where(~found & ~active, lane, BLOCK), axis=0)
+            active = active & (lane < cut)
     return found
 
 
@@ -358,13 +385,15 @@ def _probe(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    FIRST_MISS: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
     present for every member group of the SpecGroup at ``sg_row``? Each
     member loads the keys' words once (:func:`load_keys`), for the lanes every
     earlier member holds; they are not held across members (the duplicate
     search between them needs the registers). Lanes outside ``mask`` or the
-    request's hashes are misses."""
+    request's hashes are misses. ``FIRST_MISS``: as :func:`table_has` (lanes
+    above the first miss may read as misses)."""
     n_units = ctx[C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
     hit = valid
@@ -375,7 +404,7 @@ def _probe(
             gids = tl.zeros([BLOCK], tl.int64) + gid
             keys = load_keys(ctx, units, hit, W)
             pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
-            present = table_has(ctx, gids, keys, pos, hit, W, 2)
+            present = table_has(ctx, gids, keys, pos, hit, W, 2, FIRST_MISS, BLOCK)
         else:
             present = hit
         if HAS_TL:
@@ -412,7 +441,7 @@ def _leading_run(
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 1)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
@@ -443,7 +472,9 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            hit = _probe(ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+            hit = _probe(
+                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 0
+            )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
             j = j - BLOCK * q
@@ -459,7 +490,7 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 2)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK
