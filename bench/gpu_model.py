@@ -122,9 +122,10 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: triton backend (warm), Triton launches, other kernel launches, host syncs.
 #: Round trips at a094dd7 (the H200's kernel): 136 and 64; issue 31's wide
 #: tiles: 42 and 8 (9 once Triton 3.6 forced the prefetch out); a probe's
-#: later steps visiting two slots at once: 35 and 7. Bytes per request of
-#: quick-llama (hash rows and table slots): the key's words loaded once per
-#: probe, not again at every probe step: 18208 -> 12861 bytes. Per call, before
+#: later steps visiting two slots at once, and the chains above a search's
+#: first miss stopped: 34 and 7. Bytes per request of quick-llama (hash rows
+#: and table slots): the key's words loaded once per probe, not again at
+#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241. Per call, before
 #: issue 31's host path: ``lookup`` with a
 #: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
 #: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
@@ -134,12 +135,12 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
 RECORDED: dict[str, int] = {
-    "quick_longhit_max_rt": 35,
+    "quick_longhit_max_rt": 34,
     # Loading the next tile's words ahead would save a round trip a tile
     # step: Triton 3.6 (the H200 machine's) cannot compile it in a while
     # loop, and in a for loop it spills (the words of two tiles held).
     "quick_llama_max_rt": 7,
-    "quick_llama_bytes": 12861,
+    "quick_llama_bytes": 12241,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,
