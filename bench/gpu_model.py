@@ -121,7 +121,12 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: workloads, and per call of LookupEngine.lookup / lookup_unchecked on the
 #: triton backend (warm), Triton launches, other kernel launches, host syncs.
 #: Round trips at a094dd7 (the H200's kernel): 136 and 64; issue 31's wide
-#: tiles: 42 and 8. Per call, before issue 31's host path: ``lookup`` with a
+#: tiles: 42 and 8 (9 once Triton 3.6 forced the prefetch out); a probe's
+#: later steps visiting two slots at once, and the chains above a search's
+#: first miss stopped: 34 and 7. Bytes per request of quick-llama (hash rows
+#: and table slots): the key's words loaded once per probe, not again at
+#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241. Per call, before
+#: issue 31's host path: ``lookup`` with a
 #: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
 #: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
 #: 5 torch ops; now 1 sync (the answer's copy, which carries the in-kernel
@@ -130,10 +135,12 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
 RECORDED: dict[str, int] = {
-    "quick_longhit_max_rt": 42,
-    # 8 with the next tile's home slots loaded ahead, which Triton 3.6 (the
-    # H200 machine's) cannot compile: its layout pass fails on that loop.
-    "quick_llama_max_rt": 9,
+    "quick_longhit_max_rt": 34,
+    # Loading the next tile's words ahead would save a round trip a tile
+    # step: Triton 3.6 (the H200 machine's) cannot compile it in a while
+    # loop, and in a for loop it spills (the words of two tiles held).
+    "quick_llama_max_rt": 7,
+    "quick_llama_bytes": 12241,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,
@@ -732,7 +739,7 @@ def report(
         flush=True,
     )
     cache: dict[int, Traced] = {}
-    rows, points = [], {}
+    rows, points, per_request_bytes = [], {}, {}
     for name, case, batch in _cases(quick):
         if id(case) not in cache:
             cache[id(case)] = trace_lookup(case, sample if not quick else 8)
@@ -744,6 +751,7 @@ def report(
             rts, by = scaled(t, batch)
         points[name] = (rts, by, slots)
         n = len(t.traced)
+        per_request_bytes[name] = round(t.bytes_traced / n)
         rows.append(
             [
                 name,
@@ -775,6 +783,8 @@ def report(
     out: dict = {
         "kernel": {"BLOCK": scan.BLOCK, "NUM_WARPS": scan.NUM_WARPS},
         "traced": {k: max(v[0]) for k, v in points.items()},
+        # Bytes from L2/HBM per traced request (plan rows aside).
+        "bytes": per_request_bytes,
     }
     counts = call_counts(quick)
     print(

@@ -40,23 +40,10 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
   under the interpreter: every operand here is non-negative.
 
 Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
-several SpecGroups, EAGLE, fine-grained hits):
-
-* **One program per (request, engine), the engine's own rule.** The program
-  runs :mod:`kvhit.kernels.scan`'s jitted rule (``converge``, the
-  convergence loop of ``ReferenceCoordinator._find`` / ``_round`` with every
-  kind's scan; in LOOKUP mode ``ReferenceCoordinator.lookup`` around it)
-  over the FleetIndex's entry index, a KeyIndex of ``(g * E + e, hash)``,
-  with plan rows whose member groups are renamed ``g * E + e`` (engine
-  ``e``'s SpecGroup rows start at row ``e * S``). The rule is spelled once,
-  in scan.py; :mod:`kvhit.kernels.fleet_triton_hybrid` (the kernel) only
-  gives it a per-engine context, and :func:`hybrid_hits` here launches it.
-* **The joint scan first.** When the first SpecGroup is full attention and
-  not fine-grained, :func:`_fleet_kernel` (engines across lanes) leaves each
-  pair's leading run, and a program whose engine lacks the request's first
-  block stops after two loads (its output stays 0): on a router's traffic
-  most engines hold none of a request, so most programs stop there. Two
-  launches, no host sync, whatever E.
+several SpecGroups, EAGLE, fine-grained hits) run one program per (request,
+engine) with the engine's own rule, after the joint scan above when the
+first SpecGroup is full attention: :mod:`kvhit.kernels.fleet_triton_hybrid`
+holds that kernel and its design; :func:`hybrid_hits` here launches it.
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
@@ -80,7 +67,7 @@ from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
 from kvhit.kernels.fleet_triton_hybrid import hybrid_kernel
 from kvhit.kernels.hash_index import find_slots
-from kvhit.kernels.launch import device_guard, fix_interpreter
+from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
 
 __all__ = [
     "BLOCK",
@@ -371,6 +358,10 @@ def _on_device(x: object, device: torch.device) -> object:
     return t
 
 
+_DIRECT_FLEET = DirectLauncher()
+_DIRECT_FINISH = DirectLauncher()
+
+
 def _scan(
     mode: int,
     keys: torch.Tensor,
@@ -416,17 +407,23 @@ def _scan(
     if B == 0:
         return out
     split = _split(B, dev)
+    # Past Triton's per-call binder (issue 32: the host path of a fleet
+    # lookup): runtime arguments in signature order, then the constexprs;
+    # the key is every specialised int's class (split is not specialised).
+    ints = (keys.shape[0] - 1, M, num_engines, NW, scale, block_size, alignment)
+    fleet_args = (keys, ints[0], bits, rows, offsets, lengths, lens, members, M,
+                  live, out, num_engines, NW, scale, block_size, alignment, split)  # fmt: skip
+    fleet_cx = {"W": W, "MODE": mode, "DROP": bool(drop), "MP": _pow2(M),
+                "BLOCK": BLOCK}  # fmt: skip
+    finish_args = (offsets, lengths, lens, live, out, num_engines, NW, scale,
+                   block_size, alignment)  # fmt: skip
+    finish_cx = {"MODE": mode, "DROP": bool(drop)}
+    key = (tuple(fleet_cx.values()), int_key(ints))
     with device_guard(dev):
-        _fleet_kernel[(B, split)](
-            keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lens, members, M,
-            live, out, num_engines, NW, scale, block_size, alignment, split,
-            W=W, MODE=mode, DROP=bool(drop), MP=_pow2(M), BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _finish_kernel[(B,)](
-            offsets, lengths, lens, live, out, num_engines, NW, scale, block_size,
-            alignment, MODE=mode, DROP=bool(drop), num_warps=1,
-        )  # fmt: skip
+        _DIRECT_FLEET.launch(_fleet_kernel, (B, split), key, fleet_args, fleet_cx,
+                             {"num_warps": NUM_WARPS}, dev)  # fmt: skip
+        _DIRECT_FINISH.launch(_finish_kernel, B, key, finish_args, finish_cx,
+                              {"num_warps": 1}, dev)  # fmt: skip
     return out
 
 

@@ -105,32 +105,23 @@ def hybrid_kernel(
             token_len = tl.load(tok_len_ptr + r)
         else:
             token_len = zero
-        # The request context of kernels/scan_sg.py (its fields C_*, in order),
-        # scalars as tensors as there: engine e's SpecGroup rows.
-        ctx = (
-            tl.load(offsets_ptr + r),
-            n_units,
-            token_len,
-            hashes_ptr,
-            table_ptr,
-            zero + cap_mask,
-            cand_ptr,
-            zero + partial,
-            zero + hbs,
-            zero + align,
-            sg_ptr + e * n_sg * SG_W,
-            zero + n_sg,
-            zero + simple_hybrid,
-        )
+        # Engine e's SpecGroup rows; the worker's test below reads the
+        # plan's own candidate rows (plain), the rule engine e's (ctx).
+        offset = tl.load(offsets_ptr + r)
+        rows = sg_ptr + e * n_sg * SG_W
+        ctx = scan_rules.request_ctx(offset, n_units, token_len, hashes_ptr,
+                                     table_ptr, cap_mask, cand_ptr, partial, hbs,
+                                     align, rows, n_sg, simple_hybrid)  # fmt: skip
         if LOOKUP:
             # ReferenceCoordinator.lookup, as scan._worker_lookup: whether the
             # worker asks any key depends on the plan only (its own candidate
             # rows, not the E-fold renamed ones), then the search at the
             # aligned length and, when it covers the whole prompt, again at
             # align(num_tokens - 1) (bounded below num_tokens: two at most).
-            plain = (ctx[0], n_units, token_len, hashes_ptr, table_ptr, zero + cap_mask,
-                     plan_cand_ptr, zero + partial, zero + hbs, zero + align,
-                     ctx[10], zero + n_sg, zero + simple_hybrid)  # fmt: skip
+            plain = scan_rules.request_ctx(offset, n_units, token_len, hashes_ptr,
+                                           table_ptr, cap_mask, plan_cand_ptr,
+                                           partial, hbs, align, rows, n_sg,
+                                           simple_hybrid)  # fmt: skip
             asks = scan_rules.asks_any(plain, n_groups)
             ok = (n_units > 0) & (token_len > 0) & asks
             usable = tl.maximum(length - 1, 0) // align * align

@@ -23,6 +23,7 @@ __all__ = [
     "DirectLauncher",
     "device_guard",
     "fix_interpreter",
+    "int_key",
     "missing_features",
 ]
 
@@ -136,6 +137,14 @@ def fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def int_key(values: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
+    """What Triton's binder specialises a kernel's plain int arguments on,
+    per value: equal to 1 (a constexpr), divisible by 16, and 64 bits wide.
+    Part of a :class:`DirectLauncher` key for a kernel that does not list
+    them in ``do_not_specialize``."""
+    return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in values)
+
+
 def _knobs() -> object:
     """``triton.knobs`` (Triton >= 3.4; ImportError before)."""
     from triton import knobs
@@ -177,17 +186,20 @@ class DirectLauncher:
     def launch(
         self,
         kernel: object,
-        grid: int,
+        grid: int | tuple[int, ...],
         key: tuple,
         args: tuple,
         constexprs: dict,
         options: dict,
         device: torch.device,
     ) -> None:
-        """``kernel[(grid,)](*args, **constexprs, **options)`` on ``device``'s
-        current stream. ``args``: the runtime arguments in signature order,
-        then ``constexprs`` in signature order (the kernel's last
-        parameters); ``key``: what else the variant depends on."""
+        """``kernel[grid](*args, **constexprs, **options)`` on ``device``'s
+        current stream (``grid``: an int, the programs of a 1-D grid, or a
+        tuple of up to 3). ``args``: the runtime arguments in signature
+        order, then ``constexprs`` in signature order (the kernel's last
+        parameters); ``key``: what else the variant depends on (every
+        specialised int's class: see :func:`int_key`)."""
+        grid = (grid,) if isinstance(grid, int) else tuple(grid)
         if self.enabled:
             align = tuple(
                 a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)
@@ -201,8 +213,9 @@ class DirectLauncher:
                     # What JITFunction.run does once its binder is done,
                     # launch hooks (a profiler's) included.
                     hooks = _knobs().runtime
-                    meta = compiled.launch_metadata((grid,), stream, *every)
-                    compiled.run(grid, 1, 1, stream, compiled.function,
+                    meta = compiled.launch_metadata(grid, stream, *every)
+                    g0, g1, g2 = (*grid, 1, 1)[:3]
+                    compiled.run(g0, g1, g2, stream, compiled.function,
                                  compiled.packed_metadata, meta,
                                  hooks.launch_enter_hook, hooks.launch_exit_hook,
                                  *every)  # fmt: skip
@@ -211,7 +224,7 @@ class DirectLauncher:
                 except (TypeError, AttributeError, ImportError):
                     self.enabled = False
                     self._compiled.clear()
-        compiled = kernel[(grid,)](*args, **constexprs, **options)
+        compiled = kernel[grid](*args, **constexprs, **options)
         if self.enabled and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
         ):

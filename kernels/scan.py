@@ -38,13 +38,14 @@ Design (why it looks like this):
 * **Wide tiles for the long part (issue 31).** Full attention's leading run,
   where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
   blocks at a time across the program's warps; the first miss is a
-  min-reduction. (Loading the next tile's home slots before that reduction
-  ends would save a round trip a step, but Triton 3.6's
-  TritonGPURemoveLayoutConversions pass fails on that loop-carried vector,
-  and 3.6 is what the H200 machine has.) The short searches (sliding-window tails, Mamba
+  min-reduction. (Loading the next tile's words before that reduction ends
+  would save a round trip a step, but Triton 3.6's
+  TritonGPURemoveLayoutConversions pass fails on that vector carried by a
+  ``while`` loop, and in a ``for`` loop the two tiles' words spill; 3.6 is
+  what the H200 machine has.) The short searches (sliding-window tails, Mamba
   states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
   ``bench/gpu_model.py`` counts the dependent round trips of each request
-  under the interpreter (long-hit dsv4 16K at B = 1: 68 before, 30 after).
+  under the interpreter (long-hit dsv4 16K at B = 1: 68 at a094dd7, 24 now).
 * **State lives in registers, and little of it.** Per-SpecGroup results are
   ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
   written to ``mask_spans`` once, at the end (scalar stores and loads by different
@@ -69,9 +70,10 @@ Design (why it looks like this):
   ``kvhit.kernels.hash_index``, but reads column 0 with plain loads instead of
   ``find_slots``' acquire loads: a scan is stream-ordered after the inserts it
   must see, and an acquire per probe step would sit on the latency-bound
-  critical path. A probe step loads the slot's group id, its words and the
-  key's words at once (no load waits on another's compare): one round trip
-  per slot visited. Every slot visited counts toward the probe bound, BUSY ones
+  critical path. A probe loads the key's words once (its home slot and
+  every compare use them), and a probe step loads the slot's group id and
+  words at once (no load waits on another's compare): one round trip per
+  slot visited. Every slot visited counts toward the probe bound, BUSY ones
   included (the scan passes over BUSY, never waits on it), so a probe ends even
   on a table with no EMPTY slot. Lanes of later SpecGroup members probe only
   where earlier members hit (an AND).
@@ -154,6 +156,7 @@ __all__ = [
     "MAXNREG",
     "NUM_WARPS",
     "launch_scan",
+    "request_ctx",
     "scan_hits",
     "worker_lookup",
 ]
@@ -198,6 +201,45 @@ LENGTH_FLAG = -1
 _LENGTH_FLAG: tl.constexpr = tl.constexpr(LENGTH_FLAG)
 # The longest length the kernel distinguishes, in tokens (see idiv).
 _MAX_LEN: tl.constexpr = tl.constexpr((1 << 30) - 1)
+
+
+@triton.jit
+def request_ctx(
+    offset,
+    n_units,
+    token_len,
+    hashes_ptr,
+    table_ptr,
+    cap_mask,
+    cand_ptr,
+    partial,
+    hbs,
+    align,
+    sg_ptr,
+    n_sg,
+    simple_hybrid,
+):
+    """The request context ``ctx``: kernels/scan_sg.py's fields ``C_*``, in
+    this order. Built the same way by the scan kernel and the fleet's hybrid
+    kernel. Scalar arguments become tensors: Triton specialises ints equal
+    to 1 into constexprs, which a tuple cannot carry and on which ``~`` is
+    Python's."""
+    zero = n_units * 0
+    return (
+        offset,
+        n_units,
+        token_len,
+        hashes_ptr,
+        table_ptr,
+        zero + cap_mask,
+        cand_ptr,
+        zero + partial,
+        zero + hbs,
+        zero + align,
+        sg_ptr,
+        zero + n_sg,
+        zero + simple_hybrid,
+    )
 
 
 @triton.jit
@@ -442,23 +484,9 @@ def _scan_kernel(
         token_len = tl.load(tok_len_ptr + r)
     else:
         token_len = zero
-    # Scalar arguments as tensors: Triton specialises ints equal to 1 into
-    # constexprs, which a tuple cannot carry and on which `~` is Python's.
-    ctx = (
-        tl.load(offsets_ptr + r),
-        n_units,
-        token_len,
-        hashes_ptr,
-        table_ptr,
-        zero + cap_mask,
-        cand_ptr,
-        zero + partial,
-        zero + hbs,
-        zero + align,
-        sg_ptr,
-        zero + n_sg,
-        zero + simple_hybrid,
-    )
+    ctx = request_ctx(tl.load(offsets_ptr + r), n_units, token_len, hashes_ptr,
+                      table_ptr, cap_mask, cand_ptr, partial, hbs, align, sg_ptr,
+                      n_sg, simple_hybrid)  # fmt: skip
     if LOOKUP:
         hit = _worker_lookup(
             ctx, length, n_groups, W, HAS_INDEX, BLOCK, LEAD, S_PAD, SG_W

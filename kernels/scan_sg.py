@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvhit.kernels import contract as kc
-from kvhit.kernels.hash_index import slot_hash
+from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
 from kvhit.kernels.launch import fix_interpreter
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "idiv",
     "ifmod",
     "irem",
+    "load_keys",
     "sg_result",
     "sg_searches",
     "table_has",
@@ -144,60 +145,118 @@ def irem(a, b):
 
 
 @triton.jit
-def home_slots(ctx, gids, units, mask, W: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """int64 [N]: the home slot of key ``(gids, hash unit units)`` in the
-    KeyIndex table (``hash_index.slot_hash & cap_mask``: the W word loads do
-    not wait on each other, one round trip); lanes outside ``mask`` or the
-    request hash zeros. Zeros without an index."""
+def load_keys(ctx, units, mask, W: tl.constexpr):
+    """The request's hash words at hash units ``units`` (int64 [N]), a tuple
+    of ``W`` int64 [N] vectors (the W loads do not wait on each other: one
+    round trip); lanes outside ``mask`` or the request hold zeros. Loaded
+    once per probe and held: the home slot and every compare of the probe
+    use them (loading them again per step doubled the hash-row bytes)."""
     valid = mask & (units >= 0) & (units < ctx[C_LENS])
+    rows = ctx[C_OFF] + tl.where(valid, units, 0)
+    hashes_ptr = ctx[C_HASHES]
+    keys = ()
+    for j in tl.static_range(W):
+        keys = keys + (tl.load(hashes_ptr + rows * W + j, mask=valid, other=0),)
+    return keys
+
+
+@triton.jit
+def home_slots(ctx, gids, keys, W: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """int64 [N]: the home slot of key ``(gids, keys)`` in the KeyIndex table
+    (``hash_index.slot_hash & cap_mask`` of the words :func:`load_keys`
+    gave); zeros without an index."""
     pos = gids * 0
     if HAS_INDEX:
-        rows = ctx[C_OFF] + tl.where(valid, units, 0)
-        pos = slot_hash(gids, ctx[C_HASHES], rows, valid, W) & ctx[C_CAP_MASK]
+        h = hash_init(gids)
+        for j in tl.static_range(W):
+            h = hash_mix(h, keys[j])
+        pos = hash_finish(h) & ctx[C_CAP_MASK]
     return pos
 
 
 @triton.jit
-def table_has(ctx, gids, rows, pos, mask, W: tl.constexpr):
-    """int1 [N]: is key ``(gids, hashes[rows])`` in the KeyIndex table? ``pos``
-    is its home slot (:func:`home_slots`).
+def _visit(ctx, gids, keys, pos, active, W: tl.constexpr):
+    """One probe step at slot ``pos`` for lanes ``active``: ``(hit, open)``,
+    whether the slot holds the key and whether it is not EMPTY (the probe
+    goes on past it). The slot's group id and words are loaded at once: the
+    words are compared only where the group id matches, but loading them
+    regardless costs bandwidth the step has to spare, not latency."""
+    slot = ctx[C_TABLE] + pos * (W + 1)
+    g = tl.load(slot, mask=active, other=EMPTY)
+    same = active
+    for j in tl.static_range(W):
+        same = same & (tl.load(slot + 1 + j, mask=active, other=0) == keys[j])
+    return active & (g == gids) & same, g != EMPTY
+
+
+@triton.jit
+def table_has(
+    ctx,
+    gids,
+    keys,
+    pos,
+    mask,
+    W: tl.constexpr,
+    SPAN: tl.constexpr,
+    FIRST_MISS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
+    the words :func:`load_keys` gave, ``pos`` the home slot
+    (:func:`home_slots`).
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
     group id and every word equal; an EMPTY slot ends the probe; TOMBSTONE and
-    BUSY slots are passed over. A probe step loads the slot's group id, its
-    words and the key's words at once (one round trip, not one per word):
-    the words are compared only where the group id matches, but loading them
-    regardless costs bandwidth the step has to spare, not latency; the key's
-    words are loaded again each step rather than held (registers: the index
-    variants are at the 128 budget). Column 0 is read with a plain load:
-    lookups are stream-ordered after the inserts they must see.
+    BUSY slots are passed over. Column 0 is read with a plain load: lookups
+    are stream-ordered after the inserts they must see.
+
+    The first step visits the home slot alone (most present keys are there);
+    every later step visits the next ``SPAN`` slots at once, so a chain of
+    ``L`` slots (an absent key's walk to an EMPTY slot, the longest in a
+    step's lanes) costs ``1 + ceil((L - 1) / SPAN)`` round trips, not ``L``.
+    The slots past the one that ends a lane's chain are loaded for nothing:
+    the scan takes 2 (``bench/gpu_model.py``: 4 saved at most one critical
+    round trip at 4096 x 16K long-hit and moved more bytes on every
+    workload).
+
+    ``FIRST_MISS`` (0, 1 or 2): the caller takes only the first lane that is
+    not a hit (a leading run, a run window), so lanes above the lowest lane
+    known absent (its chain ended, or it was masked off) do not matter:
+    their chains stop after the home slot's step (1: the wide tile, whose
+    registers allow no more) or after every step (2). Those lanes then read
+    as misses; every lane below them is exact.
     """
-    table_ptr = ctx[C_TABLE]
     cap_mask = ctx[C_CAP_MASK]
-    hashes_ptr = ctx[C_HASHES]
-    found = mask & (gids < gids)
-    active = mask
-    # A vector step count: lanes stop independently.
-    steps = tl.zeros_like(gids)
+    found, open0 = _visit(ctx, gids, keys, pos, mask, W)
+    # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
+    # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert) the
+    # probe still ends after `capacity` visits. Active lanes have all made
+    # the same number of visits (a vector: the interpreter types a bool
+    # scalar & vector as int64).
+    steps = gids * 0 + 1
+    active = mask & ~found & open0 & (steps <= cap_mask)
+    if FIRST_MISS:
+        lane = tl.arange(0, BLOCK)
+        cut = tl.min(tl.where(~found & ~active, lane, BLOCK), axis=0)
+        active = active & (lane < cut)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        slot = table_ptr + pos * (W + 1)
-        g = tl.load(slot, mask=active, other=EMPTY)
-        # Every word masked by `active` only (not by the previous word's
-        # compare): the 2W loads go out together.
-        same = active
-        for j in tl.static_range(W):
-            t = tl.load(slot + 1 + j, mask=active, other=0)
-            k = tl.load(hashes_ptr + rows * W + j, mask=active, other=0)
-            same = same & (t == k)
-        hit = active & (g == gids) & same
-        found = found | hit
-        # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table
-        # with no EMPTY slot (corrupt, or BUSY slots left by a dead insert)
-        # the probe still ends after `capacity` steps.
-        steps += 1
-        active = active & ~hit & (g != EMPTY) & (steps <= cap_mask)
-        pos = (pos + 1) & cap_mask
+        # The SPAN slots' loads wait only on `active`: one round trip.
+        on = active
+        for _s in tl.static_range(SPAN):
+            pos = (pos + 1) & cap_mask
+            hit, open_s = _visit(ctx, gids, keys, pos, active, W)
+            hit = on & hit
+            found = found | hit
+            steps += 1
+            on = on & ~hit & open_s & (steps <= cap_mask)
+        active = on
+        if FIRST_MISS > 1:
+            # Only the lanes below the first known miss count (the caller
+            # takes the first miss): the others' chains stop here.
+            lane = tl.arange(0, BLOCK)
+            cut = tl.min(tl.where(~found & ~active, lane, BLOCK), axis=0)
+            active = active & (lane < cut)
     return found
 
 
@@ -322,30 +381,30 @@ def _probe(
     units,
     mask,
     sg_row,
-    home0,
     W: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    FIRST_MISS: tl.constexpr,
 ):
     """int1 [BLOCK]: is hash unit ``units`` (int64 [BLOCK]) of the request
-    present for every member group of the SpecGroup at ``sg_row``? ``home0``
-    are the keys' home slots for the first member (:func:`home_slots`, computed
-    by the caller, possibly ahead of time). Lanes outside ``mask`` or the
-    request's hashes are misses."""
+    present for every member group of the SpecGroup at ``sg_row``? Each
+    member loads the keys' words once (:func:`load_keys`), for the lanes every
+    earlier member holds; they are not held across members (the duplicate
+    search between them needs the registers). Lanes outside ``mask`` or the
+    request's hashes are misses. ``FIRST_MISS``: as :func:`table_has` (lanes
+    above the first miss may read as misses)."""
     n_units = ctx[C_LENS]
     valid = mask & (units >= 0) & (units < n_units)
-    rows = ctx[C_OFF] + tl.where(valid, units, 0)
     hit = valid
     for k in range(tl.load(sg_row + SG_N_MEMBERS)):
         gid = tl.load(sg_row + SG_MEMBERS + k)
         if HAS_INDEX:
             # Only lanes every earlier member holds: the result is an AND.
             gids = tl.zeros([BLOCK], tl.int64) + gid
-            pos = home0
-            if k > 0:
-                pos = home_slots(ctx, gids, units, hit, W, HAS_INDEX)
-            present = table_has(ctx, gids, rows, pos, hit, W)
+            keys = load_keys(ctx, units, hit, W)
+            pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
+            present = table_has(ctx, gids, keys, pos, hit, W, 2, FIRST_MISS, BLOCK)
         else:
             present = hit
         if HAS_TL:
@@ -356,23 +415,6 @@ def _probe(
             present = present & cand
         hit = hit & present
     return hit
-
-
-@triton.jit
-def _probe_now(
-    ctx,
-    units,
-    mask,
-    sg_row,
-    W: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    HAS_TL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """:func:`_probe` with the first member's home slots computed here."""
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + SG_MEMBERS)
-    home0 = home_slots(ctx, gids, units, mask, W, HAS_INDEX)
-    return _probe(ctx, units, mask, sg_row, home0, W, HAS_INDEX, HAS_TL, BLOCK)
 
 
 @triton.jit
@@ -389,18 +431,17 @@ def _leading_run(
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step (the wide tile, ``LEAD`` for full attention's run); a step's home
-    slots are computed in it (carrying the next step's across the loop, one
-    round trip less a step, breaks Triton 3.6's layout pass)."""
+    step (the wide tile, ``LEAD`` for full attention's run); a step's keys
+    and home slots are loaded and computed in it (carrying the next step's
+    across the loop, one round trip less a step, breaks Triton 3.6's layout
+    pass)."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
     going = end > start
-    gids = tl.zeros([BLOCK], tl.int64) + tl.load(sg_row + SG_MEMBERS)
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        home = home_slots(ctx, gids, units, blk < end, W, HAS_INDEX)
-        hit = _probe(ctx, units, blk < end, sg_row, home, W, HAS_INDEX, HAS_TL, BLOCK)
+        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 1)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
         going = (lead == BLOCK) & (start + count < end)
@@ -431,8 +472,8 @@ def _rightmost(
         while going:
             cand = j - lane * q
             units = (cand + 1) * scale - 1
-            hit = _probe_now(
-                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK
+            hit = _probe(
+                ctx, units, cand >= low, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 0
             )
             k = tl.min(tl.where(hit, lane, BLOCK), axis=0)
             found = tl.where(k < BLOCK, j - k * q, found)
@@ -449,7 +490,7 @@ def _rightmost(
                 d = d0 + lane
                 use = d < need
                 units = (j - d + 1) * scale - 1
-                hit = _probe_now(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK)
+                hit = _probe(ctx, units, use, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 2)
                 k = tl.min(tl.where(use & ~hit, lane, BLOCK), axis=0)
                 miss = tl.where(k < BLOCK, j - d0 - k, miss)
                 d0 += BLOCK

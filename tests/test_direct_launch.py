@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvhit.kernels.launch import DirectLauncher
+from kvhit.kernels.launch import DirectLauncher, int_key
 
 
 class _Compiled:
@@ -74,6 +74,26 @@ def test_binder_first_then_direct_with_every_argument_in_order(cuda_stream):
     assert [e[0] for e in k.log[3:]] == ["binder", "binder"]
 
 
+def test_a_two_dimensional_grid_and_the_int_key(cuda_stream):
+    # The fleet scan's grid is (requests, programs per request).
+    k, d = _Kernel(), _launcher()
+    x = torch.zeros(4, dtype=torch.int64)
+    dev = torch.device("cpu")
+    for _ in range(2):
+        d.launch(k, (6, 4), ("v",), (x, 2), {"W": 4}, {"num_warps": 4}, dev)
+    assert k.log[0][:2] == ("binder", (6, 4))
+    assert k.log[1][0] == "direct" and k.log[1][1][:3] == (6, 4, 1)
+    assert k.log[1][1][6] == ("md", (6, 4), 7, 3)
+    # The binder's int specialisations: == 1, divisible by 16, 64 bits.
+    assert int_key((1, 32, 7, 2**31, -(2**31))) == (
+        (True, False, False),
+        (False, True, False),
+        (False, False, False),
+        (False, True, True),
+        (False, True, False),
+    )
+
+
 def test_a_refusing_launcher_falls_back_for_good(cuda_stream):
     k, d = _Kernel(refuse=True), _launcher()
     x = torch.zeros(2, dtype=torch.int64)
@@ -126,3 +146,51 @@ def test_direct_launches_equal_binder_launches():
     finally:
         scan._DIRECT.enabled = True
     assert direct == [binder] * 3 and any(binder)
+
+
+@pytest.mark.gpu
+def test_fleet_direct_launches_equal_binder_launches():
+    """On CUDA: the Triton fleet's scan (two launches a call, issue 32's host
+    path) through the direct path equals the binder's, and the direct path
+    ran."""
+    import random
+
+    from strategies import chained_hashes, saved_keys
+
+    from kvhit import FleetIndex, HashBatch, LookupEngine
+    from kvhit.bench.workloads import make_layout
+    from kvhit.kernels import fleet_triton
+
+    layout = make_layout("llama")
+    hbs = layout.hash_block_size
+    rng = random.Random(0)
+    prompts = [chained_hashes(i % 5, rng.randint(1, 600)) for i in range(24)]
+    fleet = FleetIndex(3, 8, capacity=1 << 14, device="cuda", backend="triton")
+    for e in range(3):
+        keys: set = set()
+        for p in prompts[e::3]:
+            keys |= saved_keys(layout, p, layout.align(rng.randint(0, len(p)) * hbs))
+        keys = sorted(keys)
+        fleet.add(e, [g for g, _ in keys], [h for _, h in keys])
+    engine = LookupEngine(layout, backend="torch", device="cuda")
+    batch = HashBatch.from_bytes(prompts, 8, "cuda")
+    lens = [len(p) * hbs for p in prompts]
+    launchers = (fleet_triton._DIRECT_FLEET, fleet_triton._DIRECT_FINISH)
+    before = [d.direct_launches for d in launchers]
+
+    def answers():
+        return (
+            engine.fleet_hits(batch, lens, fleet).tolist(),
+            engine.fleet_lookup(batch, lens, fleet).tolist(),
+        )
+
+    direct = [answers() for _ in range(3)]
+    assert all(d.direct_launches > b for d, b in zip(launchers, before, strict=True))
+    for d in launchers:
+        d.enabled = False
+    try:
+        binder = answers()
+    finally:
+        for d in launchers:
+            d.enabled = True
+    assert direct == [binder] * 3 and any(any(row) for row in binder[0])

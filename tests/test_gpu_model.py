@@ -98,6 +98,8 @@ def test_round_trips_launches_and_syncs_stay_at_the_recorded_figures(capsys):
     rec = gm.RECORDED
     assert 0 < got["quick-longhit"] <= rec["quick_longhit_max_rt"]
     assert 0 < got["quick-llama"] <= rec["quick_llama_max_rt"]
+    # A probe loads the key's words once (not again at every probe step).
+    assert 0 < out["bytes"]["quick-llama"] <= rec["quick_llama_bytes"]
     calls = out["per_call"]
     for call, key in (
         ("lookup", "lookup"),

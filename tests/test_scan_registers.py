@@ -85,6 +85,14 @@ next tile's home slots held: find index 110, find index no-eagle 110, find
 90, load masks 80, find index token_lens 116, find token_lens 118, lookup
 121 registers, no spills. One warp spilled (find index token_lens 92 B);
 four warps fit (lookup 120) but hold 4 programs per SM.
+
+Issue 31, a probe's key words loaded once and held, later probe steps two
+slots at once, chains above a search's first miss stopped (sm_90,
+registers, no spills; 3.9.0 / 3.6.0): find index 120 / 116, find index
+no-eagle 121 / 126, find 90 / 90, load masks 80 / 80, find index
+token_lens 108 / 122, find token_lens 120 / 122, lookup 105 / 122. Loading the next tile's words ahead as well (one round trip less a
+tile step) compiles under 3.6 only in a ``for`` loop, and there spills
+(lookup 128 registers, 128-144 B of spill stores): not done.
 """
 
 from __future__ import annotations
