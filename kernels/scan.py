@@ -714,58 +714,39 @@ def launch_scan(
 
 
 def _launch(
-    hashes: torch.Tensor,
-    offsets: torch.Tensor,
-    n_units: torch.Tensor,
-    lengths: tuple[str, torch.Tensor],
-    token_len: torch.Tensor | None,
-    table: torch.Tensor | None,
-    sg_rows: torch.Tensor,
-    cand_rows: torch.Tensor,
-    *,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
-    num_groups: int,
+    tensors: tuple[torch.Tensor | None, ...],
+    lengths_name: str,
+    params: kc.PlanParams,
     apply_eagle: bool,
     lookup: bool,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The public launchers' work: every check (:func:`_validate`, before
-    anything is allocated), then :func:`launch_scan`. ``lengths`` is
-    ``(argument name, int64 [R])``."""
+    anything is allocated), then :func:`launch_scan`. ``tensors`` are
+    :func:`launch_scan`'s eight positional arguments (the lengths, int64
+    ``[R]``, fourth, checked under the name ``lengths_name``); ``params``
+    become its keywords."""
+    hashes, offsets, n_units, lengths, token_len, table, sg_rows, cand_rows = tensors
     _validate(
         hashes,
         offsets,
         n_units,
-        lengths,
+        (lengths_name, lengths),
         sg_rows,
         cand_rows,
         table,
         token_len,
-        hash_block_size,
-        alignment,
-        num_groups,
+        params.hash_block_size,
+        params.alignment,
+        params.num_groups,
         block,
     )
     return launch_scan(
-        hashes,
-        offsets,
-        n_units,
-        lengths[1],
-        token_len,
-        table,
-        sg_rows,
-        cand_rows,
-        hash_block_size=hash_block_size,
-        alignment=alignment,
-        partial=partial,
-        simple_hybrid=simple_hybrid,
-        num_groups=num_groups,
+        *tensors,
         apply_eagle=apply_eagle,
         lookup=lookup,
         block=block,
+        **params._asdict(),
     )
 
 
@@ -823,24 +804,20 @@ def scan_hits(
     divides positions in 32 bits); a request would need that many tokens of
     hashes for it to matter.
     """
-    return _launch(
+    tensors = (
         hashes,
         offsets,
         n_units,
-        ("max_lengths", max_lengths),
+        max_lengths,
         token_len,
         table,
         sg_rows,
         cand_rows,
-        hash_block_size=hash_block_size,
-        alignment=alignment,
-        partial=partial,
-        simple_hybrid=simple_hybrid,
-        num_groups=num_groups,
-        apply_eagle=apply_eagle,
-        lookup=False,
-        block=block,
     )
+    params = kc.PlanParams(
+        num_groups, hash_block_size, alignment, partial, simple_hybrid
+    )
+    return _launch(tensors, "max_lengths", params, apply_eagle, False, block)
 
 
 def worker_lookup(
@@ -874,22 +851,9 @@ def worker_lookup(
     """
     if table is None:
         raise TypeError("table must be a KeyIndex table (a tensor), got None")
-    hit, _ = _launch(
-        hashes,
-        offsets,
-        n_units,
-        ("num_tokens", num_tokens),
-        None,
-        table,
-        sg_rows,
-        cand_rows,
-        hash_block_size=hash_block_size,
-        alignment=alignment,
-        partial=partial,
-        simple_hybrid=simple_hybrid,
-        num_groups=num_groups,
-        apply_eagle=True,
-        lookup=True,
-        block=block,
+    tensors = (hashes, offsets, n_units, num_tokens, None, table, sg_rows, cand_rows)
+    params = kc.PlanParams(
+        num_groups, hash_block_size, alignment, partial, simple_hybrid
     )
+    hit, _ = _launch(tensors, "num_tokens", params, True, True, block)
     return hit
