@@ -46,3 +46,22 @@ def test_the_counter_sees_a_nested_check(warm):
     calls, passes = count(warm["lookup[torch, numpy num_tokens]"], ROOT)
     assert calls["checks.check_lengths"] == 1 and calls["checks.host_lengths"] == 1
     assert sum(calls.values()) > passes == 2
+
+
+@pytest.mark.parametrize("form", ["list", "numpy", "tensor"])
+def test_triton_one_validation_pass_per_argument(warm, form):
+    key = f"lookup[triton, {form} num_tokens]"
+    if key not in warm:
+        pytest.skip("no Triton here")
+    calls, passes = count(warm[key], ROOT)
+    assert passes == 2, calls
+    assert calls["engine._check_batch"] == 1
+    # A device tensor's values are the kernel's to check, read back with the
+    # answer (check_answer); any other form is checked on the host, and the
+    # answer is then not checked again.
+    lengths = (
+        {"triton_backend.check_answer"} if form == "tensor" else {"checks.host_lengths"}
+    )
+    assert lengths <= set(calls), calls
+    assert ("triton_backend.check_answer" in calls) == (form == "tensor"), calls
+    assert all(n == 1 for n in calls.values()), calls
