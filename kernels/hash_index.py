@@ -251,11 +251,29 @@ def _find_kernel(
     n,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
+    ERASE: tl.constexpr,
 ):
+    # find (ERASE=False): out int64 [n], each key's slot or -1. erase
+    # (ERASE=True): the found slots become tombstones; out int8 [n], 1 where
+    # this lane removed the key. One kernel: erase is a find, then a write.
     rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
-    # Plain loads: stream-ordered after the inserts (find_slots).
+    # Plain loads: stream-ordered after the inserts (find_slots); erasing
+    # lanes only race each other, and the atomic_min below decides that race.
     slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    tl.store(out_ptr + rows, slot, mask=valid)
+    if ERASE:
+        found = slot >= 0
+        # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a
+        # CAS cannot be masked: not-found lanes would all hit one slot). A
+        # found slot holds our group id (>= 0 > TOMBSTONE) or, if another lane
+        # erased the same key first, TOMBSTONE already: only the lane that saw
+        # the group id counts it, so the count of removed keys is exact.
+        ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
+        tomb = tl.full([BLOCK], _TOMBSTONE, tl.int64)
+        old = tl.atomic_min(ptr, tomb, mask=found, sem="acq_rel")
+        removed = found & (old == gids)
+        tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
+    else:
+        tl.store(out_ptr + rows, slot, mask=valid)
 
 
 @triton.jit
@@ -345,34 +363,6 @@ def _insert_kernel(
     tl.store(out_ptr + rows, code.to(tl.int8), mask=valid)
 
 
-@triton.jit
-def _erase_kernel(
-    table_ptr,
-    cap_mask,
-    gid_ptr,
-    key_ptr,
-    out_ptr,
-    n,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
-    # Plain loads: stream-ordered after the inserts (find_slots); erasing
-    # lanes only race each other, and the atomic_min below decides that race.
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    found = slot >= 0
-    # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a CAS
-    # cannot be masked: not-found lanes would all hit one slot). A found
-    # slot holds our group id (>= 0 > TOMBSTONE) or, if another lane erased
-    # the same key first, TOMBSTONE already: only the lane that saw the group
-    # id counts it, so the count of removed keys is exact.
-    ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
-    tomb = tl.full([BLOCK], _TOMBSTONE, tl.int64)
-    old = tl.atomic_min(ptr, tomb, mask=found, sem="acq_rel")
-    removed = found & (old == gids)
-    tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -428,9 +418,8 @@ def find(
 ) -> torch.Tensor:
     """Slot of each key, or -1 where absent: int64 [N]. Arguments as
     :func:`probe`."""
-    return _launch(
-        _find_kernel, table, W, group_ids, hashes, dtype=torch.int64, trusted=trusted
-    )
+    return _launch(_find_kernel, table, W, group_ids, hashes, dtype=torch.int64,
+                   ERASE=False, trusted=trusted)  # fmt: skip
 
 
 def probe(
@@ -549,7 +538,9 @@ def erase(
     """Replace keys by tombstones; returns bool [N], True where this lane removed
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
-    return _launch(_erase_kernel, table, W, group_ids, hashes, trusted=trusted) > 0
+    out = _launch(_find_kernel, table, W, group_ids, hashes, ERASE=True,
+                  trusted=trusted)  # fmt: skip
+    return out > 0
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:

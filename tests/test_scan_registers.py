@@ -171,10 +171,10 @@ for arch in ARCHS:
     for name, kernel, extra in (
         ("probe", hash_index._probe_kernel, {"ACQUIRE": False}),
         ("probe acquire", hash_index._probe_kernel, {"ACQUIRE": True}),
-        ("find", hash_index._find_kernel, {}),
+        ("find", hash_index._find_kernel, {"ERASE": False}),
         ("insert", hash_index._insert_kernel,
          {"WAITS": hash_index.BUSY_WAIT_LIMIT}),
-        ("erase", hash_index._erase_kernel, {}),
+        ("erase", hash_index._find_kernel, {"ERASE": True}),
     ):
         ksig = {n: "*i64" for n in ("table_ptr", "gid_ptr", "key_ptr")}
         ksig.update(out_ptr="*i64" if name == "find" else "*i8",
