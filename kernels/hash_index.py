@@ -88,6 +88,13 @@ INSERT_WAIT = -2
 _FULL_C: tl.constexpr = tl.constexpr(INSERT_FULL)
 _WAIT_C: tl.constexpr = tl.constexpr(INSERT_WAIT)
 
+# What a launch of _probe_kernel writes per key (its MODE): membership
+# (int8), the slot (int64, -1 when absent), or the key erased (int8, 1
+# where this lane removed it).
+_PROBE, _FIND, _ERASE = 0, 1, 2
+_PROBE_C: tl.constexpr = tl.constexpr(_PROBE)
+_ERASE_C: tl.constexpr = tl.constexpr(_ERASE)
+
 #: Rounds an insert lane may wait on BUSY slots in all before it gives up.
 #: A running inserter publishes its slot a few instructions after claiming
 #: it, but its warp may be descheduled meanwhile (another CTA, a preempted
@@ -233,34 +240,19 @@ def _probe_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     ACQUIRE: tl.constexpr,
+    MODE: tl.constexpr,
 ):
+    # One kernel for the launchers that look keys up (probe, find, erase):
+    # out_ptr int8 [n] (_PROBE, _ERASE) or int64 [n] (_FIND), see MODE above.
     rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     # ACQUIRE=False: plain loads, stream-ordered after the inserts; True:
     # acquire reads, an insert may be running on another stream (find_slots).
-    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
-    tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
-
-
-@triton.jit
-def _find_kernel(
-    table_ptr,
-    cap_mask,
-    gid_ptr,
-    key_ptr,
-    out_ptr,
-    n,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ERASE: tl.constexpr,
-):
-    # find (ERASE=False): out int64 [n], each key's slot or -1. erase
-    # (ERASE=True): the found slots become tombstones; out int8 [n], 1 where
-    # this lane removed the key. One kernel: erase is a find, then a write.
-    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
-    # Plain loads: stream-ordered after the inserts (find_slots); erasing
-    # lanes only race each other, and the atomic_min below decides that race.
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    if ERASE:
+    # Erasing lanes only race each other, and the atomic_min below decides
+    # that race.
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
+    if MODE == _PROBE_C:
+        tl.store(out_ptr + rows, (slot >= 0).to(tl.int8), mask=valid)
+    elif MODE == _ERASE_C:
         found = slot >= 0
         # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a
         # CAS cannot be masked: not-found lanes would all hit one slot). A
@@ -418,8 +410,8 @@ def find(
 ) -> torch.Tensor:
     """Slot of each key, or -1 where absent: int64 [N]. Arguments as
     :func:`probe`."""
-    return _launch(_find_kernel, table, W, group_ids, hashes, dtype=torch.int64,
-                   ERASE=False, trusted=trusted)  # fmt: skip
+    return _launch(_probe_kernel, table, W, group_ids, hashes, dtype=torch.int64,
+                   ACQUIRE=False, MODE=_FIND, trusted=trusted)  # fmt: skip
 
 
 def probe(
@@ -442,7 +434,7 @@ def probe(
     """
     return _launch(
         _probe_kernel, table, W, group_ids, hashes, ACQUIRE=bool(concurrent),
-        trusted=trusted,
+        MODE=_PROBE, trusted=trusted,
     ).bool()  # fmt: skip
 
 
@@ -538,8 +530,8 @@ def erase(
     """Replace keys by tombstones; returns bool [N], True where this lane removed
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
-    out = _launch(_find_kernel, table, W, group_ids, hashes, ERASE=True,
-                  trusted=trusted)  # fmt: skip
+    out = _launch(_probe_kernel, table, W, group_ids, hashes, ACQUIRE=False,
+                  MODE=_ERASE, trusted=trusted)  # fmt: skip
     return out > 0
 
 

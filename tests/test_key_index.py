@@ -884,10 +884,10 @@ sig = {"table_ptr": "*i64", "cap_mask": "i64", "gid_ptr": "*i64", "key_ptr": "*i
        "out_ptr": "*i8", "n": "i32", "W": "constexpr", "BLOCK": "constexpr"}
 # Each kernel variant as its launcher builds it: (name, kernel, constexprs, out).
 for name, kern, extra, out in (
-    ("probe", k._probe_kernel, {"ACQUIRE": False}, "*i8"),
-    ("find", k._find_kernel, {"ERASE": False}, "*i64"),
+    ("probe", k._probe_kernel, {"ACQUIRE": False, "MODE": k._PROBE}, "*i8"),
+    ("find", k._probe_kernel, {"ACQUIRE": False, "MODE": k._FIND}, "*i64"),
     ("insert", k._insert_kernel, {"WAITS": k.BUSY_WAIT_LIMIT}, "*i8"),
-    ("erase", k._find_kernel, {"ERASE": True}, "*i8"),
+    ("erase", k._probe_kernel, {"ACQUIRE": False, "MODE": k._ERASE}, "*i8"),
 ):
     s = dict(sig, out_ptr=out, **dict.fromkeys(extra, "constexpr"))
     src = ASTSource(fn=kern, signature=s, constexprs={"W": 4, "BLOCK": 128, **extra})
