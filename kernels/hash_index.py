@@ -88,6 +88,13 @@ INSERT_WAIT = -2
 _FULL_C: tl.constexpr = tl.constexpr(INSERT_FULL)
 _WAIT_C: tl.constexpr = tl.constexpr(INSERT_WAIT)
 
+# What a launch of _probe_kernel writes per key (its MODE): membership
+# (int8), the slot (int64, -1 when absent), or the key erased (int8, 1
+# where this lane removed it).
+_PROBE, _FIND, _ERASE = 0, 1, 2
+_PROBE_C: tl.constexpr = tl.constexpr(_PROBE)
+_ERASE_C: tl.constexpr = tl.constexpr(_ERASE)
+
 #: Rounds an insert lane may wait on BUSY slots in all before it gives up.
 #: A running inserter publishes its slot a few instructions after claiming
 #: it, but its warp may be descheduled meanwhile (another CTA, a preempted
@@ -233,29 +240,32 @@ def _probe_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     ACQUIRE: tl.constexpr,
+    MODE: tl.constexpr,
 ):
+    # One kernel for the launchers that look keys up (probe, find, erase):
+    # out_ptr int8 [n] (_PROBE, _ERASE) or int64 [n] (_FIND), see MODE above.
     rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
     # ACQUIRE=False: plain loads, stream-ordered after the inserts; True:
     # acquire reads, an insert may be running on another stream (find_slots).
-    found = probe_keys(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
-    tl.store(out_ptr + rows, found.to(tl.int8), mask=valid)
-
-
-@triton.jit
-def _find_kernel(
-    table_ptr,
-    cap_mask,
-    gid_ptr,
-    key_ptr,
-    out_ptr,
-    n,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
-    # Plain loads: stream-ordered after the inserts (find_slots).
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    tl.store(out_ptr + rows, slot, mask=valid)
+    # Erasing lanes only race each other, and the atomic_min below decides
+    # that race.
+    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, ACQUIRE)
+    if MODE == _PROBE_C:
+        tl.store(out_ptr + rows, (slot >= 0).to(tl.int8), mask=valid)
+    elif MODE == _ERASE_C:
+        found = slot >= 0
+        # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a
+        # CAS cannot be masked: not-found lanes would all hit one slot). A
+        # found slot holds our group id (>= 0 > TOMBSTONE) or, if another lane
+        # erased the same key first, TOMBSTONE already: only the lane that saw
+        # the group id counts it, so the count of removed keys is exact.
+        ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
+        tomb = tl.full([BLOCK], _TOMBSTONE, tl.int64)
+        old = tl.atomic_min(ptr, tomb, mask=found, sem="acq_rel")
+        removed = found & (old == gids)
+        tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
+    else:
+        tl.store(out_ptr + rows, slot, mask=valid)
 
 
 @triton.jit
@@ -345,34 +355,6 @@ def _insert_kernel(
     tl.store(out_ptr + rows, code.to(tl.int8), mask=valid)
 
 
-@triton.jit
-def _erase_kernel(
-    table_ptr,
-    cap_mask,
-    gid_ptr,
-    key_ptr,
-    out_ptr,
-    n,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    rows, valid, gids = program_lanes(gid_ptr, n, BLOCK)
-    # Plain loads: stream-ordered after the inserts (find_slots); erasing
-    # lanes only race each other, and the atomic_min below decides that race.
-    slot = find_slots(table_ptr, cap_mask, gids, key_ptr, rows, valid, W, False)
-    found = slot >= 0
-    # group id -> TOMBSTONE as an atomic min, masked to the found lanes (a CAS
-    # cannot be masked: not-found lanes would all hit one slot). A found
-    # slot holds our group id (>= 0 > TOMBSTONE) or, if another lane erased
-    # the same key first, TOMBSTONE already: only the lane that saw the group
-    # id counts it, so the count of removed keys is exact.
-    ptr = table_ptr + tl.where(found, slot, 0) * (W + 1)
-    tomb = tl.full([BLOCK], _TOMBSTONE, tl.int64)
-    old = tl.atomic_min(ptr, tomb, mask=found, sem="acq_rel")
-    removed = found & (old == gids)
-    tl.store(out_ptr + rows, removed.to(tl.int8), mask=valid)
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -428,9 +410,8 @@ def find(
 ) -> torch.Tensor:
     """Slot of each key, or -1 where absent: int64 [N]. Arguments as
     :func:`probe`."""
-    return _launch(
-        _find_kernel, table, W, group_ids, hashes, dtype=torch.int64, trusted=trusted
-    )
+    return _launch(_probe_kernel, table, W, group_ids, hashes, dtype=torch.int64,
+                   ACQUIRE=False, MODE=_FIND, trusted=trusted)  # fmt: skip
 
 
 def probe(
@@ -453,7 +434,7 @@ def probe(
     """
     return _launch(
         _probe_kernel, table, W, group_ids, hashes, ACQUIRE=bool(concurrent),
-        trusted=trusted,
+        MODE=_PROBE, trusted=trusted,
     ).bool()  # fmt: skip
 
 
@@ -549,7 +530,9 @@ def erase(
     """Replace keys by tombstones; returns bool [N], True where this lane removed
     the key (absent keys and repeats are False). Arguments as :func:`probe`.
     """
-    return _launch(_erase_kernel, table, W, group_ids, hashes, trusted=trusted) > 0
+    out = _launch(_probe_kernel, table, W, group_ids, hashes, ACQUIRE=False,
+                  MODE=_ERASE, trusted=trusted)  # fmt: skip
+    return out > 0
 
 
 def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:

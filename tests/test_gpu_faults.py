@@ -288,9 +288,9 @@ from kvhit.kernels import hash_index as k
 
 sig = {"table_ptr": "*i64", "cap_mask": "i64", "gid_ptr": "*i64", "key_ptr": "*i64",
        "out_ptr": "*i8", "n": "i32", "W": "constexpr", "BLOCK": "constexpr",
-       "ACQUIRE": "constexpr"}
+       "ACQUIRE": "constexpr", "MODE": "constexpr"}
 src = ASTSource(fn=k._probe_kernel, signature=sig,
-                constexprs={"W": 4, "BLOCK": 128, "ACQUIRE": True})
+                constexprs={"W": 4, "BLOCK": 128, "ACQUIRE": True, "MODE": k._PROBE})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 print(" ".join(sorted(set(re.findall(r"(?:atom|fence)\.[\w.]+", ptx)))))
 """

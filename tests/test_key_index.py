@@ -882,17 +882,17 @@ from kvhit.kernels import hash_index as k
 
 sig = {"table_ptr": "*i64", "cap_mask": "i64", "gid_ptr": "*i64", "key_ptr": "*i64",
        "out_ptr": "*i8", "n": "i32", "W": "constexpr", "BLOCK": "constexpr"}
-for kern in (k._probe_kernel, k._find_kernel, k._insert_kernel, k._erase_kernel):
-    s, c = dict(sig), {"W": 4, "BLOCK": 128}
-    if kern is k._insert_kernel:
-        s["WAITS"], c["WAITS"] = "constexpr", k.BUSY_WAIT_LIMIT
-    if kern is k._probe_kernel:
-        s["ACQUIRE"], c["ACQUIRE"] = "constexpr", False
-    if kern is k._find_kernel:
-        s["out_ptr"] = "*i64"
-    src = ASTSource(fn=kern, signature=s, constexprs=c)
+# Each kernel variant as its launcher builds it: (name, kernel, constexprs, out).
+for name, kern, extra, out in (
+    ("probe", k._probe_kernel, {"ACQUIRE": False, "MODE": k._PROBE}, "*i8"),
+    ("find", k._probe_kernel, {"ACQUIRE": False, "MODE": k._FIND}, "*i64"),
+    ("insert", k._insert_kernel, {"WAITS": k.BUSY_WAIT_LIMIT}, "*i8"),
+    ("erase", k._probe_kernel, {"ACQUIRE": False, "MODE": k._ERASE}, "*i8"),
+):
+    s = dict(sig, out_ptr=out, **dict.fromkeys(extra, "constexpr"))
+    src = ASTSource(fn=kern, signature=s, constexprs={"W": 4, "BLOCK": 128, **extra})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    print(kern.fn.__name__, " ".join(sorted(set(re.findall(r"(?:atom|fence)\.[\w.]+", ptx)))))
+    print(name, " ".join(sorted(set(re.findall(r"(?:atom|fence)\.[\w.]+", ptx)))))
 """
 
 
@@ -904,14 +904,14 @@ def test_kernels_compile_for_gpu_with_memory_ordering() -> None:
     # Probe and find: plain loads, stream-ordered after the inserts (Triton
     # 3.6 has no atomic_load; find_slots(ACQUIRE=True) is the concurrent
     # reader's acquire read, tests/test_gpu_faults.py), no RMW on the table.
-    assert "atom" not in ops["_probe_kernel"] + ops["_find_kernel"]
+    assert "atom" not in ops["probe"] + ops["find"]
     # Insert: CAS claim (acq_rel) and release publish of the group id.
-    assert "atom.global.acq_rel.gpu.cas.b64" in ops["_insert_kernel"]
-    assert "release.exch.b64" in ops["_insert_kernel"]
+    assert "atom.global.acq_rel.gpu.cas.b64" in ops["insert"]
+    assert "release.exch.b64" in ops["insert"]
     # Erase: a masked atomic min (no CAS: a CAS cannot be masked, and the
     # not-found lanes would all hit slot 0).
-    assert "acq_rel.min.s64" in ops["_erase_kernel"]
-    assert "cas" not in ops["_erase_kernel"]
+    assert "acq_rel.min.s64" in ops["erase"]
+    assert "cas" not in ops["erase"]
 
 
 def test_torch_probe_throughput() -> None:

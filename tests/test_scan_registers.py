@@ -169,12 +169,16 @@ for arch in ARCHS:
     # Triton's default 4 warps; a cap_mask past 2**31 - 1 arrives as i64).
     # "probe acquire": find_slots' concurrent-reader read (atomic_or acquire).
     for name, kernel, extra in (
-        ("probe", hash_index._probe_kernel, {"ACQUIRE": False}),
-        ("probe acquire", hash_index._probe_kernel, {"ACQUIRE": True}),
-        ("find", hash_index._find_kernel, {}),
+        ("probe", hash_index._probe_kernel,
+         {"ACQUIRE": False, "MODE": hash_index._PROBE}),
+        ("probe acquire", hash_index._probe_kernel,
+         {"ACQUIRE": True, "MODE": hash_index._PROBE}),
+        ("find", hash_index._probe_kernel,
+         {"ACQUIRE": False, "MODE": hash_index._FIND}),
         ("insert", hash_index._insert_kernel,
          {"WAITS": hash_index.BUSY_WAIT_LIMIT}),
-        ("erase", hash_index._erase_kernel, {}),
+        ("erase", hash_index._probe_kernel,
+         {"ACQUIRE": False, "MODE": hash_index._ERASE}),
     ):
         ksig = {n: "*i64" for n in ("table_ptr", "gid_ptr", "key_ptr")}
         ksig.update(out_ptr="*i64" if name == "find" else "*i8",
