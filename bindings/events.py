@@ -444,11 +444,14 @@ class EventFollower:
                     left = self._ahead_since + self.reorder_wait_s - time.monotonic()
                     timeout = max(0, min(timeout, math.ceil(left * 1000)))
                 ready = dict(poller.poll(timeout))
-                if monitor in ready:
-                    self._safely(self._on_monitor, monitor, sub)
-                if sub in ready:
+                frames = self._drain(sub, self.max_drain) if sub in ready else []
+                if frames:
                     last_msg = time.monotonic()
-                    self._safely(self._handle_live, self._drain(sub, self.max_drain))
+                # Connection events are read after the drain: see _on_monitor.
+                if monitor in ready or (frames and monitor.poll(0)):
+                    self._safely(self._on_monitor, monitor, sub, frames)
+                elif frames:
+                    self._safely(self._handle_live, frames)
                 if self._ahead_since is not None and (
                     time.monotonic() >= self._ahead_since + self.reorder_wait_s
                     or len(self._ahead) > self.reorder_window
@@ -486,17 +489,49 @@ class EventFollower:
                 break
         return frames_list
 
-    def _on_monitor(self, monitor: Any, sub: Any) -> None:
+    def _on_monitor(
+        self, monitor: Any, sub: Any, queued: list[list[bytes]] | None = None
+    ) -> None:
+        """Handle the connection events reported so far; ``queued``: live
+        frames drained (not yet applied) before they were read.
+
+        Frames drained before ZMQ reported a reconnection came over the old
+        connection, and are applied before anything the next one brings. But
+        a thread that falls behind (a loaded host) may drain the next
+        connection's first batches with them, before it reads the events
+        that reported it: batches of a new publisher, one of which may have
+        exactly the seq the follower expects, and be taken for the old
+        stream (phantom keys from the old publisher, lost keys of the new
+        one, the reconnection's check then anchored on a batch of the new
+        publisher, so passed). Which frame came over which connection cannot
+        be told, so when a reconnection was reported by the end of the
+        drain none of them is applied: the check that follows anchors on
+        the last batch of the old connection, and its replay (the same
+        publisher) or rebuild (a new one) brings back every batch dropped.
+        """
         from zmq.utils.monitor import recv_monitor_message
 
         zmq = self._zmq
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
+        events: list[int] = []
+        while True:
+            while monitor.poll(0):
+                events.append(recv_monitor_message(monitor)["event"])
+            if queued:
+                disconnected, reconnected = self._disconnected, False
+                for event in events:
+                    if event == zmq.EVENT_DISCONNECTED:
+                        disconnected = True
+                    elif event == zmq.EVENT_CONNECTED and disconnected:
+                        reconnected = True
+                if not reconnected:
+                    self._handle_live(queued)
+                queued = None
+            if not events:
+                return
+            event = events.pop(0)
             if event == zmq.EVENT_DISCONNECTED:
                 self.disconnects += 1
-                # Whatever is queued came over the old connection: apply it
-                # before anything the next connection brings.
-                self._handle_live(self._drain(sub, None))
+                queued = self._drain(sub, None)  # applied (or not) above
                 self._disconnected = True
             elif event == zmq.EVENT_CONNECTED and self._disconnected:
                 self._disconnected = False
