@@ -541,7 +541,11 @@ class EventFollower:
     def _on_reconnect(self) -> None:
         """The SUB socket reconnected: a network blip or a new publisher."""
         if not self._recent:
-            return  # nothing applied: nothing to mistake for the new stream
+            # Nothing applied: nothing to mistake for the new stream. What
+            # _on_monitor dropped with the reconnection comes back as at
+            # start-up.
+            self._catch_up("reconnect")
+            return
         if self.replay_endpoint is None:
             # Cannot tell a restart from a blip, nor replay what was missed.
             self.stale = True
