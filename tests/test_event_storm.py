@@ -700,3 +700,54 @@ def test_next_publishers_batches_drained_with_the_old_ones_are_not_applied():
         with f.lock:
             assert _key_set(index) == _replay_set(new), f.counters()
         assert not f.stale and f.rebuilds == 1, f.counters()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (issue 34 item 3): an old publisher's stragglers queued "
+    "behind a rebuild are taken for the new stream's next batches",
+)
+def test_stragglers_queued_behind_a_rebuild_are_not_applied():
+    """Found by the restart-heavy storm loop (seed 7, 40 restarts a storm,
+    storm 42, before and after the reconnection fix): a publisher reset
+    behind the same sockets while the follower waits out a reorder. The
+    gap's replay shows the restart and the index is rebuilt from the new
+    publisher's buffer (seqs 0..7), but the old publisher's batches 8 and 9,
+    sent before the reset and still queued in the SUB socket, arrive next
+    with exactly the seqs the rebuilt stream expects: they are applied
+    (phantom keys), and the new publisher's seq 8 and 9 would later pass
+    for duplicates. Deterministic: the follower is held in a commit hook
+    while the old batches queue and the publisher restarts."""
+    old = [stores(1, i, 1.0 + i) for i in range(10)]
+    new = [stores(2, i, 20.0 + i) for i in range(8)]
+    entered, release = threading.Event(), threading.Event()
+    hold = [False]
+
+    def on_commit(stats: Any) -> None:
+        if hold[0]:
+            hold[0] = False
+            entered.set()
+            release.wait(WAIT_S)
+
+    with _one_follower(on_commit=on_commit, reorder_wait_s=0.2) as (pub, index, f):
+        for payload in old[:5]:
+            pub.publish(payload)
+        assert f.wait_for_seq(4, WAIT_S)
+        hold[0] = True
+        pub.publish(old[5], "reorder")  # sent after seq 7
+        pub.publish(old[6], "drop")
+        pub.publish(old[7])  # held by the follower: seq 6 is missing
+        assert entered.wait(WAIT_S)  # held in seq 5's commit
+        pub.publish(old[8])  # queued behind the held thread
+        pub.publish(old[9])
+        pub.reset()  # a new publisher behind the same sockets
+        for payload in new:
+            pub.publish(payload)
+        time.sleep(0.4)  # past reorder_wait_s: the gap's replay comes first
+        release.set()
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S)
+        assert f.wait_for_seq(7, WAIT_S)
+        time.sleep(0.2)  # the queued batches are handled
+        with f.lock:
+            assert _key_set(index) == _replay_set(new), f.counters()
+        assert not f.stale and f.next_seq == 8, f.counters()
