@@ -282,6 +282,10 @@ class EventFollower:
         self._ahead: dict[int, _Msg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
         self._disconnected = False
+        #: After a rebuild: live batches may still be the old publisher's
+        #: (queued behind the SUB socket before the restart), until a live
+        #: batch is seen to be the new one's (see _accept).
+        self._suspect = False
 
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
@@ -552,6 +556,8 @@ class EventFollower:
             self.last_error = "reconnected without a replay endpoint"
             return
         self._catch_up("reconnect", must_verify=True)
+        # A new connection brings nothing of the old publisher's.
+        self._suspect = False
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step; an unexpected error is counted, never fatal."""
@@ -604,6 +610,16 @@ class EventFollower:
         if seq < self.next_seq:
             if self._recent.get(seq) == msg.payload:
                 self.duplicates += 1  # exact duplicate (or replayed already)
+                if self._suspect:
+                    # The new publisher's own live copy of a rebuilt batch:
+                    # the stream (one connection, in order) is its from here.
+                    # What was held before it may be the old one's: the
+                    # replay decides, before anything after it is applied.
+                    self._suspect = False
+                    if self._ahead:
+                        self._flush(pending)
+                        self._catch_up("check (held across a rebuild)")
+                        return _Pending()
                 return pending
             reason = f"seq {seq} differs from the batch applied at that seq"
         elif seq > self.next_seq:
@@ -617,6 +633,14 @@ class EventFollower:
                 self.duplicates += 1
                 return pending
             reason = f"two different batches with seq {seq}"
+        elif self._suspect:
+            # Exactly the seq the rebuilt stream expects, but maybe a
+            # straggler of the old publisher: held, so the gap's replay
+            # decides (or the new publisher's next live copy drops it).
+            self._ahead[seq] = msg
+            if self._ahead_since is None:
+                self._ahead_since = time.monotonic()
+            return pending
         else:
             self._absorb(pending, msg)
             self._drain_ahead(pending)
@@ -839,6 +863,8 @@ class EventFollower:
             live = self._ahead.get(m.seq)
             if live is not None and live.payload != m.payload:
                 self.foreign += 1  # the replay's batch replaces it below
+            elif live is not None:
+                self._suspect = False  # a live batch of this publisher
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
         pending = _Pending()
@@ -884,6 +910,7 @@ class EventFollower:
             self.foreign += len(self._ahead)
             self._ahead.clear()
             self._ahead_since = None
+            self._suspect = True
             self._flush(pending)
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"

@@ -702,21 +702,16 @@ def test_next_publishers_batches_drained_with_the_old_ones_are_not_applied():
         assert not f.stale and f.rebuilds == 1, f.counters()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 34 item 3): an old publisher's stragglers queued "
-    "behind a rebuild are taken for the new stream's next batches",
-)
 def test_stragglers_queued_behind_a_rebuild_are_not_applied():
     """Found by the restart-heavy storm loop (seed 7, 40 restarts a storm,
-    storm 42, before and after the reconnection fix): a publisher reset
+    storm 42, before the fix): a publisher reset
     behind the same sockets while the follower waits out a reorder. The
     gap's replay shows the restart and the index is rebuilt from the new
     publisher's buffer (seqs 0..7), but the old publisher's batches 8 and 9,
     sent before the reset and still queued in the SUB socket, arrive next
-    with exactly the seqs the rebuilt stream expects: they are applied
-    (phantom keys), and the new publisher's seq 8 and 9 would later pass
-    for duplicates. Deterministic: the follower is held in a commit hook
+    with exactly the seqs the rebuilt stream expects: they used to be
+    applied (phantom keys), and the new publisher's seq 8 and 9 would later
+    have passed for duplicates. Deterministic: the follower is held in a commit hook
     while the old batches queue and the publisher restarts."""
     old = [stores(1, i, 1.0 + i) for i in range(10)]
     new = [stores(2, i, 20.0 + i) for i in range(8)]
