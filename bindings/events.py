@@ -157,12 +157,19 @@ class EventFollower:
       back to its first batch (seq 0): cleared and refilled in one commit,
       equal to the new publisher's state; batches held for a reorder are
       dropped with the old publisher (the new one's come back by replay).
-      Otherwise (no replay endpoint, buffer wrapped) the index is marked
-      stale.
+      Live batches after the rebuild are held, not applied, until the new
+      publisher's own live copy of a rebuilt batch or a replay shows the
+      stream is its: the old publisher's stragglers, still queued behind the
+      same sockets, are dropped. Otherwise (no replay endpoint, buffer
+      wrapped) the index is marked stale;
+    - frames drained before a reported reconnection are not applied when
+      the new connection may have brought some of them (see
+      ``_on_monitor``): the reconnection's check and replay bring them back.
 
     Replays are bounded by the faults: one at start-up, one per gap, at most
-    two per conflict or restart (the check, then the rebuild), never one per
-    batch; ``tests/test_event_storm.py`` holds 64 publishers to that.
+    three per conflict or restart (the check, the rebuild, and one for what
+    was held across it), never one per batch; ``tests/test_event_storm.py``
+    holds 64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),

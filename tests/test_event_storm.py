@@ -443,9 +443,11 @@ class Storm:
             union |= {(g, h) for g, h in want}
             n_faults = sum(self.faults[e].values())
             # Replays: start-up, then at most two per fault (a gap's repair;
-            # a restart's failed anchor check plus its rebuild), plus one per
-            # gap ZMQ itself made for a slow consumer.
-            bound = 1 + 2 * n_faults + (f.gaps_detected if e in self.slow else 0)
+            # a restart's failed anchor check plus its rebuild), one more per
+            # restart (what was held across the rebuild), plus one per gap
+            # ZMQ itself made for a slow consumer.
+            bound = 1 + 2 * n_faults + self.faults[e]["restart"]
+            bound += f.gaps_detected if e in self.slow else 0
             # (A request sent as a ROUTER is rebound is lost: <=, not ==.)
             assert pub.replay_requests <= f.replays_requested <= bound, (
                 e,
