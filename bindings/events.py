@@ -143,12 +143,19 @@ class EventFollower(StopOnExit):
       back to its first batch (seq 0): cleared and refilled in one commit,
       equal to the new publisher's state; batches held for a reorder are
       dropped with the old publisher (the new one's come back by replay).
-      Otherwise (no replay endpoint, buffer wrapped) the index is marked
-      stale.
+      Live batches after the rebuild are held, not applied, until the new
+      publisher's own live copy of a rebuilt batch or a replay shows the
+      stream is its: the old publisher's stragglers, still queued behind the
+      same sockets, are dropped. Otherwise (no replay endpoint, buffer
+      wrapped) the index is marked stale;
+    - frames drained before a reported reconnection are not applied when
+      the new connection may have brought some of them (see
+      ``_on_monitor``): the reconnection's check and replay bring them back.
 
     Replays are bounded by the faults: one at start-up, one per gap, at most
-    two per conflict or restart (the check, then the rebuild), never one per
-    batch; ``tests/test_event_storm.py`` holds 64 publishers to that.
+    three per conflict or restart (the check, the rebuild, and one for what
+    was held across it), never one per batch; ``tests/test_event_storm.py``
+    holds 64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),
@@ -265,6 +272,10 @@ class EventFollower(StopOnExit):
         self._ahead: dict[int, _Msg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
         self._disconnected = False
+        #: After a rebuild: live batches may still be the old publisher's
+        #: (queued behind the SUB socket before the restart), until a live
+        #: batch is seen to be the new one's (see _accept).
+        self._suspect = False
 
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
@@ -419,11 +430,14 @@ class EventFollower(StopOnExit):
                     left = self._ahead_since + self.reorder_wait_s - time.monotonic()
                     timeout = max(0, min(timeout, math.ceil(left * 1000)))
                 ready = dict(poller.poll(timeout))
-                if monitor in ready:
-                    self._safely(self._on_monitor, monitor, sub)
-                if sub in ready:
+                frames = self._drain(sub, self.max_drain) if sub in ready else []
+                if frames:
                     last_msg = time.monotonic()
-                    self._safely(self._handle_live, self._drain(sub, self.max_drain))
+                # Connection events are read after the drain: see _on_monitor.
+                if monitor in ready or (frames and monitor.poll(0)):
+                    self._safely(self._on_monitor, monitor, sub, frames)
+                elif frames:
+                    self._safely(self._handle_live, frames)
                 if self._ahead_since is not None and (
                     time.monotonic() >= self._ahead_since + self.reorder_wait_s
                     or len(self._ahead) > self.reorder_window
@@ -461,17 +475,49 @@ class EventFollower(StopOnExit):
                 break
         return frames_list
 
-    def _on_monitor(self, monitor: Any, sub: Any) -> None:
+    def _on_monitor(
+        self, monitor: Any, sub: Any, queued: list[list[bytes]] | None = None
+    ) -> None:
+        """Handle the connection events reported so far; ``queued``: live
+        frames drained (not yet applied) before they were read.
+
+        Frames drained before ZMQ reported a reconnection came over the old
+        connection, and are applied before anything the next one brings. But
+        a thread that falls behind (a loaded host) may drain the next
+        connection's first batches with them, before it reads the events
+        that reported it: batches of a new publisher, one of which may have
+        exactly the seq the follower expects, and be taken for the old
+        stream (phantom keys from the old publisher, lost keys of the new
+        one, the reconnection's check then anchored on a batch of the new
+        publisher, so passed). Which frame came over which connection cannot
+        be told, so when a reconnection was reported by the end of the
+        drain none of them is applied: the check that follows anchors on
+        the last batch of the old connection, and its replay (the same
+        publisher) or rebuild (a new one) brings back every batch dropped.
+        """
         from zmq.utils.monitor import recv_monitor_message
 
         zmq = self._zmq
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
+        events: list[int] = []
+        while True:
+            while monitor.poll(0):
+                events.append(recv_monitor_message(monitor)["event"])
+            if queued:
+                disconnected, reconnected = self._disconnected, False
+                for event in events:
+                    if event == zmq.EVENT_DISCONNECTED:
+                        disconnected = True
+                    elif event == zmq.EVENT_CONNECTED and disconnected:
+                        reconnected = True
+                if not reconnected:
+                    self._handle_live(queued)
+                queued = None
+            if not events:
+                return
+            event = events.pop(0)
             if event == zmq.EVENT_DISCONNECTED:
                 self.disconnects += 1
-                # Whatever is queued came over the old connection: apply it
-                # before anything the next connection brings.
-                self._handle_live(self._drain(sub, None))
+                queued = self._drain(sub, None)  # applied (or not) above
                 self._disconnected = True
             elif event == zmq.EVENT_CONNECTED and self._disconnected:
                 self._disconnected = False
@@ -481,13 +527,19 @@ class EventFollower(StopOnExit):
     def _on_reconnect(self) -> None:
         """The SUB socket reconnected: a network blip or a new publisher."""
         if not self._recent:
-            return  # nothing applied: nothing to mistake for the new stream
+            # Nothing applied: nothing to mistake for the new stream. What
+            # _on_monitor dropped with the reconnection comes back as at
+            # start-up.
+            self._catch_up("reconnect")
+            return
         if self.replay_endpoint is None:
             # Cannot tell a restart from a blip, nor replay what was missed.
             self.stale = True
             self.last_error = "reconnected without a replay endpoint"
             return
         self._catch_up("reconnect", must_verify=True)
+        # A new connection brings nothing of the old publisher's.
+        self._suspect = False
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step; an unexpected error is counted, never fatal."""
@@ -540,6 +592,16 @@ class EventFollower(StopOnExit):
         if seq < self.next_seq:
             if self._recent.get(seq) == msg.payload:
                 self.duplicates += 1  # exact duplicate (or replayed already)
+                if self._suspect:
+                    # The new publisher's own live copy of a rebuilt batch:
+                    # the stream (one connection, in order) is its from here.
+                    # What was held before it may be the old one's: the
+                    # replay decides, before anything after it is applied.
+                    self._suspect = False
+                    if self._ahead:
+                        self._flush(pending)
+                        self._catch_up("check (held across a rebuild)")
+                        return _Pending()
                 return pending
             reason = f"seq {seq} differs from the batch applied at that seq"
         elif seq > self.next_seq:
@@ -553,6 +615,14 @@ class EventFollower(StopOnExit):
                 self.duplicates += 1
                 return pending
             reason = f"two different batches with seq {seq}"
+        elif self._suspect:
+            # Exactly the seq the rebuilt stream expects, but maybe a
+            # straggler of the old publisher: held, so the gap's replay
+            # decides (or the new publisher's next live copy drops it).
+            self._ahead[seq] = msg
+            if self._ahead_since is None:
+                self._ahead_since = time.monotonic()
+            return pending
         else:
             self._absorb(pending, msg)
             self._drain_ahead(pending)
@@ -778,6 +848,8 @@ class EventFollower(StopOnExit):
             live = self._ahead.get(m.seq)
             if live is not None and live.payload != m.payload:
                 self.foreign += 1  # the replay's batch replaces it below
+            elif live is not None:
+                self._suspect = False  # a live batch of this publisher
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
         pending = _Pending()
@@ -823,6 +895,7 @@ class EventFollower(StopOnExit):
             self.foreign += len(self._ahead)
             self._ahead.clear()
             self._ahead_since = None
+            self._suspect = True
             self._flush(pending)
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"
