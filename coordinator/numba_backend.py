@@ -186,7 +186,6 @@ class NumbaBackend:
             return torch.from_numpy(hit), torch.from_numpy(mask_spans)
         from kvhit.kernels.scan_numba import find_hits
 
-        plan = self.plan
         hit, mask_spans = find_hits(
             _np(view.rows),
             _np(view.offsets),
@@ -196,10 +195,7 @@ class NumbaBackend:
             self._cand,
             table=None if index is None else _table(index),
             token_lens=None if view.token_lens is None else _np(view.token_lens),
-            hash_block_size=plan.hash_block_size,
-            alignment=plan.alignment,
-            partial=plan.partial,
-            simple_hybrid=plan.simple_hybrid,
+            params=self.plan.params,
             apply_eagle=apply_eagle,
             parallel=self.parallel,
         )

@@ -7,7 +7,8 @@ checked again. ``kernels/`` may not import ``coordinator/``, so the checks live
 here, where the launchers, the coordinator and the bindings all reach them:
 
 - scalars: :func:`is_int`, :func:`check_int`, :func:`check_bool`,
-  :func:`check_seconds`, :func:`check_size`, :func:`check_max_load`;
+  :func:`check_seconds`, :func:`check_size`, :func:`check_max_load`,
+  :func:`check_plan_params` (a plan's scalars, one ``PlanParams``);
 - devices: :func:`check_device` (a ``torch.device`` or str) and
   :func:`resolve_device` (also a CUDA ordinal);
 - tensors, by metadata only (no host sync): :func:`check_tensor`,
@@ -55,6 +56,7 @@ __all__ = [
     "check_host_requests",
     "why_not_bytes",
     "check_int_array",
+    "check_plan_params",
     "check_plan_rows",
     "check_plan_shapes",
     "check_probe_args",
@@ -504,6 +506,23 @@ def check_size(name: str, v: object) -> int:
     if v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     return int(v)
+
+
+def check_plan_params(params: object) -> kc.PlanParams:
+    """``params`` as the launchers read it: a :class:`~kvhit.kernels.contract.PlanParams`
+    (TypeError naming ``params`` otherwise) whose sizes pass :func:`check_size`,
+    each named ``params.<field>`` (``params.hash_block_size``, ...). Returns it
+    with the sizes as Python ints; ``partial`` and ``simple_hybrid`` are read
+    as truth values."""
+    if not isinstance(params, kc.PlanParams):
+        raise TypeError(f"params must be a PlanParams, got {type(params).__name__}")
+    return kc.PlanParams(
+        check_size("params.num_groups", params.num_groups),
+        check_size("params.hash_block_size", params.hash_block_size),
+        check_size("params.alignment", params.alignment),
+        bool(params.partial),
+        bool(params.simple_hybrid),
+    )
 
 
 def check_table(table: object, W: object) -> int:
