@@ -101,7 +101,6 @@ import numpy as np
 
 from kvhit.kernels.checks import (
     check_host_requests,
-    check_plan_params,
     check_plan_rows,
     check_plan_shapes,
     check_size,
@@ -722,14 +721,12 @@ def find_hits(
     for a wrong shape, a size below 1 or a plan-row value the kernels cannot
     read (``checks.check_plan_rows``), each naming the argument.
     """
-    params = check_plan_params(params)
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     check_plan_shapes(sg_rows, cand_rows)
     per_request = [("lengths", lengths), ("max_lengths", max_lengths)]
     if token_lens is not None:
         per_request.append(("token_lens", token_lens))
-    check_host_requests(rows, offsets, per_request, params.hash_block_size,
-                        params.alignment)  # fmt: skip
+    params = check_host_requests(rows, offsets, per_request, params)
     check_plan_rows(sg_rows, cand_rows, params.alignment)
     n_req = offsets.shape[0]
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
@@ -769,11 +766,11 @@ def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
             params, parallel, count):  # fmt: skip
     """:func:`lookup_hits`, or with ``count`` :func:`count_probes` (serial,
     the counter columns on)."""
-    params = check_plan_params(params)
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     check_plan_shapes(sg_rows, cand_rows)
-    check_host_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
-                        params.hash_block_size, params.alignment)  # fmt: skip
+    params = check_host_requests(
+        rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)], params
+    )
     check_plan_rows(sg_rows, cand_rows, params.alignment)
     table = _c64(table)
     table_capacity(table.shape, rows.shape[1])

@@ -539,9 +539,18 @@ def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
     )  # fmt: skip
 
 
-def test_launch_helper_answers():
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {},
+        dict(hash_block_size=np.int64(16), alignment=np.int32(16), partial=np.bool_(0)),
+    ],
+)
+def test_launch_helper_answers(sizes):
+    """The plan's own params, and the same values as numpy scalars (read from
+    an array), answer alike."""
     for fn in ("find_hits", "lookup_hits", "count_probes"):
-        got = _launch(fn)
+        got = _launch(fn, **sizes)
         hit = got if fn == "lookup_hits" else got[0]
         # lookup: a hit of the whole prompt is re-derived one token short.
         assert hit.tolist() == ([64, 32] if fn == "find_hits" else [48, 16])
