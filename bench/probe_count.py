@@ -170,17 +170,11 @@ def measure(workload: Workload, repeats: int = 20) -> ProbeTable:
     hit, counts = count_probes(
         view.rows.numpy(), view.offsets.numpy(), view.lengths.numpy(),
         num_tokens.numpy(), sg_rows.numpy(), cand_rows.numpy(),
-        table=index.table.numpy(), hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment, partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
+        table=index.table.numpy(), params=plan.params,
     )  # fmt: skip
     if hit.tolist() != want:
         raise AssertionError("count_probes disagrees with the engine")
-    kw = dict(
-        table=index.table.numpy(), hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment, partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid, parallel=False,
-    )  # fmt: skip
+    kw = dict(table=index.table.numpy(), params=plan.params, parallel=False)
     rows, sg_np, cand_np = view.rows.numpy(), sg_rows.numpy(), cand_rows.numpy()
     with same_prefetch(len(workload), kw["table"]):
         cold, warm = kernel_split(

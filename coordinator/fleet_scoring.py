@@ -399,9 +399,7 @@ def _fleet_entries(engine, view, lens, fleet, apply_eagle, lookup) -> np.ndarray
     rows = view.rows.numpy()
     offs, lengths, lens_np = view.offsets.numpy(), view.lengths.numpy(), lens.numpy()
     table = fleet.entries.table.numpy()
-    kw = dict(hash_block_size=plan.hash_block_size, alignment=plan.alignment,
-              partial=plan.partial, simple_hybrid=plan.simple_hybrid,
-              parallel=False)  # fmt: skip
+    kw = dict(params=plan.params, parallel=False)
     rep = None
     if sg.kind == KIND_FULL and (may.sum(axis=1) >= CLASS_MIN_ENGINES).any():
         # Scan one engine per class of engines that must answer alike.

@@ -73,6 +73,7 @@ class NumbaBackend:
         device = torch.device(device)
         check_runs_on(self.name, device)
         self.plan = plan
+        self._params = plan.params  # built once: ScanPlan.params is a property
         self.device = device
         self.parallel: bool | None = None
         sg_rows, cand_rows = plan_tensors(plan, device)
@@ -87,7 +88,7 @@ class NumbaBackend:
         if self._prep_cache is None:
             from kvhit.kernels import scan_numba as sn
 
-            prep = sn.prepare_scan(self._sg, self._cand, self.plan.params)
+            prep = sn.prepare_scan(self._sg, self._cand, self._params)
             self._prep_cache = (sn, prep)
         return self._prep_cache
 
@@ -186,7 +187,6 @@ class NumbaBackend:
             return torch.from_numpy(hit), torch.from_numpy(mask_spans)
         from kvhit.kernels.scan_numba import find_hits
 
-        plan = self.plan
         hit, mask_spans = find_hits(
             _np(view.rows),
             _np(view.offsets),
@@ -196,10 +196,7 @@ class NumbaBackend:
             self._cand,
             table=None if index is None else _table(index),
             token_lens=None if view.token_lens is None else _np(view.token_lens),
-            hash_block_size=plan.hash_block_size,
-            alignment=plan.alignment,
-            partial=plan.partial,
-            simple_hybrid=plan.simple_hybrid,
+            params=self._params,
             apply_eagle=apply_eagle,
             parallel=self.parallel,
         )

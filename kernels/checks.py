@@ -7,7 +7,8 @@ checked again. ``kernels/`` may not import ``coordinator/``, so the checks live
 here, where the launchers, the coordinator and the bindings all reach them:
 
 - scalars: :func:`is_int`, :func:`check_int`, :func:`check_bool`,
-  :func:`check_seconds`, :func:`check_size`, :func:`check_max_load`;
+  :func:`check_seconds`, :func:`check_size`, :func:`check_max_load`,
+  :func:`check_plan_params` (a plan's scalars, one ``PlanParams``);
 - devices: :func:`check_device` (a ``torch.device`` or str) and
   :func:`resolve_device` (also a CUDA ordinal);
 - tensors, by metadata only (no host sync): :func:`check_tensor`,
@@ -55,6 +56,7 @@ __all__ = [
     "check_host_requests",
     "why_not_bytes",
     "check_int_array",
+    "check_plan_params",
     "check_plan_rows",
     "check_plan_shapes",
     "check_probe_args",
@@ -506,6 +508,29 @@ def check_size(name: str, v: object) -> int:
     return int(v)
 
 
+def check_plan_params(params: object) -> kc.PlanParams:
+    """``params`` as the launchers read it: a :class:`~kvhit.kernels.contract.PlanParams`
+    (TypeError naming ``params`` otherwise) whose sizes pass :func:`check_size`,
+    each named ``params.<field>`` (``params.hash_block_size``, ...). Returns it
+    with the sizes as Python ints; ``partial`` and ``simple_hybrid`` are read
+    as truth values."""
+    if not isinstance(params, kc.PlanParams):
+        raise TypeError(f"params must be a PlanParams, got {type(params).__name__}")
+    g, hbs, align, partial, simple = params
+    # A plan's own params (ints and bools) pass as they are: the checked numba
+    # launchers run once per engine in fleet scoring.
+    if type(g) is type(hbs) is type(align) is int and min(g, hbs, align) >= 1:
+        if type(partial) is type(simple) is bool:
+            return params
+    return kc.PlanParams(
+        check_size("params.num_groups", params.num_groups),
+        check_size("params.hash_block_size", params.hash_block_size),
+        check_size("params.alignment", params.alignment),
+        bool(params.partial),
+        bool(params.simple_hybrid),
+    )
+
+
 def check_table(table: object, W: object) -> int:
     """Capacity of a hash-index table: ``W`` a positive int, ``table`` a
     contiguous int64 ``[capacity, W + 1]`` tensor, ``capacity`` a power of
@@ -615,13 +640,13 @@ def check_host_requests(
     rows: Any,
     offsets: Any,
     per_request: Sequence[tuple[str, Any]],
-    hash_block_size: object,
-    alignment: object,
-) -> None:
-    """The request arrays' shapes and dtypes and the plan's sizes: the kernel
-    reads ``per_request`` arrays at every index of ``offsets`` unchecked (a
-    shorter one is read past its end) and divides by the sizes (a zero raised
-    in the serial loop but answered zeros in the threaded one)."""
+    params: object,
+) -> kc.PlanParams:
+    """The request arrays' shapes and dtypes and the plan's scalars
+    (:func:`check_plan_params`, which it returns): the kernel reads
+    ``per_request`` arrays at every index of ``offsets`` unchecked (a shorter
+    one is read past its end) and divides by the sizes (a zero raised in the
+    serial loop but answered zeros in the threaded one)."""
     check_int_array("rows", rows)
     if rows.ndim != 2 or rows.shape[1] < 1:
         raise ValueError(f"rows must have shape [T, W >= 1], got {list(rows.shape)}")
@@ -630,8 +655,7 @@ def check_host_requests(
         raise ValueError(f"offsets must have shape [R], got {list(offsets.shape)}")
     for name, a in per_request:
         check_int_array(name, a, offsets.shape)
-    check_size("hash_block_size", hash_block_size)
-    check_size("alignment", alignment)
+    return check_plan_params(params)
 
 
 # The values a plan's row may hold where the kernels divide by a column, index

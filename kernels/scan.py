@@ -114,8 +114,8 @@ import triton.language as tl
 from kvhit.kernels import contract as kc
 from kvhit.kernels.checks import (
     check_int64,
+    check_plan_params,
     check_plan_rows,
-    check_size,
     table_capacity,
 )
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter
@@ -574,12 +574,11 @@ def _validate(
     cand_rows: object,
     table: object,
     token_len: object,
-    hash_block_size: object,
-    alignment: object,
-    num_groups: object,
+    params: object,
     block: object,
-) -> None:
-    """Every check both launchers make, before anything is allocated."""
+) -> kc.PlanParams:
+    """Every check both launchers make, before anything is allocated;
+    returns ``params`` checked (``checks.check_plan_params``)."""
     if not isinstance(hashes, torch.Tensor):
         raise TypeError(f"hashes must be a torch.Tensor, got {type(hashes).__name__}")
     device = hashes.device
@@ -598,12 +597,11 @@ def _validate(
             f"sg_rows must have shape [S >= 1, >= {kc.SG_MEMBERS + 1}], got "
             f"{list(sg_rows.shape)}"
         )
-    check_size("num_groups", num_groups)
-    _check("cand_rows", cand_rows, 2, device, (num_groups, kc.CAND_WIDTH))
+    params = check_plan_params(params)
+    _check("cand_rows", cand_rows, 2, device, (params.num_groups, kc.CAND_WIDTH))
     if table is not None:
         table_capacity(_check("table", table, 2, device, (None, W + 1)).shape, W)
-    check_size("hash_block_size", hash_block_size)
-    _check_row_values(sg_rows, cand_rows, check_size("alignment", alignment))
+    _check_row_values(sg_rows, cand_rows, params.alignment)
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise ValueError(f"block must be a power of two >= 2, got {block!r}")
     if block & (block - 1):
@@ -613,6 +611,7 @@ def _validate(
             "hashes is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"
         )
+    return params
 
 
 # The scan kernel's launch options, and its launcher past the binder.
@@ -716,7 +715,7 @@ def launch_scan(
 def _launch(
     tensors: tuple[torch.Tensor | None, ...],
     lengths_name: str,
-    params: kc.PlanParams,
+    params: object,
     apply_eagle: bool,
     lookup: bool,
     block: int,
@@ -725,9 +724,9 @@ def _launch(
     anything is allocated), then :func:`launch_scan`. ``tensors`` are
     :func:`launch_scan`'s eight positional arguments (the lengths, int64
     ``[R]``, fourth, checked under the name ``lengths_name``); ``params``
-    become its keywords."""
+    (a PlanParams, checked) become its keywords."""
     hashes, offsets, n_units, lengths, token_len, table, sg_rows, cand_rows = tensors
-    _validate(
+    params = _validate(
         hashes,
         offsets,
         n_units,
@@ -736,9 +735,7 @@ def _launch(
         cand_rows,
         table,
         token_len,
-        params.hash_block_size,
-        params.alignment,
-        params.num_groups,
+        params,
         block,
     )
     return launch_scan(
@@ -760,11 +757,7 @@ def scan_hits(
     *,
     table: torch.Tensor | None,
     token_len: torch.Tensor | None,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
-    num_groups: int,
+    params: kc.PlanParams,
     apply_eagle: bool,
     block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -784,9 +777,9 @@ def scan_hits(
             power of two), or None: every key present.
         token_len: int64 ``[R]``, the store worker's lookup length per request
             (restricts presence to the keys it asks about), or None.
-        hash_block_size, alignment: tokens per hash / the hit alignment.
-        partial, simple_hybrid: ``ScanPlan.partial`` / ``.simple_hybrid``.
-        num_groups: G, the number of KV-cache groups.
+        params: the plan's scalar parameters (``ScanPlan.params``):
+            ``num_groups`` is G; the sizes are checked, each error naming
+            its field (``params.hash_block_size``).
         apply_eagle: apply the EAGLE last-block drop.
         block: positions probed per step (a power of two; results do not
             depend on it).
@@ -814,9 +807,6 @@ def scan_hits(
         sg_rows,
         cand_rows,
     )
-    params = kc.PlanParams(
-        num_groups, hash_block_size, alignment, partial, simple_hybrid
-    )
     return _launch(tensors, "max_lengths", params, apply_eagle, False, block)
 
 
@@ -829,11 +819,7 @@ def worker_lookup(
     cand_rows: torch.Tensor,
     *,
     table: torch.Tensor,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
-    num_groups: int,
+    params: kc.PlanParams,
     block: int = BLOCK,
 ) -> torch.Tensor:
     """The store worker's lookup (``ReferenceCoordinator.lookup``) of every
@@ -852,8 +838,5 @@ def worker_lookup(
     if table is None:
         raise TypeError("table must be a KeyIndex table (a tensor), got None")
     tensors = (hashes, offsets, n_units, num_tokens, None, table, sg_rows, cand_rows)
-    params = kc.PlanParams(
-        num_groups, hash_block_size, alignment, partial, simple_hybrid
-    )
     hit, _ = _launch(tensors, "num_tokens", params, True, True, block)
     return hit

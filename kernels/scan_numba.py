@@ -690,10 +690,7 @@ def find_hits(
     *,
     table: np.ndarray | None,
     token_lens: np.ndarray | None,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
+    params: PlanParams,
     apply_eagle: bool,
     parallel: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -710,7 +707,8 @@ def find_hits(
             or None: every key present.
         token_lens: None, or int64 ``[R]``: only keys the store worker asks
             about at that lookup length count as present.
-        hash_block_size, alignment, partial, simple_hybrid: from the ScanPlan.
+        params: the plan's scalar parameters (``ScanPlan.params``);
+            ``num_groups`` is checked but not read (``cand_rows`` has G rows).
         apply_eagle: apply the EAGLE last-block drop.
         parallel: threads over requests (True), a serial loop (False), or by
             batch size (None: from :data:`PARALLEL_MIN_REQUESTS` requests).
@@ -728,8 +726,8 @@ def find_hits(
     per_request = [("lengths", lengths), ("max_lengths", max_lengths)]
     if token_lens is not None:
         per_request.append(("token_lens", token_lens))
-    check_host_requests(rows, offsets, per_request, hash_block_size, alignment)
-    check_plan_rows(sg_rows, cand_rows, int(alignment))
+    params = check_host_requests(rows, offsets, per_request, params)
+    check_plan_rows(sg_rows, cand_rows, params.alignment)
     n_req = offsets.shape[0]
     mask_spans = np.zeros((n_req, cand_rows.shape[0], 3), dtype=np.int64)
     has_index = table is not None
@@ -738,8 +736,7 @@ def find_hits(
         table_capacity(tab.shape, rows.shape[1])
     has_tl = token_lens is not None
     token_lens64 = _c64(token_lens) if has_tl else np.zeros(1, np.int64)
-    prm = _params(has_tl, has_index, bool(apply_eagle), False, int(hash_block_size),
-                  int(alignment), bool(partial), bool(simple_hybrid),
+    prm = _params(has_tl, has_index, bool(apply_eagle), False, *params[1:],
                   prefetching(n_req, tab))  # fmt: skip
     hit = _run(rows, offsets, lengths, max_lengths, token_lens64, tab, sg_rows, cand_rows,
                prm, mask_spans, parallel)  # fmt: skip
@@ -755,34 +752,29 @@ def lookup_hits(
     cand_rows: np.ndarray,
     *,
     table: np.ndarray,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
+    params: PlanParams,
     parallel: bool | None = None,
 ) -> np.ndarray:
     """The store worker's ``lookup`` for every request, one call: int64
     ``[R]`` tokens to load for prompts of ``num_tokens`` (int64 ``[R]``, >= 0)
     tokens. Arguments as :func:`find_hits` (``table`` is required)."""
     return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
-                   hash_block_size, alignment, partial, simple_hybrid, parallel,
-                   False)  # fmt: skip
+                   params, parallel, False)  # fmt: skip
 
 
 def _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
-            hash_block_size, alignment, partial, simple_hybrid, parallel,
-            count):  # fmt: skip
+            params, parallel, count):  # fmt: skip
     """:func:`lookup_hits`, or with ``count`` :func:`count_probes` (serial,
     the counter columns on)."""
     sg_rows, cand_rows = _c64(sg_rows), _c64(cand_rows)
     check_plan_shapes(sg_rows, cand_rows)
-    check_host_requests(rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)],
-                    hash_block_size, alignment)  # fmt: skip
-    check_plan_rows(sg_rows, cand_rows, int(alignment))
+    params = check_host_requests(
+        rows, offsets, [("lengths", lengths), ("num_tokens", num_tokens)], params
+    )
+    check_plan_rows(sg_rows, cand_rows, params.alignment)
     table = _c64(table)
     table_capacity(table.shape, rows.shape[1])
-    prm = _params(True, True, True, True, int(hash_block_size), int(alignment),
-                  bool(partial), bool(simple_hybrid),
+    prm = _params(True, True, True, True, *params[1:],
                   prefetching(offsets.shape[0], table), bool(count))  # fmt: skip
     # No spans in lookup mode: an empty array keeps the one signature.
     mask_spans = np.zeros((0, cand_rows.shape[0], 3), dtype=np.int64)
@@ -801,10 +793,7 @@ def count_probes(
     cand_rows: np.ndarray,
     *,
     table: np.ndarray,
-    hash_block_size: int,
-    alignment: int,
-    partial: bool,
-    simple_hybrid: bool,
+    params: PlanParams,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`lookup_hits` (serial), instrumented: ``(hit int64 [R], counts
     int64 [R, COUNT_COLS + S])``, per request the table probes, the probes
@@ -814,8 +803,7 @@ def count_probes(
     SpecGroups (one per member per block). For measuring where the time
     goes."""
     return _lookup(rows, offsets, lengths, num_tokens, sg_rows, cand_rows, table,
-                   hash_block_size, alignment, partial, simple_hybrid, False,
-                   True)  # fmt: skip
+                   params, False, True)  # fmt: skip
 
 
 def warm_up(prep: ScanPrep) -> None:

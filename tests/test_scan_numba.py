@@ -30,7 +30,7 @@ from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_span
 from kvhit.kernels import scan_numba
-from kvhit.kernels.contract import SG_MEMBERS, SG_PERIOD
+from kvhit.kernels.contract import SG_MEMBERS, SG_PERIOD, PlanParams
 from kvhit.kernels.scan_numba import PARALLEL_MIN_REQUESTS
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "150"))
@@ -265,9 +265,7 @@ def _count(layout, requests, lens, exists):
     return count_probes(
         view.rows.numpy(), view.offsets.numpy(), view.lengths.numpy(),
         np.asarray(lens, dtype=np.int64), sg.numpy(), cand.numpy(),
-        table=key_index(exists).table.numpy(),
-        hash_block_size=plan.hash_block_size, alignment=plan.alignment,
-        partial=plan.partial, simple_hybrid=plan.simple_hybrid,
+        table=key_index(exists).table.numpy(), params=plan.params,
     )  # fmt: skip
 
 
@@ -500,11 +498,7 @@ def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
         home = int(key_slot_hash(0, rows, 0) & 15)
         table[home] = [0, 11]
         table[(home + 1) % 16, 0] = 22
-    kw = dict(
-        table=table, hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment, partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
-    )  # fmt: skip
+    kw = dict(table=table, params=plan.params)
     if fn == "find_hits":
         kw.update(token_lens=None, apply_eagle=False)
     one = np.array([0], np.int64), np.array([1], np.int64)
@@ -516,8 +510,9 @@ def test_launchers_refuse_a_table_of_the_wrong_shape(fn, shape):
 def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
             rows=None, edit_rows=None, **sizes):  # fmt: skip
     """``fn`` of scan_numba on two llama requests (4 and 2 hashes, every key
-    stored), with the arrays or sizes given replacing the good ones
-    (``edit_rows(sg, cand)`` edits copies of the plan's rows in place)."""
+    stored), with the arrays or sizes given replacing the good ones (a size
+    named as a PlanParams field replaces that field of the plan's params;
+    ``edit_rows(sg, cand)`` edits copies of the plan's rows in place)."""
     from kvhit.coordinator.plan import plan_tensors
 
     layout = make_layout("llama")
@@ -528,11 +523,10 @@ def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
         edit_rows(sg.numpy(), cand.numpy())
     good_rows = np.arange(1, 7, dtype=np.int64).reshape(-1, 1)
     exists = {(0, int(v).to_bytes(8, "little")) for v in good_rows[:, 0]}
+    fields = {k: sizes.pop(k) for k in list(sizes) if k in PlanParams._fields}
     kw = dict(
-        table=key_index(exists).table.numpy(),
-        hash_block_size=plan.hash_block_size, alignment=plan.alignment,
-        partial=plan.partial, simple_hybrid=plan.simple_hybrid,
-    )  # fmt: skip
+        table=key_index(exists).table.numpy(), params=plan.params._replace(**fields)
+    )
     kw.update(sizes)
     if fn == "find_hits":
         kw.update(token_lens=token_lens, apply_eagle=False)
@@ -545,9 +539,18 @@ def _launch(fn, *, lengths=None, tokens=None, token_lens=None, offsets=None,
     )  # fmt: skip
 
 
-def test_launch_helper_answers():
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {},
+        dict(hash_block_size=np.int64(16), alignment=np.int32(16), partial=np.bool_(0)),
+    ],
+)
+def test_launch_helper_answers(sizes):
+    """The plan's own params, and the same values as numpy scalars (read from
+    an array), answer alike."""
     for fn in ("find_hits", "lookup_hits", "count_probes"):
-        got = _launch(fn)
+        got = _launch(fn, **sizes)
         hit = got if fn == "lookup_hits" else got[0]
         # lookup: a hit of the whole prompt is re-derived one token short.
         assert hit.tolist() == ([64, 32] if fn == "find_hits" else [48, 16])
@@ -579,6 +582,11 @@ _LAUNCHERS = [("find_hits", False), ("find_hits", True), ("lookup_hits", False),
         (dict(alignment=-16), ValueError, "alignment"),
         (dict(alignment=True), TypeError, "alignment must be an int >= 1, got bool"),
         (dict(hash_block_size=16.0), TypeError, "hash_block_size"),
+        (
+            dict(params=(1, 16, 16, False, False)),
+            TypeError,
+            "params must be a PlanParams",
+        ),
     ],
 )
 def test_launchers_refuse_bad_request_arrays_and_sizes(fn, parallel, bad, exc, match):

@@ -106,14 +106,7 @@ def _launch(
     view = HashBatch.from_bytes(requests, width, device).view()
     sg_rows, cand_rows = plan_tensors(plan, device)
     ml = torch.tensor(lens, dtype=torch.int64, device=device)
-    kw = dict(
-        hash_block_size=plan.hash_block_size,
-        alignment=plan.alignment,
-        partial=plan.partial,
-        simple_hybrid=plan.simple_hybrid,
-        num_groups=plan.num_groups,
-        block=block,
-    )
+    kw = dict(params=plan.params, block=block)
     return (view.rows, view.offsets, view.lengths, ml, sg_rows, cand_rows), kw
 
 
@@ -363,11 +356,13 @@ def _launch_args(device):
     kw = dict(
         table=KeyIndex(8, capacity=16, device=device).table,
         token_len=None,
-        hash_block_size=2,
-        alignment=4,
-        partial=False,
-        simple_hybrid=True,
-        num_groups=2,
+        params=contract.PlanParams(
+            num_groups=2,
+            hash_block_size=2,
+            alignment=4,
+            partial=False,
+            simple_hybrid=True,
+        ),
         apply_eagle=True,
     )
     return args, kw
@@ -392,6 +387,8 @@ def _launch_args(device):
         ("hash_block_size", lambda t: 2.0, TypeError),
         ("alignment", lambda t: True, TypeError),
         ("num_groups", lambda t: -1, ValueError),
+        ("params", lambda p: tuple(p), TypeError),
+        ("params", lambda p: None, TypeError),
     ],
 )
 def test_launcher_validates_arguments(device, name, bad, exc):
@@ -400,6 +397,9 @@ def test_launcher_validates_arguments(device, name, bad, exc):
     args, kw = _launch_args(device)
     if name in args:
         args[name] = bad(args[name])
+    elif name in contract.PlanParams._fields:
+        # The plan's scalars travel as one PlanParams; errors name the field.
+        kw["params"] = kw["params"]._replace(**{name: bad(None)})
     else:
         kw[name] = bad(kw.get(name) if kw.get(name) is not None else args["n_units"])
     with pytest.raises(exc, match=name):
@@ -445,7 +445,7 @@ def test_launcher_runs_with_valid_arguments(device):
     hit, tri = scan_hits(*args.values(), **kw)
     assert hit.tolist() == [0, 0] and tri.shape == (2, 2, 3)
     # Sizes as numpy integers (a plan's numbers read from an array) are ints.
-    kw.update(
+    kw["params"] = kw["params"]._replace(
         hash_block_size=np.int64(2), alignment=np.int64(4), num_groups=np.int32(2)
     )
     hit2, tri2 = scan_hits(*args.values(), **kw)
