@@ -573,6 +573,21 @@ def _one_follower(**kwargs: Any) -> Iterator[tuple[StormPublisher, Any, Any]]:
         ctx.term()
 
 
+def _held_commit() -> tuple[list[bool], threading.Event, threading.Event, Any]:
+    """A commit hook that holds the follower thread once: set ``hold[0]``,
+    and the next commit sets ``entered`` and waits for ``release``."""
+    entered, release = threading.Event(), threading.Event()
+    hold = [False]
+
+    def on_commit(stats: Any) -> None:
+        if hold[0]:
+            hold[0] = False
+            entered.set()
+            release.wait(WAIT_S)
+
+    return hold, entered, release, on_commit
+
+
 def test_held_batch_of_replaced_publisher_never_applied():
     """The storm's first find: a batch held for a reorder when its publisher
     was replaced used to be applied as the new publisher's after the rebuild
@@ -663,14 +678,7 @@ def test_next_publishers_batches_drained_with_the_old_ones_are_not_applied():
     held thread has resent its subscription."""
     old = [stores(1, i, 1.0 + i) for i in range(3)]
     new = [stores(2, i, 10.0 + i) for i in range(5)]
-    entered, release = threading.Event(), threading.Event()
-    hold = [False]
-
-    def on_commit(stats: Any) -> None:
-        if hold[0]:
-            hold[0] = False
-            entered.set()
-            release.wait(WAIT_S)
+    hold, entered, release, on_commit = _held_commit()
 
     with _one_follower(on_commit=on_commit) as (pub, index, f):
         pub.publish(old[0])
@@ -717,14 +725,7 @@ def test_stragglers_queued_behind_a_rebuild_are_not_applied():
     while the old batches queue and the publisher restarts."""
     old = [stores(1, i, 1.0 + i) for i in range(10)]
     new = [stores(2, i, 20.0 + i) for i in range(8)]
-    entered, release = threading.Event(), threading.Event()
-    hold = [False]
-
-    def on_commit(stats: Any) -> None:
-        if hold[0]:
-            hold[0] = False
-            entered.set()
-            release.wait(WAIT_S)
+    hold, entered, release, on_commit = _held_commit()
 
     with _one_follower(on_commit=on_commit, reorder_wait_s=0.2) as (pub, index, f):
         for payload in old[:5]:
