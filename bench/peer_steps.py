@@ -41,6 +41,7 @@ from kvhit.bench.traces import TRACE_BLOCK_SIZE
 __all__ = [
     "PEER_BLOCK_SIZE",
     "PEER_IDS",
+    "PEER_LENGTHS",
     "PEER_ORDERS",
     "PeerMismatchError",
     "PeerRow",
@@ -62,6 +63,10 @@ PEER_BLOCK_SIZE = TRACE_BLOCK_SIZE
 #: replay, then the peer's, each a pass of its own) or ``alternate`` (step by
 #: step, kvhit then the peer).
 PEER_ORDERS = ("separate", "alternate")
+#: How kvhit is given each step's prompt lengths: a Python ``list`` (a slice
+#: of the router's list) or a ``numpy`` int64 array (a slice of the router's
+#: array).
+PEER_LENGTHS = ("list", "numpy")
 
 
 class PeerMismatchError(Exception):
@@ -179,16 +184,24 @@ def step_inputs(
 
 class _KvhitSteps:
     """kvhit's side, one step at a time: pack the step's lists, look them up
-    (lengths as the step's list), store each request's blocks past its hit (a
+    (lengths as a slice of the router's list or numpy array), store each request's blocks past its hit (a
     worker's new blocks) with one ``KeyIndex.add``. Per step, seconds per
     request: medians resist the load spikes of a shared machine."""
 
-    def __init__(self, engine: Any, index: Any, inputs: StepInputs) -> None:
+    def __init__(
+        self, engine: Any, index: Any, inputs: StepInputs, lengths: str = "list"
+    ) -> None:
         import torch
 
         from kvhit.coordinator.packing import HashBatch
 
         self.engine, self.index, self.inputs = engine, index, inputs
+        # The lengths as the router holds them: each step passes a slice.
+        self.tokens: Any = (
+            np.asarray(inputs.tokens, dtype=np.int64)
+            if lengths == "numpy"
+            else inputs.tokens
+        )
         self.from_ints, self.torch = HashBatch.from_ints, torch
         self.look: list[float] = []
         self.pack: list[float] = []
@@ -197,7 +210,7 @@ class _KvhitSteps:
 
     def step(self, lo: int, hi: int) -> list[int]:
         perf, torch = time.perf_counter, self.torch
-        reqs, tokens = self.inputs.ints[lo:hi], self.inputs.tokens[lo:hi]
+        reqs, tokens = self.inputs.ints[lo:hi], self.tokens[lo:hi]
         t0 = perf()
         batch = self.from_ints(reqs)
         t1 = perf()
@@ -264,8 +277,8 @@ class _PeerSteps:
 
 
 def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
-            inputs: StepInputs, order: str, bar: Any,
-            mismatch: type[Exception]) -> tuple[_KvhitSteps, _PeerSteps]:  # fmt: skip
+            inputs: StepInputs, order: str, bar: Any, mismatch: type[Exception],
+            lengths: str = "list") -> tuple[_KvhitSteps, _PeerSteps]:  # fmt: skip
     """One batch size, one order, on fresh stores: both replays, their
     per-step times."""
     from kvhit.coordinator.packing import HashBatch
@@ -279,7 +292,7 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
     )
     tree.find([inputs.chains[first]])
     steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
-    kv = _KvhitSteps(engine, index, inputs)
+    kv = _KvhitSteps(engine, index, inputs, lengths)
     them = _PeerSteps(peer, b, tree, inputs.chains, mismatch)
     if order == "alternate":
         for lo, hi in steps:
@@ -365,6 +378,7 @@ def peer_sweep(
     ids: str = "raw",
     mismatch: type[Exception] = PeerMismatchError,
     passes: int = 1,
+    lengths: str = "list",
 ) -> tuple[list[PeerRow], PeerSkip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
@@ -378,7 +392,9 @@ def peer_sweep(
     or ``([], PeerSkip)`` when the peer cannot be imported; raises
     ``mismatch`` (an exception class taking the message) on any differing
     answer. ``passes``: replays of each (order, ``B``) on fresh stores, each
-    step's best time taken (1: the times of one replay).
+    step's best time taken (1: the times of one replay). ``lengths``: how
+    kvhit is given each step's lengths (:data:`PEER_LENGTHS`: a slice of a
+    Python list, or of a numpy int64 array).
     """
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
     from kvhit.coordinator.engine import LookupEngine
@@ -392,6 +408,8 @@ def peer_sweep(
         raise ValueError(f"order must name some of {PEER_ORDERS}, got {order!r}")
     if ids not in PEER_IDS:
         raise ValueError(f"ids must be one of {PEER_IDS}, got {ids!r}")
+    if lengths not in PEER_LENGTHS:
+        raise ValueError(f"lengths must be one of {PEER_LENGTHS}, got {lengths!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be an int >= 1, got {passes!r}")
     tree_cls, why = load_dynamo()
@@ -418,7 +436,8 @@ def peer_sweep(
             for b in sizes:
                 runs = [
                     _replay(peer, b, engine, KeyIndex(8, 1 << 20),
-                            DynamoIndex(tree_cls), inputs, o, bar, mismatch)
+                            DynamoIndex(tree_cls), inputs, o, bar, mismatch,
+                            lengths)
                     for _ in range(passes)
                 ]  # fmt: skip
                 row = _row(peer, b, len(inputs.ints), o, runs)

@@ -7,7 +7,11 @@ vs Dynamo and kvhit's stores at B = 1, 64, 1024 (:func:`~kvhit.bench
 fleet at B = 64 vs Dynamo at E = 8 and 64 (``bench_fleet.versus_dynamo``, raw
 ids, both orders) and ``HashBatch.from_ints`` ns per int per input form
 (:func:`from_ints_rates`; ``--baseline-packing`` times another copy of
-``coordinator/packing.py`` beside the current one).
+``coordinator/packing.py`` beside the current one). ``--host-load 0,2``
+repeats the lookup and fleet runs beside two CPU-bound processes (Dynamo's
+indexer thread wakes slower on a quiet host, so the ratio moves with the
+host's state: show both); ``--lengths list,numpy`` repeats the lookup runs
+with the lengths as a numpy int64 array.
 """
 
 from __future__ import annotations
@@ -116,6 +120,56 @@ def _load_from_ints(path: str) -> Callable[..., Any]:
     return mod.HashBatch.from_ints
 
 
+_FORM_NOTE = {"list": "(Python list)", "numpy": "(numpy int64 array)"}
+
+
+def _lookup_table(rows: Sequence[PeerRow], batch_sizes: Sequence[int]) -> list[str]:
+    """The lookup and stores rows of one :func:`peer_sweep` (both orders)."""
+    by = {(r.batch_size, r.order): r for r in rows}
+
+    def both(b: int, f: Callable[[PeerRow], float], fmt: str) -> str:
+        return " / ".join(format(f(by[(b, o)]), fmt) for o in ("alternate", "separate"))
+
+    return [
+        "| target | " + " | ".join(f"B = {b}" for b in batch_sizes) + " |",
+        "|---|" + "---:|" * len(batch_sizes),
+        "| lookup incl. packing vs Dynamo (target "
+        + ", ".join(f"{LOOKUP_TARGETS.get(b, 0):g}x" for b in batch_sizes)
+        + ") | "
+        + " | ".join(
+            both(b, lambda r: r.lookup_ratio, ".1f") + "x" for b in batch_sizes
+        )
+        + " |",
+        "| kvhit lookup us/request (of it from_ints) | "
+        + " | ".join(
+            both(b, lambda r: r.kvhit_lookup_s * 1e6, ".1f")
+            + " ("
+            + both(b, lambda r: r.kvhit_pack_s * 1e6, ".1f")
+            + ")"
+            for b in batch_sizes
+        )
+        + " |",
+        "| Dynamo us/request | "
+        + " | ".join(
+            both(b, lambda r: r.peer_lookup_s * 1e6, ".1f") for b in batch_sizes
+        )
+        + " |",
+        "| stores (KeyIndex.add) M blocks/s (target "
+        + ", ".join(f"{STORE_TARGETS.get(b, 10):g}" for b in batch_sizes)
+        + ") | "
+        + " | ".join(
+            both(b, lambda r: r.kvhit_store_bps / 1e6, ".2f") for b in batch_sizes
+        )
+        + " |",
+        "| Dynamo stores (events applied) M blocks/s | "
+        + " | ".join(
+            both(b, lambda r: r.peer_store_bps / 1e6, ".2f") for b in batch_sizes
+        )
+        + " |",
+        "",
+    ]
+
+
 def targets(
     trace: str | os.PathLike[str] | None = None,
     limit: int | None = None,
@@ -126,6 +180,8 @@ def targets(
     baseline_packing: str | None = None,
     quiet: bool = True,
     passes: int = 3,
+    host_loads: Sequence[int] = (0,),
+    lengths: Sequence[str] = ("list",),
 ) -> str:
     """Issue 33's targets table on ``trace`` (default: the shipped
     conversation trace), as Markdown: lookup incl. packing vs Dynamo and
@@ -134,7 +190,11 @@ def targets(
     the shipped trace only) and ``from_ints`` ns per int per input form
     (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
     copy's). ``passes``: replays of each (order, B), each step's best time
-    taken. Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
+    taken. ``host_loads``: each a run beside that many CPU-bound processes
+    (0: a quiet host; Dynamo's indexer thread wakes 4-6x slower on a quiet
+    host, so a fair table shows both). ``lengths``: each a run with the
+    lengths in that form (``peer_steps.PEER_LENGTHS``). Set
+    ``NUMBA_NUM_THREADS=1`` before the process starts."""
     import io
 
     import torch
@@ -142,71 +202,34 @@ def targets(
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
 
     torch.set_num_threads(1)
-    rows, skip = peer_sweep(DYNAMO, batch_sizes, limit, quiet, trace, passes=passes)
     out = [
         f"numba threads: {os.environ.get('NUMBA_NUM_THREADS', 'default')}; trace: "
         f"{os.path.basename(str(trace or SHIPPED_TRACE))}"
         + (f", first {limit} requests" if limit else "")
-        + "; inputs: raw trace ids as Python lists, lengths as a list; each "
-        f"step's best of {passes} replays; figures as alternate / separate\n"
+        + "; inputs: raw trace ids as Python lists; each step's best of "
+        f"{passes} replays; figures as alternate / separate\n"
     ]
-    if skip is not None:
-        out.append(f"Dynamo skipped: {skip.reason}\n")
-    else:
-        by = {(r.batch_size, r.order): r for r in rows}
-
-        def both(b: int, f: Callable[[PeerRow], float], fmt: str) -> str:
-            return " / ".join(
-                format(f(by[(b, o)]), fmt) for o in ("alternate", "separate")
-            )
-
-        out += [
-            "| target | " + " | ".join(f"B = {b}" for b in batch_sizes) + " |",
-            "|---|" + "---:|" * len(batch_sizes),
-            "| lookup incl. packing vs Dynamo (target "
-            + ", ".join(f"{LOOKUP_TARGETS.get(b, 0):g}x" for b in batch_sizes)
-            + ") | "
-            + " | ".join(
-                both(b, lambda r: r.lookup_ratio, ".1f") + "x" for b in batch_sizes
-            )
-            + " |",
-            "| kvhit lookup us/request (of it from_ints) | "
-            + " | ".join(
-                both(b, lambda r: r.kvhit_lookup_s * 1e6, ".1f")
-                + " ("
-                + both(b, lambda r: r.kvhit_pack_s * 1e6, ".1f")
-                + ")"
-                for b in batch_sizes
-            )
-            + " |",
-            "| Dynamo us/request | "
-            + " | ".join(
-                both(b, lambda r: r.peer_lookup_s * 1e6, ".1f") for b in batch_sizes
-            )
-            + " |",
-            "| stores (KeyIndex.add) M blocks/s (target "
-            + ", ".join(f"{STORE_TARGETS.get(b, 10):g}" for b in batch_sizes)
-            + ") | "
-            + " | ".join(
-                both(b, lambda r: r.kvhit_store_bps / 1e6, ".2f") for b in batch_sizes
-            )
-            + " |",
-            "| Dynamo stores (events applied) M blocks/s | "
-            + " | ".join(
-                both(b, lambda r: r.peer_store_bps / 1e6, ".2f") for b in batch_sizes
-            )
-            + " |",
-            "",
-        ]
+    for load in host_loads:
+        host = "quiet host" if load == 0 else f"beside {load} busy processes"
+        for form in lengths:
+            rows, skip = peer_sweep(
+                DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
+                host_load=load, lengths=form,
+            )  # fmt: skip
+            out.append(f"### {host}, lengths as a {form} {_FORM_NOTE[form]}\n")
+            if skip is not None:
+                out.append(f"Dynamo skipped: {skip.reason}\n")
+                break
+            out += _lookup_table(rows, batch_sizes)
         if trace is None and fleet_engines:
             from kvhit.bench import bench_fleet
 
             fleet = bench_fleet.versus_dynamo(
-                fleet_engines, fleet_warm, 64, repeats, io.StringIO()
+                fleet_engines, fleet_warm, 64, repeats, io.StringIO(), host_load=load
             )
             out += [
-                f"| fleet_hits at B = 64 vs Dynamo (target {FLEET_TARGET:g}x) | "
-                "kvhit us/request | Dynamo us/request | ratio |",
+                f"| fleet_hits at B = 64 vs Dynamo, {host} (target "
+                f"{FLEET_TARGET:g}x) | kvhit us/request | Dynamo us/request | ratio |",
                 "|---|---:|---:|---:|",
             ]
             for e, aa, ba, asep, bsep, _n in fleet:
@@ -244,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet-engines", default="8,64", help="'' for none")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument(
+        "--host-load",
+        default="0",
+        help="CPU-bound processes spinning beside each run, comma-separated "
+        "(default 0; '0,2' adds a busy host)",
+    )
+    p.add_argument(
+        "--lengths",
+        default="list",
+        help="the lengths' forms, comma-separated: list, numpy (default list)",
+    )
+    p.add_argument(
         "--passes",
         type=int,
         default=3,
@@ -268,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             baseline_packing=args.baseline_packing,
             quiet=False,
             passes=args.passes,
+            host_loads=[int(h) for h in args.host_load.split(",")],
+            lengths=args.lengths.split(","),
         )
     )
     return 0

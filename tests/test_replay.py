@@ -293,6 +293,8 @@ def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> No
         ps.peer_sweep("dynamo", [1], limit=5, order=())
     with pytest.raises(ValueError, match="ids"):
         ps.peer_sweep("dynamo", [1], limit=5, ids="cooked")
+    with pytest.raises(ValueError, match="lengths"):
+        ps.peer_sweep("dynamo", [1], limit=5, lengths="tuple")
     for passes in (0, True, 1.5):
         with pytest.raises(ValueError, match="passes"):
             ps.peer_sweep("dynamo", [1], limit=5, passes=passes)
@@ -320,6 +322,9 @@ def test_peer_steps_replay_raw_ids_in_both_orders() -> None:
     assert all(r.kvhit_pack_s > 0 and r.kvhit_store_bps > 0 for r in rows)
     table = ps.format_orders(rows)
     assert "alternate / separate" in table and table.count("\n") == 4
+    # Lengths as a numpy array (a router's slice of one): the same answers.
+    rows_np, _ = ps.peer_sweep("dynamo", [16], limit=300, lengths="numpy")
+    assert {(r.hit_blocks, r.blocks_stored) for r in rows_np} == by_b[16]
 
 
 @pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
@@ -360,3 +365,16 @@ def test_from_ints_rates_time_every_form() -> None:
     assert list(rates) == list(pt.FORMS) and all(
         set(r) == {"a", "b"} and min(r.values()) >= 0 for r in rates.values()
     )
+
+
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
+def test_peer_targets_sections_per_host_and_lengths_form() -> None:
+    from kvhit.bench import peer_targets as pt
+
+    text = pt.targets(
+        limit=40, batch_sizes=(1, 4), fleet_engines=(), passes=1,
+        host_loads=(0,), lengths=("list", "numpy"),
+    )  # fmt: skip
+    assert "### quiet host, lengths as a list (Python list)" in text
+    assert "### quiet host, lengths as a numpy (numpy int64 array)" in text
+    assert text.count("| lookup incl. packing vs Dynamo") == 2
