@@ -16,6 +16,8 @@ __all__ = [
     "PEERS",
     "PRESET_DESCRIPTIONS",
     "SHIPPED_TRACE",
+    "SYNTHETIC_TRACE",
+    "TRACES",
     "TRACE_BLOCK_SIZE",
     "BACKENDS",
     "DEFAULT_BATCH_SIZES",
@@ -55,6 +57,13 @@ PEERS = ("dynamo",)
 SHIPPED_TRACE = (
     Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 )
+#: The Mooncake FAST'25 synthetic trace (public datasets, Poisson arrivals),
+#: shipped as a second, held-out trace for the peer comparison.
+SYNTHETIC_TRACE = (
+    Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
+)
+#: The shipped traces by name (``peer_targets --trace``).
+TRACES = {"conversation": SHIPPED_TRACE, "synthetic": SYNTHETIC_TRACE}
 #: Tokens per ``hash_ids`` entry in the Mooncake traces.
 TRACE_BLOCK_SIZE = 512
 

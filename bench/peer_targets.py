@@ -1,8 +1,9 @@
 """Issue 33's targets table: kvhit beside Dynamo as a router meets them.
 
 ``python -m kvhit.bench.peer_targets`` (with ``NUMBA_NUM_THREADS=1``)
-prints, as Markdown, on the shipped conversation trace: lookup incl. packing
-vs Dynamo and kvhit's stores at B = 1, 64, 1024 (:func:`~kvhit.bench
+prints, as Markdown, on the two shipped traces (Mooncake's FAST'25
+conversation and synthetic traces; ``--trace`` names one, or a path):
+lookup incl. packing vs Dynamo and kvhit's stores at B = 1, 64, 1024 (:func:`~kvhit.bench
 .peer_steps.peer_sweep`: raw trace ids in Python lists, both orders), the
 fleet at B = 64 vs Dynamo at E = 8 and 64 (``bench_fleet.versus_dynamo``, raw
 ids, both orders) and ``HashBatch.from_ints`` ns per int per input form
@@ -210,7 +211,10 @@ def targets(
         f"{passes} replays; figures as alternate / separate\n"
     ]
     for load in host_loads:
-        host = "quiet host" if load == 0 else f"beside {load} busy processes"
+        host = (
+            "no process started beside it" if load == 0
+            else f"beside {load} busy processes"
+        ) + f" (load average {os.getloadavg()[0]:.1f} before)"  # fmt: skip
         for form in lengths:
             rows, skip = peer_sweep(
                 DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
@@ -261,7 +265,13 @@ def targets(
 def main(argv: list[str] | None = None) -> int:
     """Print issue 33's targets table (Markdown)."""
     p = argparse.ArgumentParser(description="issue 33's targets vs Dynamo")
-    p.add_argument("--trace", default=None, help="a Mooncake-format trace")
+    p.add_argument(
+        "--trace",
+        default="conversation,synthetic",
+        help="comma-separated: shipped trace names (conversation, synthetic) or "
+        "paths of Mooncake-format traces (default both shipped traces; the "
+        "fleet runs on the conversation trace)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N requests")
     p.add_argument("--batch-sizes", default="1,64,1024")
     p.add_argument("--fleet-engines", default="8,64", help="'' for none")
@@ -292,20 +302,26 @@ def main(argv: list[str] | None = None) -> int:
         "beside the current one",
     )
     args = p.parse_args(argv)
-    sys.stdout.write(
-        targets(
-            args.trace,
-            args.limit,
-            [int(b) for b in args.batch_sizes.split(",")],
-            [int(e) for e in args.fleet_engines.split(",") if e],
-            repeats=args.repeats,
-            baseline_packing=args.baseline_packing,
-            quiet=False,
-            passes=args.passes,
-            host_loads=[int(h) for h in args.host_load.split(",")],
-            lengths=args.lengths.split(","),
+    from kvhit.bench.names import SHIPPED_TRACE, TRACES
+
+    for name in args.trace.split(","):
+        path = TRACES.get(name, name)
+        sys.stdout.write(
+            targets(
+                None if path == SHIPPED_TRACE else path,
+                args.limit,
+                [int(b) for b in args.batch_sizes.split(",")],
+                [int(e) for e in args.fleet_engines.split(",") if e],
+                repeats=args.repeats,
+                baseline_packing=args.baseline_packing,
+                quiet=False,
+                passes=args.passes,
+                host_loads=[int(h) for h in args.host_load.split(",")],
+                lengths=args.lengths.split(","),
+            )
+            + "\n"
         )
-    )
+        sys.stdout.flush()
     return 0
 
 

@@ -375,6 +375,6 @@ def test_peer_targets_sections_per_host_and_lengths_form() -> None:
         limit=40, batch_sizes=(1, 4), fleet_engines=(), passes=1,
         host_loads=(0,), lengths=("list", "numpy"),
     )  # fmt: skip
-    assert "### quiet host, lengths as a list (Python list)" in text
-    assert "### quiet host, lengths as a numpy (numpy int64 array)" in text
+    assert "lengths as a list (Python list)" in text
+    assert "lengths as a numpy (numpy int64 array)" in text
     assert text.count("| lookup incl. packing vs Dynamo") == 2

@@ -25,6 +25,17 @@ def test_shipped_trace_loads_whole():
     assert (SHIPPED_TRACE.parent / "README.md").is_file()  # the attribution
 
 
+def test_synthetic_trace_loads_whole_with_its_attribution():
+    from kvhit.bench.names import SYNTHETIC_TRACE, TRACES
+
+    reqs = load_trace(SYNTHETIC_TRACE)
+    assert len(reqs) == 3993
+    assert round(np.mean([r.input_length for r in reqs])) == 15325
+    assert TRACES == {"conversation": SHIPPED_TRACE, "synthetic": SYNTHETIC_TRACE}
+    readme = (SYNTHETIC_TRACE.parent / "README.md").read_text()
+    assert "FAST25-release/traces/synthetic_trace.jsonl" in readme
+
+
 def test_limit_and_plain_jsonl(tmp_path):
     p = tmp_path / "t.jsonl"
     lines = [
