@@ -125,7 +125,9 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: later steps visiting two slots at once, and the chains above a search's
 #: first miss stopped: 34 and 7. Bytes per request of quick-llama (hash rows
 #: and table slots): the key's words loaded once per probe, not again at
-#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241. Per call, before
+#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241; the
+#: leading run's first tile half as wide (one-warp programs, their wide
+#: tile's chains reloading its words): 8297. Per call, before
 #: issue 31's host path: ``lookup`` with a
 #: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
 #: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
@@ -140,7 +142,7 @@ RECORDED: dict[str, int] = {
     # step: Triton 3.6 (the H200 machine's) cannot compile it in a while
     # loop, and in a for loop it spills (the words of two tiles held).
     "quick_llama_max_rt": 7,
-    "quick_llama_bytes": 12241,
+    "quick_llama_bytes": 8297,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,
