@@ -136,6 +136,9 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: host, on CUDA through a pinned buffer). ``lookup_unchecked``'s one sync is
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
+#: ``min_resident_programs`` may only rise: the scan's programs resident on
+#: the H200 at once (:func:`resident`), 1056 at two warps, 2112 at one; at
+#: 4096 requests the makespan over them, not one request, bounds a call.
 RECORDED: dict[str, int] = {
     "quick_longhit_max_rt": 34,
     # Loading the next tile's words ahead would save a round trip a tile
@@ -153,6 +156,7 @@ RECORDED: dict[str, int] = {
     "unchecked_triton_launches": 1,
     "unchecked_other_launches": 0,
     "unchecked_syncs": 1,
+    "min_resident_programs": 2112,
 }
 
 
