@@ -125,7 +125,9 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: later steps visiting two slots at once, and the chains above a search's
 #: first miss stopped: 34 and 7. Bytes per request of quick-llama (hash rows
 #: and table slots): the key's words loaded once per probe, not again at
-#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241. Per call, before
+#: every probe step: 18208 -> 12861 bytes; the chains stopped: 12241; the
+#: leading run's first tile half as wide (one-warp programs, their wide
+#: tile's chains reloading its words): 8297. Per call, before
 #: issue 31's host path: ``lookup`` with a
 #: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
 #: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
@@ -134,13 +136,16 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: host, on CUDA through a pinned buffer). ``lookup_unchecked``'s one sync is
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
+#: ``min_resident_programs`` may only rise: the scan's programs resident on
+#: the H200 at once (:func:`resident`), 1056 at two warps, 2112 at one; at
+#: 4096 requests the makespan over them, not one request, bounds a call.
 RECORDED: dict[str, int] = {
     "quick_longhit_max_rt": 34,
     # Loading the next tile's words ahead would save a round trip a tile
     # step: Triton 3.6 (the H200 machine's) cannot compile it in a while
     # loop, and in a for loop it spills (the words of two tiles held).
     "quick_llama_max_rt": 7,
-    "quick_llama_bytes": 12241,
+    "quick_llama_bytes": 8297,
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,
@@ -151,6 +156,7 @@ RECORDED: dict[str, int] = {
     "unchecked_triton_launches": 1,
     "unchecked_other_launches": 0,
     "unchecked_syncs": 1,
+    "min_resident_programs": 2112,
 }
 
 

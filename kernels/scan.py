@@ -37,15 +37,18 @@ Design (why it looks like this):
   the latency of one probe chain; see :data:`BLOCK` and :data:`NUM_WARPS`.
 * **Wide tiles for the long part (issue 31).** Full attention's leading run,
   where a long hit spends its time, is probed ``LEAD = LEAD_FACTOR * BLOCK``
-  blocks at a time across the program's warps; the first miss is a
-  min-reduction. (Loading the next tile's words before that reduction ends
+  blocks at a time (the first tile half as wide), 4 lanes a thread of a
+  one-warp program; the first miss is a min-reduction. A tile's probe
+  chains reload the active lanes' words with each step's slots (an L1 hit in
+  the same round trip) instead of holding 16 words a thread, which spills.
+  (Loading the next tile's words before that reduction ends
   would save a round trip a step, but Triton 3.6's
   TritonGPURemoveLayoutConversions pass fails on that vector carried by a
   ``while`` loop, and in a ``for`` loop the two tiles' words spill; 3.6 is
   what the H200 machine has.) The short searches (sliding-window tails, Mamba
   states, EAGLE drops, the worker's second search) keep ``BLOCK`` lanes.
   ``bench/gpu_model.py`` counts the dependent round trips of each request
-  under the interpreter (long-hit dsv4 16K at B = 1: 68 at a094dd7, 24 now).
+  under the interpreter (long-hit dsv4 16K at B = 1: 68 at a094dd7, 23 now).
 * **State lives in registers, and little of it.** Per-SpecGroup results are
   ``S_PAD``-wide vectors updated with ``tl.where``; the load-mask spans are
   written to ``mask_spans`` once, at the end (scalar stores and loads by different
@@ -173,25 +176,26 @@ fix_interpreter()
 # group id and words are loaded together), so 32 lanes cost the latency of one.
 BLOCK = 32
 # The leading full-attention run (the long part of a long hit) is probed in
-# tiles of LEAD_FACTOR * BLOCK blocks: one lane per thread of the NUM_WARPS
-# warps, the first miss found by a min-reduction across them
-# (bench/gpu_model.py: 128-block tiles take llama's longest 128K run from
-# ~200 dependent steps to ~50).
+# tiles of LEAD_FACTOR * BLOCK blocks (the first tile half as wide: a short
+# run then loads half the hash rows and slots), the first miss found by a
+# min-reduction across the lanes (bench/gpu_model.py: 128-block tiles take
+# llama's longest 128K run from ~200 dependent steps to ~50).
 LEAD_FACTOR = 4
-# Two warps per program: the wide tile's 128 lanes are 2 per thread (at one
-# warp, 4 per thread, the index variants spill on sm_90; at four, no spills
-# but only 4 programs of 128 registers fit an SM, and the short searches,
-# latency-bound, want many programs more than wide ones: bench/gpu_model.py
-# models 4096 x 16K long-hit at 165 us with four warps). The short searches'
-# 32-lane vectors are replicated across the warps.
-NUM_WARPS = 2
+# One warp per program: at 128 registers 16 programs fit an SM (2112 on an
+# H200), twice as many as at two warps, and at 4096 requests the programs'
+# round trips, not one request's, bound a call: bench/gpu_model.py models
+# long-hit 4096 x 16K at 49 us (77 at two warps) and llama 4096 x 128K at
+# 175 us (207). The wide tile is then 4 lanes a thread; its probe chains
+# reload their words rather than hold them (scan_sg.table_has), which is
+# what keeps it from spilling.
+NUM_WARPS = 1
 # The register ceiling given to ptxas (PTX ``.maxnreg``). Without it, ptxas
 # aims a one-warp CTA at 64 registers (32 resident CTAs per SM) and spills the
 # outer loops' state to local memory to get there (the find variants: 64
 # registers, 104-148 bytes of spill stores on sm_90); with it they hold that
-# state in registers (about 100). The lookup variant needs 116 either way (no
-# spills), since its structure, not this number, bounds it. At two warps, 128
-# leaves 8 resident programs per SM (1056 on an H200).
+# state in registers (about 100-128; the lookup variant 110 under Triton
+# 3.9, 128 under 3.6, no spills). 128 leaves 16 resident one-warp programs
+# per SM.
 MAXNREG = 128
 # The one other choice, the duplicate-value search's width, is
 # scan_sg.DUP_STEP (next to the search it sizes).

@@ -194,6 +194,7 @@ def table_has(
     ctx,
     gids,
     keys,
+    units,
     pos,
     mask,
     W: tl.constexpr,
@@ -202,8 +203,8 @@ def table_has(
     BLOCK: tl.constexpr,
 ):
     """int1 [N]: is key ``(gids, keys)`` in the KeyIndex table? ``keys`` are
-    the words :func:`load_keys` gave, ``pos`` the home slot
-    (:func:`home_slots`).
+    the words :func:`load_keys` gave for hash units ``units``, ``pos`` the
+    home slot (:func:`home_slots`).
 
     The table layout contract of ``coordinator/key_index.py``: home slot
     ``slot_hash & cap_mask``, linear probing; a hit needs column 0 equal to the
@@ -241,11 +242,17 @@ def table_has(
         cut = tl.min(tl.where(~found & ~active, lane, BLOCK), axis=0)
         active = active & (lane < cut)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        # The SPAN slots' loads wait only on `active`: one round trip.
+        # The SPAN slots' loads wait only on `active`: one round trip. The
+        # wide tile (FIRST_MISS 1) reloads its active lanes' words with them
+        # (an L1 hit, in the same round trip) rather than holding four lanes'
+        # words a thread through the loop, which spills at one warp.
+        words = keys
+        if FIRST_MISS == 1:
+            words = load_keys(ctx, units, active, W)
         on = active
         for _s in tl.static_range(SPAN):
             pos = (pos + 1) & cap_mask
-            hit, open_s = _visit(ctx, gids, keys, pos, active, W)
+            hit, open_s = _visit(ctx, gids, words, pos, active, W)
             hit = on & hit
             found = found | hit
             steps += 1
@@ -404,7 +411,9 @@ def _probe(
             gids = tl.zeros([BLOCK], tl.int64) + gid
             keys = load_keys(ctx, units, hit, W)
             pos = home_slots(ctx, gids, keys, W, HAS_INDEX)
-            present = table_has(ctx, gids, keys, pos, hit, W, 2, FIRST_MISS, BLOCK)
+            present = table_has(
+                ctx, gids, keys, units, pos, hit, W, 2, FIRST_MISS, BLOCK
+            )
         else:
             present = hit
         if HAS_TL:
@@ -428,23 +437,29 @@ def _leading_run(
     HAS_INDEX: tl.constexpr,
     HAS_TL: tl.constexpr,
     BLOCK: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
     """How many consecutive blocks from ``start`` (below ``end``) hit; block
     ``i`` is keyed by hash unit ``(i + 1) * scale - 1``. ``BLOCK`` blocks per
-    step (the wide tile, ``LEAD`` for full attention's run); a step's keys
-    and home slots are loaded and computed in it (carrying the next step's
-    across the loop, one round trip less a step, breaks Triton 3.6's layout
-    pass)."""
+    step (the wide tile, ``LEAD`` for full attention's run), ``FIRST`` in the
+    first (a run that ends there loads no more rows and slots than it must
+    be wide for: half the wide tile's bytes for short hits, one step more
+    for a few long ones); a step's keys and home slots are loaded and
+    computed in it (carrying the next step's across the loop, one round trip
+    less a step, breaks Triton 3.6's layout pass)."""
     lane = tl.arange(0, BLOCK)
     count = start * 0
+    width = count + FIRST
     going = end > start
     while going:
         blk = start + count + lane
         units = (blk + 1) * scale - 1
-        hit = _probe(ctx, units, blk < end, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 1)
+        on = (blk < end) & (lane < width)
+        hit = _probe(ctx, units, on, sg_row, W, HAS_INDEX, HAS_TL, BLOCK, 1)
         lead = tl.min(tl.where(hit, BLOCK, lane), axis=0)
         count += lead
-        going = (lead == BLOCK) & (start + count < end)
+        going = (lead == width) & (start + count < end)
+        width = count * 0 + BLOCK
     return count
 
 
@@ -564,7 +579,9 @@ def sg_searches(
     a_end = tl.where(is_chunk, tl.maximum(m, sb), zero)
     a_end = tl.where(is_full, tl.minimum(m, idiv(n_units, fscale)), a_end)
     a_scale = tl.where(is_full, fscale, scale)
-    n = _leading_run(ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD)
+    n = _leading_run(
+        ctx, sg_row, a_start, a_end, a_scale, W, HAS_INDEX, HAS_TL, LEAD, LEAD // 2
+    )
 
     # Phase B: the rightmost search. Full, fine-grained: the highest hit hash
     # unit inside the next block; Mamba: the rightmost aligned state
@@ -589,7 +606,9 @@ def sg_searches(
     # Phase C: a sliding window with no run of `need` blocks still hits with
     # the leading run (shorter than need - 1 blocks).
     c_end = tl.where(is_swa & (j < 0), tl.minimum(m, need_eff - 1), zero)
-    p = _leading_run(ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK)
+    p = _leading_run(
+        ctx, sg_row, zero, c_end, scale, W, HAS_INDEX, HAS_TL, BLOCK, BLOCK
+    )
     return n, j, p
 
 

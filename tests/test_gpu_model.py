@@ -116,3 +116,12 @@ def test_round_trips_launches_and_syncs_stay_at_the_recorded_figures(capsys):
     assert calls["lookup"]["torch_ops"] <= rec["lookup_torch_ops"]
     text = capsys.readouterr().out
     assert "round trips/request" in text and "| lookup | 1 |" in text
+
+
+def test_resident_programs_stay_at_the_recorded_figure():
+    # One-warp programs of 128 registers: 16 an SM (two warps held 8, and
+    # 4096 requests then ran in four waves instead of two).
+    from kvhit.kernels import scan
+
+    slots = gm.resident(scan.NUM_WARPS, scan.MAXNREG, gm.GpuTimes())
+    assert slots >= gm.RECORDED["min_resident_programs"] == 2112

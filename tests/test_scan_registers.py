@@ -93,6 +93,14 @@ no-eagle 121 / 126, find 90 / 90, load masks 80 / 80, find index
 token_lens 108 / 122, find token_lens 120 / 122, lookup 105 / 122. Loading the next tile's words ahead as well (one round trip less a
 tile step) compiles under 3.6 only in a ``for`` loop, and there spills
 (lookup 128 registers, 128-144 B of spill stores): not done.
+
+Issue 31, one warp per program (16 resident per SM, not 8), the wide tile
+then 4 lanes a thread: holding its words through the probe chain spilled
+on 3.6 (find index token_lens 64 B, lookup 52 B); reloading them with each
+chain step's slots fits (sm_90 registers, no spills; 3.9.0 / 3.6.0): find
+index 116 / 116, find index no-eagle 110 / 111, find 96 / 96, load masks
+92 / 96, find index token_lens 114 / 126, find token_lens 116 / 128, lookup
+110 / 128. The fleet's hybrid kernel (the same warps): 106-112 / 108-116.
 """
 
 from __future__ import annotations

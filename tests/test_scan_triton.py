@@ -522,3 +522,45 @@ def test_long_leading_runs_with_near_miss_keys(device, data, run, kind, block):
     assert _mask_lists(tri) == [tuple(mask)]
     got = worker_lookup(*args, table=index.table, **kw)
     assert got.tolist() == [ref.lookup(n_tok, hashes, exists)]
+
+
+@pytest.mark.parametrize("block", [2, 32])
+def test_leading_runs_at_the_first_tiles_edges(device, block):
+    """The leading run's first tile is half as wide as the others (FIRST =
+    LEAD / 2): runs ending just before, at and after its edge and the next
+    tile's, in one batch, with every request's keys in one crowded table
+    (distractor keys of other groups: the wide tile's probe chains, which
+    reload their words at each step, are walked). Hits, masks and the
+    worker's lookup equal the reference's."""
+    from kvhit.kernels.scan import LEAD_FACTOR, scan_hits, worker_lookup
+
+    lead = block * LEAD_FACTOR
+    first = lead // 2
+    runs = sorted({0, 1, first - 1, first, first + 1, first + lead - 1,
+                   first + lead, first + lead + 1})  # fmt: skip
+    layout = CacheLayout([Group(FullAttention(4))], 4, 4)
+    rng = random.Random(block)
+    requests, exists = [], set()
+    for run in runs:
+        hashes = [rng.randbytes(32) for _ in range(run + 1 + rng.randint(0, 9))]
+        requests.append(hashes)
+        exists |= {(0, h) for i, h in enumerate(hashes) if i != run}
+        exists |= {(1 + rng.randint(0, 2), h) for h in hashes}
+    lens = [len(r) * 4 - rng.randint(0, 3) for r in requests]
+    ref = ReferenceCoordinator(layout)
+    args, kw = _launch(layout, requests, lens, 32, device, block)
+    index = key_index(exists, device, width=32)
+    hit, tri = scan_hits(
+        *args, table=index.table, token_len=None, apply_eagle=True, **kw
+    )
+    want = [
+        ref.find_longest_cache_hit(r, n, exists, True)
+        for r, n in zip(requests, lens, strict=True)
+    ]
+    assert hit.tolist() == [h for _, h in want]
+    assert [h // 4 for h in hit.tolist()] == runs  # the cases are what they say
+    assert _mask_lists(tri) == [tuple(m) for m, _ in want]
+    got = worker_lookup(*args, table=index.table, **kw)
+    assert got.tolist() == [
+        ref.lookup(n, r, exists) for r, n in zip(requests, lens, strict=True)
+    ]
