@@ -105,6 +105,8 @@ def test_fleet_parity_other_backends(engine_backend, full, data):
 def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
+    # Loaded first: a process's first fleet warms its kernels with one call.
+    fleet_numba.warm_up()
     calls = []
     real = fleet_numba.full_hits_checked
     monkeypatch.setattr(
@@ -179,9 +181,10 @@ def test_fused_kernel_entry_points_agree():
 
 
 def test_router_path_takes_numpy_and_tensor_lengths():
-    # A router's call: a from_ints batch and numpy lengths go straight to the
-    # fused kernel (lengths checked inside it); every other length type the
-    # general path takes. All answer alike; a negative length is refused
+    # A router's call: a from_ints batch and int64 numpy or tensor lengths
+    # go straight to the fused kernel (lengths checked inside it), lists
+    # too (test_router_path_takes_list_lengths); other forms the general
+    # path takes. All answer alike; a negative length is refused
     # naming the argument, whichever path saw it.
     layout = make_layout("llama")
     engine = LookupEngine(layout)
@@ -219,6 +222,49 @@ def test_router_path_takes_numpy_and_tensor_lengths():
         engine.fleet_hits(batch, np.array(lens[:3]), fleet)
     with pytest.raises(ValueError, match="hash width"):
         engine.fleet_hits(batch, np.array(lens), FleetIndex(3, 16))
+
+
+def test_router_path_takes_list_lengths(monkeypatch):
+    # Lengths as a router holds them (a list or tuple of ints) take the
+    # router path too (the general path is never reached), bad ones refused
+    # there naming the argument, by the general path's own check.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    fleet = make_fleet(stores_)
+    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    want = expected(layout, reqs, stores_, lens)
+    want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
+
+    def general(*args):
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(fleet, "hits_unchecked", general)
+    for value in (lens, tuple(lens)):
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+        assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+    # Lengths of 0 and 1 (below the list check's quick bound) answer alike.
+    small = [0, 1, 16, 144]
+    assert engine.fleet_hits(batch, small, fleet).tolist() == expected(
+        layout, reqs, stores_, small
+    )
+    bad = [
+        (ValueError, [144, -1, 16, 33]),
+        (ValueError, [144, 80, 16]),
+        (ValueError, [144, 80, 16, 2**63]),
+        (TypeError, [144, 80, 16, 33.0]),
+        (TypeError, [144, True, 16, 33]),
+        (TypeError, [144, "80", 16, 33]),
+        (TypeError, (144, None, 16, 33)),
+    ]
+    for exc, value in bad:
+        with pytest.raises(exc, match="max_lengths"):
+            engine.fleet_hits(batch, value, fleet)
+        with pytest.raises(exc, match="num_tokens"):
+            engine.fleet_lookup(batch, value, fleet)
 
 
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
