@@ -485,6 +485,72 @@ def test_bad_inputs_change_nothing():
         FleetIndex(2, 8, max_load=1.0)
 
 
+def _entry_snapshot(fleet):
+    return (*_snapshot(fleet), len(fleet.entries), fleet.entries.table.clone())
+
+
+def test_host_store_matches_the_general_path_and_refuses_alike():
+    # FleetIndex.add's host store (numpy or tensor keys: one checked kernel
+    # pass, entries prefetched ahead) against the general path (the same
+    # keys as bytes): the same keys, engine sets, entries and counts, for
+    # engines given as an int (broadcast), an array and a tensor, stores
+    # longer than the prefetch distance, and re-adds. Bad engines and group
+    # ids are refused naming the argument, nothing stored.
+    rng = np.random.default_rng(5)
+    E = 70
+    fast, slow = FleetIndex(E, 8, capacity=4096), FleetIndex(E, 8, capacity=4096)
+    for fleet in (fast, slow):
+        fleet.remove_engine(9)
+    prev = np.zeros((0, 1), dtype=np.int64)
+
+    def general(*args, **kwargs):
+        raise AssertionError("the general path was taken")
+
+    fast._entries = general  # every valid store below takes the host store
+    for step in range(40):
+        n = int(rng.integers(0, 60))
+        words = rng.integers(-(2**63), 2**63 - 1, size=(n, 1), dtype=np.int64)
+        if step % 3 == 0:
+            k = min(n // 2, prev.shape[0])
+            words[:k] = prev[:k]  # re-added keys
+        groups = rng.integers(0, 3, size=n, dtype=np.int64)
+        form = step % 3
+        if form == 0:
+            engines = int(rng.choice([e for e in range(E) if e != 9]))
+            arg = engines
+        else:
+            engines = rng.choice([e for e in range(E) if e != 9], size=n)
+            arg = engines if form == 1 else torch.from_numpy(engines)
+        got = fast.add(arg, groups, words)
+        as_bytes = [w.tobytes() for w in words[:, 0]]
+        want = slow.add(
+            np.broadcast_to(np.asarray(engines), (n,)).copy(), groups.tolist(), as_bytes
+        )
+        assert got == want, step
+        assert _same(_snapshot(fast), _snapshot(slow)), step
+        assert len(fast.entries) == len(slow.entries), step
+        prev = words
+    del fast._entries
+    before = _entry_snapshot(fast)
+    h = np.arange(1, 4, dtype=np.int64).reshape(-1, 1)
+    bad = [
+        (ValueError, "engine_ids", lambda: fast.add(9, 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(E, 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, 9, 1]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, -1, 1]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(torch.tensor([0, 1, E]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, 1]), 0, h)),
+        (ValueError, "group_ids", lambda: fast.add(
+            0, np.array([0, fast.max_group_id + 1, 0]), h)),
+        (ValueError, "group_ids", lambda: fast.add(0, np.array([0, -1, 0]), h)),
+    ]  # fmt: skip
+    for exc, match, fn in bad:
+        with pytest.raises(exc, match=match):
+            fn()
+        after = _entry_snapshot(fast)
+        assert _same(before[:-1], after[:-1]) and torch.equal(before[-1], after[-1])
+
+
 def test_lookup_bad_inputs():
     layout = make_layout("llama")
     engine = LookupEngine(layout)
