@@ -180,6 +180,29 @@ def _host_plan(engine: LookupEngine) -> _HostPlan:
 
 _INT64 = np.dtype(np.int64)
 
+# (id(plan), NW, E, apply_eagle, lookup) -> (plan, engine device, member
+# group ids, kernel params), or members None where the joint scan does not
+# answer the layout or the engine is off the CPU: the router call's
+# per-plan arguments in one dict lookup (the plan and device held keep
+# their ids valid; a different engine device is looked up again).
+_ROUTER_ARGS: dict[tuple, tuple] = {}
+
+
+def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: bool,
+                 lookup: bool) -> tuple:  # fmt: skip
+    """:data:`_ROUTER_ARGS`' entry for this call, built and remembered."""
+    host = _host_plan(engine)
+    members = params = None
+    if (host.full_lookup if lookup else host.full) and engine.device.type == "cpu":
+        members = host.members
+        drop = host.use_eagle and (apply_eagle or lookup)
+        params = host.params(nw, num_engines, drop, lookup)
+    if len(_ROUTER_ARGS) >= 256:
+        _ROUTER_ARGS.clear()
+    got = (engine.plan, engine.device, members, params)
+    _ROUTER_ARGS[(id(engine.plan), nw, num_engines, apply_eagle, lookup)] = got
+    return got
+
 
 def fleet_full_host(
     fleet: FleetTables,
@@ -215,11 +238,15 @@ def fleet_full_host(
         kernel is None
         or type(batch) is not HashBatch
         or batch.hash_bytes != fleet.hash_bytes
-        or engine.device.type != "cpu"
     ):
         return None
-    host = _host_plan(engine)
-    if not (host.full_lookup if lookup else host.full):
+    nw, num_engines = fleet.NW, fleet.num_engines
+    plan = engine.plan
+    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, lookup))
+    if got is None or got[0] is not plan or got[1] is not engine.device:
+        got = _router_args(engine, nw, num_engines, apply_eagle, lookup)
+    members, params = got[2], got[3]
+    if members is None:
         return None
     try:
         # Cached on the batch (from_ints builds them); raises off the CPU.
@@ -227,38 +254,36 @@ def fleet_full_host(
     except ValueError:
         return None
     tl = type(lens)
-    if tl is np.ndarray:
-        if lens.dtype is not _INT64 or lens.ndim != 1:
-            return None
-    elif tl is list or tl is tuple:
+    if tl is list or tl is tuple:
         # A router's lengths as it holds them: checked by the general path's
         # own rule (the batch and the fleet are known good here, so its
-        # error is the one the general path would raise).
+        # error is the one the general path would raise), into a new
+        # C-contiguous int64 array.
         lens = host_lengths(lens, "num_tokens" if lookup else "max_lengths",
                             offsets.shape[0])  # fmt: skip
-    elif tl is torch.Tensor:
-        if (
-            lens.dtype is not torch.int64
-            or lens.layout is not torch.strided
-            or lens.requires_grad
-            or lens.is_cuda
-        ):
-            return None
-        lens = lens.numpy() if lens.device.type == "cpu" else None
-        if lens is None or lens.ndim != 1:
-            return None
     else:
-        return None
-    if lens.shape[0] != offsets.shape[0]:
-        return None
-    if not (lens.flags.c_contiguous and lens.flags.writeable):
-        # numba compiles a kernel per array layout and write flag (~15 s each
-        # on a fresh machine): a strided or read-only lens is copied to the
-        # one form the kernel is compiled for (B ints; never written).
-        lens = lens.copy()
-    drop = host.use_eagle and (apply_eagle or lookup)
-    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
-    bad, out = kernel(fleet.host_table, rows, offsets, lengths, lens, host.members,
+        if tl is torch.Tensor:
+            if (
+                lens.dtype is not torch.int64
+                or lens.layout is not torch.strided
+                or lens.requires_grad
+                or lens.is_cuda
+            ):
+                return None
+            lens = lens.numpy() if lens.device.type == "cpu" else None
+            if lens is None:
+                return None
+        elif tl is not np.ndarray or lens.dtype is not _INT64:
+            return None
+        if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
+            return None
+        if not (lens.flags.c_contiguous and lens.flags.writeable):
+            # numba compiles a kernel per array layout and write flag (~15 s
+            # each on a fresh machine): a strided or read-only lens is copied
+            # to the one form the kernel is compiled for (B ints; never
+            # written).
+            lens = lens.copy()
+    bad, out = kernel(fleet.host_table, rows, offsets, lengths, lens, members,
                       fleet.live, params)  # fmt: skip
     return None if bad >= 0 else torch.from_numpy(out)
 
