@@ -23,6 +23,9 @@ kvhit's repeats, then all of Dynamo's).
 
 Run ``python -m kvhit.bench.bench_fleet [--quick]``; prints Markdown tables
 of medians and ratios measured side by side in one process.
+``bench/fleet_steps.py`` splits the Dynamo table's step into its stages
+(packing, lengths, kernel, answer, stores) and times it in two checkouts
+side by side.
 """
 
 from __future__ import annotations

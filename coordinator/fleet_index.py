@@ -221,6 +221,8 @@ class FleetIndex:
         host_table: ``table`` as numpy where the family's host kernels read
             it (numba: a view, kept so that a lookup makes no torch call for
             it), else None.
+        host_kernel: the family's compiled router kernel
+            (``fleet_numba.full_hits_checked``) where it has one, else None.
         live: int64 ``[NW]``, the active engines as an engine set
             (:meth:`live_words` when they last changed).
         active_mask: bool ``[E]`` (CPU), True for the active engines (the
@@ -288,15 +290,23 @@ class FleetIndex:
             keys.shape[0], self.W, self.NW, keys.device
         )
         self.host_table = ops.host_table(self.table)
+        # The router call's kernel where the family reads its table on the
+        # host (fleet_scoring.fleet_full_host), else None.
+        self.host_kernel = getattr(ops, "host_kernel", None)
         self.keys.copy_(keys)
         self.bits.copy_(bits)
         self.entries = entries
         self.active_mask = active.to("cpu").clone()
         # Views the host store reads (active_mask changes in place only).
         self._active_np = self.active_mask.numpy()
-        self._store_host = getattr(ops, "add_entries", None)
+        self._store_host = getattr(ops, "store_entries", None)
         self.live = self.live_words()
         self.max_load = max_load
+        # A store's fixed cost: its bounds, computed once (the table's load
+        # limit again at each rehash), and engine ids as 1-element arrays.
+        self._cap_limit = self._limit(self.table.shape[0])
+        self._max_gid = self.max_group_id
+        self._one_engine: dict[int, np.ndarray] = {}
         self._size = size
         self._tombstones = tombs
         # Per engine, how many keys it holds (kept exact by every mutation).
@@ -434,6 +444,7 @@ class FleetIndex:
         bits[slots] = self.bits[live]
         self.table, self.keys, self.bits = table, keys, bits
         self.host_table = self.ops.host_table(table)
+        self._cap_limit = self._limit(capacity)
         self._tombstones = 0
         self._version += 1
 
@@ -477,61 +488,54 @@ class FleetIndex:
 
     def _add_host(self, engine_ids: Any, group_ids: Any, hashes: Any) -> int | None:
         """:meth:`add` in one kernel pass on numpy views (the family's
-        ``add_entries``: keys, engine bits, entry index and per-engine counts
-        together), for arguments in a form that needs no conversion and a
-        store that needs no growth; None hands the call to the general path
-        (which converts, grows, or raises naming the argument)."""
+        ``store_entries``: the engines and group ids checked, then keys,
+        engine bits, entry index and per-engine counts together), for
+        arguments in a form that needs no conversion and a store that needs
+        no growth; None hands the call to the general path (which converts,
+        grows, or raises naming the argument). A store's fixed cost is what a
+        KV event pays, so the checks left here are type tests and counts."""
         entries = self.entries
         keys = entries.host_keys(group_ids, hashes)
+        if keys is None:
+            return None
         ent_table = entries.host_table
-        if keys is None or ent_table is None:
+        if ent_table is None:
             return None
         g, h = keys
         n = g.shape[0]
-        e = self._host_engines(engine_ids, n)
-        if e is None:
-            return None
+        if type(engine_ids) is int:
+            # One engine for every key: a 1-element array the kernel
+            # broadcasts (its range and activity checked there), one per
+            # engine id, made once.
+            e = self._one_engine.get(engine_ids)
+            if e is None:
+                if not 0 <= engine_ids < self.num_engines:
+                    return None
+                e = self._one_engine[engine_ids] = np.full(1, engine_ids, np.int64)
+        else:
+            e = host_int64(engine_ids)
+            if e is None or e.ndim != 1 or e.shape[0] != n or not e.flags.c_contiguous:
+                return None
         if n == 0:
             return 0
-        if (
-            self._size + self._tombstones + n > self._limit(self.capacity)
-            or not entries.has_room_for(n)
-            or (self.num_engines > 1 and g.max() > self.max_group_id)
-        ):
+        if self._size + self._tombstones + n > self._cap_limit or n > entries.room():
             return None
         new_keys, new_bits, new_entries = self._store_host(
-            self.host_table, ent_table, g, h, e, self.num_engines, self._per_engine
-        )
+            self.host_table, ent_table, g, h, e, self._active_np, self._per_engine,
+            self._max_gid,
+        )  # fmt: skip
+        if new_keys < 0:
+            if new_keys == -1:
+                # A bad or inactive engine, or a group id past max_group_id:
+                # nothing stored; the general path raises naming it.
+                return None
+            raise RuntimeError(  # pragma: no cover - room was checked
+                "insert: the table has no free slot for some keys"
+            )
         self._size += new_keys
         entries.note_stored(new_entries)
         self._version += 1
         return new_bits
-
-    def _host_engines(self, engine_ids: Any, n: int) -> np.ndarray | None:
-        """``engine_ids`` as a numpy int64 ``[n]`` view when it is an int, a
-        CPU int64 tensor or an int64 numpy array of active engines, else None
-        (see :meth:`_add_host`)."""
-        E = self.num_engines
-        active = self._active_np
-        if type(engine_ids) is int:
-            if not 0 <= engine_ids < E or not active[engine_ids]:
-                return None
-            return np.full(n, engine_ids, dtype=np.int64)
-        engine_ids = host_int64(engine_ids)
-        if (
-            engine_ids is None
-            or engine_ids.ndim != 1
-            or engine_ids.shape[0] != n
-            or not engine_ids.flags.c_contiguous
-        ):
-            return None
-        if n and (
-            engine_ids.min() < 0
-            or engine_ids.max() >= E
-            or not active[engine_ids].all()
-        ):
-            return None
-        return engine_ids
 
     def remove(self, engine_ids: Any, group_ids: Any, hashes: Any) -> int:
         """Engine ``engine_ids[i]`` no longer holds key ``(group_ids[i],
@@ -641,21 +645,15 @@ class FleetIndex:
 
     # -- lookups: what LookupEngine.fleet_hits / fleet_lookup call -----------------
 
-    def router_hits(
-        self,
-        engine: LookupEngine,
-        batch: Any,
-        lens: Any,
-        apply_eagle: bool,
-        lookup: bool,
-    ) -> torch.Tensor | None:
-        """A router's call, checked and answered at the cost of one kernel
-        dispatch where it takes the host path
-        (:func:`~kvhit.coordinator.fleet_scoring.fleet_full_host`): int64
-        ``[B, E]``, or None (nothing checked or changed; the engine then
-        validates everything and calls :meth:`hits_unchecked`)."""
-        return fleet_scoring.fleet_full_host(engine, batch, lens, self, apply_eagle,
-                                             lookup)  # fmt: skip
+    #: A router's call, checked and answered at the cost of one kernel
+    #: dispatch where it takes the host path: int64 ``[B, E]``, or None
+    #: (nothing checked or changed; the engine then validates everything and
+    #: calls :meth:`hits_unchecked`). Called as ``fleet.router_hits(engine,
+    #: batch, lens, apply_eagle, lookup)``; the function itself
+    #: (:func:`~kvhit.coordinator.fleet_scoring.fleet_full_host`), not a
+    #: wrapper: a router's batch is cold, and each Python frame costs
+    #: microseconds there.
+    router_hits = fleet_scoring.fleet_full_host
 
     def check_batch(self, batch: HashBatch, device: torch.device) -> None:
         """Raise naming ``fleet`` unless this fleet is on ``device`` with

@@ -14,9 +14,9 @@ COST OF A LOOKUP
   then a tight prefetch loop then the run logic on cached rows; the next
   request's first tile during this one's logic). The cost grows with the
   blocks scanned, not with E x blocks (E only adds ``ceil(E / 64)`` words per
-  block and the ``[B, E]`` output). A router's call (a ``from_ints`` batch,
-  numpy or CPU tensor lengths) is checked and answered by
-  :func:`fleet_full_host` at the cost of one kernel dispatch.
+  block and the ``[B, E]`` output). A router's call (a ``from_ints`` batch;
+  lengths as a list, a tuple, numpy or a CPU tensor) is checked and answered
+  by :func:`fleet_full_host` at the cost of one kernel dispatch.
 * Every other layout (sliding window, Mamba, chunked local, several
   SpecGroups, fine-grained hits; numba): the single-engine numba scan of
   ``kernels/scan_numba.py`` (vLLM's whole rule) per (request, engine) pair
@@ -74,6 +74,7 @@ import torch
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
+from kvhit.kernels.checks import host_lengths
 from kvhit.kernels.contract import KIND_FULL
 from kvhit.kernels.fleet_torch import unpack_engines
 from kvhit.kernels.hash_index_torch import new_table
@@ -101,6 +102,7 @@ class FleetTables(Protocol):
     keys: torch.Tensor
     bits: torch.Tensor
     host_table: np.ndarray | None
+    host_kernel: Any
     live: np.ndarray
     active_mask: torch.Tensor
     entries: KeyIndex
@@ -178,69 +180,112 @@ def _host_plan(engine: LookupEngine) -> _HostPlan:
 
 _INT64 = np.dtype(np.int64)
 
+# (id(plan), NW, E, apply_eagle, lookup) -> (plan, engine device, member
+# group ids, kernel params), or members None where the joint scan does not
+# answer the layout or the engine is off the CPU: the router call's
+# per-plan arguments in one dict lookup (the plan and device held keep
+# their ids valid; a different engine device is looked up again).
+_ROUTER_ARGS: dict[tuple, tuple] = {}
+
+
+def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: bool,
+                 lookup: bool) -> tuple:  # fmt: skip
+    """:data:`_ROUTER_ARGS`' entry for this call, built and remembered."""
+    host = _host_plan(engine)
+    members = params = None
+    if (host.full_lookup if lookup else host.full) and engine.device.type == "cpu":
+        members = host.members
+        drop = host.use_eagle and (apply_eagle or lookup)
+        params = host.params(nw, num_engines, drop, lookup)
+    if len(_ROUTER_ARGS) >= 256:
+        _ROUTER_ARGS.clear()
+    got = (engine.plan, engine.device, members, params)
+    _ROUTER_ARGS[(id(engine.plan), nw, num_engines, apply_eagle, lookup)] = got
+    return got
+
 
 def fleet_full_host(
+    fleet: FleetTables,
     engine: LookupEngine,
     batch: Any,
     lens: Any,
-    fleet: FleetTables,
     apply_eagle: bool,
     lookup: bool,
 ) -> torch.Tensor | None:
     """``LookupEngine.fleet_hits`` / ``fleet_lookup`` (``lookup``) on the
     router's common path, checked and answered at the cost of one kernel
-    dispatch: a CPU ``batch`` (a :class:`HashBatch` whose host arrays exist,
-    as :meth:`HashBatch.from_ints` builds them), ``lens`` an int64 numpy
-    array ``[B]`` or a CPU int64 tensor, a ``fleet`` of the batch's hash
+    dispatch (``FleetIndex.router_hits`` is this function): a CPU ``batch``
+    (a :class:`HashBatch` whose host arrays exist, as
+    :meth:`HashBatch.from_ints` builds them), a ``fleet`` of the batch's hash
     width whose family reads its table on the host (numba: a
-    ``host_table``), a full-attention layout. Returns int64 ``[B, E]``, or None when
-    any of that does not hold or ``lens`` holds a negative value: the caller
-    then takes the general path, which validates everything and raises
-    naming the bad argument. Nothing is modified either way.
+    ``host_kernel``), a full-attention layout, and ``lens`` an int64 numpy
+    array ``[B]``, a CPU int64 tensor, or a list or tuple of ints. Returns
+    int64 ``[B, E]``, or None when any of that does not hold or an array's
+    ``lens`` holds a negative value: the caller then takes the general path,
+    which validates everything and raises naming the bad argument. A bad
+    list or tuple raises here (``kernels/checks.host_lengths``, the general
+    path's own check, once the batch and fleet passed theirs). Nothing is
+    modified either way.
 
     A router scores each batch once, with caches cold: each further Python
-    or torch call there costs ~10-20 us, as much as scanning a request. So
+    or torch call there costs ~10-40 us, as much as scanning a request. So
     every check here is a type or attribute test on objects kvhit built
     (the batch's host arrays, the fleet's table, the plan's parameters,
-    cached per plan), and ``lens``' values are checked inside the kernel.
+    cached per plan), and an array's values are checked inside the kernel.
     """
-    table = fleet.host_table
-    if table is None:
+    kernel = fleet.host_kernel
+    if (
+        kernel is None
+        or type(batch) is not HashBatch
+        or batch.hash_bytes != fleet.hash_bytes
+    ):
         return None
-    if type(batch) is not HashBatch or batch.hash_bytes != fleet.hash_bytes:
-        return None
-    host = _host_plan(engine)
-    if not (host.full_lookup if lookup else host.full) or engine.device.type != "cpu":
-        return None
-    if type(lens) is torch.Tensor:
-        if (
-            lens.dtype is not torch.int64
-            or lens.layout is not torch.strided
-            or lens.requires_grad
-            or lens.is_cuda
-        ):
-            return None
-        lens = lens.numpy() if lens.device.type == "cpu" else None
-        if lens is None:
-            return None
-    elif type(lens) is not np.ndarray or lens.dtype is not _INT64:
+    nw, num_engines = fleet.NW, fleet.num_engines
+    plan = engine.plan
+    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, lookup))
+    if got is None or got[0] is not plan or got[1] is not engine.device:
+        got = _router_args(engine, nw, num_engines, apply_eagle, lookup)
+    members, params = got[2], got[3]
+    if members is None:
         return None
     try:
         # Cached on the batch (from_ints builds them); raises off the CPU.
         rows, offsets, lengths = batch.host_arrays()
     except ValueError:
         return None
-    if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
-        return None
-    if not (lens.flags.c_contiguous and lens.flags.writeable):
-        # numba compiles a kernel per array layout and write flag (~15 s each
-        # on a fresh machine): a strided or read-only lens is copied to the
-        # one form the kernel is compiled for (B ints; never written).
-        lens = lens.copy()
-    drop = host.use_eagle and (apply_eagle or lookup)
-    params = host.params(fleet.NW, fleet.num_engines, drop, lookup)
-    return fleet.ops.host_hits(table, rows, offsets, lengths, lens, host.members,
-                               fleet.live, params)  # fmt: skip
+    tl = type(lens)
+    if tl is list or tl is tuple:
+        # A router's lengths as it holds them: checked by the general path's
+        # own rule (the batch and the fleet are known good here, so its
+        # error is the one the general path would raise), into a new
+        # C-contiguous int64 array.
+        lens = host_lengths(lens, "num_tokens" if lookup else "max_lengths",
+                            offsets.shape[0])  # fmt: skip
+    else:
+        if tl is torch.Tensor:
+            if (
+                lens.dtype is not torch.int64
+                or lens.layout is not torch.strided
+                or lens.requires_grad
+                or lens.is_cuda
+            ):
+                return None
+            lens = lens.numpy() if lens.device.type == "cpu" else None
+            if lens is None:
+                return None
+        elif tl is not np.ndarray or lens.dtype is not _INT64:
+            return None
+        if lens.ndim != 1 or lens.shape[0] != offsets.shape[0]:
+            return None
+        if not (lens.flags.c_contiguous and lens.flags.writeable):
+            # numba compiles a kernel per array layout and write flag (~15 s
+            # each on a fresh machine): a strided or read-only lens is copied
+            # to the one form the kernel is compiled for (B ints; never
+            # written).
+            lens = lens.copy()
+    bad, out = kernel(fleet.host_table, rows, offsets, lengths, lens, members,
+                      fleet.live, params)  # fmt: skip
+    return None if bad >= 0 else torch.from_numpy(out)
 
 
 def _engine_table(fleet: FleetTables, g: torch.Tensor, h: torch.Tensor) -> KeyIndex:

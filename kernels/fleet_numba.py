@@ -53,6 +53,7 @@ __all__ = [
     "insert_keys",
     "probe_bits",
     "set_bits",
+    "store_entries",
     "warm_up",
 ]
 
@@ -143,33 +144,73 @@ def _claim(table, gid, keys, r):
     return -1
 
 
+@numba.njit(inline="always", **_JIT)
+def _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines, r):
+    """Prefetch the home rows entry ``r`` of a store reads: its key's in
+    ``table`` and its entry key's in ``entries``."""
+    e = engines[0] if one else engines[r]
+    _prefetch_block(table, gids[r], hashes, r)
+    _prefetch_block(entries, gids[r] * num_engines + e, hashes, r)
+
+
 @numba.njit(**_JIT)
-def _add_entries(table, entries, gids, hashes, engines, num_engines, per_engine, out):
-    """The whole of a FleetIndex store, one pass per entry: the key into
-    ``table`` (keys, then engine sets), engine ``engines[r]``'s bit, and when
-    the bit is new the entry key ``gids[r] * E + engines[r]`` into the entry
-    index's table ``entries`` and one more key for ``per_engine``.
-    ``out``: keys, engine bits and entries newly stored. Returns -1, or the
-    first row that found no free slot (rows before it are stored)."""
+def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_gid):
+    """The whole of a FleetIndex store, checked first, then one pass per
+    entry: the key into ``table`` (keys, then engine sets), engine
+    ``engines[r]``'s bit (``engines[0]`` for every entry when it holds one),
+    and when the bit is new the entry key ``gids[r] * E + engines[r]`` into
+    the entry index's table ``entries`` and one more key for ``per_engine``
+    (``E = active.shape[0]``).
+
+    Returns (keys, engine bits, entries) newly stored; ``(-1, r, 0)``, with
+    nothing stored, when entry ``r`` is the first whose engine is outside
+    ``[0, E)`` or not ``active`` or whose group id exceeds ``max_gid``;
+    ``(-2, r, 0)`` when entry ``r`` found no free slot (entries before it
+    stored).
+
+    Each entry's two home rows are prefetched ``_AHEAD`` entries early (the
+    first ones during the checks): a store's keys are random slots of tables
+    far larger than the caches, so each is a cache miss, and these keep
+    several in flight instead of one at a time."""
+    n = gids.shape[0]
+    num_engines = active.shape[0]
+    one = engines.shape[0] == 1
+    for r in range(n):
+        e = engines[0] if one else engines[r]
+        if e < 0 or e >= num_engines or not active[e] or gids[r] > max_gid:
+            return np.int64(-1), np.int64(r), np.int64(0)
+        if r < _AHEAD:
+            _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines, r)
     W1 = hashes.shape[1] + 1
-    for r in range(gids.shape[0]):
+    n_keys = np.int64(0)
+    n_bits = np.int64(0)
+    n_entries = np.int64(0)
+    for r in range(n):
+        if r + _AHEAD < n:
+            _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines,
+                            r + _AHEAD)  # fmt: skip
         got = _claim(table, gids[r], hashes, r)
         if got < 0:
-            return r
-        out[0] += got & 1
-        e = engines[r]
+            return np.int64(-2), np.int64(r), np.int64(0)
+        n_keys += got & 1
+        e = engines[0] if one else engines[r]
         slot = got >> 1
         w = W1 + (e >> 6)
         b = np.int64(1) << np.int64(e & 63)
         if table[slot, w] & b == 0:
             got = _claim(entries, gids[r] * num_engines + e, hashes, r)
             if got < 0:
-                return r
-            out[2] += got & 1
+                return np.int64(-2), np.int64(r), np.int64(0)
+            n_entries += got & 1
             table[slot, w] |= b
             per_engine[e] += 1
-            out[1] += 1
-    return -1
+            n_bits += 1
+    return n_keys, n_bits, n_entries
+
+
+#: The checked store kernel (:func:`_add_entries`), which a FleetIndex calls
+#: on its host tables with no wrapper between (a store's fixed cost).
+store_entries = _add_entries
 
 
 def add_entries(
@@ -178,36 +219,32 @@ def add_entries(
     gids: np.ndarray,
     hashes: np.ndarray,
     engines: np.ndarray,
-    num_engines: int,
+    active: np.ndarray,
     per_engine: np.ndarray,
+    max_gid: int,
 ) -> tuple[int, int, int]:
     """A FleetIndex store on its host tables, in place: engine ``engines[r]``
-    holds key ``(gids[r], hashes[r])``.
+    (``engines[0]`` for every key when ``engines`` holds one) holds key
+    ``(gids[r], hashes[r])``.
 
     table: int64 ``[C, W + 1 + NW]`` (keys, then engine sets); entries: the
-    entry index's table, int64 ``[C', W + 1]``; gids, engines: int64 ``[N]``
-    (engines in ``[0, E)``); hashes: int64 ``[N, W]``; per_engine: int64
-    ``[E]``, the keys per engine, counted up. All C-contiguous, trusted (the
-    FleetIndex checked them and left room in both tables). Returns (keys,
-    engine bits, entries) newly stored. RuntimeError if a table had no free
-    slot (rows before the failing one are stored)."""
-    out = np.zeros(3, dtype=np.int64)
-    if (
-        gids.shape[0]
-        and _add_entries(
-            table,
-            entries,
-            gids,
-            hashes,
-            engines,
-            np.int64(num_engines),
-            per_engine,
-            out,
-        )
-        >= 0
-    ):
+    entry index's table, int64 ``[C', W + 1]``; gids, engines: int64 ``[N]``;
+    hashes: int64 ``[N, W]``; active: bool ``[E]``, the engines that may
+    store; per_engine: int64 ``[E]``, the keys per engine, counted up;
+    max_gid: the largest group id an entry key can take. All C-contiguous,
+    the keys checked (the FleetIndex's) and room left in both tables.
+    Returns (keys, engine bits, entries) newly stored. ValueError, nothing
+    stored, for an engine outside ``[0, E)`` or inactive or a group id past
+    ``max_gid``; RuntimeError if a table had no free slot (rows before the
+    failing one are stored)."""
+    a, b, c = _add_entries(table, entries, gids, hashes, engines, active,
+                           per_engine, np.int64(max_gid))  # fmt: skip
+    if a == -1:
+        raise ValueError(f"add_entries: entry {b} has a bad or inactive engine "
+                         "or a group id past max_gid")  # fmt: skip
+    if a < 0:
         raise RuntimeError("insert: the table has no free slot for some keys")
-    return int(out[0]), int(out[1]), int(out[2])
+    return int(a), int(b), int(c)
 
 
 @numba.njit(**_JIT)
@@ -827,7 +864,10 @@ def warm_up() -> None:
     entries[:, 0] = _EMPTY
     one = np.zeros(1, dtype=np.int64)
     h = np.ones((1, W), dtype=np.int64)
-    add_entries(table, entries, one, h, one, 1, np.zeros(1, dtype=np.int64))
+    # The store's engines: a 1-element array (one engine for every key) or
+    # one per key; the active flags a bool view of the fleet's tensor.
+    add_entries(table, entries, one, h, one, np.ones(1, dtype=np.bool_),
+                np.zeros(1, dtype=np.int64), (1 << 63) - 1)  # fmt: skip
     insert_keys(table, one, h)
     slots = find_keys(table, one, h)
     set_bits(bits, slots, one)
@@ -861,6 +901,12 @@ class FleetOps:
     #: The backend of the fleet's entry index (a KeyIndex of its own).
     entries_backend = "numba"
 
+    def __init__(self) -> None:
+        #: The router call's kernel (:func:`full_hits_checked`), which
+        #: ``fleet_scoring.fleet_full_host`` calls with no wrapper between
+        #: (read when the fleet is built, so a test may patch the module's).
+        self.host_kernel = full_hits_checked
+
     @staticmethod
     def new_tables(
         capacity: int, W: int, NW: int, device: torch.device
@@ -876,9 +922,10 @@ class FleetOps:
         table[:, 0] = EMPTY
         return table, table[:, : W + 1], table[:, W + 1 :]
 
-    #: The fused host store (:func:`add_entries`), which a FleetIndex calls
-    #: on numpy views when the family has one.
-    add_entries = staticmethod(add_entries)
+    #: The fused host store (:func:`add_entries`'s kernel, no wrapper:
+    #: ``(keys, bits, entries)`` newly stored or a negative code), which a
+    #: FleetIndex calls on numpy views when the family has one.
+    store_entries = staticmethod(store_entries)
     #: Load the kernels now (:func:`warm_up`); a FleetIndex calls it when
     #: built warm.
     warm_up = staticmethod(warm_up)

@@ -105,6 +105,8 @@ def test_fleet_parity_other_backends(engine_backend, full, data):
 def test_joint_scan_is_taken_for_full_attention(monkeypatch):
     from kvhit.kernels import fleet_numba
 
+    # Loaded first: a process's first fleet warms its kernels with one call.
+    fleet_numba.warm_up()
     calls = []
     real = fleet_numba.full_hits_checked
     monkeypatch.setattr(
@@ -179,9 +181,10 @@ def test_fused_kernel_entry_points_agree():
 
 
 def test_router_path_takes_numpy_and_tensor_lengths():
-    # A router's call: a from_ints batch and numpy lengths go straight to the
-    # fused kernel (lengths checked inside it); every other length type the
-    # general path takes. All answer alike; a negative length is refused
+    # A router's call: a from_ints batch and int64 numpy or tensor lengths
+    # go straight to the fused kernel (lengths checked inside it), lists
+    # too (test_router_path_takes_list_lengths); other forms the general
+    # path takes. All answer alike; a negative length is refused
     # naming the argument, whichever path saw it.
     layout = make_layout("llama")
     engine = LookupEngine(layout)
@@ -219,6 +222,49 @@ def test_router_path_takes_numpy_and_tensor_lengths():
         engine.fleet_hits(batch, np.array(lens[:3]), fleet)
     with pytest.raises(ValueError, match="hash width"):
         engine.fleet_hits(batch, np.array(lens), FleetIndex(3, 16))
+
+
+def test_router_path_takes_list_lengths(monkeypatch):
+    # Lengths as a router holds them (a list or tuple of ints) take the
+    # router path too (the general path is never reached), bad ones refused
+    # there naming the argument, by the general path's own check.
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    fleet = make_fleet(stores_)
+    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    want = expected(layout, reqs, stores_, lens)
+    want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
+
+    def general(*args):
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(fleet, "hits_unchecked", general)
+    for value in (lens, tuple(lens)):
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+        assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+    # Lengths of 0 and 1 (below the list check's quick bound) answer alike.
+    small = [0, 1, 16, 144]
+    assert engine.fleet_hits(batch, small, fleet).tolist() == expected(
+        layout, reqs, stores_, small
+    )
+    bad = [
+        (ValueError, [144, -1, 16, 33]),
+        (ValueError, [144, 80, 16]),
+        (ValueError, [144, 80, 16, 2**63]),
+        (TypeError, [144, 80, 16, 33.0]),
+        (TypeError, [144, True, 16, 33]),
+        (TypeError, [144, "80", 16, 33]),
+        (TypeError, (144, None, 16, 33)),
+    ]
+    for exc, value in bad:
+        with pytest.raises(exc, match="max_lengths"):
+            engine.fleet_hits(batch, value, fleet)
+        with pytest.raises(exc, match="num_tokens"):
+            engine.fleet_lookup(batch, value, fleet)
 
 
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
@@ -437,6 +483,72 @@ def test_bad_inputs_change_nothing():
         FleetIndex(2, 8, backend="cuda")
     with pytest.raises(ValueError, match="max_load"):
         FleetIndex(2, 8, max_load=1.0)
+
+
+def _entry_snapshot(fleet):
+    return (*_snapshot(fleet), len(fleet.entries), fleet.entries.table.clone())
+
+
+def test_host_store_matches_the_general_path_and_refuses_alike():
+    # FleetIndex.add's host store (numpy or tensor keys: one checked kernel
+    # pass, entries prefetched ahead) against the general path (the same
+    # keys as bytes): the same keys, engine sets, entries and counts, for
+    # engines given as an int (broadcast), an array and a tensor, stores
+    # longer than the prefetch distance, and re-adds. Bad engines and group
+    # ids are refused naming the argument, nothing stored.
+    rng = np.random.default_rng(5)
+    E = 70
+    fast, slow = FleetIndex(E, 8, capacity=4096), FleetIndex(E, 8, capacity=4096)
+    for fleet in (fast, slow):
+        fleet.remove_engine(9)
+    prev = np.zeros((0, 1), dtype=np.int64)
+
+    def general(*args, **kwargs):
+        raise AssertionError("the general path was taken")
+
+    fast._entries = general  # every valid store below takes the host store
+    for step in range(40):
+        n = int(rng.integers(0, 60))
+        words = rng.integers(-(2**63), 2**63 - 1, size=(n, 1), dtype=np.int64)
+        if step % 3 == 0:
+            k = min(n // 2, prev.shape[0])
+            words[:k] = prev[:k]  # re-added keys
+        groups = rng.integers(0, 3, size=n, dtype=np.int64)
+        form = step % 3
+        if form == 0:
+            engines = int(rng.choice([e for e in range(E) if e != 9]))
+            arg = engines
+        else:
+            engines = rng.choice([e for e in range(E) if e != 9], size=n)
+            arg = engines if form == 1 else torch.from_numpy(engines)
+        got = fast.add(arg, groups, words)
+        as_bytes = [w.tobytes() for w in words[:, 0]]
+        want = slow.add(
+            np.broadcast_to(np.asarray(engines), (n,)).copy(), groups.tolist(), as_bytes
+        )
+        assert got == want, step
+        assert _same(_snapshot(fast), _snapshot(slow)), step
+        assert len(fast.entries) == len(slow.entries), step
+        prev = words
+    del fast._entries
+    before = _entry_snapshot(fast)
+    h = np.arange(1, 4, dtype=np.int64).reshape(-1, 1)
+    bad = [
+        (ValueError, "engine_ids", lambda: fast.add(9, 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(E, 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, 9, 1]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, -1, 1]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(torch.tensor([0, 1, E]), 0, h)),
+        (ValueError, "engine_ids", lambda: fast.add(np.array([0, 1]), 0, h)),
+        (ValueError, "group_ids", lambda: fast.add(
+            0, np.array([0, fast.max_group_id + 1, 0]), h)),
+        (ValueError, "group_ids", lambda: fast.add(0, np.array([0, -1, 0]), h)),
+    ]  # fmt: skip
+    for exc, match, fn in bad:
+        with pytest.raises(exc, match=match):
+            fn()
+        after = _entry_snapshot(fast)
+        assert _same(before[:-1], after[:-1]) and torch.equal(before[-1], after[-1])
 
 
 def test_lookup_bad_inputs():
