@@ -116,11 +116,9 @@ def insert_keys(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
 
 @numba.njit(inline="always", **_JIT)
 def _claim(table, gid, keys, r):
-    """Slot of key ``(gid, keys[r])`` in ``table`` (its key in the first
-    ``W + 1`` columns), storing it in the first EMPTY slot of its probe
-    sequence when absent: ``2 * slot + 1`` when stored now, ``2 * slot`` when
-    it was there, -1 when the table has no free slot (as KeyIndex's insert:
-    only EMPTY slots are claimed, tombstones are passed over)."""
+    """Key ``(gid, keys[r])``'s slot, stored in its probe sequence's first
+    EMPTY slot when absent (tombstones passed over, as KeyIndex's insert):
+    ``2 * slot + 1`` stored now, ``2 * slot`` already there, -1 no room."""
     cap = table.shape[0]
     mask = cap - 1
     W = keys.shape[1]
@@ -155,23 +153,14 @@ def _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines, r):
 
 @numba.njit(**_JIT)
 def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_gid):
-    """The whole of a FleetIndex store, checked first, then one pass per
-    entry: the key into ``table`` (keys, then engine sets), engine
-    ``engines[r]``'s bit (``engines[0]`` for every entry when it holds one),
-    and when the bit is new the entry key ``gids[r] * E + engines[r]`` into
-    the entry index's table ``entries`` and one more key for ``per_engine``
-    (``E = active.shape[0]``).
-
-    Returns (keys, engine bits, entries) newly stored; ``(-1, r, 0)``, with
-    nothing stored, when entry ``r`` is the first whose engine is outside
-    ``[0, E)`` or not ``active`` or whose group id exceeds ``max_gid``;
-    ``(-2, r, 0)`` when entry ``r`` found no free slot (entries before it
-    stored).
-
-    Each entry's two home rows are prefetched ``_AHEAD`` entries early (the
-    first ones during the checks): a store's keys are random slots of tables
-    far larger than the caches, so each is a cache miss, and these keep
-    several in flight instead of one at a time."""
+    """:func:`add_entries`' kernel, checked first, then one pass per entry;
+    when an engine bit is new, the entry key ``gids[r] * E + engines[r]``
+    goes into ``entries`` and ``per_engine`` counts it (``E =
+    active.shape[0]``). Returns (keys, bits, entries) newly stored;
+    ``(-1, r, 0)``, nothing stored, for the first bad entry ``r``; ``(-2, r,
+    0)`` when entry ``r`` found no free slot (those before it stored). Home
+    rows are prefetched ``_AHEAD`` entries early: each is a cache miss into
+    a table larger than the caches, and this keeps several in flight."""
     n = gids.shape[0]
     num_engines = active.shape[0]
     one = engines.shape[0] == 1
@@ -213,30 +202,18 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
 store_entries = _add_entries
 
 
-def add_entries(
-    table: np.ndarray,
-    entries: np.ndarray,
-    gids: np.ndarray,
-    hashes: np.ndarray,
-    engines: np.ndarray,
-    active: np.ndarray,
-    per_engine: np.ndarray,
-    max_gid: int,
-) -> tuple[int, int, int]:
-    """A FleetIndex store on its host tables, in place: engine ``engines[r]``
-    (``engines[0]`` for every key when ``engines`` holds one) holds key
-    ``(gids[r], hashes[r])``.
-
-    table: int64 ``[C, W + 1 + NW]`` (keys, then engine sets); entries: the
-    entry index's table, int64 ``[C', W + 1]``; gids, engines: int64 ``[N]``;
-    hashes: int64 ``[N, W]``; active: bool ``[E]``, the engines that may
-    store; per_engine: int64 ``[E]``, the keys per engine, counted up;
-    max_gid: the largest group id an entry key can take. All C-contiguous,
-    the keys checked (the FleetIndex's) and room left in both tables.
-    Returns (keys, engine bits, entries) newly stored. ValueError, nothing
-    stored, for an engine outside ``[0, E)`` or inactive or a group id past
-    ``max_gid``; RuntimeError if a table had no free slot (rows before the
-    failing one are stored)."""
+def add_entries(table: np.ndarray, entries: np.ndarray, gids: np.ndarray,
+                hashes: np.ndarray, engines: np.ndarray, active: np.ndarray,
+                per_engine: np.ndarray, max_gid: int) -> tuple[int, int, int]:  # fmt: skip
+    """A FleetIndex store in place: engine ``engines[r]`` (``engines[0]``
+    for all when it holds one) holds key ``(gids[r], hashes[r])``. table:
+    int64 ``[C, W + 1 + NW]``; entries: int64 ``[C', W + 1]``; gids,
+    engines: int64 ``[N]``; hashes: int64 ``[N, W]``; active: bool ``[E]``;
+    per_engine: int64 ``[E]``, counted up; max_gid: the largest group id an
+    entry key takes. C-contiguous, room left in both tables. Returns (keys,
+    bits, entries) newly stored; ValueError, nothing stored, for an engine
+    outside ``[0, E)`` or inactive or a group id past ``max_gid``;
+    RuntimeError when a table had no free slot (earlier rows stored)."""
     a, b, c = _add_entries(table, entries, gids, hashes, engines, active,
                            per_engine, np.int64(max_gid))  # fmt: skip
     if a == -1:
@@ -576,18 +553,9 @@ def _store_bits(runs, r, k, word, value, n_eng):
         x ^= low
 
 
-def full_runs(
-    table: np.ndarray,
-    num_words: int,
-    rows: np.ndarray,
-    offsets: np.ndarray,
-    lengths: np.ndarray,
-    ends: np.ndarray,
-    scale: int,
-    members: np.ndarray,
-    live: np.ndarray,
-    num_engines: int,
-) -> np.ndarray:
+def full_runs(table: np.ndarray, num_words: int, rows: np.ndarray, offsets: np.ndarray,
+              lengths: np.ndarray, ends: np.ndarray, scale: int, members: np.ndarray,
+              live: np.ndarray, num_engines: int) -> np.ndarray:  # fmt: skip
     """Per request and engine, the leading run of full-attention blocks the
     engine holds (``table`` int64 ``[C, W + 1 + num_words]``: keys, then
     engine sets; the leading-run phase of ``reference.full_attention_hit``,
@@ -624,17 +592,10 @@ def full_hits_checked(table, rows, offsets, lengths, lens, members, live, params
     return -1, out
 
 
-def full_hits(
-    table: np.ndarray,
-    rows: np.ndarray,
-    offsets: np.ndarray,
-    lengths: np.ndarray,
-    lens: np.ndarray,
-    members: np.ndarray,
-    live: np.ndarray,
-    params: np.ndarray,
-    num_engines: int,
-) -> np.ndarray:
+def full_hits(table: np.ndarray, rows: np.ndarray, offsets: np.ndarray,
+              lengths: np.ndarray, lens: np.ndarray, members: np.ndarray,
+              live: np.ndarray, params: np.ndarray,
+              num_engines: int) -> np.ndarray:  # fmt: skip
     """vLLM's full-attention hit of every request against every engine, in
     one pass (``kernels/fleet_torch.FleetOps.full_hits`` on the runs of
     :func:`full_runs`, fused so that a call costs one dispatch and no
