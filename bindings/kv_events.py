@@ -778,6 +778,15 @@ def commit_plan(
     memory, a fixed-capacity index) leaves ``index`` as it was.
     """
     lock = lock if lock is not None else _NO_LOCK
+    parts = plan.parts
+    if len(parts) == 1 and type(index) is KeyIndex and not plan.clear:
+        # One event's stores into a host KeyIndex with room (a router's
+        # usual commit): its words and group id as they are, in one call.
+        is_add, gid, words = parts[0]
+        if is_add and index.host_table is not None and words.shape[0] <= index.room():
+            with lock:
+                added = index.add_trusted(gid, words)
+            return ApplyStats(plan.events, plan.skipped, added, 0, False)
     device = getattr(index, "device", "cpu")
     device_type = _device_type(device)
     keys = _plan_keys(plan, device, device_type == "cpu")

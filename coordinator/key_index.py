@@ -409,7 +409,7 @@ class KeyIndex:
         and when :meth:`to` moves the table)."""
         self._resolved = resolve_backend(self._backend, device)
         self.__dict__.pop("_kernels", None)
-        # The numba family stores through numpy views (see _add_host).
+        # The numba family stores through numpy views (see add_trusted).
         self._host = self._resolved == "numba"
 
     @functools.cached_property
@@ -690,15 +690,9 @@ class KeyIndex:
             elif type(g) is torch.Tensor:
                 g = g.numpy()
             added = kernels.insert_checked(self._np_table, g, gconst, h, self._pad)
-        if added < 0:
-            if added == kernels.REFUSED:
-                return None
-            self._recount()
-            raise RuntimeError("insert: the table has no free slot for some keys")
-        self._size += added
-        if added:
-            self._version += 1
-        return added
+        if added == kernels.REFUSED:
+            return None
+        return self._counted(added)
 
     def host_keys(
         self, group_ids: Any, hashes: Any
@@ -711,16 +705,18 @@ class KeyIndex:
         naming the argument)."""
         return host_key_arrays(group_ids, hashes, self.hash_bytes, self.W)
 
-    def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
-        """:meth:`add_trusted` on numpy views of normalized keys, for the
-        numba family on a host table: no tensor is made. A batch that may
-        need a rehash takes the general path (rare: growth is amortized)."""
-        n = g.shape[0]
-        if n == 0:
-            return 0
-        if self._size + self._tombstones + n > self._cap_limit:
-            return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
-        return self._stored(self._kernels.insert_count, self._np_table, g, h)
+    def _counted(self, added: int) -> int:
+        """The return of a host insert kernel (``hash_index_numba``'s
+        ``insert_checked``): the keys newly stored, counted; ``-1 - r`` (row
+        ``r`` found no free slot; the rows before it are stored): the table
+        is counted again and RuntimeError raised."""
+        if added < 0:
+            self._recount()
+            raise RuntimeError("insert: the table has no free slot for some keys")
+        self._size += added
+        if added:
+            self._version += 1
+        return added
 
     def _stored(self, insert: Callable[..., int], table: Any, g: Any, h: Any) -> int:
         """``insert(table, g, h)`` (the keys newly stored), counted. A failed
@@ -764,17 +760,20 @@ class KeyIndex:
         self._version += 1
 
     def add_trusted(
-        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+        self,
+        group_ids: torch.Tensor | np.ndarray | int,
+        hashes: torch.Tensor | np.ndarray,
     ) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
-        itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0,
-        ``hashes`` int64 ``[N, W]`` with zero padding bits, both contiguous
-        on this index's device; on the CPU numpy arrays too), e.g. a store
-        refresh's present keys or a KV event's (``bindings/kv_events.py``)."""
+        itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0, or
+        one int >= 0 for every key, ``hashes`` int64 ``[N, W]`` with zero
+        padding bits, both contiguous on this index's device; on the CPU
+        numpy arrays too), e.g. a store refresh's present keys or a KV
+        event's (``bindings/kv_events.py``)."""
         g, h = group_ids, hashes
         if self._read_only:
             self._check_writable("add")
-        n = g.shape[0]
+        n = h.shape[0]
         if n == 0:
             return 0
         if (
@@ -782,11 +781,24 @@ class KeyIndex:
             and self._np_table is not None
             and self._size + self._tombstones + n <= self._cap_limit
         ):
-            if type(g) is np.ndarray:
-                return self._add_host(g, h)
-            return self._add_host(g.numpy(), h.numpy())
-        if type(g) is np.ndarray:
-            g, h = torch.from_numpy(g), torch.from_numpy(h)
+            # The numba family on the host table, no tensor made: one kernel
+            # call (a batch that may need a rehash takes the general path).
+            if type(h) is not np.ndarray:
+                h = h.numpy()
+            gconst = -1
+            if type(g) is int:
+                g, gconst = NO_IDS, g
+            elif type(g) is not np.ndarray:
+                g = g.numpy()
+            return self._counted(
+                self._kernels.insert_checked(self._np_table, g, gconst, h, 0)
+            )
+        if type(h) is np.ndarray:
+            h = torch.from_numpy(h)
+        if type(g) is int:
+            g = torch.full((n,), g, dtype=torch.int64, device=self.device)
+        elif type(g) is np.ndarray:
+            g = torch.from_numpy(g)
         if not self.has_room_for(g.shape[0]):
             refuse_growth_in_capture(
                 "add",
