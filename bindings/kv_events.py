@@ -70,6 +70,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 import numpy as np
 import torch
 
+from kvhit.coordinator.event_payload import strip_token_ids
+from kvhit.coordinator.event_payload import warm_up as warm_up_scan
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
 from kvhit.kernels.checks import check_bool, check_int
@@ -102,11 +104,14 @@ __all__ = [
     "EventPlan",
     "KeyEventBatch",
     "LE_INT64",
+    "STRIP_FROM_BYTES",
     "PlanKeys",
     "RemovedKeys",
     "StoredKeys",
     "commit_plan",
     "decode_keys",
+    "decode_keys_whole",
+    "warm_up_decoder",
     "event_words",
     "hash_words",
     "index_hash_bytes",
@@ -250,11 +255,41 @@ _ENCODER = msgspec.msgpack.Encoder()
 LE_INT64 = np.dtype("<i8")
 
 
+#: Payloads from this many bytes on are decoded from a copy without their
+#: token ids (``kernels/event_scan_numba.py``): msgspec walks every id of a
+#: ``Raw`` field to find its end, the scan finds it faster. Below, the
+#: scan's call costs more than the walk it saves.
+STRIP_FROM_BYTES = 2048
+
+
 def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
     """Decode one payload for :func:`plan_events` without its token ids;
     raises :class:`MalformedPayload` on any defect ``decode_batch`` would
     refuse, but for the contents of ``block_hashes`` (found when planned)
     and of the skipped fields."""
+    data: Any = payload
+    if len(payload) >= STRIP_FROM_BYTES:
+        stripped = strip_token_ids(payload)
+        if stripped is not None:
+            data = stripped
+    try:
+        return _KEYS_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if data is not payload:
+            return decode_keys_whole(payload)  # refused as it came
+        raise MalformedPayload(f"not a KVEventBatch: {exc}") from None
+
+
+def warm_up_decoder() -> None:
+    """Load (or compile) :func:`decode_keys`' token-id scan now, so that the
+    first large event of a follower does not pay for it (once per
+    process)."""
+    warm_up_scan()
+
+
+def decode_keys_whole(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
+    """:func:`decode_keys` with the token ids walked by msgspec, whatever
+    the payload's size (the reference the scan is tested against)."""
     try:
         return _KEYS_DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
