@@ -13,8 +13,9 @@ Measurements (fresh keys every call, into an index sized not to grow):
 - ``add tensor n``: ``KeyIndex.add(torch.zeros(n), torch.from_numpy(rows))``,
   the tensors made in the call, as a router stores one request's new blocks;
 - ``add numpy n``: ``KeyIndex.add(0, rows)``;
-- ``event K n``: one vLLM ``BlockStored`` of ``n`` blocks (8-byte int
-  hashes, 16 token ids a block) applied through ``EventFollower`` to a
+- ``event K n [vocab]``: one vLLM ``BlockStored`` of ``n`` blocks (8-byte
+  int hashes, 16 token ids a block: 0, 1, 2, ... or, with ``vocab``,
+  uniform in a 128K vocabulary) applied through ``EventFollower`` to a
   KeyIndex or one engine of a FleetIndex (``bench/bench_events.py``).
 """
 
@@ -37,9 +38,41 @@ CASES = (
     ("add numpy 1000", "numpy", 1000, 100),
     ("event KeyIndex 25", "KeyIndex", 25, 400),
     ("event KeyIndex 1000", "KeyIndex", 1000, 40),
+    ("event KeyIndex 25 vocab", "KeyIndex vocab", 25, 400),
+    ("event KeyIndex 100 vocab", "KeyIndex vocab", 100, 200),
+    ("event KeyIndex 1000 vocab", "KeyIndex vocab", 1000, 40),
     ("event FleetIndex 25", "FleetIndex", 25, 400),
     ("event FleetIndex 1000", "FleetIndex", 1000, 40),
 )
+
+
+def _payloads(n: int, calls: int, tokens: str) -> list[bytes]:
+    """``calls`` payloads of one BlockStored of ``n`` fresh int hashes,
+    built here so that both checkouts time the same bytes."""
+    import random
+    import time
+
+    from kvhit.bindings import kv_events as kv
+
+    rng = random.Random(n)
+    out = []
+    for _ in range(calls):
+        ids = (
+            list(range(16 * n))
+            if tokens == "range"
+            else [rng.randrange(128_256) for _ in range(16 * n)]
+        )
+        event = kv.BlockStored(
+            block_hashes=[rng.randrange(1 << 63, 1 << 64) for _ in range(n)],
+            parent_block_hash=None,
+            token_ids=ids,
+            block_size=16,
+            lora_id=None,
+            medium="cpu",
+            lora_name=None,
+        )
+        out.append(kv.encode_batch(kv.KVEventBatch(time.time(), [event])))
+    return out
 
 
 def _worker() -> None:
@@ -73,9 +106,10 @@ def _worker() -> None:
         return statistics.median(times) / 1000
 
     def event_case(kind: str, n: int, calls: int) -> float:
-        key = (kind, n, calls)
+        kind, _, tokens = kind.partition(" ")
+        key = (kind, n, calls, tokens)
         if key not in state:
-            state[key] = be._payloads(n, calls, 8, seed=n)
+            state[key] = _payloads(n, calls, tokens or "range")
         payloads = state[key]
         index = be._index(kind, 8, n * calls)
         follower = be.EventFollower(

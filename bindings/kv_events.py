@@ -259,7 +259,7 @@ LE_INT64 = np.dtype("<i8")
 #: token ids (``kernels/event_scan_numba.py``): msgspec walks every id of a
 #: ``Raw`` field to find its end, the scan finds it faster. Below, the
 #: scan's call costs more than the walk it saves.
-STRIP_FROM_BYTES = 2048
+STRIP_FROM_BYTES = 1536
 
 
 def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
