@@ -253,6 +253,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 #: Packed hash words are little-endian int64 (coordinator/packing.py).
 LE_INT64 = np.dtype("<i8")
+#: A msgpack ``uint 64`` as a record: its 0xcf byte, then the key's 8 bytes.
+_UINT64_RECORD = np.dtype([("tag", "u1"), ("word", LE_INT64)])
 
 
 #: Payloads from this many bytes on are decoded from a copy without their
@@ -504,10 +506,17 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
     Either way the words are a strided view of the bytes, copied once.
     """
     data = bytes(raw)
-    head = _array_head(data)
-    if head is None:
-        return None
-    n, off = head
+    first = data[0] if data else -1
+    # (vLLM's lists of 16..65535 hashes and of 0..15 first: one test each.)
+    if first == 0xDC and len(data) >= 3:
+        n, off = (data[1] << 8) | data[2], 3
+    elif 0x90 <= first <= 0x9F:
+        n, off = first - 0x90, 1
+    else:
+        head = _array_head(data)
+        if head is None:
+            return None
+        n, off = head
     w = num_words(hash_bytes)
     if n == 0:
         return np.empty((0, w), dtype=np.int64)
@@ -531,6 +540,9 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
         skip = 2
     else:
         return None
+    if stride == 9:  # the words as the second field of 9-byte records
+        rec = np.frombuffer(data, _UINT64_RECORD, n, off)["word"]
+        return rec.astype(np.int64).reshape(n, 1)  # contiguous, native order
     view = np.ndarray((n, w), LE_INT64, data, off + skip, (stride, 8))
     return view.astype(np.int64)  # a contiguous, native-order copy
 
