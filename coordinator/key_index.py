@@ -703,7 +703,7 @@ class KeyIndex:
         and pass every check :func:`normalize_keys` makes, else None (the
         caller then takes the general path, which converts them or raises
         naming the argument)."""
-        return host_key_arrays(group_ids, hashes, self.hash_bytes, self.W)
+        return host_key_arrays(group_ids, hashes, self.hash_bytes, self.W, self._pad)
 
     def _counted(self, added: int) -> int:
         """The return of a host insert kernel (``hash_index_numba``'s

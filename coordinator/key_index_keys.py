@@ -273,19 +273,19 @@ def host_ids(group_ids: Any, n: int) -> tuple[int, Any] | None:
 
 
 def host_key_arrays(
-    group_ids: Any, hashes: Any, hash_bytes: int, W: int
+    group_ids: Any, hashes: Any, hash_bytes: int, W: int, pad: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The keys in :func:`host_rows`' and :func:`host_ids`' forms, checked
     as :func:`normalize_keys` checks them, as numpy arrays (int64 ``[N]``,
     int64 ``[N, W]``, C-contiguous); None when a form or a value is not
-    taken (the caller's general path converts or names it)."""
+    taken (the caller's general path converts or names it). ``pad``: the
+    padding bits of a last word (``packing.padding_mask(hash_bytes)``)."""
     h = host_rows(hashes, hash_bytes, W)
     if h is None:
         return None
     if type(h) is torch.Tensor:
         h = h.numpy()
     n = h.shape[0]
-    pad = padding_mask(hash_bytes)
     if pad and n and (h[:, -1] & pad).any():
         return None
     ids = host_ids(group_ids, n)
