@@ -179,3 +179,14 @@ def test_side_by_side_walk_equals_one_by_one(n, mix):
     assert es._walk_ints(buf, first, n) == (
         _walk_reference(buf, first, n) if n else first
     )
+
+
+def test_a_follower_warms_the_scan_when_built():
+    # The first large event of a follower process must not compile the scan.
+    pytest.importorskip("zmq")
+    from kvhit import KeyIndex
+    from kvhit.bindings.events import EventFollower
+
+    EventFollower("tcp://127.0.0.1:1", None, KeyIndex(8, capacity=16))
+    assert es._warm
+    assert es._strip.signatures  # loaded for the payload's array type
