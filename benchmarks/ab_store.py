@@ -124,7 +124,8 @@ def _worker() -> None:
         assert len(index) == n * calls and not follower.stale
         return statistics.median(times) / 1000
 
-    for case in CASES:  # warm every kernel and import
+    cases = [c for c in CASES if os.environ.get("AB_STORE_CASES", "") in c[0]]
+    for case in cases:  # warm every kernel and import
         (add_case if case[1] in ("tensor", "numpy") else event_case)(*case[1:3], 20)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -134,13 +135,13 @@ def _worker() -> None:
             name: (add_case if kind in ("tensor", "numpy") else event_case)(
                 kind, n, calls
             )
-            for name, kind, n, calls in CASES
+            for name, kind, n, calls in cases
         }
         print(json.dumps(out), flush=True)
 
 
-def _start(root: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+def _start(root: Path, cases: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONSAFEPATH="1", AB_STORE_CASES=cases)
     proc = subprocess.Popen(
         [str(root / ".venv/bin/python"), str(Path(__file__).resolve()), "--worker"],
         cwd=root,
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--other", help="the other checkout's root")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--cases", default="", help="only the cases whose name holds this text"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         parser.error("--other is required")
     here = Path(__file__).resolve().parent.parent
     roots = {"this": here, "other": Path(args.other).resolve()}
-    procs = {k: _start(r) for k, r in roots.items()}
+    procs = {k: _start(r, args.cases) for k, r in roots.items()}
     got: dict[str, list[dict[str, float]]] = {k: [] for k in procs}
     for r in range(args.rounds):
         for k in procs if r % 2 == 0 else reversed(list(procs)):
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         f"{'us per call':24s} {'other':>9s} {'this':>9s} {'other/this':>10s}"
         "   (medians of the rounds; the rounds' ratio range)"
     )
-    for name, *_ in CASES:
+    for name, *_ in (c for c in CASES if args.cases in c[0]):
         a = statistics.median(x[name] for x in got["other"])
         b = statistics.median(x[name] for x in got["this"])
         ratios = [
