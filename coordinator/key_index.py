@@ -124,8 +124,6 @@ __all__ = [
     "resolve_backend",
 ]
 
-_INT64 = np.dtype(np.int64)
-_UINT64 = np.dtype(np.uint64)
 
 #: Backend -> its hash-index kernel module (the same launchers in each:
 #: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
