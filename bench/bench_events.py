@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import random
 import statistics
 import subprocess
 import sys
@@ -43,9 +44,19 @@ except ImportError as exc:  # the `events` extra (msgspec, pyzmq) is missing
 TOPIC = b"kv"
 
 
-def _payloads(n_blocks: int, reps: int, hash_bytes: int, seed: int) -> list[bytes]:
-    """``reps`` encoded batches of one BlockStored of ``n_blocks`` fresh hashes."""
+#: Token-id forms of the payloads: ``range`` (0, 1, 2, ...: msgpack's
+#: shortest ints) or ``vocab`` (uniform in a 128K-token vocabulary, as a
+#: Llama 3 prompt spreads over 1-, 3- and 5-byte ints).
+TOKENS = ("range", "vocab")
+
+
+def _payloads(
+    n_blocks: int, reps: int, hash_bytes: int, seed: int, tokens: str = "range"
+) -> list[bytes]:
+    """``reps`` encoded batches of one BlockStored of ``n_blocks`` fresh
+    hashes, 16 token ids a block (see :data:`TOKENS`)."""
     out = []
+    rng = random.Random(seed)
     for r in range(reps):
         if hash_bytes == 8:
             # int hashes: vLLM's low 64 bits (never negative on the wire)
@@ -64,7 +75,11 @@ def _payloads(n_blocks: int, reps: int, hash_bytes: int, seed: int) -> list[byte
         event = kv.BlockStored(
             block_hashes=hashes,
             parent_block_hash=None,
-            token_ids=list(range(16 * n_blocks)),
+            token_ids=(
+                list(range(16 * n_blocks))
+                if tokens == "range"
+                else [rng.randrange(128_256) for _ in range(16 * n_blocks)]
+            ),
             block_size=16,
             lora_id=None,
             medium="cpu",

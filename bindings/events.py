@@ -38,6 +38,7 @@ from kvhit.bindings.kv_events import (
     index_hash_bytes,
     media_set,
     plan_events,
+    warm_up_decoder,
 )
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
@@ -242,6 +243,7 @@ class EventFollower(StopOnExit):
                 f"reorder_wait_s must be >= 0 and finite, got {reorder_wait_s}"
             )
         self._hash_bytes = index_hash_bytes(index)
+        warm_up_decoder()  # a large event's first decode: no compile then
 
         import zmq  # imported here so apply() works without pyzmq
 

@@ -70,6 +70,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 import numpy as np
 import torch
 
+from kvhit.coordinator.event_payload import strip_token_ids
+from kvhit.coordinator.event_payload import warm_up as warm_up_scan
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
 from kvhit.kernels.checks import check_bool, check_int
@@ -102,11 +104,14 @@ __all__ = [
     "EventPlan",
     "KeyEventBatch",
     "LE_INT64",
+    "STRIP_FROM_BYTES",
     "PlanKeys",
     "RemovedKeys",
     "StoredKeys",
     "commit_plan",
     "decode_keys",
+    "decode_keys_whole",
+    "warm_up_decoder",
     "event_words",
     "hash_words",
     "index_hash_bytes",
@@ -248,6 +253,15 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 #: Packed hash words are little-endian int64 (coordinator/packing.py).
 LE_INT64 = np.dtype("<i8")
+#: A msgpack ``uint 64`` as a record: its 0xcf byte, then the key's 8 bytes.
+_UINT64_RECORD = np.dtype([("tag", "u1"), ("word", LE_INT64)])
+
+
+#: Payloads from this many bytes on are decoded from a copy without their
+#: token ids (``kernels/event_scan_numba.py``): msgspec walks every id of a
+#: ``Raw`` field to find its end, the scan finds it faster. Below, the
+#: scan's call costs more than the walk it saves.
+STRIP_FROM_BYTES = 1536
 
 
 def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
@@ -255,6 +269,29 @@ def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
     raises :class:`MalformedPayload` on any defect ``decode_batch`` would
     refuse, but for the contents of ``block_hashes`` (found when planned)
     and of the skipped fields."""
+    data: Any = payload
+    if len(payload) >= STRIP_FROM_BYTES:
+        stripped = strip_token_ids(payload)
+        if stripped is not None:
+            data = stripped
+    try:
+        return _KEYS_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if data is not payload:
+            return decode_keys_whole(payload)  # refused as it came
+        raise MalformedPayload(f"not a KVEventBatch: {exc}") from None
+
+
+def warm_up_decoder() -> None:
+    """Load (or compile) :func:`decode_keys`' token-id scan now, so that the
+    first large event of a follower does not pay for it (once per
+    process)."""
+    warm_up_scan()
+
+
+def decode_keys_whole(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
+    """:func:`decode_keys` with the token ids walked by msgspec, whatever
+    the payload's size (the reference the scan is tested against)."""
     try:
         return _KEYS_DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -469,10 +506,17 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
     Either way the words are a strided view of the bytes, copied once.
     """
     data = bytes(raw)
-    head = _array_head(data)
-    if head is None:
-        return None
-    n, off = head
+    first = data[0] if data else -1
+    # (vLLM's lists of 16..65535 hashes and of 0..15 first: one test each.)
+    if first == 0xDC and len(data) >= 3:
+        n, off = (data[1] << 8) | data[2], 3
+    elif 0x90 <= first <= 0x9F:
+        n, off = first - 0x90, 1
+    else:
+        head = _array_head(data)
+        if head is None:
+            return None
+        n, off = head
     w = num_words(hash_bytes)
     if n == 0:
         return np.empty((0, w), dtype=np.int64)
@@ -496,6 +540,9 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
         skip = 2
     else:
         return None
+    if stride == 9:  # the words as the second field of 9-byte records
+        rec = np.frombuffer(data, _UINT64_RECORD, n, off)["word"]
+        return rec.astype(np.int64).reshape(n, 1)  # contiguous, native order
     view = np.ndarray((n, w), LE_INT64, data, off + skip, (stride, 8))
     return view.astype(np.int64)  # a contiguous, native-order copy
 
@@ -778,6 +825,15 @@ def commit_plan(
     memory, a fixed-capacity index) leaves ``index`` as it was.
     """
     lock = lock if lock is not None else _NO_LOCK
+    parts = plan.parts
+    if len(parts) == 1 and type(index) is KeyIndex and not plan.clear:
+        # One event's stores into a host KeyIndex with room (a router's
+        # usual commit): its words and group id as they are, in one call.
+        is_add, gid, words = parts[0]
+        if is_add and index.host_table is not None and words.shape[0] <= index.room():
+            with lock:
+                added = index.add_trusted(gid, words)
+            return ApplyStats(plan.events, plan.skipped, added, 0, False)
     device = getattr(index, "device", "cpu")
     device_type = _device_type(device)
     keys = _plan_keys(plan, device, device_type == "cpu")

@@ -74,7 +74,6 @@ import functools
 import importlib
 import math
 import numbers
-from array import array
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -83,7 +82,14 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
-from kvhit.coordinator.key_index_keys import keys_on_device, normalize_keys
+from kvhit.coordinator.key_index_keys import (
+    NO_IDS,
+    host_ids,
+    host_key_arrays,
+    host_rows,
+    keys_on_device,
+    normalize_keys,
+)
 from kvhit.coordinator.key_index_state import (
     STATE_VERSION,
     capturing,
@@ -93,12 +99,11 @@ from kvhit.coordinator.key_index_state import (
     table_checksum,
     verify_structure,
 )
-from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
+from kvhit.coordinator.packing import num_words, padding_mask
 from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_table_tensor,
-    host_int64,
     resolve_device,
 )
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
@@ -119,8 +124,6 @@ __all__ = [
     "resolve_backend",
 ]
 
-_INT64 = np.dtype(np.int64)
-_UINT64 = np.dtype(np.uint64)
 
 #: Backend -> its hash-index kernel module (the same launchers in each:
 #: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
@@ -404,7 +407,7 @@ class KeyIndex:
         and when :meth:`to` moves the table)."""
         self._resolved = resolve_backend(self._backend, device)
         self.__dict__.pop("_kernels", None)
-        # The numba family stores through numpy views (see _add_host).
+        # The numba family stores through numpy views (see add_trusted).
         self._host = self._resolved == "numba"
 
     @functools.cached_property
@@ -643,87 +646,75 @@ class KeyIndex:
         cannot take the new keys.
         """
         if self._host and self._np_table is not None and not self._read_only:
-            keys = self.host_keys(group_ids, hashes)
-            if keys is not None:
-                return self._add_host(*keys)
+            added = self._add_checked(group_ids, hashes)
+            if added is not None:
+                return added
         g, h = self.normalize_keys(group_ids, hashes)
         return self.add_trusted(g, h)
+
+    def _add_checked(self, group_ids: Any, hashes: Any) -> int | None:
+        """:meth:`add` on the host store path in one kernel call, which checks
+        the key values (group ids >= 0, zero padding bits) before it stores
+        anything; the forms taken are :func:`host_rows`' and
+        :func:`host_ids`' (tensors are read where they lie). None, nothing
+        changed, for any other form, a batch that may need a rehash, or a
+        refused value: the general path then converts the keys or raises
+        naming the argument."""
+        h = host_rows(hashes, self.hash_bytes, self.W)
+        if h is None:
+            return None
+        n = h.shape[0]
+        if n == 0 or self._size + self._tombstones + n > self._cap_limit:
+            return None  # growth (or nothing to store) by the general path
+        ids = host_ids(group_ids, n)
+        if ids is None:
+            return None
+        gconst, g = ids
+        kernels = self._kernels
+        if type(h) is torch.Tensor and type(g) is not np.ndarray:
+            added = kernels.insert_checked_at(
+                self._np_table,
+                0 if g is None else g.data_ptr(),
+                gconst,
+                h.data_ptr(),
+                n,
+                self._pad,
+            )
+        else:
+            if type(h) is torch.Tensor:
+                h = h.numpy()
+            if g is None:
+                g = NO_IDS
+            elif type(g) is torch.Tensor:
+                g = g.numpy()
+            added = kernels.insert_checked(self._np_table, g, gconst, h, self._pad)
+        if added == kernels.REFUSED:
+            return None
+        return self._counted(added)
 
     def host_keys(
         self, group_ids: Any, hashes: Any
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The keys as numpy views (int64 ``[N]``, int64 ``[N, W]``,
-        C-contiguous) for this index's host store path (the fleet's too)
-        when they come in a form that needs no conversion and
-        pass every check :func:`normalize_keys` makes, else None (the caller
-        then takes the general path, which converts them or raises naming the
-        argument). Only the common forms of a store are taken here: a CPU
-        int64 tensor, int64/uint64 numpy array or HashBatch of hashes, and an
-        int, CPU int64 tensor or int64 numpy array of group ids."""
-        # Exact types first: a numpy array (a router's rows) needs no torch.
-        if type(hashes) is np.ndarray:
-            dt = hashes.dtype
-            if dt == _INT64:
-                h = hashes
-            elif dt == _UINT64:
-                h = hashes.view(_INT64)
-            else:
-                return None
-        elif isinstance(hashes, HashBatch):
-            if hashes.hash_bytes != self.hash_bytes or hashes.device.type != "cpu":
-                return None
-            # The batch's own numpy rows (from_ints makes no tensor for them).
-            h = hashes.host_arrays()[0]
-        else:
-            h = host_int64(hashes, unsigned_ok=True)
-            if h is None:
-                return None
-        if h.ndim != 2 or h.shape[1] != self.W or not h.flags.c_contiguous:
-            return None
-        n = h.shape[0]
-        pad = self._pad
-        if pad and n and (h[:, -1] & pad).any():
-            return None
-        if type(group_ids) is int:
-            if not 0 <= group_ids < 1 << 63:
-                return None
-            g = np.empty(n, dtype=_INT64)
-            g.fill(group_ids)  # (np.full costs several times as much)
-            return g, h
-        if type(group_ids) is np.ndarray and group_ids.dtype == _INT64:
-            g = group_ids
-        elif type(group_ids) is list:
-            # Exactly ints (bools refused by type); array('q') refuses any
-            # past int64, and the sign is tested below.
-            if not set(map(type, group_ids)) <= {int}:
-                return None
-            try:
-                g = np.frombuffer(array("q", group_ids), dtype=_INT64)
-            except OverflowError:
-                return None
-        else:
-            g = host_int64(group_ids)
-            if g is None:
-                return None
-        if (
-            g.ndim != 1
-            or g.shape[0] != n
-            or not g.flags.c_contiguous
-            or (n and g.item(g.argmin()) < 0)  # argmin: no reduction set-up
-        ):
-            return None
-        return g, h
+        C-contiguous) for the fleet's host store path when they come in a
+        form that needs no conversion (:func:`host_rows`, :func:`host_ids`)
+        and pass every check :func:`normalize_keys` makes, else None (the
+        caller then takes the general path, which converts them or raises
+        naming the argument)."""
+        return host_key_arrays(group_ids, hashes, self.hash_bytes, self.W, self._pad)
 
-    def _add_host(self, g: np.ndarray, h: np.ndarray) -> int:
-        """:meth:`add_trusted` on numpy views of normalized keys, for the
-        numba family on a host table: no tensor is made. A batch that may
-        need a rehash takes the general path (rare: growth is amortized)."""
-        n = g.shape[0]
-        if n == 0:
-            return 0
-        if self._size + self._tombstones + n > self._cap_limit:
-            return self.add_trusted(torch.from_numpy(g), torch.from_numpy(h))
-        return self._stored(self._kernels.insert_count, self._np_table, g, h)
+    def _counted(self, added: int) -> int:
+        """The return of a host insert kernel (``hash_index_numba``'s
+        ``insert_checked``): the keys newly stored, counted; ``-1 - r`` (row
+        ``r`` found no free slot; the rows before it are stored): the table
+        is counted again and RuntimeError raised."""
+        if added < 0:
+            self._recount()
+            raise RuntimeError("insert: the table has no free slot for some keys")
+        self._size += added
+        if added:
+            self._version += 1
+        return added
 
     def _stored(self, insert: Callable[..., int], table: Any, g: Any, h: Any) -> int:
         """``insert(table, g, h)`` (the keys newly stored), counted. A failed
@@ -767,17 +758,20 @@ class KeyIndex:
         self._version += 1
 
     def add_trusted(
-        self, group_ids: torch.Tensor | np.ndarray, hashes: torch.Tensor | np.ndarray
+        self,
+        group_ids: torch.Tensor | np.ndarray | int,
+        hashes: torch.Tensor | np.ndarray,
     ) -> int:
         """:meth:`add` with **no key validation**, for keys kvhit built
-        itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0,
-        ``hashes`` int64 ``[N, W]`` with zero padding bits, both contiguous
-        on this index's device; on the CPU numpy arrays too), e.g. a store
-        refresh's present keys or a KV event's (``bindings/kv_events.py``)."""
+        itself in the normalized form (``group_ids`` int64 ``[N]`` >= 0, or
+        one int >= 0 for every key, ``hashes`` int64 ``[N, W]`` with zero
+        padding bits, both contiguous on this index's device; on the CPU
+        numpy arrays too), e.g. a store refresh's present keys or a KV
+        event's (``bindings/kv_events.py``)."""
         g, h = group_ids, hashes
         if self._read_only:
             self._check_writable("add")
-        n = g.shape[0]
+        n = h.shape[0]
         if n == 0:
             return 0
         if (
@@ -785,11 +779,24 @@ class KeyIndex:
             and self._np_table is not None
             and self._size + self._tombstones + n <= self._cap_limit
         ):
-            if type(g) is np.ndarray:
-                return self._add_host(g, h)
-            return self._add_host(g.numpy(), h.numpy())
-        if type(g) is np.ndarray:
-            g, h = torch.from_numpy(g), torch.from_numpy(h)
+            # The numba family on the host table, no tensor made: one kernel
+            # call (a batch that may need a rehash takes the general path).
+            if type(h) is not np.ndarray:
+                h = h.numpy()
+            gconst = -1
+            if type(g) is int:
+                g, gconst = NO_IDS, g
+            elif type(g) is not np.ndarray:
+                g = g.numpy()
+            return self._counted(
+                self._kernels.insert_checked(self._np_table, g, gconst, h, 0)
+            )
+        if type(h) is np.ndarray:
+            h = torch.from_numpy(h)
+        if type(g) is int:
+            g = torch.full((n,), g, dtype=torch.int64, device=self.device)
+        elif type(g) is np.ndarray:
+            g = torch.from_numpy(g)
         if not self.has_room_for(g.shape[0]):
             refuse_growth_in_capture(
                 "add",

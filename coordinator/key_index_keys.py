@@ -8,6 +8,7 @@ which re-exports :func:`normalize_keys`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,21 @@ import torch
 from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
 from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
-__all__ = ["keys_on_device", "normalize_ids", "normalize_keys"]
+__all__ = [
+    "NO_IDS",
+    "host_ids",
+    "host_key_arrays",
+    "host_rows",
+    "keys_on_device",
+    "normalize_ids",
+    "normalize_keys",
+]
+
+_INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
+#: The group ids a host store passes its kernel when one id is every key's
+#: (the kernel reads none): int64 ``[0]``.
+NO_IDS = np.empty(0, dtype=_INT64)
 
 
 def _normalize_hashes(
@@ -182,3 +197,107 @@ def keys_on_device(
     [N, W])``, contiguous, on ``device``."""
     words = _normalize_hashes(hashes, hash_bytes, device)
     return normalize_ids(group_ids, "group_ids", words.shape[0], device), words
+
+
+# The host store path's forms (KeyIndex.add, FleetIndex.add on the CPU):
+# taken as they are, no copy, or None for the general path above.
+
+
+def _cpu_int64(t: torch.Tensor, shape_ok: Any) -> bool:
+    """Whether tensor ``t`` is CPU int64 rows read where they lie: strided
+    (tested first: a sparse tensor has no ``is_contiguous``), contiguous,
+    ``shape_ok(t.shape)``. (An int64 tensor never requires grad.)"""
+    return (
+        t.dtype is torch.int64
+        and t.is_cpu
+        and t.layout is torch.strided
+        and shape_ok(t.shape)
+        and t.is_contiguous()
+    )
+
+
+def host_rows(hashes: Any, hash_bytes: int, W: int) -> np.ndarray | torch.Tensor | None:
+    """``hashes`` as C-contiguous int64 rows ``[N, W]`` with no copy: an
+    int64 (or uint64, viewed) numpy array, a CPU HashBatch's numpy rows, or a
+    CPU int64 tensor itself; None for any other form. Padding bits are the
+    caller's to check."""
+    if type(hashes) is torch.Tensor:
+        ok = _cpu_int64(hashes, lambda s: len(s) == 2 and s[1] == W)
+        return hashes if ok else None
+    if type(hashes) is np.ndarray:
+        h = hashes
+    elif isinstance(hashes, HashBatch):
+        if hashes.hash_bytes != hash_bytes or hashes.device.type != "cpu":
+            return None
+        h = hashes.host_arrays()[0]  # (from_ints makes no tensor for them)
+    else:
+        return None
+    dt = h.dtype
+    if dt != _INT64:
+        if dt != _UINT64:
+            return None
+        h = h.view(_INT64)
+    if h.ndim != 2 or h.shape[1] != W or not h.flags.c_contiguous:
+        return None
+    return h
+
+
+def host_ids(group_ids: Any, n: int) -> tuple[int, Any] | None:
+    """Group ids for ``n`` keys as ``(gconst, ids)``: an int in ``[0,
+    2**63)`` is ``(it, None)``, every key's; a C-contiguous int64 ``[n]``
+    numpy array or CPU tensor, or a list of exactly ints (as an int64
+    array), is ``(-1, ids)`` with the signs still to check; None for any
+    other form."""
+    tg = type(group_ids)
+    if tg is int:
+        return (group_ids, None) if 0 <= group_ids < 1 << 63 else None
+    if tg is torch.Tensor:
+        return (-1, group_ids) if _cpu_int64(group_ids, (n,).__eq__) else None
+    if tg is np.ndarray:
+        if (
+            group_ids.dtype == _INT64
+            and group_ids.shape == (n,)
+            and group_ids.flags.c_contiguous
+        ):
+            return -1, group_ids
+        return None
+    if tg is list and len(group_ids) == n:
+        # Exactly ints (bools refused by type); array('q') refuses any past
+        # int64.
+        if set(map(type, group_ids)) <= {int}:
+            try:
+                return -1, np.frombuffer(array("q", group_ids), dtype=_INT64)
+            except OverflowError:
+                return None
+    return None
+
+
+def host_key_arrays(
+    group_ids: Any, hashes: Any, hash_bytes: int, W: int, pad: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The keys in :func:`host_rows`' and :func:`host_ids`' forms, checked
+    as :func:`normalize_keys` checks them, as numpy arrays (int64 ``[N]``,
+    int64 ``[N, W]``, C-contiguous); None when a form or a value is not
+    taken (the caller's general path converts or names it). ``pad``: the
+    padding bits of a last word (``packing.padding_mask(hash_bytes)``)."""
+    h = host_rows(hashes, hash_bytes, W)
+    if h is None:
+        return None
+    if type(h) is torch.Tensor:
+        h = h.numpy()
+    n = h.shape[0]
+    if pad and n and (h[:, -1] & pad).any():
+        return None
+    ids = host_ids(group_ids, n)
+    if ids is None:
+        return None
+    gconst, g = ids
+    if g is None:
+        g = np.empty(n, dtype=_INT64)
+        g.fill(gconst)  # (np.full costs several times as much)
+        return g, h
+    if type(g) is torch.Tensor:
+        g = g.numpy()
+    if n and g.item(g.argmin()) < 0:  # argmin: no reduction set-up
+        return None
+    return g, h

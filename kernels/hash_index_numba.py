@@ -27,6 +27,8 @@ from functools import partial
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import intrinsic
 
 from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
@@ -42,9 +44,12 @@ from kvhit.kernels.probe_numba import (
 lock_cache_saves()
 
 __all__ = [
+    "REFUSED",
     "erase",
     "find",
     "insert",
+    "insert_checked",
+    "insert_checked_at",
     "insert_count",
     "probe",
     "rehash",
@@ -60,6 +65,20 @@ _TOMBSTONE = np.int64(TOMBSTONE)
 _AHEAD = 8
 # Whether warm_up() ran in this process.
 _warm = False
+#: What :func:`insert_checked` returns for a refused key (below every
+#: ``-1 - r`` a batch can return).
+REFUSED = -(1 << 62)
+_REFUSED = np.int64(REFUSED)
+
+
+@intrinsic
+def _address(typingctx, addr):
+    """An int64 address as a void pointer, for ``numba.carray``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(addr), codegen
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -91,22 +110,31 @@ def _probe_kernel(table, gids, keys, out):
         out[r] = table_find(table, gids[r], keys, r) >= 0
 
 
-@numba.njit(cache=True, nogil=True)
-def _insert_kernel(table, gids, keys, out):
-    """Insert the keys; unless ``out`` is None (bool ``[N]``), out[r] = 1
+@numba.njit(inline="always", cache=True, nogil=True)
+def _insert_rows(table, gids, gconst, keys, out):
+    """Insert the keys of ``keys`` (int64 ``[N, W]``) with group ids ``gids``
+    (int64 ``[N]``), or ``gconst`` for every key when ``gconst >= 0`` (then
+    ``gids`` is not read); unless ``out`` is None (bool ``[N]``), out[r] = 1
     where key r was new and stored, 0 where already present (earlier in the
     table or earlier in this batch). Returns the number of keys newly
     stored, or ``-1 - r`` where row ``r`` found no free slot (rows before it
-    are inserted). ``out=None`` compiles its own copy with every ``out``
-    branch pruned: the count-only loop, as fast as one written for it."""
+    are inserted). Inlined into each kernel, so a literal ``gconst`` or
+    ``out=None`` prunes its branches: the count-only loop, as fast as one
+    written for it."""
     cap = table.shape[0]
     mask = cap - 1
+    n = keys.shape[0]
     W = keys.shape[1]
     added = 0
-    _prefetch_first(table, gids, keys)
-    for r in range(gids.shape[0]):
-        _prefetch_home(table, gids, keys, r + _AHEAD)
-        gid = gids[r]
+    for r in range(min(_AHEAD, n)):
+        g = gconst if gconst >= 0 else gids[r]
+        prefetch_row(table, key_slot_hash(g, keys, r) & mask)
+    for r in range(n):
+        ahead = r + _AHEAD
+        if ahead < n:
+            g = gconst if gconst >= 0 else gids[ahead]
+            prefetch_row(table, key_slot_hash(g, keys, ahead) & mask)
+        gid = gconst if gconst >= 0 else gids[r]
         slot = key_slot_hash(gid, keys, r) & mask
         placed = False
         for _ in range(cap):
@@ -131,6 +159,63 @@ def _insert_kernel(table, gids, keys, out):
         if not placed:
             return -1 - r
     return added
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_kernel(table, gids, keys, out):
+    """:func:`_insert_rows` with a group id per key (``out`` as there)."""
+    return _insert_rows(table, gids, -1, keys, out)
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _insert_checked_rows(table, gids, gconst, keys, pad):
+    """:func:`_insert_rows` (count only) after checking every key, so a bad
+    one changes nothing: :data:`REFUSED` when a group id is negative or a
+    last word has a bit of ``pad`` (the padding bits) set."""
+    n = keys.shape[0]
+    if gconst < 0:
+        for r in range(n):
+            if gids[r] < 0:
+                return _REFUSED
+    if pad != 0:
+        last = keys.shape[1] - 1
+        for r in range(n):
+            if keys[r, last] & pad:
+                return _REFUSED
+    return _insert_rows(table, gids, gconst, keys, None)
+
+
+@numba.njit(cache=True, nogil=True)
+def insert_checked(table, gids, gconst, keys, pad):
+    """Insert keys given as numpy arrays, checked in the same call; for a
+    KeyIndex's host store path (``KeyIndex.add``), whose caller has checked
+    the arrays' types, shapes and layout.
+
+    table: the index's table, int64 ``[capacity, W + 1]``; gids: int64
+    ``[N]`` group ids, or any int64 ``[0]`` array when ``gconst >= 0`` is
+    every key's group id; keys: int64 ``[N, W]``; all C-contiguous. pad: the
+    bits of a last word that must be zero (``packing.padding_mask``).
+    Returns the number of keys newly stored; :data:`REFUSED` when some group
+    id is negative or some padding bit set (nothing stored: the caller
+    names the argument); ``-1 - r`` when row ``r`` found no free slot (the
+    rows before it are stored)."""
+    return _insert_checked_rows(table, gids, gconst, keys, pad)
+
+
+@numba.njit(cache=True, nogil=True)
+def insert_checked_at(table, gaddr, gconst, kaddr, n, pad):
+    """:func:`insert_checked` for keys held by CPU torch tensors, read where
+    they lie (``Tensor.numpy()`` costs a microsecond a tensor): ``kaddr``
+    the address of ``n`` C-contiguous int64 rows of ``W = table.shape[1] -
+    1`` words (``Tensor.data_ptr()``), ``gaddr`` that of ``n`` int64 group
+    ids (unused when ``gconst >= 0``). The caller keeps the tensors alive
+    and has checked their dtype, device, shape and layout."""
+    keys = numba.carray(_address(kaddr), (n, table.shape[1] - 1), np.int64)
+    if gconst >= 0:
+        gids = numba.carray(_address(kaddr), (0,), np.int64)
+    else:
+        gids = numba.carray(_address(gaddr), (n,), np.int64)
+    return _insert_checked_rows(table, gids, gconst, keys, pad)
 
 
 def insert_count(table: np.ndarray, gids: np.ndarray, hashes: np.ndarray) -> int:
@@ -289,6 +374,12 @@ def warm_up() -> None:
     gids = np.zeros(1, dtype=np.int64)
     keys = np.ones((1, 1), dtype=np.int64)
     insert_count(table, gids, keys)  # the insert kernel's out=None copy
+    # KeyIndex.add's checked inserts: numpy keys (group ids per key, or one
+    # for all), and keys read from a tensor's memory.
+    insert_checked(table, gids, np.int64(-1), keys, np.int64(0))
+    insert_checked(table, gids, np.int64(0), keys, np.int64(0))
+    t = torch.from_numpy(keys)
+    insert_checked_at(table, t.data_ptr(), np.int64(0), t.data_ptr(), 1, np.int64(0))
     for kernel, dtype in (
         (_find_kernel, np.int64),
         (_probe_kernel, np.bool_),

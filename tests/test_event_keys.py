@@ -166,3 +166,45 @@ def test_plan_equals_set_replay(ops, seeded):
     assert got == state
     assert len(index) == len(state)
     assert before - stats.keys_removed + stats.keys_added == len(state)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("n", [1, 7, 25])
+def test_one_event_commit_equals_the_general_path(backend, n):
+    # One BlockStored into a KeyIndex: the host fast path (one kernel call,
+    # the event's group id for every key) when the table has room, the
+    # general path when it must grow (capacity 1) or is another backend;
+    # the same keys and counts as a subclass, which takes the general path.
+    class Hooked(KeyIndex):
+        pass
+
+    rng = np.random.default_rng(n)
+    for capacity in (1, 256):
+        fast = KeyIndex(8, capacity=capacity, backend=backend)
+        ref = Hooked(8, capacity=capacity, backend="torch")
+        for step in range(4):
+            # Repeats across and inside events (a small pool).
+            hashes = [int(x) for x in rng.integers(1 << 40, (1 << 40) + 2 * n, n)]
+            payload = kv.encode_batch(kv.KVEventBatch(0.0, [_stored(hashes, step % 2)]))
+            plan = kv.plan_events(_keys_of(payload), 8, None, True, 0)
+            a = kv.commit_plan(fast, plan)
+            b = kv.commit_plan(ref, kv.plan_events(_keys_of(payload), 8, None, True, 0))
+            assert (a.keys_added, a.keys_removed) == (b.keys_added, b.keys_removed)
+            assert len(fast) == len(ref) and fast.capacity == ref.capacity
+            gf, hf = fast.keys()
+            gr, hr = ref.keys()
+            assert set(zip(gf.tolist(), hf[:, 0].tolist(), strict=True)) == set(
+                zip(gr.tolist(), hr[:, 0].tolist(), strict=True)
+            )
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_add_trusted_takes_one_group_id_for_every_key(backend):
+    index = KeyIndex(8, capacity=1, backend=backend)
+    h = np.arange(1, 41, dtype=np.int64).reshape(-1, 1)
+    assert index.add_trusted(3, h[:25]) == 25  # grows from capacity 1
+    assert index.add_trusted(3, torch.from_numpy(h)) == 15
+    assert index.add_trusted(4, h[:5]) == 5
+    assert len(index) == 45
+    assert bool(index.contains(3, h).all()) and bool(index.contains(4, h[:5]).all())
+    assert not bool(index.contains(4, h[5:]).any())

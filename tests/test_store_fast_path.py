@@ -177,3 +177,82 @@ def test_fleet_store_matches_a_key_index_per_engine():
     for k in range(3):
         gk, hk = per[k].keys()
         assert bool(fleet.contains(k, gk, hk).all())
+
+
+def _group_forms(g: np.ndarray) -> list:
+    forms = [g, torch.from_numpy(g), g.tolist()]
+    if g.shape[0] and (g == g[0]).all():
+        forms.append(int(g[0]))
+    return forms
+
+
+def _hash_forms(h: np.ndarray, hash_bytes: int) -> list:
+    forms = [h, h.view(np.uint64), torch.from_numpy(h)]
+    if hash_bytes == 8:
+        forms.append(HashBatch.from_ints([h[:, 0].tolist()]))
+    return forms
+
+
+@pytest.mark.parametrize("hash_bytes", [8, 12, 32])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_every_input_form_pair_stores_alike(hash_bytes, uniform):
+    # Each group-id form with each hash form (tensors read where they lie,
+    # numpy arrays, lists, one int for all), repeats forced by a small pool,
+    # non-power-of-two sizes: the same keys and counts as the torch backend.
+    rng = np.random.default_rng(hash_bytes + uniform)
+    for n in (1, 7, 25):
+        h = words(n, hash_bytes, n, pool=max(1, n // 2))
+        g = (
+            np.full(n, 3, dtype=np.int64)
+            if uniform
+            else rng.integers(0, 3, n).astype(np.int64)
+        )
+        for gf in _group_forms(g):
+            for hf in _hash_forms(h, hash_bytes):
+                fast, ref = pair(hash_bytes, 256)
+                assert fast.add(gf, hf) == ref.add(g, h) == len(key_set(ref))
+                same(fast, ref)
+                assert fast.add(gf, hf) == 0  # all present now
+                same(fast, ref)
+
+
+@pytest.mark.parametrize(
+    ("group_ids", "hashes", "error", "match"),
+    [
+        (torch.tensor([0, -3]), "tensor", ValueError, "group_ids"),
+        (torch.tensor([0, -3]), "numpy", ValueError, "group_ids"),
+        (np.array([-1, 0]), "tensor", ValueError, "group_ids"),
+        ([0, -1], "tensor", ValueError, "group_ids"),
+        (torch.tensor([0, 1, 2]), "tensor", ValueError, "group_ids"),
+        (torch.tensor([0, 1], dtype=torch.int32), "tensor", TypeError, "group_ids"),
+        (0, "tensor padded", ValueError, "padding"),
+        (torch.tensor([0, 1]), "tensor padded", ValueError, "padding"),
+        (np.array([0, 1]), "tensor padded", ValueError, "padding"),
+        (torch.tensor([0, 1]), "numpy padded", ValueError, "padding"),
+    ],
+)
+def test_bad_values_in_tensors_are_refused_naming_the_argument(
+    group_ids, hashes, error, match
+):
+    # The checked kernel reads the values before it stores anything: a bad
+    # one leaves the table as it was and the general path names it.
+    index = KeyIndex(12, capacity=16, backend="numba")
+    index.add(5, words(3, 12, 9))
+    h = words(2, 12, 0)
+    if hashes.endswith("padded"):
+        h[1, -1] |= 1 << 40  # a bit past the hash's 12 bytes
+    hf = torch.from_numpy(h) if hashes.startswith("tensor") else h
+    table, size = index.table.clone(), len(index)
+    with pytest.raises(error, match=match):
+        index.add(group_ids, hf)
+    assert len(index) == size and torch.equal(index.table, table)
+
+
+def test_a_tensor_view_with_an_offset_is_read_where_it_lies():
+    # data_ptr() of a row slice points past the storage's start.
+    h = torch.from_numpy(words(30, 32, 4))
+    g = torch.arange(30, dtype=torch.int64)
+    fast, ref = pair(32, 128)
+    assert fast.add(g[10:], h[10:]) == ref.add(g[10:].clone(), h[10:].clone()) == 20
+    assert fast.add(7, h[3:5]) == ref.add(7, h[3:5].clone()) == 2
+    same(fast, ref)
