@@ -67,6 +67,7 @@ __all__ = [
     "check_tensor",
     "host_int64",
     "host_lengths",
+    "host_lengths_or_int",
     "is_int",
     "resolve_device",
     "table_capacity",
@@ -398,6 +399,40 @@ def host_lengths(
                 return arr
             return _check_values(arr, name, multiple_of)
     return _host_lengths_exact(value, name, n, multiple_of)
+
+
+def host_lengths_or_int(value: Any, name: str, n: int) -> np.ndarray | int:
+    """:func:`host_lengths` of ``n`` lengths, except that one request's
+    length in ``[0, 2**63)`` comes back as an int when it is given as a
+    one-item list or tuple of an int, a numpy integer array ``[1]`` or a CPU
+    int64 tensor ``[1]``: a step of one request then makes no array (the
+    numba backend's one-request path reads an int). Anything else, and every
+    error, is :func:`host_lengths`'."""
+    if n == 1:
+        tv = type(value)
+        if tv is list or tv is tuple:
+            if len(value) == 1:
+                v = value[0]
+                if type(v) is int and 0 <= v <= INT64_MAX:
+                    return v
+        elif tv is np.ndarray:
+            # item() of an integer array is an int, of a bool array a bool.
+            if value.shape == (1,) and value.dtype.kind in "iu":
+                v = value.item(0)
+                if 0 <= v <= INT64_MAX:
+                    return v
+        elif tv is torch.Tensor:
+            if (
+                value.dtype is torch.int64
+                and value.is_cpu
+                and value.layout is torch.strided
+                and value.shape == (1,)
+            ):
+                # tolist() reads a one-item tensor in a third of item()'s time.
+                v = value.tolist()[0]
+                if v >= 0:
+                    return v
+    return host_lengths(value, name, n)
 
 
 def _host_lengths_exact(

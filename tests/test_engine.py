@@ -81,6 +81,49 @@ def test_find_parity(backend, data, apply_eagle):
     _check_find(layout, requests, exists, lens, backend, apply_eagle)
 
 
+#: One request's length in every form a router holds it.
+ONE_LENGTH_FORMS = {
+    "list": lambda n: [n],
+    "tuple": lambda n: (n,),
+    "int64": lambda n: np.array([n], dtype=np.int64),
+    "int32": lambda n: np.array([n], dtype=np.int32),
+    "uint64": lambda n: np.array([n], dtype=np.uint64),
+    "tensor": lambda n: torch.tensor([n]),
+}
+
+
+@pytest.mark.parametrize("backend", BATCHED)
+@settings(max_examples=EXAMPLES)
+@given(
+    data=case(),
+    apply_eagle=st.booleans(),
+    form=st.sampled_from(sorted(ONE_LENGTH_FORMS)),
+)
+def test_one_request_steps_parity(backend, data, apply_eagle, form):
+    # A scheduler step of one request (the numba backend's one-request path,
+    # its hit an int until hit_lengths is read): each request of the case
+    # alone, packed from bytes and from ints, with no masks asked for, equals
+    # the reference and the same request inside the batch.
+    layout, requests, exists, lens = data
+    ref, engine, batch = _against_reference(layout, requests, backend)
+    index = key_index(exists)
+    in_batch = engine.find_longest_cache_hit(batch, lens, index, apply_eagle)
+    for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
+        want = ref.find_longest_cache_hit(hl, n, exists, apply_eagle)[1]
+        ints = [int.from_bytes(h, "little", signed=True) for h in hl]
+        for one in (HashBatch.from_bytes([hl], 8), HashBatch.from_ints([ints])):
+            res = engine.find_longest_cache_hit(
+                one, ONE_LENGTH_FORMS[form](n), index, apply_eagle
+            )
+            assert res.hit_list() == [want], (b, n, form)
+            assert res.hit_array().tolist() == [want]
+            assert res.hit_lengths.dtype == torch.int64
+            assert res.hit_lengths.tolist() == [want]
+            assert int(in_batch.hit_lengths[b]) == want
+            got = engine.lookup(one, ONE_LENGTH_FORMS[form](n), index).tolist()
+            assert got == [ref.lookup(n, hl, exists)], (b, n, form)
+
+
 @pytest.mark.parametrize("backend", BATCHED)
 @settings(max_examples=EXAMPLES)
 @given(data=case())
