@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NumbaBackend"]
 
+_INT64 = np.dtype(np.int64)
+
 
 def _np(t: torch.Tensor) -> np.ndarray:
     # A CPU tensor's numpy view shares its memory (integer tensors never
@@ -120,7 +122,8 @@ class NumbaBackend:
         alive), or a copy on every call for a table that needs one (a cached
         copy would miss later inserts)."""
         arr = index.table_view
-        if arr is not None and arr.flags.c_contiguous and arr.dtype == np.int64:
+        # ``is``: comparing a dtype with np.int64 converts the type each time.
+        if arr is not None and arr.dtype is _INT64 and arr.flags.c_contiguous:
             return arr
         return _c(_table(index))
 
