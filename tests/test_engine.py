@@ -454,3 +454,56 @@ def test_devices_compare_as_tensors_report_them():
         engine.find_longest_cache_hit(batch, [32], None)
     with pytest.raises(ValueError, match="device"):
         LookupEngine(layout, device="no-such-device")
+
+
+@pytest.mark.parametrize("n_requests", [1, 3])
+def test_host_hits_are_one_answer_in_every_form_and_never_aliased(n_requests):
+    # The numba backend hands the engine host hits (an int for one request,
+    # numpy for more): hit_lengths is made on first read, hit_list() and
+    # hit_array() read the same hits, and no later call overwrites an answer.
+    import copy
+    import pickle
+
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=16))],
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    engine = LookupEngine(layout, backend="numba")
+    reqs = [list(range(10 * b + 1, 10 * b + 9)) for b in range(n_requests)]
+    index = KeyIndex(8)
+    index.add(0, HashBatch.from_ints([r[:4] for r in reqs]).hashes)
+    lens = [8 * 16] * n_requests
+    first = engine.find_longest_cache_hit(HashBatch.from_ints(reqs), lens, index)
+    assert "hit_lengths" not in first.__dict__  # not made yet
+    want = [4 * 16] * n_requests
+    assert first.hit_list() == want
+    arr = first.hit_array()
+    assert arr.dtype == np.int64 and arr.tolist() == want
+    arr[:] = -1  # a copy: the result is unchanged
+    assert first.hit_list() == want
+    for other in (
+        copy.copy(first),
+        copy.deepcopy(first),
+        pickle.loads(pickle.dumps(first)),
+    ):
+        assert other.hit_list() == want and other.hit_lengths.tolist() == want
+    hits = first.hit_lengths
+    assert hits.dtype == torch.int64 and hits.tolist() == want
+    assert first.hit_lengths is hits  # made once
+    # A later call answers in its own memory.
+    index.add(0, HashBatch.from_ints([r[4:] for r in reqs]).hashes)
+    second = engine.find_longest_cache_hit(HashBatch.from_ints(reqs), lens, index)
+    assert second.hit_list() == [8 * 16] * n_requests
+    assert hits.tolist() == want and first.hit_list() == want
+    # Once made, hit_lengths is what every form reads (a caller may edit it).
+    hits[0] = 7
+    assert first.hit_list()[0] == 7 and first.hit_array()[0] == 7
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        first.nope  # noqa: B018
+    # Results built from tensors (every other backend) answer alike.
+    torch_res = make_engine(layout, "torch").find_longest_cache_hit(
+        HashBatch.from_ints(reqs), lens, index
+    )
+    assert torch_res.hit_list() == [8 * 16] * n_requests
+    assert torch_res.hit_array().tolist() == [8 * 16] * n_requests
