@@ -359,19 +359,18 @@ def host_lengths(
             if type(v) is int and 0 <= v <= INT64_MAX and not v % multiple_of:
                 return np.array(value, dtype=_INT64)
         elif n is None or len(value) == n:
-            # Fast path: the least entry, from C, is >= 2: no negative, no bool
-            # (bools are 0 and 1), and array('q') refuses every non-int and
-            # every int past int64, so anything it takes is exact.
+            # Fast path: array('q') refuses every non-int and every int past
+            # int64, so anything it takes is exact; then the least entry
+            # (numpy's argmin: a third of min() over the list) is >= 2: no
+            # negative, no bool (bools are 0 and 1, which array('q') takes).
             try:
-                if not value or min(value) >= 2:
-                    arr = np.frombuffer(array("q", value), dtype=_INT64)
-                    return (
-                        arr
-                        if multiple_of == 1
-                        else _check_values(arr, name, multiple_of)
-                    )
+                arr = np.frombuffer(array("q", value), dtype=_INT64)
             except (TypeError, OverflowError):
-                pass
+                arr = None
+            if arr is not None and (not value or _least(arr) >= 2):
+                return (
+                    arr if multiple_of == 1 else _check_values(arr, name, multiple_of)
+                )
     elif tv is np.ndarray:
         if value.ndim == 1 and (n is None or value.shape[0] == n):
             dt = value.dtype
@@ -380,6 +379,18 @@ def host_lengths(
             elif dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
                 # Every value of a narrower integer dtype fits in int64.
                 arr = value.astype(_INT64)
+            elif dt.kind == "u" and dt.itemsize == 8 and value.flags.c_contiguous:
+                # uint64 as int64 (a view, as an int64 array is taken as
+                # itself): a value past int64 reads as negative, which the
+                # check below refuses (by the exact path, naming it).
+                arr = value.view(_INT64)
+                if not arr.shape[0] or _least(arr) >= 0:
+                    return (
+                        arr
+                        if multiple_of == 1
+                        else _check_values(arr, name, multiple_of)
+                    )
+                return _host_lengths_exact(value, name, n, multiple_of)
             else:
                 return _host_lengths_exact(value, name, n, multiple_of)
             if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):

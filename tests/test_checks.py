@@ -364,6 +364,7 @@ def test_every_form_of_lengths_takes_its_fast_path(B) -> None:
         "tuple": tuple(base),
         "int64": arr,
         "int32": arr.astype(np.int32),
+        "uint64": arr.astype(np.uint64),
         "tensor": torch.tensor(base),
     }.items():
         conv_fn = (
