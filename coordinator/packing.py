@@ -70,6 +70,7 @@ _TYPECODE = attrgetter("typecode")
 #: The item types a list of ints may hold for a fast path (a type scan with
 #: ``issuperset`` builds no set: half the time of ``set(map(type, ...))``).
 _INTS = frozenset({int})
+_INT64 = np.dtype(np.int64)
 #: The array kinds from_ints takes a whole batch of in one concatenation.
 _ARRAY_KINDS = frozenset({np.ndarray, torch.Tensor, array})
 #: From this many ints on, from_ints converts a list with struct (one pass)
@@ -416,28 +417,6 @@ class RaggedView:
         return RaggedView(self.rows, self.offsets, self.lengths, token_lens)
 
 
-def _one_short_list(cls: type[HashBatch], flat: Any) -> HashBatch | None:
-    """:meth:`HashBatch.from_ints` of ``[flat]`` with 8-byte keys on the CPU
-    when ``flat`` is a short list of Python ints inside int64 (None
-    otherwise, for the general path to take or refuse): its values made by
-    one np.array call, nothing else. Its offsets, host arrays and tensors
-    are made on first use (:meth:`HashBatch.host_single` hands the numba
-    backend the rows alone)."""
-    if type(flat) is not list or len(flat) >= _STRUCT_MIN:
-        return None
-    if not _INTS.issuperset(map(type, flat)):
-        return None  # bools (by type), numpy integers, anything else
-    try:
-        words = np.array(flat, dtype=np.int64).reshape(-1, 1)
-    except OverflowError:
-        return None
-    batch = object.__new__(cls)
-    d = batch.__dict__
-    d["hash_bytes"] = 8
-    d["_one"] = words
-    return batch
-
-
 @dataclass(frozen=True, eq=False)
 class HashBatch:
     """A ragged batch of requests' block hashes, packed on one device.
@@ -567,19 +546,36 @@ class HashBatch:
         not fitting ``hash_bytes``), naming the request and position.
         """
         if (
-            type(hash_bytes) is int
+            type(requests) is list
+            and len(requests) == 1
+            and type(hash_bytes) is int
             and hash_bytes == 8
             and type(device) is str
             and device == "cpu"
-            and type(requests) is list
-            and len(requests) == 1
         ):
-            # A scheduler step of one request, 8-byte keys on the CPU: the
-            # arguments need no other check, so none is run (a third of the
-            # call's time).
-            batch = _one_short_list(cls, requests[0])
-            if batch is not None:
-                return batch
+            # A scheduler step of one short list of Python ints, 8-byte keys
+            # on the CPU: one type scan (bools refused by their type) and one
+            # np.array call (numpy would truncate a float: the scan refuses
+            # one); nothing else. Its offsets, host arrays and tensors are
+            # made on first use (host_single hands the numba backend the rows
+            # alone). Anything else, or a value past int64, takes the general
+            # path below, which takes or refuses it.
+            flat = requests[0]
+            if (
+                type(flat) is list
+                and len(flat) < _STRUCT_MIN
+                and _INTS.issuperset(map(type, flat))
+            ):
+                try:
+                    words = np.array(flat, _INT64).reshape(-1, 1)
+                except OverflowError:
+                    words = None
+                if words is not None:
+                    batch = object.__new__(cls)
+                    d = batch.__dict__
+                    d["hash_bytes"] = 8
+                    d["_one"] = words
+                    return batch
         w = num_words(hash_bytes)
         device = _device(device)
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
@@ -707,7 +703,7 @@ class HashBatch:
         return host
 
     def _one_lazy(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """A one-request batch of :func:`_one_short_list`: ``(words int64
+        """A one-request batch of from_ints' short path: ``(words int64
         [n, 1], offsets int64 [2])``, the offsets made once (None for any
         other batch)."""
         d = self.__dict__
