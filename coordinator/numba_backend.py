@@ -112,8 +112,8 @@ class NumbaBackend:
 
     def lengths(self, value: Any, name: str, n: int) -> np.ndarray | int:
         """See ``BatchBackend.lengths``: C-contiguous int64 numpy ``[n]``, or
-        one request's length as an int when it came as a one-item list or
-        tuple (the one-request path makes no array)."""
+        one request's length as an int (``checks.host_lengths_or_int``: the
+        one-request path makes no array)."""
         return host_lengths_or_int(value, name, n)
 
     def _host_table(self, index: KeyIndex) -> np.ndarray:

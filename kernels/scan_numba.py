@@ -674,8 +674,8 @@ def scan_prepared(
 
 
 #: ``_batch_one``'s compiled wrapper for its one signature (C-contiguous
-#: int64 arrays, int64 scalars) once numba has it, else None (see
-#: :func:`_one_entry`).
+#: int64 arrays, int64 scalars), held once numba has it (empty until then;
+#: see :func:`_one_entry`).
 _ONE_ENTRY: list[Any] = []
 
 
