@@ -181,8 +181,12 @@ class BatchBackend(Backend, Protocol):
         spans: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`Backend.find` of a checked batch (empty too) and lengths
-        from :meth:`lengths`: ``(hit int64 [B], mask_spans int64 [B, G, 3])``;
-        ``mask_spans`` may be None when ``spans`` is False (not asked for)."""
+        from :meth:`lengths`: ``(hit, mask_spans int64 [B, G, 3])``;
+        ``mask_spans`` may be None when ``spans`` is False (not asked for).
+        ``hit`` is int64 ``[B]``: a tensor on the device, or, from a backend
+        that answers on the host, a numpy array or (one request, no spans)
+        an int, which :class:`~kvhit.coordinator.engine.LookupResult` turns
+        into its tensor only when ``hit_lengths`` is read."""
         ...
 
     def lookup_batch(

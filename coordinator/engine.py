@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvhit.coordinator.backend import BatchBackend, resolve_backend
@@ -70,6 +71,15 @@ def backend_class(name: str) -> type[BatchBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
+def _hit_tensor(hits: np.ndarray | int) -> torch.Tensor:
+    """A host backend's hits (int64 numpy ``[B]``, or one request's int) as
+    the int64 ``[B]`` CPU tensor ``LookupResult.hit_lengths`` holds (the
+    numpy array's memory shared)."""
+    if type(hits) is int:
+        hits = np.array((hits,), dtype=np.int64)
+    return torch.from_numpy(hits)
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """What :meth:`LookupEngine.find_longest_cache_hit` returns.
@@ -79,11 +89,68 @@ class LookupResult:
     mask of group ``g`` in the batch) and ``mask_lengths[g]`` int64 ``[B]``:
     request ``b``'s mask for group ``g`` is ``masks[g][b, :mask_lengths[g][b]]``,
     equal to the reference's list; entries past the length are False.
+
+    :meth:`hit_list` and :meth:`hit_array` give the same hits as a list of
+    ints and a numpy array: on the CPU (the numba backend) without a torch
+    op, where a router's ``(hits.hit_lengths // bs).tolist()`` on a
+    one-request tensor costs 2-4 us. The numba backend's answers make
+    ``hit_lengths`` on first use; every form reads the same hits.
     """
 
     hit_lengths: torch.Tensor
     masks: tuple[torch.Tensor, ...] | None = None
     mask_lengths: tuple[torch.Tensor, ...] | None = None
+
+    @classmethod
+    def of_hits(cls, hits: torch.Tensor | np.ndarray | int) -> LookupResult:
+        """A result of hits alone (no masks): an int64 ``[B]`` tensor, or a
+        host backend's int64 numpy ``[B]`` or one request's int, kept as
+        they are until :attr:`hit_lengths` is first read."""
+        # The frozen dataclass's __init__ sets all three fields through
+        # object.__setattr__; the hit alone is a third of that (masks
+        # default to None on the class).
+        result = object.__new__(cls)
+        if type(hits) is torch.Tensor:
+            result.__dict__["hit_lengths"] = hits
+        else:
+            result.__dict__["_hits"] = hits
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for an attribute not set: hit_lengths of a result
+        # built from host hits (of_hits), made once. setdefault: two
+        # threads reading it first get one tensor.
+        if name == "hit_lengths":
+            d = self.__dict__
+            if "_hits" in d:
+                return d.setdefault("hit_lengths", _hit_tensor(d["_hits"]))
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
+
+    def hit_list(self) -> list[int]:
+        """``hit_lengths`` as a list of ``B`` Python ints (what
+        ``hit_lengths.tolist()`` gives), with no torch op for host hits."""
+        d = self.__dict__
+        hits = d.get("_hits")
+        if hits is None or "hit_lengths" in d:
+            # A tensor (any device), or one made and maybe changed since.
+            return self.hit_lengths.tolist()
+        if type(hits) is int:
+            return [hits]
+        return hits.tolist()
+
+    def hit_array(self) -> np.ndarray:
+        """``hit_lengths`` as int64 numpy ``[B]`` on the host: a new array
+        (a result's hits are never aliased by a later call, nor this array
+        by the result)."""
+        d = self.__dict__
+        hits = d.get("_hits")
+        if hits is None or "hit_lengths" in d:
+            return self.hit_lengths.cpu().numpy().copy()
+        if type(hits) is int:
+            return np.array((hits,), dtype=np.int64)
+        return hits.copy()
 
     def mask_lists(self) -> list[tuple[list[bool], ...]]:
         """The masks as the reference returns them, one tuple per request."""
@@ -304,13 +371,17 @@ class LookupEngine:
             batch, max_lengths, index, bool(apply_eagle), with_masks
         )
         if mask_spans is None or not with_masks:
-            # The frozen dataclass's __init__ sets all three fields through
-            # object.__setattr__; the hit alone is a third of that (masks
-            # default to None on the class).
+            # LookupResult.of_hits, inline: a step of one request pays for
+            # every Python call.
             result = object.__new__(LookupResult)
-            result.__dict__["hit_lengths"] = hit
+            if type(hit) is torch.Tensor:
+                result.__dict__["hit_lengths"] = hit
+            else:
+                result.__dict__["_hits"] = hit
             return result
         masks, lengths = _expand_mask_spans(mask_spans)
+        if type(hit) is not torch.Tensor:
+            hit = _hit_tensor(hit)
         return LookupResult(hit, masks, lengths)
 
     def load_masks(

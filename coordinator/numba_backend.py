@@ -20,13 +20,15 @@ import torch
 
 from kvhit.coordinator.backend import check_runs_on
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
-from kvhit.kernels.checks import host_lengths
+from kvhit.kernels.checks import host_lengths_or_int
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch, RaggedView
 
 __all__ = ["NumbaBackend"]
+
+_INT64 = np.dtype(np.int64)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -108,9 +110,11 @@ class NumbaBackend:
     # once per table tensor (_host_table), and the lengths once, as numpy, by
     # the engine through lengths(); scan_prepared checks nothing.
 
-    def lengths(self, value: Any, name: str, n: int) -> np.ndarray:
-        """See ``BatchBackend.lengths``: C-contiguous int64 numpy ``[n]``."""
-        return host_lengths(value, name, n)
+    def lengths(self, value: Any, name: str, n: int) -> np.ndarray | int:
+        """See ``BatchBackend.lengths``: C-contiguous int64 numpy ``[n]``, or
+        one request's length as an int (``checks.host_lengths_or_int``: the
+        one-request path makes no array)."""
+        return host_lengths_or_int(value, name, n)
 
     def _host_table(self, index: KeyIndex) -> np.ndarray:
         """``index.table`` as C-contiguous int64 numpy: the index's own view
@@ -118,50 +122,74 @@ class NumbaBackend:
         alive), or a copy on every call for a table that needs one (a cached
         copy would miss later inserts)."""
         arr = index.table_view
-        if arr is not None and arr.flags.c_contiguous and arr.dtype == np.int64:
+        # ``is``: comparing a dtype with np.int64 converts the type each time.
+        if arr is not None and arr.dtype is _INT64 and arr.flags.c_contiguous:
             return arr
         return _c(_table(index))
 
     def find_batch(
         self,
         batch: HashBatch,
-        max_lengths: np.ndarray,
+        max_lengths: np.ndarray | int,
         index: KeyIndex,
         apply_eagle: bool,
         spans: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[np.ndarray | int, torch.Tensor | None]:
         """See ``BatchBackend.find_batch``: ``max_lengths`` from
-        :meth:`lengths`, ``index`` not None; no spans tensor unless
-        ``spans``."""
-        # The batch's arrays first: their count answers len(batch) without
-        # another Python call (a step of one request pays for every call).
+        :meth:`lengths`, ``index`` not None; the hits as int64 numpy ``[B]``
+        (an int for one request when no spans are asked for); no spans
+        tensor unless ``spans``."""
+        sn, prep = self._prep_cache or self._prep()
+        mode = sn.FIND_EAGLE if apply_eagle else sn.FIND
+        if not spans:
+            rows = batch.host_single()
+            if rows is not None:
+                # A step of one request: one compiled call, its hit an int.
+                if type(max_lengths) is not int:
+                    max_lengths = max_lengths.item(0)
+                hit = sn.scan_one(
+                    prep, rows, max_lengths, self._host_table(index), mode
+                )
+                return hit, None
         rows, starts, lengths = batch.host_arrays()
         if not starts.shape[0]:
             return (
-                torch.zeros(0, dtype=torch.int64),
+                np.zeros(0, dtype=np.int64),
                 torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
             )
-        sn, prep = self._prep_cache or self._prep()
         hit, mask_spans = sn.scan_prepared(
-            prep, rows, starts, lengths, max_lengths, self._host_table(index),
-            sn.FIND_EAGLE if apply_eagle else sn.FIND, self.parallel,
+            prep, rows, starts, lengths, self._length_array(max_lengths),
+            self._host_table(index), mode, self.parallel,
         )  # fmt: skip
-        if spans:
-            return torch.from_numpy(hit), torch.from_numpy(mask_spans)
-        return torch.from_numpy(hit), None
+        return hit, (torch.from_numpy(mask_spans) if spans else None)
+
+    @staticmethod
+    def _length_array(lengths: np.ndarray | int) -> np.ndarray:
+        # One request's int from lengths() as the batch launcher reads it.
+        if type(lengths) is int:
+            return np.array((lengths,), dtype=np.int64)
+        return lengths
 
     def lookup_batch(
-        self, batch: HashBatch, num_tokens: np.ndarray, index: KeyIndex
+        self, batch: HashBatch, num_tokens: np.ndarray | int, index: KeyIndex
     ) -> torch.Tensor:
         """See ``BatchBackend.lookup_batch``: ``num_tokens`` from
         :meth:`lengths`."""
+        sn, prep = self._prep_cache or self._prep()
+        rows = batch.host_single()
+        if rows is not None:
+            if type(num_tokens) is not int:
+                num_tokens = num_tokens.item(0)
+            hit = sn.scan_one(
+                prep, rows, num_tokens, self._host_table(index), sn.LOOKUP
+            )
+            return torch.from_numpy(np.array((hit,), dtype=np.int64))
         rows, starts, lengths = batch.host_arrays()
         if not starts.shape[0]:
             return torch.zeros(0, dtype=torch.int64)
-        sn, prep = self._prep_cache or self._prep()
         hit = sn.scan_prepared(
-            prep, rows, starts, lengths, num_tokens, self._host_table(index),
-            sn.LOOKUP, self.parallel,
+            prep, rows, starts, lengths, self._length_array(num_tokens),
+            self._host_table(index), sn.LOOKUP, self.parallel,
         )[0]  # fmt: skip
         return torch.from_numpy(hit)
 

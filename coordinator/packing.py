@@ -67,6 +67,10 @@ _CHECKED_DEVICES: dict[Any, torch.device] = {}
 _CPU = torch.device("cpu")
 _DTYPE = attrgetter("dtype")
 _TYPECODE = attrgetter("typecode")
+#: The item types a list of ints may hold for a fast path (a type scan with
+#: ``issuperset`` builds no set: half the time of ``set(map(type, ...))``).
+_INTS = frozenset({int})
+_INT64 = np.dtype(np.int64)
 #: The array kinds from_ints takes a whole batch of in one concatenation.
 _ARRAY_KINDS = frozenset({np.ndarray, torch.Tensor, array})
 #: From this many ints on, from_ints converts a list with struct (one pass)
@@ -214,7 +218,7 @@ def _short_ints(flat: list[Any]) -> np.ndarray | None:
     not exactly an int or is outside int64: one type scan (bools refused by
     their type) and np.array (numpy would truncate a float: the scan refuses
     one)."""
-    if set(map(type, flat)) <= {int}:
+    if _INTS.issuperset(map(type, flat)):
         try:
             return np.array(flat, dtype=np.int64)
         except OverflowError:
@@ -413,29 +417,6 @@ class RaggedView:
         return RaggedView(self.rows, self.offsets, self.lengths, token_lens)
 
 
-def _one_short_list(cls: type[HashBatch], flat: Any) -> HashBatch | None:
-    """:meth:`HashBatch.from_ints` of ``[flat]`` with 8-byte keys on the CPU
-    when ``flat`` is a short list of Python ints inside int64 (None
-    otherwise, for the general path to take or refuse): its offsets and
-    values made by one np.array call, the batch built as the general path
-    builds a CPU batch (tensors made on first use)."""
-    if type(flat) is not list or len(flat) >= _STRUCT_MIN:
-        return None
-    if not set(map(type, flat)) <= {int}:
-        return None  # bools (by type), numpy integers, anything else
-    try:
-        # int64 [2 + n]: the offsets (0, n), then the values.
-        both = np.array([0, len(flat), *flat], dtype=np.int64)
-    except OverflowError:
-        return None
-    words = both[2:].reshape(-1, 1)
-    batch = object.__new__(cls)
-    batch.__dict__.update(
-        hash_bytes=8, _lazy=(words, both[:2]), _host=(words, both[:1], both[1:2])
-    )
-    return batch
-
-
 @dataclass(frozen=True, eq=False)
 class HashBatch:
     """A ragged batch of requests' block hashes, packed on one device.
@@ -565,19 +546,36 @@ class HashBatch:
         not fitting ``hash_bytes``), naming the request and position.
         """
         if (
-            type(hash_bytes) is int
+            type(requests) is list
+            and len(requests) == 1
+            and type(hash_bytes) is int
             and hash_bytes == 8
             and type(device) is str
             and device == "cpu"
-            and type(requests) is list
-            and len(requests) == 1
         ):
-            # A scheduler step of one request, 8-byte keys on the CPU: the
-            # arguments need no other check, so none is run (a third of the
-            # call's time).
-            batch = _one_short_list(cls, requests[0])
-            if batch is not None:
-                return batch
+            # A scheduler step of one short list of Python ints, 8-byte keys
+            # on the CPU: one type scan (bools refused by their type) and one
+            # np.array call (numpy would truncate a float: the scan refuses
+            # one); nothing else. Its offsets, host arrays and tensors are
+            # made on first use (host_single hands the numba backend the rows
+            # alone). Anything else, or a value past int64, takes the general
+            # path below, which takes or refuses it.
+            flat = requests[0]
+            if (
+                type(flat) is list
+                and len(flat) < _STRUCT_MIN
+                and _INTS.issuperset(map(type, flat))
+            ):
+                try:
+                    words = np.array(flat, _INT64).reshape(-1, 1)
+                except OverflowError:
+                    words = None
+                if words is not None:
+                    batch = object.__new__(cls)
+                    d = batch.__dict__
+                    d["hash_bytes"] = 8
+                    d["_one"] = words
+                    return batch
         w = num_words(hash_bytes)
         device = _device(device)
         if isinstance(requests, np.ndarray) or not isinstance(requests, list):
@@ -650,9 +648,9 @@ class HashBatch:
         # from_ints built lazily, made once from the numpy arrays they share
         # memory with.
         if name in ("hashes", "offsets"):
-            lazy = self.__dict__.get("_lazy")
+            d = self.__dict__
+            lazy = d.get("_lazy") or self._one_lazy()
             if lazy is not None:
-                d = self.__dict__
                 d["hashes"] = torch.from_numpy(lazy[0])
                 d["offsets"] = torch.from_numpy(lazy[1])
                 return d[name]
@@ -689,6 +687,12 @@ class HashBatch:
         """
         host = self.__dict__.get("_host")
         if host is None:
+            lazy = self._one_lazy()
+            if lazy is not None:
+                words, offsets = lazy
+                host = (words, offsets[:1], offsets[1:])
+                # Set once (a thread that built its own returns the same).
+                return self.__dict__.setdefault("_host", host)
             if self.hashes.device.type != "cpu":
                 raise ValueError(
                     f"host_arrays: the batch is on {self.hashes.device}, not the CPU"
@@ -697,6 +701,36 @@ class HashBatch:
             host = (self.hashes.numpy(), on[:-1], np.diff(on))
             object.__setattr__(self, "_host", host)
         return host
+
+    def _one_lazy(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """A one-request batch of from_ints' short path: ``(words int64
+        [n, 1], offsets int64 [2])``, the offsets made once (None for any
+        other batch)."""
+        d = self.__dict__
+        words = d.get("_one")
+        if words is None:
+            return None
+        lazy = d.get("_lazy")
+        if lazy is None:
+            offsets = np.array((0, words.shape[0]), dtype=np.int64)
+            lazy = d.setdefault("_lazy", (words, offsets))
+        return lazy
+
+    def host_single(self) -> np.ndarray | None:
+        """A one-request CPU batch's rows: int64 ``[n, W]``, sharing its
+        memory (the request owns every row: ``offsets`` is ``[0, n]``); None
+        for a batch of any other size. What the numba backend reads for a
+        step of one request; like :meth:`host_arrays`, it assumes the
+        batch's tensors are not modified in place.
+
+        Raises ValueError when the batch is not on the CPU.
+        """
+        words = self.__dict__.get("_one")
+        if words is not None:
+            return words
+        if len(self) != 1:
+            return None
+        return self.host_arrays()[0]
 
     def view(self, token_lens: torch.Tensor | None = None) -> RaggedView:
         """The batch as every backend reads it (see :class:`RaggedView`).
@@ -747,9 +781,12 @@ class HashBatch:
         return self.hashes.shape[0]
 
     def __len__(self) -> int:
-        o = self.__dict__.get("offsets")
+        d = self.__dict__
+        o = d.get("offsets")
         if o is None:
-            return self.__dict__["_lazy"][1].shape[0] - 1
+            if "_one" in d:
+                return 1
+            return d["_lazy"][1].shape[0] - 1
         return o.shape[0] - 1
 
     def _request_index(self, i: int) -> int:

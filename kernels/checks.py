@@ -67,6 +67,7 @@ __all__ = [
     "check_tensor",
     "host_int64",
     "host_lengths",
+    "host_lengths_or_int",
     "is_int",
     "resolve_device",
     "table_capacity",
@@ -358,19 +359,18 @@ def host_lengths(
             if type(v) is int and 0 <= v <= INT64_MAX and not v % multiple_of:
                 return np.array(value, dtype=_INT64)
         elif n is None or len(value) == n:
-            # Fast path: the least entry, from C, is >= 2: no negative, no bool
-            # (bools are 0 and 1), and array('q') refuses every non-int and
-            # every int past int64, so anything it takes is exact.
+            # Fast path: array('q') refuses every non-int and every int past
+            # int64, so anything it takes is exact; then the least entry
+            # (numpy's argmin: a third of min() over the list) is >= 2: no
+            # negative, no bool (bools are 0 and 1, which array('q') takes).
             try:
-                if not value or min(value) >= 2:
-                    arr = np.frombuffer(array("q", value), dtype=_INT64)
-                    return (
-                        arr
-                        if multiple_of == 1
-                        else _check_values(arr, name, multiple_of)
-                    )
+                arr = np.frombuffer(array("q", value), dtype=_INT64)
             except (TypeError, OverflowError):
-                pass
+                arr = None
+            if arr is not None and (not value or _least(arr) >= 2):
+                return (
+                    arr if multiple_of == 1 else _check_values(arr, name, multiple_of)
+                )
     elif tv is np.ndarray:
         if value.ndim == 1 and (n is None or value.shape[0] == n):
             dt = value.dtype
@@ -379,6 +379,18 @@ def host_lengths(
             elif dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
                 # Every value of a narrower integer dtype fits in int64.
                 arr = value.astype(_INT64)
+            elif dt.kind == "u" and dt.itemsize == 8 and value.flags.c_contiguous:
+                # uint64 as int64 (a view, as an int64 array is taken as
+                # itself): a value past int64 reads as negative, which the
+                # check below refuses (by the exact path, naming it).
+                arr = value.view(_INT64)
+                if not arr.shape[0] or _least(arr) >= 0:
+                    return (
+                        arr
+                        if multiple_of == 1
+                        else _check_values(arr, name, multiple_of)
+                    )
+                return _host_lengths_exact(value, name, n, multiple_of)
             else:
                 return _host_lengths_exact(value, name, n, multiple_of)
             if multiple_of == 1 and (not arr.shape[0] or _least(arr) >= 0):
@@ -398,6 +410,40 @@ def host_lengths(
                 return arr
             return _check_values(arr, name, multiple_of)
     return _host_lengths_exact(value, name, n, multiple_of)
+
+
+def host_lengths_or_int(value: Any, name: str, n: int) -> np.ndarray | int:
+    """:func:`host_lengths` of ``n`` lengths, except that one request's
+    length in ``[0, 2**63)`` comes back as an int when it is given as a
+    one-item list or tuple of an int, a numpy integer array ``[1]`` or a CPU
+    int64 tensor ``[1]``: a step of one request then makes no array (the
+    numba backend's one-request path reads an int). Anything else, and every
+    error, is :func:`host_lengths`'."""
+    if n == 1:
+        tv = type(value)
+        if tv is list or tv is tuple:
+            if len(value) == 1:
+                v = value[0]
+                if type(v) is int and 0 <= v <= INT64_MAX:
+                    return v
+        elif tv is np.ndarray:
+            # item() of an integer array is an int, of a bool array a bool.
+            if value.shape == (1,) and value.dtype.kind in "iu":
+                v = value.item(0)
+                if 0 <= v <= INT64_MAX:
+                    return v
+        elif tv is torch.Tensor:
+            if (
+                value.dtype is torch.int64
+                and value.is_cpu
+                and value.layout is torch.strided
+                and value.shape == (1,)
+            ):
+                # tolist() reads a one-item tensor in a third of item()'s time.
+                v = value.tolist()[0]
+                if v >= 0:
+                    return v
+    return host_lengths(value, name, n)
 
 
 def _host_lengths_exact(

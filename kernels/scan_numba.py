@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numba
 import numpy as np
@@ -155,6 +156,7 @@ __all__ = [
     "prefetching",
     "prepare_scan",
     "warm_up",
+    "scan_one",
     "scan_prepared",
     "threaded",
 ]
@@ -452,6 +454,35 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
                  prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
+# One request, the call a scheduler step of one makes: its arguments are the
+# rows, the table and the plan's three arrays (the dispatcher types each
+# array, ~30 ns apiece, and a launcher's np.empty costs ~0.15 us), its
+# per-request arrays views of one NRT allocation made here, and its hit
+# returned as an int (boxing an array costs ~0.4 us).
+@numba.njit(cache=True, nogil=True)
+def _batch_one(rows, max_len, table, sg, cand, prm, n_gscr):  # fmt: skip
+    n_groups = cand.shape[0]
+    n_st = sg.shape[0] * _ST_COLS
+    buf = np.empty(4 + 3 * n_groups + n_st + n_gscr, np.int64)
+    # Unit-step slices of a C array stay C arrays: _request's one signature.
+    starts = buf[0:1]
+    starts[0] = 0
+    lengths = buf[1:2]
+    lengths[0] = rows.shape[0]
+    token_lengths = buf[2:3]
+    token_lengths[0] = max_len
+    hit = buf[3:4]
+    at = 4 + 3 * n_groups
+    # The spans are written (find mode) but not returned: the engine asks
+    # for them through the batch launcher.
+    mask_spans = buf[4:at].reshape((1, n_groups, 3))
+    scratch = buf[at : at + n_st].reshape((1, sg.shape[0], _ST_COLS))
+    gscr = buf[at + n_st :].reshape((1, n_gscr))
+    _request(0, rows, starts, lengths, token_lengths, starts, table, sg, cand, prm,
+             hit, mask_spans, scratch, gscr)  # fmt: skip
+    return hit[0]
+
+
 # Runs of requests a threaded batch is cut into: four per thread numba
 # starts with (a constant, so that the loop caches; a process that lowers its
 # thread count later only gets more runs per thread).
@@ -642,6 +673,49 @@ def scan_prepared(
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
+#: ``_batch_one``'s compiled wrapper for its one signature (C-contiguous
+#: int64 arrays, int64 scalars), held once numba has it (empty until then;
+#: see :func:`_one_entry`).
+_ONE_ENTRY: list[Any] = []
+
+
+def _one_entry() -> Any:
+    """What :func:`scan_one` calls: numba's compiled wrapper of
+    ``_batch_one`` for its one signature, which skips the dispatcher's typing
+    of seven arguments (~0.2 us of a ~2 us step), or the dispatcher itself
+    until that signature is compiled or loaded (or where a numba release
+    keeps its overloads elsewhere). The skip is safe because scan_one's
+    callers pass only kvhit's own arrays, of exactly that signature."""
+    if _ONE_ENTRY:
+        return _ONE_ENTRY[0]
+    a1 = numba.types.Array(numba.types.int64, 1, "C")
+    a2 = numba.types.Array(numba.types.int64, 2, "C")
+    i64 = numba.types.int64
+    overloads = getattr(_batch_one, "overloads", {})
+    entry = getattr(overloads.get((a2, i64, a2, a2, a2, a1, i64)), "entry_point", None)
+    if entry is None:
+        return _batch_one
+    _ONE_ENTRY.append(entry)
+    return entry
+
+
+def scan_one(
+    prep: ScanPrep, rows: np.ndarray, max_len: int, table: np.ndarray, mode: int
+) -> int:
+    """:func:`scan_prepared` of one request that owns every row of ``rows``,
+    at ``max_len`` (an int in ``[0, 2**63)``), with **no checks** (not even
+    the dispatcher's typing): its hit (``mode`` :data:`FIND` or
+    :data:`FIND_EAGLE`) or tokens to load (:data:`LOOKUP`), as an int.
+    ``rows`` int64 ``[T, W]`` and ``table`` int64 ``[C, W + 1]``, both
+    C-contiguous: anything else reads memory wrongly, not an error. The
+    mask spans are not returned (:func:`scan_prepared` gives them)."""
+    # prefetching(1, table), spelled out (the thresholds read at call time).
+    pf = PREFETCH_MIN_REQUESTS <= 1 and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
+    fn = _ONE_ENTRY[0] if _ONE_ENTRY else _one_entry()
+    return fn(rows, max_len, table, prep.sg, prep.cand, prep.prm[mode][pf],
+              prep.n_groups + prep.n_homes if pf else prep.n_groups)  # fmt: skip
+
+
 def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand_rows,
          prm, mask_spans, parallel, counters=0):  # fmt: skip
     n_req = offsets.shape[0]
@@ -809,7 +883,7 @@ def count_probes(
 def warm_up(prep: ScanPrep) -> None:
     """Load (or compile, on a cold numba cache) the compiled batch programs
     :func:`scan_prepared` runs for ``prep``'s layout, serial and, where
-    numba has threads, parallel, on a one-request batch with no hashes and an
+    numba has threads, parallel, and :func:`scan_one`'s, on a one-request batch with no hashes and an
     empty table (nothing is read past the arrays): a serving process's first
     lookup then costs what every later one does."""
     rows = np.zeros((1, 1), np.int64)
@@ -819,3 +893,5 @@ def warm_up(prep: ScanPrep) -> None:
     for parallel in (False, True) if _THREADS_AVAILABLE else (False,):
         for mode in (FIND, LOOKUP):
             scan_prepared(prep, rows, zero, zero, zero, table, mode, parallel)
+    for mode in (FIND, LOOKUP):
+        scan_one(prep, rows[:0], 0, table, mode)

@@ -23,6 +23,7 @@ from kvhit.kernels.checks import (
     check_table,
     check_tensor,
     host_lengths,
+    host_lengths_or_int,
     resolve_device,
 )
 
@@ -251,6 +252,45 @@ def test_bad_lengths_are_named(value, error, match) -> None:
         check_lengths(value, "max_lengths", 2, CPU)
 
 
+@pytest.mark.parametrize("form", sorted(_FORMS))
+@pytest.mark.parametrize("value", [0, 1, 2, 60000])
+def test_one_requests_length_comes_back_as_an_int(form, value) -> None:
+    # The numba backend's one-request path: an int, equal to host_lengths'.
+    got = host_lengths_or_int(_FORMS[form]([value]), "max_lengths", 1)
+    assert type(got) is int and got == value
+    # More requests: host_lengths' array, whatever the form.
+    many = host_lengths_or_int(_FORMS[form]([value, 3]), "max_lengths", 2)
+    assert isinstance(many, np.ndarray) and many.tolist() == [value, 3]
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        ([True], TypeError, r"max_lengths\[0\] must be an int, got bool"),
+        ((False,), TypeError, r"max_lengths\[0\] must be an int, got bool"),
+        ([2.0], TypeError, r"max_lengths\[0\] must be an int, got float"),
+        ([-1], ValueError, r"max_lengths\[0\] must be >= 0, got -1"),
+        ([2**63], ValueError, r"max_lengths\[0\] \(9223372036854775808\)"),
+        (np.array([2**63], dtype=np.uint64), ValueError, r"max_lengths\[0\]"),
+        (np.array([-3], dtype=np.int32), ValueError, r"max_lengths\[0\]"),
+        (np.array([True]), TypeError, "must hold integers"),
+        (np.array([4.0]), TypeError, "must hold integers"),
+        (np.array([[4]]), ValueError, r"must have shape \[1\]"),
+        (torch.tensor([-4]), ValueError, r"max_lengths\[0\]"),
+        (torch.tensor([4], dtype=torch.int32), TypeError, "must be int64"),
+        (torch.tensor([[4]]), ValueError, r"must have shape \[1\]"),
+        (torch.tensor(4), ValueError, r"must have shape \[1\]"),
+        (torch.zeros(1, dtype=torch.int64, device="meta"), ValueError, "max_lengths"),
+        (torch.tensor([4]).to_sparse(), TypeError, "max_lengths"),
+        ([4, 5], ValueError, "2 entries for 1 requests"),
+        (4, TypeError, "got int"),
+    ],
+)
+def test_one_requests_bad_length_is_named(value, error, match) -> None:
+    with pytest.raises(error, match=match):
+        host_lengths_or_int(value, "max_lengths", 1)
+
+
 def test_lengths_multiple_of_and_devices() -> None:
     assert host_lengths([0, 16, 32], "a", 3, multiple_of=16).tolist() == [0, 16, 32]
     with pytest.raises(ValueError, match=r"a\[1\] \(17\) must be a multiple"):
@@ -324,6 +364,7 @@ def test_every_form_of_lengths_takes_its_fast_path(B) -> None:
         "tuple": tuple(base),
         "int64": arr,
         "int32": arr.astype(np.int32),
+        "uint64": arr.astype(np.uint64),
         "tensor": torch.tensor(base),
     }.items():
         conv_fn = (

@@ -81,6 +81,49 @@ def test_find_parity(backend, data, apply_eagle):
     _check_find(layout, requests, exists, lens, backend, apply_eagle)
 
 
+#: One request's length in every form a router holds it.
+ONE_LENGTH_FORMS = {
+    "list": lambda n: [n],
+    "tuple": lambda n: (n,),
+    "int64": lambda n: np.array([n], dtype=np.int64),
+    "int32": lambda n: np.array([n], dtype=np.int32),
+    "uint64": lambda n: np.array([n], dtype=np.uint64),
+    "tensor": lambda n: torch.tensor([n]),
+}
+
+
+@pytest.mark.parametrize("backend", BATCHED)
+@settings(max_examples=EXAMPLES)
+@given(
+    data=case(),
+    apply_eagle=st.booleans(),
+    form=st.sampled_from(sorted(ONE_LENGTH_FORMS)),
+)
+def test_one_request_steps_parity(backend, data, apply_eagle, form):
+    # A scheduler step of one request (the numba backend's one-request path,
+    # its hit an int until hit_lengths is read): each request of the case
+    # alone, packed from bytes and from ints, with no masks asked for, equals
+    # the reference and the same request inside the batch.
+    layout, requests, exists, lens = data
+    ref, engine, batch = _against_reference(layout, requests, backend)
+    index = key_index(exists)
+    in_batch = engine.find_longest_cache_hit(batch, lens, index, apply_eagle)
+    for b, (hl, n) in enumerate(zip(requests, lens, strict=True)):
+        want = ref.find_longest_cache_hit(hl, n, exists, apply_eagle)[1]
+        ints = [int.from_bytes(h, "little", signed=True) for h in hl]
+        for one in (HashBatch.from_bytes([hl], 8), HashBatch.from_ints([ints])):
+            res = engine.find_longest_cache_hit(
+                one, ONE_LENGTH_FORMS[form](n), index, apply_eagle
+            )
+            assert res.hit_list() == [want], (b, n, form)
+            assert res.hit_array().tolist() == [want]
+            assert res.hit_lengths.dtype == torch.int64
+            assert res.hit_lengths.tolist() == [want]
+            assert int(in_batch.hit_lengths[b]) == want
+            got = engine.lookup(one, ONE_LENGTH_FORMS[form](n), index).tolist()
+            assert got == [ref.lookup(n, hl, exists)], (b, n, form)
+
+
 @pytest.mark.parametrize("backend", BATCHED)
 @settings(max_examples=EXAMPLES)
 @given(data=case())
@@ -411,3 +454,56 @@ def test_devices_compare_as_tensors_report_them():
         engine.find_longest_cache_hit(batch, [32], None)
     with pytest.raises(ValueError, match="device"):
         LookupEngine(layout, device="no-such-device")
+
+
+@pytest.mark.parametrize("n_requests", [1, 3])
+def test_host_hits_are_one_answer_in_every_form_and_never_aliased(n_requests):
+    # The numba backend hands the engine host hits (an int for one request,
+    # numpy for more): hit_lengths is made on first read, hit_list() and
+    # hit_array() read the same hits, and no later call overwrites an answer.
+    import copy
+    import pickle
+
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=16))],
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    engine = LookupEngine(layout, backend="numba")
+    reqs = [list(range(10 * b + 1, 10 * b + 9)) for b in range(n_requests)]
+    index = KeyIndex(8)
+    index.add(0, HashBatch.from_ints([r[:4] for r in reqs]).hashes)
+    lens = [8 * 16] * n_requests
+    first = engine.find_longest_cache_hit(HashBatch.from_ints(reqs), lens, index)
+    assert "hit_lengths" not in first.__dict__  # not made yet
+    want = [4 * 16] * n_requests
+    assert first.hit_list() == want
+    arr = first.hit_array()
+    assert arr.dtype == np.int64 and arr.tolist() == want
+    arr[:] = -1  # a copy: the result is unchanged
+    assert first.hit_list() == want
+    for other in (
+        copy.copy(first),
+        copy.deepcopy(first),
+        pickle.loads(pickle.dumps(first)),
+    ):
+        assert other.hit_list() == want and other.hit_lengths.tolist() == want
+    hits = first.hit_lengths
+    assert hits.dtype == torch.int64 and hits.tolist() == want
+    assert first.hit_lengths is hits  # made once
+    # A later call answers in its own memory.
+    index.add(0, HashBatch.from_ints([r[4:] for r in reqs]).hashes)
+    second = engine.find_longest_cache_hit(HashBatch.from_ints(reqs), lens, index)
+    assert second.hit_list() == [8 * 16] * n_requests
+    assert hits.tolist() == want and first.hit_list() == want
+    # Once made, hit_lengths is what every form reads (a caller may edit it).
+    hits[0] = 7
+    assert first.hit_list()[0] == 7 and first.hit_array()[0] == 7
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        first.nope  # noqa: B018
+    # Results built from tensors (every other backend) answer alike.
+    torch_res = make_engine(layout, "torch").find_longest_cache_hit(
+        HashBatch.from_ints(reqs), lens, index
+    )
+    assert torch_res.hit_list() == [8 * 16] * n_requests
+    assert torch_res.hit_array().tolist() == [8 * 16] * n_requests

@@ -590,3 +590,31 @@ def test_one_request_names_its_bad_item(bad, exc) -> None:
         HashBatch.from_ints([[0, 1, bad, 3]])
     got = HashBatch.from_ints([[0, 1, np.int64(5), _Index(-2)]])
     assert got.hashes[:, 0].tolist() == [0, 1, 5, -2]
+
+
+def test_host_single_is_a_one_request_batchs_rows() -> None:
+    # What the numba backend reads for a step of one request: the rows the
+    # request owns, sharing the batch's memory; None for other batch sizes.
+    for one in (
+        HashBatch.from_ints([[5, 0, 1, -7]]),
+        HashBatch.from_ints([np.array([5, 0, 1, -7])]),
+        HashBatch.from_bytes(
+            [[v.to_bytes(8, "little", signed=True) for v in (5, 0, 1, -7)]], 8
+        ),
+    ):
+        rows = one.host_single()
+        assert rows.dtype == np.int64 and rows.shape == (4, 1)
+        assert rows.flags.c_contiguous and rows[:, 0].tolist() == [5, 0, 1, -7]
+        assert one.host_single() is rows
+        assert np.shares_memory(rows, one.hashes.numpy())
+        assert one.host_arrays()[0] is rows
+        assert one.offsets.tolist() == [0, 4] and len(one) == 1
+    assert HashBatch.from_ints([[]]).host_single().shape == (0, 1)
+    for other in ([], [[1], [2]], [[1], []]):
+        assert HashBatch.from_ints(other).host_single() is None
+    with pytest.raises(ValueError, match="not the CPU"):
+        HashBatch.from_trusted(
+            torch.zeros(1, 1, dtype=torch.int64, device="meta"),
+            torch.tensor([0, 1], device="meta"),
+            8,
+        ).host_single()

@@ -27,7 +27,7 @@ from strategies import case, chained_hashes, saved_keys
 from kvhit import HashBatch, KeyIndex, LookupEngine, ReferenceCoordinator
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
-from kvhit.coordinator.plan import ScanPlan
+from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.coordinator.reference_backend import ReferenceBackend, mask_span
 from kvhit.kernels import scan_numba
 from kvhit.kernels.contract import SG_MEMBERS, SG_PERIOD, PlanParams
@@ -197,6 +197,33 @@ def test_lean_b1_path_answers_fresh_arrays(preset):
     assert not strided.is_contiguous()
     assert engine.lookup(wl.hash_batch(), strided, index).tolist() == want
     assert any(want)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@settings(max_examples=EXAMPLES)
+@given(data=case(max_requests=4))
+def test_scan_one_answers_as_the_batch_launcher(prefetch, data):
+    # The one-request program (called through numba's compiled wrapper, no
+    # dispatcher) gives each request's batch-launcher answer in every mode,
+    # prefetching too (forced: one request never reaches it by the rule).
+    layout, requests, exists, lens = data
+    plan = ScanPlan.from_layout(layout)
+    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
+    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
+    scan_numba.warm_up(prep)
+    table = key_index(exists).table_view
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    rows, starts, lengths = batch.host_arrays()
+    with _prefetching(prefetch):
+        for mode in (scan_numba.FIND, scan_numba.FIND_EAGLE, scan_numba.LOOKUP):
+            want = scan_numba.scan_prepared(
+                prep, rows, starts, lengths, np.array(lens, dtype=np.int64),
+                table, mode, False,
+            )[0].tolist()  # fmt: skip
+            for b, n in enumerate(lens):
+                one = rows[starts[b] : starts[b] + lengths[b]]
+                got = scan_numba.scan_one(prep, one, n, table, mode)
+                assert type(got) is int and got == want[b], (mode, b)
 
 
 def test_prepare_scan_checks_the_rows_once():

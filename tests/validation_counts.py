@@ -3,8 +3,8 @@ argument), per backend and on the connector's path.
 
 A validation call is a call of a kvhit function whose name says it checks
 (``check_*``, ``_check_*``, ``*_validate``) or that validates lengths
-(``host_lengths``, ``check_lengths``, the engine's former ``_lengths`` and
-``_host_lengths``). A *pass* is such a call made while no other one runs:
+(``host_lengths``, ``host_lengths_or_int``, ``check_lengths``, the engine's
+former ``_lengths`` and ``_host_lengths``). A *pass* is such a call made while no other one runs:
 the checks one public entry point makes of one argument, however they are
 split into helpers.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 _CHECK = re.compile(
-    r"^_?check_|^_?validate|_validate$|^_check[A-Z_]|^host_lengths$|^check_lengths$"
+    r"^_?check_|^_?validate|_validate$|^_check[A-Z_]|^host_lengths(_or_int)?$"
+    r"|^check_lengths$"
     r"|^_lengths$|^_host_lengths$|^_normalize_|^normalize_keys$|^resolve_device$"
     r"|^_resolve_device$"
 )
@@ -102,6 +103,22 @@ def scenarios(root: str) -> dict[str, Callable[[], Any]]:
 
             lookup()
             out[f"lookup[{backend}, {form} num_tokens]"] = lookup
+
+        # A step of one request (the numba backend's one-request path).
+        one = HashBatch.from_bytes(reqs[:1], hb)
+        n_one = ntok[0]
+        one_forms = {
+            "list": [n_one],
+            "numpy": np.array([n_one], dtype=np.int64),
+            "tensor": torch.tensor([n_one]),
+        }
+        for form, lens in one_forms.items():
+
+            def find(engine=engine, one=one, index=index, lens=lens) -> Any:
+                return engine.find_longest_cache_hit(one, lens, index)
+
+            find()
+            out[f"find[{backend}, one request, {form} max_lengths]"] = find
 
     from kvhit.bindings.mooncake_store import MooncakeKeys
     from kvhit.bindings.store_sync import BatchedLookup
