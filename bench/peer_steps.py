@@ -98,7 +98,9 @@ class PeerRow:
         requests: requests replayed (each checked).
         kvhit_lookup_s: kvhit's seconds per request, the median over the
             steps of a step's time / its requests: ``HashBatch.from_ints``
-            of the step's lists plus ``find_longest_cache_hit``.
+            of the step's lists plus ``find_longest_cache_hit`` plus the
+            answer read as Python ints in blocks (``hit_list()``), as the
+            peer's time includes its Python ints.
         kvhit_pack_s: the ``from_ints`` part of it (median likewise).
         peer_lookup_s: the peer's seconds per request (median likewise).
         lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
@@ -217,10 +219,12 @@ class _KvhitSteps:
         hits = self.engine.find_longest_cache_hit(
             batch, tokens, self.index, apply_eagle=False
         )
+        # The answer as the router reads it, in blocks as Python ints (timed:
+        # Dynamo's find_matches hands back Python ints too).
+        mine = [h // PEER_BLOCK_SIZE for h in hits.hit_list()]
         t2 = perf()
         self.pack.append((t1 - t0) / (hi - lo))
         self.look.append((t2 - t0) / (hi - lo))
-        mine = (hits.hit_lengths // PEER_BLOCK_SIZE).tolist()
         self.hit_blocks += sum(mine)
         t0 = perf()
         rows, starts, lengths = batch.host_arrays()
