@@ -12,7 +12,12 @@ store's existence calls in it. Fresh schedulers per repetition; medians.
 
 What a long-running server pays once (building the side, its engine and
 kernels; its first lookup) is timed apart and printed beside each row.
-``--breakdown`` cuts kvhit's step at every stage (``step_timeline.py``: the
+``--split`` times, in both connectors' steps, what vLLM's
+``MooncakeStoreScheduler.get_num_new_matched_tokens`` spends (the lookups:
+the connector's whole part of the step up to the answer) apart from the rest
+(vLLM's own scheduling, which both run), and the cyclic collector's pauses;
+``--profile DIR`` writes a cProfile of each connector's steps there, sorted
+by cumulative and by own time. ``--breakdown`` cuts kvhit's step at every stage (``step_timeline.py``: the
 client's codec, the IPC hand-offs, packing, candidates, key strings, the
 store pool's hand-off, the store call, the index rewrite, the engine, the
 tail keys, the reply) and prints each interval's median.
@@ -85,11 +90,68 @@ def put_keys(raw_store, worker, reqs, hbs: int, frac: float, rng) -> int:
     return len(keys)
 
 
-def one_step(h, kind, case, store, reqs, n):
+class StepSplit:
+    """Per ``schedule()``: seconds inside vLLM's
+    ``MooncakeStoreScheduler.get_num_new_matched_tokens`` (the lookups), and
+    the cyclic collector's pauses (seconds, count, the full ones)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
+            scheduler,
+        )
+
+        self.lookup_s = self.gc_s = 0.0
+        self.gc_n = self.gc_full = 0
+        self._gc_t0 = 0.0
+        cls = scheduler.MooncakeStoreScheduler
+        real = cls.get_num_new_matched_tokens
+
+        def timed(sched, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(sched, *args, **kwargs)
+            finally:
+                self.lookup_s += time.perf_counter() - t0
+
+        cls.get_num_new_matched_tokens = timed
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        self.gc_s += time.perf_counter() - self._gc_t0
+        self.gc_n += 1
+        self.gc_full += info["generation"] == 2
+
+    def reset(self) -> None:
+        self.lookup_s = self.gc_s = 0.0
+        self.gc_n = self.gc_full = 0
+
+    def take(self) -> dict:
+        out = {"lookup_s": self.lookup_s, "gc_s": self.gc_s, "gc_n": self.gc_n,
+               "gc_full": self.gc_full}  # fmt: skip
+        self.reset()
+        return out
+
+
+def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
+             profile=None):  # fmt: skip
     """One timed ``schedule()`` of ``n`` waiting requests on a fresh side:
     ``(seconds, store calls, scheduled, loads, setup)`` where ``setup`` holds
     what a long-running server pays once (building the side, its engine and
-    kernels; its first lookup), timed apart, and the step's ``(t0, t1)``."""
+    kernels; its first lookup), timed apart, and the step's ``(t0, t1)``.
+
+    With ``freeze`` the heap is frozen once the side is built, as vLLM's
+    ``EngineCore`` does after start-up (``vllm.utils.gc_utils.freeze_gc_heap``)
+    and undone at close as its shutdown does: without it, every side this
+    process built before (15 per size) stays in the cyclic collector's oldest
+    generation and a full collection that lands in the timed step scans them
+    all (0.4-0.6 s at 512 waiting, in either connector's step)."""
+    import gc
+
     s0 = time.perf_counter()
     side = h.build_side(kind, case, store, {"load_async": False}, num_blocks=40000,
                         max_num_seqs=max(n, 8),
@@ -107,20 +169,51 @@ def one_step(h, kind, case, store, reqs, n):
             server.resolve([(warm.num_tokens, list(warm.block_hashes))])
         side.worker.lookup(warm.num_tokens, warm.block_hashes)
         s2 = time.perf_counter()
+        if freeze:
+            from vllm.utils.gc_utils import freeze_gc_heap
+
+            freeze_gc_heap()
         c0 = store.calls
+        if split is not None:
+            split.reset()
+        if profile is not None:
+            profile.enable()
+        p0 = time.process_time()
         t0 = time.perf_counter()
         out = side.scheduler.schedule()
         dt = time.perf_counter() - t0
+        cpu_s = time.process_time() - p0
+        if profile is not None:
+            profile.disable()
         loaded = sum(
             1
             for m in out.kv_connector_metadata.requests
             if m.load_spec is not None and m.load_spec.can_load
         )
         setup = {"build_s": s1 - s0, "first_lookup_s": s2 - s1}
+        if split is not None:
+            setup["split"] = split.take()
+            # Every thread of the process (the server's and the store
+            # calls' too): steadier than the wall time on a loaded host.
+            setup["split"]["cpu_s"] = cpu_s
         return (dt, store.calls - c0, len(out.scheduled_new_reqs), loaded, setup,
                 (t0, t0 + dt))  # fmt: skip
     finally:
         side.close()
+        if freeze:
+            gc.unfreeze()
+
+
+def write_profile(prof, stem: Path) -> None:
+    """``prof`` as two text files, ``stem``.cumulative.txt and .tottime.txt."""
+    import io
+    import pstats
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for key in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(40)
+        Path(f"{stem}.{key}.txt").write_text(out.getvalue())
 
 
 def main(argv=None) -> int:
@@ -128,6 +221,22 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the heap unfrozen (vLLM's EngineCore freezes it after start-up)",
+    )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="time the lookups apart from vLLM's own scheduling, and gc pauses",
+    )
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="cProfile each connector's steps into DIR (cumulative and own time)",
+    )
     ap.add_argument(
         "--breakdown",
         action="store_true",
@@ -156,6 +265,7 @@ def main(argv=None) -> int:
 
             step_timeline.install()
 
+        split = StepSplit() if args.split else None
         raw = connect_client(master, global_segment_size=256 << 20)
         try:
             store = CountingStore(raw)
@@ -169,9 +279,28 @@ def main(argv=None) -> int:
                   f"layout {case.name}")  # fmt: skip
             for n in args.sizes:
                 res = {"stock": [], "kvhit": []}
+                profs = {}
+                if args.profile:
+                    import cProfile
+
+                    profs = {k: cProfile.Profile() for k in res}
                 for _ in range(args.reps):
                     for kind in ("stock", "kvhit"):
-                        res[kind].append(one_step(h, kind, case, store, reqs, n))
+                        res[kind].append(
+                            one_step(
+                                h,
+                                kind,
+                                case,
+                                store,
+                                reqs,
+                                n,
+                                freeze=not args.no_freeze,
+                                split=split,
+                                profile=profs.get(kind),
+                            )  # fmt: skip
+                        )
+                for kind, prof in profs.items():
+                    write_profile(prof, args.profile / f"{kind}_{n}")
                 row = {"waiting": n}
                 for kind, v in res.items():
                     row[f"{kind}_ms"] = statistics.median(x[0] for x in v) * 1e3
@@ -196,6 +325,27 @@ def main(argv=None) -> int:
                     f"{row['kvhit_setup_build_s'] * 1e3:.0f} ms, first lookup "
                     f"{row['kvhit_setup_first_lookup_s'] * 1e3:.1f} ms"
                 )
+                if split is not None:
+                    for kind, v in res.items():
+                        sp = [x[4]["split"] for x in v]
+                        ms = {k: statistics.median(x[k] for x in sp) * 1e3
+                              for k in ("lookup_s", "gc_s")}  # fmt: skip
+                        rest = statistics.median(
+                            x[0] - y["lookup_s"] for x, y in zip(v, sp, strict=True)
+                        )
+                        row[f"{kind}_lookup_ms"] = ms["lookup_s"]
+                        row[f"{kind}_rest_ms"] = rest * 1e3
+                        row[f"{kind}_gc_ms"] = ms["gc_s"]
+                        cpu = statistics.median(x["cpu_s"] for x in sp) * 1e3
+                        row[f"{kind}_cpu_ms"] = cpu
+                        print(
+                            f"     {kind}: process CPU {cpu:.1f} ms, "
+                            f"lookups {ms['lookup_s']:.1f} ms, vLLM's own "
+                            f"rest {rest * 1e3:.1f} ms, gc {ms['gc_s']:.1f} ms "
+                            f"({statistics.median(x['gc_n'] for x in sp):.0f} "
+                            f"collections, {sum(x['gc_full'] for x in sp)} full "
+                            f"in {len(sp)} steps)"
+                        )
                 if args.breakdown:
                     import step_timeline
                     from tabulate import tabulate

@@ -82,7 +82,7 @@ def install() -> None:
     from kvhit.coordinator.key_index import KeyIndex
 
     vc.REQUEST_ENCODER = _Codec(vc.REQUEST_ENCODER, "client.encode")
-    vc.REPLY_DECODER = _Codec(vc.REPLY_DECODER, "client.decode")
+    _wrap_attr(vc, "decode_reply", "client.decode")
     ls.REQUEST_DECODER = _Codec(ls.REQUEST_DECODER, "server.decode")
     _wrap_attr(vc.KvhitLookupClient, "_ask", "client.ask")
     _wrap_attr(ls.KvhitLookupServer, "resolve_packed", "server.resolve")

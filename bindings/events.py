@@ -64,6 +64,13 @@ _RECENT_BYTES = 1 << 20
 #: copies of a long replay) costs at most one replay per interval. A batch
 #: that differs from one remembered is always checked.
 _CHECK_INTERVAL_S = 0.1
+#: A subscription is active only once it reached the publisher, some time
+#: after the connection the replay is asked on: a batch sent in between is
+#: neither in that replay nor delivered live. The first live batch after it
+#: shows any such batch as a gap; if none comes within this many seconds of a
+#: start-up or reconnection replay (a quiet publisher), one more replay (a
+#: settle probe) fetches it.
+_SETTLE_S = 0.2
 
 
 @dataclass(slots=True)
@@ -153,10 +160,17 @@ class EventFollower(StopOnExit):
       the new connection may have brought some of them (see
       ``_on_monitor``): the reconnection's check and replay bring them back.
 
-    Replays are bounded by the faults: one at start-up, one per gap, at most
-    three per conflict or restart (the check, the rebuild, and one for what
-    was held across it), never one per batch; ``tests/test_event_storm.py``
-    holds 64 publishers to that.
+    - a batch the publisher sent after it answered a start-up or
+      reconnection replay, but before the new subscription reached it, is
+      neither replayed nor delivered live: the next live batch shows it as a
+      gap; when none comes within ``_SETTLE_S`` (a quiet publisher), one
+      settle probe replays it (``settle_probes``).
+
+    Replays are bounded by the faults: at start-up one and a settle probe,
+    one per gap, at most three per conflict or restart (the check, the
+    rebuild, and one for what was held across it, or a settle probe after a
+    reconnection), never one per batch; ``tests/test_event_storm.py`` holds
+    64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),
@@ -278,6 +292,8 @@ class EventFollower(StopOnExit):
         #: (queued behind the SUB socket before the restart), until a live
         #: batch is seen to be the new one's (see _accept).
         self._suspect = False
+        #: When to run the settle probe (see _SETTLE_S); None: none due.
+        self._settle_at: float | None = None
 
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
@@ -296,6 +312,7 @@ class EventFollower(StopOnExit):
         self.gaps_recovered = 0
         self.gaps_unrecovered = 0
         self.replays_requested = 0
+        self.settle_probes = 0
         self.publisher_restarts = 0
         self.rebuilds = 0
         self.disconnects = 0
@@ -377,7 +394,7 @@ class EventFollower(StopOnExit):
             "stale next_seq committed_seq batches_applied events_applied events_skipped "
             "keys_added keys_removed commits malformed duplicates reordered foreign "
             "ignored_topic gaps_detected gaps_recovered gaps_unrecovered "
-            "replays_requested publisher_restarts rebuilds disconnects reconnects "
+            "replays_requested settle_probes publisher_restarts rebuilds disconnects reconnects "
             "apply_errors last_error"
         ).split()
         return {n: getattr(self, n) for n in names}
@@ -425,21 +442,40 @@ class EventFollower(StopOnExit):
             self._ready.set()
             if self.next_seq is not None and self.replay_endpoint is not None:
                 self._safely(self._catch_up, "start-up")  # what came before us
+                self._arm_settle()
             last_msg = time.monotonic()
             while not self._stop.is_set():
                 timeout = self.poll_ms
-                if self._ahead_since is not None:
-                    left = self._ahead_since + self.reorder_wait_s - time.monotonic()
-                    timeout = max(0, min(timeout, math.ceil(left * 1000)))
+                for due in (
+                    None
+                    if self._ahead_since is None
+                    else self._ahead_since + self.reorder_wait_s,
+                    self._settle_at,
+                ):
+                    if due is not None:
+                        left = math.ceil((due - time.monotonic()) * 1000)
+                        timeout = max(0, min(timeout, left))
                 ready = dict(poller.poll(timeout))
                 frames = self._drain(sub, self.max_drain) if sub in ready else []
                 if frames:
                     last_msg = time.monotonic()
+                reconnects = self.reconnects
                 # Connection events are read after the drain: see _on_monitor.
                 if monitor in ready or (frames and monitor.poll(0)):
                     self._safely(self._on_monitor, monitor, sub, frames)
                 elif frames:
                     self._safely(self._handle_live, frames)
+                if frames and self.reconnects == reconnects:
+                    # Live batches over the current connection: its
+                    # subscription is active, and a batch sent before it
+                    # reached the publisher is now a gap (see _SETTLE_S).
+                    self._settle_at = None
+                elif (
+                    self._settle_at is not None and time.monotonic() >= self._settle_at
+                ):
+                    self._settle_at = None
+                    self.settle_probes += 1
+                    self._safely(self._catch_up, "settle probe")
                 if self._ahead_since is not None and (
                     time.monotonic() >= self._ahead_since + self.reorder_wait_s
                     or len(self._ahead) > self.reorder_window
@@ -533,6 +569,7 @@ class EventFollower(StopOnExit):
             # _on_monitor dropped with the reconnection comes back as at
             # start-up.
             self._catch_up("reconnect")
+            self._arm_settle()
             return
         if self.replay_endpoint is None:
             # Cannot tell a restart from a blip, nor replay what was missed.
@@ -542,6 +579,14 @@ class EventFollower(StopOnExit):
         self._catch_up("reconnect", must_verify=True)
         # A new connection brings nothing of the old publisher's.
         self._suspect = False
+        self._arm_settle()
+
+    def _arm_settle(self) -> None:
+        """A replay was just asked over a connection whose subscription may
+        not have reached the publisher yet: probe once more after
+        ``_SETTLE_S`` unless a live batch comes first."""
+        if self.replay_endpoint is not None:
+            self._settle_at = time.monotonic() + _SETTLE_S
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step; an unexpected error is counted, never fatal."""

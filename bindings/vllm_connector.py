@@ -60,9 +60,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector impor
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeLookupResult,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
-    decode_lookup_response,
-)
 from vllm.logger import init_logger
 from vllm.v1.request import Request, RequestStatus
 
@@ -77,10 +74,10 @@ from kvhit.bindings.vllm_wire import (
     DEFAULT_MAX_BATCH,
     DEFAULT_RETRY_S,
     DEFAULT_STORE_TIMEOUT_S,
-    REPLY_DECODER,
     REQUEST_ENCODER,
     SEQ,
     connector_extra,
+    decode_reply,
     kvhit_rpc_path,
     local_endpoint,
     positive_option,
@@ -263,9 +260,7 @@ class KvhitLookupClient:
                 return []
             frames = self.socket.recv_multipart()
             if frames[-2] == seq:
-                return [
-                    decode_lookup_response(r) for r in REPLY_DECODER.decode(frames[-1])
-                ]
+                return decode_reply(frames[-1])
             self._late(frames)
 
     def _drain(self) -> None:

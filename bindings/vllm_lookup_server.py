@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeLookupResult,
-    TailKeyBoundary,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
     encode_lookup_response,
@@ -48,8 +48,10 @@ from kvhit.bindings.vllm_wire import (
     EMPTY_REPLY,
     REQUEST_DECODER,
     connector_extra,
+    decode_reply,
     joined_batch,
     kvhit_rpc_path,
+    pack_answer,
     positive_option,
     publish_local,
     split_hashes,
@@ -311,10 +313,11 @@ class KvhitLookupServer:
             # goes back with the reply.
             head, frame = frames[:-1], frames[-1]
             self._in_hand = head
-            reply: list[bytes] = []
+            payload = EMPTY_REPLY
             try:
                 items = REQUEST_DECODER.decode(frame)
-                reply = [encode_lookup_response(r) for r in self.resolve_packed(items)]
+                # A seq in the envelope: the kvhit client, which reads arrays.
+                payload = self._reply(items, arrays=len(head) > 2)
             except Exception as exc:
                 # Never leave the client waiting: an empty reply reads as
                 # hits of 0 for the whole batch.
@@ -322,7 +325,7 @@ class KvhitLookupServer:
                 logger.error(
                     "kvhit lookup server: bad batch, replying misses: %s", str(exc)
                 )
-            self._send_reply(head, msgspec.msgpack.encode(reply))
+            self._send_reply(head, payload)
             self._in_hand = None
             self._served = True
 
@@ -366,6 +369,31 @@ class KvhitLookupServer:
             ValueError: an item whose blob is not a whole number of hashes,
                 or a negative count (nothing was asked).
         """
+        got = self._resolve(items)
+        if isinstance(got, list):
+            return got
+        return decode_reply(pack_answer(*got))
+
+    def _reply(self, items: Sequence[tuple[int, int, bytes]], arrays: bool) -> bytes:
+        """The reply payload for ``items``: in the array form when
+        ``arrays`` (a kvhit client) and the batched path answered, else a
+        list of vLLM's encoded results (see ``vllm_wire``)."""
+        got = self._resolve(items)
+        if isinstance(got, list):
+            return msgspec.msgpack.encode([encode_lookup_response(r) for r in got])
+        if arrays:
+            return pack_answer(*got)
+        return msgspec.msgpack.encode(
+            [encode_lookup_response(r) for r in decode_reply(pack_answer(*got))]
+        )
+
+    def _resolve(
+        self, items: Sequence[tuple[int, int, bytes]]
+    ) -> tuple[np.ndarray, np.ndarray] | list[MooncakeLookupResult]:
+        """Checks ``items`` (see :meth:`resolve_packed`) and answers them:
+        ``(hits int64 [B], tails int64 [B, G])`` (``G`` layout groups; 0
+        where vLLM lists no boundary) on the batched path, vLLM's results
+        when the server falls back to its per-request lookup."""
         by_width: dict[int, list[int]] = {}
         for i, (n, hlen, blob) in enumerate(items):
             if n < 0 or hlen < 0 or (hlen == 0 and blob) or (hlen and len(blob) % hlen):
@@ -382,21 +410,25 @@ class KvhitLookupServer:
                     self._vllm_lookup(n, split_hashes(blob, hlen))
                     for n, hlen, blob in items
                 ]
-            out: list[MooncakeLookupResult] = [MooncakeLookupResult(0)] * len(items)
+            assert self.layout is not None
+            hits = np.zeros(len(items), dtype=np.int64)
+            tails = np.zeros((len(items), self.layout.num_groups), dtype=np.int64)
             for width, idx in by_width.items():
                 try:
                     batch, ntok = joined_batch(items, idx, width)
                     bl = self._lookup_for(width)
-                    results = self._answer(
+                    got_hits, got_tails = self._answer(
                         bl.lookup_with_tail_keys_unchecked(batch, ntok)
                     )
                 except Exception as exc:
                     self._failed(exc)
                     continue
                 self._succeeded()
-                for i, r in zip(idx, results, strict=True):
-                    out[i] = r
-            return out
+                if len(idx) == len(items):  # one width: the whole batch
+                    hits, tails = got_hits, got_tails
+                else:
+                    hits[idx], tails[idx] = got_hits, got_tails
+            return hits, tails
 
     def _failed(self, exc: Exception) -> None:
         """A batch answered with misses because of ``exc``: logged when an
@@ -493,32 +525,26 @@ class KvhitLookupServer:
         return bl
 
     @staticmethod
-    def _answer(res: TailKeyLookup) -> list[MooncakeLookupResult]:
-        """Per request of ``res``, what the worker's ``lookup`` returns."""
-        hits = res.hit_lengths.tolist()
-        tails = res.tail_key_boundaries.tolist()
-        # Rows missing a tail key, found at once (not per row in Python).
-        lost = (res.tail_key_boundaries < 0).any(1).tolist()
-        out: list[MooncakeLookupResult] = []
-        for hit, row, no_tail in zip(hits, tails, lost, strict=True):
-            if hit <= 0:
-                out.append(MooncakeLookupResult(hit, ()))
-                continue
-            if no_tail:
-                # vLLM's worker asserts here (and its server thread dies);
-                # loading with no key for the tail block is never right.
-                logger.warning(
-                    "kvhit lookup: no tail key for a hit of %d tokens; a miss", hit
-                )
-                out.append(MooncakeLookupResult(0))
-                continue
-            out.append(
-                MooncakeLookupResult(
-                    hit,
-                    tuple([TailKeyBoundary(g, b) for g, b in enumerate(row) if b]),
-                )
+    def _answer(res: TailKeyLookup) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of ``res``, what the worker's ``lookup`` returns, as
+        ``(hits int64 [B], tails int64 [B, G])``: no boundary (0) where the
+        hit is not positive."""
+        hits = res.hit_lengths.numpy().copy()
+        tails = res.tail_key_boundaries.numpy().copy()
+        tails[hits <= 0] = 0
+        # Rows missing a tail key: vLLM's worker asserts there (and its
+        # server thread dies); loading with no key for the tail block is
+        # never right, so they are misses.
+        lost = np.flatnonzero((tails < 0).any(1))
+        for i in lost.tolist():
+            logger.warning(
+                "kvhit lookup: no tail key for a hit of %d tokens; a miss",
+                int(hits[i]),
             )
-        return out
+        if lost.size:
+            hits[lost] = 0
+            tails[lost] = 0
+        return hits, tails
 
 
 class _EveryKey:

@@ -8,7 +8,12 @@ msgpack list of ``(num_tokens, hash width, hashes joined)`` per request
 ``MooncakeLookupResult`` per request, or an empty list (every request a
 miss). The client's DEALER sends ``[b"", seq (8 bytes), payload]`` and the
 server's ROUTER replies with the same envelope; a REQ client (``[b"",
-payload]``, no seq) is answered ``[b"", reply]``.
+payload]``, no seq) is answered ``[b"", reply]``. To a DEALER (the kvhit
+client) the batched path replies in the array form instead
+(:func:`pack_answer`): a ``K`` byte, ``B`` and ``G`` (two uint32), the hits
+(int32 ``[B]``) and the tail boundaries (int32 ``[B, G]``, 0 where vLLM lists
+none), built and read without a Python object per request on the server;
+:func:`decode_reply` reads either form.
 
 When both sides live in one process (vLLM's single-process executor runs
 worker rank 0 beside the scheduler), the server also binds an ``inproc://``
@@ -31,6 +36,13 @@ import msgspec
 import numpy as np
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    MooncakeLookupResult,
+    TailKeyBoundary,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
+    decode_lookup_response,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
     get_zmq_rpc_path_lookup,
 )
@@ -43,6 +55,8 @@ __all__ = [
     "DEFAULT_RETRY_S",
     "DEFAULT_STORE_TIMEOUT_S",
     "EMPTY_REPLY",
+    "decode_reply",
+    "pack_answer",
     "REPLY_DECODER",
     "REQUEST_DECODER",
     "REQUEST_ENCODER",
@@ -82,6 +96,45 @@ REQUEST_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int, bytes]])
 REPLY_DECODER = msgspec.msgpack.Decoder(list[bytes])
 #: A reply that answers every request of its batch with a miss.
 EMPTY_REPLY = msgspec.msgpack.encode([])
+#: The array form's first byte (a msgpack int, never a list) and its header.
+_ARRAYS = b"K"
+_ARRAYS_HEAD = struct.Struct("<II")
+
+
+def pack_answer(hits: np.ndarray, tails: np.ndarray) -> bytes:
+    """A batch's answer in the array form: ``hits`` int ``[B]`` (each
+    request's ``hit_length``) and ``tails`` int ``[B, G]`` (group ``g``'s
+    ``TailKeyBoundary.num_tokens``; 0 where vLLM lists no boundary)."""
+    b, g = tails.shape
+    return b"".join(
+        (
+            _ARRAYS,
+            _ARRAYS_HEAD.pack(b, g),
+            hits.astype("<i4", copy=False).tobytes(),
+            tails.astype("<i4", copy=False).tobytes(),
+        )
+    )
+
+
+def decode_reply(payload: bytes) -> list[MooncakeLookupResult]:
+    """A reply's ``MooncakeLookupResult`` per request, in either form (an
+    empty list: every request a miss)."""
+    if payload[:1] != _ARRAYS:
+        return [decode_lookup_response(r) for r in REPLY_DECODER.decode(payload)]
+    b, g = _ARRAYS_HEAD.unpack_from(payload, 1)
+    start = 1 + _ARRAYS_HEAD.size
+    hits = np.frombuffer(payload, "<i4", b, start).tolist()
+    tails = np.frombuffer(payload, "<i4", b * g, start + 4 * b).reshape(b, g).tolist()
+    # One object per request, as vLLM's decoder builds (the scheduler keeps
+    # and may change them); a miss without the boundary loop.
+    return [
+        MooncakeLookupResult(hit)
+        if hit <= 0
+        else MooncakeLookupResult(
+            hit, tuple([TailKeyBoundary(j, n) for j, n in enumerate(row) if n])
+        )
+        for hit, row in zip(hits, tails, strict=True)
+    ]
 
 
 def kvhit_rpc_path(vllm_config: VllmConfig) -> str:

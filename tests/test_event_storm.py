@@ -442,11 +442,13 @@ class Storm:
             assert not f.stale, f"engine {e}: stale; follower {f.counters()}"
             union |= {(g, h) for g, h in want}
             n_faults = sum(self.faults[e].values())
-            # Replays: start-up, then at most two per fault (a gap's repair;
-            # a restart's failed anchor check plus its rebuild), one more per
-            # restart (what was held across the rebuild), plus one per gap
-            # ZMQ itself made for a slow consumer.
-            bound = 1 + 2 * n_faults + self.faults[e]["restart"]
+            # Replays: two at start-up (the catch-up, and a settle probe
+            # when the publisher is quiet for _SETTLE_S), then at most two
+            # per fault (a gap's repair; a restart's failed anchor check plus
+            # its rebuild), one more per restart (what was held across the
+            # rebuild, or the settle probe after a reconnection), plus one
+            # per gap ZMQ itself made for a slow consumer.
+            bound = 2 + 2 * n_faults + self.faults[e]["restart"]
             bound += f.gaps_detected if e in self.slow else 0
             # (A request sent as a ROUTER is rebound is lost: <=, not ==.)
             assert pub.replay_requests <= f.replays_requested <= bound, (

@@ -286,6 +286,10 @@ class Publisher:
         self.topic = topic.encode()
         self.buffer_steps = buffer_steps
         self.replay_requests: list[list[bytes]] = []
+        self.replays_served = 0  # answered to the end marker
+        #: Cleared: replay requests wait (received, not yet answered).
+        self.replay_gate = threading.Event()
+        self.replay_gate.set()
         self.recorded_replay: list[list[bytes]] | None = None  # answer verbatim
         self._lock = threading.Lock()
         self.endpoint = self.replay_endpoint = ""
@@ -358,6 +362,9 @@ class Publisher:
                 continue
             client, _, start_b = frame
             start = int.from_bytes(start_b, "big")
+            while not self.replay_gate.wait(0.02):
+                if self._stop.is_set():
+                    return
             if self.recorded_replay is not None:
                 for frames in self.recorded_replay:
                     self.router.send_multipart([client, *frames])
@@ -370,6 +377,7 @@ class Publisher:
                         [client, b"", self.topic, seq.to_bytes(8, "big"), buf]
                     )
             self.router.send_multipart([client, b"", b"", ev.END_SEQ, b""])
+            self.replays_served += 1
 
     def close(self) -> None:
         self._close_sockets()
@@ -706,6 +714,88 @@ def test_network_blip_with_the_same_publisher_is_a_gap_repair(publisher):
         with f.lock:
             assert _contents(index) == {(0, k) for k in K[:5]}
         assert not f.stale and f.rebuilds == 0 and f.publisher_restarts == 0
+
+
+def test_batch_published_before_the_new_subscription_reached_the_publisher(publisher):
+    """The window between a reconnection's replay and the new subscription:
+    a batch the publisher sends after it answered the reconnection's check
+    replay, but before the SUB's subscription reached it, is neither in
+    that replay nor delivered live. Before the settle probe it stayed lost
+    (keys missing, removals missed) for as long as the publisher was quiet:
+    no later live batch showed the gap. Deterministic: the batch is
+    published (kept for replay, ``drop``: not sent live, as a PUB without
+    the subscription drops it) only once the check replay was answered."""
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        _three_batches_applied(publisher, f)
+        buffer, seq = list(publisher.buffer), publisher.seq
+        served, replays = publisher.replays_served, f.replays_requested
+        publisher.restart()  # a blip: the same publisher behind new sockets
+        publisher.buffer.extend(buffer)
+        publisher.seq = seq
+        # The reconnection's check replay, answered with seqs 2.. (nothing new).
+        assert wait_until(lambda: publisher.replays_served > served, WAIT_S)
+        _publish_keys(publisher, [K[3]], ts=4.0, drop=True)  # in the window
+        publisher.wait_subscriber()  # the subscription arrives after it
+        # The publisher stays quiet: only the follower can find seq 3.
+        assert f.wait_for_seq(3, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in K[:4]}
+        assert not f.stale and f.reconnects == 1 and f.rebuilds == 0
+        # The check, and one settle probe (the bound: one more per reconnection).
+        assert f.replays_requested == replays + 2 and f.settle_probes == 1
+
+
+def test_live_batches_queued_during_the_reconnection_replay_apply_once(publisher):
+    """The other order: the new subscription is active before the
+    reconnection's replay is answered, so batches sent meanwhile come both
+    in the replay and live. Each is applied once, in seq order (the live
+    copies, drained after the replay, are duplicates), and nothing live is
+    applied before the replayed batches it follows."""
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        _three_batches_applied(publisher, f)
+        buffer, seq = list(publisher.buffer), publisher.seq
+        asked, applied = len(publisher.replay_requests), f.batches_applied
+        publisher.replay_gate.clear()  # the check replay waits
+        publisher.restart()
+        publisher.buffer.extend(buffer)
+        publisher.seq = seq
+        assert wait_until(lambda: len(publisher.replay_requests) > asked, WAIT_S)
+        publisher.wait_subscriber()  # active before the replay is answered
+        _publish_keys(publisher, [K[3]], ts=4.0, drop=True)  # replay only
+        _publish_keys(publisher, [K[4]], ts=5.0)  # replay and live
+        _publish_keys(publisher, [K[5]], ts=6.0)  # replay and live
+        assert f.batches_applied == applied  # held behind the replay
+        publisher.replay_gate.set()
+        assert f.wait_for_seq(5, WAIT_S)
+        assert wait_until(lambda: f.duplicates == 2, WAIT_S)
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in K[:6]}
+        assert f.batches_applied == applied + 3
+        assert not f.stale and f.rebuilds == 0 and f.gaps_detected == 0
+
+
+def test_live_batch_after_a_reconnection_needs_no_settle_probe(publisher, monkeypatch):
+    """A live batch after the reconnection proves the subscription active
+    (what came before it is a gap, repaired as one): no settle probe."""
+    monkeypatch.setattr(ev, "_SETTLE_S", 0.05)
+    index = KeyIndex(hash_bytes=16, capacity=64)
+    with _follower(publisher, index) as f:
+        _three_batches_applied(publisher, f)
+        buffer, seq = list(publisher.buffer), publisher.seq
+        replays = f.replays_requested
+        publisher.restart()
+        publisher.buffer.extend(buffer)
+        publisher.seq = seq
+        publisher.wait_subscriber()
+        assert wait_until(lambda: f.reconnects == 1, WAIT_S)
+        _publish_keys(publisher, [K[3]], ts=4.0)
+        assert f.wait_for_seq(3, WAIT_S)
+        time.sleep(0.2)  # four settle windows
+        assert f.settle_probes == 0 and f.replays_requested == replays + 1
+        with f.lock:
+            assert _contents(index) == {(0, k) for k in K[:4]}
 
 
 def test_restart_without_replay_endpoint_marks_stale(publisher):

@@ -477,3 +477,41 @@ def test_scheduler_stock_vs_kvhit_real_master(harness):
     assert compare(stock, kvhit) == []
     assert any(ls[1] > 0 for s in stock for ls in s["loads"].values())
     assert max(kvhit_calls) <= 1 < max(stock_calls)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_array_reply_reads_as_vllms_encoded_results(vllm_env, seed):
+    """The array form a kvhit client gets reads back, request by request,
+    exactly as vLLM's own encode/decode of the same results: misses (0 and
+    non-positive hits never carry boundaries), hits with a boundary in some
+    groups only, empty and single-request batches, a group count of 1..3."""
+    import numpy as np
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        MooncakeLookupResult,
+        TailKeyBoundary,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
+        decode_lookup_response,
+        encode_lookup_response,
+    )
+
+    from kvhit.bindings.vllm_wire import EMPTY_REPLY, decode_reply, pack_answer
+
+    rng = np.random.default_rng(seed)
+    for b in (0, 1, 7, 300):
+        for g in (1, 2, 3):
+            hits = rng.integers(0, 5, b) * rng.integers(0, 4000, b)
+            tails = rng.integers(0, 3, (b, g)) * rng.integers(1, 4000, (b, g))
+            tails[hits <= 0] = 0
+            want = [
+                MooncakeLookupResult(
+                    int(h),
+                    tuple(TailKeyBoundary(j, int(n)) for j, n in enumerate(row) if n),
+                )
+                for h, row in zip(hits, tails, strict=True)
+            ]
+            via_vllm = [decode_lookup_response(encode_lookup_response(r)) for r in want]
+            got = decode_reply(pack_answer(hits, tails))
+            assert got == via_vllm == want
+            assert all(type(r) is MooncakeLookupResult for r in got)
+    assert decode_reply(EMPTY_REPLY) == []
