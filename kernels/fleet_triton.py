@@ -53,8 +53,9 @@ torch families').
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -64,9 +65,9 @@ import triton.language as tl
 from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
-from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
+from kvhit.kernels.contract import CAND_WIDTH, EMPTY, SG_MEMBERS, TOMBSTONE
 from kvhit.kernels.fleet_triton_hybrid import hybrid_kernel
-from kvhit.kernels.hash_index import find_slots
+from kvhit.kernels.hash_index import find_slots, hash_finish, hash_init, hash_mix
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
 
 __all__ = [
@@ -75,11 +76,13 @@ __all__ = [
     "FleetOps",
     "clear_bits",
     "clear_engine",
+    "fixed_split",
     "full_hits",
     "full_runs",
     "hybrid_hits",
     "probe_bits",
     "set_bits",
+    "split_for",
 ]
 
 # Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py);
@@ -109,6 +112,10 @@ _MODE_RUNS: tl.constexpr = tl.constexpr(0)
 _MODE_FIND: tl.constexpr = tl.constexpr(1)
 _MODE_LOOKUP: tl.constexpr = tl.constexpr(2)
 _TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
+_EMPTY_C: tl.constexpr = tl.constexpr(EMPTY)
+# Slots a tile's later probe steps visit at once (the first step visits the
+# home slot alone), as the scan's table_has (kernels/scan_sg.py).
+SPAN = 2
 
 
 @triton.jit
@@ -130,6 +137,73 @@ def _block_words(bits_ptr, nw, t, slots, member, n_mem, MP: tl.constexpr,
     # Padding members hold every engine (the AND's identity).
     w = tl.where(member < n_mem, w, -1)
     return tl.reduce(tl.reshape(w, (MP, BLOCK)), 0, _and)
+
+
+@triton.jit
+def _visit(keys_ptr, pos, gids, words, active, W: tl.constexpr):
+    """One probe step at slot ``pos`` for lanes ``active``: ``(hit, open)``,
+    whether the slot holds key ``(gids, words)`` and whether it is not EMPTY
+    (the probe goes on past it). The slot's group id and words are loaded
+    together (one round trip), compared once all are in."""
+    row = keys_ptr + pos * (W + 1)
+    g = tl.load(row, mask=active, other=_EMPTY_C)
+    same = active & (g == gids)
+    for j in tl.static_range(W):
+        same = same & (tl.load(row + 1 + j, mask=active, other=0) == words[j])
+    return same, g != _EMPTY_C
+
+
+@triton.jit
+def _tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
+                W: tl.constexpr, SPAN: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """Each lane's slot in the fleet's key table (the KeyIndex layout of
+    ``coordinator/key_index.py``: home slot ``slot_hash & cap_mask``, linear
+    probing, an EMPTY slot ends a probe, TOMBSTONE and BUSY slots passed
+    over; plain reads, stream-ordered after the mutations): int64 [N], -1
+    for an absent key, a lane off ``probe``, or a lane whose block
+    (``blk_of``, int64 [N]) lies above a block known absent (below).
+
+    ``hash_index.find_slots`` with three changes for the latency of a tile
+    (issue 32): the key's hash words are loaded once, all W at once, and
+    held for the home slot and every compare; a slot's group id and words
+    are loaded together; after the home slot each step visits the next
+    ``SPAN`` slots at once. And a block absent from the table (a lane of any
+    member whose probe ended without the key) is a miss for every engine, so
+    the run of no engine passes it: lanes of later blocks stop probing (their
+    slots read -1), and every lane of an earlier block is exact. The scan's
+    first misses are therefore the same."""
+    words = ()
+    for j in tl.static_range(W):
+        words = words + (tl.load(rows_ptr + units * W + j, mask=probe, other=0),)
+    h = hash_init(gids)
+    for j in tl.static_range(W):
+        h = hash_mix(h, words[j])
+    pos = hash_finish(h) & cap_mask
+    found, opened = _visit(keys_ptr, pos, gids, words, probe, W)
+    slot = tl.where(found, pos, -1)
+    # Every slot visited counts, BUSY and TOMBSTONE ones too: on a table with
+    # no EMPTY slot the probe still ends after `capacity` visits (a vector:
+    # the interpreter types a bool scalar & vector as int64).
+    steps = gids * 0 + 1
+    active = probe & ~found & opened & (steps <= cap_mask)
+    cut = tl.min(tl.where(probe & ~found & ~active, blk_of, BLOCK), axis=0)
+    active = active & (blk_of < cut)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        # The SPAN slots' loads wait only on `active`: one round trip.
+        on = active
+        for _s in tl.static_range(SPAN):
+            pos = (pos + 1) & cap_mask
+            hit, open_s = _visit(keys_ptr, pos, gids, words, active, W)
+            hit = on & hit
+            slot = tl.where(hit, pos, slot)
+            steps += 1
+            on = on & ~hit & open_s & (steps <= cap_mask)
+        active = on
+        gone = probe & (slot < 0) & ~active
+        cut = tl.minimum(cut, tl.min(tl.where(gone, blk_of, BLOCK), axis=0))
+        active = active & (blk_of < cut)
+    return slot
 
 
 @triton.jit
@@ -209,24 +283,26 @@ def _fleet_kernel(
         blk = i0 + blk_of
         probe = (blk < end) & (member < n_mem)
         units = off + (blk + 1) * scale - 1
-        # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
-        slots = find_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, W,
-                           False)  # fmt: skip
+        slots = _tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
+                            W, SPAN, BLOCK)  # fmt: skip
         alive = (i0 * 0).to(tl.int32)
-        # Half a word (32 engines) at a time: the [BLOCK, 32] bit matrix
-        # keeps a 4-warp program under 128 registers (a whole word's: 135).
-        for q in range(2 * nw):
-            t = q // 2
-            sh = lane + (q % 2) * 32
-            e = t * 64 + sh
-            em = e < n_eng
-            # The first miss known so far (stale reads only cost work).
-            known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
-            live = (tl.load(live_ptr + t) >> sh) & 1
-            # Engines whose first miss may still lie in this tile or past it.
-            want = em & (known > i0) & (live == 1)
-            if tl.max(want.to(tl.int32), axis=0) > 0:
-                words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
+        for t in range(nw):
+            # The word's engine sets of the tile's blocks, loaded once for
+            # both halves, whatever engines still run (no branch on the
+            # output row: its load would come before the words' on the
+            # critical path).
+            words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
+            live_w = tl.load(live_ptr + t)
+            # Half a word (32 engines) at a time: the [BLOCK, 32] bit matrix
+            # keeps a 4-warp program under 128 registers (a whole word's: 135).
+            for hq in tl.static_range(2):
+                sh = lane + hq * 32
+                e = t * 64 + sh
+                em = e < n_eng
+                # The first miss known so far (stale reads only cost work).
+                known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
+                # Engines whose first miss may still lie in this tile or past it.
+                want = em & (known > i0) & (((live_w >> sh) & 1) == 1)
                 held = ((words[:, None] >> sh[None, :]) & 1) == 1
                 # Blocks past the end read no slot: a "miss" at ``end``, which
                 # lowers nothing (end - end = 0).
@@ -294,21 +370,43 @@ def _pow2(n: int) -> int:
 
 # Streaming multiprocessors per CUDA device (one query each).
 _SM_COUNT: dict[torch.device, int] = {}
+# Programs per request forced by fixed_split (the cost model), or None.
+_FIXED_SPLIT: list[int] = []
+
+
+def split_for(batch: int, sms: int) -> int:
+    """Programs per request for ``batch`` requests on a GPU of ``sms`` SMs:
+    enough for ``_PROGRAMS_PER_SM`` per SM over the batch, at most MAX_SPLIT
+    (a power of two). Depends on B only, never on the lengths: no host
+    sync."""
+    want = -(-sms * _PROGRAMS_PER_SM // max(batch, 1))
+    return min(_pow2(want), MAX_SPLIT)
+
+
+@contextlib.contextmanager
+def fixed_split(split: int) -> Iterator[None]:
+    """Launch ``split`` programs per request while active, whatever the
+    device (``bench/gpu_model_fleet.py`` traces a sample of a batch under
+    the interpreter as the GPU would run the whole batch)."""
+    _FIXED_SPLIT.append(check_size("split", split))
+    try:
+        yield
+    finally:
+        _FIXED_SPLIT.pop()
 
 
 def _split(batch: int, device: torch.device) -> int:
-    """Programs per request: enough for ``_PROGRAMS_PER_SM`` per SM over the
-    batch, at most MAX_SPLIT (a power of two; 2 under the interpreter, so
-    that the tests deal tiles to several programs). Depends on B only, never
-    on the lengths: no host sync."""
+    """:func:`split_for` on ``device`` (2 under the interpreter, so that the
+    tests deal tiles to several programs; :func:`fixed_split` overrides)."""
+    if _FIXED_SPLIT:
+        return _FIXED_SPLIT[-1]
     if device.type != "cuda":
         return 2
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         _SM_COUNT[device] = sms
-    want = -(-sms * _PROGRAMS_PER_SM // batch)
-    return min(_pow2(want), MAX_SPLIT)
+    return split_for(batch, sms)
 
 
 def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:
