@@ -174,10 +174,17 @@ def build_case(preset: str, requests: int, engines: int, blocks: int = 2048,
     layout, words, num_tokens, (req, gids, keys) = gcf.workload(cfg, preset)
     FleetIndex = _fleet_index_class()
     cap = 4 * max(int(keys.shape[0]), 16)
+    batch = gcf.first_requests(words, requests, cfg, torch.device("cpu"))
+    # The answer of every request, from the numba family where it imports
+    # (compiled: B = 1024 x 256 engines in seconds), dropped before the
+    # traced tables are built (a large case holds GBs).
+    ref = "numba" if gcf.numba_threads() is not None else "torch"
+    fleet = FleetIndex(engines, cfg.hash_bytes, capacity=cap, backend=ref)
+    fleet.add(req % engines, gids, keys)
+    want = LookupEngine(layout, backend=ref).fleet_lookup(batch, num_tokens, fleet)
+    del fleet
     fleet = FleetIndex(engines, cfg.hash_bytes, capacity=cap, backend="torch")
     fleet.add(req % engines, gids, keys)
-    batch = gcf.first_requests(words, requests, cfg, torch.device("cpu"))
-    want = LookupEngine(layout, backend="torch").fleet_lookup(batch, num_tokens, fleet)
     _drive_with_triton(fleet)
     name = f"{preset} B={requests} E={engines}"
     return FleetCase(name, preset, requests, engines, blocks, layout, batch,
@@ -232,10 +239,18 @@ def _modelled_split(requests: int):
     modelled GPU, whatever the batch traced (a sample of them)."""
     ft = importlib.import_module("kvhit.kernels.fleet_triton")
     ctx = getattr(ft, "fixed_split", None)
-    if ctx is None:
-        yield
-        return
-    with ctx(_split_for(requests)):
+    if ctx is not None:
+        with ctx(_split_for(requests)):
+            yield
+    elif hasattr(ft, "MAX_SPLIT"):
+        # A tree between bf49536 and fixed_split (--old-tree): the same rule.
+        from unittest import mock
+
+        want = -(-SMS * 4 // max(requests, 1))
+        split = min(1 << max(want - 1, 0).bit_length(), ft.MAX_SPLIT)
+        with mock.patch.object(ft, "_split", lambda batch, device: split):
+            yield
+    else:
         yield
 
 
@@ -307,9 +322,10 @@ def trace_fleet(case: FleetCase, sample: int, seed: int = 0) -> FleetTraced:
 
 # -- the time model --------------------------------------------------------------------
 
-#: Registers of the fleet scan kernel by warps per program (the AOT table,
-#: tests/test_scan_registers.py, Triton 3.6 sm_90, the lookup variant): the
-#: resident programs per SM.
+#: Registers of the fleet scan kernel of trees without
+#: ``fleet_triton.SCAN_REGISTERS`` (--old-tree), by warps per program (their
+#: AOT tables, Triton 3.6 sm_90, the lookup variant): a094dd7's one warp 96,
+#: 6e15dd4's four warps 80.
 REGISTERS: dict[int, int] = {1: 96, 4: 80}
 
 
@@ -323,7 +339,8 @@ def _kernel_slots(name: str) -> int:
         scan = importlib.import_module("kvhit.kernels.scan")
         return resident(scan.NUM_WARPS, scan.MAXNREG, g)
     if name == "_fleet_kernel":
-        return resident(ft.NUM_WARPS, REGISTERS.get(ft.NUM_WARPS, 128), g)
+        regs = getattr(ft, "SCAN_REGISTERS", None) or REGISTERS[ft.NUM_WARPS]
+        return resident(ft.NUM_WARPS, regs, g)
     return resident(1, 64, g)
 
 

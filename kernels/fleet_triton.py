@@ -73,6 +73,7 @@ from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, 
 __all__ = [
     "BLOCK",
     "NUM_WARPS",
+    "SCAN_REGISTERS",
     "FleetOps",
     "clear_bits",
     "clear_engine",
@@ -94,10 +95,15 @@ fix_interpreter()
 # the first miss of each engine in the tile is one min-reduction of a
 # [BLOCK, 32] bit matrix per half engine word. 128 blocks over 4 warps: one
 # lane per block, as the scan's wide tiles (issue 31); a merged SpecGroup of
-# two probes 256 lanes. 80 registers, no spills on sm_90 (a whole word's
-# [BLOCK, 64] matrix: 135; tests/test_scan_registers.py).
+# two probes 256 lanes. No spills on sm_90 (a whole word's [BLOCK, 64]
+# matrix took 135 registers; tests/test_scan_registers.py).
 BLOCK = 128
 NUM_WARPS = 4
+#: Registers of the scan's lookup variant (sm_90; Triton 3.9.0 / 3.6.0: 94 /
+#: 96; merged SpecGroup 95 / 124): the tile's hash words and two slots' words
+#: a probe step are held (80 before they were). 5 programs fit an SM.
+#: ``bench/gpu_model_fleet.py`` counts resident programs with it.
+SCAN_REGISTERS = 96
 # Programs per request at most (SPLIT): a request's tiles are dealt to its
 # programs in turn (program s of the request takes tiles s, s + SPLIT, ...),
 # so a few long requests still fill every SM; see _split.
@@ -116,6 +122,7 @@ _EMPTY_C: tl.constexpr = tl.constexpr(EMPTY)
 # Slots a tile's later probe steps visit at once (the first step visits the
 # home slot alone), as the scan's table_has (kernels/scan_sg.py).
 SPAN = 2
+_SPAN: tl.constexpr = tl.constexpr(SPAN)
 
 
 @triton.jit
@@ -284,7 +291,7 @@ def _fleet_kernel(
         probe = (blk < end) & (member < n_mem)
         units = off + (blk + 1) * scale - 1
         slots = _tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
-                            W, SPAN, BLOCK)  # fmt: skip
+                            W, _SPAN, BLOCK)  # fmt: skip
         alive = (i0 * 0).to(tl.int32)
         for t in range(nw):
             # The word's engine sets of the tile's blocks, loaded once for
@@ -293,9 +300,11 @@ def _fleet_kernel(
             # critical path).
             words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
             live_w = tl.load(live_ptr + t)
-            # Half a word (32 engines) at a time: the [BLOCK, 32] bit matrix
-            # keeps a 4-warp program under 128 registers (a whole word's: 135).
+            # Half a word (32 engines) at a time, in 32-bit lanes: the
+            # [BLOCK, 32] bit matrix keeps a 4-warp program under 128
+            # registers (a whole word's: 135).
             for hq in tl.static_range(2):
+                half = (words >> (hq * 32)).to(tl.int32)
                 sh = lane + hq * 32
                 e = t * 64 + sh
                 em = e < n_eng
@@ -303,7 +312,7 @@ def _fleet_kernel(
                 known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
                 # Engines whose first miss may still lie in this tile or past it.
                 want = em & (known > i0) & (((live_w >> sh) & 1) == 1)
-                held = ((words[:, None] >> sh[None, :]) & 1) == 1
+                held = ((half[:, None] >> lane[None, :]) & 1) != 0
                 # Blocks past the end read no slot: a "miss" at ``end``, which
                 # lowers nothing (end - end = 0).
                 first = tl.min(tl.where(held, BLOCK, step), axis=0)
