@@ -223,6 +223,7 @@ class FleetTraced:
     extent: list[int]  # every request's scan extent (blocks, the most run)
     seconds: float
     per_request_rt: dict[int, int] = field(default_factory=dict)
+    per_request_bytes: dict[int, int] = field(default_factory=dict)
 
 
 def _split_for(requests: int) -> int:
@@ -299,6 +300,7 @@ def trace_fleet(case: FleetCase, sample: int, seed: int = 0) -> FleetTraced:
     launches = []
     loads: Counter = Counter()
     by_kind: Counter = Counter()
+    by_request: Counter = Counter()
     n = len(traced)
     for launch in tracer.launches:
         grid = tuple(launch.grid) + (1, 1)
@@ -310,6 +312,7 @@ def trace_fleet(case: FleetCase, sample: int, seed: int = 0) -> FleetTraced:
             # grid (a probe over the batch's keys) is the whole call's, -1.
             r = traced[x // (gx // n)] if gx % n == 0 and gx >= n else -1
             per.setdefault(r, []).append(p.round_trips)
+            by_request[r] += sum(p.bytes.values())
             loads.update({f"{launch.name}:{k}": v for k, v in p.loads.items()})
             by_kind.update({f"{launch.name}:{k}": v for k, v in p.bytes.items()})
         launches.append((launch.name, per))
@@ -317,7 +320,7 @@ def trace_fleet(case: FleetCase, sample: int, seed: int = 0) -> FleetTraced:
           for r in traced}  # fmt: skip
     return FleetTraced(case.name, B, E, traced, launches, loads, by_kind,
                        sum(by_kind.values()), extent, time.perf_counter() - t0,
-                       rt)  # fmt: skip
+                       rt, dict(by_request))  # fmt: skip
 
 
 # -- the time model --------------------------------------------------------------------
@@ -353,7 +356,7 @@ def device_parts(t: FleetTraced) -> tuple[int, int, float]:
     modelled GPU: a request not traced takes the round trips of the traced
     request whose scan extent is nearest; programs start in CUDA's order (x
     fastest); each launch's critical path is its makespan over its resident
-    programs, and the launches run one after another."""
+    programs, and the launches run one after another. Bytes likewise."""
     from kvhit.bench.gpu_model import makespan
 
     B = t.requests
@@ -371,8 +374,11 @@ def device_parts(t: FleetTraced) -> tuple[int, int, float]:
             rts = [per[near[r]][s] for s in range(width) for r in range(B)
                    if s < len(per[near[r]])]  # fmt: skip
         total_rt += makespan(rts, _kernel_slots(name))
-    total_bytes = t.bytes_traced / len(t.traced) * B
-    return len(t.launches), total_rt, total_bytes
+    # Bytes as the round trips: each request the nearest traced one's (the
+    # sample holds the longest scans, so its mean would overstate them).
+    shared = t.per_request_bytes.get(-1, 0)
+    total_bytes = shared + sum(t.per_request_bytes.get(near[r], 0) for r in range(B))
+    return len(t.launches), total_rt, float(total_bytes)
 
 
 def cuda_items(counts) -> tuple[int, int, int]:
