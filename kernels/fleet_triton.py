@@ -53,8 +53,9 @@ torch families').
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +66,7 @@ from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
+from kvhit.kernels.fleet_probe import tile_slots
 from kvhit.kernels.fleet_triton_hybrid import hybrid_kernel
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
@@ -72,14 +74,17 @@ from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, 
 __all__ = [
     "BLOCK",
     "NUM_WARPS",
+    "SCAN_REGISTERS",
     "FleetOps",
     "clear_bits",
     "clear_engine",
+    "fixed_split",
     "full_hits",
     "full_runs",
     "hybrid_hits",
     "probe_bits",
     "set_bits",
+    "split_for",
 ]
 
 # Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py);
@@ -91,10 +96,15 @@ fix_interpreter()
 # the first miss of each engine in the tile is one min-reduction of a
 # [BLOCK, 32] bit matrix per half engine word. 128 blocks over 4 warps: one
 # lane per block, as the scan's wide tiles (issue 31); a merged SpecGroup of
-# two probes 256 lanes. 80 registers, no spills on sm_90 (a whole word's
-# [BLOCK, 64] matrix: 135; tests/test_scan_registers.py).
+# two probes 256 lanes. No spills on sm_90 (a whole word's [BLOCK, 64]
+# matrix took 135 registers; tests/test_scan_registers.py).
 BLOCK = 128
 NUM_WARPS = 4
+#: Registers of the scan's lookup variant (sm_90; Triton 3.9.0 / 3.6.0: 94 /
+#: 96; merged SpecGroup 95 / 124): the tile's hash words and two slots' words
+#: a probe step are held (80 before they were). 5 programs fit an SM.
+#: ``bench/gpu_model_fleet.py`` counts resident programs with it.
+SCAN_REGISTERS = 96
 # Programs per request at most (SPLIT): a request's tiles are dealt to its
 # programs in turn (program s of the request takes tiles s, s + SPLIT, ...),
 # so a few long requests still fill every SM; see _split.
@@ -109,6 +119,11 @@ _MODE_RUNS: tl.constexpr = tl.constexpr(0)
 _MODE_FIND: tl.constexpr = tl.constexpr(1)
 _MODE_LOOKUP: tl.constexpr = tl.constexpr(2)
 _TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
+# Slots a tile's later probe steps visit at once (the first step visits the
+# home slot alone; kernels/fleet_probe.tile_slots), as the scan's table_has
+# (kernels/scan_sg.py).
+SPAN = 2
+_SPAN: tl.constexpr = tl.constexpr(SPAN)
 
 
 @triton.jit
@@ -209,25 +224,29 @@ def _fleet_kernel(
         blk = i0 + blk_of
         probe = (blk < end) & (member < n_mem)
         units = off + (blk + 1) * scale - 1
-        # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
-        slots = find_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, W,
-                           False)  # fmt: skip
+        slots = tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
+                           W, _SPAN, BLOCK)  # fmt: skip
         alive = (i0 * 0).to(tl.int32)
-        # Half a word (32 engines) at a time: the [BLOCK, 32] bit matrix
-        # keeps a 4-warp program under 128 registers (a whole word's: 135).
-        for q in range(2 * nw):
-            t = q // 2
-            sh = lane + (q % 2) * 32
-            e = t * 64 + sh
-            em = e < n_eng
-            # The first miss known so far (stale reads only cost work).
-            known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
-            live = (tl.load(live_ptr + t) >> sh) & 1
-            # Engines whose first miss may still lie in this tile or past it.
-            want = em & (known > i0) & (live == 1)
-            if tl.max(want.to(tl.int32), axis=0) > 0:
-                words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
-                held = ((words[:, None] >> sh[None, :]) & 1) == 1
+        for t in range(nw):
+            # The word's engine sets of the tile's blocks, loaded once for
+            # both halves, whatever engines still run (no branch on the
+            # output row: its load would come before the words' on the
+            # critical path).
+            words = _block_words(bits_ptr, nw, t, slots, member, n_mem, MP, BLOCK)
+            live_w = tl.load(live_ptr + t)
+            # Half a word (32 engines) at a time, in 32-bit lanes: the
+            # [BLOCK, 32] bit matrix keeps a 4-warp program under 128
+            # registers (a whole word's: 135).
+            for hq in tl.static_range(2):
+                half = (words >> (hq * 32)).to(tl.int32)
+                sh = lane + hq * 32
+                e = t * 64 + sh
+                em = e < n_eng
+                # The first miss known so far (stale reads only cost work).
+                known = end - tl.load(out_row + e, mask=em, other=0, volatile=True)
+                # Engines whose first miss may still lie in this tile or past it.
+                want = em & (known > i0) & (((live_w >> sh) & 1) == 1)
+                held = ((half[:, None] >> lane[None, :]) & 1) != 0
                 # Blocks past the end read no slot: a "miss" at ``end``, which
                 # lowers nothing (end - end = 0).
                 first = tl.min(tl.where(held, BLOCK, step), axis=0)
@@ -294,21 +313,43 @@ def _pow2(n: int) -> int:
 
 # Streaming multiprocessors per CUDA device (one query each).
 _SM_COUNT: dict[torch.device, int] = {}
+# Programs per request forced by fixed_split (the cost model), or None.
+_FIXED_SPLIT: list[int] = []
+
+
+def split_for(batch: int, sms: int) -> int:
+    """Programs per request for ``batch`` requests on a GPU of ``sms`` SMs:
+    enough for ``_PROGRAMS_PER_SM`` per SM over the batch, at most MAX_SPLIT
+    (a power of two). Depends on B only, never on the lengths: no host
+    sync."""
+    want = -(-sms * _PROGRAMS_PER_SM // max(batch, 1))
+    return min(_pow2(want), MAX_SPLIT)
+
+
+@contextlib.contextmanager
+def fixed_split(split: int) -> Iterator[None]:
+    """Launch ``split`` programs per request while active, whatever the
+    device (``bench/gpu_model_fleet.py`` traces a sample of a batch under
+    the interpreter as the GPU would run the whole batch)."""
+    _FIXED_SPLIT.append(check_size("split", split))
+    try:
+        yield
+    finally:
+        _FIXED_SPLIT.pop()
 
 
 def _split(batch: int, device: torch.device) -> int:
-    """Programs per request: enough for ``_PROGRAMS_PER_SM`` per SM over the
-    batch, at most MAX_SPLIT (a power of two; 2 under the interpreter, so
-    that the tests deal tiles to several programs). Depends on B only, never
-    on the lengths: no host sync."""
+    """:func:`split_for` on ``device`` (2 under the interpreter, so that the
+    tests deal tiles to several programs; :func:`fixed_split` overrides)."""
+    if _FIXED_SPLIT:
+        return _FIXED_SPLIT[-1]
     if device.type != "cuda":
         return 2
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         _SM_COUNT[device] = sms
-    want = -(-sms * _PROGRAMS_PER_SM // batch)
-    return min(_pow2(want), MAX_SPLIT)
+    return split_for(batch, sms)
 
 
 def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:

@@ -45,7 +45,7 @@ from kvhit import (
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator import fleet_index as fleet_mod
 from kvhit.kernels import fleet_triton
-from kvhit.kernels.contract import TOMBSTONE
+from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_torch import find, insert, new_table
 
 EXAMPLES = max(int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60")) // 4, 8)
@@ -209,6 +209,21 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
+    E=st.sampled_from([1, 65]),
+    M=st.integers(1, 3),
+    B=st.integers(1, 4),
+)
+def test_runs_past_tombstones_and_busy_slots(seed, E, M, B):
+    # The tile probe (fleet_probe.tile_slots) passes over TOMBSTONE and
+    # BUSY slots, and with no EMPTY slot left ends after `capacity` visits;
+    # absent keys in the middle of a run stop the lanes above them (their
+    # chains are long here), and the runs below stay exact.
+    check_runs(seed, E, M, 1, B, [1, 5, 40, 70, 200], holes=True)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
     E=st.sampled_from([1, 64, 65]),
     M=st.integers(1, 2),
     B=st.integers(1, 4),
@@ -289,11 +304,13 @@ def test_reversed_programs_run_axis_1_backwards():
         assert out.tolist() == [0, 1, 2, 3]
 
 
-def check_runs(seed, E, M, scale, B, length_choices, dense=False):
+def check_runs(seed, E, M, scale, B, length_choices, dense=False, holes=False):
     """full_runs on a random nearly full table equals model_runs (and the
     numba kernel's, where numba imports); returns the runs. ``dense``: keys
     nearly all present and held by every engine, ends mostly past the
-    requests (long runs)."""
+    requests (long runs). ``holes``: EMPTY slots turned into TOMBSTONE and
+    BUSY ones (probes pass over both), sometimes every one of them (probes
+    then end after ``capacity`` visits)."""
     rng = random.Random(seed)
     NW = (E + 63) // 64
     lengths = [rng.choice(length_choices) for _ in range(B)]
@@ -327,6 +344,11 @@ def check_runs(seed, E, M, scale, B, length_choices, dense=False):
                  for k in keys]  # fmt: skip
         words = torch.tensor(words, dtype=torch.uint64).view(torch.int64)
         bits[slots] = words
+    if holes:
+        empty = (table[:, 0] == EMPTY).nonzero().flatten().tolist()
+        keep = rng.choice([0, 1, len(empty) // 2])
+        for i in empty[keep:]:
+            table[i, 0] = rng.choice([TOMBSTONE, BUSY])
     live_int = everyone if rng.random() < 0.5 else rng.getrandbits(E)
     live = torch.tensor([(live_int >> (64 * w)) & ((1 << 64) - 1) for w in range(NW)],
                         dtype=torch.uint64).view(torch.int64)  # fmt: skip

@@ -1,0 +1,62 @@
+"""bench/gpu_model_fleet.py: the fleet kernels' round trips per request,
+bytes per request and launches/syncs per call do not rise above the recorded
+figures (``gpu_model_fleet.RECORDED``), and the model reproduces the H200's
+fleet rows within 30 %. Runs the real kernels under the interpreter at small
+sizes (about 15 s here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvhit.bench import gpu_model_fleet as gmf
+from kvhit.kernels import fleet_triton
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the tracer runs the Triton interpreter"
+)
+
+
+@pytest.fixture(scope="module")
+def quick_rows():
+    return gmf.trace_rows("quick", sample=0)
+
+
+def test_round_trips_and_bytes_do_not_rise(quick_rows):
+    for key, row in quick_rows.items():
+        name = key.replace(" ", "_")
+        assert row["max_rt"] <= gmf.RECORDED[f"{name}_max_rt"], key
+        assert row["bytes_per_request"] <= gmf.RECORDED[f"{name}_bytes"], key
+
+
+def test_launches_and_syncs_per_call_do_not_rise(quick_rows):
+    for key, row in quick_rows.items():
+        name = key.split(" ")[0]
+        triton, other, syncs, _ops = row["counted"]
+        assert triton <= gmf.RECORDED[f"{name}_triton_launches"], key
+        assert other <= gmf.RECORDED[f"{name}_other_launches"], key
+        assert syncs <= gmf.RECORDED[f"{name}_syncs"], key
+
+
+def test_the_model_reproduces_the_h200_fleet_rows():
+    ft = gmf.fit(gmf.FleetTimes())
+    assert 0.1e-6 < ft.t_rt_l2 < gmf.FleetTimes().t_rt_l2 * 3
+    for E, measured in gmf.H200_FLEET.items():
+        launches, rt, nbytes, items = gmf.H200_FLEET_KERNEL[E]
+        m = gmf.model_call(launches, rt, nbytes, items, False, True, ft)
+        assert abs(m["total_s"] / measured - 1) <= 0.30, (E, m, measured)
+
+
+def test_split_for_and_fixed_split():
+    # 132 SMs, 4 programs an SM: B = 64 -> 9 a request, rounded up to 16
+    # (at most MAX_SPLIT); B = 1024 -> 1.
+    assert fleet_triton.split_for(64, 132) == 16
+    assert fleet_triton.split_for(1024, 132) == 1
+    assert fleet_triton.split_for(0, 132) == fleet_triton.MAX_SPLIT
+    cpu = torch.device("cpu")
+    with fleet_triton.fixed_split(5):
+        assert fleet_triton._split(3, cpu) == 5
+    assert fleet_triton._split(3, cpu) == 2
+    with pytest.raises((TypeError, ValueError), match="split"):
+        with fleet_triton.fixed_split(0):
+            pass
