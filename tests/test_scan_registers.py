@@ -63,16 +63,17 @@ KeyIndex insert          32 / 32      32 / 32
 KeyIndex erase           26 / 26      27 / 27
 =======================  ===========  ===========
 
-The fleet kernels (issue 19, one warp for the scan, four for the updates),
-no spills anywhere; sm_90 / sm_100:
+The fleet kernels (issue 32: 128-block tiles on four warps, engine-word
+halves in 32-bit lanes; four warps for the updates), no spills anywhere;
+sm_90 / sm_100 (2026-12-06):
 
 =======================  ===========  ===========
 variant                  3.9.0        3.6.0
 =======================  ===========  ===========
-fleet runs               58 / 58      66 / 66
-fleet find               61 / 56      66 / 66
-fleet lookup             64 / 65      96 / 96
-fleet lookup merged      124 / 125    50 / 50
+fleet runs               94 / 94      96 / 96
+fleet find               94 / 94      96 / 96
+fleet lookup             94 / 94      96 / 96
+fleet lookup merged      95 / 95      124 / 124
 fleet set bits           18 / 18      18 / 18
 fleet clear bits         18 / 18      18 / 18
 fleet tombstone          16 / 14      16 / 14
