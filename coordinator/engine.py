@@ -371,14 +371,7 @@ class LookupEngine:
             batch, max_lengths, index, bool(apply_eagle), with_masks
         )
         if mask_spans is None or not with_masks:
-            # LookupResult.of_hits, inline: a step of one request pays for
-            # every Python call.
-            result = object.__new__(LookupResult)
-            if type(hit) is torch.Tensor:
-                result.__dict__["hit_lengths"] = hit
-            else:
-                result.__dict__["_hits"] = hit
-            return result
+            return LookupResult.of_hits(hit)
         masks, lengths = _expand_mask_spans(mask_spans)
         if type(hit) is not torch.Tensor:
             hit = _hit_tensor(hit)
