@@ -156,6 +156,7 @@ __all__ = [
     "BLOCK",
     "LEAD_FACTOR",
     "LENGTH_FLAG",
+    "SCAN_LAUNCHER",
     "MAXNREG",
     "NUM_WARPS",
     "launch_scan",
@@ -620,7 +621,7 @@ def _validate(
 
 # The scan kernel's launch options, and its launcher past the binder.
 _OPTIONS = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
-_DIRECT = DirectLauncher()
+SCAN_LAUNCHER = DirectLauncher()
 
 
 def launch_scan(
@@ -712,7 +713,9 @@ def launch_scan(
     key = (tuple(constexprs.values()), tuple(a >= 2**31 for a in args[11:] + args[6:7]))
     # Triton launches on the current device, not the table's (launch.py).
     with device_guard(device):
-        _DIRECT.launch(_scan_kernel, n_req, key, args, constexprs, _OPTIONS, device)
+        SCAN_LAUNCHER.launch(
+            _scan_kernel, n_req, key, args, constexprs, _OPTIONS, device
+        )
     return hit, mask_spans
 
 

@@ -137,14 +137,14 @@ def test_direct_launches_equal_binder_launches():
     engine = LookupEngine(layout, backend="triton", device="cuda")
     batch = HashBatch.from_bytes(prompts, 8, "cuda")
     tokens = [len(p) * 4 - rng.randint(0, 3) for p in prompts]
-    before = scan._DIRECT.direct_launches
+    before = scan.SCAN_LAUNCHER.direct_launches
     direct = [engine.lookup(batch, tokens, index).tolist() for _ in range(3)]
-    assert scan._DIRECT.direct_launches > before
-    scan._DIRECT.enabled = False
+    assert scan.SCAN_LAUNCHER.direct_launches > before
+    scan.SCAN_LAUNCHER.enabled = False
     try:
         binder = engine.lookup(batch, tokens, index).tolist()
     finally:
-        scan._DIRECT.enabled = True
+        scan.SCAN_LAUNCHER.enabled = True
     assert direct == [binder] * 3 and any(binder)
 
 
