@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvhit.kernels import launch
 from kvhit.kernels.launch import DirectLauncher, int_key
 
 
@@ -45,6 +46,8 @@ def cuda_stream(monkeypatch):
         cuda_stream = 7
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    # A device with an index goes through the driver's raw getter instead.
+    monkeypatch.setattr(launch, "stream_getter", lambda: lambda index: 7)
 
 
 def _launcher():
