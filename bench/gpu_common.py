@@ -1,6 +1,8 @@
 """What the GPU checks (``bench/gpu_check.py``, ``bench/gpu_check_fleet.py``)
 share, and the GPU tests with them: their command-line overrides, timing and
-CUDA-graph capture.
+CUDA-graph capture; and the host model of one eager lookup on CUDA that the
+cost model (``bench/gpu_model.py``) prints (:class:`HostTimes`, issue 31),
+with the H200's eager rows it is fitted to.
 
 torch is imported inside the functions: the checks' ``--help`` and
 ``--env-line`` run before anything heavy is imported.
@@ -11,9 +13,25 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["capture_graph", "config_changes", "run_seconds"]
+__all__ = [
+    "A094_EAGER",
+    "H200_EAGER",
+    "H200_NUMBA_ALL",
+    "LONGHIT_BS",
+    "HostTimes",
+    "capture_graph",
+    "config_changes",
+    "cuda_items",
+    "eager_report",
+    "fit_host",
+    "host_python",
+    "host_time",
+    "run_seconds",
+    "tabulate",
+]
 
 
 def config_changes(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
@@ -67,3 +85,218 @@ def capture_graph(fn: Callable[[], Any]) -> tuple[Any, Any]:
     graph.replay()
     torch.cuda.synchronize()
     return graph, out
+
+
+# -- the eager call: host time on CUDA (issue 31) ---------------------------------
+
+#: The long-hit batch sizes of the H200's rows.
+LONGHIT_BS = (1, 64, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """The host's part of one eager call on CUDA (seconds), by counted item.
+
+    ``py``: the call's Python with the Triton launch stubbed, **measured** on
+    this CPU (:func:`host_python`, thread time, best of rounds), taken as the
+    H200 host's (``cpu_scale`` 1, held). ``t_binder``: a launch through
+    Triton 3.6's ``JITFunction.run`` binder (**measured**, issue 31: 25 us);
+    ``t_direct``: a launch past it (``launch.DirectLauncher``: 5.0 us of
+    Python **measured** here with a fake compiled kernel, 6.6 before its
+    stream getter and hooks were read once; the C launcher and
+    ``cuLaunchKernel`` ~4 us **estimated**); ``t_op``: a
+    torch op that launches a kernel or a copy (**estimated**); ``t_sync``: a
+    blocking read before the launch (the device drained, then idle while the
+    host goes on) and ``t_tail``: launch to kernel start plus the closing
+    ``synchronize``, both **fitted** by :func:`fit_host` to the H200's eager
+    rows of a094dd7 (:data:`H200_EAGER`); ``t_copy``: the answer's copy to
+    the host after the launch, waiting on the kernel the caller waits on
+    anyway (**estimated**)."""
+
+    t_binder: float = 25e-6
+    t_direct: float = 9e-6
+    t_op: float = 5e-6
+    t_sync: float = 57.0e-6
+    t_tail: float = 17.0e-6
+    t_copy: float = 10e-6
+    cpu_scale: float = 1.0
+
+
+#: The H200's eager long-hit dsv4 rows (wall clock with ``synchronize``,
+#: seconds): (call, B) -> time, ``lookup`` validated with a CUDA tensor of
+#: lengths (shared/measurements/h200-2026-12-04.md, commit a094dd7).
+H200_EAGER: dict[tuple[str, int], float] = {
+    **{("lookup", b): t for b, t in
+       zip(LONGHIT_BS, (257e-6, 220e-6, 192e-6, 373e-6), strict=True)},
+    **{("lookup_unchecked", b): t for b, t in
+       zip(LONGHIT_BS, (116e-6, 149e-6, 155e-6, 274e-6), strict=True)},
+}  # fmt: skip
+#: numba on all 16 cores of that host, the same workload (two runs).
+H200_NUMBA_ALL: dict[int, tuple[float, float]] = {
+    1: (8.7e-6, 16.0e-6), 64: (133e-6, 166e-6), 1024: (250e-6, 283e-6),
+    4096: (998e-6, 1.10e-3),
+}  # fmt: skip
+#: a094dd7's eager calls on CUDA: (host Python with the launch stubbed,
+#: **measured** on this CPU on ``git archive a094dd7``, median of three runs
+#: at B = 1, 64, 1024; binder launches, direct launches, other kernel
+#: launches, syncs before the launch, answer copies after it). The validated
+#: call's items are the H200 profiler's (1 sync with its memcpy, 3 kernels:
+#: the view's subtraction, the lengths' compare and ``any``), the
+#: unchecked's its one kernel (the subtraction).
+A094_EAGER: dict[str, tuple[float, int, int, int, int, int]] = {
+    "lookup": (72e-6, 1, 0, 3, 1, 0),
+    "lookup_unchecked": (52e-6, 1, 0, 1, 0, 0),
+}
+
+
+def host_time(items: tuple[float, int, int, int, int, int], h: HostTimes) -> float:
+    """Seconds the host adds to the device's time in one eager call."""
+    py, binder, direct, ops, syncs, copies = items
+    return (py * h.cpu_scale + binder * h.t_binder + direct * h.t_direct
+            + ops * h.t_op + syncs * h.t_sync + copies * h.t_copy + h.t_tail)  # fmt: skip
+
+
+def fit_host(h: HostTimes, graph: dict[int, float]) -> HostTimes:
+    """``t_tail`` through the mean of the unchecked rows (eager less
+    ``graph``, the H200's graph time by B), then ``t_sync`` through the
+    validated rows' mean; the other constants held."""
+
+    def gap(call: str) -> float:
+        rows = [(t - graph[b]) for (c, b), t in H200_EAGER.items()
+                if c == call]  # fmt: skip
+        return sum(rows) / len(rows)
+
+    h = replace(h, t_tail=0.0, t_sync=0.0)
+    t_tail = gap("lookup_unchecked") - host_time(A094_EAGER["lookup_unchecked"], h)
+    h = replace(h, t_tail=t_tail)
+    items = A094_EAGER["lookup"]
+    t_sync = (gap("lookup") - host_time(items, h)) / items[4]
+    return replace(h, t_sync=t_sync)
+
+
+def cuda_items(name: str, counts: Any, py: float) -> tuple:
+    """The CUDA items of call ``name`` (as :data:`A094_EAGER`'s) from its
+    counts on the CPU path. The CPU path differs in two places: a list of
+    lengths is checked on the host there, where CUDA copies it through the
+    pinned buffer (one copy op, no sync), and ``lookup_unchecked``'s
+    ``batch.view()`` reads the offsets through numpy (a counted sync), where
+    CUDA runs one subtraction kernel and no sync. The validated call's sync
+    is the answer's copy, after the launch."""
+    want = {"lookup": 1, "lookup (list)": 0, "lookup_unchecked": 1}[name]
+    if counts.syncs != want or counts.triton_launches != 1:
+        raise ValueError(f"{name}: {counts.syncs} syncs on the CPU path, not "
+                         f"{want}: cuda_items needs updating")  # fmt: skip
+    extra = 0 if name == "lookup" else 1
+    copies = 1 if name == "lookup" else 0
+    return (py, 0, 1, counts.other_launches + extra, 0, copies)
+
+
+def host_python(engine, batch, num_tokens, index, rounds: int = 5,
+                n: int = 300) -> dict[str, float]:  # fmt: skip
+    """Seconds of Python per call (thread time, best of ``rounds`` of ``n``
+    calls) of ``engine.lookup`` (a tensor and a list of lengths) and
+    ``lookup_unchecked``, the scan's launch stubbed (it writes a zero answer:
+    0.5 us here): what the host does on CUDA but the launch."""
+    from unittest import mock
+
+    from kvhit.kernels import scan
+
+    def stub(kernel, grid, key, args, constexprs, options, device):
+        args[9].zero_()
+
+    tokens = num_tokens.tolist()
+    calls = {
+        "lookup": lambda: engine.lookup(batch, num_tokens, index),
+        "lookup (list)": lambda: engine.lookup(batch, tokens, index),
+        "lookup_unchecked": lambda: engine.lookup_unchecked(batch, num_tokens, index),
+    }
+    out = {}
+    with mock.patch.object(scan.SCAN_LAUNCHER, "launch", stub):
+        for name, fn in calls.items():
+            fn()
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                for _ in range(n):
+                    fn()
+                best = min(best, (time.thread_time() - t0) / n)
+            out[name] = best
+    return out
+
+
+def tabulate(rows: list[list], headers: list[str]) -> str:
+    """A GitHub Markdown table (tabulate is not among kvhit's dependencies)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:.0f} us"
+
+
+def eager_report(h: HostTimes, hosts: dict[str, float], g: Any,
+                 now: dict[str, tuple[int, float]],
+                 graph: dict[str, float]) -> dict:  # fmt: skip
+    """Print and return the eager figures: the host fit against the H200's
+    eager rows (a094dd7), then this tree's eager calls (host + the modelled
+    graph time) against issue 31's targets and numba on all cores. ``g``:
+    the device model (``gpu_model.GpuTimes``), ``now`` its critical round
+    trips and bytes by row, ``graph`` the H200's graph rows (measured)."""
+    cal, out = [], {}
+    for (call, b), meas in H200_EAGER.items():
+        m = graph[f"longhit-B{b}"] + host_time(A094_EAGER[call], h)
+        cal.append([call, b, _us(meas), _us(m), f"{m / meas:.2f}"])
+    print(
+        f"\nhost fitted to the H200's eager rows (a094dd7): tail {_us(h.t_tail)}, "
+        f"sync before the launch {_us(h.t_sync)} (held: binder {_us(h.t_binder)}, "
+        f"direct {_us(h.t_direct)}, op {_us(h.t_op)}, copy {_us(h.t_copy)})"
+    )
+    print(
+        tabulate(
+            cal,
+            headers=[
+                "call",
+                "B",
+                "measured (a094dd7)",
+                "modelled (a094dd7)",
+                "model/measured",
+            ],  # fmt: skip
+        )
+    )
+    dev = {n: g.t_launch + rt * g.t_rt + by / g.bw for n, (rt, by) in now.items()}
+    rows = []
+    for b in LONGHIT_BS:
+        e = {k: dev[f"longhit-B{b}"] + v for k, v in hosts.items()}
+        lo, hi = H200_NUMBA_ALL[b]
+        out[f"longhit-B{b}"] = {k: v * 1e6 for k, v in e.items()}
+        rows.append(
+            [
+                f"long-hit B = {b}",
+                _us(dev[f"longhit-B{b}"]),
+                *(_us(v) for v in e.values()),
+                f"{lo / e['lookup']:.1f}-{hi / e['lookup']:.1f}x",
+            ]
+        )
+    for n in graph:
+        if "x128K" in n:
+            e = dev[n] + hosts["lookup"]
+            out[n] = {"lookup": e * 1e6, "graph": dev[n] * 1e6}
+            rows.append(
+                [n, _us(dev[n]), _us(e), "", "", f"eager/graph {e / dev[n]:.2f}"]
+            )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "modelled now",
+                "graph",
+                "lookup (tensor)",
+                "lookup (list)",
+                "lookup_unchecked",
+                "numba 16 cores / lookup",
+            ],  # fmt: skip
+        ),
+        flush=True,
+    )
+    return out  # fmt: skip

@@ -15,6 +15,8 @@ import contextlib
 import inspect
 import os
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,6 +27,8 @@ __all__ = [
     "fix_interpreter",
     "int_key",
     "missing_features",
+    "stream_getter",
+    "stream_getter_torch",
 ]
 
 #: What the kernels need from Triton beyond its core, and where:
@@ -145,6 +149,12 @@ def int_key(values: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
     return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in values)
 
 
+def stream_getter_torch(index: int) -> int:
+    """The raw handle of CUDA device ``index``'s current stream, through
+    torch's public API."""
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def _knobs() -> object:
     """``triton.knobs`` (Triton >= 3.4; ImportError before)."""
     from triton import knobs
@@ -182,6 +192,9 @@ class DirectLauncher:
         )
         self._compiled: dict[tuple, object] = {}
         self.direct_launches = 0
+        # Read when the first variant is compiled (triton imported by then).
+        self._hooks: Any = None
+        self._get_stream: Callable[[int], int] = stream_getter_torch
 
     def launch(
         self,
@@ -199,20 +212,20 @@ class DirectLauncher:
         order, then ``constexprs`` in signature order (the kernel's last
         parameters); ``key``: what else the variant depends on (every
         specialised int's class: see :func:`int_key`)."""
-        grid = (grid,) if isinstance(grid, int) else tuple(grid)
+        grid = (grid,) if type(grid) is int else tuple(grid)
         if self.enabled:
-            align = tuple(
-                a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)
-            )
+            tensor = torch.Tensor
+            align = tuple([a.data_ptr() % 16 == 0 for a in args
+                           if isinstance(a, tensor)])  # fmt: skip
             full = (device.index, key, align)
             compiled = self._compiled.get(full)
             if compiled is not None:
-                stream = torch.cuda.current_stream(device).cuda_stream
-                every = (*args, *constexprs.values())
                 try:
+                    stream = self._stream(device)
+                    every = (*args, *constexprs.values())
                     # What JITFunction.run does once its binder is done,
                     # launch hooks (a profiler's) included.
-                    hooks = _knobs().runtime
+                    hooks = self._hooks
                     meta = compiled.launch_metadata(grid, stream, *every)
                     g0, g1, g2 = (*grid, 1, 1)[:3]
                     compiled.run(g0, g1, g2, stream, compiled.function,
@@ -228,4 +241,29 @@ class DirectLauncher:
         if self.enabled and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
         ):
+            if self._hooks is None:
+                self._hooks = _knobs().runtime
+                self._get_stream = stream_getter()
             self._compiled[full] = compiled
+
+    def _stream(self, device: torch.device) -> int:
+        """The raw current stream of ``device`` (Triton's own getter, read
+        once: ``torch.cuda.current_stream`` builds a Stream object a call)."""
+        if device.index is None:
+            return torch.cuda.current_stream(device).cuda_stream
+        return self._get_stream(device.index)
+
+
+def stream_getter() -> Callable[[int], int]:
+    """A function of a CUDA device index -> its current stream's raw handle:
+    Triton's driver's (what ``JITFunction.run`` calls), or torch's public
+    one where the driver has none."""
+    try:
+        from triton.runtime import driver
+
+        get = driver.active.get_current_stream
+    except Exception:  # no driver here (no GPU): torch's getter
+        get = None
+    if get is None:
+        return stream_getter_torch
+    return get

@@ -156,6 +156,8 @@ __all__ = [
     "BLOCK",
     "LEAD_FACTOR",
     "LENGTH_FLAG",
+    "LookupLaunch",
+    "SCAN_LAUNCHER",
     "MAXNREG",
     "NUM_WARPS",
     "launch_scan",
@@ -620,7 +622,7 @@ def _validate(
 
 # The scan kernel's launch options, and its launcher past the binder.
 _OPTIONS = {"num_warps": NUM_WARPS, "maxnreg": MAXNREG}
-_DIRECT = DirectLauncher()
+SCAN_LAUNCHER = DirectLauncher()
 
 
 def launch_scan(
@@ -712,8 +714,67 @@ def launch_scan(
     key = (tuple(constexprs.values()), tuple(a >= 2**31 for a in args[11:] + args[6:7]))
     # Triton launches on the current device, not the table's (launch.py).
     with device_guard(device):
-        _DIRECT.launch(_scan_kernel, n_req, key, args, constexprs, _OPTIONS, device)
+        SCAN_LAUNCHER.launch(
+            _scan_kernel, n_req, key, args, constexprs, _OPTIONS, device
+        )
     return hit, mask_spans
+
+
+class LookupLaunch:
+    """:func:`launch_scan` in LOOKUP mode for one plan and hash width, with
+    what does not change between calls (the constexprs, the plain ints, the
+    variant's key) built once: a scheduler's warm call pays only for its
+    output and the launch (issue 31's host path). A trusted caller's, like
+    :func:`launch_scan`: nothing is checked.
+
+    Args:
+        sg_rows, cand_rows: the plan's rows on the device (int64).
+        words: int64 words per hash (``hashes.shape[1]``).
+        params: the plan's :class:`~kvhit.kernels.contract.PlanParams` as
+            keywords (``hash_block_size``, ``alignment``, ``partial``,
+            ``simple_hybrid``, ``num_groups``).
+    """
+
+    def __init__(self, sg_rows: torch.Tensor, cand_rows: torch.Tensor,
+                 words: int, params: dict) -> None:  # fmt: skip
+        self.device = sg_rows.device
+        self.rows = (sg_rows, cand_rows)
+        n_sg, sg_w = sg_rows.shape
+        # launch_scan's plain ints and constexprs, in the same order, so the
+        # variant's key is launch_scan's (a warm-up through it is this one's).
+        self.ints = (n_sg, int(params["num_groups"]), int(params["hash_block_size"]),
+                     int(params["alignment"]), int(params["partial"]),
+                     int(params["simple_hybrid"]))  # fmt: skip
+        self.constexprs = {
+            "W": words, "HAS_INDEX": True, "HAS_TL": True, "APPLY_EAGLE": True,
+            "LOOKUP": True, "BLOCK": BLOCK, "LEAD": BLOCK * LEAD_FACTOR,
+            "S_PAD": _pow2(n_sg), "SG_W": sg_w,
+        }  # fmt: skip
+        self._cx = tuple(self.constexprs.values())
+        self._int_key = tuple(a >= 2**31 for a in self.ints)
+
+    def __call__(self, hashes: torch.Tensor, offsets: torch.Tensor,
+                 n_units: torch.Tensor, num_tokens: torch.Tensor,
+                 table: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:  # fmt: skip
+        """The answers, int64 ``[R]`` (``out`` when given), as
+        :func:`launch_scan`'s ``hit`` with ``lookup=True`` (``hashes`` int64
+        ``[T, W]``, ``offsets``/``n_units``/``num_tokens`` int64 ``[R]``,
+        ``table`` int64 ``[C + 1, W + 1]``, all on the rows' device)."""
+        n_req = offsets.shape[0]
+        hit = out
+        if hit is None:
+            hit = torch.empty(n_req, dtype=torch.int64, device=self.device)
+        if not n_req:
+            return hit
+        cap = table.shape[0] - 1
+        args = (hashes, offsets, n_units, num_tokens, n_units, table, cap,
+                *self.rows, hit, hit, *self.ints)  # fmt: skip
+        key = (self._cx, (*self._int_key, cap >= 2**31))
+        with device_guard(self.device):
+            SCAN_LAUNCHER.launch(_scan_kernel, n_req, key, args, self.constexprs,
+                                 _OPTIONS, self.device)  # fmt: skip
+        return hit
 
 
 def _launch(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvhit.kernels import launch
 from kvhit.kernels.launch import DirectLauncher, int_key
 
 
@@ -45,6 +46,8 @@ def cuda_stream(monkeypatch):
         cuda_stream = 7
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    # A device with an index goes through the driver's raw getter instead.
+    monkeypatch.setattr(launch, "stream_getter", lambda: lambda index: 7)
 
 
 def _launcher():
@@ -137,14 +140,14 @@ def test_direct_launches_equal_binder_launches():
     engine = LookupEngine(layout, backend="triton", device="cuda")
     batch = HashBatch.from_bytes(prompts, 8, "cuda")
     tokens = [len(p) * 4 - rng.randint(0, 3) for p in prompts]
-    before = scan._DIRECT.direct_launches
+    before = scan.SCAN_LAUNCHER.direct_launches
     direct = [engine.lookup(batch, tokens, index).tolist() for _ in range(3)]
-    assert scan._DIRECT.direct_launches > before
-    scan._DIRECT.enabled = False
+    assert scan.SCAN_LAUNCHER.direct_launches > before
+    scan.SCAN_LAUNCHER.enabled = False
     try:
         binder = engine.lookup(batch, tokens, index).tolist()
     finally:
-        scan._DIRECT.enabled = True
+        scan.SCAN_LAUNCHER.enabled = True
     assert direct == [binder] * 3 and any(binder)
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvhit.bench import gpu_common as gc
 from kvhit.bench import gpu_model as gm
 
 pytestmark = pytest.mark.skipif(
@@ -114,8 +115,52 @@ def test_round_trips_launches_and_syncs_stay_at_the_recorded_figures(capsys):
     # its answer (the lengths are checked in the kernel); a list none.
     assert rec["lookup_syncs"] == 1 and rec["list_syncs"] == 0
     assert calls["lookup"]["torch_ops"] <= rec["lookup_torch_ops"]
+    # The eager call's host (modelled from the counted items and its Python
+    # measured with the launch stubbed): never above the recorded figures.
+    for call, key in (
+        ("lookup", "lookup"),
+        ("lookup (list)", "list"),
+        ("lookup_unchecked", "unchecked"),
+    ):
+        host = out["host"][call]
+        py = host["python_us"]
+        assert 0 < py <= 2 * rec[f"{key}_python_us"], call
+        modelled = host["host_us"] - py + rec[f"{key}_python_us"]
+        assert modelled <= rec[f"{key}_host_us"] + 0.5, call
     text = capsys.readouterr().out
     assert "round trips/request" in text and "| lookup | 1 |" in text
+    assert "eager call on CUDA" in text
+
+
+def test_the_host_fit_reproduces_its_constants():
+    graph = {b: gm.H200[f"longhit-B{b}"] for b in gc.LONGHIT_BS}
+    h = gc.fit_host(gc.HostTimes(), graph)
+    assert h.t_tail == pytest.approx(gc.HostTimes().t_tail, rel=0.01)
+    assert h.t_sync == pytest.approx(gc.HostTimes().t_sync, rel=0.01)
+    # Every H200 eager row (a094dd7) within 40 % (the rows scatter: the
+    # validated call took 257, 220, 192 and 373 us at B = 1 ... 4096).
+    for (call, b), meas in gc.H200_EAGER.items():
+        m = graph[b] + gc.host_time(gc.A094_EAGER[call], h)
+        assert 0.6 <= m / meas <= 1.4, (call, b)
+    # The fitted means come back: the unchecked rows' and the validated's.
+    for call in ("lookup", "lookup_unchecked"):
+        rows = [(c, b) for c, b in gc.H200_EAGER if c == call]
+        got = sum(graph[b] + gc.host_time(gc.A094_EAGER[call], h) for _, b in rows)
+        want = sum(gc.H200_EAGER[r] for r in rows)
+        assert got == pytest.approx(want, rel=1e-6)
+    # A sync before the launch costs more than the answer's copy after it.
+    assert h.t_sync > h.t_copy > 0
+
+
+def test_cuda_items_refuse_counts_they_do_not_map():
+    c = gm.CallCounts(triton_launches=1, syncs=2)
+    with pytest.raises(ValueError, match="cuda_items needs updating"):
+        gc.cuda_items("lookup", c, 1e-5)
+    c.syncs = 1
+    # The validated call: one direct launch, its answer copied after it.
+    assert gc.cuda_items("lookup", c, 1e-5) == (1e-5, 0, 1, 0, 0, 1)
+    # The unchecked call's CPU sync is the view's numpy: a kernel on CUDA.
+    assert gc.cuda_items("lookup_unchecked", c, 1e-5) == (1e-5, 0, 1, 1, 0, 0)
 
 
 def test_resident_programs_stay_at_the_recorded_figure():

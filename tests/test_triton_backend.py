@@ -328,3 +328,48 @@ def test_pinned_lengths_equal_tensor_lengths_on_cuda():
         t = torch.tensor(num_tokens[:n], dtype=torch.int64, device="cuda")
         want = engine.lookup(batch, t, index).tolist()
         assert engine.lookup(batch, num_tokens[:n], index).tolist() == want
+
+
+def test_a_warm_lookup_launches_as_launch_scan_does(device, monkeypatch):
+    """The second call of a lookup variant goes through the scan's
+    LookupLaunch (its constexprs, ints and key built once): the same key,
+    arguments and constexprs as launch_scan's first call, the same answers;
+    keys added since are seen (the index's table is read at each call)."""
+    import kvhit.kernels.scan as scan
+
+    layout, requests, exists, index, num_tokens = _case(device)
+    backend = TritonBackend(ScanPlan.from_layout(layout), device)
+    view = HashBatch.from_bytes(requests, 8, device).view()
+    n = torch.tensor(num_tokens, dtype=torch.int64, device=device)
+    seen = []
+    launch = scan.SCAN_LAUNCHER.launch
+
+    def spy(kernel, grid, key, args, constexprs, options, dev):
+        seen.append((grid, key, args, dict(constexprs), options))
+        return launch(kernel, grid, key, args, constexprs, options, dev)
+
+    monkeypatch.setattr(scan.SCAN_LAUNCHER, "launch", spy)
+    first = backend.lookup(view, n, index)
+    assert (view.device, 1) in backend._lookups  # 8-byte hashes: one word
+    second = backend.lookup(view, n, index)
+    assert second.tolist() == first.tolist()
+    (g0, k0, a0, c0, o0), (g1, k1, a1, c1, o1) = seen
+    assert (g0, k0, c0, o0) == (g1, k1, c1, o1)
+    # Every argument but the fresh answer (hit, and mask_spans = hit).
+    same = [i for i in range(len(a0)) if i not in (9, 10)]
+    for i in same:
+        x, y = a0[i], a1[i]
+        assert (x is y) if isinstance(x, torch.Tensor) else (x == y), i
+    assert a1[9] is a1[10] is second
+    # Keys added since (the table read at each call, a grown one too).
+    ref = ReferenceCoordinator(layout)
+    extra = chained_hashes(9, 130)
+    more = saved_keys(layout, extra, 512)
+    index.add([g for g, _ in sorted(more)], [h for _, h in sorted(more)])
+    grown = HashBatch.from_bytes([*requests, extra], 8, device).view()
+    lens = torch.tensor([*num_tokens, 512], dtype=torch.int64, device=device)
+    got = backend.lookup(grown, lens, index).tolist()
+    want = [ref.lookup(t, h, exists | more)
+            for h, t in zip([*requests, extra], [*num_tokens, 512], strict=True)]  # fmt: skip
+    assert got == want and want[-1] > 0
+    assert seen[-1][2][5] is index.table
