@@ -10,7 +10,9 @@ requests it has not seen.
 ``python -m kvhit.bench.fleet_steps stages [--engines 8,64] [--repeats 60]``
 prints each stage of that step alone, cold (caches evicted first) and warm
 (the same call again at once), the stages interleaved repeat by repeat:
-packing (``from_ints``), the lengths' check, the kernel's one dispatch, the
+packing (``from_ints``), the lengths' check (``host_lengths``; the list as
+the ``array('q')`` the router path hands the kernel), the kernel's one
+dispatch (with the arguments the router path gives it), the
 answer's tensor, ``fleet_hits`` on a packed batch (the checks, the kernel
 and the answer), the whole step, Dynamo's ``find_matches`` of the same
 lists, and the stores a router applies after the step (one
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,6 +103,8 @@ def _stage_calls(E: int, warm: int, batch: int) -> dict[str, Callable[[int], Cal
             lambda r: lambda: HashBatch.from_ints(lists),
         "lengths: the list checked (host_lengths)":
             lambda r: lambda: host_lengths(lens, "max_lengths", batch),
+        "lengths: array('q', list) (the router path's form)":
+            lambda r: lambda: array("q", lens),
         "kernel: full_hits_checked, one dispatch":
             lambda r: lambda: kernel(*args),
         "answer: torch.from_numpy":
