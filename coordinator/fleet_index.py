@@ -73,7 +73,7 @@ from kvhit.coordinator.key_index import (
 )
 from kvhit.coordinator.key_index_keys import normalize_ids
 from kvhit.coordinator.key_index_state import next_pow2, verify_reachable, verify_slots
-from kvhit.coordinator.packing import HashBatch, num_words
+from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
 from kvhit.kernels.checks import (
     check_int,
     check_max_load,
@@ -113,6 +113,7 @@ FLEET_BACKENDS = ("auto", *FLEET_KERNEL_MODULES)
 #: The most engines a FleetIndex may hold (a bound on the ``[B, E]`` outputs).
 MAX_ENGINES = 1 << 16
 _STATE_VERSION = 1
+_INT64 = np.dtype(np.int64)
 
 
 def fleet_ops(backend: str) -> Any:
@@ -307,6 +308,8 @@ class FleetIndex:
         self._cap_limit = self._limit(self.table.shape[0])
         self._max_gid = self.max_group_id
         self._one_engine: dict[int, np.ndarray] = {}
+        self._one_group: dict[int, np.ndarray] = {}
+        self._pad = padding_mask(hash_bytes)
         self._size = size
         self._tombstones = tombs
         # Per engine, how many keys it holds (kept exact by every mutation).
@@ -495,14 +498,35 @@ class FleetIndex:
         grows, or raises naming the argument). A store's fixed cost is what a
         KV event pays, so the checks left here are type tests and counts."""
         entries = self.entries
-        keys = entries.host_keys(group_ids, hashes)
-        if keys is None:
-            return None
+        if (
+            type(group_ids) is int
+            and type(hashes) is np.ndarray
+            and hashes.dtype is _INT64
+            and hashes.ndim == 2
+            and hashes.shape[1] == self.W
+            and not self._pad
+            and hashes.flags.c_contiguous
+        ):
+            # A KV event's form (one group, the blocks' hash words): the
+            # group id as a 1-element array the kernel broadcasts (made once
+            # per id), no array of N copies.
+            h = hashes
+            g = self._one_group.get(group_ids)
+            if g is None:
+                if not 0 <= group_ids <= self._max_gid:
+                    return None
+                if len(self._one_group) >= 256:
+                    self._one_group.clear()
+                g = self._one_group[group_ids] = np.full(1, group_ids, np.int64)
+        else:
+            keys = entries.host_keys(group_ids, hashes)
+            if keys is None:
+                return None
+            g, h = keys
         ent_table = entries.host_table
         if ent_table is None:
             return None
-        g, h = keys
-        n = g.shape[0]
+        n = h.shape[0]
         if type(engine_ids) is int:
             # One engine for every key: a 1-element array the kernel
             # broadcasts (its range and activity checked there), one per

@@ -23,9 +23,13 @@ with the numba backend).
 
 from __future__ import annotations
 
+from array import array
+
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_numba import insert_count
@@ -143,12 +147,11 @@ def _claim(table, gid, keys, r):
 
 
 @numba.njit(inline="always", **_JIT)
-def _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines, r):
-    """Prefetch the home rows entry ``r`` of a store reads: its key's in
-    ``table`` and its entry key's in ``entries``."""
-    e = engines[0] if one else engines[r]
-    _prefetch_block(table, gids[r], hashes, r)
-    _prefetch_block(entries, gids[r] * num_engines + e, hashes, r)
+def _prefetch_entry(table, entries, g, e, hashes, num_engines, r):
+    """Prefetch the home rows entry ``r`` (group ``g``, engine ``e``) of a
+    store reads: its key's in ``table`` and its entry key's in ``entries``."""
+    _prefetch_block(table, g, hashes, r)
+    _prefetch_block(entries, g * num_engines + e, hashes, r)
 
 
 @numba.njit(**_JIT)
@@ -156,29 +159,35 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
     """:func:`add_entries`' kernel, checked first, then one pass per entry;
     when an engine bit is new, the entry key ``gids[r] * E + engines[r]``
     goes into ``entries`` and ``per_engine`` counts it (``E =
-    active.shape[0]``). Returns (keys, bits, entries) newly stored;
-    ``(-1, r, 0)``, nothing stored, for the first bad entry ``r``; ``(-2, r,
-    0)`` when entry ``r`` found no free slot (those before it stored). Home
-    rows are prefetched ``_AHEAD`` entries early: each is a cache miss into
-    a table larger than the caches, and this keeps several in flight."""
-    n = gids.shape[0]
+    active.shape[0]``; ``gids`` and ``engines`` of one element hold every
+    entry's). Returns (keys, bits, entries) newly stored; ``(-1, r, 0)``,
+    nothing stored, for the first bad entry ``r``; ``(-2, r, 0)`` when entry
+    ``r`` found no free slot (those before it stored). Home rows are
+    prefetched ``_AHEAD`` entries early: each is a cache miss into a table
+    larger than the caches, and this keeps several in flight."""
+    n = hashes.shape[0]
     num_engines = active.shape[0]
     one = engines.shape[0] == 1
+    one_g = gids.shape[0] == 1
     for r in range(n):
         e = engines[0] if one else engines[r]
-        if e < 0 or e >= num_engines or not active[e] or gids[r] > max_gid:
+        g = gids[0] if one_g else gids[r]
+        if e < 0 or e >= num_engines or not active[e] or g > max_gid:
             return np.int64(-1), np.int64(r), np.int64(0)
         if r < _AHEAD:
-            _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines, r)
+            _prefetch_entry(table, entries, g, e, hashes, num_engines, r)
     W1 = hashes.shape[1] + 1
     n_keys = np.int64(0)
     n_bits = np.int64(0)
     n_entries = np.int64(0)
     for r in range(n):
-        if r + _AHEAD < n:
-            _prefetch_entry(table, entries, gids, hashes, engines, one, num_engines,
-                            r + _AHEAD)  # fmt: skip
-        got = _claim(table, gids[r], hashes, r)
+        q = r + _AHEAD
+        if q < n:
+            _prefetch_entry(table, entries, gids[0] if one_g else gids[q],
+                            engines[0] if one else engines[q], hashes, num_engines,
+                            q)  # fmt: skip
+        g = gids[0] if one_g else gids[r]
+        got = _claim(table, g, hashes, r)
         if got < 0:
             return np.int64(-2), np.int64(r), np.int64(0)
         n_keys += got & 1
@@ -187,7 +196,7 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
         w = W1 + (e >> 6)
         b = np.int64(1) << np.int64(e & 63)
         if table[slot, w] & b == 0:
-            got = _claim(entries, gids[r] * num_engines + e, hashes, r)
+            got = _claim(entries, g * num_engines + e, hashes, r)
             if got < 0:
                 return np.int64(-2), np.int64(r), np.int64(0)
             n_entries += got & 1
@@ -206,9 +215,10 @@ def add_entries(table: np.ndarray, entries: np.ndarray, gids: np.ndarray,
                 hashes: np.ndarray, engines: np.ndarray, active: np.ndarray,
                 per_engine: np.ndarray, max_gid: int) -> tuple[int, int, int]:  # fmt: skip
     """A FleetIndex store in place: engine ``engines[r]`` (``engines[0]``
-    for all when it holds one) holds key ``(gids[r], hashes[r])``. table:
-    int64 ``[C, W + 1 + NW]``; entries: int64 ``[C', W + 1]``; gids,
-    engines: int64 ``[N]``; hashes: int64 ``[N, W]``; active: bool ``[E]``;
+    for all when it holds one) holds key ``(gids[r], hashes[r])``
+    (``gids[0]`` likewise). table: int64 ``[C, W + 1 + NW]``; entries: int64
+    ``[C', W + 1]``; gids, engines: int64 ``[N]`` or ``[1]``; hashes: int64
+    ``[N, W]``; active: bool ``[E]``;
     per_engine: int64 ``[E]``, counted up; max_gid: the largest group id an
     entry key takes. C-contiguous, room left in both tables. Returns (keys,
     bits, entries) newly stored; ValueError, nothing stored, for an engine
@@ -575,16 +585,29 @@ def full_runs(table: np.ndarray, num_words: int, rows: np.ndarray, offsets: np.n
     return runs
 
 
+def _least_length(lens):  # pragma: no cover - its overload runs
+    """The least length :func:`full_hits_checked` takes from ``lens``: 0
+    from an array; 2 from an ``array('q')`` (of a router's list), which took
+    bools as 0 and 1 (those lengths go back to the host's exact check)."""
+
+
+@overload(_least_length, jit_options=_JIT)
+def _least_length_impl(lens):
+    least = np.int64(0 if isinstance(lens, types.Array) else 2)
+    return lambda lens: least
+
+
 @numba.njit(**_JIT)
 def full_hits_checked(table, rows, offsets, lengths, lens, members, live, params):
     """:func:`full_hits` for a router's per-batch call, at the cost of one
-    dispatch (no Python wrapper): ``lens`` (int64 ``[B]``, any stride) is
-    checked here, before anything is read, and the output allocated here.
-    ``params`` int64 ``[7]``: :func:`full_hits`' six, then the number of
-    engines E. Returns ``(-1, hits int64 [B, E])``, or ``(r, int64 [0, 0])``
-    when ``lens[r]`` is the first negative length (nothing scanned)."""
-    for r in range(lens.shape[0]):
-        if lens[r] < 0:
+    dispatch (no Python wrapper): ``lens`` (int64 ``[B]``, any stride, or an
+    ``array('q')``) is checked here, before anything is read, and the output
+    allocated here. ``params`` int64 ``[7]``: :func:`full_hits`' six, then
+    E. Returns ``(-1, hits int64 [B, E])``, or ``(r, int64 [0, 0])`` when
+    ``lens[r]`` is the first below :func:`_least_length` (nothing scanned)."""
+    least = _least_length(lens)
+    for r in range(len(lens)):
+        if lens[r] < least:
             return r, np.zeros((0, 0), dtype=np.int64)
     out = np.zeros((offsets.shape[0], params[6]), dtype=np.int64)
     if out.shape[0]:
@@ -842,6 +865,8 @@ def warm_up() -> None:
     for a in (members, params):
         a.flags.writeable = False
     full_hits_checked(table, h, none, none, none, members, one, params)
+    # A router's list of lengths, as fleet_full_host hands it over.
+    full_hits_checked(table, h, none, none, array("q"), members, one, params)
     _warm = True
 
 
@@ -856,7 +881,7 @@ class FleetOps:
     (``coordinator/fleet_index.FLEET_KERNEL_MODULES`` picks one per
     backend). Keys and engine sets share one table (the module docstring);
     :meth:`host_table` gives it as numpy, which the fleet's host paths
-    (:meth:`host_hits`, the entry-index scans) read without a torch call.
+    (the router's kernel, the entry-index scans) read without a torch call.
     """
 
     #: The backend of the fleet's entry index (a KeyIndex of its own).
@@ -954,33 +979,22 @@ class FleetOps:
             lengths.numpy(), ends, scale, members, live, num_engines,
         ))  # fmt: skip
 
-    @staticmethod
-    def host_hits(table: np.ndarray, rows: np.ndarray, offsets: np.ndarray,
-                  lengths: np.ndarray, lens: np.ndarray, members: np.ndarray,
-                  live: np.ndarray, params: np.ndarray) -> torch.Tensor | None:  # fmt: skip
-        """:func:`full_hits_checked` on host arrays (a router's call, one
-        dispatch): int64 ``[B, E]``, or None where ``lens`` holds a negative
-        length (nothing read)."""
-        bad, out = full_hits_checked(table, rows, offsets, lengths, lens, members,
-                                     live, params)  # fmt: skip
-        return None if bad >= 0 else torch.from_numpy(out)
-
     def full_hits(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
                   rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
                   lens: torch.Tensor, members: np.ndarray, live: np.ndarray,
                   active: torch.Tensor, params: np.ndarray,
                   num_engines: int) -> torch.Tensor:  # fmt: skip
         """vLLM's full-attention hit of every request against every engine
-        (:meth:`host_hits` on tensors: ``lens`` int64 ``[B]``, >= 0):
-        int64 ``[B, E]``. ``params`` int64 ``[7]``, as
-        :func:`full_hits_checked`'s."""
+        (:func:`full_hits_checked` on tensors' views: ``lens`` int64 ``[B]``,
+        >= 0): int64 ``[B, E]``. ``params`` int64 ``[7]``, as there."""
         lens_np = lens.numpy()
         if not (lens_np.flags.c_contiguous and lens_np.flags.writeable):
             # The one form the kernel is compiled for (another would cost a
             # compile of ~15 s): B ints, never written.
             lens_np = lens_np.copy()
-        hit = self.host_hits(table.numpy(), rows.numpy(), offsets.numpy(),
-                             lengths.numpy(), lens_np, members, live, params)  # fmt: skip
-        if hit is None:  # pragma: no cover - lens was checked
+        bad, out = full_hits_checked(table.numpy(), rows.numpy(), offsets.numpy(),
+                                     lengths.numpy(), lens_np, members, live,
+                                     params)  # fmt: skip
+        if bad >= 0:  # pragma: no cover - lens was checked
             raise RuntimeError("full_hits: a checked length was refused")
-        return hit
+        return torch.from_numpy(out)

@@ -243,9 +243,15 @@ def test_router_path_takes_list_lengths(monkeypatch):
         raise AssertionError("the general path was taken")
 
     monkeypatch.setattr(fleet, "hits_unchecked", general)
+    from kvhit.kernels import fleet_numba
+
+    # The kernel takes the list as an array('q') (no numpy array made):
+    # one compiled form, which building the fleet loaded (warm_up).
+    sigs = set(fleet_numba.full_hits_checked.signatures)
     for value in (lens, tuple(lens)):
         assert engine.fleet_hits(batch, value, fleet).tolist() == want
         assert engine.fleet_lookup(batch, value, fleet).tolist() == want_lookup
+    assert set(fleet_numba.full_hits_checked.signatures) == sigs
     # Lengths of 0 and 1 (below the list check's quick bound) answer alike.
     small = [0, 1, 16, 144]
     assert engine.fleet_hits(batch, small, fleet).tolist() == expected(
@@ -514,6 +520,12 @@ def test_host_store_matches_the_general_path_and_refuses_alike():
             k = min(n // 2, prev.shape[0])
             words[:k] = prev[:k]  # re-added keys
         groups = rng.integers(0, 3, size=n, dtype=np.int64)
+        garg = groups
+        if step % 4 == 1:
+            # One group for every key, as an int (a KV event's form: the
+            # kernel broadcasts a 1-element array of it).
+            garg = int(rng.integers(0, 3))
+            groups = np.full(n, garg, dtype=np.int64)
         form = step % 3
         if form == 0:
             engines = int(rng.choice([e for e in range(E) if e != 9]))
@@ -521,7 +533,7 @@ def test_host_store_matches_the_general_path_and_refuses_alike():
         else:
             engines = rng.choice([e for e in range(E) if e != 9], size=n)
             arg = engines if form == 1 else torch.from_numpy(engines)
-        got = fast.add(arg, groups, words)
+        got = fast.add(arg, garg, words)
         as_bytes = [w.tobytes() for w in words[:, 0]]
         want = slow.add(
             np.broadcast_to(np.asarray(engines), (n,)).copy(), groups.tolist(), as_bytes
@@ -543,6 +555,10 @@ def test_host_store_matches_the_general_path_and_refuses_alike():
         (ValueError, "group_ids", lambda: fast.add(
             0, np.array([0, fast.max_group_id + 1, 0]), h)),
         (ValueError, "group_ids", lambda: fast.add(0, np.array([0, -1, 0]), h)),
+        (ValueError, "group_ids", lambda: fast.add(0, fast.max_group_id + 1, h)),
+        (ValueError, "group_ids", lambda: fast.add(0, -1, h)),
+        (ValueError, "group_ids", lambda: fast.add(0, 2**63, h)),
+        (ValueError, "engine_ids", lambda: fast.add(9, 2, h)),
     ]  # fmt: skip
     for exc, match, fn in bad:
         with pytest.raises(exc, match=match):
