@@ -13,6 +13,7 @@ call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["NumbaBackend"]
 
 _INT64 = np.dtype(np.int64)
+_INT64_MAX = (1 << 63) - 1
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -126,6 +128,50 @@ class NumbaBackend:
         if arr is not None and arr.dtype is _INT64 and arr.flags.c_contiguous:
             return arr
         return _c(_table(index))
+
+    def one_runner(
+        self, index: KeyIndex
+    ) -> Callable[[np.ndarray, Any, Any, bool], int] | None:
+        """See ``BatchBackend.one_runner``: for an index of 8-byte keys whose
+        table has a usable host view, ``run(rows, max_lengths, index,
+        apply_eagle)`` answering a checked one-request batch of 8-byte keys
+        (``rows`` int64 ``[n, 1]``, ``HashBatch.host_one()``) as
+        ``find_batch`` does, its hit an int; ``max_lengths`` in any form,
+        checked here (one request). The compiled entry and the packed plan
+        are looked up once, here; the table's view is read from ``index``
+        on each call (the runner keeps no table alive), its layout tested
+        here once (the engine asks again when the table changes)."""
+        table = index.table_view
+        if (
+            index.hash_bytes != 8
+            or table is None
+            or table.dtype is not _INT64
+            or not table.flags.c_contiguous
+        ):
+            return None
+        sn, prep = self._prep_cache or self._prep()
+        entry = sn.one_entry(prep)
+        plan = prep.one
+        nbytes = table.nbytes
+        del table
+        lengths = host_lengths_or_int
+
+        def run(rows: np.ndarray, max_lengths: Any, index: Any, eagle: bool) -> int:
+            # host_lengths_or_int's one-item list of an int, inline.
+            if not (
+                type(max_lengths) is list
+                and len(max_lengths) == 1
+                and type(m := max_lengths[0]) is int
+                and 0 <= m <= _INT64_MAX
+            ):
+                m = lengths(max_lengths, "max_lengths", 1)
+                if type(m) is not int:
+                    m = m.item(0)
+            # prefetching(1, table), spelled out (read at call time).
+            pf = sn.PREFETCH_MIN_REQUESTS <= 1 and nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
+            return entry(rows, m, index.table_view, plan, (2 if eagle else 0) + pf)
+
+        return run
 
     def find_batch(
         self,

@@ -716,6 +716,16 @@ class HashBatch:
             lazy = d.setdefault("_lazy", (words, offsets))
         return lazy
 
+    def host_one(self) -> np.ndarray | None:
+        """The rows of a batch that :meth:`from_ints` built on its path for
+        one short list of Python ints (one request, 8-byte keys, on the
+        CPU): int64 ``[n, 1]``, C-contiguous, sharing the batch's memory;
+        None for any other batch (no error: the caller then takes its
+        general path). A scheduler step's lookup of one request reads it
+        with no other test of the batch; like :meth:`host_single`, it
+        assumes the batch's tensors are not modified in place."""
+        return self.__dict__.get("_one")
+
     def host_single(self) -> np.ndarray | None:
         """A one-request CPU batch's rows: int64 ``[n, W]``, sharing its
         memory (the request owns every row: ``offsets`` is ``[0, n]``); None
