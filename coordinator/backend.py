@@ -165,13 +165,14 @@ class BatchBackend(Backend, Protocol):
         calls it at construction unless built with ``warm=False``."""
         ...
 
-    def one_runner(self, index: Any) -> Callable[[Any, Any, bool], Any] | None:
+    def one_runner(self, index: Any) -> Callable[[Any, Any, Any, bool], Any] | None:
         """A callable answering a scheduler step of one request against
         ``index`` (a KeyIndex the engine checked, with the table it holds
         now), or None where the backend has none: ``run(rows, max_lengths,
-        apply_eagle)``, ``rows`` a batch's ``HashBatch.host_one()`` (int64
-        ``[n, 1]``, 8-byte keys), ``max_lengths`` as the caller gave it
-        (checked by ``run``, naming ``max_lengths``), returning the hit as
+        table, apply_eagle)``, ``rows`` a batch's ``HashBatch.one_values``
+        (int64 ``[n]``, 8-byte keys), ``table`` the index's ``table_view``
+        (the same table), ``max_lengths`` as the caller gave it (checked by
+        ``run``, naming ``max_lengths``), returning the hit as
         ``find_batch`` does with no spans. The engine holds it until the
         index or its table changes."""
         ...

@@ -131,16 +131,16 @@ class NumbaBackend:
 
     def one_runner(
         self, index: KeyIndex
-    ) -> Callable[[np.ndarray, Any, Any, bool], int] | None:
+    ) -> Callable[[np.ndarray, Any, np.ndarray, bool], int] | None:
         """See ``BatchBackend.one_runner``: for an index of 8-byte keys whose
-        table has a usable host view, ``run(rows, max_lengths, index,
+        table has a usable host view, ``run(rows, max_lengths, table,
         apply_eagle)`` answering a checked one-request batch of 8-byte keys
-        (``rows`` int64 ``[n, 1]``, ``HashBatch.host_one()``) as
-        ``find_batch`` does, its hit an int; ``max_lengths`` in any form,
-        checked here (one request). The compiled entry and the packed plan
-        are looked up once, here; the table's view is read from ``index``
-        on each call (the runner keeps no table alive), its layout tested
-        here once (the engine asks again when the table changes)."""
+        (``rows`` its int64 ``[n]`` values, ``HashBatch.one_values``) as
+        ``find_batch`` does, its hit an int; ``table`` is the index's
+        ``table_view`` (the runner keeps no table alive), its layout tested
+        here once (the engine asks again when the table changes);
+        ``max_lengths`` in any form, checked here (one request). The
+        compiled entry and the packed plan are looked up once, here."""
         table = index.table_view
         if (
             index.hash_bytes != 8
@@ -156,7 +156,7 @@ class NumbaBackend:
         del table
         lengths = host_lengths_or_int
 
-        def run(rows: np.ndarray, max_lengths: Any, index: Any, eagle: bool) -> int:
+        def run(rows: np.ndarray, max_lengths: Any, table: Any, eagle: bool) -> int:
             # host_lengths_or_int's one-item list of an int, inline.
             if not (
                 type(max_lengths) is list
@@ -169,7 +169,7 @@ class NumbaBackend:
                     m = m.item(0)
             # prefetching(1, table), spelled out (read at call time).
             pf = sn.PREFETCH_MIN_REQUESTS <= 1 and nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
-            return entry(rows, m, index.table_view, plan, (2 if eagle else 0) + pf)
+            return entry(rows, m, table, plan, (2 if eagle else 0) + pf)
 
         return run
 

@@ -464,10 +464,14 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
 # its per-request arrays views of one NRT allocation made here, and its hit
 # returned as an int (boxing an array costs ~0.4 us).
 @numba.njit(cache=True, nogil=True)
-def _batch_one(rows, max_len, table, plan, k):  # fmt: skip
-    # The plan's arrays as C views of ``plan`` (unit-step slices of a C array,
-    # reshaped, stay C arrays: _request's one signature); ``k`` picks the
-    # parameter vector (2 * mode + prefetch).
+def _batch_one(values, max_len, table, plan, k):  # fmt: skip
+    # The rows ``[T, W]`` as a C view of their words ``values`` (a one-request
+    # batch of 8-byte keys hands its int64 [T] values as they are, W = 1),
+    # and the plan's arrays as C views of ``plan`` (unit-step slices of a C
+    # array, reshaped, stay C arrays: _request's one signature); ``k`` picks
+    # the parameter vector (2 * mode + prefetch).
+    w = table.shape[1] - 1
+    rows = values.reshape((values.shape[0] // w, w))
     n_sg, w_sg, n_groups, w_cand = plan[0], plan[1], plan[2], plan[3]
     at = _ONE_HEAD
     sg = plan[at : at + n_sg * w_sg].reshape((n_sg, w_sg))
@@ -714,7 +718,7 @@ def _one_entry() -> Any:
     a2 = numba.types.Array(numba.types.int64, 2, "C")
     i64 = numba.types.int64
     overloads = getattr(_batch_one, "overloads", {})
-    entry = getattr(overloads.get((a2, i64, a2, a1, i64)), "entry_point", None)
+    entry = getattr(overloads.get((a1, i64, a2, a1, i64)), "entry_point", None)
     if entry is None:
         return _batch_one
     _ONE_ENTRY.append(entry)
@@ -723,9 +727,10 @@ def _one_entry() -> Any:
 
 def one_entry(prep: ScanPrep) -> Any:
     """The callable :func:`scan_one` hands its arguments to, for a caller
-    that holds it: ``fn(rows, max_len, table, prep.one, 2 * mode + pf)``
-    (``pf`` whether it prefetches, :func:`prefetching`), with the contract
-    of :func:`scan_one` (no checks). Loads (or compiles) the program first
+    that holds it: ``fn(values, max_len, table, prep.one, 2 * mode + pf)``
+    (``values`` the rows' words, int64 ``[T * W]``, C-contiguous; ``pf``
+    whether it prefetches, :func:`prefetching`), with the contract of
+    :func:`scan_one` (no checks). Loads (or compiles) the program first
     if need be (a call of ``prep``'s on no hashes), so that the caller holds
     the compiled entry, not the dispatcher."""
     if not _ONE_ENTRY:
@@ -748,7 +753,7 @@ def scan_one(
     # prefetching(1, table), spelled out (the thresholds read at call time).
     pf = PREFETCH_MIN_REQUESTS <= 1 and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn = _ONE_ENTRY[0] if _ONE_ENTRY else _one_entry()
-    return fn(rows, max_len, table, prep.one, 2 * mode + pf)
+    return fn(rows.reshape(-1), max_len, table, prep.one, 2 * mode + pf)
 
 
 def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand_rows,
