@@ -73,6 +73,10 @@ _TYPECODE = attrgetter("typecode")
 _INTS = frozenset({int})
 _INT64 = np.dtype(np.int64)
 _UINT64 = np.dtype(np.uint64)
+_TWO = np.uint64(2)  # a numpy scalar: comparing with a Python int costs more
+#: Up to this many ints, _list_batch looks at every item's type rather than
+#: finding the 0s and 1s with numpy (~2 us of calls however short).
+_SCAN_MAX = 64
 #: The request types from_ints takes a batch of lists of Python ints for.
 _LISTS = frozenset({list})
 #: The array kinds from_ints takes a whole batch of in one concatenation.
@@ -283,13 +287,18 @@ def _list_batch(
     arr = np.frombuffer(buf, dtype=np.int64)
     values = arr[2 * b + 1 :]
     # struct takes bools as 0 and 1: the items of those values, and only
-    # those, are looked at by their type.
-    small = np.flatnonzero(values.view(_UINT64) < 2).tolist()
-    if len(small) > 1:
-        if not _INTS.issuperset(map(type, itemgetter(*small)(flat))):
+    # those, are looked at by their type; a short batch's items all (a type
+    # scan costs less than the numpy calls that find the 0s and 1s).
+    if n < _SCAN_MAX:
+        if not _INTS.issuperset(map(type, flat)):
             return None
-    elif small and type(flat[small[0]]) is not int:
-        return None
+    else:
+        small = (values.view(_UINT64) < _TWO).nonzero()[0].tolist()
+        if len(small) > 1:
+            if not _INTS.issuperset(map(type, itemgetter(*small)(flat))):
+                return None
+        elif small and type(flat[small[0]]) is not int:
+            return None
     return arr[: b + 1], arr[b + 1 : 2 * b + 1], values
 
 
