@@ -84,6 +84,7 @@ class NumbaBackend:
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
         self._prep_cache = None
+        self._run: Callable[[np.ndarray, Any, np.ndarray, bool], int] | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -138,9 +139,10 @@ class NumbaBackend:
         (``rows`` its int64 ``[n]`` values, ``HashBatch.one_values``) as
         ``find_batch`` does, its hit an int; ``table`` is the index's
         ``table_view`` (the runner keeps no table alive), its layout tested
-        here once (the engine asks again when the table changes);
-        ``max_lengths`` in any form, checked here (one request). The
-        compiled entry and the packed plan are looked up once, here."""
+        here (the engine asks again when the table changes); ``max_lengths``
+        in any form, checked here (one request). One runner per backend,
+        made on first use (the compiled entry and the packed plan looked up
+        then): a router that switches indexes pays only this test."""
         table = index.table_view
         if (
             index.hash_bytes != 8
@@ -149,11 +151,12 @@ class NumbaBackend:
             or not table.flags.c_contiguous
         ):
             return None
+        return self._run or self._make_runner()
+
+    def _make_runner(self) -> Callable[[np.ndarray, Any, np.ndarray, bool], int]:
         sn, prep = self._prep_cache or self._prep()
         entry = sn.one_entry(prep)
         plan = prep.one
-        nbytes = table.nbytes
-        del table
         lengths = host_lengths_or_int
 
         def run(rows: np.ndarray, max_lengths: Any, table: Any, eagle: bool) -> int:
@@ -168,9 +171,13 @@ class NumbaBackend:
                 if type(m) is not int:
                     m = m.item(0)
             # prefetching(1, table), spelled out (read at call time).
-            pf = sn.PREFETCH_MIN_REQUESTS <= 1 and nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
+            pf = (
+                sn.PREFETCH_MIN_REQUESTS <= 1
+                and table.nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
+            )
             return entry(rows, m, table, plan, (2 if eagle else 0) + pf)
 
+        self._run = run
         return run
 
     def find_batch(

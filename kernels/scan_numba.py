@@ -580,7 +580,8 @@ LOOKUP = 2
 
 class ScanPrep:
     """What every call of one plan shares, checked once (:func:`prepare_scan`):
-    the plan's rows, a parameter vector per mode and prefetch setting, and the
+    the plan's rows, a parameter vector per mode and prefetch setting, the
+    same packed in one int64 array for :func:`scan_one` (``one``), and the
     placeholders of the arguments a mode does not read. Never written: calls on
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
