@@ -165,6 +165,18 @@ class BatchBackend(Backend, Protocol):
         calls it at construction unless built with ``warm=False``."""
         ...
 
+    def one_runner(self, index: Any) -> Callable[[Any, Any, Any, bool], Any] | None:
+        """A callable answering a scheduler step of one request against
+        ``index`` (a KeyIndex the engine checked, with the table it holds
+        now), or None where the backend has none: ``run(rows, max_lengths,
+        table, apply_eagle)``, ``rows`` a batch's ``HashBatch.one_values``
+        (int64 ``[n]``, 8-byte keys), ``table`` the index's ``table_view``
+        (the same table), ``max_lengths`` as the caller gave it (checked by
+        ``run``, naming ``max_lengths``), returning the hit as
+        ``find_batch`` does with no spans. The engine holds it until the
+        index or its table changes."""
+        ...
+
     def lengths(self, value: Any, name: str, n: int) -> Any:
         """``value`` (``n`` per-request lengths in any form a caller holds
         them) checked once (``kernels/checks.py``) and in the form this
@@ -239,6 +251,11 @@ class ViewBackend:
             torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64,
                         device=self.device),
         )  # fmt: skip
+
+    def one_runner(self, index: Any) -> None:
+        """See :meth:`BatchBackend.one_runner`: none (every step goes
+        through :meth:`find_batch`)."""
+        return None
 
     def lengths(self, value: Any, name: str, n: int) -> torch.Tensor:
         """See :meth:`BatchBackend.lengths`: int64 ``[n]`` on the device."""

@@ -60,6 +60,9 @@ BACKENDS = ("auto", *BACKEND_CLASSES)
 Lengths = torch.Tensor | Sequence[int]
 
 
+_new = object.__new__
+
+
 def _nothing() -> None:
     """A dead weak reference: what the engine remembers before any check."""
     return None
@@ -263,14 +266,14 @@ class LookupEngine:
         self.plan = ScanPlan.from_layout(layout)
         self._min_block_size = min(s.block_size for s in layout.coverage_specs)
         self.impl: BatchBackend = backend_class(backend)(self.plan, device)
-        # The last index _check_batch accepted, its table then and its width
-        # (weak references: the engine must not keep a dropped table alive),
-        # set as one tuple, so a thread never reads half of another's update.
-        self._checked: tuple[Callable[[], Any], Callable[[], Any], int] = (
-            _nothing,
-            _nothing,
-            0,
-        )
+        # The last index _check_batch accepted, its table then, its width,
+        # the backend's one-request runner for it and the table's host view
+        # then (weak references: the engine must not keep a dropped table
+        # alive), set as one tuple, so a thread never reads half of
+        # another's update.
+        self._checked: tuple[
+            Callable[[], Any], Callable[[], Any], int, Any, Callable[[], Any]
+        ] = (_nothing, _nothing, 0, None, _nothing)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
         if warm:
@@ -281,7 +284,7 @@ class LookupEngine:
     def _check_batch(
         self, batch: Any, index: KeyIndex | None, need_index: bool = True
     ) -> None:
-        checked_index, checked_table, checked_width = self._checked
+        checked_index, checked_table, checked_width, _, _ = self._checked
         if (
             type(index) is KeyIndex
             and type(batch) is HashBatch
@@ -312,10 +315,16 @@ class LookupEngine:
                 f"index's ({index.hash_bytes} bytes)"
             )
         if type(index) is KeyIndex:
+            run = self.impl.one_runner(index)
+            view = index.table_view
             self._checked = (
                 weakref.ref(index),
                 weakref.ref(index.table),
                 index.hash_bytes,
+                run,
+                # A host view is made once per table tensor: the same view,
+                # the same table (a runner exists only where there is one).
+                weakref.ref(view) if run is not None else _nothing,
             )
 
     def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
@@ -364,6 +373,25 @@ class LookupEngine:
         Returns:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
+        checked_index, _, _, run, checked_view = self._checked
+        if (
+            run is not None
+            and type(batch) is HashBatch
+            and index is checked_index()
+            and not with_masks
+        ):
+            rows = batch.one_values
+            view = index.table_view
+            if rows is not None and view is checked_view() and view is not None:
+                # A scheduler step of one request (from_ints' short path:
+                # 8-byte keys on the CPU), against the index checked last,
+                # with the table it had then (its host view is made once per
+                # table; the runner exists only for 8-byte keys on the
+                # backend's host path): nothing else to test here; the
+                # runner checks max_lengths.
+                result = _new(LookupResult)
+                result.__dict__["_hits"] = run(rows, max_lengths, view, apply_eagle)
+                return result
         self._check_batch(batch, index)
         impl = self.impl
         max_lengths = impl.lengths(max_lengths, "max_lengths", len(batch))

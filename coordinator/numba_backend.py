@@ -13,6 +13,7 @@ call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["NumbaBackend"]
 
 _INT64 = np.dtype(np.int64)
+_INT64_MAX = (1 << 63) - 1
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -82,6 +84,7 @@ class NumbaBackend:
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
         self._prep_cache = None
+        self._run: Callable[[np.ndarray, Any, np.ndarray, bool], int] | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -126,6 +129,56 @@ class NumbaBackend:
         if arr is not None and arr.dtype is _INT64 and arr.flags.c_contiguous:
             return arr
         return _c(_table(index))
+
+    def one_runner(
+        self, index: KeyIndex
+    ) -> Callable[[np.ndarray, Any, np.ndarray, bool], int] | None:
+        """See ``BatchBackend.one_runner``: for an index of 8-byte keys whose
+        table has a usable host view, ``run(rows, max_lengths, table,
+        apply_eagle)`` answering a checked one-request batch of 8-byte keys
+        (``rows`` its int64 ``[n]`` values, ``HashBatch.one_values``) as
+        ``find_batch`` does, its hit an int; ``table`` is the index's
+        ``table_view`` (the runner keeps no table alive), its layout tested
+        here (the engine asks again when the table changes); ``max_lengths``
+        in any form, checked here (one request). One runner per backend,
+        made on first use (the compiled entry and the packed plan looked up
+        then): a router that switches indexes pays only this test."""
+        table = index.table_view
+        if (
+            index.hash_bytes != 8
+            or table is None
+            or table.dtype is not _INT64
+            or not table.flags.c_contiguous
+        ):
+            return None
+        return self._run or self._make_runner()
+
+    def _make_runner(self) -> Callable[[np.ndarray, Any, np.ndarray, bool], int]:
+        sn, prep = self._prep_cache or self._prep()
+        entry = sn.one_entry(prep)
+        plan = prep.one
+        lengths = host_lengths_or_int
+
+        def run(rows: np.ndarray, max_lengths: Any, table: Any, eagle: bool) -> int:
+            # host_lengths_or_int's one-item list of an int, inline.
+            if not (
+                type(max_lengths) is list
+                and len(max_lengths) == 1
+                and type(m := max_lengths[0]) is int
+                and 0 <= m <= _INT64_MAX
+            ):
+                m = lengths(max_lengths, "max_lengths", 1)
+                if type(m) is not int:
+                    m = m.item(0)
+            # prefetching(1, table), spelled out (read at call time).
+            pf = (
+                sn.PREFETCH_MIN_REQUESTS <= 1
+                and table.nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
+            )
+            return entry(rows, m, table, plan, (2 if eagle else 0) + pf)
+
+        self._run = run
+        return run
 
     def find_batch(
         self,

@@ -26,9 +26,10 @@ import struct
 from array import array
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
+from functools import reduce
 from itertools import accumulate, chain
-from operator import attrgetter, index
-from typing import Any
+from operator import attrgetter, iadd, index, itemgetter
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -71,6 +72,13 @@ _TYPECODE = attrgetter("typecode")
 #: ``issuperset`` builds no set: half the time of ``set(map(type, ...))``).
 _INTS = frozenset({int})
 _INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
+_TWO = np.uint64(2)  # a numpy scalar: comparing with a Python int costs more
+#: Up to this many ints, _list_batch looks at every item's type rather than
+#: finding the 0s and 1s with numpy (~2 us of calls however short).
+_SCAN_MAX = 64
+#: The request types from_ints takes a batch of lists of Python ints for.
+_LISTS = frozenset({list})
 #: The array kinds from_ints takes a whole batch of in one concatenation.
 _ARRAY_KINDS = frozenset({np.ndarray, torch.Tensor, array})
 #: From this many ints on, from_ints converts a list with struct (one pass)
@@ -251,6 +259,54 @@ def _long_ints(flat: list[Any], n: int) -> np.ndarray | None:
     return values
 
 
+def _list_batch(
+    requests: list[list[Any]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A batch of lists of Python ints (0 and 1 included) as ``(offsets
+    int64 [B + 1], lengths int64 [B], values int64 [total])``, views of one
+    array, or None when an item is not an integer, is outside int64, or is
+    a 0 or a 1 that is not an int (the slow path then names it or converts
+    it).
+
+    One struct pass converts and checks the offsets, the lengths and the
+    values at once (see :func:`_long_ints`), rather than np.array and
+    np.cumsum (~3 us per batch). Its arguments are built as one list, the
+    requests appended by ``list +=`` (``reduce(iadd)``: a third of
+    ``chain.from_iterable``'s cost per int) after the format, the buffer
+    and the offsets: ``pack_into(*args)`` then copies the list once, where
+    ``pack_into(fmt, buf, 0, *flat)`` copies the items twice more.
+    """
+    lengths = list(map(len, requests))
+    b = len(lengths)
+    n = sum(lengths)
+    size = 2 * b + 1 + n
+    buf = bytearray(8 * size)
+    # Native byte order, as numpy reads the buffer back.
+    head = [f"={size}q", buf, 0, 0, *accumulate(lengths), *lengths]
+    at = len(head)  # args[at + k] is value k
+    args = reduce(iadd, requests, head)
+    try:
+        struct.pack_into(*args)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None
+    arr = np.frombuffer(buf, dtype=np.int64)
+    values = arr[2 * b + 1 :]
+    # struct takes bools as 0 and 1: the items of those values, and only
+    # those, are looked at by their type; a short batch's items all (a type
+    # scan costs less than the numpy calls that find the 0s and 1s).
+    if n < _SCAN_MAX:
+        if not _INTS.issuperset(map(type, args[at:])):
+            return None
+    else:
+        small = ((values.view(_UINT64) < _TWO).nonzero()[0] + at).tolist()
+        if len(small) > 1:
+            if not _INTS.issuperset(map(type, itemgetter(*small)(args))):
+                return None
+        elif small and type(args[small[0]]) is not int:
+            return None
+    return arr[: b + 1], arr[b + 1 : 2 * b + 1], values
+
+
 def _ints_of_list(
     parts: list[Any], requests: list[Any], lengths: list[int], first: int
 ) -> np.ndarray:
@@ -274,6 +330,23 @@ def _ints_of_list(
             k += 1
         i += 1
     return np.array([index(v) for v in flat], dtype=np.int64)
+
+
+def _offsets(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """CSR ``offsets`` int64 ``[B + 1]`` and ``lengths`` int64 ``[B]`` of a
+    batch's request lengths."""
+    if len(lengths) == 1:
+        offsets = np.array((0, lengths[0]), dtype=np.int64)
+        return offsets, offsets[1:]  # a view, no conversion
+    host_lengths = np.array(lengths, dtype=np.int64)
+    if len(lengths) < 64:
+        # accumulate + one array: np.cumsum costs ~3 us however short.
+        offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+    else:
+        offsets = np.empty(len(lengths) + 1, dtype=np.int64)
+        offsets[0] = 0
+        np.cumsum(host_lengths, out=offsets[1:])
+    return offsets, host_lengths
 
 
 def _host_ints(req: Any, i: int) -> np.ndarray | None:
@@ -436,6 +509,15 @@ class HashBatch:
     hashes: torch.Tensor
     offsets: torch.Tensor
     hash_bytes: int
+    #: The values of a batch that :meth:`from_ints` built on its path for
+    #: one short list of Python ints (one request, 8-byte keys, on the CPU):
+    #: int64 ``[n]`` (``hashes[:, 0]``), C-contiguous, sharing the batch's
+    #: memory; None for every other batch (a class default: a plain
+    #: attribute read, a third of a method call's cost). A scheduler step's
+    #: lookup of one request reads it with no other test of the batch; like
+    #: :meth:`host_single`, it assumes the batch's tensors are not modified
+    #: in place.
+    one_values: ClassVar[np.ndarray | None] = None
 
     def __post_init__(self) -> None:
         h = check_tensor(self.hashes, "hashes")
@@ -557,8 +639,7 @@ class HashBatch:
             # on the CPU: one type scan (bools refused by their type) and one
             # np.array call (numpy would truncate a float: the scan refuses
             # one); nothing else. Its offsets, host arrays and tensors are
-            # made on first use (host_single hands the numba backend the rows
-            # alone). Anything else, or a value past int64, takes the general
+            # made on first use (the numba backend reads one_values alone). Anything else, or a value past int64, takes the general
             # path below, which takes or refuses it.
             flat = requests[0]
             if (
@@ -567,47 +648,43 @@ class HashBatch:
                 and _INTS.issuperset(map(type, flat))
             ):
                 try:
-                    words = np.array(flat, _INT64).reshape(-1, 1)
+                    # 1-D: its [n, 1] view is made on first use (one_values
+                    # hands the numba backend the values alone).
+                    words = np.array(flat, _INT64)
                 except OverflowError:
                     words = None
                 if words is not None:
                     batch = object.__new__(cls)
                     d = batch.__dict__
                     d["hash_bytes"] = 8
-                    d["_one"] = words
+                    d["one_values"] = words
                     return batch
-        w = num_words(hash_bytes)
+        w = 1 if type(hash_bytes) is int and hash_bytes == 8 else num_words(hash_bytes)
         device = _device(device)
-        if isinstance(requests, np.ndarray) or not isinstance(requests, list):
+        if type(requests) is not list:
             requests = _as_list(requests, "requests", "a sequence of sequences of ints")
-        kinds = set(map(type, requests))
-        same = None
-        if kinds <= {list}:
+        same = packed = None
+        # issuperset builds no set: the common case tested first.
+        if _LISTS.issuperset(map(type, requests)):
             # The common case, all lists of Python ints (0 and 1 included):
-            # C-level loops only.
-            lengths = list(map(len, requests))
-            same = lengths, _ints_of_list(requests, requests, lengths, 0)
-        elif len(kinds) == 1 and kinds <= _ARRAY_KINDS:
+            # C-level loops only, the offsets made in the same pass.
+            packed = _list_batch(requests) if requests else None
+            if packed is None:
+                lengths = list(map(len, requests))
+                same = lengths, _ints_of_list(requests, requests, lengths, 0)
+        elif len(kinds := set(map(type, requests))) == 1 and kinds <= _ARRAY_KINDS:
             # All arrays of one kind (a router holding numpy hashes, torch
             # tensors or array('q')): one check of the dtypes and one
             # concatenation for the whole batch.
             (kind,) = kinds
             same = _ints_of_same(requests, kind)
-        # Anything else (mixed forms, tuples, a bad request) request by
-        # request, naming the first bad one.
-        lengths, values = same if same is not None else _ints_of_mixed(requests)
-        if len(lengths) == 1:
-            offsets = np.array((0, lengths[0]), dtype=np.int64)
-            host_lengths = offsets[1:]  # a view, no conversion
+        if packed is not None:
+            offsets, host_lengths, values = packed
         else:
-            host_lengths = np.array(lengths, dtype=np.int64)
-            if len(lengths) < 64:
-                # accumulate + one array: np.cumsum costs ~3 us however short.
-                offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
-            else:
-                offsets = np.empty(len(lengths) + 1, dtype=np.int64)
-                offsets[0] = 0
-                np.cumsum(host_lengths, out=offsets[1:])
+            # Anything else (mixed forms, tuples, a bad request) request by
+            # request, naming the first bad one.
+            lengths, values = same if same is not None else _ints_of_mixed(requests)
+            offsets, host_lengths = _offsets(lengths)
         if hash_bytes < 8 and values.size:
             bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
             if bad.any():
@@ -707,13 +784,13 @@ class HashBatch:
         [n, 1], offsets int64 [2])``, the offsets made once (None for any
         other batch)."""
         d = self.__dict__
-        words = d.get("_one")
-        if words is None:
+        values = d.get("one_values")
+        if values is None:
             return None
         lazy = d.get("_lazy")
         if lazy is None:
-            offsets = np.array((0, words.shape[0]), dtype=np.int64)
-            lazy = d.setdefault("_lazy", (words, offsets))
+            offsets = np.array((0, values.shape[0]), dtype=np.int64)
+            lazy = d.setdefault("_lazy", (values.reshape(-1, 1), offsets))
         return lazy
 
     def host_single(self) -> np.ndarray | None:
@@ -725,9 +802,9 @@ class HashBatch:
 
         Raises ValueError when the batch is not on the CPU.
         """
-        words = self.__dict__.get("_one")
-        if words is not None:
-            return words
+        lazy = self._one_lazy()
+        if lazy is not None:
+            return lazy[0]
         if len(self) != 1:
             return None
         return self.host_arrays()[0]
@@ -784,7 +861,7 @@ class HashBatch:
         d = self.__dict__
         o = d.get("offsets")
         if o is None:
-            if "_one" in d:
+            if "one_values" in d:
                 return 1
             return d["_lazy"][1].shape[0] - 1
         return o.shape[0] - 1

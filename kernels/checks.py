@@ -433,15 +433,16 @@ def host_lengths_or_int(value: Any, name: str, n: int) -> np.ndarray | int:
                 if 0 <= v <= INT64_MAX:
                     return v
         elif tv is torch.Tensor:
-            if (
-                value.dtype is torch.int64
-                and value.is_cpu
-                and value.layout is torch.strided
-                and value.shape == (1,)
-            ):
-                # tolist() reads a one-item tensor in a third of item()'s time.
-                v = value.tolist()[0]
-                if v >= 0:
+            if value.dtype is torch.int64 and value.is_cpu and value.numel() == 1:
+                # tolist() reads a one-item tensor in a third of item()'s
+                # time, and tells its shape: [v] for [1] alone (a 0-d one
+                # gives an int, a [1, 1] one a list in a list); a tensor
+                # with no storage (sparse) raises, for host_lengths to name.
+                try:
+                    lst = value.tolist()
+                except RuntimeError:
+                    lst = None
+                if type(lst) is list and type(v := lst[0]) is int and v >= 0:
                     return v
     return host_lengths(value, name, n)
 

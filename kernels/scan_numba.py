@@ -153,6 +153,7 @@ __all__ = [
     "count_probes",
     "find_hits",
     "lookup_hits",
+    "one_entry",
     "prefetching",
     "prepare_scan",
     "warm_up",
@@ -371,6 +372,8 @@ _P_SIMPLE_HYBRID = 7
 _P_PREFETCH = 8
 _P_COUNT = 9
 _P_COLS = 10
+# The header of ScanPrep.one (n_sg, sg width, groups, cand width, home slots).
+_ONE_HEAD = 5
 
 
 @numba.njit(**JIT)
@@ -455,14 +458,29 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
 
 
 # One request, the call a scheduler step of one makes: its arguments are the
-# rows, the table and the plan's three arrays (the dispatcher types each
-# array, ~30 ns apiece, and a launcher's np.empty costs ~0.15 us), its
-# per-request arrays views of one NRT allocation made here, and its hit
+# rows, the table, the plan packed in one array (ScanPrep.one) and the mode
+# (the dispatcher or numba's entry unboxes each array, ~0.1 us apiece: three
+# plan arrays cost two more than one; a launcher's np.empty costs ~0.15 us),
+# its per-request arrays views of one NRT allocation made here, and its hit
 # returned as an int (boxing an array costs ~0.4 us).
 @numba.njit(cache=True, nogil=True)
-def _batch_one(rows, max_len, table, sg, cand, prm, n_gscr):  # fmt: skip
-    n_groups = cand.shape[0]
-    n_st = sg.shape[0] * _ST_COLS
+def _batch_one(values, max_len, table, plan, k):  # fmt: skip
+    # The rows ``[T, W]`` as a C view of their words ``values`` (a one-request
+    # batch of 8-byte keys hands its int64 [T] values as they are, W = 1),
+    # and the plan's arrays as C views of ``plan`` (unit-step slices of a C
+    # array, reshaped, stay C arrays: _request's one signature); ``k`` picks
+    # the parameter vector (2 * mode + prefetch).
+    w = table.shape[1] - 1
+    rows = values.reshape((values.shape[0] // w, w))
+    n_sg, w_sg, n_groups, w_cand = plan[0], plan[1], plan[2], plan[3]
+    at = _ONE_HEAD
+    sg = plan[at : at + n_sg * w_sg].reshape((n_sg, w_sg))
+    at += n_sg * w_sg
+    cand = plan[at : at + n_groups * w_cand].reshape((n_groups, w_cand))
+    at += n_groups * w_cand + k * _P_COLS
+    prm = plan[at : at + _P_COLS]
+    n_gscr = n_groups + plan[4] if prm[_P_PREFETCH] != 0 else n_groups
+    n_st = n_sg * _ST_COLS
     buf = np.empty(4 + 3 * n_groups + n_st + n_gscr, np.int64)
     # Unit-step slices of a C array stay C arrays: _request's one signature.
     starts = buf[0:1]
@@ -476,7 +494,7 @@ def _batch_one(rows, max_len, table, sg, cand, prm, n_gscr):  # fmt: skip
     # The spans are written (find mode) but not returned: the engine asks
     # for them through the batch launcher.
     mask_spans = buf[4:at].reshape((1, n_groups, 3))
-    scratch = buf[at : at + n_st].reshape((1, sg.shape[0], _ST_COLS))
+    scratch = buf[at : at + n_st].reshape((1, n_sg, _ST_COLS))
     gscr = buf[at + n_st :].reshape((1, n_gscr))
     _request(0, rows, starts, lengths, token_lengths, starts, table, sg, cand, prm,
              hit, mask_spans, scratch, gscr)  # fmt: skip
@@ -562,12 +580,13 @@ LOOKUP = 2
 
 class ScanPrep:
     """What every call of one plan shares, checked once (:func:`prepare_scan`):
-    the plan's rows, a parameter vector per mode and prefetch setting, and the
+    the plan's rows, a parameter vector per mode and prefetch setting, the
+    same packed in one int64 array for :func:`scan_one` (``one``), and the
     placeholders of the arguments a mode does not read. Never written: calls on
     several threads may share one (each call allocates its own outputs and
     scratch, since the kernels release the GIL)."""
 
-    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "prm", "sg",
+    __slots__ = ("cand", "n_groups", "n_homes", "n_sg", "no_tl", "one", "prm", "sg",
                  "tri_empty", "tri_written")  # fmt: skip
 
     def __init__(self, sg: np.ndarray, cand: np.ndarray, prm: tuple,
@@ -575,6 +594,14 @@ class ScanPrep:
         self.sg, self.cand, self.prm = sg, cand, prm
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
         self.n_homes = _homes_cols(sg)
+        # What scan_one hands _batch_one: the header, the rows of sg and
+        # cand, and the parameter vectors (prm[mode][pf] at 2 * mode + pf),
+        # all in one int64 array: one array to unbox per call, not three.
+        head = (self.n_sg, sg.shape[1], self.n_groups, cand.shape[1], self.n_homes)
+        self.one = np.concatenate(
+            [np.array(head, np.int64), sg.ravel(), cand.ravel()]
+            + [v for by_pf in prm for v in by_pf]
+        )
         self.no_tl = np.zeros(1, np.int64)
         # Lookup mode writes no spans: an empty array keeps the one signature.
         self.tri_empty = np.zeros((0, self.n_groups, 3), np.int64)
@@ -682,7 +709,7 @@ _ONE_ENTRY: list[Any] = []
 def _one_entry() -> Any:
     """What :func:`scan_one` calls: numba's compiled wrapper of
     ``_batch_one`` for its one signature, which skips the dispatcher's typing
-    of seven arguments (~0.2 us of a ~2 us step), or the dispatcher itself
+    of five arguments (~0.2 us of a ~2 us step), or the dispatcher itself
     until that signature is compiled or loaded (or where a numba release
     keeps its overloads elsewhere). The skip is safe because scan_one's
     callers pass only kvhit's own arrays, of exactly that signature."""
@@ -692,11 +719,26 @@ def _one_entry() -> Any:
     a2 = numba.types.Array(numba.types.int64, 2, "C")
     i64 = numba.types.int64
     overloads = getattr(_batch_one, "overloads", {})
-    entry = getattr(overloads.get((a2, i64, a2, a2, a2, a1, i64)), "entry_point", None)
+    entry = getattr(overloads.get((a1, i64, a2, a1, i64)), "entry_point", None)
     if entry is None:
         return _batch_one
     _ONE_ENTRY.append(entry)
     return entry
+
+
+def one_entry(prep: ScanPrep) -> Any:
+    """The callable :func:`scan_one` hands its arguments to, for a caller
+    that holds it: ``fn(values, max_len, table, prep.one, 2 * mode + pf)``
+    (``values`` the rows' words, int64 ``[T * W]``, C-contiguous; ``pf``
+    whether it prefetches, :func:`prefetching`), with the contract of
+    :func:`scan_one` (no checks). Loads (or compiles) the program first
+    if need be (a call of ``prep``'s on no hashes), so that the caller holds
+    the compiled entry, not the dispatcher."""
+    if not _ONE_ENTRY:
+        table = np.zeros((2, 2), np.int64)
+        table[:, 0] = EMPTY
+        scan_one(prep, np.zeros((0, 1), np.int64), 0, table, FIND)
+    return _one_entry()
 
 
 def scan_one(
@@ -712,8 +754,7 @@ def scan_one(
     # prefetching(1, table), spelled out (the thresholds read at call time).
     pf = PREFETCH_MIN_REQUESTS <= 1 and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn = _ONE_ENTRY[0] if _ONE_ENTRY else _one_entry()
-    return fn(rows, max_len, table, prep.sg, prep.cand, prep.prm[mode][pf],
-              prep.n_groups + prep.n_homes if pf else prep.n_groups)  # fmt: skip
+    return fn(rows.reshape(-1), max_len, table, prep.one, 2 * mode + pf)
 
 
 def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand_rows,

@@ -507,3 +507,79 @@ def test_host_hits_are_one_answer_in_every_form_and_never_aliased(n_requests):
     )
     assert torch_res.hit_list() == [8 * 16] * n_requests
     assert torch_res.hit_array().tolist() == [8 * 16] * n_requests
+
+
+# -- a step of one request: from_ints' batch answered by the backend's runner
+
+
+@pytest.mark.parametrize(
+    "layout_fn",
+    [full_mamba_eagle_layout, merged_swa_eagle_layout, lambda: make_layout("gemma3")],
+)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_one_request_steps_equal_the_general_path(layout_fn, data) -> None:
+    # The same request as from_ints' one-request batch (the runner's path)
+    # and as from_bytes (the general path), lengths in every form, EAGLE on
+    # and off, the index growing in between: the same hit every time.
+    layout = layout_fn()
+    bs = layout.hash_block_size
+    engine = LookupEngine(layout, backend="numba")
+    index = KeyIndex(8, capacity=4)  # grows (a new table) as keys come
+    stored = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=30))
+    for step in range(3):
+        ids = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=40))
+        n = data.draw(st.integers(0, bs * (len(ids) + 2)))
+        eagle = data.draw(st.booleans())
+        fast = HashBatch.from_ints([ids])
+        assert fast.one_values is not None
+        slow = HashBatch.from_bytes(
+            [[v.to_bytes(8, "little", signed=True) for v in ids]], 8
+        )
+        want = engine.find_longest_cache_hit(slow, [n], index, eagle).hit_list()
+        for lens in ([n], (n,), np.array([n]), np.array([n], np.int32),
+                     np.array([n], np.uint64), torch.tensor([n])):  # fmt: skip
+            got = engine.find_longest_cache_hit(fast, lens, index, eagle)
+            assert got.hit_list() == want
+            assert got.hit_lengths.tolist() == want
+        masks = engine.find_longest_cache_hit(fast, [n], index, eagle, True)
+        assert masks.hit_list() == want and masks.masks is not None
+        for g in range(layout.num_groups):
+            index.add(g, HashBatch.from_ints([stored[: 10 * (step + 1)]]))
+
+
+def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
+    layout = full_mamba_eagle_layout()
+    engine = LookupEngine(layout, backend="numba")
+    index = KeyIndex(8, capacity=64)
+    index.add(0, HashBatch.from_ints([[1, 2, 3]]))
+    index.add(1, HashBatch.from_ints([[1, 2, 3]]))
+    one = HashBatch.from_ints([[1, 2, 3, 4]])
+    assert engine.find_longest_cache_hit(one, [64], index).hit_list() == [32]
+    for bad, exc in [
+        ([-1], ValueError),
+        ([1 << 63], ValueError),
+        ([True], TypeError),
+        ([1.0], TypeError),
+        ([1, 2], ValueError),
+        ([], ValueError),
+        (np.array([-1]), ValueError),
+        (np.array([1.0]), TypeError),
+        (torch.tensor([-1]), ValueError),
+        (torch.tensor([1.0]), TypeError),
+        (torch.tensor(64), ValueError),
+        (torch.tensor([[64]]), ValueError),
+        (torch.tensor([64]).to_sparse(), (TypeError, ValueError)),
+        (None, TypeError),
+    ]:
+        with pytest.raises(exc, match="max_lengths"):
+            engine.find_longest_cache_hit(one, bad, index)
+    # Another index, a KeyIndex of another width, a non-index: checked.
+    wide = KeyIndex(16, capacity=16)
+    with pytest.raises(ValueError, match="hash width"):
+        engine.find_longest_cache_hit(one, [64], wide)
+    with pytest.raises(TypeError, match="index"):
+        engine.find_longest_cache_hit(one, [64], {1, 2})
+    other = KeyIndex(8, capacity=16)
+    assert engine.find_longest_cache_hit(one, [64], other).hit_list() == [0]
+    assert engine.find_longest_cache_hit(one, [64], index).hit_list() == [32]

@@ -245,3 +245,109 @@ def test_from_trusted_is_public_and_unchecked() -> None:
     assert (
         b.hashes is h and b.offsets is offs and b.to_bytes() == [[b"a" * 8, b"b" * 8]]
     )
+
+
+# -- from_ints of a batch of lists: one struct pass (offsets and lengths in it)
+
+
+def _ints_reference(requests: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The values and CSR offsets of a batch of int lists, by Python."""
+    values = [v for r in requests for v in r]
+    offsets = [0]
+    for r in requests:
+        offsets.append(offsets[-1] + len(r))
+    return values, offsets
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 90), min_size=2, max_size=9),
+    data=st.data(),
+)
+def test_from_ints_of_lists_equals_python_on_both_sides_of_the_scan_bound(
+    lengths: list[int], data
+) -> None:
+    # Totals below and above _SCAN_MAX (64): the short batch's type scan and
+    # the long one's numpy search for 0s and 1s; values of every size, 0, 1
+    # and the int64 bounds among them.
+    ints = st.one_of(
+        st.sampled_from([0, 1, -1, 2, (1 << 63) - 1, -(1 << 63)]),
+        st.integers(-(1 << 63), (1 << 63) - 1),
+    )
+    reqs = [data.draw(st.lists(ints, min_size=n, max_size=n)) for n in lengths]
+    batch = HashBatch.from_ints(reqs)
+    values, offsets = _ints_reference(reqs)
+    assert batch.hashes.shape == (len(values), 1)
+    assert batch.hashes[:, 0].tolist() == values
+    assert batch.offsets.tolist() == offsets
+    rows, starts, lens = batch.host_arrays()
+    assert rows[:, 0].tolist() == values and rows.flags.c_contiguous
+    assert starts.tolist() == offsets[:-1] and lens.tolist() == lengths
+    assert len(batch) == len(reqs)
+    # The same keys as from_bytes of each int's 8 little-endian bytes.
+    as_bytes = [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs]
+    assert torch.equal(batch.hashes, HashBatch.from_bytes(as_bytes, 8).hashes)
+
+
+@pytest.mark.parametrize("total", [5, 63, 64, 65, 300])
+@pytest.mark.parametrize("bad", [True, False])
+def test_from_ints_refuses_a_bool_by_its_type_in_any_batch(total: int, bad) -> None:
+    # bools are 0 and 1 to struct: refused by their type, named by request
+    # and position, whether the batch is short (type scan) or long.
+    reqs = [list(range(2, 2 + total // 2)), [0, 1] + list(range(total - total // 2))]
+    assert HashBatch.from_ints(reqs).hashes[:, 0].tolist() == reqs[0] + reqs[1]
+    reqs[1][1] = bad
+    with pytest.raises(TypeError, match="request 1, position 1: .*bool"):
+        HashBatch.from_ints(reqs)
+    reqs[1][1] = np.int64(int(bad))  # integer-likes are taken as their value
+    assert HashBatch.from_ints(reqs).hashes[total // 2 + 1, 0].item() == int(bad)
+
+
+@pytest.mark.parametrize("total", [3, 200])
+def test_from_ints_of_lists_names_a_bad_item(total: int) -> None:
+    for bad, exc, what in [
+        (2.0, TypeError, "float"),
+        (None, TypeError, "NoneType"),
+        (1 << 63, ValueError, "outside int64"),
+        (-(1 << 63) - 1, ValueError, "outside int64"),
+    ]:
+        reqs = [list(range(total)), [5, 6, bad]]
+        with pytest.raises(exc, match=f"request 1, position 2: .*{what}"):
+            HashBatch.from_ints(reqs)
+
+
+def test_from_ints_of_lists_with_empty_requests_and_narrow_keys() -> None:
+    batch = HashBatch.from_ints([[], [7], [], [0, 1, 2]])
+    assert batch.offsets.tolist() == [0, 0, 1, 1, 4]
+    assert batch.hashes[:, 0].tolist() == [7, 0, 1, 2]
+    assert HashBatch.from_ints([[], []]).hashes.shape == (0, 1)
+    narrow = HashBatch.from_ints([[1, 255], [3]], hash_bytes=1)
+    assert narrow.hashes[:, 0].tolist() == [1, 255, 3]
+    with pytest.raises(ValueError, match="request 1, position 0: 256 does not fit"):
+        HashBatch.from_ints([[1], [256]], hash_bytes=1)
+    wide = HashBatch.from_ints([[-1], [2, 3]], hash_bytes=16)
+    assert wide.hashes.tolist() == [[-1, 0], [2, 0], [3, 0]]
+
+
+def test_one_values_of_a_one_request_batch() -> None:
+    # from_ints' path for one short list of ints: its values, 1-D, shared
+    # with the batch's [n, 1] rows; None for every other batch.
+    one = HashBatch.from_ints([[5, 0, 1, -7]])
+    values = one.one_values
+    assert values.dtype == np.int64 and values.shape == (4,)
+    assert values.flags.c_contiguous and values.tolist() == [5, 0, 1, -7]
+    rows = one.host_single()
+    assert rows.shape == (4, 1) and np.shares_memory(rows, values)
+    assert one.host_single() is rows and one.host_arrays()[0] is rows
+    assert np.shares_memory(one.hashes.numpy(), values)
+    assert HashBatch.from_ints([[]]).one_values.shape == (0,)
+    for other in (
+        HashBatch.from_ints([[1], [2]]),
+        HashBatch.from_ints([np.array([1, 2])]),
+        HashBatch.from_ints([[1, 2]], hash_bytes=16),
+        HashBatch.from_ints([[1, True]][:0] + [[1, np.int64(2)]]),
+        HashBatch.from_bytes([[bytes(8)]], 8),
+    ):
+        assert other.one_values is None
+    with pytest.raises(TypeError, match="request 0, position 1: .*bool"):
+        HashBatch.from_ints([[1, True]])

@@ -19,7 +19,7 @@ import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import key_index
+from helpers import key_index, merged_swa_eagle_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, saved_keys
@@ -224,6 +224,29 @@ def test_scan_one_answers_as_the_batch_launcher(prefetch, data):
                 one = rows[starts[b] : starts[b] + lengths[b]]
                 got = scan_numba.scan_one(prep, one, n, table, mode)
                 assert type(got) is int and got == want[b], (mode, b)
+                # What a caller holding one_entry calls: the rows' words 1-D,
+                # the plan packed in prep.one, 2 * mode + prefetch.
+                entry = scan_numba.one_entry(prep)
+                pf = scan_numba.prefetching(1, table)
+                k = 2 * mode + pf
+                assert entry(one.reshape(-1), n, table, prep.one, k) == want[b]
+
+
+def test_scan_preps_packed_plan_holds_its_rows_and_parameters():
+    plan = ScanPlan.from_layout(merged_swa_eagle_layout())
+    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
+    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
+    sg, cand, one = prep.sg, prep.cand, prep.one
+    assert one.dtype == np.int64 and one.flags.c_contiguous
+    head = [sg.shape[0], sg.shape[1], cand.shape[0], cand.shape[1], prep.n_homes]
+    assert one[:5].tolist() == head
+    at = 5 + sg.size
+    assert one[5:at].tolist() == sg.ravel().tolist()
+    assert one[at : at + cand.size].tolist() == cand.ravel().tolist()
+    vectors = one[at + cand.size :].reshape(6, -1)
+    for mode in range(3):
+        for pf in (0, 1):
+            assert vectors[2 * mode + pf].tolist() == prep.prm[mode][pf].tolist()
 
 
 def test_prepare_scan_checks_the_rows_once():
