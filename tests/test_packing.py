@@ -162,9 +162,11 @@ def test_packing_large_batch_is_fast() -> None:
     blob = os.urandom(4000 * 32)
     one = [blob[i : i + 32] for i in range(0, len(blob), 32)]
     reqs = [one] * 1024
-    t0 = time.perf_counter()
+    # CPU time: a loaded box (CI saw 5.24 s of wall time beside other work)
+    # must not fail it; a per-hash path costs several times this bound.
+    t0 = time.process_time()
     b = HashBatch.from_bytes(reqs, 32)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert b.total == 1024 * 4000
     assert torch.equal(b.hashes[:4000], b.hashes[-4000:])
     assert unpack_hashes(b.hashes[4000 * 7 + 5 : 4000 * 7 + 6], 32) == [one[5]]
