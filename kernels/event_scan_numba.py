@@ -39,14 +39,13 @@ _INT_SIZE[:0x80] = 1
 _INT_SIZE[0xE0:] = 1
 for _head, _size in ((0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9)):
     _INT_SIZE[_head] = _INT_SIZE[_head + 4] = _size  # uint N and int N
-#: A side-by-side walk's step by a byte (see :func:`_chain`): the int's size
-#: (1-9), or 1 + :data:`_NOT_INT` where the byte starts no int.
-_NOT_INT = 16
-_STEP = np.where(_INT_SIZE == 0, 1 + _NOT_INT, _INT_SIZE)
+#: A side-by-side walk's step by a byte (see :func:`_chain`): the int's size,
+#: or 1 where the byte starts no int.
+_STEP = np.where(_INT_SIZE == 0, 1, _INT_SIZE)
 #: The map key ``"token_ids"`` as msgpack writes it (a fixstr).
 _KEY = np.frombuffer(b"\xa9token_ids", dtype=np.uint8).copy()
 #: Bytes each of the four side-by-side walks covers per round.
-_SPAN = 128
+_SPAN = 256
 # Whether warm_up() ran in this process.
 _warm = False
 
@@ -143,10 +142,10 @@ def _chain(buf, q, stop, c, bad):
     and stopping there sent the span to the one-by-one walk; the walk's
     count is used only from a meeting point past ``bad`` (:func:`_walk_ints`)."""
     if q < stop:
-        t = _STEP[buf[q]]
-        if t > _NOT_INT:
+        x = buf[q]
+        if _INT_SIZE[x] == 0:
             bad = q
-        return q + (t & (_NOT_INT - 1)), c + 1, bad
+        return q + _STEP[x], c + 1, bad
     return q, c, bad
 
 
@@ -168,7 +167,7 @@ def _meet(buf, a, b, limit):
             a += s
             ca += 1
         else:
-            b += _STEP[buf[b]] & (_NOT_INT - 1)
+            b += _STEP[buf[b]]
             cb += 1
     return a, ca, cb
 
