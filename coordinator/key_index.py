@@ -84,19 +84,20 @@ import torch
 from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
 from kvhit.coordinator.key_index_keys import (
     NO_IDS,
-    host_ids,
+    cpu_int64_data,
     host_key_arrays,
-    host_rows,
+    insert_host_forms,
     keys_on_device,
     normalize_keys,
 )
 from kvhit.coordinator.key_index_state import (
     STATE_VERSION,
     capturing,
-    checksum_culprit,
     next_pow2,
     refuse_growth_in_capture,
+    state_fields,
     table_checksum,
+    verify_checksum,
     verify_structure,
 )
 from kvhit.coordinator.packing import num_words, padding_mask
@@ -142,6 +143,9 @@ MAX_LOAD_RANGE = (0.05, 0.95)
 #: The most slots a table may have (2**34: 640 GiB at 32-byte keys); growth
 #: past it is refused with ValueError instead of attempting the allocation.
 MAX_CAPACITY = 1 << 34
+# add's inline checks: a dtype compared by identity; the group ids' end.
+_NP_INT64 = np.dtype(np.int64)
+_GID_END = 1 << 63
 
 
 class CapacityError(RuntimeError):
@@ -374,12 +378,14 @@ class KeyIndex:
         host = self._device.type == "cpu" and not table.requires_grad
         self._np_table = table.numpy() if host else None
         self._cap_limit = self._limit(table.shape[0])
+        self._store = None  # add's plan, made again for this table
 
     def __getstate__(self) -> dict[str, Any]:
         # The numpy view must alias the table: a copy or unpickle rebuilds it.
         state = self.__dict__.copy()
         state.pop("_np_table", None)
         state.pop("_kernels", None)
+        state.pop("_store", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -409,6 +415,7 @@ class KeyIndex:
         self.__dict__.pop("_kernels", None)
         # The numba family stores through numpy views (see add_trusted).
         self._host = self._resolved == "numba"
+        self._store = None
 
     @functools.cached_property
     def _kernels(self) -> ModuleType:
@@ -645,62 +652,92 @@ class KeyIndex:
         Raises CapacityError (index unchanged) when a fixed-capacity index
         cannot take the new keys.
         """
-        if self._host and self._np_table is not None and not self._read_only:
-            added = self._add_checked(group_ids, hashes)
+        plan = self._store
+        if plan is None:
+            plan = self._store = self._store_plan()
+        if plan:
+            # A router's forms checked inline: a store runs on caches the
+            # step evicted, where each frame, attribute or tensor call is a
+            # cache miss. Other host forms: insert_host_forms; the rest, a
+            # refused value or a rehash: the general path (it names them).
+            table, W, pad, limit, insert_at, insert_arrays, refused, _ = plan
+            th, tg = type(hashes), type(group_ids)
+            added = None
+            if th is torch.Tensor:
+                shape = hashes.shape
+                n = shape[0] if len(shape) == 2 and shape[1] == W else 0
+                if tg is int:
+                    gaddr, gconst = 0, group_ids
+                    if not 0 <= group_ids < _GID_END:
+                        n = 0
+                elif (
+                    tg is torch.Tensor
+                    and group_ids.shape == (n,)
+                    and cpu_int64_data(group_ids)
+                ):
+                    gaddr, gconst = group_ids.data_ptr(), -1
+                else:
+                    n = 0
+                if (
+                    n
+                    and self._size + self._tombstones + n <= limit
+                    and cpu_int64_data(hashes)
+                ):
+                    added = insert_at(table, gaddr, gconst, hashes.data_ptr(), n, pad)
+            elif th is np.ndarray and tg is int:
+                shape = hashes.shape
+                n = shape[0] if len(shape) == 2 and shape[1] == W else 0
+                if (
+                    n
+                    and 0 <= group_ids < _GID_END
+                    and self._size + self._tombstones + n <= limit
+                    and hashes.dtype is _NP_INT64
+                    and hashes.flags.c_contiguous
+                ):
+                    added = insert_arrays(table, NO_IDS, group_ids, hashes, pad)
+            if added is None and self._size + self._tombstones < limit:
+                added = insert_host_forms(
+                    plan, limit - self._size - self._tombstones, group_ids, hashes
+                )
             if added is not None:
-                return added
+                if added >= 0:
+                    self._size += added
+                    if added:
+                        self._version += 1
+                    return added
+                if added != refused:
+                    return self._counted(added)
         g, h = self.normalize_keys(group_ids, hashes)
         return self.add_trusted(g, h)
 
-    def _add_checked(self, group_ids: Any, hashes: Any) -> int | None:
-        """:meth:`add` on the host store path in one kernel call, which checks
-        the key values (group ids >= 0, zero padding bits) before it stores
-        anything; the forms taken are :func:`host_rows`' and
-        :func:`host_ids`' (tensors are read where they lie). None, nothing
-        changed, for any other form, a batch that may need a rehash, or a
-        refused value: the general path then converts the keys or raises
-        naming the argument."""
-        h = host_rows(hashes, self.hash_bytes, self.W)
-        if h is None:
-            return None
-        n = h.shape[0]
-        if n == 0 or self._size + self._tombstones + n > self._cap_limit:
-            return None  # growth (or nothing to store) by the general path
-        ids = host_ids(group_ids, n)
-        if ids is None:
-            return None
-        gconst, g = ids
-        kernels = self._kernels
-        if type(h) is torch.Tensor and type(g) is not np.ndarray:
-            added = kernels.insert_checked_at(
-                self._np_table,
-                0 if g is None else g.data_ptr(),
-                gconst,
-                h.data_ptr(),
-                n,
-                self._pad,
-            )
-        else:
-            if type(h) is torch.Tensor:
-                h = h.numpy()
-            if g is None:
-                g = NO_IDS
-            elif type(g) is torch.Tensor:
-                g = g.numpy()
-            added = kernels.insert_checked(self._np_table, g, gconst, h, self._pad)
-        if added == kernels.REFUSED:
-            return None
-        return self._counted(added)
+    def _store_plan(self) -> tuple[Any, ...]:
+        """What :meth:`add`'s host path reads, in one tuple (the table's
+        numpy view, W, pad, load limit, the numba ``insert_checked_at``,
+        ``insert_checked``, ``REFUSED``, ``hash_bytes``), or ``()`` for an
+        index with no such path; made at the first add after the table or
+        binding changes."""
+        if not (self._host and self._np_table is not None and not self._read_only):
+            return ()
+        k = self._kernels
+        return (
+            self._np_table,
+            self.W,
+            self._pad,
+            self._cap_limit,
+            k.insert_checked_at,
+            k.insert_checked,
+            k.REFUSED,
+            self.hash_bytes,
+        )
 
     def host_keys(
         self, group_ids: Any, hashes: Any
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The keys as numpy views (int64 ``[N]``, int64 ``[N, W]``,
         C-contiguous) for the fleet's host store path when they come in a
-        form that needs no conversion (:func:`host_rows`, :func:`host_ids`)
-        and pass every check :func:`normalize_keys` makes, else None (the
-        caller then takes the general path, which converts them or raises
-        naming the argument)."""
+        form that needs no conversion and pass every check
+        :func:`normalize_keys` makes (``key_index_keys.host_key_arrays``),
+        else None (the caller's general path converts or names them)."""
         return host_key_arrays(group_ids, hashes, self.hash_bytes, self.W, self._pad)
 
     def _counted(self, added: int) -> int:
@@ -943,40 +980,16 @@ class KeyIndex:
         duplicated, is refused). Any failure raises ValueError/TypeError.
         A state saved with a higher ``max_load`` is rehashed to this one.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
-        fields = ("version", "hash_bytes", "max_load", "size", "tombstones", "table")
-        for field in (*fields, "checksum"):
-            if field not in state:
-                raise ValueError(f"state: missing field {field!r}")
-        version = state["version"]
-        if type(version) is not int or version != STATE_VERSION:
-            # Only the layout this code writes is read: a table saved under
-            # another version may hash or pack keys differently.
-            raise ValueError(
-                f"state: unknown version {version!r} (this kvhit reads version "
-                f"{STATE_VERSION} only)"
-            )
-        hash_bytes = state["hash_bytes"]
-        W = num_words(hash_bytes)
-        max_load = check_max_load(
-            state["max_load"], MAX_LOAD_RANGE, "state['max_load']"
+        hash_bytes, max_load, size, tombs, table, cap = state_fields(
+            state, MAX_LOAD_RANGE, MAX_CAPACITY
         )
-        size = check_int(state["size"], "state['size']", 0)
-        tombs = check_int(state["tombstones"], "state['tombstones']", 0)
-        table = state["table"]
-        cap = check_table_tensor(table, W, "state['table']", MAX_CAPACITY)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(growable, bool):
             raise TypeError(f"growable must be a bool, got {type(growable).__name__}")
         dev = resolve_device(device if device is not None else table.device)
         resolve_backend(backend, dev)
-        if state["checksum"] != table_checksum(table, hash_bytes, size, tombs):
-            raise ValueError(
-                f"state: checksum mismatch: {checksum_culprit(state, table)} "
-                "changed or corrupted after state_dict()"
-            )
+        verify_checksum(state, table, hash_bytes, size, tombs)
         table = copy_table(table, dev)
         obj = cls.__new__(cls)
         obj._init(hash_bytes, table, backend, max_load, growable, size, tombs)

@@ -20,8 +20,10 @@ from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
 __all__ = [
     "NO_IDS",
+    "cpu_int64_data",
     "host_ids",
     "host_key_arrays",
+    "insert_host_forms",
     "host_rows",
     "keys_on_device",
     "normalize_ids",
@@ -203,6 +205,23 @@ def keys_on_device(
 # taken as they are, no copy, or None for the general path above.
 
 
+_TORCH_INT64 = torch.int64
+_STRIDED = torch.strided
+
+
+def cpu_int64_data(t: torch.Tensor) -> bool:
+    """Whether tensor ``t`` (any shape) can be read where it lies as
+    C-contiguous int64 data: CPU and strided (tested before
+    ``is_contiguous``, which a sparse tensor lacks); ``KeyIndex.add``'s
+    inline check, the shape being the caller's."""
+    return (
+        t.dtype is _TORCH_INT64
+        and t.is_cpu
+        and t.layout is _STRIDED
+        and t.is_contiguous()
+    )
+
+
 def _cpu_int64(t: torch.Tensor, shape_ok: Any) -> bool:
     """Whether tensor ``t`` is CPU int64 rows read where they lie: strided
     (tested first: a sparse tensor has no ``is_contiguous``), contiguous,
@@ -270,6 +289,42 @@ def host_ids(group_ids: Any, n: int) -> tuple[int, Any] | None:
             except OverflowError:
                 return None
     return None
+
+
+def insert_host_forms(
+    plan: tuple[Any, ...], room: int, group_ids: Any, hashes: Any
+) -> int | None:
+    """One checked numba insert of keys in :func:`host_rows`' and
+    :func:`host_ids`' forms (tensors read where they lie), for the host
+    store path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
+    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes)``
+    (``KeyIndex._store_plan``); ``room``: the new keys that fit without a
+    rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
+    value is refused, nothing stored; ``-1 - r`` when row ``r`` found no
+    free slot), or None, nothing done, for any other form, no key, or more
+    than ``room`` keys."""
+    table, W, pad, _, insert_at, insert_arrays, _, hash_bytes = plan
+    h = host_rows(hashes, hash_bytes, W)
+    if h is None:
+        return None
+    n = h.shape[0]
+    if n == 0 or n > room:
+        return None
+    ids = host_ids(group_ids, n)
+    if ids is None:
+        return None
+    gconst, g = ids
+    if type(h) is torch.Tensor and type(g) is not np.ndarray:
+        return insert_at(
+            table, 0 if g is None else g.data_ptr(), gconst, h.data_ptr(), n, pad
+        )
+    if type(h) is torch.Tensor:
+        h = h.numpy()
+    if g is None:
+        g = NO_IDS
+    elif type(g) is torch.Tensor:
+        g = g.numpy()
+    return insert_arrays(table, g, gconst, h, pad)
 
 
 def host_key_arrays(

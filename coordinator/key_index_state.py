@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from kvhit.coordinator.packing import padding_mask
+from kvhit.coordinator.packing import num_words, padding_mask
+from kvhit.kernels.checks import check_int, check_max_load, check_table_tensor
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "refuse_growth_in_capture",
     "STATE_VERSION",
     "checksum_culprit",
+    "state_fields",
+    "verify_checksum",
     "table_checksum",
     "verify_reachable",
     "verify_slots",
@@ -40,6 +43,54 @@ def table_checksum(table: torch.Tensor, hash_bytes: int, size: int, tombs: int) 
     )
     h.update(memoryview(data).cast("B"))
     return h.hexdigest()
+
+
+def state_fields(
+    state: Any, max_load_range: tuple[float, float], max_capacity: int
+) -> tuple[int, float, int, int, torch.Tensor, int]:
+    """The fields of a ``KeyIndex.state_dict`` checked, in the order
+    ``from_state_dict`` checks them: ``(hash_bytes, max_load, size,
+    tombstones, table, capacity)``; the checksum is not read here
+    (:func:`verify_checksum`). Raises ValueError/TypeError naming the
+    field."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    fields = ("version", "hash_bytes", "max_load", "size", "tombstones", "table")
+    for field in (*fields, "checksum"):
+        if field not in state:
+            raise ValueError(f"state: missing field {field!r}")
+    version = state["version"]
+    if type(version) is not int or version != STATE_VERSION:
+        # Only the layout this code writes is read: a table saved under
+        # another version may hash or pack keys differently.
+        raise ValueError(
+            f"state: unknown version {version!r} (this kvhit reads version "
+            f"{STATE_VERSION} only)"
+        )
+    hash_bytes = state["hash_bytes"]
+    W = num_words(hash_bytes)
+    max_load = check_max_load(state["max_load"], max_load_range, "state['max_load']")
+    size = check_int(state["size"], "state['size']", 0)
+    tombs = check_int(state["tombstones"], "state['tombstones']", 0)
+    table = state["table"]
+    cap = check_table_tensor(table, W, "state['table']", max_capacity)
+    return hash_bytes, max_load, size, tombs, table, cap
+
+
+def verify_checksum(
+    state: Mapping[str, Any],
+    table: torch.Tensor,
+    hash_bytes: int,
+    size: int,
+    tombs: int,
+) -> None:
+    """Raise ValueError, naming what changed, unless ``state["checksum"]``
+    signs ``table`` (int64 ``[C, W + 1]``) and the counts."""
+    if state["checksum"] != table_checksum(table, hash_bytes, size, tombs):
+        raise ValueError(
+            f"state: checksum mismatch: {checksum_culprit(state, table)} "
+            "changed or corrupted after state_dict()"
+        )
 
 
 def checksum_culprit(state: Mapping[str, Any], table: torch.Tensor) -> str:

@@ -39,10 +39,13 @@ _INT_SIZE[:0x80] = 1
 _INT_SIZE[0xE0:] = 1
 for _head, _size in ((0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9)):
     _INT_SIZE[_head] = _INT_SIZE[_head + 4] = _size  # uint N and int N
+#: A side-by-side walk's step by a byte (see :func:`_chain`): the int's size,
+#: or 1 where the byte starts no int.
+_STEP = np.where(_INT_SIZE == 0, 1, _INT_SIZE)
 #: The map key ``"token_ids"`` as msgpack writes it (a fixstr).
 _KEY = np.frombuffer(b"\xa9token_ids", dtype=np.uint8).copy()
 #: Bytes each of the four side-by-side walks covers per round.
-_SPAN = 128
+_SPAN = 256
 # Whether warm_up() ran in this process.
 _warm = False
 
@@ -130,22 +133,28 @@ def _ints_from(buf, p, n, stop):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _chain(buf, q, stop, c, dead):
+def _chain(buf, q, stop, c, bad):
     """One step of a side-by-side walk (``q`` < ``stop`` in bounds):
-    ``(q, count, dead)`` after it; a non-int stops the walk, dead."""
+    ``(q, count, bad)`` after it. A byte that starts no int is stepped over
+    as one byte and its position kept in ``bad``: a walk that starts inside
+    an int often lands on such a byte before it falls in step with the true
+    walk (a payload byte of a uint 16 is 0x80-0xcb a quarter of the time),
+    and stopping there sent the span to the one-by-one walk; the walk's
+    count is used only from a meeting point past ``bad`` (:func:`_walk_ints`)."""
     if q < stop:
-        s = _INT_SIZE[buf[q]]
-        if s == 0:
-            return stop, c, True
-        return q + s, c + 1, dead
-    return q, c, dead
+        x = buf[q]
+        if _INT_SIZE[x] == 0:
+            bad = q
+        return q + _STEP[x], c + 1, bad
+    return q, c, bad
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
 def _meet(buf, a, b, limit):
-    """Walk ints from ``a`` and from ``b`` (``a >= b``) until both stand on
-    one position: ``(it, steps from a, steps from b)``; ``(-1, 0, 0)`` past
-    ``limit`` (in bounds) or on a non-int. From there the two walks are one."""
+    """Walk ints from ``a`` (the true walk) and, as :func:`_chain` steps,
+    from ``b`` until both stand on one position: ``(it, steps from a, steps
+    from b)``; ``(-1, 0, 0)`` past ``limit`` (in bounds) or on a non-int of
+    the true walk. From there the two walks are one."""
     ca = 0
     cb = 0
     while a != b:
@@ -153,14 +162,13 @@ def _meet(buf, a, b, limit):
             return -1, 0, 0
         if a < b:
             s = _INT_SIZE[buf[a]]
+            if s == 0:
+                return -1, 0, 0
             a += s
             ca += 1
         else:
-            s = _INT_SIZE[buf[b]]
-            b += s
+            b += _STEP[buf[b]]
             cb += 1
-        if s == 0:
-            return -1, 0, 0
     return a, ca, cb
 
 
@@ -172,11 +180,12 @@ def _walk_ints(buf, p, n):
     Each round walks four spans of ``_SPAN`` bytes at once: the first from
     ``p`` (where an int starts), the others from the span's first byte,
     which may fall inside an int. Where the walk from the previous span's
-    true end meets a span's own walk (a few ints in, :func:`_meet`), the
-    two are one from there, so that walk's count is exact; where they do not
-    meet soon (or a walk saw a non-int, maybe past the array's end) the span
-    is walked again from its true start. The span where the ``n``-th int
-    ends is walked again exactly."""
+    true end meets a span's own walk (a few ints in, :func:`_meet`) past
+    every byte the span's walk stepped over as a non-int (:func:`_chain`),
+    the two are one from there, so that walk's count is exact; where they
+    do not meet soon, or meet before such a byte (a non-int of the array,
+    or the array's end), the span is walked again from its true start. The
+    span where the ``n``-th int ends is walked again exactly."""
     L = buf.shape[0]
     done = 0
     while done < n:
@@ -190,13 +199,13 @@ def _walk_ints(buf, p, n):
         s4 = s3 + _SPAN
         q0, q1, q2, q3 = p, s1, s2, s3
         c0 = c1 = c2 = c3 = 0
-        d0 = d1 = d2 = d3 = False
+        b0 = b1 = b2 = b3 = -1
         while q0 < s1 or q1 < s2 or q2 < s3 or q3 < s4:
-            q0, c0, d0 = _chain(buf, q0, s1, c0, d0)
-            q1, c1, d1 = _chain(buf, q1, s2, c1, d1)
-            q2, c2, d2 = _chain(buf, q2, s3, c2, d2)
-            q3, c3, d3 = _chain(buf, q3, s4, c3, d3)
-        if d0 or c0 >= left:
+            q0, c0, b0 = _chain(buf, q0, s1, c0, b0)
+            q1, c1, b1 = _chain(buf, q1, s2, c1, b1)
+            q2, c2, b2 = _chain(buf, q2, s3, c2, b2)
+            q3, c3, b3 = _chain(buf, q3, s4, c3, b3)
+        if b0 >= 0 or c0 >= left:
             # A non-int in the first span, or the array ends in it.
             q, c = _ints_from(buf, p, left, L + 1)
             return q if q >= 0 and c == left else -1
@@ -204,18 +213,17 @@ def _walk_ints(buf, p, n):
         total = c0
         for k in range(1, 4):
             if k == 1:
-                start, end, cnt, dead = s1, q1, c1, d1
+                start, end, cnt, bad = s1, q1, c1, b1
             elif k == 2:
-                start, end, cnt, dead = s2, q2, c2, d2
+                start, end, cnt, bad = s2, q2, c2, b2
             else:
-                start, end, cnt, dead = s3, q3, c3, d3
+                start, end, cnt, bad = s3, q3, c3, b3
             add = -1
             nxt = -1
-            if not dead:
-                m, ca, cb = _meet(buf, cur, start, start + 64)
-                if m >= 0 and cb <= cnt:
-                    add = ca + cnt - cb
-                    nxt = end
+            m, ca, cb = _meet(buf, cur, start, start + 64)
+            if m > bad and cb <= cnt:
+                add = ca + cnt - cb
+                nxt = end
             if add < 0:
                 nxt, add = _ints_from(buf, cur, left - total, start + _SPAN)
                 if nxt < 0:

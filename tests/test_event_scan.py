@@ -5,6 +5,8 @@ payload is; the side-by-side int walk equals a one-by-one walk."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import numpy as np
 import pytest
@@ -190,3 +192,36 @@ def test_a_follower_warms_the_scan_when_built():
     EventFollower("tcp://127.0.0.1:1", None, KeyIndex(8, capacity=16))
     assert es._warm
     assert es._strip.signatures  # loaded for the payload's array type
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    widths=st.lists(
+        st.sampled_from([1, 2, 3, 5, 9, -1, -2, -3, -5, -9]), min_size=64, max_size=900
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    damage=st.lists(
+        st.tuples(st.floats(0, 1), st.sampled_from([0xC1, 0x90, 0x9C, 0xA3, 0xC4])),
+        max_size=3,
+    ),
+    extra=st.integers(-3, 3),
+)
+def test_walk_steps_over_non_ints_only_before_it_meets(widths, seed, damage, extra):
+    # The side-by-side walks step over bytes that start no int (they start
+    # inside ints whose payload bytes are 0x80-0xcb); a non-int of the array
+    # itself, anywhere, must still end the walk, and counts stay exact.
+    rnd = random.Random(seed)
+    # Each msgpack int width, non-negative (fixint, uint 8-64) and negative
+    # (negative fixint, int 8-64): the bounds of each.
+    span = {1: (0, 127), 2: (128, 255), 3: (256, 65535), 5: (65536, 2**32 - 1),
+            9: (2**32, 2**64 - 1), -1: (-32, -1), -2: (-128, -33),
+            -3: (-32768, -129), -5: (-(2**31), -32769),
+            -9: (-(2**63), -(2**31) - 1)}  # fmt: skip
+    toks = [rnd.randint(*span[w]) for w in widths]
+    data = bytearray(msgspec.msgpack.encode(toks))
+    first = len(msgspec.msgpack.encode([0] * len(toks))) - len(toks)
+    for where, byte in damage:
+        data[first + int(where * (len(data) - first - 1))] = byte
+    buf = np.frombuffer(bytes(data) + b"\xa3abc" * 200, dtype=np.uint8)
+    n = max(0, len(toks) + extra)
+    assert es._walk_ints(buf, first, n) == _walk_reference(buf, first, n)
