@@ -193,8 +193,6 @@ class _KvhitSteps:
     def __init__(
         self, engine: Any, index: Any, inputs: StepInputs, lengths: str = "list"
     ) -> None:
-        import torch
-
         from kvhit.coordinator.packing import HashBatch
 
         self.engine, self.index, self.inputs = engine, index, inputs
@@ -204,14 +202,14 @@ class _KvhitSteps:
             if lengths == "numpy"
             else inputs.tokens
         )
-        self.from_ints, self.torch = HashBatch.from_ints, torch
+        self.from_ints = HashBatch.from_ints
         self.look: list[float] = []
         self.pack: list[float] = []
         self.store: list[float] = []  # seconds per step
         self.stored = self.hit_blocks = 0
 
     def step(self, lo: int, hi: int) -> list[int]:
-        perf, torch = time.perf_counter, self.torch
+        perf = time.perf_counter
         reqs, tokens = self.inputs.ints[lo:hi], self.tokens[lo:hi]
         t0 = perf()
         batch = self.from_ints(reqs)
@@ -227,18 +225,19 @@ class _KvhitSteps:
         self.look.append((t2 - t0) / (hi - lo))
         self.hit_blocks += sum(mine)
         t0 = perf()
-        rows, starts, lengths = batch.host_arrays()
-        if hi - lo == 1:
+        one = batch.host_single() if hi - lo == 1 else None
+        if one is not None:
             # One request: its rows past the hit are one slice (as a router
             # slices its list), not rows_past's gather of a batch.
-            new = rows[int(starts[0]) + mine[0] : int(starts[0] + lengths[0])]
+            new = one[mine[0] :]
         else:
+            rows, starts, lengths = batch.host_arrays()
             new = rows[rows_past(starts, lengths, np.array(mine, dtype=np.int64))]
         if new.shape[0]:
-            self.index.add(
-                torch.zeros(new.shape[0], dtype=torch.int64),
-                torch.from_numpy(new),
-            )
+            # Every key in group 0 (full attention): one int for the group
+            # and the numpy rows in hand, KeyIndex.add's documented fast
+            # form; no tensor made per store.
+            self.index.add(0, new)
         self.store.append(perf() - t0)
         self.stored += new.shape[0]
         return mine
