@@ -94,7 +94,8 @@ H200_FLEET: dict[int, float] = {1: 376e-6, 64: 423e-6, 256: 395e-6}
 #: three launches (joint scan, classes, the rule once a class), 45 round
 #: trips; its own launch counts (3 Triton, 3 other: the class rows' fill).
 #: At B = 64, E = 64 (not quick) the classes took the call's critical round
-#: trips 64 -> 57 and its bytes 33.1 -> 25.0 MB.
+#: trips 64 -> 57 and its bytes 33.1 -> 25.0 MB; at E = 256, 73 -> 66 and
+#: 33.3 -> 31.1 MB (76 before a pair with a run of 0 skipped its class row).
 RECORDED: dict[str, int] = {
     "llama_B=4_E=1_max_rt": 6,
     "llama_B=4_E=1_bytes": 36750,

@@ -278,11 +278,13 @@ def hybrid_kernel(
         live = tl.where(n_units // first_scale - tl.load(runs_ptr + p) > 0, live, 0)
     if HAS_CLASS:
         # The rule runs for the lowest engine of the class only (its own
-        # bit is the lowest set: engines below it hold other keys).
-        mine = _class_of(cls_ptr, runs_ptr, live_ptr, sg_ptr, r, e, n_eng, n_sg,
-                         n_units, first_scale, hbs, SG_W)  # fmt: skip
-        below = mine & ((tl.full([], 1, tl.int64) << (e % 64)) - 1)
-        live = tl.where(below == 0, live, 0)
+        # bit is the lowest set: engines below it hold other keys). A pair
+        # already out (dead, or a run of 0) reads no class row.
+        if live == 1:
+            mine = _class_of(cls_ptr, runs_ptr, live_ptr, sg_ptr, r, e, n_eng, n_sg,
+                             n_units, first_scale, hbs, SG_W)  # fmt: skip
+            below = mine & ((tl.full([], 1, tl.int64) << (e % 64)) - 1)
+            live = tl.where(below == 0, live, 0)
     if live == 1:
         length = tl.minimum(tl.load(len_ptr + r), _MAX_LEN)
         zero = n_units * 0
