@@ -28,6 +28,8 @@ The device constants are the scan's, fitted to the H200's scan rows
 the H200's three fleet rows, :data:`H200_FLEET`) plus what each counted item
 costs on the host (:class:`FleetTimes`: a launch through Triton's binder 25
 us, issue 31's measurement; a direct launch, a torch op, a sync: estimates).
+Each traced launch is priced by its kernel: past the binder where
+``fleet_triton.DIRECT_KERNELS`` names it (:func:`direct_kernels`).
 Every figure it prints is **modelled**.
 
 The kernel the H200 ran (commit a094dd7: one warp per request, 32 blocks a
@@ -87,7 +89,13 @@ H200_FLEET: dict[int, float] = {1: 376e-6, 64: 423e-6, 256: 395e-6}
 #: dsv4-flash's bytes rose once, 21,168 -> 21,211 (+0.2 %), when the scan's
 #: one-warp programs and half-wide first tile (issue 31, which lowered the
 #: scan's own bytes) were merged beside this: its hybrid kernel runs the
-#: scan's SpecGroup code.
+#: scan's SpecGroup code. dsv4-flash at E = 13 takes the engine classes'
+#: path (fleet_triton.CLASS_MIN_ENGINES): its request's critical path is
+#: three launches (joint scan, classes, the rule once a class), 45 round
+#: trips; its own launch counts (3 Triton, 3 other: the class rows' fill).
+#: At B = 64, E = 64 (not quick) the classes took the call's critical round
+#: trips 64 -> 57 and its bytes 33.1 -> 25.0 MB; at E = 256, 73 -> 66 and
+#: 33.3 -> 31.1 MB (76 before a pair with a run of 0 skipped its class row).
 RECORDED: dict[str, int] = {
     "llama_B=4_E=1_max_rt": 6,
     "llama_B=4_E=1_bytes": 36750,
@@ -95,6 +103,11 @@ RECORDED: dict[str, int] = {
     "llama_B=4_E=65_bytes": 39468,
     "dsv4-flash_B=3_E=8_max_rt": 28,
     "dsv4-flash_B=3_E=8_bytes": 21211,
+    "dsv4-flash_B=3_E=13_max_rt": 45,
+    "dsv4-flash_B=3_E=13_bytes": 52168,
+    "dsv4-flash_B=3_E=13_triton_launches": 3,
+    "dsv4-flash_B=3_E=13_other_launches": 3,
+    "dsv4-flash_B=3_E=13_syncs": 2,
     "llama_triton_launches": 2,
     "llama_other_launches": 1,
     "llama_syncs": 2,
@@ -345,6 +358,8 @@ def _kernel_slots(name: str) -> int:
     if name == "hybrid_kernel":
         scan = importlib.import_module("kvhit.kernels.scan")
         return resident(scan.NUM_WARPS, scan.MAXNREG, g)
+    if name == "class_kernel":
+        return resident(ft.NUM_WARPS, ft.CLASS_REGISTERS, g)
     if name == "_fleet_kernel":
         regs = getattr(ft, "SCAN_REGISTERS", None) or REGISTERS[ft.NUM_WARPS]
         return resident(ft.NUM_WARPS, regs, g)
@@ -410,16 +425,20 @@ def footprint(case: FleetCase) -> int:
 
 
 def model_call(launches: int, rt: int, nbytes: float, items: tuple[int, int, int],
-               direct: bool, in_l2: bool, ft: FleetTimes) -> dict:  # fmt: skip
+               direct: bool | int, in_l2: bool, ft: FleetTimes) -> dict:  # fmt: skip
     """The modelled eager call (seconds): the host's part from the CUDA items
     (``cuda_items``), the device's from the launches, the critical round
     trips and the bytes; ``graph_s`` the device's alone (a CUDA-graph
-    replay, no host)."""
+    replay, no host). ``direct``: how many of the Triton launches go past
+    the binder (True: all, False: none)."""
     from kvhit.bench.gpu_model import GpuTimes
 
     g = GpuTimes()
     triton, other, syncs = items
-    host = (ft.t_py + triton * (ft.t_direct if direct else ft.t_binder)
+    if isinstance(direct, bool):
+        direct = triton if direct else 0
+    direct = min(direct, triton)
+    host = (ft.t_py + direct * ft.t_direct + (triton - direct) * ft.t_binder
             + other * ft.t_op + syncs * ft.t_sync)  # fmt: skip
     t_rt = ft.t_rt_l2 if in_l2 else g.t_rt
     dev = launches * g.t_launch + rt * t_rt + nbytes / g.bw
@@ -475,10 +494,23 @@ def call_counts(case: FleetCase):
     return count_call(call)[1]
 
 
-def uses_direct_launch() -> bool:
-    """Whether the fleet launcher goes past Triton's binder on a GPU."""
+def direct_kernels() -> frozenset[str]:
+    """The fleet kernels whose launches go past Triton's binder on a GPU
+    (``fleet_triton.DIRECT_KERNELS``; before it, the joint scan's two
+    kernels where ``DirectLauncher`` was imported: the hybrid path's went
+    through the binder)."""
     ft = importlib.import_module("kvhit.kernels.fleet_triton")
-    return hasattr(ft, "DirectLauncher")
+    named = getattr(ft, "DIRECT_KERNELS", None)
+    if named is not None:
+        return frozenset(named)
+    if hasattr(ft, "DirectLauncher"):
+        return frozenset({"_fleet_kernel", "_finish_kernel"})
+    return frozenset()
+
+
+def uses_direct_launch() -> bool:
+    """Whether any fleet launch goes past Triton's binder on a GPU."""
+    return bool(direct_kernels())
 
 
 def _us(s: float) -> str:
@@ -497,7 +529,11 @@ def workloads(which: str) -> list[tuple[str, int, int, int]]:
     at E = 256 and B = 1024 left out, the interpreter taking hours on their
     hybrid kernel's (request, engine) programs)."""
     if which == "quick":
-        return [("llama", 4, E, 256) for E in (1, 65)] + [("dsv4-flash", 3, 8, 256)]
+        # dsv4-flash at E = 13: the engine classes' path (from
+        # fleet_triton.CLASS_MIN_ENGINES engines on).
+        return [("llama", 4, E, 256) for E in (1, 65)] + [
+            ("dsv4-flash", 3, E, 256) for E in (8, 13)
+        ]
     if which == "h200":
         return [("llama", 64, E, 2048) for E in H200_FLEET]
     llama = [("llama", B, E, 2048) for B in (64, 1024) for E in (1, 8, 64, 256)]
@@ -518,8 +554,16 @@ def trace_rows(which: str, sample: int) -> dict[str, dict]:
         kinds: Counter = Counter()
         for k, v in t.loads.items():
             kinds[k.split(":")[1].removesuffix("_ptr")] += v
+        names = [name for name, _ in t.launches]
+        direct = direct_kernels()
+        # The joint scan's kernel is direct in the hybrid path only where the
+        # hybrid kernel is (main at e8dfd46: _scan direct, hybrid_hits not).
+        hybrid = "hybrid_kernel" in names
+        n_direct = sum(1 for x in names if x in direct and
+                       (not hybrid or "hybrid_kernel" in direct))  # fmt: skip
         out[f"{preset} B={B} E={E}"] = {
             "preset": preset, "B": B, "E": E, "traced": n,
+            "kernels": names, "direct_launches": n_direct,
             "max_rt": max(t.per_request_rt.values()),
             "loads": {k: round(v / n, 1) for k, v in sorted(kinds.items())},
             "bytes_per_request": round(t.bytes_traced / n),
@@ -546,7 +590,8 @@ def report(which: str, json_path: str | None = None, sample: int = 8) -> dict:
     table = []
     for r in rows.values():
         m = model_call(r["launches"], r["critical_rt"], r["bytes"],
-                       tuple(r["cuda_items"]), direct, r["in_l2"], ft)  # fmt: skip
+                       tuple(r["cuda_items"]), r["direct_launches"], r["in_l2"],
+                       ft)  # fmt: skip
         r["model"] = m
         table.append([
             r["preset"], r["B"], r["E"], f"{r['traced']}/{r['B']}", r["max_rt"],

@@ -11,7 +11,7 @@ import triton.language as tl
 from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
 
-__all__ = ["tile_slots", "visit_slot"]
+__all__ = ["key_slots", "tile_slots", "visit_slot"]
 
 _EMPTY_C: tl.constexpr = tl.constexpr(EMPTY)
 
@@ -80,4 +80,39 @@ def tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
         gone = probe & (slot < 0) & ~active
         cut = tl.minimum(cut, tl.min(tl.where(gone, blk_of, BLOCK), axis=0))
         active = active & (blk_of < cut)
+    return slot
+
+
+@triton.jit
+def key_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, W: tl.constexpr,
+              SPAN: tl.constexpr):  # fmt: skip
+    """Each lane's slot of key ``(gids, rows_ptr[units])`` in the fleet's key
+    table, exactly for every lane (int64 [N], -1 for an absent key or a lane
+    off ``probe``): :func:`tile_slots` without its cut, for the engine
+    classes (``fleet_triton_hybrid.class_kernel``), which need every key's
+    engine set, not a leading run's. The same probe steps (the words loaded
+    once, a slot's group id and words together, ``SPAN`` slots a later
+    step)."""
+    words = ()
+    for j in tl.static_range(W):
+        words = words + (tl.load(rows_ptr + units * W + j, mask=probe, other=0),)
+    h = hash_init(gids)
+    for j in tl.static_range(W):
+        h = hash_mix(h, words[j])
+    pos = hash_finish(h) & cap_mask
+    found, opened = visit_slot(keys_ptr, pos, gids, words, probe, W)
+    slot = tl.where(found, pos, -1)
+    # Every slot visited counts (tile_slots: a table with no EMPTY slot).
+    steps = gids * 0 + 1
+    active = probe & ~found & opened & (steps <= cap_mask)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        on = active
+        for _s in tl.static_range(SPAN):
+            pos = (pos + 1) & cap_mask
+            hit, open_s = visit_slot(keys_ptr, pos, gids, words, active, W)
+            hit = on & hit
+            slot = tl.where(hit, pos, slot)
+            steps += 1
+            on = on & ~hit & open_s & (steps <= cap_mask)
+        active = on
     return slot

@@ -42,8 +42,12 @@ Design of the scan (:func:`full_hits`, :func:`full_runs`):
 Hybrid layouts (:func:`hybrid_hits`: sliding window, Mamba, chunked local,
 several SpecGroups, EAGLE, fine-grained hits) run one program per (request,
 engine) with the engine's own rule, after the joint scan above when the
-first SpecGroup is full attention: :mod:`kvhit.kernels.fleet_triton_hybrid`
-holds that kernel and its design; :func:`hybrid_hits` here launches it.
+first SpecGroup is full attention, and from :data:`CLASS_MIN_ENGINES`
+engines on one program per class of engines that must answer alike (the
+classes found by one more launch, engines across lanes):
+:mod:`kvhit.kernels.fleet_triton_hybrid` holds those kernels and their
+design; :func:`hybrid_hits` here launches them, past Triton's binder
+(:data:`DIRECT_KERNELS`).
 
 Launchers take tensors on the tables' device and check their metadata (type,
 dtype, shape, contiguity, device); the FleetIndex has checked the values.
@@ -67,12 +71,15 @@ from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
 from kvhit.kernels.fleet_probe import tile_slots
-from kvhit.kernels.fleet_triton_hybrid import hybrid_kernel
+from kvhit.kernels.fleet_triton_hybrid import class_kernel, hybrid_kernel
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
 
 __all__ = [
     "BLOCK",
+    "CLASS_MIN_ENGINES",
+    "CLASS_REGISTERS",
+    "DIRECT_KERNELS",
     "NUM_WARPS",
     "SCAN_REGISTERS",
     "FleetOps",
@@ -114,6 +121,20 @@ MAX_SPLIT = 16
 _PROGRAMS_PER_SM = 4
 # Lanes of the engine-set update kernels.
 _UPDATE_BLOCK = 128
+#: Hybrid layouts after the joint scan: from this many engines on, engines
+#: that must answer alike share one program of the rule
+#: (``fleet_triton_hybrid.class_kernel``, a third launch); below it every
+#: pair runs its own (``fleet_scoring.CLASS_MIN_ENGINES``' figure for the
+#: numba fleet). ``bench/gpu_model_fleet.py``: dsv4-flash, B = 64, E = 64.
+CLASS_MIN_ENGINES = 12
+# Keys a class kernel's tile probes (a group's, at once), one a lane of 4
+# warps. Its engines are taken one at a time (a [tile, 32] agreement matrix
+# per half word took 255 registers and spilled).
+_CLASS_BLOCK = 128
+#: Registers of the class kernel (sm_90, Triton 3.9.0: 48, no spills; 64 at
+#: 64-key tiles): 10 programs an SM. ``bench/gpu_model_fleet.py`` counts
+#: resident programs with it.
+CLASS_REGISTERS = 48
 
 _MODE_RUNS: tl.constexpr = tl.constexpr(0)
 _MODE_FIND: tl.constexpr = tl.constexpr(1)
@@ -574,6 +595,9 @@ def hybrid_hits(
     ``[M]``) and scale. Then one launch of the joint scan first (its leading
     runs, engines across lanes, every probe shared by all engines) and the
     rule only for pairs whose run is not 0: two launches, still no host sync.
+    With ``first`` and at least :data:`CLASS_MIN_ENGINES` engines, a third
+    launch between them splits each request's engines into classes that must
+    answer alike, and the rule runs once a class.
     """
     table = check_int64(table, "table", dim=2)
     dev = table.device
@@ -651,29 +675,63 @@ def hybrid_hits(
     if B == 0:
         return out
     S = n_sg // num_engines
+    split = _split(B, dev)
+    classes = first is not None and num_engines >= CLASS_MIN_ENGINES
+    cls = out
     with device_guard(dev):
         if first is not None:
             # The joint scan's rows, left as ``end - first miss``
             # (_fleet_kernel: the runs unfinished, read by the rule's programs).
             runs = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
-            _fleet_kernel[(B, _split(B, dev))](
-                keys, keys.shape[0] - 1, bits, rows, offsets, lengths, lengths,
-                members, members.shape[0], live, runs, num_engines, nw, first_scale,
-                1, 1, _split(B, dev), W=W, MODE=0, DROP=False,
-                MP=_pow2(members.shape[0]), BLOCK=BLOCK, num_warps=NUM_WARPS,
+            M = members.shape[0]
+            ints = (keys.shape[0] - 1, M, num_engines, nw, first_scale, 1, 1)
+            cx = {"W": W, "MODE": 0, "DROP": False, "MP": _pow2(M), "BLOCK": BLOCK}
+            _DIRECT_RUNS.launch(
+                _fleet_kernel, (B, split), (tuple(cx.values()), int_key(ints)),
+                (keys, ints[0], bits, rows, offsets, lengths, lengths, members, M,
+                 live, runs, num_engines, nw, first_scale, 1, 1, split),
+                cx, {"num_warps": NUM_WARPS}, dev,
             )  # fmt: skip
-        hybrid_kernel[(B * num_engines,)](
-            rows, offsets, lengths, lens,
-            token_lens if token_lens is not None else lengths,
-            table, cap - 1, sg_rows, cand_rows, plan_cands, live,
-            runs if runs is not None else out, first_scale, out, num_engines,
-            S, G, hbs, align, int(partial), int(simple),
-            W=W, HAS_RUNS=runs is not None, HAS_TL=lookup or token_lens is not None,
-            APPLY_EAGLE=drop or lookup, LOOKUP=lookup, BLOCK=scan_rules.BLOCK,
-            LEAD=scan_rules.BLOCK * scan_rules.LEAD_FACTOR, S_PAD=_pow2(S), SG_W=sg_w, num_warps=scan_rules.NUM_WARPS,
-            maxnreg=scan_rules.MAXNREG,
+        if classes:
+            # Every engine's class row starts as every engine (all ones).
+            cls = torch.full((B, num_engines), -1, dtype=torch.int64, device=dev)
+            ints = (keys.shape[0] - 1, num_engines, nw, S, first_scale, hbs)
+            cx = {"W": W, "SG_W": sg_w, "BLOCK": _CLASS_BLOCK}
+            _DIRECT_CLASS.launch(
+                class_kernel, (B, split), (tuple(cx.values()), int_key(ints)),
+                (keys, ints[0], bits, rows, offsets, lengths, runs, live, sg_rows,
+                 cls, num_engines, nw, S, first_scale, hbs, split),
+                cx, {"num_warps": NUM_WARPS}, dev,
+            )  # fmt: skip
+        ints = (cap - 1, first_scale, num_engines, S, G, hbs, align, int(partial),
+                int(simple))  # fmt: skip
+        cx = {"W": W, "HAS_RUNS": runs is not None, "HAS_CLASS": classes,
+              "HAS_TL": lookup or token_lens is not None,
+              "APPLY_EAGLE": drop or lookup, "LOOKUP": lookup,
+              "BLOCK": scan_rules.BLOCK,
+              "LEAD": scan_rules.BLOCK * scan_rules.LEAD_FACTOR, "S_PAD": _pow2(S),
+              "SG_W": sg_w}  # fmt: skip
+        _DIRECT_HYBRID.launch(
+            hybrid_kernel, B * num_engines, (tuple(cx.values()), int_key(ints)),
+            (rows, offsets, lengths, lens,
+             token_lens if token_lens is not None else lengths,
+             table, ints[0], sg_rows, cand_rows, plan_cands, live,
+             runs if runs is not None else out, cls, first_scale, out, num_engines,
+             S, G, hbs, align, ints[7], ints[8]),
+            cx, {"num_warps": scan_rules.NUM_WARPS, "maxnreg": scan_rules.MAXNREG},
+            dev,
         )  # fmt: skip
     return out
+
+
+#: The kernels launched past Triton's binder on a GPU (``DirectLauncher``:
+#: ~6 us a launch on the host instead of ~25); ``bench/gpu_model_fleet.py``
+#: prices a call's launches by it.
+DIRECT_KERNELS = ("_fleet_kernel", "_finish_kernel", "class_kernel", "hybrid_kernel")
+# The hybrid path's launches past Triton's binder (as _scan's).
+_DIRECT_RUNS = DirectLauncher()
+_DIRECT_CLASS = DirectLauncher()
+_DIRECT_HYBRID = DirectLauncher()
 
 
 # -- engine-set updates -----------------------------------------------------------

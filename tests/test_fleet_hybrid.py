@@ -260,6 +260,73 @@ def test_engine_words_and_removed_engines(layout, E):
         assert max(max(row) for row in want) > 0
 
 
+@pytest.mark.parametrize(
+    ("layout", "E"),
+    [(make_layout("dsv4-flash"), 13), (eagle_mamba_layout(), 70)],
+    ids=["dsv4", "eagle-mamba"],
+)
+def test_engine_classes(layout, E):
+    # From CLASS_MIN_ENGINES engines on, engines that must answer alike share
+    # one program of the rule (fleet_triton_hybrid.class_kernel): engines
+    # drawn from a few stores (classes of several engines, across both
+    # engine-set words at E = 70), some of them with one key dropped inside
+    # the rule's window or past it (a class split, or not), engines holding
+    # nothing, removed engines. Every answer equals the reference's, with the
+    # EAGLE drop and without, hits and lookups; the class kernel ran.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert E >= fleet_triton.CLASS_MIN_ENGINES
+    rng = random.Random(5)
+    hbs = layout.hash_block_size
+    f = layout.scheduler_block_size // hbs
+    reqs = [chained_hashes(i % 2, rng.randint(2 * f, 4 * f)) for i in range(3)]
+    G = layout.num_groups
+    bases = []
+    for _ in range(3):
+        keys = set()
+        for r in reqs:
+            cut = rng.randint(len(r) // 2, len(r))
+            keys |= {(g, h) for g in range(G) for h in r[:cut]}
+        bases.append(keys)
+    stores_ = []
+    for e in range(E):
+        keys = set(bases[e % 3]) if e % 11 != 4 else set()
+        if keys and e % 6 == 5:
+            keys.discard(sorted(keys)[rng.randrange(len(keys))])
+        stores_.append(keys)
+    lens = [len(r) * hbs - rng.randint(0, hbs) for r in reqs]
+    gone = (2, 64, 69) if E > 64 else (2,)
+    seen: list[str] = []
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        seen.append(self.fn.__name__)
+        return real_run(self, *a, **k)
+
+    for apply_eagle in (True, False):
+        with on_triton(), mock.patch.object(InterpretedFunction, "run", run):
+            fleet = helpers.make_fleet(stores_, backend="triton")
+            for e in gone:
+                fleet.remove_engine(e)
+            engine = LookupEngine(layout, backend="torch")
+            batch = HashBatch.from_bytes(reqs, 8)
+            got = engine.fleet_hits(batch, lens, fleet, apply_eagle=apply_eagle)
+            looks = engine.fleet_lookup(batch, lens, fleet) if apply_eagle else None
+        want = expected(layout, reqs, stores_, lens, apply_eagle)
+        for row in want:
+            for e in gone:
+                row[e] = 0
+        assert got.tolist() == want
+        assert max(max(row) for row in want) > 0
+        if looks is not None:
+            want = expected(layout, reqs, stores_, lens, lookup=True)
+            for row in want:
+                for e in gone:
+                    row[e] = 0
+            assert looks.tolist() == want
+    assert "class_kernel" in seen
+
+
 def test_launcher_refuses_bad_arguments():
     t = torch.zeros((4, 2), dtype=torch.int64)
     z = torch.zeros(1, dtype=torch.int64)
@@ -305,8 +372,8 @@ from kvhit.kernels import fleet_triton_hybrid, scan
 
 triton.knobs.nvidia.dump_ptxas_log = True
 kernel = fleet_triton_hybrid.hybrid_kernel
-consts = ("W", "HAS_RUNS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK", "LEAD",
-          "S_PAD", "SG_W")
+consts = ("W", "HAS_RUNS", "HAS_CLASS", "HAS_TL", "APPLY_EAGLE", "LOOKUP", "BLOCK",
+          "LEAD", "S_PAD", "SG_W")
 sig = {}
 for name in kernel.arg_names:
     if name in consts:
@@ -317,13 +384,16 @@ for name in kernel.arg_names:
         sig[name] = "i64" if name == "cap_mask" else "i32"
 # dsv4-flash-like: W = 4 words, 4 SpecGroups, 2 members at most (as
 # tests/test_scan_registers.py compiles the engine's scan).
-# HAS_RUNS: after the joint scan (a full-attention first SpecGroup).
-for name, (runs, has_tl, eagle, lookup) in {
-    "find": (1, 0, 1, 0), "find no-eagle": (1, 0, 0, 0),
-    "find token_lens": (1, 1, 1, 0), "lookup": (1, 1, 1, 1),
-    "find all pairs": (0, 0, 1, 0), "lookup all pairs": (0, 1, 1, 1),
+# HAS_RUNS: after the joint scan (a full-attention first SpecGroup);
+# HAS_CLASS: and the engine classes (class_kernel).
+for name, (runs, cls, has_tl, eagle, lookup) in {
+    "find": (1, 0, 0, 1, 0), "find no-eagle": (1, 0, 0, 0, 0),
+    "find token_lens": (1, 0, 1, 1, 0), "lookup": (1, 0, 1, 1, 1),
+    "find all pairs": (0, 0, 0, 1, 0), "lookup all pairs": (0, 0, 1, 1, 1),
+    "find classes": (1, 1, 0, 1, 0), "lookup classes": (1, 1, 1, 1, 1),
 }.items():
-    cx = dict(W=4, HAS_RUNS=bool(runs), HAS_TL=bool(has_tl), APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
+    cx = dict(W=4, HAS_RUNS=bool(runs), HAS_CLASS=bool(cls), HAS_TL=bool(has_tl),
+              APPLY_EAGLE=bool(eagle), LOOKUP=bool(lookup),
               BLOCK=scan.BLOCK, LEAD=scan.BLOCK * scan.LEAD_FACTOR, S_PAD=4, SG_W=12)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -338,6 +408,29 @@ for name, (runs, has_tl, eagle, lookup) in {
                        text).groups()
     print(json.dumps(dict(variant=name, regs=regs, spill_stores=int(st),
                           spill_loads=int(ld))))
+# The class kernel, as fleet_triton.hybrid_hits launches it.
+from kvhit.kernels import fleet_triton
+kernel = fleet_triton_hybrid.class_kernel
+sig = {}
+for name in kernel.arg_names:
+    if name in ("W", "SG_W", "BLOCK"):
+        sig[name] = "constexpr"
+    elif name.endswith("_ptr"):
+        sig[name] = "*i64"
+    else:
+        sig[name] = "i64" if name == "cap_mask" else "i32"
+log = io.StringIO()
+with contextlib.redirect_stdout(log):
+    out = triton.compile(ASTSource(fn=kernel, signature=sig,
+                                   constexprs=dict(W=4, SG_W=12,
+                                                   BLOCK=fleet_triton._CLASS_BLOCK)),
+                         target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": fleet_triton.NUM_WARPS})
+text = log.getvalue()
+regs = int(re.search(r"Used (\d+) registers", text).group(1))
+st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text).groups()
+print(json.dumps(dict(variant="class kernel", regs=regs, spill_stores=int(st),
+                      spill_loads=int(ld))))
 """
 
 
@@ -353,9 +446,12 @@ def test_hybrid_kernel_fits_registers_without_spills():
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for row in rows:
         print(row)
-    assert len(rows) == 6
+    assert len(rows) == 9
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows), rows
-    assert all(r["regs"] <= 128 for r in rows), rows
+    # The class kernel: 4 warps, its own budget (fleet_triton.CLASS_REGISTERS,
+    # which the cost model counts resident programs with).
+    assert all(r["regs"] <= 128 for r in rows[:-1]), rows
+    assert rows[-1]["regs"] <= fleet_triton.CLASS_REGISTERS, rows
 
 
 @pytest.mark.parametrize(
