@@ -1,6 +1,6 @@
 """Where a router's step goes: microseconds per request of each stage of a
 lookup on the shipped conversation trace (raw ids as Python lists, one numba
-thread), at B = 1 and B = 64.
+thread), at B = 1 and B = 64 by default.
 
 Stages: ``HashBatch.from_ints`` of the step's lists; the lengths' check in
 every form a router holds them (list, tuple, numpy int64/int32/uint64, CPU
@@ -11,10 +11,19 @@ or ``hit_list()`` where the checkout has it. Each figure is CPU time
 (``time.process_time``, so a descheduled process does not count), the best
 of ``--rounds`` passes over the steps, divided by the requests.
 
+``--cold`` times a step the way the replay's alternate order meets it
+instead (:func:`cold_stages`): before every step a 32 MB buffer is written
+and some other Python runs (what Dynamo's step leaves behind), then
+``from_ints``, ``find`` (lengths as a list, then as numpy) and the answer
+are each timed once per step (``perf_counter``), each step's best over the
+rounds. The trace's first 3,000 requests are stored and the next ones
+looked up, at least 8 steps at every batch size (B = 1024 included).
+
 Run ``NUMBA_NUM_THREADS=1 PYTHONSAFEPATH=1 .venv/bin/python
-benchmarks/step_stages.py [--root DIR]``; ``--root`` loads kvhit's packages
-from another checkout (e.g. ``/work/main``), so two checkouts can be timed
-alternately by one interpreter.
+benchmarks/step_stages.py [--root DIR] [--cold] [--batch-sizes 1,64,1024]``;
+``--root`` loads kvhit's packages from another checkout (e.g.
+``/work/main``), so two checkouts can be timed alternately by one
+interpreter.
 """
 
 from __future__ import annotations
