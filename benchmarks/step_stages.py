@@ -1,6 +1,6 @@
 """Where a router's step goes: microseconds per request of each stage of a
 lookup on the shipped conversation trace (raw ids as Python lists, one numba
-thread), at B = 1 and B = 64.
+thread), at B = 1 and B = 64 by default.
 
 Stages: ``HashBatch.from_ints`` of the step's lists; the lengths' check in
 every form a router holds them (list, tuple, numpy int64/int32/uint64, CPU
@@ -11,10 +11,19 @@ or ``hit_list()`` where the checkout has it. Each figure is CPU time
 (``time.process_time``, so a descheduled process does not count), the best
 of ``--rounds`` passes over the steps, divided by the requests.
 
+``--cold`` times a step the way the replay's alternate order meets it
+instead (:func:`cold_stages`): before every step a 32 MB buffer is written
+and some other Python runs (what Dynamo's step leaves behind), then
+``from_ints``, ``find`` (lengths as a list, then as numpy) and the answer
+are each timed once per step (``perf_counter``), each step's best over the
+rounds. The trace's first 3,000 requests are stored and the next ones
+looked up, at least 8 steps at every batch size (B = 1024 included).
+
 Run ``NUMBA_NUM_THREADS=1 PYTHONSAFEPATH=1 .venv/bin/python
-benchmarks/step_stages.py [--root DIR]``; ``--root`` loads kvhit's packages
-from another checkout (e.g. ``/work/main``), so two checkouts can be timed
-alternately by one interpreter.
+benchmarks/step_stages.py [--root DIR] [--cold] [--batch-sizes 1,64,1024]``;
+``--root`` loads kvhit's packages from another checkout (e.g.
+``/work/main``), so two checkouts can be timed alternately by one
+interpreter.
 """
 
 from __future__ import annotations
@@ -35,6 +44,13 @@ def _use_root(root: str) -> None:
                 mod.MAPPING[pkg] = os.path.join(root, os.path.basename(folder))
 
 
+#: Requests of the trace stored before the timed lookups (the rest looked up).
+STORED = 3000
+#: What the alternate order's other side leaves behind, modelled: a buffer
+#: larger than this host's last-level cache, touched before every step.
+EVICT_BYTES = 32 << 20
+
+
 def _best(fn: Callable[[], Any], rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):
@@ -49,29 +65,9 @@ def stages(batch_size: int, rounds: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
-    from kvhit.bench.peer_steps import step_inputs
-    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
-    from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
-    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
 
-    inp = step_inputs(load_trace(SHIPPED_TRACE, 2000), "raw", BS)
-    layout = CacheLayout(
-        groups=[Group(FullAttention(block_size=BS))],
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-    )
-    engine = LookupEngine(layout, backend="numba", device="cpu")
-    index = KeyIndex(8, 1 << 20)
-    # The first half of the trace stored; the second half looked up.
-    index.add(0, HashBatch.from_ints(inp.ints[:1000]).hashes)
-    ints, tokens = inp.ints[1000:2000], inp.tokens[1000:2000]
-    steps = [
-        (ints[lo : lo + batch_size], tokens[lo : lo + batch_size])
-        for lo in range(0, len(ints) - batch_size + 1, batch_size)
-    ]
+    engine, index, steps, BS = _setup(batch_size)
     n = len(steps) * batch_size
     pack, find = HashBatch.from_ints, engine.find_longest_cache_hit
     batches = [pack(r) for r, _ in steps]
@@ -117,17 +113,104 @@ def stages(batch_size: int, rounds: int) -> dict[str, float]:
     return out
 
 
+def _setup(batch_size: int) -> tuple[Any, ...]:
+    """The engine, the index of the trace's first :data:`STORED` requests,
+    and the later requests as steps of ``batch_size`` (raw ids as lists,
+    lengths as lists)."""
+    from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
+    from kvhit.bench.peer_steps import step_inputs
+    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch
+    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
+
+    inp = step_inputs(load_trace(SHIPPED_TRACE, None), "raw", BS)
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=BS))],
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    engine = LookupEngine(layout, backend="numba", device="cpu")
+    index = KeyIndex(8, 1 << 20)
+    index.add(0, HashBatch.from_ints(inp.ints[:STORED]).hashes)
+    ints, tokens = inp.ints[STORED:], inp.tokens[STORED:]
+    n = min(len(ints), max(1000, 8 * batch_size)) // batch_size * batch_size
+    steps = [
+        (ints[lo : lo + batch_size], tokens[lo : lo + batch_size])
+        for lo in range(0, n, batch_size)
+    ]
+    return engine, index, steps, BS
+
+
+def cold_stages(
+    batch_size: int, rounds: int, lengths: str = "list"
+) -> dict[str, float]:
+    """Microseconds per request of each stage of a step in the alternate
+    order, modelled: before every step a touch of :data:`EVICT_BYTES` and a
+    few hundred microseconds of unrelated Python (Dynamo's step, in the
+    replay), then ``from_ints``, ``find_longest_cache_hit`` (lengths as a
+    ``list`` or ``numpy`` int64 slice) and the answer as ints
+    (``[h // bs for h in hit_list()]``), each timed on its own
+    (``perf_counter``); per step the best over ``rounds``, then the sum
+    over the steps divided by the requests (and the median step)."""
+    import numpy as np
+
+    from kvhit.coordinator.packing import HashBatch
+
+    engine, index, steps, bs = _setup(batch_size)
+    if lengths == "numpy":
+        steps = [(r, np.asarray(t, dtype=np.int64)) for r, t in steps]
+    pack, find = HashBatch.from_ints, engine.find_longest_cache_hit
+    junk = np.ones(EVICT_BYTES // 8, dtype=np.int64)
+    other = [list(range(k, k + 40)) for k in range(200)]
+    perf = time.perf_counter
+    best = np.full((len(steps), 3), np.inf)
+    for _ in range(rounds):
+        for k, (r, t) in enumerate(steps):
+            junk += 1  # every cache line written: the caches hold junk
+            sum(map(sum, other))  # the other side's Python
+            t0 = perf()
+            batch = pack(r)
+            t1 = perf()
+            res = find(batch, t, index, False)
+            t2 = perf()
+            [h // bs for h in res.hit_list()]
+            t3 = perf()
+            row = best[k]
+            np.minimum(row, (t1 - t0, t2 - t1, t3 - t2), out=row)
+    per = best.sum(axis=0) / (len(steps) * batch_size) * 1e6
+    med = np.median(best.sum(axis=1)) / batch_size * 1e6
+    return {
+        f"cold from_ints ({lengths} run)": float(per[0]),
+        f"cold find (lengths {lengths})": float(per[1]),
+        f"cold answer ({lengths} run)": float(per[2]),
+        f"cold step ({lengths} run)": float(per.sum()),
+        f"cold median step ({lengths} run)": float(med),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", help="load kvhit from this checkout")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="the alternate order's stages instead (caches evicted per step)",
+    )
     args = parser.parse_args(argv)
     if args.root:
         _use_root(args.root)
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        for name, us in stages(b, args.rounds).items():
-            print(f"B={b:<4d} {name:40s} {us:7.3f} us/request")
+        if args.cold:
+            out = cold_stages(b, args.rounds, "list")
+            out.update(cold_stages(b, args.rounds, "numpy"))
+        else:
+            out = stages(b, args.rounds)
+        for name, us in out.items():
+            print(f"B={b:<4d} {name:40s} {us:7.3f} us/request", flush=True)
 
 
 if __name__ == "__main__":

@@ -331,6 +331,62 @@ def test_from_ints_of_lists_with_empty_requests_and_narrow_keys() -> None:
     assert wide.hashes.tolist() == [[-1, 0], [2, 0], [3, 0]]
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 70), min_size=0, max_size=7),
+    data=st.data(),
+)
+def test_a_small_batch_equals_the_general_path(lengths: list[int], data) -> None:
+    # Batches of a few short lists (under _SMALL_MAX = 128 ints in all take
+    # one type scan and one np.array, as a batch of one): the same values,
+    # offsets, lengths and host arrays as the general path (a torch.device
+    # argument goes around the short paths), on both sides of the bound.
+    ints = st.one_of(
+        st.sampled_from([0, 1, -1, 2, (1 << 63) - 1, -(1 << 63)]),
+        st.integers(-(1 << 63), (1 << 63) - 1),
+    )
+    reqs = [data.draw(st.lists(ints, min_size=n, max_size=n)) for n in lengths]
+    fast = HashBatch.from_ints(reqs)
+    slow = HashBatch.from_ints(reqs, device=torch.device("cpu"))
+    values, offsets = _ints_reference(reqs)
+    assert len(fast) == len(reqs) == len(slow)
+    assert fast.hashes[:, 0].tolist() == values == slow.hashes[:, 0].tolist()
+    assert fast.offsets.tolist() == offsets == slow.offsets.tolist()
+    assert fast.hashes.shape == (len(values), 1) and fast.hash_bytes == 8
+    rows, starts, lens = fast.host_arrays()
+    assert rows.shape == (len(values), 1) and rows.flags.c_contiguous
+    assert rows[:, 0].tolist() == values
+    assert starts.tolist() == offsets[:-1] and lens.tolist() == lengths
+    assert fast.lengths.tolist() == lengths
+    if len(reqs) != 1:
+        assert fast.host_single() is None and fast.one_values is None
+
+
+@pytest.mark.parametrize("sizes", [[1, 1], [3, 0, 4], [30, 30, 30, 30]])
+def test_a_small_batch_names_a_bad_item_and_refuses_bools(sizes) -> None:
+    for bad, exc, what in [
+        (True, TypeError, "bool"),
+        (False, TypeError, "bool"),
+        (2.0, TypeError, "float"),
+        ("7", TypeError, "str"),
+        (None, TypeError, "NoneType"),
+        (1 << 63, ValueError, "outside int64"),
+        (-(1 << 63) - 1, ValueError, "outside int64"),
+    ]:
+        reqs = [list(range(n)) for n in sizes]
+        reqs[-1].append(bad)
+        pos = sizes[-1]
+        with pytest.raises(
+            exc, match=f"request {len(sizes) - 1}, position {pos}: .*{what}"
+        ):
+            HashBatch.from_ints(reqs)
+    # Integer-likes are taken as their value (the general path converts them).
+    reqs = [[0, np.int64(1)], [np.uint8(2)]]
+    assert HashBatch.from_ints(reqs).hashes[:, 0].tolist() == [0, 1, 2]
+    # A request that is not a list (a tuple) goes the general way too.
+    assert HashBatch.from_ints([(0, 1), [2]]).offsets.tolist() == [0, 2, 3]
+
+
 def test_one_values_of_a_one_request_batch() -> None:
     # from_ints' path for one short list of ints: its values, 1-D, shared
     # with the batch's [n, 1] rows; None for every other batch.
