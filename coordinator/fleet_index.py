@@ -31,9 +31,13 @@ STORAGE
   ``(group * E + engine, hash)`` (so group ids are at most
   :attr:`FleetIndex.max_group_id`): each engine's own store, which the
   single-engine scans read with the plan's groups renamed. ``(W + 1) * 8``
-  bytes per slot, one slot per (engine, key) pair.
+  bytes per slot, one slot per (engine, key) pair. With the numba backend
+  it is built from the engine bits when first read (:attr:`FleetIndex.entries`)
+  and kept from then on: a router on a full-attention layout never reads
+  it, and a store that leaves it out costs one cache miss a key, not two.
 
-Every mutation updates both, after validating all of its input.
+Every mutation updates both (the entry index once built), after validating
+all of its input.
 
 KERNELS
 =======
@@ -270,6 +274,7 @@ class FleetIndex:
             max_load,
             0,
             0,
+            lazy_entries=True,
         )
         if warm and hasattr(ops, "warm_up"):
             # The family's kernels loaded now (where it compiles ahead), so
@@ -277,8 +282,10 @@ class FleetIndex:
             ops.warm_up()
 
     def _init(self, num_engines, hash_bytes, keys, bits, entries, active, backend,
-              ops, max_load, size, tombs) -> None:  # fmt: skip
-        """Set every attribute (the one place that lists them)."""
+              ops, max_load, size, tombs, lazy_entries=False) -> None:  # fmt: skip
+        """Set every attribute (the one place that lists them). With
+        ``lazy_entries`` (``entries`` empty) and a family with a host store,
+        the entry index is left empty until :attr:`entries` is first read."""
         self.num_engines = num_engines
         self.hash_bytes = hash_bytes
         self.W = num_words(hash_bytes)
@@ -296,11 +303,14 @@ class FleetIndex:
         self.host_kernel = getattr(ops, "host_kernel", None)
         self.keys.copy_(keys)
         self.bits.copy_(bits)
-        self.entries = entries
+        self._entry_index = entries
         self.active_mask = active.to("cpu").clone()
         # Views the host store reads (active_mask changes in place only).
         self._active_np = self.active_mask.numpy()
         self._store_host = getattr(ops, "store_entries", None)
+        # Whether the entry index is not kept yet (then empty): built from
+        # the bits when first read, kept by every mutation from then on.
+        self._entries_lazy = bool(lazy_entries and self._store_host is not None)
         self.live = self.live_words()
         self.max_load = max_load
         # A store's fixed cost: its bounds, computed once (the table's load
@@ -317,6 +327,39 @@ class FleetIndex:
         self._version = 0
 
     # -- properties -----------------------------------------------------------
+
+    @property
+    def entries(self) -> KeyIndex:
+        """The entry index (module docstring), built from the engine bits
+        here on its first read where stores left it out."""
+        if self._entries_lazy:
+            self._build_entries()
+        return self._entry_index
+
+    def _build_entries(self) -> None:
+        """Store every (engine, key) pair of the bits into the empty entry
+        index, which every mutation keeps from then on."""
+        table = self.host_table
+        live = np.flatnonzero(table[:, 0] >= 0)
+        base = table.shape[1] - self.NW
+        slots, engines = [], []
+        for k in range(self.NW):
+            # Slots with an engine in word k, then that word's bits.
+            nz = live[table[live, base + k] != 0]
+            words = np.ascontiguousarray(table[nz, base + k])
+            r, b = np.nonzero(np.unpackbits(words.view(np.uint8).reshape(-1, 8),
+                                            axis=1, bitorder="little"))  # fmt: skip
+            slots.append(nz[r])
+            engines.append(b.astype(np.int64) + 64 * k)
+        s, e = np.concatenate(slots), np.concatenate(engines)
+        index = self._entry_index
+        if s.shape[0]:
+            index.reserve(s.shape[0])
+            index.add_trusted(
+                np.ascontiguousarray(table[s, 0] * self.num_engines + e),
+                np.ascontiguousarray(table[s, 1 : 1 + self.W]),
+            )  # fmt: skip
+        self._entries_lazy = False
 
     @property
     def capacity(self) -> int:
@@ -358,7 +401,8 @@ class FleetIndex:
 
     def memory_bytes(self) -> int:
         """Bytes held by the tables (keys, bits and the entry index)."""
-        return (self.keys.numel() + self.bits.numel()) * 8 + self.entries.memory_bytes()
+        index = self._entry_index
+        return (self.keys.numel() + self.bits.numel()) * 8 + index.memory_bytes()
 
     def __repr__(self) -> str:
         return (
@@ -467,11 +511,12 @@ class FleetIndex:
         if n == 0:
             return 0
         entry_keys = g * self.num_engines + e
-        if not self.entries.has_room_for(n):
+        index = None if self._entries_lazy else self._entry_index
+        if index is not None and not index.has_room_for(n):
             # The entry index grows first, before anything else changes: a
             # growth that runs out of memory then leaves the fleet intact.
-            fresh = ~self.entries.contains_trusted(entry_keys, h)
-            self.entries.reserve(int(fresh.sum()))
+            fresh = ~index.contains_trusted(entry_keys, h)
+            index.reserve(int(fresh.sum()))
         if self._size + self._tombstones + n > self._limit(self.capacity):
             # Count the keys that are really new before growing, so that
             # re-adding known keys never inflates the table.
@@ -484,7 +529,8 @@ class FleetIndex:
         self._size += self.ops.insert(self.table, self.W, g, h)
         slots = self.ops.find(self.table, self.W, g, h)
         new = self.ops.set_bits(self.bits, slots, e, self.num_engines)
-        self.entries.add_trusted(entry_keys, h)
+        if index is not None:
+            index.add_trusted(entry_keys, h)
         self._per_engine += new
         self._version += 1
         return int(new.sum())
@@ -497,7 +543,7 @@ class FleetIndex:
         no growth; None hands the call to the general path (which converts,
         grows, or raises naming the argument). A store's fixed cost is what a
         KV event pays, so the checks left here are type tests and counts."""
-        entries = self.entries
+        entries = self._entry_index
         if (
             type(group_ids) is int
             and type(hashes) is np.ndarray
@@ -523,8 +569,10 @@ class FleetIndex:
             if keys is None:
                 return None
             g, h = keys
-        ent_table = entries.host_table
-        if ent_table is None:
+        lazy = self._entries_lazy
+        # None: the kernel's copy that leaves the entry index out.
+        ent_table = None if lazy else entries.host_table
+        if ent_table is None and not lazy:
             return None
         n = h.shape[0]
         if type(engine_ids) is int:
@@ -542,7 +590,9 @@ class FleetIndex:
                 return None
         if n == 0:
             return 0
-        if self._size + self._tombstones + n > self._cap_limit or n > entries.room():
+        if self._size + self._tombstones + n > self._cap_limit or (
+            not lazy and n > entries.room()
+        ):
             return None
         new_keys, new_bits, new_entries = self._store_host(
             self.host_table, ent_table, g, h, e, self._active_np, self._per_engine,
@@ -557,7 +607,8 @@ class FleetIndex:
                 "insert: the table has no free slot for some keys"
             )
         self._size += new_keys
-        entries.note_stored(new_entries)
+        if not lazy:
+            entries.note_stored(new_entries)
         self._version += 1
         return new_bits
 
@@ -572,7 +623,8 @@ class FleetIndex:
         gone, freed = self.ops.clear_bits(
             self.keys, self.bits, slots, e, self.num_engines
         )
-        self.entries.remove(g * self.num_engines + e, h)
+        if not self._entries_lazy:
+            self._entry_index.remove(g * self.num_engines + e, h)
         self._per_engine -= gone
         self._size -= freed
         self._tombstones += freed
@@ -583,8 +635,9 @@ class FleetIndex:
         """Drop every key of ``engine`` (it stays in the fleet); returns how
         many it held."""
         e = self._engine(engine)
-        g, h = self.engine_keys(e)
-        self.entries.remove(g * self.num_engines + e, h)
+        if not self._entries_lazy:
+            g, h = self.engine_keys(e)
+            self._entry_index.remove(g * self.num_engines + e, h)
         cleared, freed = self.ops.clear_engine(self.keys, self.bits, e)
         self._per_engine[e] -= cleared
         self._size -= freed
@@ -615,7 +668,7 @@ class FleetIndex:
         self.keys.zero_()
         self.keys[:, 0] = EMPTY
         self.bits.zero_()
-        self.entries.clear()
+        self._entry_index.clear()
         self._size = 0
         self._tombstones = 0
         self._per_engine[:] = 0

@@ -146,23 +146,17 @@ def _claim(table, gid, keys, r):
     return -1
 
 
-@numba.njit(inline="always", **_JIT)
-def _prefetch_entry(table, entries, g, e, hashes, num_engines, r):
-    """Prefetch the home rows entry ``r`` (group ``g``, engine ``e``) of a
-    store reads: its key's in ``table`` and its entry key's in ``entries``."""
-    _prefetch_block(table, g, hashes, r)
-    _prefetch_block(entries, g * num_engines + e, hashes, r)
-
-
 @numba.njit(**_JIT)
 def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_gid):
     """:func:`add_entries`' kernel, checked first, then one pass per entry;
     when an engine bit is new, the entry key ``gids[r] * E + engines[r]``
     goes into ``entries`` and ``per_engine`` counts it (``E =
     active.shape[0]``; ``gids`` and ``engines`` of one element hold every
-    entry's). Returns (keys, bits, entries) newly stored; ``(-1, r, 0)``,
-    nothing stored, for the first bad entry ``r``; ``(-2, r, 0)`` when entry
-    ``r`` found no free slot (those before it stored). Home rows are
+    entry's). ``entries=None`` compiles a copy that leaves the entry index
+    out (the fleet builds it from the bits when first read): one cache miss
+    a key, not two. Returns (keys, bits, entries) newly stored; ``(-1, r,
+    0)``, nothing stored, for the first bad entry ``r``; ``(-2, r, 0)`` when
+    entry ``r`` found no free slot (those before it stored). Home rows are
     prefetched ``_AHEAD`` entries early: each is a cache miss into a table
     larger than the caches, and this keeps several in flight."""
     n = hashes.shape[0]
@@ -175,7 +169,9 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
         if e < 0 or e >= num_engines or not active[e] or g > max_gid:
             return np.int64(-1), np.int64(r), np.int64(0)
         if r < _AHEAD:
-            _prefetch_entry(table, entries, g, e, hashes, num_engines, r)
+            _prefetch_block(table, g, hashes, r)
+            if entries is not None:
+                _prefetch_block(entries, g * num_engines + e, hashes, r)
     W1 = hashes.shape[1] + 1
     n_keys = np.int64(0)
     n_bits = np.int64(0)
@@ -183,9 +179,11 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
     for r in range(n):
         q = r + _AHEAD
         if q < n:
-            _prefetch_entry(table, entries, gids[0] if one_g else gids[q],
-                            engines[0] if one else engines[q], hashes, num_engines,
-                            q)  # fmt: skip
+            gq = gids[0] if one_g else gids[q]
+            _prefetch_block(table, gq, hashes, q)
+            if entries is not None:
+                eq = engines[0] if one else engines[q]
+                _prefetch_block(entries, gq * num_engines + eq, hashes, q)
         g = gids[0] if one_g else gids[r]
         got = _claim(table, g, hashes, r)
         if got < 0:
@@ -196,10 +194,11 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
         w = W1 + (e >> 6)
         b = np.int64(1) << np.int64(e & 63)
         if table[slot, w] & b == 0:
-            got = _claim(entries, g * num_engines + e, hashes, r)
-            if got < 0:
-                return np.int64(-2), np.int64(r), np.int64(0)
-            n_entries += got & 1
+            if entries is not None:
+                got = _claim(entries, g * num_engines + e, hashes, r)
+                if got < 0:
+                    return np.int64(-2), np.int64(r), np.int64(0)
+                n_entries += got & 1
             table[slot, w] |= b
             per_engine[e] += 1
             n_bits += 1
@@ -211,16 +210,16 @@ def _add_entries(table, entries, gids, hashes, engines, active, per_engine, max_
 store_entries = _add_entries
 
 
-def add_entries(table: np.ndarray, entries: np.ndarray, gids: np.ndarray,
+def add_entries(table: np.ndarray, entries: np.ndarray | None, gids: np.ndarray,
                 hashes: np.ndarray, engines: np.ndarray, active: np.ndarray,
                 per_engine: np.ndarray, max_gid: int) -> tuple[int, int, int]:  # fmt: skip
     """A FleetIndex store in place: engine ``engines[r]`` (``engines[0]``
     for all when it holds one) holds key ``(gids[r], hashes[r])``
     (``gids[0]`` likewise). table: int64 ``[C, W + 1 + NW]``; entries: int64
-    ``[C', W + 1]``; gids, engines: int64 ``[N]`` or ``[1]``; hashes: int64
-    ``[N, W]``; active: bool ``[E]``;
-    per_engine: int64 ``[E]``, counted up; max_gid: the largest group id an
-    entry key takes. C-contiguous, room left in both tables. Returns (keys,
+    ``[C', W + 1]`` (None: left out); gids, engines: int64 ``[N]`` or
+    ``[1]``; hashes: int64 ``[N, W]``; active: bool ``[E]``; per_engine:
+    int64 ``[E]``, counted up; max_gid: the largest group id an entry key
+    takes. C-contiguous, room left in both tables. Returns (keys,
     bits, entries) newly stored; ValueError, nothing stored, for an engine
     outside ``[0, E)`` or inactive or a group id past ``max_gid``;
     RuntimeError when a table had no free slot (earlier rows stored)."""
@@ -850,8 +849,9 @@ def warm_up() -> None:
     h = np.ones((1, W), dtype=np.int64)
     # The store's engines: a 1-element array (one engine for every key) or
     # one per key; the active flags a bool view of the fleet's tensor.
-    add_entries(table, entries, one, h, one, np.ones(1, dtype=np.bool_),
-                np.zeros(1, dtype=np.int64), (1 << 63) - 1)  # fmt: skip
+    for ent in (entries, None):  # the entry index kept, or left to the fleet
+        add_entries(table, ent, one, h, one, np.ones(1, dtype=np.bool_),
+                    np.zeros(1, dtype=np.int64), (1 << 63) - 1)  # fmt: skip
     insert_keys(table, one, h)
     slots = find_keys(table, one, h)
     set_bits(bits, slots, one)

@@ -567,6 +567,55 @@ def test_host_store_matches_the_general_path_and_refuses_alike():
         assert _same(before[:-1], after[:-1]) and torch.equal(before[-1], after[-1])
 
 
+def _entry_pairs(fleet):
+    g, h = fleet.entries.keys()
+    return sorted(zip(g.tolist(), h[:, 0].tolist(), strict=True))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_entry_index_built_from_the_bits_when_first_read(seed):
+    # A numba fleet's stores leave the entry index out until it is first
+    # read (one cache miss a key, not two); then it is built from the bits
+    # and kept by every mutation. Against a fleet whose index was read (so
+    # kept) from the start: the same ops, the same entry pairs, both before
+    # the first read (built then) and after (kept), and every hybrid hit.
+    rng = np.random.default_rng(seed)
+    E = [5, 70, 1][seed]
+    lazy, kept = FleetIndex(E, 8, capacity=64), FleetIndex(E, 8, capacity=64)
+    assert len(kept.entries) == 0 and lazy._entries_lazy
+    pool = rng.integers(-(2**63), 2**63 - 1, size=(300, 1), dtype=np.int64)
+    for phase in range(2):
+        for step in range(30):
+            op = rng.choice(["host", "host", "general", "remove", "clear", "cycle"])
+            e = int(rng.integers(0, E))
+            words = pool[rng.integers(0, 300, size=int(rng.integers(0, 90)))]
+            for fleet in (lazy, kept):
+                if op == "cycle":
+                    fleet.remove_engine(e)
+                    fleet.add_engine(e)
+                elif op == "clear":
+                    fleet.clear_engine(e)
+                elif op == "remove":
+                    fleet.remove(e, 1, words)
+                elif op == "general":
+                    fleet.add(e, [1] * len(words), [w.tobytes() for w in words[:, 0]])
+                else:
+                    fleet.add(e, 1, np.ascontiguousarray(words))
+            assert _same(_snapshot(lazy), _snapshot(kept)), (phase, step)
+            # Before the first read nothing is stored in it.
+            assert lazy._entries_lazy == (phase == 0)
+        assert _entry_pairs(lazy) == _entry_pairs(kept), phase
+        assert len(lazy.entries) == int(lazy.engine_sizes().sum())
+    layout = make_layout("dsv4-flash")
+    engine = LookupEngine(layout)
+    batch = HashBatch.from_ints([pool[:40, 0], pool[20:90, 0]], 8)
+    lens = [40 * layout.hash_block_size, 70 * layout.hash_block_size]
+    assert torch.equal(engine.fleet_hits(batch, lens, lazy),
+                       engine.fleet_hits(batch, lens, kept))  # fmt: skip
+    copy = FleetIndex.from_state_dict(lazy.state_dict())
+    assert _entry_pairs(copy) == _entry_pairs(kept)
+
+
 def test_lookup_bad_inputs():
     layout = make_layout("llama")
     engine = LookupEngine(layout)
