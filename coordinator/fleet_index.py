@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +81,7 @@ from kvhit.coordinator.key_index_keys import normalize_ids
 from kvhit.coordinator.key_index_state import next_pow2, verify_reachable, verify_slots
 from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
 from kvhit.kernels.checks import (
+    check_bool,
     check_int,
     check_max_load,
     check_tensor,
@@ -88,6 +91,8 @@ from kvhit.kernels.checks import (
 from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.fleet_torch import unpack_engines
 from kvhit.kernels.hash_index_torch import new_table
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvhit.coordinator.engine import LookupEngine
@@ -197,6 +202,12 @@ class FleetIndex:
         warm: load or compile the kernel family's kernels now (numba: the
             stores' and the router call's), so that the first call of a
             serving process does not pay for it; ``False`` defers it.
+        lazy_entries: (numba) stores leave the entry index out until it is
+            first read (a hybrid layout's lookup, ``state_dict``), which then
+            builds it from the engine bits in one pass: stores cost one cache
+            miss a key, not two, but that first read pays for every pair held
+            (1M pairs: 1.7 s on a loaded 2-core box). A router whose layout is
+            hybrid (SWA, Mamba, EAGLE) passes ``False``: kept from the start.
 
     Keys are given as in :func:`kvhit.coordinator.key_index.normalize_keys`;
     ``engine_ids`` as an int (every key), a sequence of ints, an integer numpy
@@ -247,10 +258,11 @@ class FleetIndex:
         backend: str = "auto",
         max_load: float = 0.5,
         warm: bool = True,
+        lazy_entries: bool = True,
     ) -> None:
         num_engines = check_int(num_engines, "num_engines", 1, MAX_ENGINES + 1)
-        if not isinstance(warm, bool):
-            raise TypeError(f"warm must be a bool, got {type(warm).__name__}")
+        warm = check_bool(warm, "warm")
+        lazy_entries = check_bool(lazy_entries, "lazy_entries")
         W = num_words(hash_bytes)
         capacity = check_int(capacity, "capacity", 1, MAX_CAPACITY + 1)
         max_load = check_max_load(max_load, MAX_LOAD_RANGE)
@@ -274,7 +286,7 @@ class FleetIndex:
             max_load,
             0,
             0,
-            lazy_entries=True,
+            lazy_entries=lazy_entries,
         )
         if warm and hasattr(ops, "warm_up"):
             # The family's kernels loaded now (where it compiles ahead), so
@@ -339,6 +351,7 @@ class FleetIndex:
     def _build_entries(self) -> None:
         """Store every (engine, key) pair of the bits into the empty entry
         index, which every mutation keeps from then on."""
+        t0 = time.perf_counter()
         table = self.host_table
         live = np.flatnonzero(table[:, 0] >= 0)
         base = table.shape[1] - self.NW
@@ -360,6 +373,14 @@ class FleetIndex:
                 np.ascontiguousarray(table[s, 1 : 1 + self.W]),
             )  # fmt: skip
         self._entries_lazy = False
+        if s.shape[0]:
+            # A one-time pause on the caller's thread (a router's first
+            # hybrid lookup): said, with the way to avoid it.
+            logger.warning(
+                "FleetIndex: built the entry index of %d (engine, key) pairs on "
+                "its first read in %.0f ms; a router with a hybrid layout "
+                "constructs FleetIndex(..., lazy_entries=False) to keep it from "
+                "the start", s.shape[0], 1e3 * (time.perf_counter() - t0))  # fmt: skip
 
     @property
     def capacity(self) -> int:

@@ -581,8 +581,9 @@ def test_entry_index_built_from_the_bits_when_first_read(seed):
     # the first read (built then) and after (kept), and every hybrid hit.
     rng = np.random.default_rng(seed)
     E = [5, 70, 1][seed]
-    lazy, kept = FleetIndex(E, 8, capacity=64), FleetIndex(E, 8, capacity=64)
-    assert len(kept.entries) == 0 and lazy._entries_lazy
+    lazy = FleetIndex(E, 8, capacity=64)
+    kept = FleetIndex(E, 8, capacity=64, lazy_entries=False)
+    assert lazy._entries_lazy and not kept._entries_lazy
     pool = rng.integers(-(2**63), 2**63 - 1, size=(300, 1), dtype=np.int64)
     for phase in range(2):
         for step in range(30):
@@ -614,6 +615,22 @@ def test_entry_index_built_from_the_bits_when_first_read(seed):
                        engine.fleet_hits(batch, lens, kept))  # fmt: skip
     copy = FleetIndex.from_state_dict(lazy.state_dict())
     assert _entry_pairs(copy) == _entry_pairs(kept)
+
+
+def test_lazy_entries_flag_is_checked_and_the_late_build_is_said(caplog):
+    with pytest.raises(TypeError, match="lazy_entries"):
+        FleetIndex(4, 8, lazy_entries=1)
+    # An empty fleet's first read builds nothing and says nothing; one
+    # holding pairs says how many and how to keep the index from the start.
+    quiet, held = FleetIndex(4, 8), FleetIndex(4, 8)
+    held.add(2, 1, np.arange(7, dtype=np.int64).reshape(7, 1))
+    with caplog.at_level("WARNING", logger="kvhit.coordinator.fleet_index"):
+        assert len(quiet.entries) == 0
+        assert not caplog.records
+        assert len(held.entries) == 7
+    (record,) = caplog.records
+    assert "7 (engine, key) pairs" in record.getMessage()
+    assert "lazy_entries=False" in record.getMessage()
 
 
 def test_lookup_bad_inputs():
