@@ -104,7 +104,13 @@ class HostTimes:
     ``t_direct``: a launch past it (``launch.DirectLauncher``: 5.0 us of
     Python **measured** here with a fake compiled kernel, 6.6 before its
     stream getter and hooks were read once; the C launcher and
-    ``cuLaunchKernel`` ~4 us **estimated**); ``t_op``: a
+    ``cuLaunchKernel`` ~4 us **estimated**; the fleet's launches, kept
+    for ``gpu_model_fleet``); ``t_run``: the scan lookup's warm launch,
+    ``DirectLauncher.run`` of the compiled kernel ``scan.LookupLaunch``
+    keeps (no variant key, no per-tensor alignment tuple: 1.4 us of Python
+    **measured** here with a fake compiled kernel, against 5.5 us for
+    ``DirectLauncher.launch`` in the same run; the C launcher's ~4 us
+    **estimated**), what a direct launch costs in :func:`host_time`; ``t_op``: a
     torch op that launches a kernel or a copy (**estimated**); ``t_sync``: a
     blocking read before the launch (the device drained, then idle while the
     host goes on) and ``t_tail``: launch to kernel start plus the closing
@@ -115,6 +121,7 @@ class HostTimes:
 
     t_binder: float = 25e-6
     t_direct: float = 9e-6
+    t_run: float = 5.4e-6
     t_op: float = 5e-6
     t_sync: float = 57.0e-6
     t_tail: float = 17.0e-6
@@ -152,7 +159,7 @@ A094_EAGER: dict[str, tuple[float, int, int, int, int, int]] = {
 def host_time(items: tuple[float, int, int, int, int, int], h: HostTimes) -> float:
     """Seconds the host adds to the device's time in one eager call."""
     py, binder, direct, ops, syncs, copies = items
-    return (py * h.cpu_scale + binder * h.t_binder + direct * h.t_direct
+    return (py * h.cpu_scale + binder * h.t_binder + direct * h.t_run
             + ops * h.t_op + syncs * h.t_sync + copies * h.t_copy + h.t_tail)  # fmt: skip
 
 
@@ -195,14 +202,21 @@ def host_python(engine, batch, num_tokens, index, rounds: int = 5,
                 n: int = 300) -> dict[str, float]:  # fmt: skip
     """Seconds of Python per call (thread time, best of ``rounds`` of ``n``
     calls) of ``engine.lookup`` (a tensor and a list of lengths) and
-    ``lookup_unchecked``, the scan's launch stubbed (it writes a zero answer:
-    0.5 us here): what the host does on CUDA but the launch."""
+    ``lookup_unchecked``: what the host does on CUDA but the launch. The
+    warm CUDA path is taken (``scan.SCAN_LAUNCHER`` enabled, as on CUDA
+    outside the interpreter, with a stand-in compiled kernel) and its
+    ``DirectLauncher.run`` stubbed (it writes a zero answer: 0.5 us here);
+    a launch through the generic ``launch`` is stubbed the same way."""
     from unittest import mock
 
     from kvhit.kernels import scan
 
     def stub(kernel, grid, key, args, constexprs, options, device):
         args[9].zero_()
+
+    def run(compiled, grid, every, device):
+        every[9].zero_()
+        return True
 
     tokens = num_tokens.tolist()
     calls = {
@@ -211,7 +225,13 @@ def host_python(engine, batch, num_tokens, index, rounds: int = 5,
         "lookup_unchecked": lambda: engine.lookup_unchecked(batch, num_tokens, index),
     }
     out = {}
-    with mock.patch.object(scan.SCAN_LAUNCHER, "launch", stub):
+    launcher = scan.SCAN_LAUNCHER
+    with (
+        mock.patch.object(launcher, "launch", stub),
+        mock.patch.object(launcher, "run", run),
+        mock.patch.object(launcher, "enabled", True),
+        mock.patch.object(launcher, "compiled", lambda *a: "compiled"),
+    ):
         for name, fn in calls.items():
             fn()
             best = float("inf")
@@ -221,6 +241,8 @@ def host_python(engine, batch, num_tokens, index, rounds: int = 5,
                     fn()
                 best = min(best, (time.thread_time() - t0) / n)
             out[name] = best
+    # The LookupLaunch keeps the stand-in kernel, never run again: the
+    # interpreter's launcher is disabled once the patches are undone.
     return out
 
 
@@ -235,12 +257,15 @@ def _us(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
-def eager_report(h: HostTimes, hosts: dict[str, float], g: Any,
-                 now: dict[str, tuple[int, float]],
-                 graph: dict[str, float]) -> dict:  # fmt: skip
+def eager_report(h: HostTimes, hosts: dict[int, dict[str, float]], g: Any,
+                 now: dict[str, tuple[int, float]], graph: dict[str, float],
+                 items: dict[str, tuple]) -> dict:  # fmt: skip
     """Print and return the eager figures: the host fit against the H200's
-    eager rows (a094dd7), then this tree's eager calls (host + the modelled
-    graph time) against issue 31's targets and numba on all cores. ``g``:
+    eager rows (a094dd7), the parts of this tree's eager call at B = 1, 64
+    and 4096, then its eager calls (host + the modelled graph time) against issue
+    31's targets and numba on all cores. ``hosts``: the modelled host time
+    by batch size and call (its Python measured at that B), ``items`` the
+    calls' CUDA items (:func:`cuda_items`; their Python is ``hosts``'), ``g``:
     the device model (``gpu_model.GpuTimes``), ``now`` its critical round
     trips and bytes by row, ``graph`` the H200's graph rows (measured)."""
     cal, out = [], {}
@@ -250,7 +275,7 @@ def eager_report(h: HostTimes, hosts: dict[str, float], g: Any,
     print(
         f"\nhost fitted to the H200's eager rows (a094dd7): tail {_us(h.t_tail)}, "
         f"sync before the launch {_us(h.t_sync)} (held: binder {_us(h.t_binder)}, "
-        f"direct {_us(h.t_direct)}, op {_us(h.t_op)}, copy {_us(h.t_copy)})"
+        f"direct run {_us(h.t_run)}, op {_us(h.t_op)}, copy {_us(h.t_copy)})"
     )
     print(
         tabulate(
@@ -265,9 +290,29 @@ def eager_report(h: HostTimes, hosts: dict[str, float], g: Any,
         )
     )
     dev = {n: g.t_launch + rt * g.t_rt + by / g.bw for n, (rt, by) in now.items()}
+    out["parts"] = parts = {}
+    rows = []
+    for b in (1, 64, 4096):
+        for call, total in hosts[b].items():
+            _, binder, direct, ops, syncs, copies = items[call]
+            py = total - host_time((0.0, *items[call][1:]), h)
+            k = dev[f"longhit-B{b}"]
+            p = {"kernel (graph, modelled)": k, "Python (measured)": py,
+                 "binder launches (measured)": binder * h.t_binder,
+                 "direct run (1.4 measured + 4 estimated)": direct * h.t_run,
+                 "torch ops (estimated)": ops * h.t_op,
+                 "syncs before (fitted)": syncs * h.t_sync,
+                 "answer copy (estimated)": copies * h.t_copy,
+                 "launch + sync tail (fitted)": h.t_tail}  # fmt: skip
+            parts[f"{call} B={b}"] = {n: v * 1e6 for n, v in p.items()}
+            rows.append([f"{call}, B = {b}", *(_us(v) for v in p.values()),
+                         _us(k + total), _us(k + total - py)])  # fmt: skip
+    print("\nthe eager call's parts (modelled, this tree)")
+    print(tabulate(rows, headers=["call", *(n for n in next(iter(parts.values()))),
+                                  "eager", "eager without Python"]))  # fmt: skip
     rows = []
     for b in LONGHIT_BS:
-        e = {k: dev[f"longhit-B{b}"] + v for k, v in hosts.items()}
+        e = {k: dev[f"longhit-B{b}"] + v for k, v in hosts[b].items()}
         lo, hi = H200_NUMBA_ALL[b]
         out[f"longhit-B{b}"] = {k: v * 1e6 for k, v in e.items()}
         rows.append(
@@ -280,7 +325,7 @@ def eager_report(h: HostTimes, hosts: dict[str, float], g: Any,
         )
     for n in graph:
         if "x128K" in n:
-            e = dev[n] + hosts["lookup"]
+            e = dev[n] + hosts[4096]["lookup"]
             out[n] = {"lookup": e * 1e6, "graph": dev[n] * 1e6}
             rows.append(
                 [n, _us(dev[n]), _us(e), "", "", f"eager/graph {e / dev[n]:.2f}"]

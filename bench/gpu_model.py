@@ -143,7 +143,8 @@ ANCHORS = ("longhit-B1", "llama-4096x128K")
 #: tensor of lengths 2 syncs (the view's and the lengths' ``.numpy()``; on
 #: CUDA the lengths' check: a compare, an ``any`` and a blocking ``bool``),
 #: 5 torch ops; now 1 sync (the answer's copy, which carries the in-kernel
-#: length check), 2 torch ops; a list of lengths 0 syncs (checked on the
+#: length check), 1 torch op (the answer's allocation; the copy is the
+#: sync, a ``tolist`` up to 64 requests); a list of lengths 0 syncs (checked on the
 #: host, on CUDA through a pinned buffer). ``lookup_unchecked``'s one sync is
 #: the engine's ``batch.view()`` (``.numpy()`` on the CPU; on CUDA no sync but
 #: one subtraction kernel), which the engine, not the backend, calls.
@@ -160,7 +161,7 @@ RECORDED: dict[str, int] = {
     "lookup_triton_launches": 1,
     "lookup_other_launches": 0,
     "lookup_syncs": 1,
-    "lookup_torch_ops": 2,
+    "lookup_torch_ops": 1,
     "list_triton_launches": 1,
     "list_other_launches": 0,
     "list_syncs": 0,
@@ -176,12 +177,19 @@ RECORDED: dict[str, int] = {
     # launched through the scan's LookupLaunch (launch_scan's constexprs,
     # ints and key built once); host 70/59/61 -> 55/47/49 (the direct
     # launch's cost raised 6 -> 9 us when its Python was measured, 5 us).
-    "lookup_python_us": 19,
-    "list_python_us": 16,
+    # Then the warm lookup launched the compiled kernel its LookupLaunch
+    # keeps (DirectLauncher.run: no variant key, no alignment tuple; 5.5 ->
+    # 1.4 us of Python, t_direct 9 -> t_run 5.4 us), the Python measured on
+    # that path (the run stubbed, not the whole launch), and a short
+    # answer's flag check read as a list (2.6 -> 0.5 us): Python
+    # 18/16/17 -> 12/17/18, host 54/47/48 -> 45/45/45 (side by side with
+    # main, load 14).
+    "lookup_python_us": 13,
+    "list_python_us": 18,
     "unchecked_python_us": 18,
-    "lookup_host_us": 55,
-    "list_host_us": 47,
-    "unchecked_host_us": 49,
+    "lookup_host_us": 46,
+    "list_host_us": 46,
+    "unchecked_host_us": 46,
 }
 
 
@@ -862,7 +870,9 @@ def report(
         )
         out["fit"] = asdict(g)
         out["calibration"] = cal
-        out["eager"] = eager_report(h, hosts, g, now, H200)
+        by_b = {b: {k: host_time((py, *items[k][1:]), h) for k, py in pys.items()}
+                for b, pys in python_by_batch().items()}  # fmt: skip
+        out["eager"] = eager_report(h, by_b, g, now, H200, items)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1, default=str)
@@ -894,6 +904,31 @@ def call_counts(quick: bool = True) -> dict[str, CallCounts]:
     py = host_python(engine, case.batch, case.num_tokens, case.index)
     for name, c in out.items():
         c.host_python = py[name]
+    return out
+
+
+def python_by_batch(bs: tuple[int, ...] = LONGHIT_BS) -> dict[int, dict[str, float]]:
+    """Seconds of Python per eager call (:func:`host_python`) at each batch
+    size of ``bs``: long-hit dsv4 requests (1K tokens; the Python does not
+    read the hashes) repeated up to ``b``, a tensor and a list of lengths."""
+    import torch
+
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.packing import HashBatch
+
+    base = longhit_case(64, 1024, 64, "host")
+    offs = base.batch.offsets.tolist()
+    n = len(base.batch)
+    out = {}
+    for b in bs:
+        rows = [base.batch.hashes[offs[r % n] : offs[r % n + 1]] for r in range(b)]
+        lens = torch.tensor([len(x) for x in rows]).cumsum(0).tolist()
+        batch = HashBatch(torch.cat(rows), torch.tensor([0, *lens]),
+                          base.batch.hash_bytes)  # fmt: skip
+        nt = base.num_tokens[torch.arange(b) % n].contiguous()
+        engine = LookupEngine(base.layout, backend="triton", device="cpu")
+        out[b] = host_python(engine, batch, nt, base.index, rounds=3,
+                             n=max(20, 300 // max(1, b // 64)))  # fmt: skip
     return out
 
 

@@ -219,24 +219,10 @@ class DirectLauncher:
                            if isinstance(a, tensor)])  # fmt: skip
             full = (device.index, key, align)
             compiled = self._compiled.get(full)
-            if compiled is not None:
-                try:
-                    stream = self._stream(device)
-                    every = (*args, *constexprs.values())
-                    # What JITFunction.run does once its binder is done,
-                    # launch hooks (a profiler's) included.
-                    hooks = self._hooks
-                    meta = compiled.launch_metadata(grid, stream, *every)
-                    g0, g1, g2 = (*grid, 1, 1)[:3]
-                    compiled.run(g0, g1, g2, stream, compiled.function,
-                                 compiled.packed_metadata, meta,
-                                 hooks.launch_enter_hook, hooks.launch_exit_hook,
-                                 *every)  # fmt: skip
-                    self.direct_launches += 1
-                    return
-                except (TypeError, AttributeError, ImportError):
-                    self.enabled = False
-                    self._compiled.clear()
+            if compiled is not None and self.run(
+                compiled, grid, (*args, *constexprs.values()), device
+            ):
+                return
         compiled = kernel[grid](*args, **constexprs, **options)
         if self.enabled and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
@@ -245,6 +231,44 @@ class DirectLauncher:
                 self._hooks = _knobs().runtime
                 self._get_stream = stream_getter()
             self._compiled[full] = compiled
+
+    def compiled(self, device: torch.device, key: tuple, args: tuple) -> Any:
+        """The compiled variant a :meth:`launch` of ``key`` with ``args`` on
+        ``device`` launches directly, for a caller that keeps it and calls
+        :meth:`run` itself (the scan's ``LookupLaunch``); None while direct
+        launches are off or before the variant's first launch."""
+        if not self.enabled:
+            return None
+        align = tuple([a.data_ptr() % 16 == 0 for a in args
+                       if isinstance(a, torch.Tensor)])  # fmt: skip
+        return self._compiled.get((device.index, key, align))
+
+    def run(self, compiled: Any, grid: tuple[int, ...], every: tuple,
+            device: torch.device) -> bool:  # fmt: skip
+        """Launch ``compiled`` (from :meth:`compiled`, or cached here) on
+        ``device``'s current stream, past the binder: ``grid`` a tuple of up
+        to 3, ``every`` the runtime arguments then the constexprs, in
+        signature order. False, launching nothing, when the launcher refuses
+        the arguments (TypeError, AttributeError: another Triton's launcher):
+        direct launches are then off for good and the caller goes through
+        :meth:`launch`."""
+        try:
+            stream = self._stream(device)
+            # What JITFunction.run does once its binder is done, launch
+            # hooks (a profiler's) included.
+            hooks = self._hooks
+            meta = compiled.launch_metadata(grid, stream, *every)
+            g0, g1, g2 = (*grid, 1, 1)[:3]
+            compiled.run(g0, g1, g2, stream, compiled.function,
+                         compiled.packed_metadata, meta,
+                         hooks.launch_enter_hook, hooks.launch_exit_hook,
+                         *every)  # fmt: skip
+        except (TypeError, AttributeError, ImportError):
+            self.enabled = False
+            self._compiled.clear()
+            return False
+        self.direct_launches += 1
+        return True
 
     def _stream(self, device: torch.device) -> int:
         """The raw current stream of ``device`` (Triton's own getter, read

@@ -197,3 +197,85 @@ def test_fleet_direct_launches_equal_binder_launches():
         for d in launchers:
             d.enabled = True
     assert direct == [binder] * 3 and any(any(row) for row in binder[0])
+
+
+def test_lookup_launch_runs_its_kept_kernel_with_the_binders_arguments(
+    cuda_stream, monkeypatch
+):
+    """scan.LookupLaunch (the engine's warm lookup): once its variant was
+    launched, an aligned call goes straight to ``DirectLauncher.run`` with
+    the compiled kernel it kept (no ``launch``), every argument in
+    signature order: the real kernel (interpreted) behind a fake compiled
+    kernel gives the reference's answers. A misaligned tensor, or direct
+    launches off, go back through ``launch``."""
+    import random
+
+    from strategies import chained_hashes, saved_keys
+
+    from kvhit import HashBatch, KeyIndex
+    from kvhit.bench.workloads import make_layout
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.kernels import scan
+
+    real = scan._scan_kernel
+    names = real.arg_names
+    log: list[str] = []
+
+    class Compiled(_Compiled):
+        def run(self, g0, g1, g2, stream, fn, meta, md, enter, exit_, *every):
+            assert (g1, g2) == (1, 1) and len(every) == len(names)
+            log.append("direct")
+            real[(g0,)](**dict(zip(names, every, strict=True)), **scan._OPTIONS)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                log.append("binder")
+                real[grid](*args, **kwargs)
+                return Compiled(log)
+
+            return call
+
+    launcher = _launcher()
+    launches = []
+    generic = launcher.launch
+
+    def counted(*a):
+        launches.append(1)
+        return generic(*a)
+
+    monkeypatch.setattr(launcher, "launch", counted)
+    monkeypatch.setattr(scan, "SCAN_LAUNCHER", launcher)
+    monkeypatch.setattr(scan, "_scan_kernel", Kernel())
+
+    layout = make_layout("llama")
+    hbs = layout.hash_block_size
+    rng = random.Random(1)
+    prompts = [chained_hashes(i % 2, rng.randint(1, 24)) for i in range(4)]
+    keys: set = set()
+    for p in prompts[:1]:
+        keys |= saved_keys(layout, p, len(p) * hbs)
+    keys = sorted(keys)
+    index = KeyIndex(8, capacity=1 << 10)
+    index.add([g for g, _ in keys], [h for _, h in keys])
+    batch = HashBatch.from_bytes(prompts, 8)
+    tokens = torch.tensor([len(p) * hbs - rng.randint(0, 3) for p in prompts])
+    want = LookupEngine(layout, backend="reference").lookup(batch, tokens, index)
+    engine = LookupEngine(layout, backend="triton", device="cpu")
+    got = [engine.lookup(batch, tokens, index).tolist() for _ in range(3)]
+    assert got == [want.tolist()] * 3 and any(want.tolist())
+    # The first call compiles (the binder), the second launches directly
+    # through launch(), the third through run() alone.
+    assert log == ["binder", "direct", "direct"] and len(launches) == 2
+    # A misaligned tensor (8 bytes in): launch(), which compiles its variant.
+    view = batch.view()
+    (fast,) = engine.impl._lookups.values()
+    shifted = torch.cat([tokens[:1], tokens])[1:]
+    assert shifted.data_ptr() % 16 == 8
+    hit = fast(view.rows, view.offsets, view.lengths, shifted, index.table)
+    assert hit.tolist() == want.tolist()
+    assert log[3:] == ["binder"] and len(launches) == 3
+    # Direct launches off: launch(), through the binder.
+    launcher.enabled = False
+    assert engine.lookup(batch, tokens, index).tolist() == want.tolist()
+    assert log[4:] == ["binder"] and len(launches) == 4

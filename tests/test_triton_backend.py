@@ -220,9 +220,9 @@ def test_engine_lookup_checks_lengths_in_the_kernel(device, monkeypatch):
         monkeypatch, lambda: engine.lookup(batch, n, index)
     )
     assert out.tolist() == want and launches == [(len(requests),)]
-    # One copy to the host, the answer's (then read as numpy, on the host);
-    # no other read (the view is cached per batch).
-    assert reads.reads == ["cpu", "numpy"], reads.reads
+    # One copy to the host, the answer's (a short one read as a list); no
+    # other read (the view is cached per batch).
+    assert reads.reads == ["tolist"], reads.reads
     assert rec.syncs == [] and len(rec.ops) <= 3, rec.ops
 
     for bad, pos, value in (
@@ -243,6 +243,26 @@ def test_engine_lookup_checks_lengths_in_the_kernel(device, monkeypatch):
     assert out.tolist() == want and reads.reads == [] and rec.syncs == []
     with pytest.raises(ValueError, match=r"num_tokens\[2\] must be >= 0, got -1"):
         engine.lookup(batch, [1, 2, -1, 0, 3], index)
+
+
+def test_check_answer_reads_a_long_answer_through_numpy(device):
+    """Past 64 requests the answer's one copy is read as numpy, not a list:
+    a flagged entry still raises the lengths' ValueError at its position,
+    and an answer without one passes."""
+    from kvhit.kernels.scan import LENGTH_FLAG
+
+    layout, *_ = _case(device)
+    backend = TritonBackend(ScanPlan.from_layout(layout), device)
+    for n, pos in ((64, 63), (65, 64), (300, 170)):
+        lens = torch.arange(n, dtype=torch.int64, device=device)
+        hit = lens.clone()
+        backend.check_answer(hit, (lens, (lens, "num_tokens")))
+        lens[pos] = -3
+        hit[pos] = LENGTH_FLAG
+        with pytest.raises(ValueError, match=rf"num_tokens\[{pos}\] must be >= 0"):
+            backend.check_answer(hit, (lens, (lens, "num_tokens")))
+        # Lengths checked on the host: nothing read.
+        backend.check_answer(hit, (lens, None))
 
 
 def test_the_kernel_flags_negative_lengths_and_scans_the_rest(device):
