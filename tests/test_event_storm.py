@@ -423,7 +423,7 @@ class Storm:
 
     def check(self) -> dict[str, int]:
         """The fleet equals the replay of what each publisher delivered."""
-        totals = {"replays": 0, "gaps": 0, "restarts": 0, "faults": 0}
+        totals = {"replays": 0, "probes": 0, "gaps": 0, "restarts": 0, "faults": 0}
         union: set[tuple[int, bytes]] = set()
         for e in range(self.n):
             if e in self.removed:
@@ -465,6 +465,7 @@ class Storm:
                 f.counters(),
             )
             totals["replays"] += pub.replay_requests
+            totals["probes"] += probes
             totals["gaps"] += f.gaps_detected
             totals["restarts"] += f.publisher_restarts
             totals["faults"] += n_faults
