@@ -316,6 +316,16 @@ class Storm:
             p.wait_subscriber()
         for e in range(n):
             assert self.ff.wait_for_seq(e, -1, WAIT_S)
+        # Every first connection's settle probes run out while the publishers
+        # are quiet (the last 3.0 s after it): a probe still in flight when
+        # the storm starts delays its follower, which may then drain a
+        # restarted publisher's only batch with the reconnection's report
+        # (not applied: right, but the restart is not seen; see test_event_storm).
+        followers = list(self.ff.followers.values())
+        assert wait_until(
+            lambda: all(f.settle_probes >= events._SETTLE_PROBES for f in followers),
+            WAIT_S,
+        )
         self.faults = [dict.fromkeys(("drop", "reorder", "duplicate", "restart"), 0)
                        for _ in range(n)]  # fmt: skip
         self.removed: set[int] = set()
