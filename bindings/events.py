@@ -65,12 +65,18 @@ _RECENT_BYTES = 1 << 20
 #: that differs from one remembered is always checked.
 _CHECK_INTERVAL_S = 0.1
 #: A subscription is active only once it reached the publisher, some time
-#: after the connection the replay is asked on: a batch sent in between is
-#: neither in that replay nor delivered live. The first live batch after it
-#: shows any such batch as a gap; if none comes within this many seconds of a
-#: start-up or reconnection replay (a quiet publisher), one more replay (a
-#: settle probe) fetches it.
+#: after its connection: a batch sent in between is delivered neither live
+#: nor by a replay answered before it. The first live batch over the
+#: connection proves the subscription active (anything missed before it shows
+#: as a gap); while none came (a quiet publisher), settle probes (replays)
+#: fetch such batches, the first this many seconds after the connection...
 _SETTLE_S = 0.2
+#: ... then each after twice the previous wait, at most this many a
+#: connection: 0.2, 0.6, 1.4 and 3.0 s after it. Nothing from the SUB side
+#: shows when the subscription arrives (vLLM's PUB sends no welcome), so a
+#: subscription late by more than the last one still loses a batch sent
+#: in between until the next live batch (or ``idle_probe_s``).
+_SETTLE_PROBES = 4
 
 
 @dataclass(slots=True)
@@ -160,17 +166,19 @@ class EventFollower(StopOnExit):
       the new connection may have brought some of them (see
       ``_on_monitor``): the reconnection's check and replay bring them back.
 
-    - a batch the publisher sent after it answered a start-up or
-      reconnection replay, but before the new subscription reached it, is
-      neither replayed nor delivered live: the next live batch shows it as a
-      gap; when none comes within ``_SETTLE_S`` (a quiet publisher), one
-      settle probe replays it (``settle_probes``).
+    - a batch the publisher sent after the SUB connected (or after it
+      answered that connection's replay) but before the subscription reached
+      it is neither replayed nor delivered live: the next live batch shows
+      it as a gap; until one comes over the connection (a quiet publisher),
+      settle probes replay it, 0.2, 0.6, 1.4 and 3.0 s after the connection
+      (``_SETTLE_S``, ``_SETTLE_PROBES``; ``settle_probes``).
 
-    Replays are bounded by the faults: at start-up one and a settle probe,
-    one per gap, at most three per conflict or restart (the check, the
-    rebuild, and one for what was held across it, or a settle probe after a
-    reconnection), never one per batch; ``tests/test_event_storm.py`` holds
-    64 publishers to that.
+    Replays are bounded by the faults: one at start-up, one per gap, at most
+    three per conflict or restart (the check, the rebuild, and one for what
+    was held across it), never one per batch; and at most four settle
+    probes a connection (the first, and each reconnection), none after its
+    first live batch. ``tests/test_event_storm.py`` holds 64 publishers to
+    that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),
@@ -292,8 +300,13 @@ class EventFollower(StopOnExit):
         #: (queued behind the SUB socket before the restart), until a live
         #: batch is seen to be the new one's (see _accept).
         self._suspect = False
-        #: When to run the settle probe (see _SETTLE_S); None: none due.
+        #: When to run the next settle probe (see _SETTLE_S); None: none due.
         self._settle_at: float | None = None
+        self._settle_wait = _SETTLE_S  # ... and the wait after it
+        self._settle_left = 0  # ... and how many more this connection
+        #: A live frame came over the current connection: its subscription
+        #: is active (see _SETTLE_S).
+        self._confirmed = False
 
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
@@ -442,7 +455,8 @@ class EventFollower(StopOnExit):
             self._ready.set()
             if self.next_seq is not None and self.replay_endpoint is not None:
                 self._safely(self._catch_up, "start-up")  # what came before us
-                self._arm_settle()
+            # Settle probes start with the connection (its monitor event), not
+            # here: a publisher not up yet may come up long after this replay.
             last_msg = time.monotonic()
             while not self._stop.is_set():
                 timeout = self.poll_ms
@@ -465,17 +479,25 @@ class EventFollower(StopOnExit):
                     self._safely(self._on_monitor, monitor, sub, frames)
                 elif frames:
                     self._safely(self._handle_live, frames)
-                if frames and self.reconnects == reconnects:
+                if frames and self.reconnects == reconnects and not self._disconnected:
                     # Live batches over the current connection: its
                     # subscription is active, and a batch sent before it
                     # reached the publisher is now a gap (see _SETTLE_S).
+                    self._confirmed = True
                     self._settle_at = None
                 elif (
                     self._settle_at is not None and time.monotonic() >= self._settle_at
                 ):
-                    self._settle_at = None
+                    self._settle_left -= 1
                     self.settle_probes += 1
                     self._safely(self._catch_up, "settle probe")
+                    # Timed from the answer: a slow replay is no probe lost.
+                    self._settle_wait *= 2
+                    self._settle_at = (
+                        time.monotonic() + self._settle_wait
+                        if self._settle_left > 0
+                        else None
+                    )
                 if self._ahead_since is not None and (
                     time.monotonic() >= self._ahead_since + self.reorder_wait_s
                     or len(self._ahead) > self.reorder_window
@@ -557,10 +579,17 @@ class EventFollower(StopOnExit):
                 self.disconnects += 1
                 queued = self._drain(sub, None)  # applied (or not) above
                 self._disconnected = True
+                self._confirmed = False
             elif event == zmq.EVENT_CONNECTED and self._disconnected:
                 self._disconnected = False
                 self.reconnects += 1
                 self._on_reconnect()
+            elif event == zmq.EVENT_CONNECTED and not self._confirmed:
+                # The first connection (at start-up, or whenever the
+                # publisher came up): what it sends before the subscription
+                # reaches it is lost live and, past the start-up replay,
+                # not replayed either.
+                self._arm_settle()
 
     def _on_reconnect(self) -> None:
         """The SUB socket reconnected: a network blip or a new publisher."""
@@ -582,10 +611,14 @@ class EventFollower(StopOnExit):
         self._arm_settle()
 
     def _arm_settle(self) -> None:
-        """A replay was just asked over a connection whose subscription may
-        not have reached the publisher yet: probe once more after
-        ``_SETTLE_S`` unless a live batch comes first."""
+        """A connection was just made whose subscription may not have reached
+        the publisher yet: until a live batch comes over it, probe after
+        ``_SETTLE_S``, then after twice each previous wait,
+        ``_SETTLE_PROBES`` times at most."""
+        self._confirmed = False
         if self.replay_endpoint is not None:
+            self._settle_wait = _SETTLE_S
+            self._settle_left = _SETTLE_PROBES
             self._settle_at = time.monotonic() + _SETTLE_S
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
