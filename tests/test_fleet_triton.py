@@ -214,7 +214,7 @@ def test_runs_against_a_model_in_a_nearly_full_table(seed, E, M, scale, B):
     B=st.integers(1, 4),
 )
 def test_runs_past_tombstones_and_busy_slots(seed, E, M, B):
-    # The tile probe (fleet_probe.tile_slots) passes over TOMBSTONE and
+    # The tile probe (fleet_probe.probe_slots) passes over TOMBSTONE and
     # BUSY slots, and with no EMPTY slot left ends after `capacity` visits;
     # absent keys in the middle of a run stop the lanes above them (their
     # chains are long here), and the runs below stay exact.
