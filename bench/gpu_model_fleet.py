@@ -27,7 +27,8 @@ The device constants are the scan's, fitted to the H200's scan rows
 3 TB/s). The host part is ``T_PY`` (the Python of one call, fitted here to
 the H200's three fleet rows, :data:`H200_FLEET`) plus what each counted item
 costs on the host (:class:`FleetTimes`: a launch through Triton's binder 25
-us, issue 31's measurement; a direct launch, a torch op, a sync: estimates).
+us, issue 31's measurement, a direct launch 9 us and a torch op 5 us, as
+``gpu_common.HostTimes`` prices them for the scan; a sync: an estimate).
 Each traced launch is priced by its kernel: past the binder where
 ``fleet_triton.DIRECT_KERNELS`` names it (:func:`direct_kernels`).
 Every figure it prints is **modelled**.
@@ -40,7 +41,10 @@ measured times.
 
 Run: ``python -m kvhit.bench.gpu_model_fleet [--quick] [--json PATH]``;
 ``--quick`` runs the small workloads of ``tests/test_gpu_model_fleet.py``
-only (seconds).
+only (seconds). ``--router``: llama B = 64, E = 64 eager by path, the
+general ``fleet_lookup`` against the CUDA router path that
+``fleet_scoring._router_args``' device args make possible
+(:func:`router_report`, each path's Python measured here).
 """
 
 from __future__ import annotations
@@ -54,7 +58,10 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from kvhit.bench.gpu_common import HostTimes
 
 __all__ = [
     "H200_FLEET",
@@ -63,10 +70,14 @@ __all__ = [
     "FleetCase",
     "FleetTraced",
     "FleetTimes",
+    "ROUTER_ITEMS",
     "build_case",
     "call_counts",
+    "host_python",
     "main",
     "model_call",
+    "router_call",
+    "router_report",
     "trace_fleet",
 ]
 
@@ -119,30 +130,45 @@ RECORDED: dict[str, int] = {
 
 @dataclass(frozen=True)
 class FleetTimes:
-    """The fleet model's own constants (seconds, bytes).
+    """The fleet model's constants (seconds, bytes).
 
-    Host, per item of one eager call: ``t_binder`` a Triton launch through
-    ``JITFunction.run``'s binder (issue 31's measurement on 3.6, ~25 us);
-    ``t_direct`` a launch past it (``launch.DirectLauncher``: its key,
-    ``launch_metadata`` and the C launcher; estimated); ``t_op`` a torch op
-    that launches a kernel (dispatch and launch; estimated); ``t_sync`` a
-    blocking ``bool()`` beyond the device time (estimated); ``t_py`` the rest
-    of the call's Python (the checks of batch, fleet and lengths, the view,
-    the wrappers: issue 31's measured ~65 us of a lookup's Python less its
-    binder, taken for the fleet's call as well).
+    Host, per item of one eager call, priced as the scan's model prices them
+    (``host``, :class:`kvhit.bench.gpu_common.HostTimes`, one source for
+    both models): ``t_binder`` a Triton launch through ``JITFunction.run``'s
+    binder (issue 31's measurement on 3.6, 25 us), ``t_direct`` a launch
+    past it (``launch.DirectLauncher``: 9 us, 5 of its Python measured),
+    ``t_op`` a torch op that launches a kernel (5 us, estimated). The
+    fleet's own: ``t_sync`` a blocking ``bool()`` beyond the device time
+    (estimated); ``t_py`` the rest of the call's Python (the checks of
+    batch, fleet and lengths, the view, the wrappers: issue 31's measured
+    ~65 us of a lookup's Python less its binder, taken for the fleet's call
+    as well).
 
     Device: ``t_rt_l2`` one dependent round trip when the call's tables and
     hash rows fit in L2 (``l2_bytes``; the H200's B = 64 fleet: ~30 MB),
     fitted to :data:`H200_FLEET` by :func:`fit`; past L2 the scan's
     ``GpuTimes.t_rt`` (fitted to the scan's H200 rows, mostly HBM)."""
 
-    t_binder: float = 25e-6
-    t_direct: float = 6e-6
-    t_op: float = 5e-6
     t_sync: float = 10e-6
     t_py: float = 65e-6
     t_rt_l2: float = 0.3e-6
     l2_bytes: float = 60e6
+    host: HostTimes = field(default_factory=HostTimes)
+
+    @property
+    def t_binder(self) -> float:
+        """A launch through Triton's binder (``host.t_binder``)."""
+        return self.host.t_binder
+
+    @property
+    def t_direct(self) -> float:
+        """A launch past the binder (``host.t_direct``)."""
+        return self.host.t_direct
+
+    @property
+    def t_op(self) -> float:
+        """A torch op that launches a kernel (``host.t_op``)."""
+        return self.host.t_op
 
 
 #: SMs of the modelled GPU (the H200): the launcher's programs per request
@@ -461,8 +487,6 @@ H200_FLEET_KERNEL: dict[int, tuple[int, int, float, tuple[int, int, int]]] = {
 def fit(ft: FleetTimes, points: dict[int, tuple] | None = None) -> FleetTimes:
     """``t_rt_l2`` by least squares through the H200's fleet rows, the host
     part (binder launches, the other items, ``t_py``) held at ``ft``'s."""
-    from dataclasses import replace
-
     points = H200_FLEET_KERNEL if points is None else points
     num = den = 0.0
     for E, meas in H200_FLEET.items():
@@ -492,6 +516,89 @@ def call_counts(case: FleetCase):
 
     call()
     return count_call(call)[1]
+
+
+#: The CUDA router path (``fleet_scoring._router_args``' device args, issue
+#: 32) as a call would run it, per call on CUDA: Triton launches (direct),
+#: other kernel launches (the view's subtraction and the lengths' copy
+#: through a pinned buffer: a router's list of lengths is checked on the
+#: host), syncs.
+ROUTER_ITEMS: tuple[int, int, int] = (2, 2, 0)
+
+
+def router_call(engine: Any, batch: Any, num_tokens: list[int], fleet: Any,
+                members: Any, params: tuple[int, ...]) -> Any:  # fmt: skip
+    """What a CUDA router call of ``fleet_lookup`` runs on the host once
+    ``fleet_scoring._router_args`` hands it the device args: the type tests
+    of ``fleet_full_host``, the list of lengths checked on the host (then
+    copied: not on the CPU), the batch's view, the Triton launcher with the
+    members on the device. ``members`` int64 ``[M]``, ``params`` the
+    launcher's six ints. Returns int64 ``[B, E]`` (a torch tensor)."""
+    import torch
+
+    from kvhit.coordinator.packing import HashBatch
+    from kvhit.kernels.checks import host_lengths
+
+    if type(batch) is not HashBatch or batch.hash_bytes != fleet.hash_bytes:
+        raise TypeError("router_call takes a HashBatch of the fleet's width")
+    lens = torch.from_numpy(host_lengths(num_tokens, "num_tokens", len(batch)))
+    view = batch.view()
+    return fleet.ops.full_hits(
+        fleet.table, fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
+        lens, members, fleet.live, fleet.active_mask, params, fleet.num_engines,
+    )  # fmt: skip
+
+
+def host_python(case: FleetCase, rounds: int = 5, n: int = 200) -> dict[str, float]:
+    """Seconds of Python per call (thread time, best of ``rounds`` of ``n``
+    calls), the Triton launches stubbed (the answer stays zero), of
+    ``fleet_lookup`` on ``case`` (lengths as a tensor: the general path,
+    what the model's ``t_py`` stands for) and of :func:`router_call` (a
+    list of lengths: the CUDA router path). Both answers are checked
+    against the case's (unstubbed)."""
+    from unittest import mock
+
+    import torch
+
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.kernels import launch
+
+    engine = LookupEngine(case.layout, backend="torch", device="cpu")
+    plan = engine.plan
+    sg = plan.spec_groups[0]
+    members = torch.tensor(sg.group_ids, dtype=torch.int64)
+    lookup_drop = bool(sg.use_eagle)
+    params = (case.fleet.NW, sg.scale, sg.block_size, plan.alignment,
+              int(lookup_drop), 1)  # fmt: skip
+    tokens = case.num_tokens.tolist()
+
+    def general():
+        return engine.fleet_lookup(case.batch, case.num_tokens, case.fleet)
+
+    def router():
+        return router_call(engine, case.batch, tokens, case.fleet, members, params)
+
+    calls = {"fleet_lookup": general, "router (CUDA path)": router}
+    for name, fn in calls.items():
+        if not bool((fn() == case.hits).all()):
+            raise AssertionError(f"{case.name}: {name} differs from the reference")
+
+    def stub(*args, **kwargs) -> None:
+        # The answer stays the launcher's zeroed output.
+        return None
+
+    out = {}
+    with mock.patch.object(launch.DirectLauncher, "launch", stub):
+        for name, fn in calls.items():
+            fn()
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                for _ in range(n):
+                    fn()
+                best = min(best, (time.thread_time() - t0) / n)
+            out[name] = best
+    return out
 
 
 def direct_kernels() -> frozenset[str]:
@@ -618,8 +725,8 @@ def report(which: str, json_path: str | None = None, sample: int = 8) -> dict:
         print(
             f"\nfitted to the H200's fleet rows (a094dd7): round trip in L2 "
             f"{ft.t_rt_l2 * 1e6:.3f} us (host held: Python {ft.t_py * 1e6:.0f} us, "
-            f"binder {ft.t_binder * 1e6:.0f} us, op {ft.t_op * 1e6:.0f} us, "
-            f"sync {ft.t_sync * 1e6:.0f} us)"
+            f"binder {ft.t_binder * 1e6:.0f} us, direct {ft.t_direct * 1e6:.0f} us, "
+            f"op {ft.t_op * 1e6:.0f} us, sync {ft.t_sync * 1e6:.0f} us)"
         )
         print(tabulate(cal, headers=[
             "llama B = 64, E", "measured (a094dd7)", "modelled (a094dd7)",
@@ -632,11 +739,50 @@ def report(which: str, json_path: str | None = None, sample: int = 8) -> dict:
     return out
 
 
+def router_report(preset: str = "llama", requests: int = 64, engines: int = 64,
+                  ft: FleetTimes | None = None) -> dict:  # fmt: skip
+    """The eager call of ``fleet_lookup`` on CUDA by the general path and by
+    the CUDA router path (:func:`router_call`), modelled with each path's
+    Python **measured** here (:func:`host_python`) in place of ``t_py``, the
+    items counted (general: :func:`cuda_items`; router:
+    :data:`ROUTER_ITEMS`), the device part traced. Printed and returned."""
+    from kvhit.bench.gpu_model import tabulate
+
+    ft = fit(FleetTimes()) if ft is None else ft
+    case = build_case(preset, requests, engines)
+    py = host_python(case)
+    t = trace_fleet(case, 8)
+    launches, rt, nbytes = device_parts(t)
+    general = cuda_items(call_counts(case))
+    in_l2 = footprint(case) <= ft.l2_bytes
+    rows, out = [], {}
+    for name, items in (
+        ("fleet_lookup", general),
+        ("router (CUDA path)", ROUTER_ITEMS),
+    ):
+        m = model_call(launches, rt, nbytes, items, True, in_l2,
+                       replace(ft, t_py=py[name]))  # fmt: skip
+        out[name] = {"python_s": py[name], "items": list(items), **m}
+        rows.append([name, _us(py[name]), "/".join(str(x) for x in items),
+                     _us(m["host_s"]), _us(m["device_s"]), _us(m["total_s"])])  # fmt: skip
+    print(f"\n{case.name}: the eager call by path (Python measured here, the launch "
+          "stubbed; the rest modelled)")  # fmt: skip
+    print(tabulate(rows, headers=["path", "Python (measured)", "triton/other/syncs",
+                                  "host", "device = graph", "eager call"]),
+          flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small workloads only")
     parser.add_argument("--h200", action="store_true", help="the H200's rows only")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument(
+        "--router",
+        action="store_true",
+        help="the eager call by path only (llama, B = 64, E = 64)",
+    )
     parser.add_argument("--sample", type=int, default=8, help="requests traced")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -644,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_model_fleet: triton imported before TRITON_INTERPRET=1")
             return 1
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.router:
+        router_report()
+        return 0
     which = "quick" if args.quick else "h200" if args.h200 else "all"
     report(which, args.json, args.sample)
     return 0

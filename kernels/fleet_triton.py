@@ -70,7 +70,7 @@ from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
-from kvhit.kernels.fleet_probe import tile_slots
+from kvhit.kernels.fleet_probe import probe_slots
 from kvhit.kernels.fleet_triton_hybrid import class_kernel, hybrid_kernel
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
@@ -142,7 +142,7 @@ _MODE_FIND: tl.constexpr = tl.constexpr(1)
 _MODE_LOOKUP: tl.constexpr = tl.constexpr(2)
 _TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
 # Slots a tile's later probe steps visit at once (the first step visits the
-# home slot alone; kernels/fleet_probe.tile_slots), as the scan's table_has
+# home slot alone; kernels/fleet_probe.probe_slots), as the scan's table_has
 # (kernels/scan_sg.py).
 SPAN = 2
 _SPAN: tl.constexpr = tl.constexpr(SPAN)
@@ -246,8 +246,8 @@ def _fleet_kernel(
         blk = i0 + blk_of
         probe = (blk < end) & (member < n_mem)
         units = off + (blk + 1) * scale - 1
-        slots = tile_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
-                           W, _SPAN, BLOCK)  # fmt: skip
+        slots = probe_slots(keys_ptr, cap_mask, gids, rows_ptr, units, probe, blk_of,
+                            W, _SPAN, BLOCK, True)  # fmt: skip
         alive = (i0 * 0).to(tl.int32)
         for t in range(nw):
             # The word's engine sets of the tile's blocks, loaded once for

@@ -44,7 +44,7 @@ from kvhit.kernels.contract import (
     SG_N_MEMBERS,
     SG_SCALE,
 )
-from kvhit.kernels.fleet_probe import key_slots
+from kvhit.kernels.fleet_probe import probe_slots
 from kvhit.kernels.launch import fix_interpreter
 
 __all__ = ["class_kernel", "hybrid_kernel"]
@@ -163,7 +163,7 @@ def class_kernel(
     The keys: every member group ``g`` of every SpecGroup (engine 0's plan
     rows, members ``g * E``) at every ``step``-th hash unit (its blocks'
     last units: the SpecGroup's scale, 1 when fine-grained), below the
-    request's largest window. One exact probe a key (``key_slots``), its
+    request's largest window. One exact probe a key (``probe_slots`` without its cut), its
     engine set shared by every engine: E adds words, not probes."""
     r = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
@@ -190,8 +190,8 @@ def class_kernel(
             while (i0 + 1) * step - 1 < top:
                 unit = (i0 + i + 1) * step - 1
                 probe = unit < top
-                slots = key_slots(keys_ptr, cap_mask, gids, rows_ptr, off + unit, probe,
-                                  W, _SPAN)  # fmt: skip
+                slots = probe_slots(keys_ptr, cap_mask, gids, rows_ptr, off + unit,
+                                    probe, i, W, _SPAN, BLOCK, False)  # fmt: skip
                 for t in range(nw):
                     w = tl.load(bits_ptr + tl.where(slots >= 0, slots, 0) * nw + t,
                                 mask=slots >= 0, other=0)  # fmt: skip

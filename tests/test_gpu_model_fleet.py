@@ -45,9 +45,22 @@ def test_launches_and_syncs_per_call_do_not_rise(quick_rows):
 
 def test_direct_launches_cover_the_hybrid_path():
     # Every fleet kernel of a lookup goes past Triton's binder on a GPU (the
-    # model prices a binder launch 25 us of host time, a direct one 6).
+    # model prices a binder launch 25 us of host time, a direct one 9).
     assert {"_fleet_kernel", "_finish_kernel", "class_kernel",
             "hybrid_kernel"} <= gmf.direct_kernels()  # fmt: skip
+
+
+def test_the_fleet_prices_host_items_as_the_scan():
+    # One source for a launch's and a torch op's host time: the scan's model
+    # (gpu_common.HostTimes); the fleet keeps its own Python, sync and L2.
+    from kvhit.bench.gpu_common import HostTimes
+
+    ft, h = gmf.FleetTimes(), HostTimes()
+    assert (ft.t_binder, ft.t_direct, ft.t_op) == (h.t_binder, h.t_direct, h.t_op)
+    items = (2, 4, 1)  # llama on CUDA: 2 direct launches, 4 ops, 1 sync
+    m = gmf.model_call(2, 0, 0.0, items, True, True, ft)
+    assert m["host_s"] == pytest.approx(ft.t_py + 2 * h.t_direct + 4 * h.t_op
+                                        + ft.t_sync)  # fmt: skip
 
 
 def test_the_model_reproduces_the_h200_fleet_rows():
