@@ -12,13 +12,17 @@ store's existence calls in it. Fresh schedulers per repetition; medians.
 
 What a long-running server pays once (building the side, its engine and
 kernels; its first lookup) is timed apart and printed beside each row.
-``--split`` times, in both connectors' steps, what vLLM's
-``MooncakeStoreScheduler.get_num_new_matched_tokens`` spends (the lookups:
-the connector's whole part of the step up to the answer) apart from the rest
-(vLLM's own scheduling, which both run), and the cyclic collector's pauses;
+``--split`` times, in both connectors' steps, wall and main-thread CPU:
+the lookups (the lookup client's calls), each other connector hook
+(``get_num_new_matched_tokens``' own bookkeeping, ``update_state_after_alloc``,
+``build_connector_meta``, ``request_finished_all_groups``), vLLM's core (the
+rest, which both run) and the cyclic collector's pauses;
 ``--profile DIR`` writes a cProfile of each connector's steps there, sorted
-by cumulative and by own time. ``--breakdown`` cuts kvhit's step at every stage (``step_timeline.py``: the
-client's codec, the IPC hand-offs, packing, candidates, key strings, the
+by cumulative and by own time. ``--floor`` also times kvhit's step with
+every lookup free (answered from a dict filled before the step): vLLM's core
+plus the connector's other hooks, which both connectors pay; stock / floor
+is the most any lookup can give. ``--breakdown`` cuts kvhit's step at every
+stage (``step_timeline.py``: the client's codec, the IPC hand-offs, packing, candidates, key strings, the
 store pool's hand-off, the store call, the index rewrite, the engine, the
 tail keys, the reply) and prints each interval's median.
 
@@ -26,6 +30,7 @@ Run::
 
     PYTHONSAFEPATH=1 PYTHONPATH=tests:benchmarks .venv/bin/python benchmarks/bench_vllm_step.py
         [--sizes 8 64 512] [--reps 3] [--json out.json] [--breakdown]
+        [--split] [--floor] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -90,33 +95,88 @@ def put_keys(raw_store, worker, reqs, hbs: int, frac: float, rng) -> int:
     return len(keys)
 
 
+#: The connector hooks ``schedule()`` calls, timed apart by ``--split``:
+#: the connector's part of the step (ours to make cheaper), not vLLM's core.
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished_all_groups",
+)
+
+
 class StepSplit:
-    """Per ``schedule()``: seconds inside vLLM's
-    ``MooncakeStoreScheduler.get_num_new_matched_tokens`` (the lookups), and
-    the cyclic collector's pauses (seconds, count, the full ones)."""
+    """Per ``schedule()``: wall and main-thread CPU seconds inside each
+    connector hook (:data:`HOOKS`, on vLLM's ``MooncakeStoreConnector`` and
+    kvhit's subclass; only the outermost call counts, so an override calling
+    ``super()`` is counted once), the lookups' share of
+    ``get_num_new_matched_tokens`` (vLLM's ``MooncakeStoreScheduler``'s
+    client call), and the cyclic collector's pauses (seconds, count, the
+    full ones). The main thread's CPU tells the work apart from the waits
+    for a core on a loaded host: a long CPU burst (kvhit's step after its
+    one lookup) is preempted where stock's, cut into 512 short runs by its
+    per-request IPC waits, is not."""
 
     def __init__(self) -> None:
         import gc
 
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
+            connector,
             scheduler,
         )
 
-        self.lookup_s = self.gc_s = 0.0
-        self.gc_n = self.gc_full = 0
+        from kvhit.bindings import vllm_connector
+
+        self.reset()
+        self._depth = 0
         self._gc_t0 = 0.0
+        for cls in (connector.MooncakeStoreConnector,
+                    vllm_connector.KvhitMooncakeStoreConnector):  # fmt: skip
+            for name in HOOKS:
+                if name in vars(cls):
+                    setattr(cls, name, self._timed(name, vars(cls)[name]))
         cls = scheduler.MooncakeStoreScheduler
-        real = cls.get_num_new_matched_tokens
+        client_lookup = cls.get_num_new_matched_tokens
 
-        def timed(sched, *args, **kwargs):
-            t0 = time.perf_counter()
+        def timed_lookup(sched, *args, **kwargs):
+            client = sched.client
+            own = vars(client).get("lookup")  # --floor's stand-in
+            real = client.lookup
+
+            def lookup(*a, **k):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return real(*a, **k)
+                finally:
+                    self.lookup_s += time.perf_counter() - t0
+                    self.lookup_cpu_s += time.thread_time() - c0
+
+            client.lookup = lookup
             try:
-                return real(sched, *args, **kwargs)
+                return client_lookup(sched, *args, **kwargs)
             finally:
-                self.lookup_s += time.perf_counter() - t0
+                if own is None:
+                    del client.lookup
+                else:
+                    client.lookup = own
 
-        cls.get_num_new_matched_tokens = timed
+        cls.get_num_new_matched_tokens = timed_lookup
         gc.callbacks.append(self._on_gc)
+
+    def _timed(self, name: str, real):
+        def timed(*args, **kwargs):
+            if self._depth:
+                return real(*args, **kwargs)
+            self._depth += 1
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.hook_s[name] += time.perf_counter() - t0
+                self.hook_cpu_s[name] += time.thread_time() - c0
+
+        return timed
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -127,18 +187,21 @@ class StepSplit:
         self.gc_full += info["generation"] == 2
 
     def reset(self) -> None:
-        self.lookup_s = self.gc_s = 0.0
+        self.lookup_s = self.lookup_cpu_s = self.gc_s = 0.0
         self.gc_n = self.gc_full = 0
+        self.hook_s = dict.fromkeys(HOOKS, 0.0)
+        self.hook_cpu_s = dict.fromkeys(HOOKS, 0.0)
 
     def take(self) -> dict:
-        out = {"lookup_s": self.lookup_s, "gc_s": self.gc_s, "gc_n": self.gc_n,
-               "gc_full": self.gc_full}  # fmt: skip
+        out = {"lookup_s": self.lookup_s, "lookup_cpu_s": self.lookup_cpu_s,
+               "gc_s": self.gc_s, "gc_n": self.gc_n, "gc_full": self.gc_full,
+               "hook_s": self.hook_s, "hook_cpu_s": self.hook_cpu_s}  # fmt: skip
         self.reset()
         return out
 
 
 def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
-             profile=None):  # fmt: skip
+             profile=None, free_lookup: bool = False):  # fmt: skip
     """One timed ``schedule()`` of ``n`` waiting requests on a fresh side:
     ``(seconds, store calls, scheduled, loads, setup)`` where ``setup`` holds
     what a long-running server pays once (building the side, its engine and
@@ -149,7 +212,12 @@ def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
     and undone at close as its shutdown does: without it, every side this
     process built before (15 per size) stays in the cyclic collector's oldest
     generation and a full collection that lands in the timed step scans them
-    all (0.4-0.6 s at 512 waiting, in either connector's step)."""
+    all (0.4-0.6 s at 512 waiting, in either connector's step).
+
+    With ``free_lookup`` every lookup of the step is answered from a dict
+    filled before it (vLLM's own ``MooncakeStoreWorker.lookup`` per request,
+    the answers both connectors give): the step is then vLLM's core plus the
+    connector's other hooks, the floor no lookup can go under."""
     import gc
 
     s0 = time.perf_counter()
@@ -169,6 +237,14 @@ def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
             server.resolve([(warm.num_tokens, list(warm.block_hashes))])
         side.worker.lookup(warm.num_tokens, warm.block_hashes)
         s2 = time.perf_counter()
+        if free_lookup:
+            answers = {
+                r.request_id: side.worker.lookup(r.num_tokens, list(r.block_hashes))
+                for r in side.scheduler.waiting
+            }
+            client = side.scheduler.connector.connector_scheduler.client
+            # An instance attribute: the client's own method stays for close.
+            client.lookup = lambda req_id, *args, **kwargs: answers[req_id]
         if freeze:
             from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -178,11 +254,11 @@ def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
             split.reset()
         if profile is not None:
             profile.enable()
-        p0 = time.process_time()
+        p0, m0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         out = side.scheduler.schedule()
         dt = time.perf_counter() - t0
-        cpu_s = time.process_time() - p0
+        cpu_s, main_cpu_s = time.process_time() - p0, time.thread_time() - m0
         if profile is not None:
             profile.disable()
         loaded = sum(
@@ -196,12 +272,50 @@ def one_step(h, kind, case, store, reqs, n, freeze: bool = True, split=None,
             # Every thread of the process (the server's and the store
             # calls' too): steadier than the wall time on a loaded host.
             setup["split"]["cpu_s"] = cpu_s
+            setup["split"]["main_cpu_s"] = main_cpu_s
         return (dt, store.calls - c0, len(out.scheduled_new_reqs), loaded, setup,
                 (t0, t0 + dt))  # fmt: skip
     finally:
         side.close()
         if freeze:
             gc.unfreeze()
+
+
+def print_split(row: dict, kind: str, v: list) -> None:
+    """``--split``'s lines for one connector's repetitions ``v`` (medians),
+    also stored in ``row``: the step's wall and main-thread CPU, the lookups,
+    each connector hook, vLLM's core (the rest) and the collector."""
+    sp = [x[4]["split"] for x in v]
+
+    def med(f) -> float:
+        return statistics.median(f(x, y) for x, y in zip(v, sp, strict=True)) * 1e3
+
+    hooks = lambda y, key: sum(y[key].values())  # noqa: E731
+    wall, cpu = med(lambda x, y: x[0]), med(lambda x, y: y["main_cpu_s"])
+    look, look_cpu = (
+        med(lambda x, y: y["lookup_s"]),
+        med(lambda x, y: y["lookup_cpu_s"]),
+    )
+    hook = med(lambda x, y: hooks(y, "hook_s") - y["lookup_s"])
+    hook_cpu = med(lambda x, y: hooks(y, "hook_cpu_s") - y["lookup_cpu_s"])
+    core = med(lambda x, y: x[0] - hooks(y, "hook_s"))
+    core_cpu = med(lambda x, y: y["main_cpu_s"] - hooks(y, "hook_cpu_s"))
+    gc_ms = med(lambda x, y: y["gc_s"])
+    row.update({f"{kind}_{k}": val for k, val in (
+        ("main_cpu_ms", cpu), ("lookup_ms", look), ("lookup_cpu_ms", look_cpu),
+        ("hooks_ms", hook), ("hooks_cpu_ms", hook_cpu), ("core_ms", core),
+        ("core_cpu_ms", core_cpu), ("gc_ms", gc_ms),
+        ("cpu_ms", med(lambda x, y: y["cpu_s"])))})  # fmt: skip
+    print(f"     {kind}: wall / main-thread CPU ms: step {wall:.1f} / {cpu:.1f}, "
+          f"lookups {look:.1f} / {look_cpu:.1f}, other connector hooks "
+          f"{hook:.1f} / {hook_cpu:.1f}, vLLM core {core:.1f} / {core_cpu:.1f}; "
+          f"process CPU {row[f'{kind}_cpu_ms']:.1f}, gc {gc_ms:.1f} "
+          f"({statistics.median(y['gc_n'] for y in sp):.0f} collections, "
+          f"{sum(y['gc_full'] for y in sp)} full in {len(sp)} steps)")  # fmt: skip
+    for name in HOOKS:
+        w = med(lambda x, y, n=name: y["hook_s"][n])
+        c = med(lambda x, y, n=name: y["hook_cpu_s"][n])
+        print(f"       {name}: {w:.2f} / {c:.2f}")
 
 
 def write_profile(prof, stem: Path) -> None:
@@ -236,6 +350,13 @@ def main(argv=None) -> int:
         type=Path,
         metavar="DIR",
         help="cProfile each connector's steps into DIR (cumulative and own time)",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time kvhit's step with every lookup answered from answers "
+        "found before it: the floor (vLLM's core and the connector's other "
+        "hooks) no lookup can go under, and stock / floor, the most any can give",
     )
     ap.add_argument(
         "--breakdown",
@@ -279,17 +400,19 @@ def main(argv=None) -> int:
                   f"layout {case.name}")  # fmt: skip
             for n in args.sizes:
                 res = {"stock": [], "kvhit": []}
+                if args.floor:
+                    res["floor"] = []
                 profs = {}
                 if args.profile:
                     import cProfile
 
                     profs = {k: cProfile.Profile() for k in res}
                 for _ in range(args.reps):
-                    for kind in ("stock", "kvhit"):
+                    for kind in res:
                         res[kind].append(
                             one_step(
                                 h,
-                                kind,
+                                "kvhit" if kind == "floor" else kind,
                                 case,
                                 store,
                                 reqs,
@@ -297,6 +420,7 @@ def main(argv=None) -> int:
                                 freeze=not args.no_freeze,
                                 split=split,
                                 profile=profs.get(kind),
+                                free_lookup=kind == "floor",
                             )  # fmt: skip
                         )
                 for kind, prof in profs.items():
@@ -325,27 +449,16 @@ def main(argv=None) -> int:
                     f"{row['kvhit_setup_build_s'] * 1e3:.0f} ms, first lookup "
                     f"{row['kvhit_setup_first_lookup_s'] * 1e3:.1f} ms"
                 )
+                if args.floor:
+                    row["max_speedup"] = row["stock_ms"] / row["floor_ms"]
+                    print(
+                        f"     floor (kvhit's step, every lookup free): "
+                        f"{row['floor_ms']:.1f} ms; stock / floor "
+                        f"{row['max_speedup']:.1f}x, the most any lookup gives"
+                    )
                 if split is not None:
                     for kind, v in res.items():
-                        sp = [x[4]["split"] for x in v]
-                        ms = {k: statistics.median(x[k] for x in sp) * 1e3
-                              for k in ("lookup_s", "gc_s")}  # fmt: skip
-                        rest = statistics.median(
-                            x[0] - y["lookup_s"] for x, y in zip(v, sp, strict=True)
-                        )
-                        row[f"{kind}_lookup_ms"] = ms["lookup_s"]
-                        row[f"{kind}_rest_ms"] = rest * 1e3
-                        row[f"{kind}_gc_ms"] = ms["gc_s"]
-                        cpu = statistics.median(x["cpu_s"] for x in sp) * 1e3
-                        row[f"{kind}_cpu_ms"] = cpu
-                        print(
-                            f"     {kind}: process CPU {cpu:.1f} ms, "
-                            f"lookups {ms['lookup_s']:.1f} ms, vLLM's own "
-                            f"rest {rest * 1e3:.1f} ms, gc {ms['gc_s']:.1f} ms "
-                            f"({statistics.median(x['gc_n'] for x in sp):.0f} "
-                            f"collections, {sum(x['gc_full'] for x in sp)} full "
-                            f"in {len(sp)} steps)"
-                        )
+                        print_split(row, kind, v)
                 if args.breakdown:
                     import step_timeline
                     from tabulate import tabulate
