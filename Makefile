@@ -21,7 +21,7 @@ PYTEST = $(PY) -m pytest -q -p no:cacheprovider
 
 test: lint
 	start=$$(date +%s); \
-	$(PYTEST) -m "not slow and not timing" -n $(TEST_WORKERS) --dist loadfile; rc1=$$?; \
+	$(PYTEST) -m "not slow and not timing" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder; rc1=$$?; \
 	$(PYTEST) -m "timing and not slow"; rc2=$$?; \
 	echo "make test: the suite took $$(( $$(date +%s) - start )) s"; \
 	for rc in $$rc1 $$rc2; do \

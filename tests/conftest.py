@@ -83,7 +83,7 @@ def pytest_make_collect_report(collector):
         report.longrepr = (str(collector.path), 0, "Skipped: numba does not import")
 
 
-def pytest_collection_modifyitems(config, items):
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
@@ -139,3 +139,68 @@ def sched_harness(vllm_env, monkeypatch):
         import vllm_sched_harness
 
         yield vllm_sched_harness
+
+
+# -- the parallel pass's work units (make test: --dist loadgroup) -------------
+
+#: Tests (node-id prefixes: a test function, every parametrized case its own
+#: unit) that make test's parallel pass runs as work units of their own, and
+#: first, in this order. With a file to a unit the slowest files held one
+#: worker for minutes after the other had finished (tests/test_fleet_hybrid.py
+#: alone took ~240 s on a fresh clone), and xdist hands out its units by test
+#: count, so a file of a few slow tests started last. The order alternates
+#: between the two workers: numba compiles on one (the scan kernels, which
+#: the next numba units then load from the on-disk cache) while the other
+#: runs the Triton interpreter's slowest tests, so the two do not compile
+#: the same kernels at once.
+FIRST = (
+    "tests/test_scan_numba.py",
+    "tests/test_fleet_hybrid.py::test_engine_classes",
+    "tests/test_scan_triton.py::test_random_parity",
+    "tests/test_fleet_hybrid.py::test_engine_words_and_removed_engines",
+    "tests/test_fleet.py::test_fleet_parity_every_layout",
+    "tests/test_fleet_hybrid.py::test_hybrid_kernel_fits_registers_without_spills",
+    "tests/test_fleet_hybrid.py::test_random_parity_every_kind",
+    "tests/test_gpu_parity.py::test_fleet_parity",
+    "tests/test_fleet.py::test_engine_classes_share_scans_exactly",
+)
+
+
+def _unit(nodeid: str) -> tuple[int, str]:
+    """An item's rank (its place in :data:`FIRST`, or past them) and work
+    unit: its own node id for a split test, else its file."""
+    for rank, prefix in enumerate(FIRST):
+        if nodeid == prefix or nodeid.startswith((prefix + "[", prefix + "::")):
+            return rank, nodeid if "::" in prefix else prefix
+    return len(FIRST), nodeid.split("::", 1)[0]
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Groups the items into work units (an xdist_group mark, which xdist
+    reads after this hook) and orders them: :data:`FIRST`'s units first, in
+    its order, then each file whole, files of more tests first (as xdist's
+    --dist loadfile orders them)."""
+    units: dict[str, list[pytest.Item]] = {}
+    ranks: dict[str, int] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None:  # a test's own group stands
+            rank = len(FIRST)
+            unit = str(mark.args[0] if mark.args else mark.kwargs.get("name"))
+        else:
+            rank, unit = _unit(item.nodeid)
+            item.add_marker(pytest.mark.xdist_group(unit))
+        units.setdefault(unit, []).append(item)
+        ranks[unit] = min(rank, ranks.get(unit, rank))
+    order = sorted(units, key=lambda u: (ranks[u], -len(units[u])))
+    items[:] = [item for unit in order for item in units[unit]]
+
+
+# tryfirst: before xdist's own hook reads the xdist_group marks.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    _skip_gpu_tests(items)
+    # make test's parallel pass (--dist loadgroup): its work units; any
+    # other run's order and grouping stay as they were.
+    if config.getoption("dist", "no") == "loadgroup":
+        _group_for_workers(items)
