@@ -12,10 +12,13 @@ lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# The suite in two passes: every test file but the wall-clock-bound ones
-# across TEST_WORKERS processes (pytest-xdist, a file per process: the numba
-# compiles of a fresh clone are most of its time), then those (marked timing:
-# bounds of about a second) alone. TEST_WORKERS=0: one process.
+# The suite in two passes: every test but the wall-clock-bound ones across
+# TEST_WORKERS processes (pytest-xdist: the numba compiles of a fresh clone
+# are most of its time), then those (marked timing: bounds of about a second)
+# alone. TEST_WORKERS=0: one process. --dist loadgroup: a file to a process,
+# but for the slowest tests, which tests/conftest.py (FIRST) makes work units
+# of their own and hands out first, in its order (--no-loadscope-reorder,
+# pytest-xdist 3.8).
 TEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -q -p no:cacheprovider
 

@@ -166,7 +166,7 @@ FIRST = (
 )
 
 
-def _unit(nodeid: str) -> tuple[int, str]:
+def work_unit(nodeid: str) -> tuple[int, str]:
     """An item's rank (its place in :data:`FIRST`, or past them) and work
     unit: its own node id for a split test, else its file."""
     for rank, prefix in enumerate(FIRST):
@@ -188,7 +188,7 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
             rank = len(FIRST)
             unit = str(mark.args[0] if mark.args else mark.kwargs.get("name"))
         else:
-            rank, unit = _unit(item.nodeid)
+            rank, unit = work_unit(item.nodeid)
             item.add_marker(pytest.mark.xdist_group(unit))
         units.setdefault(unit, []).append(item)
         ranks[unit] = min(rank, ranks.get(unit, rank))
