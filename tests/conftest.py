@@ -143,16 +143,18 @@ def sched_harness(vllm_env, monkeypatch):
 
 # -- the parallel pass's work units (make test: --dist loadgroup) -------------
 
-#: Tests (node-id prefixes: a test function, every parametrized case its own
-#: unit) that make test's parallel pass runs as work units of their own, and
-#: first, in this order. With a file to a unit the slowest files held one
-#: worker for minutes after the other had finished (tests/test_fleet_hybrid.py
-#: alone took ~240 s on a fresh clone), and xdist hands out its units by test
-#: count, so a file of a few slow tests started last. The order alternates
-#: between the two workers: numba compiles on one (the scan kernels, which
-#: the next numba units then load from the on-disk cache) while the other
-#: runs the Triton interpreter's slowest tests, so the two do not compile
-#: the same kernels at once.
+#: The work units make test's parallel pass hands out first, in this order
+#: (longest first, so the last units to start are short): a test function
+#: (node-id prefix ``file::name``) is split out of its file, every
+#: parametrized case a unit of its own; a file is the rest of it, whole.
+#: Costs measured on a cold numba cache (-n 2). With a file to a unit and
+#: xdist's order (most tests first), the slowest files held one worker for
+#: minutes after the other had finished (tests/test_fleet_hybrid.py, a few
+#: tests of ~240 s in all, started last). The first unit (numba compiling the
+#: scan kernels, which later numba units load from the on-disk cache) goes to
+#: one worker and the Triton interpreter's slowest tests to the other, which
+#: takes a new one-test unit whenever it has at most two left, so the two do
+#: not compile the same kernels at once.
 FIRST = (
     "tests/test_scan_numba.py",
     "tests/test_fleet_hybrid.py::test_engine_classes",
@@ -161,8 +163,17 @@ FIRST = (
     "tests/test_fleet.py::test_fleet_parity_every_layout",
     "tests/test_fleet_hybrid.py::test_hybrid_kernel_fits_registers_without_spills",
     "tests/test_fleet_hybrid.py::test_random_parity_every_kind",
-    "tests/test_gpu_parity.py::test_fleet_parity",
-    "tests/test_fleet.py::test_engine_classes_share_scans_exactly",
+    # Then the slowest files whole, slowest first.
+    "tests/test_fleet_triton.py",
+    "tests/test_scan_triton.py",
+    "tests/test_engine.py",
+    "tests/test_gpu_model_fleet.py",
+    "tests/test_fleet.py",
+    "tests/test_gpu_parity.py",
+    "tests/test_reference.py",
+    "tests/test_cli.py",
+    "tests/test_key_index.py",
+    "tests/test_from_ints.py",
 )
 
 
