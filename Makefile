@@ -12,16 +12,19 @@ lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# The suite in two passes: every test file but the wall-clock-bound ones
-# across TEST_WORKERS processes (pytest-xdist, a file per process: the numba
-# compiles of a fresh clone are most of its time), then those (marked timing:
-# bounds of about a second) alone. TEST_WORKERS=0: one process.
+# The suite in two passes: every test but the wall-clock-bound ones across
+# TEST_WORKERS processes (pytest-xdist: the numba compiles of a fresh clone
+# are most of its time), then those (marked timing: bounds of about a second)
+# alone. TEST_WORKERS=0: one process. --dist loadgroup: a file to a process,
+# but for the slowest tests, which tests/conftest.py (FIRST) makes work units
+# of their own and hands out first, in its order (--no-loadscope-reorder,
+# pytest-xdist 3.8).
 TEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -q -p no:cacheprovider
 
 test: lint
 	start=$$(date +%s); \
-	$(PYTEST) -m "not slow and not timing" -n $(TEST_WORKERS) --dist loadfile; rc1=$$?; \
+	$(PYTEST) -m "not slow and not timing" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder; rc1=$$?; \
 	$(PYTEST) -m "timing and not slow"; rc2=$$?; \
 	echo "make test: the suite took $$(( $$(date +%s) - start )) s"; \
 	for rc in $$rc1 $$rc2; do \

@@ -83,7 +83,7 @@ def pytest_make_collect_report(collector):
         report.longrepr = (str(collector.path), 0, "Skipped: numba does not import")
 
 
-def pytest_collection_modifyitems(config, items):
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
@@ -139,3 +139,79 @@ def sched_harness(vllm_env, monkeypatch):
         import vllm_sched_harness
 
         yield vllm_sched_harness
+
+
+# -- the parallel pass's work units (make test: --dist loadgroup) -------------
+
+#: The work units make test's parallel pass hands out first, in this order
+#: (longest first, so the last units to start are short): a test function
+#: (node-id prefix ``file::name``) is split out of its file, every
+#: parametrized case a unit of its own; a file is the rest of it, whole.
+#: Costs measured on a cold numba cache (-n 2). With a file to a unit and
+#: xdist's order (most tests first), the slowest files held one worker for
+#: minutes after the other had finished (tests/test_fleet_hybrid.py, a few
+#: tests of ~240 s in all, started last). The first unit (numba compiling the
+#: scan kernels, which later numba units load from the on-disk cache) goes to
+#: one worker and the Triton interpreter's slowest tests to the other, which
+#: takes a new one-test unit whenever it has at most two left, so the two do
+#: not compile the same kernels at once.
+FIRST = (
+    "tests/test_scan_numba.py",
+    "tests/test_fleet_hybrid.py::test_engine_classes",
+    "tests/test_scan_triton.py::test_random_parity",
+    "tests/test_fleet_hybrid.py::test_engine_words_and_removed_engines",
+    "tests/test_fleet_hybrid.py::test_random_parity_every_kind",
+    "tests/test_fleet.py::test_fleet_parity_every_layout",
+    "tests/test_fleet_hybrid.py::test_hybrid_kernel_fits_registers_without_spills",
+    # Then the slowest files whole, slowest first.
+    "tests/test_fleet_triton.py",
+    "tests/test_scan_triton.py",
+    "tests/test_engine.py",
+    "tests/test_gpu_model_fleet.py",
+    "tests/test_fleet.py",
+    "tests/test_gpu_parity.py",
+    "tests/test_reference.py",
+    "tests/test_cli.py",
+    "tests/test_key_index.py",
+    "tests/test_from_ints.py",
+)
+
+
+def work_unit(nodeid: str) -> tuple[int, str]:
+    """An item's rank (its place in :data:`FIRST`, or past them) and work
+    unit: its own node id for a split test, else its file."""
+    for rank, prefix in enumerate(FIRST):
+        if nodeid == prefix or nodeid.startswith((prefix + "[", prefix + "::")):
+            return rank, nodeid if "::" in prefix else prefix
+    return len(FIRST), nodeid.split("::", 1)[0]
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Groups the items into work units (an xdist_group mark, which xdist
+    reads after this hook) and orders them: :data:`FIRST`'s units first, in
+    its order, then each file whole, files of more tests first (as xdist's
+    --dist loadfile orders them)."""
+    units: dict[str, list[pytest.Item]] = {}
+    ranks: dict[str, int] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None:  # a test's own group stands
+            rank = len(FIRST)
+            unit = str(mark.args[0] if mark.args else mark.kwargs.get("name"))
+        else:
+            rank, unit = work_unit(item.nodeid)
+            item.add_marker(pytest.mark.xdist_group(unit))
+        units.setdefault(unit, []).append(item)
+        ranks[unit] = min(rank, ranks.get(unit, rank))
+    order = sorted(units, key=lambda u: (ranks[u], -len(units[u])))
+    items[:] = [item for unit in order for item in units[unit]]
+
+
+# tryfirst: before xdist's own hook reads the xdist_group marks.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    _skip_gpu_tests(items)
+    # make test's parallel pass (--dist loadgroup): its work units; any
+    # other run's order and grouping stay as they were.
+    if config.getoption("dist", "no") == "loadgroup":
+        _group_for_workers(items)

@@ -524,3 +524,35 @@ def test_launches_per_call_and_no_host_copy(layout, launches):
             want = expected(layout, reqs, [keys, set(), keys, keys], lens.tolist(),
                             lookup=lookup)  # fmt: skip
             assert got.tolist() == want
+
+
+def test_conftest_first_names_tests_that_exist():
+    # make test's parallel pass splits out and starts first the tests that
+    # tests/conftest.py's FIRST names (this file's slowest among them): a
+    # renamed or moved test would silently fall back into its file's unit
+    # and the pass would grow past its budget again.
+    import ast
+    from pathlib import Path
+
+    import conftest
+
+    root = Path(conftest.__file__).resolve().parent.parent
+    for prefix in conftest.FIRST:
+        path, _, name = prefix.partition("::")
+        assert (root / path).is_file(), prefix
+        if name:
+            tree = ast.parse((root / path).read_text())
+            names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert name in names, prefix
+    # A test's own unit, its file's others one unit, anything else its file.
+    assert conftest.work_unit("tests/test_scan_numba.py::test_x[a]") == (
+        0,
+        "tests/test_scan_numba.py",
+    )
+    split = "tests/test_fleet_hybrid.py::test_engine_classes[dsv4]"
+    assert conftest.work_unit(split)[1] == split
+    other = "tests/test_fleet_hybrid.py::test_engine_classes_x"
+    assert conftest.work_unit(other) == (
+        len(conftest.FIRST),
+        "tests/test_fleet_hybrid.py",
+    )
