@@ -198,6 +198,23 @@ def cuda_items(name: str, counts: Any, py: float) -> tuple:
     return (py, 0, 1, counts.other_launches + extra, 0, copies)
 
 
+def best_thread_times(calls: dict, rounds: int, n: int) -> dict[str, float]:
+    """Seconds of thread time per call of each of ``calls`` (name -> a
+    function of no arguments): one warm-up call, then the best of ``rounds``
+    rounds of ``n`` calls."""
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.thread_time() - t0) / n)
+        out[name] = best
+    return out
+
+
 def host_python(engine, batch, num_tokens, index, rounds: int = 5,
                 n: int = 300) -> dict[str, float]:  # fmt: skip
     """Seconds of Python per call (thread time, best of ``rounds`` of ``n``
@@ -224,7 +241,6 @@ def host_python(engine, batch, num_tokens, index, rounds: int = 5,
         "lookup (list)": lambda: engine.lookup(batch, tokens, index),
         "lookup_unchecked": lambda: engine.lookup_unchecked(batch, num_tokens, index),
     }
-    out = {}
     launcher = scan.SCAN_LAUNCHER
     with (
         mock.patch.object(launcher, "launch", stub),
@@ -232,15 +248,7 @@ def host_python(engine, batch, num_tokens, index, rounds: int = 5,
         mock.patch.object(launcher, "enabled", True),
         mock.patch.object(launcher, "compiled", lambda *a: "compiled"),
     ):
-        for name, fn in calls.items():
-            fn()
-            best = float("inf")
-            for _ in range(rounds):
-                t0 = time.thread_time()
-                for _ in range(n):
-                    fn()
-                best = min(best, (time.thread_time() - t0) / n)
-            out[name] = best
+        out = best_thread_times(calls, rounds, n)
     # The LookupLaunch keeps the stand-in kernel, never run again: the
     # interpreter's launcher is disabled once the patches are undone.
     return out

@@ -61,7 +61,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvhit.bench.gpu_common import HostTimes
+from kvhit.bench.gpu_common import HostTimes, best_thread_times
 
 __all__ = [
     "H200_FLEET",
@@ -587,18 +587,8 @@ def host_python(case: FleetCase, rounds: int = 5, n: int = 200) -> dict[str, flo
         # The answer stays the launcher's zeroed output.
         return None
 
-    out = {}
     with mock.patch.object(launch.DirectLauncher, "launch", stub):
-        for name, fn in calls.items():
-            fn()
-            best = float("inf")
-            for _ in range(rounds):
-                t0 = time.thread_time()
-                for _ in range(n):
-                    fn()
-                best = min(best, (time.thread_time() - t0) / n)
-            out[name] = best
-    return out
+        return best_thread_times(calls, rounds, n)
 
 
 def direct_kernels() -> frozenset[str]:
