@@ -302,7 +302,6 @@ class EventFollower(StopOnExit):
         self._suspect = False
         #: When to run the next settle probe (see _SETTLE_S); None: none due.
         self._settle_at: float | None = None
-        self._settle_wait = _SETTLE_S  # ... and the wait after it
         self._settle_left = 0  # ... and how many more this connection
         #: A live frame came over the current connection: its subscription
         #: is active (see _SETTLE_S).
@@ -492,9 +491,11 @@ class EventFollower(StopOnExit):
                     self.settle_probes += 1
                     self._safely(self._catch_up, "settle probe")
                     # Timed from the answer: a slow replay is no probe lost.
-                    self._settle_wait *= 2
+                    # Each wait twice the previous: _SETTLE_S, then 0.4, 0.8,
+                    # 1.6 s as the probes done grow.
+                    done = _SETTLE_PROBES - self._settle_left
                     self._settle_at = (
-                        time.monotonic() + self._settle_wait
+                        time.monotonic() + _SETTLE_S * 2**done
                         if self._settle_left > 0
                         else None
                     )
@@ -617,7 +618,6 @@ class EventFollower(StopOnExit):
         ``_SETTLE_PROBES`` times at most."""
         self._confirmed = False
         if self.replay_endpoint is not None:
-            self._settle_wait = _SETTLE_S
             self._settle_left = _SETTLE_PROBES
             self._settle_at = time.monotonic() + _SETTLE_S
 
