@@ -59,6 +59,12 @@ def _be(buf, pos, width):
     return v
 
 
+# Counts as int64 values, not literals: each literal count (Literal[int](1),
+# Literal[int](2)) would compile _skip once more on a fresh machine.
+_ONE = np.int64(1)
+_TWO = np.int64(2)
+
+
 @numba.njit(cache=True, nogil=True)
 def _skip(buf, pos, count):
     """The position after ``count`` msgpack values from ``pos``, or -1 when
@@ -267,7 +273,7 @@ def _token_ranges(buf, key):
     n_top, pos = _container(buf, 0, 0x90, 0xDC)
     if n_top < 2:
         return spans, -1
-    pos = _skip(buf, pos, 1)  # ts
+    pos = _skip(buf, pos, _ONE)  # ts
     if pos < 0:
         return spans, -1
     n_ev, pos = _container(buf, pos, 0x90, 0xDC)
@@ -279,7 +285,7 @@ def _token_ranges(buf, key):
     for _ in range(n_ev):
         n_keys, after = _container(buf, pos, 0x80, 0xDE)
         if n_keys < 0:  # not a map: msgspec refuses it
-            pos = _skip(buf, pos, 1)
+            pos = _skip(buf, pos, _ONE)
             if pos < 0:
                 return spans, -1
             continue
@@ -301,9 +307,9 @@ def _token_ranges(buf, key):
                         found += 1
                         pos = end
                         continue
-                pos = _skip(buf, pos, 1)
+                pos = _skip(buf, pos, _ONE)
             else:
-                pos = _skip(buf, pos, 2)
+                pos = _skip(buf, pos, _TWO)
             if pos < 0:
                 return spans, -1
     pos = _skip(buf, pos, n_top - 2)

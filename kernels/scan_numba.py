@@ -496,8 +496,10 @@ def _batch_one(values, max_len, table, plan, k):  # fmt: skip
     mask_spans = buf[4:at].reshape((1, n_groups, 3))
     scratch = buf[at : at + n_st].reshape((1, n_sg, _ST_COLS))
     gscr = buf[at + n_st :].reshape((1, n_gscr))
-    _request(0, rows, starts, lengths, token_lengths, starts, table, sg, cand, prm,
-             hit, mask_spans, scratch, gscr)  # fmt: skip
+    # np.int64(0), not 0: a literal 0 is typed Literal[int](0), and numba would
+    # compile _request a second time (~10 s on a fresh machine) for it.
+    _request(np.int64(0), rows, starts, lengths, token_lengths, starts, table, sg, cand,
+             prm, hit, mask_spans, scratch, gscr)  # fmt: skip
     return hit[0]
 
 
