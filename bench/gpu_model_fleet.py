@@ -42,9 +42,9 @@ measured times.
 Run: ``python -m kvhit.bench.gpu_model_fleet [--quick] [--json PATH]``;
 ``--quick`` runs the small workloads of ``tests/test_gpu_model_fleet.py``
 only (seconds). ``--router``: llama B = 64, E = 64 eager by path, the
-general ``fleet_lookup`` against the CUDA router path that
-``fleet_scoring._router_args``' device args make possible
-(:func:`router_report`, each path's Python measured here).
+general ``fleet_lookup`` against a CUDA router path that is **not built**
+(:func:`router_call` sketches it: ``fleet_full_host`` answers the numba
+family only; :func:`router_report`, each path's Python measured here).
 """
 
 from __future__ import annotations
@@ -518,8 +518,8 @@ def call_counts(case: FleetCase):
     return count_call(call)[1]
 
 
-#: The CUDA router path (``fleet_scoring._router_args``' device args, issue
-#: 32) as a call would run it, per call on CUDA: Triton launches (direct),
+#: A CUDA router path (issue 32; not built: ``fleet_full_host`` answers the
+#: numba family only) as a call would run it, per call on CUDA: Triton launches (direct),
 #: other kernel launches (the view's subtraction and the lengths' copy
 #: through a pinned buffer: a router's list of lengths is checked on the
 #: host), syncs.
@@ -528,8 +528,10 @@ ROUTER_ITEMS: tuple[int, int, int] = (2, 2, 0)
 
 def router_call(engine: Any, batch: Any, num_tokens: list[int], fleet: Any,
                 members: Any, params: tuple[int, ...]) -> Any:  # fmt: skip
-    """What a CUDA router call of ``fleet_lookup`` runs on the host once
-    ``fleet_scoring._router_args`` hands it the device args: the type tests
+    """What a CUDA router call of ``fleet_lookup`` would run on the host (a
+    sketch of a path not built, for the model: members and params built once
+    per plan and handed in, as ``fleet_scoring._router_args`` does for the
+    numba kernel): the type tests
     of ``fleet_full_host``, the list of lengths checked on the host (then
     copied: not on the CPU), the batch's view, the Triton launcher with the
     members on the device. ``members`` int64 ``[M]``, ``params`` the

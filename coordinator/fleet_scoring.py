@@ -192,32 +192,19 @@ _ROUTER_ARGS: dict[tuple, tuple] = {}
 def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: bool,
                  lookup: bool) -> tuple:  # fmt: skip
     """:data:`_ROUTER_ARGS`' entry for this call, built and remembered:
-    ``(plan, engine device, members, params, device args)``.
-
-    On the CPU: the numba kernel's members (int64 numpy ``[M]``) and params
-    (int64 numpy ``[7]``). Off it (CUDA): members and params stay None (the
-    host kernel must refuse the call) and the fifth item holds what
-    ``kernels/fleet_triton.full_hits`` takes, built once per plan: the
-    members as an int64 tensor ``[M]`` on the engine's device (so a call
-    neither copies them nor hashes a numpy array to find its cached copy,
-    ``fleet_triton._on_device``) and its params ``(NW, scale, block size,
-    alignment, EAGLE drop, lookup)`` as ints."""
+    ``(plan, engine device, members, params)``: the numba kernel's members
+    (int64 numpy ``[M]``) and params (int64 numpy ``[7]``), or both None
+    where the joint scan does not answer the layout or the engine is off the
+    CPU (the host kernel must refuse the call: the general path takes it)."""
     host = _host_plan(engine)
-    members = params = device_args = None
-    if host.full_lookup if lookup else host.full:
+    members = params = None
+    if engine.device.type == "cpu" and (host.full_lookup if lookup else host.full):
         drop = host.use_eagle and (apply_eagle or lookup)
         params = host.params(nw, num_engines, drop, lookup)
-        if engine.device.type == "cpu":
-            members = host.members
-        else:
-            # One host-to-device copy per plan, not per call.
-            dev_members = torch.tensor(host.members.tolist(), dtype=torch.int64,
-                                       device=engine.device)  # fmt: skip
-            device_args = (dev_members, tuple(int(p) for p in params[:6]))
-            params = None
+        members = host.members
     if len(_ROUTER_ARGS) >= 256:
         _ROUTER_ARGS.clear()
-    got = (engine.plan, engine.device, members, params, device_args)
+    got = (engine.plan, engine.device, members, params)
     _ROUTER_ARGS[(id(engine.plan), nw, num_engines, apply_eagle, lookup)] = got
     return got
 

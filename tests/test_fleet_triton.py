@@ -652,7 +652,7 @@ def test_clear_engine_refuses_bad_arguments():
         fleet_triton.clear_engine(keys, bits[:4], 0)
 
 
-# -- the CUDA router path's arguments (fleet_scoring._router_args) ----------------------
+# -- the router path's per-plan arguments (fleet_scoring._router_args) -------------------
 
 
 def _router_entry(engine, nw, E, apply_eagle, lookup):
@@ -664,65 +664,19 @@ def _router_entry(engine, nw, E, apply_eagle, lookup):
 @pytest.mark.parametrize("lookup", [False, True])
 @pytest.mark.parametrize("apply_eagle", [False, True])
 def test_router_args_on_and_off_the_cpu(lookup, apply_eagle):
-    # On the CPU the numba kernel's members and params, no device args; off
-    # it (a meta device stands in for CUDA: shapes, no data) no host kernel
-    # args, so a host kernel refuses the call, and the Triton launcher's:
-    # the members on the engine's device, the first six params as ints.
+    # On the CPU the numba kernel's members and params; off it (a meta device
+    # stands in for CUDA) none, so the host kernel refuses the call and the
+    # general path takes it.
     from types import SimpleNamespace
 
     layout = CacheLayout([Group(FullAttention(16)), Group(FullAttention(16))], 16, 16)
     engine = LookupEngine(layout, backend="torch", device="cpu")
-    plan, dev, members, params, device_args = _router_entry(engine, 2, 70,
-                                                            apply_eagle, lookup)  # fmt: skip
-    assert plan is engine.plan and dev == engine.device and device_args is None
+    plan, dev, members, params = _router_entry(engine, 2, 70, apply_eagle, lookup)
+    assert plan is engine.plan and dev == engine.device
     assert members.tolist() == [0, 1] and len(params) == 7
+    assert params[6] == 70 and params[5] == int(lookup)
     off = SimpleNamespace(plan=engine.plan, device=torch.device("meta"))
-    got = _router_entry(off, 2, 70, apply_eagle, lookup)
-    assert got[2] is None and got[3] is None
-    dev_members, dev_params = got[4]
-    assert dev_members.device.type == "meta" and dev_members.dtype == torch.int64
-    assert dev_members.shape == (2,)
-    assert dev_params == tuple(int(p) for p in params[:6])
-    assert all(type(p) is int for p in dev_params)
-    # Not the joint scan's layout (a sliding window): nothing on either side.
+    assert _router_entry(off, 2, 70, apply_eagle, lookup)[2:] == (None, None)
+    # Not the joint scan's layout (a sliding window): nothing on the CPU either.
     hybrid = LookupEngine(make_layout("gemma3"), backend="torch", device="cpu")
-    off = SimpleNamespace(plan=hybrid.plan, device=torch.device("meta"))
-    assert _router_entry(off, 2, 70, apply_eagle, lookup)[2:] == (None, None, None)
-
-
-def _router_hits(engine, batch, lens, fleet, device_args):
-    # What a CUDA router call launches with _router_args' device args.
-    members, params = device_args
-    view = batch.view()
-    return fleet.ops.full_hits(
-        fleet.table, fleet.keys, fleet.bits, view.rows, view.offsets, view.lengths,
-        lens, members, fleet.live, fleet.active_mask, params, fleet.num_engines,
-    )  # fmt: skip
-
-
-@pytest.mark.gpu
-def test_router_args_on_cuda_answer_as_fleet_lookup():
-    # On a GPU: the launcher with _router_args' device args (members on the
-    # device, built once per plan) answers exactly as fleet_hits and
-    # fleet_lookup, 70 engines (two words), one removed.
-    rng = random.Random(3)
-    layout = make_layout("llama")
-    reqs = [chained_hashes(i % 5, rng.randint(0, 300)) for i in range(40)] + [[]]
-    fleet = FleetIndex(70, 8, capacity=1 << 14, device="cuda")
-    eng, grp, hs = [], [], []
-    for i, r in enumerate(reqs):
-        for e in {i % 70, (7 * i) % 70, 69}:
-            for h in r[: rng.randint(0, len(r))]:
-                eng.append(e), grp.append(0), hs.append(h)
-    fleet.add(eng, grp, hs)
-    fleet.remove_engine(5)
-    engine = LookupEngine(layout, device="cuda")
-    batch = HashBatch.from_bytes(reqs, 8).to("cuda")
-    lens = torch.tensor([max(len(r) * 16 - rng.randint(0, 20), 0) for r in reqs],
-                        device="cuda")  # fmt: skip
-    for lookup in (False, True):
-        got = _router_entry(engine, fleet.NW, 70, True, lookup)
-        assert got[2] is None and got[4][0].is_cuda
-        want = (engine.fleet_lookup(batch, lens, fleet) if lookup
-                else engine.fleet_hits(batch, lens, fleet))  # fmt: skip
-        assert torch.equal(_router_hits(engine, batch, lens, fleet, got[4]), want)
+    assert _router_entry(hybrid, 2, 70, apply_eagle, lookup)[2:] == (None, None)
