@@ -162,7 +162,6 @@ FIRST = (
     "tests/test_fleet_hybrid.py::test_engine_words_and_removed_engines",
     "tests/test_fleet_hybrid.py::test_random_parity_every_kind",
     "tests/test_fleet.py::test_fleet_parity_every_layout",
-    "tests/test_fleet_hybrid.py::test_hybrid_kernel_fits_registers_without_spills",
     # Then the slowest files whole, slowest first.
     "tests/test_fleet_triton.py",
     "tests/test_scan_triton.py",
