@@ -211,6 +211,10 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests(items)
     # make test's parallel pass (--dist loadgroup): its work units; any
-    # other run's order and grouping stay as they were.
-    if config.getoption("dist", "no") == "loadgroup":
+    # other run's order and grouping stay as they were. The workers collect
+    # (and their order is the one scheduled): xdist sets their option.dist to
+    # "no" and option.loadgroup to True, so that is what they are told by.
+    if getattr(config.option, "loadgroup", False) or (
+        config.getoption("dist", "no") == "loadgroup"
+    ):
         _group_for_workers(items)

@@ -467,3 +467,29 @@ def test_conftest_first_names_tests_that_exist():
         len(conftest.FIRST),
         "tests/test_fleet_hybrid.py",
     )
+
+
+def test_conftest_groups_where_xdist_workers_collect(monkeypatch):
+    # The order scheduled is the workers' collection, and xdist tells a
+    # worker --dist loadgroup by option.loadgroup (its option.dist is "no"):
+    # reading option.dist alone left make test's units unmade (files went out
+    # in name order, and both workers compiled the scan at once).
+    from types import SimpleNamespace
+
+    import conftest
+
+    calls = []
+    monkeypatch.setattr(conftest, "_group_for_workers", calls.append)
+    for loadgroup, dist, grouped in (
+        (True, "no", True),  # an xdist worker of make test's pass
+        (False, "loadgroup", True),  # the controller
+        (False, "no", False),  # plain pytest
+        (False, "load", False),
+    ):
+        calls.clear()
+        config = SimpleNamespace(
+            option=SimpleNamespace(loadgroup=loadgroup),
+            getoption=lambda name, default=None, dist=dist: dist,
+        )
+        conftest.pytest_collection_modifyitems(config, [])
+        assert calls == ([[]] if grouped else []), (loadgroup, dist)
