@@ -86,7 +86,7 @@ QUICK_REPEATS = 3
 PEER_BLOCK_SIZE = 512
 #: The orders the peer sweep replays in: ``separate`` (kvhit's whole replay,
 #: then the peer's, each a pass of its own) or ``alternate`` (step by step,
-#: kvhit then the peer).
+#: the side going first switching every step).
 PEER_ORDERS = ("separate", "alternate")
 
 #: About how many requests ``kvhit replay``'s reference loop answers by

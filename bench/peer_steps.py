@@ -8,8 +8,11 @@ in steps of ``B`` requests on exactly those inputs, kvhit (``HashBatch
 step) and Dynamo's ``RadixTree`` (one ``find_matches`` per request, one stored
 event per request), every answer compared, in both orders:
 
-* ``alternate``: step by step, kvhit then the peer: what a host running both
-  side by side sees (each pays for the cache state the other leaves behind);
+* ``alternate``: step by step, both sides: what a host running both side by
+  side sees (each pays for the cache state the other leaves behind). The side
+  that goes first switches every step: with raw ids both read the same Python
+  lists, and whichever reads a step's lists first pays for bringing them into
+  cache;
 * ``separate``: kvhit's whole replay, then the peer's, each a pass of its own.
 
 ``ids="hashed"`` gives the older inputs instead: every trace id expanded into
@@ -244,11 +247,12 @@ class _KvhitSteps:
 
 
 class _PeerSteps:
-    """The peer's side: one ``find_matches`` per request, its answers checked
-    against kvhit's (``mismatch`` raised on a difference), then one
-    stored event per request and a wait for the indexer thread to apply them
-    (``apply_event`` returns before it does: without the wait that work would
-    land in the next step's lookup)."""
+    """The peer's side: :meth:`find`, one ``find_matches`` per request;
+    :meth:`check`, its answers against kvhit's (``mismatch`` raised on a
+    difference); :meth:`add`, one stored event per request past its answer
+    and a wait for the indexer thread to apply them (``apply_event`` returns
+    before it does: without the wait that work would land in the next step's
+    lookup)."""
 
     def __init__(self, peer: str, b: int, tree: DynamoIndex, chains,
                  mismatch: type[Exception]) -> None:  # fmt: skip
@@ -257,13 +261,28 @@ class _PeerSteps:
         self.look: list[float] = []
         self.store: list[float] = []  # seconds per step
 
-    def step(self, lo: int, hi: int, mine: list[int]) -> None:
-        perf, tree, chs = time.perf_counter, self.tree, self.chains[lo:hi]
+    def find(self, lo: int, hi: int) -> list[int]:
+        """Requests ``lo:hi``' hits in blocks (timed)."""
+        t0 = time.perf_counter()
+        theirs = self.tree.find(self.chains[lo:hi])
+        self.look.append((time.perf_counter() - t0) / (hi - lo))
+        return theirs
+
+    def add(self, lo: int, hi: int, hits: list[int]) -> None:
+        """Store requests ``lo:hi``' blocks past ``hits`` (timed)."""
+        perf, tree = time.perf_counter, self.tree
         t0 = perf()
-        theirs = tree.find(chs)
-        self.look.append((perf() - t0) / (hi - lo))
+        for ch, m in zip(self.chains[lo:hi], hits, strict=True):
+            if m < len(ch):
+                tree.store_after(ch[m - 1] if m else None, ch[m:])
+        tree.sync()
+        self.store.append(perf() - t0)
+
+    def check(self, lo: int, mine: list[int], theirs: list[int]) -> None:
+        """Raise ``mismatch`` naming the first requests (from ``lo``) whose
+        hits differ."""
         if mine != theirs:
-            bad = [i for i in range(hi - lo) if mine[i] != theirs[i]][:5]
+            bad = [i for i in range(len(mine)) if mine[i] != theirs[i]][:5]
             raise self.mismatch(
                 f"{self.peer} disagrees with kvhit at B={self.b}: "
                 + ", ".join(
@@ -271,12 +290,6 @@ class _PeerSteps:
                     for i in bad
                 )
             )
-        t0 = perf()
-        for ch, m in zip(chs, mine, strict=True):
-            if m < len(ch):
-                tree.store_after(ch[m - 1] if m else None, ch[m:])
-        tree.sync()
-        self.store.append(perf() - t0)
 
 
 def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
@@ -298,8 +311,17 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
     kv = _KvhitSteps(engine, index, inputs, lengths)
     them = _PeerSteps(peer, b, tree, inputs.chains, mismatch)
     if order == "alternate":
-        for lo, hi in steps:
-            them.step(lo, hi, kv.step(lo, hi))
+        for k, (lo, hi) in enumerate(steps):
+            if k % 2 == 0:
+                mine = kv.step(lo, hi)
+                theirs = them.find(lo, hi)
+            else:
+                theirs = them.find(lo, hi)
+                mine = kv.step(lo, hi)
+            # Checked before the peer stores past its answer (a wrong one
+            # would name a parent block it does not hold).
+            them.check(lo, mine, theirs)
+            them.add(lo, hi, theirs)
             if bar is not None:
                 bar.update(hi - lo)
     else:
@@ -309,7 +331,9 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
             if bar is not None:
                 bar.update((hi - lo) // 2)
         for (lo, hi), mine in zip(steps, mine_at, strict=True):
-            them.step(lo, hi, mine)
+            theirs = them.find(lo, hi)
+            them.check(lo, mine, theirs)
+            them.add(lo, hi, theirs)
             if bar is not None:
                 bar.update(hi - lo - (hi - lo) // 2)
     return kv, them
