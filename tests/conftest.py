@@ -185,36 +185,48 @@ def work_unit(nodeid: str) -> tuple[int, str]:
     return len(FIRST), nodeid.split("::", 1)[0]
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Groups the items into work units (an xdist_group mark, which xdist
-    reads after this hook) and orders them: :data:`FIRST`'s units first, in
-    its order, then each file whole, files of more tests first (as xdist's
-    --dist loadfile orders them)."""
+def _order_for_workers(items: list[pytest.Item]) -> None:
+    """Orders the items by work unit (:func:`work_unit`): :data:`FIRST`'s
+    units first, in its order, then each file whole, files of more tests
+    first (as xdist's --dist loadfile orders them). The workers' collection
+    order is the order their units are handed out in (--no-loadscope-reorder)."""
     units: dict[str, list[pytest.Item]] = {}
     ranks: dict[str, int] = {}
     for item in items:
-        mark = item.get_closest_marker("xdist_group")
-        if mark is not None:  # a test's own group stands
-            rank = len(FIRST)
-            unit = str(mark.args[0] if mark.args else mark.kwargs.get("name"))
-        else:
-            rank, unit = work_unit(item.nodeid)
-            item.add_marker(pytest.mark.xdist_group(unit))
+        rank, unit = work_unit(item.nodeid)
         units.setdefault(unit, []).append(item)
         ranks[unit] = min(rank, ranks.get(unit, rank))
     order = sorted(units, key=lambda u: (ranks[u], -len(units[u])))
     items[:] = [item for unit in order for item in units[unit]]
 
 
-# tryfirst: before xdist's own hook reads the xdist_group marks.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests(items)
-    # make test's parallel pass (--dist loadgroup): its work units; any
-    # other run's order and grouping stay as they were. The workers collect
-    # (and their order is the one scheduled): xdist sets their option.dist to
-    # "no" and option.loadgroup to True, so that is what they are told by.
+    # make test's parallel pass (--dist loadgroup): its units' order; any
+    # other run's order stays as it was. The workers collect (and their order
+    # is the one scheduled): xdist sets their option.dist to "no" and
+    # option.loadgroup to True, so that is what they are told by.
     if getattr(config.option, "loadgroup", False) or (
         config.getoption("dist", "no") == "loadgroup"
     ):
-        _group_for_workers(items)
+        _order_for_workers(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """make test's --dist loadgroup: units of :func:`work_unit`, handed out
+    in the workers' collection order. Not xdist's own LoadGroupScheduling:
+    it reads a unit from an ``@group`` suffix that xdist 3.8 writes into
+    ``item._nodeid``, which pytest 9's ``nodeid`` no longer reads, so every
+    test went out as a unit of its own (both workers compiled the scan at
+    once, and the slowest files' tests were spread at random)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)[1]
+
+    return WorkUnits(config, log)

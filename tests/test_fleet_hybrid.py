@@ -472,14 +472,13 @@ def test_conftest_first_names_tests_that_exist():
 def test_conftest_groups_where_xdist_workers_collect(monkeypatch):
     # The order scheduled is the workers' collection, and xdist tells a
     # worker --dist loadgroup by option.loadgroup (its option.dist is "no"):
-    # reading option.dist alone left make test's units unmade (files went out
-    # in name order, and both workers compiled the scan at once).
+    # reading option.dist alone left the units in name order.
     from types import SimpleNamespace
 
     import conftest
 
     calls = []
-    monkeypatch.setattr(conftest, "_group_for_workers", calls.append)
+    monkeypatch.setattr(conftest, "_order_for_workers", calls.append)
     for loadgroup, dist, grouped in (
         (True, "no", True),  # an xdist worker of make test's pass
         (False, "loadgroup", True),  # the controller
@@ -493,3 +492,35 @@ def test_conftest_groups_where_xdist_workers_collect(monkeypatch):
         )
         conftest.pytest_collection_modifyitems(config, [])
         assert calls == ([[]] if grouped else []), (loadgroup, dist)
+
+
+def test_conftest_scheduler_hands_out_work_units():
+    # The controller's scheduler under --dist loadgroup splits by work_unit
+    # (a FIRST test its own unit, else its file); other modes keep xdist's.
+    from types import SimpleNamespace
+
+    import conftest
+
+    pytest.importorskip("xdist")
+    config = SimpleNamespace(getvalue=lambda name: "load")
+    assert conftest.pytest_xdist_make_scheduler(config, None) is None
+    split = "tests/test_fleet_hybrid.py::test_engine_classes[dsv4]"
+    units = {
+        "tests/test_docs.py::test_a": "tests/test_docs.py",
+        "tests/test_docs.py::test_b[x]": "tests/test_docs.py",
+        split: split,
+    }
+    for nodeid, unit in units.items():
+        assert conftest.work_unit(nodeid)[1] == unit
+    sched_cls = type(
+        conftest.pytest_xdist_make_scheduler(
+            SimpleNamespace(
+                getvalue=lambda name: "loadgroup",
+                option=SimpleNamespace(loadscopereorder=False, maxschedchunk=None),
+                getoption=lambda name, default=None: default,
+            ),
+            None,
+        )
+    )
+    for nodeid, unit in units.items():
+        assert sched_cls._split_scope(None, nodeid) == unit
