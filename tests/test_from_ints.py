@@ -510,6 +510,44 @@ def test_bad_tensors_are_named(bad, exc, where, first) -> None:
         HashBatch.from_ints([head, bad])
 
 
+@pytest.mark.parametrize("at", [0, 37, 63])
+def test_a_tensor_batch_names_its_one_bad_tensor(at) -> None:
+    # The torch batch path walks types, dtypes, lengths and one cat; any
+    # odd tensor sends the batch to the general path, which names it.
+    reqs = [torch.arange(i, i + 5) for i in range(64)]
+    bads = [
+        (torch.tensor([0, 1], dtype=torch.bool), TypeError, "torch.bool"),
+        (torch.tensor([0], dtype=torch.int32), None, None),  # another int dtype
+        (torch.tensor([2.0]), TypeError, "torch.float32"),
+        (torch.zeros((1, 1), dtype=torch.int64), ValueError, "1-D"),
+    ]
+    for bad, exc, what in bads:
+        bent = list(reqs)
+        bent[at] = bad
+        if exc is None:
+            got = HashBatch.from_ints(bent)
+            want = HashBatch.from_ints([r.tolist() for r in bent])
+            assert torch.equal(got.hashes, want.hashes)
+            assert torch.equal(got.offsets, want.offsets)
+            continue
+        with pytest.raises(exc, match=f"request {at}.*{what}"):
+            HashBatch.from_ints(bent)
+
+
+def test_a_tensor_batch_has_the_host_arrays_of_a_list_batch() -> None:
+    reqs = [[0, 1, 2], [], [0, 5], [-(1 << 63), (1 << 63) - 1]]
+    for form in ("torch:int64", "torch:int32", "torch:uint8"):
+        lo, hi = _range_of(form)
+        tensors = [_as_form([min(max(v, lo), hi) for v in r], form) for r in reqs]
+        got = HashBatch.from_ints(tensors)
+        want = HashBatch.from_ints([t.tolist() for t in tensors])
+        for a, b in zip(got.host_arrays(), want.host_arrays(), strict=True):
+            assert a.dtype == np.int64 and a.tolist() == b.tolist()
+            assert a.flags.c_contiguous
+        assert got.offsets.tolist() == [0, 3, 3, 5, 7]
+        HashBatch(got.hashes, got.offsets, 8)
+
+
 def test_tensors_of_one_shape_that_is_not_1d_are_named() -> None:
     for shape in ((2, 1), (0, 1), ()):
         reqs = [torch.zeros(shape, dtype=torch.int64)] * 2
