@@ -27,7 +27,7 @@ from array import array
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from functools import reduce
-from itertools import accumulate, chain
+from itertools import accumulate, chain, compress
 from operator import attrgetter, iadd, index, itemgetter
 from typing import Any, ClassVar
 
@@ -456,30 +456,37 @@ def _tensor_batch(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A batch of torch tensors (exactly ``torch.Tensor``) of one integer
     dtype, 1-D, as ``(offsets int64 [B + 1], lengths int64 [B], values
-    int64 [total])``, the values a new array (the caller's memory is never
-    aliased); None when anything is off (another type, dtype or shape, a
-    meta or sparse tensor, a uint64 value past int64), for the general path
-    to name it.
-
-    A tensor's metadata costs ~70 ns per Python call (``dtype``,
-    ``numel()``) and ``torch.cat`` ~130 ns per tensor, so the batch is
-    walked in as few passes as it takes: the types, the dtypes, the
-    lengths (straight into numpy, a 0 in front: their cumsum is the
-    offsets) and one cat; nothing else per tensor.
+    int64 [total])``, the values a new array (never the caller's memory);
+    None when anything is off (type, dtype, shape, a meta or sparse tensor,
+    a uint64 past int64), for the general path to name it. A tensor's
+    metadata costs ~70 ns a Python call, cat ~130 ns a tensor: the batch is
+    walked in four passes (types, dtypes, lengths, one cat), nothing more.
     """
     if not _TENSORS.issuperset(map(type, requests)):
         return None
     dtypes = set(map(_DTYPE, requests))
     if len(dtypes) != 1 or not dtypes <= TORCH_INT_DTYPES:
         return None
-    head = np.fromiter(
-        chain((0,), map(torch.Tensor.numel, requests)), _INT64, len(requests) + 1
-    )
+    lengths = list(map(torch.Tensor.numel, requests))
+    parts = requests
+    if 0 in lengths:
+        # cat takes a slow path as soon as one input is empty (64 tensors of
+        # the synthetic trace, 24 of them empty: 41 us, 6.7 without them):
+        # the empty ones are left out, checked here as cat and numpy() would
+        # (1-D, dense, holding data); anything else goes on to be named.
+        for t in compress(requests, map((0).__eq__, lengths)):
+            if t.dim() != 1 or t.layout is not torch.strided or t.is_meta:
+                return None
+        parts = list(compress(requests, lengths))
+    # The lengths with a 0 in front: their cumsum is the offsets.
+    head = np.fromiter(chain((0,), lengths), _INT64, len(lengths) + 1)
+    if not parts:
+        return head.cumsum(), head[1:], np.zeros(0, dtype=np.int64)
     try:
         # One cat (dense, one device; a sparse or meta tensor fails here or
         # at numpy()). cat refuses 0-d tensors and mixed dimensions; all 2-D
         # ones give a 2-D result: the shape is checked once, after it.
-        joined = torch.cat(requests)
+        joined = torch.cat(parts)
         if joined.dim() != 1:
             return None
         try:

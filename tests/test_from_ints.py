@@ -534,6 +534,32 @@ def test_a_tensor_batch_names_its_one_bad_tensor(at) -> None:
             HashBatch.from_ints(bent)
 
 
+@pytest.mark.parametrize("at", [0, 5])
+def test_a_tensor_batch_with_empty_tensors(at) -> None:
+    # cat is slow beside an empty tensor, so the batch path leaves the empty
+    # ones out: they are still checked and named as any other.
+    reqs = [torch.arange(i, i + (i % 3)) for i in range(8)]  # 0, 3, 6 empty
+    got = HashBatch.from_ints(reqs)
+    want = HashBatch.from_ints([r.tolist() for r in reqs])
+    assert torch.equal(got.hashes, want.hashes)
+    assert torch.equal(got.offsets, want.offsets)
+    assert (
+        HashBatch.from_ints([torch.zeros(0, dtype=torch.int32)] * 3).offsets.tolist()
+        == [0] * 4
+    )
+    bads = [
+        (torch.zeros((0, 1), dtype=torch.int64), ValueError, "1-D"),
+        (torch.zeros(0, dtype=torch.int64, device="meta"), ValueError, "meta"),
+        (torch.zeros(0, dtype=torch.int64).to_sparse(), TypeError, "dense"),
+        (torch.zeros(0, dtype=torch.bool), TypeError, "torch.bool"),
+    ]
+    for bad, exc, what in bads:
+        bent = list(reqs)
+        bent[at] = bad
+        with pytest.raises(exc, match=f"request {at}.*{what}"):
+            HashBatch.from_ints(bent)
+
+
 def test_a_tensor_batch_has_the_host_arrays_of_a_list_batch() -> None:
     reqs = [[0, 1, 2], [], [0, 5], [-(1 << 63), (1 << 63) - 1]]
     for form in ("torch:int64", "torch:int32", "torch:uint8"):
