@@ -312,6 +312,35 @@ def test_host_path_still_validates() -> None:
         engine.find_longest_cache_hit(batch, sparse, index)
 
 
+def test_a_one_request_step_takes_numpy_lengths_as_a_list() -> None:
+    # The engine hands an int64 numpy [1] on to the runner as its tolist();
+    # every other form, and every bad value, goes on as it is, refused as
+    # on the general path (a batch from torch.device("cpu") takes that one).
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+
+    engine = LookupEngine(_full_layout(), backend="numba")
+    index = KeyIndex(8, 16)
+    index.add(torch.zeros(3, dtype=torch.int64), torch.tensor([[1], [2], [3]]))
+    req = [1, 2, 3, 4]
+    fast = HashBatch.from_ints([req])
+    slow = HashBatch.from_ints([req], 8, torch.device("cpu"))
+    assert fast.one_values is not None and slow.one_values is None
+    for n in (0, 1, 40, 64, 200, (1 << 63) - 1):
+        want = engine.find_longest_cache_hit(slow, [n], index).hit_list()
+        for form in (np.array([n]), np.array([7, n])[1:], np.array([n], np.uint64)):
+            assert engine.find_longest_cache_hit(fast, form, index).hit_list() == want
+    bads = [np.array([-1]), np.array([True]), np.array([2.0]), np.array([[64]]),
+            np.array(64), np.array([64], dtype=object), np.array([1 << 63], np.uint64),
+            np.array([64, 64]), np.array([], np.int64)]  # fmt: skip
+    for bad in bads:
+        with pytest.raises((TypeError, ValueError)) as want:
+            engine.find_longest_cache_hit(slow, bad, index)
+        with pytest.raises(want.type, match="max_lengths") as got:
+            engine.find_longest_cache_hit(fast, bad, index)
+        assert str(got.value) == str(want.value)
+
+
 def test_host_arrays_share_the_batch_and_are_built_once() -> None:
     batch = HashBatch.from_bytes([[b"\x01" * 8, b"\x02" * 8], [], [b"\x03" * 8]], 8)
     rows, starts, lengths = batch.host_arrays()
