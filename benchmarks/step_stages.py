@@ -19,8 +19,18 @@ are each timed once per step (``perf_counter``), each step's best over the
 rounds. The trace's first 3,000 requests are stored and the next ones
 looked up, at least 8 steps at every batch size (B = 1024 included).
 
+``--replay`` times the alternate order itself (:func:`replay_stages`): the
+whole trace replayed against Dynamo's ``RadixTree`` (when it imports), one
+step of each side in turn, kvhit's stages timed apart as above. Measured so
+(issue 33, B = 1, lengths as a list, load ~3): a kvhit step of ~11 us where
+it takes ~5 us replayed alone, spread over every stage: ``from_ints`` ~5
+(np.array of the list alone ~2.3, its type scan ~1, the batch object ~1),
+``find`` ~4.5 (the compiled call ~2.8), the answer ~1.5 (``hit_list`` ~0.6,
+the router's list comprehension ~0.6).
+
 Run ``NUMBA_NUM_THREADS=1 PYTHONSAFEPATH=1 .venv/bin/python
-benchmarks/step_stages.py [--root DIR] [--cold] [--batch-sizes 1,64,1024]``;
+benchmarks/step_stages.py [--root DIR] [--cold | --replay] [--batch-sizes
+1,64,1024]``;
 ``--root`` loads kvhit's packages from another checkout (e.g.
 ``/work/main``), so two checkouts can be timed alternately by one
 interpreter.
@@ -190,6 +200,78 @@ def cold_stages(
     }
 
 
+def replay_stages(
+    batch_size: int, rounds: int, lengths: str = "list"
+) -> dict[str, float]:
+    """Microseconds per request of each kvhit stage in the alternate order
+    itself: the trace replayed in steps of ``batch_size`` on fresh stores,
+    ``rounds`` times, each kvhit step (``from_ints``,
+    ``find_longest_cache_hit``, the answer as ints, then its store) followed
+    by Dynamo's (``find_matches``, its store, the wait for its indexer
+    thread); per step the best over the rounds, then the median step. An
+    empty dict when Dynamo does not import."""
+    import numpy as np
+
+    from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
+    from kvhit.bench.peer_steps import step_inputs
+    from kvhit.bench.peers import DynamoIndex, load_dynamo
+    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch
+    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
+
+    tree_cls, _ = load_dynamo()
+    if tree_cls is None:
+        return {}
+    inp = step_inputs(load_trace(SHIPPED_TRACE, None), "raw", BS)
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=BS))],
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    engine = LookupEngine(layout, backend="numba", device="cpu")
+    tokens: Any = inp.tokens
+    if lengths == "numpy":
+        tokens = np.asarray(tokens, dtype=np.int64)
+    n = len(inp.ints)
+    steps = [(lo, min(n, lo + batch_size)) for lo in range(0, n, batch_size)]
+    pack, perf = HashBatch.from_ints, time.perf_counter
+    best = np.full((len(steps), 4), np.inf)
+    for _ in range(rounds):
+        index, tree = KeyIndex(8, 1 << 20), DynamoIndex(tree_cls)
+        find = engine.find_longest_cache_hit
+        for k, (lo, hi) in enumerate(steps):
+            reqs, t = inp.ints[lo:hi], tokens[lo:hi]
+            t0 = perf()
+            batch = pack(reqs)
+            t1 = perf()
+            res = find(batch, t, index, False)
+            t2 = perf()
+            mine = [h // BS for h in res.hit_list()]
+            t3 = perf()
+            row = best[k]
+            np.minimum(row, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), out=row)
+            rows, starts, lens = batch.host_arrays()
+            for i, m in enumerate(mine):
+                if m < lens[i]:
+                    index.add(0, rows[starts[i] + m : starts[i] + lens[i]])
+            chains = inp.chains[lo:hi]
+            if tree.find(chains) != mine:
+                raise RuntimeError(f"Dynamo disagrees with kvhit at step {k}")
+            for ch, m in zip(chains, mine, strict=True):
+                if m < len(ch):
+                    tree.store_after(ch[m - 1] if m else None, ch[m:])
+            tree.sync()
+    sizes = np.array([hi - lo for lo, hi in steps], dtype=np.float64)
+    med = np.median(best / sizes[:, None], axis=0) * 1e6
+    names = ("from_ints", "find", "answer", "step")
+    return {
+        f"replay {s} (lengths {lengths})": float(v)
+        for s, v in zip(names, med, strict=True)
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", help="load kvhit from this checkout")
@@ -200,11 +282,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the alternate order's stages instead (caches evicted per step)",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="the alternate order's stages, replayed against Dynamo itself",
+    )
     args = parser.parse_args(argv)
     if args.root:
         _use_root(args.root)
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        if args.cold:
+        if args.replay:
+            out = replay_stages(b, args.rounds, "list")
+            out.update(replay_stages(b, args.rounds, "numpy"))
+        elif args.cold:
             out = cold_stages(b, args.rounds, "list")
             out.update(cold_stages(b, args.rounds, "numpy"))
         else:

@@ -312,6 +312,35 @@ def test_host_path_still_validates() -> None:
         engine.find_longest_cache_hit(batch, sparse, index)
 
 
+def test_a_one_request_step_takes_numpy_lengths_as_a_list() -> None:
+    # The engine hands an int64 numpy [1] on to the runner as its tolist();
+    # every other form, and every bad value, goes on as it is, refused as
+    # on the general path (a batch from torch.device("cpu") takes that one).
+    from kvhit.coordinator.engine import LookupEngine
+    from kvhit.coordinator.key_index import KeyIndex
+
+    engine = LookupEngine(_full_layout(), backend="numba")
+    index = KeyIndex(8, 16)
+    index.add(torch.zeros(3, dtype=torch.int64), torch.tensor([[1], [2], [3]]))
+    req = [1, 2, 3, 4]
+    fast = HashBatch.from_ints([req])
+    slow = HashBatch.from_ints([req], 8, torch.device("cpu"))
+    assert fast.one_values is not None and slow.one_values is None
+    for n in (0, 1, 40, 64, 200, (1 << 63) - 1):
+        want = engine.find_longest_cache_hit(slow, [n], index).hit_list()
+        for form in (np.array([n]), np.array([7, n])[1:], np.array([n], np.uint64)):
+            assert engine.find_longest_cache_hit(fast, form, index).hit_list() == want
+    bads = [np.array([-1]), np.array([True]), np.array([2.0]), np.array([[64]]),
+            np.array(64), np.array([64], dtype=object), np.array([1 << 63], np.uint64),
+            np.array([64, 64]), np.array([], np.int64)]  # fmt: skip
+    for bad in bads:
+        with pytest.raises((TypeError, ValueError)) as want:
+            engine.find_longest_cache_hit(slow, bad, index)
+        with pytest.raises(want.type, match="max_lengths") as got:
+            engine.find_longest_cache_hit(fast, bad, index)
+        assert str(got.value) == str(want.value)
+
+
 def test_host_arrays_share_the_batch_and_are_built_once() -> None:
     batch = HashBatch.from_bytes([[b"\x01" * 8, b"\x02" * 8], [], [b"\x03" * 8]], 8)
     rows, starts, lengths = batch.host_arrays()
@@ -508,6 +537,70 @@ def test_bad_tensors_are_named(bad, exc, where, first) -> None:
     head = torch.tensor([1, 2]) if first == "tensor" else [1, 2]
     with pytest.raises(exc, match=where):
         HashBatch.from_ints([head, bad])
+
+
+@pytest.mark.parametrize("at", [0, 37, 63])
+def test_a_tensor_batch_names_its_one_bad_tensor(at) -> None:
+    # The torch batch path walks types, dtypes, lengths and one cat; any
+    # odd tensor sends the batch to the general path, which names it.
+    reqs = [torch.arange(i, i + 5) for i in range(64)]
+    bads = [
+        (torch.tensor([0, 1], dtype=torch.bool), TypeError, "torch.bool"),
+        (torch.tensor([0], dtype=torch.int32), None, None),  # another int dtype
+        (torch.tensor([2.0]), TypeError, "torch.float32"),
+        (torch.zeros((1, 1), dtype=torch.int64), ValueError, "1-D"),
+    ]
+    for bad, exc, what in bads:
+        bent = list(reqs)
+        bent[at] = bad
+        if exc is None:
+            got = HashBatch.from_ints(bent)
+            want = HashBatch.from_ints([r.tolist() for r in bent])
+            assert torch.equal(got.hashes, want.hashes)
+            assert torch.equal(got.offsets, want.offsets)
+            continue
+        with pytest.raises(exc, match=f"request {at}.*{what}"):
+            HashBatch.from_ints(bent)
+
+
+@pytest.mark.parametrize("at", [0, 5])
+def test_a_tensor_batch_with_empty_tensors(at) -> None:
+    # cat is slow beside an empty tensor, so the batch path leaves the empty
+    # ones out: they are still checked and named as any other.
+    reqs = [torch.arange(i, i + (i % 3)) for i in range(8)]  # 0, 3, 6 empty
+    got = HashBatch.from_ints(reqs)
+    want = HashBatch.from_ints([r.tolist() for r in reqs])
+    assert torch.equal(got.hashes, want.hashes)
+    assert torch.equal(got.offsets, want.offsets)
+    assert (
+        HashBatch.from_ints([torch.zeros(0, dtype=torch.int32)] * 3).offsets.tolist()
+        == [0] * 4
+    )
+    bads = [
+        (torch.zeros((0, 1), dtype=torch.int64), ValueError, "1-D"),
+        (torch.zeros(0, dtype=torch.int64, device="meta"), ValueError, "meta"),
+        (torch.zeros(0, dtype=torch.int64).to_sparse(), TypeError, "dense"),
+        (torch.zeros(0, dtype=torch.bool), TypeError, "torch.bool"),
+    ]
+    for bad, exc, what in bads:
+        bent = list(reqs)
+        bent[at] = bad
+        with pytest.raises(exc, match=f"request {at}.*{what}"):
+            HashBatch.from_ints(bent)
+
+
+def test_a_tensor_batch_has_the_host_arrays_of_a_list_batch() -> None:
+    reqs = [[0, 1, 2], [], [0, 5], [-(1 << 63), (1 << 63) - 1]]
+    for form in ("torch:int64", "torch:int32", "torch:uint8"):
+        lo, hi = _range_of(form)
+        tensors = [_as_form([min(max(v, lo), hi) for v in r], form) for r in reqs]
+        got = HashBatch.from_ints(tensors)
+        want = HashBatch.from_ints([t.tolist() for t in tensors])
+        for a, b in zip(got.host_arrays(), want.host_arrays(), strict=True):
+            assert a.dtype == np.int64 and a.tolist() == b.tolist()
+            assert a.flags.c_contiguous
+        assert got.offsets.tolist() == [0, 3, 3, 5, 7]
+        HashBatch(got.hashes, got.offsets, 8)
 
 
 def test_tensors_of_one_shape_that_is_not_1d_are_named() -> None:
