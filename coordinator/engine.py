@@ -61,7 +61,6 @@ Lengths = torch.Tensor | Sequence[int]
 
 
 _new = object.__new__
-_INT64 = np.dtype(np.int64)
 
 
 def _nothing() -> None:
@@ -390,18 +389,6 @@ class LookupEngine:
                 # table; the runner exists only for 8-byte keys on the
                 # backend's host path): nothing else to test here; the
                 # runner checks max_lengths.
-                if type(max_lengths) is np.ndarray and max_lengths.dtype is _INT64:
-                    # A router's int64 numpy slice [1] is handed on as its
-                    # tolist(), the runner's fastest form (a list of one int
-                    # in [0, 2**63)), when that is what it gives: one call
-                    # where the runner's array test reads the shape, the
-                    # dtype's kind and the item (cold, in the alternate
-                    # order: find 6.1-6.5 -> 5.4-5.8 us). Anything else goes
-                    # to the runner as it is, checked and named there.
-                    one = max_lengths.tolist()
-                    if type(one) is list and len(one) == 1 and type(one[0]) is int:
-                        if one[0] >= 0:
-                            max_lengths = one
                 result = _new(LookupResult)
                 result.__dict__["_hits"] = run(rows, max_lengths, view, apply_eagle)
                 return result

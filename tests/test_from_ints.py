@@ -313,9 +313,9 @@ def test_host_path_still_validates() -> None:
 
 
 def test_a_one_request_step_takes_numpy_lengths_as_a_list() -> None:
-    # The engine hands an int64 numpy [1] on to the runner as its tolist();
-    # every other form, and every bad value, goes on as it is, refused as
-    # on the general path (a batch from torch.device("cpu") takes that one).
+    # The numba backend's one-request runner reads an int64 numpy [1] by its
+    # tolist(); every other form, and every bad value, is refused as on the
+    # general path (a batch from torch.device("cpu") takes that one).
     from kvhit.coordinator.engine import LookupEngine
     from kvhit.coordinator.key_index import KeyIndex
 
