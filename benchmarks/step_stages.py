@@ -123,16 +123,13 @@ def stages(batch_size: int, rounds: int) -> dict[str, float]:
     return out
 
 
-def _setup(batch_size: int) -> tuple[Any, ...]:
-    """The engine, the index of the trace's first :data:`STORED` requests,
-    and the later requests as steps of ``batch_size`` (raw ids as lists,
-    lengths as lists)."""
+def _trace_engine() -> tuple[Any, Any]:
+    """The shipped trace's step inputs (raw ids) and a numba engine of its
+    layout (full attention, one block per trace id)."""
     from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
     from kvhit.bench.peer_steps import step_inputs
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
     from kvhit.coordinator.engine import LookupEngine
-    from kvhit.coordinator.key_index import KeyIndex
-    from kvhit.coordinator.packing import HashBatch
     from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
 
     inp = step_inputs(load_trace(SHIPPED_TRACE, None), "raw", BS)
@@ -141,7 +138,18 @@ def _setup(batch_size: int) -> tuple[Any, ...]:
         scheduler_block_size=BS,
         hash_block_size=BS,
     )
-    engine = LookupEngine(layout, backend="numba", device="cpu")
+    return inp, LookupEngine(layout, backend="numba", device="cpu")
+
+
+def _setup(batch_size: int) -> tuple[Any, ...]:
+    """The engine, the index of the trace's first :data:`STORED` requests,
+    and the later requests as steps of ``batch_size`` (raw ids as lists,
+    lengths as lists)."""
+    from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
+    from kvhit.coordinator.key_index import KeyIndex
+    from kvhit.coordinator.packing import HashBatch
+
+    inp, engine = _trace_engine()
     index = KeyIndex(8, 1 << 20)
     index.add(0, HashBatch.from_ints(inp.ints[:STORED]).hashes)
     ints, tokens = inp.ints[STORED:], inp.tokens[STORED:]
@@ -213,24 +221,14 @@ def replay_stages(
     import numpy as np
 
     from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
-    from kvhit.bench.peer_steps import step_inputs
     from kvhit.bench.peers import DynamoIndex, load_dynamo
-    from kvhit.bench.traces import SHIPPED_TRACE, load_trace
-    from kvhit.coordinator.engine import LookupEngine
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
-    from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
 
     tree_cls, _ = load_dynamo()
     if tree_cls is None:
         return {}
-    inp = step_inputs(load_trace(SHIPPED_TRACE, None), "raw", BS)
-    layout = CacheLayout(
-        groups=[Group(FullAttention(block_size=BS))],
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-    )
-    engine = LookupEngine(layout, backend="numba", device="cpu")
+    inp, engine = _trace_engine()
     tokens: Any = inp.tokens
     if lengths == "numpy":
         tokens = np.asarray(tokens, dtype=np.int64)
