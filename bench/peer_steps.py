@@ -246,7 +246,7 @@ class _KvhitSteps:
         return mine
 
 
-class _PeerSteps:
+class PeerSteps:
     """The peer's side: :meth:`find`, one ``find_matches`` per request;
     :meth:`check`, its answers against kvhit's (``mismatch`` raised on a
     difference); :meth:`add`, one stored event per request past its answer
@@ -294,7 +294,7 @@ class _PeerSteps:
 
 def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
             inputs: StepInputs, order: str, bar: Any, mismatch: type[Exception],
-            lengths: str = "list") -> tuple[_KvhitSteps, _PeerSteps]:  # fmt: skip
+            lengths: str = "list") -> tuple[_KvhitSteps, PeerSteps]:  # fmt: skip
     """One batch size, one order, on fresh stores: both replays, their
     per-step times."""
     from kvhit.coordinator.packing import HashBatch
@@ -309,7 +309,7 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
     tree.find([inputs.chains[first]])
     steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
     kv = _KvhitSteps(engine, index, inputs, lengths)
-    them = _PeerSteps(peer, b, tree, inputs.chains, mismatch)
+    them = PeerSteps(peer, b, tree, inputs.chains, mismatch)
     if order == "alternate":
         for k, (lo, hi) in enumerate(steps):
             if k % 2 == 0:
@@ -340,7 +340,7 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
 
 
 def _row(peer: str, b: int, n: int, order: str,
-         runs: Sequence[tuple[_KvhitSteps, _PeerSteps]]) -> PeerRow:  # fmt: skip
+         runs: Sequence[tuple[_KvhitSteps, PeerSteps]]) -> PeerRow:  # fmt: skip
     """The row of ``runs`` (replays of the same steps on fresh stores): each
     step's best time over the runs (a step takes microseconds, so on a shared
     host the best of a few misses the other processes' time slices), then

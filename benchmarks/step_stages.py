@@ -212,15 +212,17 @@ def replay_stages(
     batch_size: int, rounds: int, lengths: str = "list"
 ) -> dict[str, float]:
     """Microseconds per request of each kvhit stage in the alternate order
-    itself: the trace replayed in steps of ``batch_size`` on fresh stores,
-    ``rounds`` times, each kvhit step (``from_ints``,
-    ``find_longest_cache_hit``, the answer as ints, then its store) followed
-    by Dynamo's (``find_matches``, its store, the wait for its indexer
-    thread); per step the best over the rounds, then the median step. An
+    itself, as ``peer_steps`` replays it: the trace in steps of
+    ``batch_size`` on fresh stores, ``rounds`` times, kvhit's step
+    (``from_ints``, ``find_longest_cache_hit``, the answer as ints, then its
+    store) and Dynamo's (``peer_steps.PeerSteps``: ``find_matches``, its
+    store, the wait for its indexer thread), the side going first switching
+    every step; per step the best over the rounds, then the median step. An
     empty dict when Dynamo does not import."""
     import numpy as np
 
     from kvhit.bench.peer_steps import PEER_BLOCK_SIZE as BS
+    from kvhit.bench.peer_steps import PeerSteps, rows_past
     from kvhit.bench.peers import DynamoIndex, load_dynamo
     from kvhit.coordinator.key_index import KeyIndex
     from kvhit.coordinator.packing import HashBatch
@@ -237,9 +239,12 @@ def replay_stages(
     pack, perf = HashBatch.from_ints, time.perf_counter
     best = np.full((len(steps), 4), np.inf)
     for _ in range(rounds):
-        index, tree = KeyIndex(8, 1 << 20), DynamoIndex(tree_cls)
+        index = KeyIndex(8, 1 << 20)
+        them = PeerSteps("dynamo", batch_size, DynamoIndex(tree_cls), inp.chains,
+                         RuntimeError)  # fmt: skip
         find = engine.find_longest_cache_hit
         for k, (lo, hi) in enumerate(steps):
+            theirs = them.find(lo, hi) if k % 2 else None
             reqs, t = inp.ints[lo:hi], tokens[lo:hi]
             t0 = perf()
             batch = pack(reqs)
@@ -251,16 +256,13 @@ def replay_stages(
             row = best[k]
             np.minimum(row, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), out=row)
             rows, starts, lens = batch.host_arrays()
-            for i, m in enumerate(mine):
-                if m < lens[i]:
-                    index.add(0, rows[starts[i] + m : starts[i] + lens[i]])
-            chains = inp.chains[lo:hi]
-            if tree.find(chains) != mine:
-                raise RuntimeError(f"Dynamo disagrees with kvhit at step {k}")
-            for ch, m in zip(chains, mine, strict=True):
-                if m < len(ch):
-                    tree.store_after(ch[m - 1] if m else None, ch[m:])
-            tree.sync()
+            new = rows[rows_past(starts, lens, np.array(mine, dtype=np.int64))]
+            if new.shape[0]:
+                index.add(0, new)
+            if theirs is None:
+                theirs = them.find(lo, hi)
+            them.check(lo, mine, theirs)
+            them.add(lo, hi, theirs)
     sizes = np.array([hi - lo for lo, hi in steps], dtype=np.float64)
     med = np.median(best / sizes[:, None], axis=0) * 1e6
     names = ("from_ints", "find", "answer", "step")
