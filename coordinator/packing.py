@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from kvhit.coordinator.int_lists import decoder_ready, int_lists
 from kvhit.kernels.checks import (
     ARRAY_INT_CODES,
     TORCH_INT_DTYPES,
@@ -92,9 +93,8 @@ _STRUCT_MIN = 256
 #: Python ints as it does one (one type scan and one np.array): measured
 #: ahead up to ~110 ints, behind from ~200 (_small_batch).
 _SMALL_MAX = 128
-#: ... and at most this many requests: a longer step of a trace's requests
-#: holds more ints, and is not delayed by counting them (B = 8 of the
-#: conversation trace: 14.3 -> 15.2 us with it, side by side).
+#: ... and at most this many requests: a longer step holds more ints, not
+#: delayed by counting them (B = 8 conversation: 14.3 -> 15.2 us with it).
 _SMALL_B = 4
 
 
@@ -695,7 +695,8 @@ class HashBatch:
                 (numpy, torch on any device, ``array.array``), every value in
                 ``[-2**63, 2**63)``. A batch of lists, or of arrays of one
                 kind and dtype, converts in a few C-level passes (~10-20 ns
-                per int); mixed forms go request by request.
+                per int; lists via ``coordinator/int_lists.py`` once numba is
+                warm); mixed forms go request by request.
             hash_bytes: key width. The int is the key's first little-endian
                 word: ``from_ints([[v]], n)`` is the same key as
                 ``from_bytes([[v.to_bytes(8, "little", signed=True) +
@@ -718,10 +719,10 @@ class HashBatch:
             and device == "cpu"
         ):
             if len(requests) != 1:
-                # A few short lists (a step of 2-4 requests): the same one
-                # scan and one np.array as a step of one, the offsets and
-                # lengths in that array too; None sends anything else on.
-                batch = _small_batch(cls, requests)
+                # 2-4 short lists with no decoder (int_lists, below: 3 vs 8 us
+                # at B = 3): one scan and one np.array, the offsets and lengths
+                # in that array too; None sends anything else on.
+                batch = None if decoder_ready() else _small_batch(cls, requests)
                 if batch is not None:
                     return batch
             # A scheduler step of one short list of Python ints, 8-byte keys
@@ -757,7 +758,8 @@ class HashBatch:
         if _LISTS.issuperset(map(type, requests)):
             # The common case, all lists of Python ints (0 and 1 included):
             # C-level loops only, the offsets made in the same pass.
-            packed = _list_batch(requests) if requests else None
+            if requests:
+                packed = int_lists(requests) or _list_batch(requests)
             if packed is None:
                 lengths = list(map(len, requests))
                 same = lengths, _ints_of_list(requests, requests, lengths, 0)
@@ -798,9 +800,8 @@ class HashBatch:
                 hash_bytes,
             )
         # The numba backend's host view from the arrays in hand (no torch
-        # round trip on the first lookup). The public tensors are made on
-        # first access (__getattr__): a scheduler step of one request that
-        # goes straight to the numba host path never pays the two
+        # round trip). The public tensors are made on first access
+        # (__getattr__): a step on the numba host path never pays the two
         # torch.from_numpy calls (~0.9 us). One __dict__ update costs a
         # fraction of frozen-dataclass setattrs.
         batch = object.__new__(cls)

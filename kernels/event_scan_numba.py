@@ -25,6 +25,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvhit.kernels.msgpack_numba import INT_SIZE, container, read_be
 from kvhit.kernels.numba_cache import lock_cache_saves
 
 # Before anything here compiles: see kernels/numba_cache.py.
@@ -32,31 +33,15 @@ lock_cache_saves()
 
 __all__ = ["strip_token_ids", "warm_up"]
 
-#: Bytes of a msgpack int by its first byte; 0 where the byte starts
-#: anything else (positive and negative fixint 1, uint/int 8-64 2-9).
-_INT_SIZE = np.zeros(256, dtype=np.int64)
-_INT_SIZE[:0x80] = 1
-_INT_SIZE[0xE0:] = 1
-for _head, _size in ((0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9)):
-    _INT_SIZE[_head] = _INT_SIZE[_head + 4] = _size  # uint N and int N
 #: A side-by-side walk's step by a byte (see :func:`_chain`): the int's size,
 #: or 1 where the byte starts no int.
-_STEP = np.where(_INT_SIZE == 0, 1, _INT_SIZE)
+_STEP = np.where(INT_SIZE == 0, 1, INT_SIZE)
 #: The map key ``"token_ids"`` as msgpack writes it (a fixstr).
 _KEY = np.frombuffer(b"\xa9token_ids", dtype=np.uint8).copy()
 #: Bytes each of the four side-by-side walks covers per round.
 _SPAN = 256
 # Whether warm_up() ran in this process.
 _warm = False
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _be(buf, pos, width):
-    """The big-endian unsigned int of ``width`` bytes at ``pos`` (in bounds)."""
-    v = 0
-    for j in range(width):
-        v = (v << 8) | np.int64(buf[pos + j])
-    return v
 
 
 # Counts as int64 values, not literals: each literal count (Literal[int](1),
@@ -94,25 +79,25 @@ def _skip(buf, pos, count):
             w = 1 << ((b - 0xC4) if b <= 0xC6 else (b - 0xD9))
             if pos + 1 + w > L:
                 return -1
-            pos += 1 + w + _be(buf, pos + 1, w)
+            pos += 1 + w + read_be(buf, pos + 1, w)
         elif b <= 0xC9:  # ext 8, 16, 32: length, type, data
             w = 1 << (b - 0xC7)
             if pos + 1 + w > L:
                 return -1
-            pos += 2 + w + _be(buf, pos + 1, w)
+            pos += 2 + w + read_be(buf, pos + 1, w)
         elif b == 0xCA:  # float 32
             pos += 5
         elif b == 0xCB:  # float 64
             pos += 9
         elif b <= 0xD3:  # uint / int 8-64
-            pos += _INT_SIZE[b]
+            pos += INT_SIZE[b]
         elif b <= 0xD8:  # fixext 1-16: type, data
             pos += 2 + (1 << (b - 0xD4))
         else:  # array 16/32, map 16/32
             w = 2 if b == 0xDC or b == 0xDE else 4
             if pos + 1 + w > L:
                 return -1
-            n = _be(buf, pos + 1, w)
+            n = read_be(buf, pos + 1, w)
             left += n if b <= 0xDD else 2 * n
             pos += 1 + w
     return pos if pos <= L else -1
@@ -128,7 +113,7 @@ def _ints_from(buf, p, n, stop):
     while c < n and p < stop:
         if p >= L:
             return -1, 0
-        s = _INT_SIZE[buf[p]]
+        s = INT_SIZE[buf[p]]
         if s == 0:
             return -1, 0
         p += s
@@ -149,7 +134,7 @@ def _chain(buf, q, stop, c, bad):
     count is used only from a meeting point past ``bad`` (:func:`_walk_ints`)."""
     if q < stop:
         x = buf[q]
-        if _INT_SIZE[x] == 0:
+        if INT_SIZE[x] == 0:
             bad = q
         return q + _STEP[x], c + 1, bad
     return q, c, bad
@@ -167,7 +152,7 @@ def _meet(buf, a, b, limit):
         if a > limit or b > limit:
             return -1, 0, 0
         if a < b:
-            s = _INT_SIZE[buf[a]]
+            s = INT_SIZE[buf[a]]
             if s == 0:
                 return -1, 0, 0
             a += s
@@ -244,24 +229,6 @@ def _walk_ints(buf, p, n):
     return p
 
 
-@numba.njit(inline="always", cache=True, nogil=True)
-def _container(buf, pos, fix, w16):
-    """``(items, position of the first)`` of the array (``fix`` 0x90,
-    ``w16`` 0xdc) or map (0x80, 0xde) header at ``pos``, or ``(-1, -1)``."""
-    L = buf.shape[0]
-    if pos >= L:
-        return -1, -1
-    b = np.int64(buf[pos])
-    if fix <= b <= fix + 0x0F:
-        return b - fix, pos + 1
-    if b == w16 or b == w16 + 1:
-        w = 2 if b == w16 else 4
-        if pos + 1 + w > L:
-            return -1, -1
-        return _be(buf, pos + 1, w), pos + 1 + w
-    return -1, -1
-
-
 @numba.njit(cache=True, nogil=True)
 def _token_ranges(buf, key):
     """``(spans, found)``: the ``(start, end)`` of every event's
@@ -270,20 +237,20 @@ def _token_ranges(buf, key):
     byte."""
     L = buf.shape[0]
     spans = np.empty((0, 2), dtype=np.int64)
-    n_top, pos = _container(buf, 0, 0x90, 0xDC)
+    n_top, pos = container(buf, 0, 0x90, 0xDC)
     if n_top < 2:
         return spans, -1
     pos = _skip(buf, pos, _ONE)  # ts
     if pos < 0:
         return spans, -1
-    n_ev, pos = _container(buf, pos, 0x90, 0xDC)
+    n_ev, pos = container(buf, pos, 0x90, 0xDC)
     # (An event takes at least a byte: more cannot be there.)
     if n_ev < 0 or n_ev > L:
         return spans, -1
     spans = np.empty((n_ev, 2), dtype=np.int64)
     found = 0
     for _ in range(n_ev):
-        n_keys, after = _container(buf, pos, 0x80, 0xDE)
+        n_keys, after = container(buf, pos, 0x80, 0xDE)
         if n_keys < 0:  # not a map: msgspec refuses it
             pos = _skip(buf, pos, _ONE)
             if pos < 0:
@@ -298,7 +265,7 @@ def _token_ranges(buf, key):
                 j += 1
             if is_key:
                 pos += 10
-                n_ints, first = _container(buf, pos, 0x90, 0xDC)
+                n_ints, first = container(buf, pos, 0x90, 0xDC)
                 if n_ints >= 0:
                     end = _walk_ints(buf, first, n_ints)
                     if end >= 0:

@@ -32,6 +32,7 @@ from numba.extending import intrinsic
 
 from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
+from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -395,4 +396,6 @@ def warm_up() -> None:
     new = np.zeros((4, 2), dtype=np.int64)
     new[:, 0] = _EMPTY
     _rehash_kernel(table, new)
+    # from_ints' decoder of a batch of lists (coordinator/int_lists.py).
+    msgpack_warm_up()
     _warm = True

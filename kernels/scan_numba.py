@@ -121,6 +121,7 @@ from kvhit.kernels.contract import (
     SG_USE_EAGLE,
     PlanParams,
 )
+from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
@@ -938,3 +939,5 @@ def warm_up(prep: ScanPrep) -> None:
             scan_prepared(prep, rows, zero, zero, zero, table, mode, parallel)
     for mode in (FIND, LOOKUP):
         scan_one(prep, rows[:0], 0, table, mode)
+    # from_ints' decoder of a batch of lists (coordinator/int_lists.py).
+    msgpack_warm_up()

@@ -147,9 +147,9 @@ def test_token_ids_that_are_not_all_ints_are_left_in():
 
 def _walk_reference(buf, p, n):
     for _ in range(n):
-        if p >= len(buf) or es._INT_SIZE[buf[p]] == 0:
+        if p >= len(buf) or es.INT_SIZE[buf[p]] == 0:
             return -1
-        p += int(es._INT_SIZE[buf[p]])
+        p += int(es.INT_SIZE[buf[p]])
     return p if p <= len(buf) else -1
 
 

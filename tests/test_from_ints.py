@@ -8,13 +8,34 @@ import numpy as np
 import pytest
 import torch
 from helpers import best_seconds
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhit.coordinator.packing import HashBatch, num_words
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 WIDTHS = [1, 3, 7, 8, 12, 16, 32]
+
+
+@pytest.fixture(params=["struct", "decoder"])
+def list_path(request, monkeypatch) -> str:
+    """from_ints' two paths for a batch of lists: struct (no numba kernel
+    loaded, as in a process that runs only the Triton path) and msgspec plus
+    the numba decoder (coordinator/int_lists.py). Each must convert, refuse
+    and name exactly the same items."""
+    from kvhit.coordinator import int_lists
+
+    if request.param == "struct":
+        monkeypatch.setattr(int_lists, "_unpack", None)
+        monkeypatch.setattr(int_lists, "_loaded", lambda: None)
+        assert not int_lists.decoder_ready()
+    else:
+        pytest.importorskip("numba")
+        from kvhit.kernels.msgpack_numba import warm_up
+
+        warm_up()
+        assert int_lists.decoder_ready()
+    return request.param
 
 
 def _key_bytes(v: int, hash_bytes: int) -> bytes:
@@ -106,6 +127,7 @@ def test_numpy_dtypes_in_range_pack_their_values(reqs, dtype) -> None:
         ([[1], [2], np.array([3]), [4, 5, 1.5]], TypeError, "request 3, position 2"),
     ],
 )
+@pytest.mark.usefixtures("list_path")
 def test_bad_input_is_named(reqs, exc, where) -> None:
     with pytest.raises(exc, match=where.replace("[", r"\[").replace("]", r"\]")):
         HashBatch.from_ints(reqs)
@@ -141,6 +163,7 @@ class _Index:
         (np.uint64(1 << 63), ValueError),
     ],
 )
+@pytest.mark.usefixtures("list_path")
 def test_a_bad_item_is_named_in_short_and_long_lists(n, bad, exc) -> None:
     rng = np.random.default_rng(n)
     reqs = [rng.integers(2, 1 << 60, n).tolist() for _ in range(3)]
@@ -150,6 +173,7 @@ def test_a_bad_item_is_named_in_short_and_long_lists(n, bad, exc) -> None:
 
 
 @pytest.mark.parametrize("n", [5, 300, 5000])
+@pytest.mark.usefixtures("list_path")
 def test_zero_one_and_integer_likes_are_kept_in_short_and_long_lists(n) -> None:
     rng = np.random.default_rng(n)
     reqs = [rng.integers(-(1 << 62), 1 << 62, n).tolist() for _ in range(2)]
@@ -165,6 +189,7 @@ def test_zero_one_and_integer_likes_are_kept_in_short_and_long_lists(n) -> None:
     assert got.hashes.numpy().flags.writeable
 
 
+@pytest.mark.usefixtures("list_path")
 def test_a_long_batch_with_empty_requests_keeps_every_value_in_place() -> None:
     # Thousands of requests, empty ones among them, in one struct pass.
     rng = np.random.default_rng(7)
@@ -179,6 +204,7 @@ def test_a_long_batch_with_empty_requests_keeps_every_value_in_place() -> None:
 
 
 @pytest.mark.parametrize("hash_bytes", [1, 4, 7])
+@pytest.mark.usefixtures("list_path")
 def test_narrow_keys_refuse_values_that_do_not_fit(hash_bytes) -> None:
     top = 1 << (8 * hash_bytes)
     ok = HashBatch.from_ints([[0, top - 1]], hash_bytes)
@@ -208,12 +234,16 @@ def test_from_bytes_refuses_meta() -> None:
         HashBatch.from_bytes([[b"\x00" * 8]], 8, device="meta")
 
 
+@pytest.mark.usefixtures("list_path")
 def test_empty_batches() -> None:
     assert len(HashBatch.from_ints([])) == 0
+    lists = HashBatch.from_ints([[], [], [], [], []])
+    assert lists.offsets.tolist() == [0] * 6 and lists.hashes.shape == (0, 1)
     b = HashBatch.from_ints([[], np.zeros(0, dtype=np.int64), ()], 16)
     assert b.offsets.tolist() == [0, 0, 0, 0] and b.hashes.shape == (0, 2)
 
 
+@pytest.mark.usefixtures("list_path")
 def test_the_input_is_not_aliased() -> None:
     # A caller reusing its arrays must not change a packed batch.
     arr = np.array([1, 2, 3], dtype=np.int64)
@@ -446,8 +476,14 @@ def _range_of(form: str) -> tuple[int, int]:
     return max(info.min, -(1 << 63)), min(info.max, (1 << 63) - 1)
 
 
-@settings(max_examples=120, deadline=None)
+# The fixture's state is the same for every example.
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(form=st.sampled_from(_FORMS), data=st.data())
+@pytest.mark.usefixtures("list_path")
 def test_every_input_form_packs_the_values_of_its_lists(form, data) -> None:
     lo, hi = _range_of(form)
     # 0 and 1 drawn often: what struct also reads bools as.
@@ -463,6 +499,7 @@ def test_every_input_form_packs_the_values_of_its_lists(form, data) -> None:
     HashBatch(got.hashes, got.offsets, 8)  # a valid batch
 
 
+@pytest.mark.usefixtures("list_path")
 def test_mixed_forms_keep_request_order() -> None:
     from array import array
 
@@ -482,6 +519,7 @@ def test_mixed_forms_keep_request_order() -> None:
 
 
 @pytest.mark.parametrize("n", [3, 200, 3000])
+@pytest.mark.usefixtures("list_path")
 def test_zero_and_one_ints_are_kept_and_bools_refused_by_type(n) -> None:
     # Conversation-trace-like: every request starts at id 0, then 1.
     reqs = [[0, 1, *range(2 + 7 * i, 2 + 7 * i + n)] for i in range(4)]

@@ -90,15 +90,32 @@ def test_cold_construction_defers_the_kernels():
         """
     )
     assert "kvhit.kernels.hash_index_numba" not in cold
+    assert "kvhit.kernels.msgpack_numba" not in cold
     warm = _modules_after(
         """
+        from kvhit.coordinator.int_lists import decoder_ready
         from kvhit.coordinator.key_index import KeyIndex
         from kvhit.kernels import hash_index_numba
+        assert not decoder_ready()
         KeyIndex(32)
-        assert hash_index_numba._warm
+        # from_ints' decoder of a batch of lists loaded with the index's kernels.
+        assert hash_index_numba._warm and decoder_ready()
         """
     )
     assert "kvhit.kernels.hash_index_numba" in warm
+
+
+def test_a_warm_numba_engine_loads_the_decoder_of_lists():
+    _modules_after(
+        """
+        from kvhit.coordinator.engine import LookupEngine
+        from kvhit.coordinator.int_lists import decoder_ready
+        from kvhit import CacheLayout, FullAttention, Group
+        assert not decoder_ready()
+        LookupEngine(CacheLayout([Group(FullAttention(16))], 16, 16), backend="numba")
+        assert decoder_ready()
+        """
+    )
 
 
 def test_warm_fleet_loads_its_store_and_router_kernels():

@@ -1,0 +1,86 @@
+"""``HashBatch.from_ints``' path for a batch of lists of Python ints, once a
+numba engine or index has loaded its kernels.
+
+msgspec writes the batch as msgpack in one C pass, each item as what it is
+(a bool as true or false, never as an int), and the numba kernel
+``kernels/msgpack_numba.unpack_int_lists`` reads the bytes back as int64
+offsets, lengths and values, refusing anything but ints in int64. Cold, as
+a router meets a step, this touches a fraction of the code the struct path
+does (struct, then numpy's search for the 0s and 1s a bool could be): a
+step of 64 conversation requests (1,512 ints) packs in ~62 us against
+~136 us cold, ~21 against ~48 warm.
+
+Where it does not apply (the kernel not loaded, a batch msgspec cannot
+write, a numpy integer or a value past int64 in it), :func:`int_lists`
+answers None and ``from_ints`` takes its struct path, which converts or
+names the bad item as before. Everything msgspec writes as an int is taken
+by its value, as ``operator.index`` takes it: ints, int subclasses
+(``IntEnum``), and also an ``Enum`` member whose value is an int (msgspec
+writes enums by value), which the struct path refuses.
+
+The decoder is used once a numba kernel family has loaded it with its own
+kernels (``warm_up`` of ``kernels/scan_numba.py`` and
+``kernels/hash_index_numba.py``: a numba ``LookupEngine`` or ``KeyIndex``
+built with ``warm=True``, the default): this module never imports numba,
+and a process that runs only the Triton path never loads it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+__all__ = ["decoder_ready", "int_lists"]
+
+_INT64 = np.dtype(np.int64)
+_encode = msgspec.msgpack.Encoder().encode
+#: The kernels module, as numba loaded it (see :func:`int_lists`).
+_MODULE = "kvhit.kernels.msgpack_numba"
+# Its unpack_int_lists once a warm-up loaded it; None until then.
+_unpack: Callable[[bytes, np.ndarray], int] | None = None
+
+
+def _loaded() -> Callable[[bytes, np.ndarray], int] | None:
+    """The decoder, once a numba kernel family's warm-up (the scan's, the
+    KeyIndex's) has loaded it with its own kernels; None until then: one
+    dict lookup, no import and no compile on a step."""
+    global _unpack
+    mod = sys.modules.get(_MODULE)
+    if mod is not None and mod.loaded():
+        _unpack = mod.unpack_int_lists
+    return _unpack
+
+
+def decoder_ready() -> bool:
+    """Whether :func:`int_lists` has its decoder (see :func:`_loaded`)."""
+    return (_unpack or _loaded()) is not None
+
+
+def int_lists(requests: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``requests`` (a list of ``B`` lists) as ``(offsets int64 [B + 1],
+    lengths int64 [B], values int64 [n])``, views of one new array; None
+    when the decoder is not loaded or an item is not an int in int64 (the
+    caller's struct path then converts the batch or names the item)."""
+    unpack = _unpack or _loaded()
+    if unpack is None:
+        return None
+    try:
+        msg = _encode(requests)
+    except Exception:  # noqa: BLE001
+        # TypeError (a numpy integer, a tensor), OverflowError (past
+        # 2**64), msgspec.EncodeError, RecursionError: the struct path
+        # converts or names each.
+        return None
+    b = len(requests)
+    # Every list header and every int takes a byte at least, and the outer
+    # header one more: len(msg) + b >= 2 * b + 1 + n.
+    out = np.empty(b + len(msg), _INT64)
+    n = unpack(msg, out)
+    if n < 0:
+        return None
+    base = 2 * b + 1
+    return out[: b + 1], out[b + 1 : base], out[base : base + n]

@@ -1,0 +1,139 @@
+"""from_ints' decoder of a batch of lists (coordinator/int_lists.py, the
+kernel kernels/msgpack_numba.unpack_int_lists), compiled: it reads exactly
+what msgspec writes for lists of ints in int64, and refuses (-1, then None)
+everything else, never reading past the bytes it is given."""
+
+from __future__ import annotations
+
+import enum
+from itertools import accumulate
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from kvhit.coordinator import int_lists as il  # noqa: E402
+from kvhit.kernels import msgpack_numba as mn  # noqa: E402
+
+#: Every msgpack int width's edges, both signs, and int64's ends.
+EDGES = [
+    0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1,
+    -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
+]  # fmt: skip
+INT64 = st.one_of(st.sampled_from(EDGES), st.integers(-(2**63), 2**63 - 1))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _loaded() -> None:
+    mn.warm_up()
+    assert mn.loaded() and il.decoder_ready()
+
+
+def _want(reqs: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    lengths = list(map(len, reqs))
+    return [0, *accumulate(lengths)], lengths, [v for r in reqs for v in r]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    # Short requests (many headers) and longer ones.
+    reqs=st.sampled_from([3, 40]).flatmap(
+        lambda n: st.lists(st.lists(INT64, max_size=n), max_size=40)
+    )
+)
+def test_every_batch_of_int64_lists_reads_back_exactly(reqs) -> None:
+    got = il.int_lists(reqs)
+    assert got is not None
+    assert tuple(a.tolist() for a in got) == _want(reqs)
+    assert all(a.dtype == np.int64 for a in got)
+
+
+@pytest.mark.parametrize("b", [0, 1, 15, 16, 65535, 65536])
+def test_outer_and_inner_array_headers_of_every_width(b) -> None:
+    # fixarray below 16, array 16 up to 65535, array 32 past it.
+    reqs = [[i % 300 - 40] * (i % 3) for i in range(b)]
+    if b:
+        reqs[0] = [7] * 70_000  # an inner array 32
+    got = il.int_lists(reqs)
+    assert got is not None and tuple(a.tolist() for a in got) == _want(reqs)
+
+
+class _Color(enum.IntEnum):
+    RED = 5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [True, False, 1.0, None, "1", b"1", [1], (1,), {1: 2}, 2**63, 2**64 - 1, 2**64,
+     -(2**63) - 1, np.int64(3), np.True_, torch.tensor(3), torch.tensor(True)],
+    ids=repr,
+)  # fmt: skip
+@pytest.mark.parametrize("at", [0, 5])
+def test_anything_but_an_int64_int_is_refused(bad, at) -> None:
+    reqs = [[0, 1, 2], [], [3, 4, 5, 6, 7, 8]]
+    reqs[2][at] = bad
+    assert il.int_lists(reqs) is None
+
+
+def test_int_subclasses_are_taken_by_value() -> None:
+    got = il.int_lists([[1, _Color.RED], [2]])
+    assert got is not None and got[2].tolist() == [1, 5, 2]
+
+
+def test_cut_padded_or_corrupt_bytes_never_read_past_the_end() -> None:
+    reqs = [[0, 1, -1, 200, -200, 70_000, -(2**40), 2**63 - 1], [], [5, 6]]
+    msg = msgspec.msgpack.encode(reqs)
+    out = np.full(64, -7, dtype=np.int64)
+    assert mn.unpack_int_lists(msg, out) == 10
+    for cut in range(len(msg)):
+        assert mn.unpack_int_lists(msg[:cut], np.empty(64, np.int64)) == -1, cut
+    assert mn.unpack_int_lists(msg + b"\x00", np.empty(64, np.int64)) == -1
+    # Each byte replaced by each value: -1 or a count, never a crash; and a
+    # count only where the bytes still read as an array of arrays of ints.
+    rng = np.random.default_rng(0)
+    for pos in range(len(msg)):
+        for v in rng.integers(0, 256, 24).tolist():
+            bent = bytearray(msg)
+            bent[pos] = v
+            out = np.empty(64, np.int64)
+            n = mn.unpack_int_lists(bytes(bent), out)
+            if n >= 0:
+                again = msgspec.msgpack.decode(bytes(bent))
+                assert all(type(x) is int for r in again for x in r)
+                want = _want(again)
+                b = len(again)
+                assert out[: b + 1].tolist() == want[0]
+                assert out[2 * b + 1 : 2 * b + 1 + n].tolist() == want[2]
+
+
+def test_an_output_too_small_is_refused_not_overrun() -> None:
+    msg = msgspec.msgpack.encode([[1, 2, 3], [4]])
+    buf = np.full(16, -9, dtype=np.int64)
+    # 2 * 2 + 1 = 5 slots of offsets and lengths, then 4 values.
+    assert mn.unpack_int_lists(msg, buf[:8]) == -1
+    assert (buf[8:] == -9).all()
+    assert mn.unpack_int_lists(msg, buf[:9]) == 4
+    assert buf[:9].tolist() == [0, 3, 4, 3, 1, 1, 2, 3, 4]
+
+
+def test_uint64_is_taken_below_two_to_the_63_only() -> None:
+    out = np.empty(8, np.int64)
+    top = b"\x91\x91\xcf" + (2**63 - 1).to_bytes(8, "big")
+    assert mn.unpack_int_lists(top, out) == 1 and out[3] == 2**63 - 1
+    past = b"\x91\x91\xcf" + (2**63).to_bytes(8, "big")
+    assert mn.unpack_int_lists(past, out) == -1
+
+
+def test_not_loaded_means_none(monkeypatch) -> None:
+    # A process whose numba kernels were never warmed (the Triton path):
+    # int_lists answers None, so from_ints takes its struct path.
+    monkeypatch.setattr(il, "_unpack", None)
+    monkeypatch.setattr(mn, "_warm", False)
+    assert not il.decoder_ready() and il.int_lists([[1], [2]]) is None
+    mn.warm_up()
+    assert il.decoder_ready() and il.int_lists([[1], [2]]) is not None
