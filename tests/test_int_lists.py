@@ -6,6 +6,7 @@ everything else, never reading past the bytes it is given."""
 from __future__ import annotations
 
 import enum
+import sys
 from itertools import accumulate
 
 import msgspec
@@ -137,3 +138,16 @@ def test_not_loaded_means_none(monkeypatch) -> None:
     assert not il.decoder_ready() and il.int_lists([[1], [2]]) is None
     mn.warm_up()
     assert il.decoder_ready() and il.int_lists([[1], [2]]) is not None
+
+
+def test_without_msgspec_the_struct_path_packs(monkeypatch) -> None:
+    # The GPU machine's bare checkout: numba, no msgspec.
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # import raises
+    monkeypatch.setattr(il, "_unpack", None)
+    monkeypatch.setattr(il, "_no_msgspec", False)
+    assert not il.decoder_ready() and il.int_lists([[1], [2]]) is None
+    assert il._no_msgspec  # the failed import is not tried on every step
+    from kvhit.coordinator.packing import HashBatch
+
+    got = HashBatch.from_ints([[0, 1], [2], [True - 0, 5]])
+    assert got.hashes[:, 0].tolist() == [0, 1, 2, 1, 5]
