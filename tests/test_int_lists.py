@@ -6,6 +6,7 @@ everything else, never reading past the bytes it is given."""
 from __future__ import annotations
 
 import enum
+import os
 import sys
 from itertools import accumulate
 
@@ -27,6 +28,8 @@ EDGES = [
     -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
 ]  # fmt: skip
 INT64 = st.one_of(st.sampled_from(EDGES), st.integers(-(2**63), 2**63 - 1))
+# KVHIT_PARITY_EXAMPLES=N: N examples of the property below (a large run).
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "200"))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,7 +43,7 @@ def _want(reqs: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
     return [0, *accumulate(lengths)], lengths, [v for r in reqs for v in r]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     # Short requests (many headers) and longer ones.
     reqs=st.sampled_from([3, 40]).flatmap(
