@@ -87,11 +87,11 @@ def int_lists(requests: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray] 
         # converts or names each.
         return None
     b = len(requests)
-    # Every list header and every int takes a byte at least, and the outer
-    # header one more: len(msg) + b >= 2 * b + 1 + n.
-    out = np.empty(b + len(msg), _INT64)
+    base = 2 * b + 1
+    # Sized exactly (len(msg) would bound it, but a 64-bit hash takes 9
+    # bytes there: 9x the memory): the kernel refuses more ints than fit.
+    out = np.empty(base + sum(map(len, requests)), _INT64)
     n = unpack(msg, out)
     if n < 0:
         return None
-    base = 2 * b + 1
     return out[: b + 1], out[b + 1 : base], out[base : base + n]
