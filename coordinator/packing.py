@@ -91,7 +91,7 @@ _TENSORS = frozenset({torch.Tensor})
 _STRUCT_MIN = 256
 #: Below this many ints in all, from_ints packs a batch of several lists of
 #: Python ints as it does one (one type scan and one np.array): measured
-#: ahead up to ~110 ints, behind from ~200 (_small_batch).
+#: ahead up to ~110 ints, behind from ~200 (_lists_batch).
 _SMALL_MAX = 128
 #: ... and at most this many requests: a longer step holds more ints, not
 #: delayed by counting them (B = 8 conversation: 14.3 -> 15.2 us with it).
@@ -318,42 +318,46 @@ def _list_batch(
     return arr[: b + 1], arr[b + 1 : 2 * b + 1], values
 
 
-def _small_batch(cls: type[HashBatch], requests: list[Any]) -> HashBatch | None:
-    """A CPU batch of 8-byte keys from ``requests``, 2 to :data:`_SMALL_B`
-    lists of Python ints holding fewer than :data:`_SMALL_MAX` ints in all;
-    None for anything else (another form, a longer batch, an item that is
-    not an int or a value past int64), which the general path takes or
-    refuses.
+def _lists_batch(cls: type[HashBatch], requests: list[Any]) -> HashBatch | None:
+    """A CPU batch of 8-byte keys from ``requests``, a list of ``B != 1``
+    lists of Python ints, the quicker of two ways, its host arrays views of
+    one array; None for anything else (another form, a non-int, a value past
+    int64, a batch neither way takes): the general path takes or refuses it.
 
-    One list holds the offsets, the lengths and the values; one type scan
-    of it (bools refused by their type: no 0 or 1 looked at again) and one
-    np.array call convert it, and the host arrays are views of that array.
-    Below ~100 ints this is 1-2 us under :func:`_list_batch`'s struct pass,
-    whose buffer, numpy calls and search for 0s and 1s cost more than
-    np.array's slower conversion per int saves (steps of conversation
-    requests, median per step: 7.7 -> 6.5 us at B = 2, 9.2 -> 8.2 at B = 3,
-    12.2 -> 9.8 at B = 4).
+    - The decoder loaded (``coordinator/int_lists.py``): any ``B``, msgspec
+      and one numba pass (64 conversation requests: 54 us cold, 20 warm).
+    - Without it, 2 to :data:`_SMALL_B` lists of fewer than
+      :data:`_SMALL_MAX` ints in all: one list holds the offsets, the
+      lengths and the values, one type scan of it (bools refused by their
+      type) and one np.array convert it (median per step against the struct
+      pass: 7.7 -> 6.5 us at B = 2, 9.2 -> 8.2 at B = 3, 12.2 -> 9.8 at 4).
     """
-    if not 2 <= len(requests) <= _SMALL_B or not _LISTS.issuperset(map(type, requests)):
+    if not _LISTS.issuperset(map(type, requests)):
         return None
-    lengths = list(map(len, requests))
-    if sum(lengths) >= _SMALL_MAX:
-        return None
-    b = len(lengths)
-    # [0, offsets[1:]..., lengths..., values...]: list += per request.
-    args = reduce(iadd, requests, [0, *accumulate(lengths), *lengths])
-    if not _INTS.issuperset(map(type, args)):
-        return None
-    try:
-        arr = np.array(args, _INT64)
-    except OverflowError:
-        return None
-    words = arr[2 * b + 1 :].reshape(-1, 1)
+    if decoder_ready():
+        got = int_lists(requests)
+        if got is None:
+            return None
+        offsets, lengths, values = got
+        words, starts = values.reshape(-1, 1), offsets[:-1]
+    else:
+        lens = list(map(len, requests))
+        b = len(lens)
+        if not 2 <= b <= _SMALL_B or sum(lens) >= _SMALL_MAX:
+            return None
+        # [0, offsets[1:]..., lengths..., values...]: list += per request.
+        args = reduce(iadd, requests, [0, *accumulate(lens), *lens])
+        if not _INTS.issuperset(map(type, args)):
+            return None
+        try:
+            arr = np.array(args, _INT64)
+        except OverflowError:
+            return None
+        words, offsets = arr[2 * b + 1 :].reshape(-1, 1), arr[: b + 1]
+        starts, lengths = arr[:b], arr[b + 1 : 2 * b + 1]
     batch = object.__new__(cls)
     batch.__dict__.update(
-        hash_bytes=8,
-        _lazy=(words, arr[: b + 1]),
-        _host=(words, arr[:b], arr[b + 1 : 2 * b + 1]),
+        hash_bytes=8, _lazy=(words, offsets), _host=(words, starts, lengths)
     )
     return batch
 
@@ -719,10 +723,8 @@ class HashBatch:
             and device == "cpu"
         ):
             if len(requests) != 1:
-                # 2-4 short lists with no decoder (int_lists, below: 3 vs 8 us
-                # at B = 3): one scan and one np.array, the offsets and lengths
-                # in that array too; None sends anything else on.
-                batch = None if decoder_ready() else _small_batch(cls, requests)
+                # A batch of lists; None sends anything else on.
+                batch = _lists_batch(cls, requests)
                 if batch is not None:
                     return batch
             # A scheduler step of one short list of Python ints, 8-byte keys
@@ -756,8 +758,7 @@ class HashBatch:
         same = packed = None
         # issuperset builds no set: the common case tested first.
         if _LISTS.issuperset(map(type, requests)):
-            # The common case, all lists of Python ints (0 and 1 included):
-            # C-level loops only, the offsets made in the same pass.
+            # All lists of Python ints (0 and 1 included), C-level loops only.
             if requests:
                 packed = int_lists(requests) or _list_batch(requests)
             if packed is None:

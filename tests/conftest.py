@@ -230,3 +230,24 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)[1]
 
     return WorkUnits(config, log)
+
+
+@pytest.fixture(params=["struct", "decoder"])
+def list_path(request, monkeypatch) -> str:
+    """from_ints' two paths for a batch of lists: struct (no numba kernel
+    loaded, as in a process that runs only the Triton path) and msgspec plus
+    the numba decoder (coordinator/int_lists.py). Each must convert, refuse
+    and name exactly the same items."""
+    from kvhit.coordinator import int_lists
+
+    if request.param == "struct":
+        monkeypatch.setattr(int_lists, "_unpack", None)
+        monkeypatch.setattr(int_lists, "_loaded", lambda: None)
+        assert not int_lists.decoder_ready()
+    else:
+        pytest.importorskip("numba")
+        from kvhit.kernels.msgpack_numba import warm_up
+
+        warm_up()
+        assert int_lists.decoder_ready()
+    return request.param

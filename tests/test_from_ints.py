@@ -17,27 +17,6 @@ INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 WIDTHS = [1, 3, 7, 8, 12, 16, 32]
 
 
-@pytest.fixture(params=["struct", "decoder"])
-def list_path(request, monkeypatch) -> str:
-    """from_ints' two paths for a batch of lists: struct (no numba kernel
-    loaded, as in a process that runs only the Triton path) and msgspec plus
-    the numba decoder (coordinator/int_lists.py). Each must convert, refuse
-    and name exactly the same items."""
-    from kvhit.coordinator import int_lists
-
-    if request.param == "struct":
-        monkeypatch.setattr(int_lists, "_unpack", None)
-        monkeypatch.setattr(int_lists, "_loaded", lambda: None)
-        assert not int_lists.decoder_ready()
-    else:
-        pytest.importorskip("numba")
-        from kvhit.kernels.msgpack_numba import warm_up
-
-        warm_up()
-        assert int_lists.decoder_ready()
-    return request.param
-
-
 def _key_bytes(v: int, hash_bytes: int) -> bytes:
     """The documented key of ``v``: its 8 little-endian two's-complement bytes,
     zero-padded (hash_bytes >= 8) or cut to its low bytes (< 8, where v fits)."""

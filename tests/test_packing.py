@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhit.coordinator.packing import (
@@ -331,11 +331,17 @@ def test_from_ints_of_lists_with_empty_requests_and_narrow_keys() -> None:
     assert wide.hashes.tolist() == [[-1, 0], [2, 0], [3, 0]]
 
 
-@settings(max_examples=80, deadline=None)
+# list_path's state is the same for every example.
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     lengths=st.lists(st.integers(0, 70), min_size=0, max_size=7),
     data=st.data(),
 )
+@pytest.mark.usefixtures("list_path")
 def test_a_small_batch_equals_the_general_path(lengths: list[int], data) -> None:
     # Batches of a few short lists (under _SMALL_MAX = 128 ints in all take
     # one type scan and one np.array, as a batch of one): the same values,
@@ -363,6 +369,7 @@ def test_a_small_batch_equals_the_general_path(lengths: list[int], data) -> None
 
 
 @pytest.mark.parametrize("sizes", [[1, 1], [3, 0, 4], [30, 30, 30, 30]])
+@pytest.mark.usefixtures("list_path")
 def test_a_small_batch_names_a_bad_item_and_refuses_bools(sizes) -> None:
     for bad, exc, what in [
         (True, TypeError, "bool"),
