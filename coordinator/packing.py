@@ -320,21 +320,21 @@ def _list_batch(
 
 def _lists_batch(cls: type[HashBatch], requests: list[Any]) -> HashBatch | None:
     """A CPU batch of 8-byte keys from ``requests``, a list of ``B != 1``
-    lists of Python ints, the quicker of two ways, its host arrays views of
-    one array; None for anything else (another form, a non-int, a value past
-    int64, a batch neither way takes): the general path takes or refuses it.
-
-    - The decoder loaded (``coordinator/int_lists.py``): any ``B``, msgspec
-      and one numba pass (64 conversation requests: 54 us cold, 20 warm).
-    - Without it, 2 to :data:`_SMALL_B` lists of fewer than
-      :data:`_SMALL_MAX` ints in all: one list holds the offsets, the
-      lengths and the values, one type scan of it (bools refused by their
-      type) and one np.array convert it (median per step against the struct
-      pass: 7.7 -> 6.5 us at B = 2, 9.2 -> 8.2 at B = 3, 12.2 -> 9.8 at 4).
+    lists of Python ints, its host arrays views of one array; None for
+    anything else, which the general path takes or refuses. With the decoder
+    loaded (``coordinator/int_lists.py``), any ``B`` (64 conversation
+    requests: 54 us cold, 20 warm); without, 2 to :data:`_SMALL_B` lists of
+    fewer than :data:`_SMALL_MAX` ints: one type scan (bools refused by
+    type) and one np.array of a list of offsets, lengths and values (per
+    step against the struct pass: 7.7 -> 6.5 us at B = 2, 12.2 -> 9.8 at 4).
     """
+    ready = decoder_ready()
+    # Without the decoder a longer batch is refused before any type scan.
+    if not ready and not 2 <= len(requests) <= _SMALL_B:
+        return None
     if not _LISTS.issuperset(map(type, requests)):
         return None
-    if decoder_ready():
+    if ready:
         got = int_lists(requests)
         if got is None:
             return None
@@ -343,7 +343,7 @@ def _lists_batch(cls: type[HashBatch], requests: list[Any]) -> HashBatch | None:
     else:
         lens = list(map(len, requests))
         b = len(lens)
-        if not 2 <= b <= _SMALL_B or sum(lens) >= _SMALL_MAX:
+        if sum(lens) >= _SMALL_MAX:
             return None
         # [0, offsets[1:]..., lengths..., values...]: list += per request.
         args = reduce(iadd, requests, [0, *accumulate(lens), *lens])
