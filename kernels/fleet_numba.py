@@ -32,7 +32,7 @@ from numba import types
 from numba.extending import overload
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
-from kvhit.kernels.hash_index_numba import insert_count
+from kvhit.kernels.hash_index_numba import insert_count, rehash_rows
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
@@ -920,6 +920,14 @@ class FleetOps:
     def host_table(table: torch.Tensor) -> np.ndarray:
         """``table`` as numpy (a view)."""
         return table.numpy()
+
+    @staticmethod
+    def rehash_rows(old: torch.Tensor, new: torch.Tensor, W: int) -> int:
+        """Every live row of the table ``old`` (its key and engine set)
+        copied whole into ``new``, an empty table of :meth:`new_tables` with
+        room for them: ``hash_index_numba.rehash_rows``. Returns the keys
+        copied. A FleetIndex grows through it when its family has it."""
+        return rehash_rows(old.numpy(), new.numpy(), W)
 
     @staticmethod
     def find(

@@ -445,6 +445,40 @@ def test_growth_keeps_every_key():
     assert fleet.capacity == cap
 
 
+@pytest.mark.parametrize("E", [3, 70])
+def test_one_pass_growth_equals_the_rebuild_by_insert_and_find(E):
+    # The numba family grows by moving each live row of its joint table
+    # whole (FleetOps.rehash_rows); without it a fleet gathers the keys,
+    # inserts and finds them, and scatters the engine sets. Fed the same
+    # stores, removes (tombstones to purge), a removed engine and growth
+    # from one slot, both leave the same table: same slots, same engine
+    # sets (70 engines: two engine-set words), same counts.
+    rng = np.random.default_rng(E)
+    words = rng.integers(-(2**63), 2**63, size=(1500, 1), dtype=np.int64)
+    # Engine E - 1 is removed after the third chunk: no store names it later.
+    adders = [rng.integers(0, E if lo <= 600 else E - 1, size=300)
+              for lo in range(0, 1500, 300)]  # fmt: skip
+    removers = [rng.integers(0, E, size=100) for _ in adders]
+    fleets = [FleetIndex(E, 8, capacity=1, backend="numba") for _ in range(2)]
+    fleets[1].ops.rehash_rows = None  # this fleet's ops only: the rebuild
+    grown = []
+    for f in fleets:
+        caps = []
+        for k, lo in enumerate(range(0, 1500, 300)):
+            chunk = words[lo : lo + 300]
+            f.add(adders[k], 0, chunk)
+            f.remove(removers[k], 0, chunk[:100])
+            caps.append(f.capacity)
+            if lo == 600:
+                f.remove_engine(E - 1)
+        grown.append(caps)
+    assert grown[0] == grown[1] and grown[0][-1] >= 1024
+    assert _same(_snapshot(fleets[0]), _snapshot(fleets[1]))
+    held = fleets[0].holders(0, words)
+    assert torch.equal(held, fleets[1].holders(0, words))
+    assert held.any() and not held.all()
+
+
 # -- bad input: refused, nothing changed --------------------------------------------
 
 
