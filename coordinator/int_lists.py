@@ -62,7 +62,8 @@ def _loaded() -> Callable[[bytes, np.ndarray], int] | None:
             _no_msgspec = True
             return None
         _encode = msgspec.msgpack.Encoder().encode
-        _unpack = mod.unpack_int_lists
+        # The compiled entry: kvhit hands it only bytes and its own array.
+        _unpack = mod.unpack_entry()
     return _unpack
 
 

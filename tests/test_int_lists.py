@@ -143,6 +143,20 @@ def test_not_loaded_means_none(monkeypatch) -> None:
     assert il.decoder_ready() and il.int_lists([[1], [2]]) is not None
 
 
+def test_the_loaded_decoder_is_the_compiled_entry() -> None:
+    # int_lists calls numba's compiled wrapper of the one signature (bytes,
+    # a C int64 array), not the dispatcher; it reads what the dispatcher
+    # reads, refusals included.
+    entry = mn.unpack_entry()
+    assert entry is not mn.unpack_int_lists
+    assert type(entry).__name__ != "CPUDispatcher"
+    assert il._unpack is entry
+    for msg in (b"\x92\x92\x00\x01\x90", b"\x91\x92\x01\xc3", b"\x91\x91\xcb"):
+        a, b = np.zeros(16, np.int64), np.zeros(16, np.int64)
+        assert entry(msg, a) == mn.unpack_int_lists(msg, b)
+        assert a.tolist() == b.tolist()
+
+
 def test_without_msgspec_the_struct_path_packs(monkeypatch) -> None:
     # The GPU machine's bare checkout: numba, no msgspec.
     monkeypatch.setitem(sys.modules, "msgspec", None)  # import raises
