@@ -273,6 +273,38 @@ def test_router_path_takes_list_lengths(monkeypatch):
             engine.fleet_lookup(batch, value, fleet)
 
 
+def test_router_path_calls_the_compiled_wrappers_of_its_own_kernel():
+    # Once a fleet's warm-up has loaded the router kernel's two signatures
+    # (lens an int64 array, lens an array('q')), fleet_full_host calls
+    # numba's compiled wrappers of that kernel (no dispatcher typing), and
+    # answers as before; a kernel swapped in on a fleet (a bench capturing
+    # its arguments) is what runs there, with each lens form.
+    from kvhit.coordinator import fleet_scoring
+    from kvhit.kernels import fleet_numba
+
+    layout = make_layout("llama")
+    engine = LookupEngine(layout)
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    fleet = make_fleet(stores_)
+    kernel = fleet.host_kernel
+    owner, with_array, with_q = fleet_numba.router_entries()
+    assert owner is kernel
+    assert len({id(kernel), id(with_array), id(with_q)}) == 3
+    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    want = expected(layout, reqs, stores_, lens)
+    for value in (lens, np.array(lens), torch.tensor(lens)):
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+    assert fleet_scoring._KERNEL_CALLS[kernel] == (with_array, with_q)
+    seen = []
+    fleet.host_kernel = lambda *a: seen.append(type(a[4]).__name__) or kernel(*a)
+    for value in (lens, np.array(lens)):
+        assert engine.fleet_hits(batch, value, fleet).tolist() == want
+    assert seen == ["array", "ndarray"]
+
+
 @pytest.mark.parametrize("preset", ["llama", "dsv4-flash", "qwen3-next", "gemma3"])
 @pytest.mark.parametrize("num_engines", [1, 3, 70, 130])
 def test_presets_many_engines(preset, num_engines):
