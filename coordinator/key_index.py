@@ -660,7 +660,7 @@ class KeyIndex:
             # step evicted, where each frame, attribute or tensor call is a
             # cache miss. Other host forms: insert_host_forms; the rest, a
             # refused value or a rehash: the general path (it names them).
-            table, W, pad, limit, insert_at, insert_arrays, refused, _ = plan
+            table, W, pad, limit, insert_at, insert_arrays, refused, _, rows_at = plan
             th, tg = type(hashes), type(group_ids)
             added = None
             if th is torch.Tensor:
@@ -692,9 +692,12 @@ class KeyIndex:
                     and 0 <= group_ids < _GID_END
                     and self._size + self._tombstones + n <= limit
                     and hashes.dtype is _NP_INT64
-                    and hashes.flags.c_contiguous
+                    and (flags := hashes.flags).c_contiguous
                 ):
-                    added = insert_arrays(table, NO_IDS, group_ids, hashes, pad)
+                    # The compiled entry where the rows are aligned (its
+                    # one signature's loads), else the dispatcher.
+                    insert = rows_at if flags.aligned else insert_arrays
+                    added = insert(table, NO_IDS, group_ids, hashes, pad)
             if added is None and self._size + self._tombstones < limit:
                 added = insert_host_forms(
                     plan, limit - self._size - self._tombstones, group_ids, hashes
@@ -713,7 +716,8 @@ class KeyIndex:
     def _store_plan(self) -> tuple[Any, ...]:
         """What :meth:`add`'s host path reads, in one tuple (the table's
         numpy view, W, pad, load limit, the numba ``insert_checked_at``,
-        ``insert_checked``, ``REFUSED``, ``hash_bytes``), or ``()`` for an
+        ``insert_checked``, ``REFUSED``, ``hash_bytes``, ``insert_checked``'s
+        compiled entry for aligned numpy rows), or ``()`` for an
         index with no such path; made at the first add after the table or
         binding changes."""
         if not (self._host and self._np_table is not None and not self._read_only):
@@ -728,6 +732,7 @@ class KeyIndex:
             k.insert_checked,
             k.REFUSED,
             self.hash_bytes,
+            k.insert_entry(),
         )
 
     def host_keys(

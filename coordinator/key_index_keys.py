@@ -297,13 +297,13 @@ def insert_host_forms(
     """One checked numba insert of keys in :func:`host_rows`' and
     :func:`host_ids`' forms (tensors read where they lie), for the host
     store path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
-    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes)``
+    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes, ...)``
     (``KeyIndex._store_plan``); ``room``: the new keys that fit without a
     rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
     value is refused, nothing stored; ``-1 - r`` when row ``r`` found no
     free slot), or None, nothing done, for any other form, no key, or more
     than ``room`` keys."""
-    table, W, pad, _, insert_at, insert_arrays, _, hash_bytes = plan
+    table, W, pad, _, insert_at, insert_arrays, _, hash_bytes, _ = plan
     h = host_rows(hashes, hash_bytes, W)
     if h is None:
         return None

@@ -22,6 +22,7 @@ imports it only when the numba backend runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import numba
@@ -52,6 +53,7 @@ __all__ = [
     "insert_checked",
     "insert_checked_at",
     "insert_count",
+    "insert_entry",
     "probe",
     "rehash",
     "rehash_rows",
@@ -383,6 +385,22 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
     for t in (table, new):
         check_probe_args(t, W, None, None, device_type="cpu")
     return rehash_rows(table.numpy(), new.numpy(), W)
+
+
+def insert_entry() -> Callable[..., int]:
+    """:func:`insert_checked` as numba's compiled wrapper of the signature
+    ``KeyIndex.add`` calls it with on its numpy path (C-contiguous, aligned,
+    writable int64 table, group ids and keys; int64 group id and pad), which
+    skips the dispatcher's typing of five arguments: cold (25 new keys, a
+    2**20-slot table, caches evicted) 21.5 -> 16.1 us a call. The
+    dispatcher itself until that signature is compiled or loaded. Only for
+    arguments of exactly those types (a read-only array reads alike; an
+    unaligned one must go through the dispatcher)."""
+    a2 = numba.typeof(np.empty((1, 1), dtype=np.int64))
+    a1 = numba.typeof(np.empty(1, dtype=np.int64))
+    i64 = numba.types.int64
+    got = insert_checked.overloads.get((a2, a1, i64, a2, i64))
+    return getattr(got, "entry_point", None) or insert_checked
 
 
 def warm_up() -> None:

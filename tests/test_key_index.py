@@ -1462,3 +1462,32 @@ def test_host_tables_are_plain_int64_and_exact(cpu_backend: str) -> None:
     restored = KeyIndex.from_state_dict(index.state_dict(), backend=cpu_backend)
     assert restored.table.data_ptr() != index.table.data_ptr()
     _check_host_table(restored, keys, present)
+
+
+def test_add_of_aligned_numpy_rows_calls_the_compiled_entry() -> None:
+    # KeyIndex.add's numpy path calls insert_checked's compiled wrapper (no
+    # dispatcher typing) for C-contiguous aligned rows, and the dispatcher
+    # for unaligned ones (the wrapper's loads assume the alignment of its one
+    # signature). Both store exactly the new keys.
+    ix = KeyIndex(8, 64)
+    assert ix.add(0, np.arange(5, dtype=np.int64).reshape(-1, 1)) == 5
+    plan = ix._store
+    assert plan[8] is hnb.insert_entry() and plan[8] is not hnb.insert_checked
+    assert plan[5] is hnb.insert_checked
+    calls = []
+
+    def record(name, fn):
+        # An aligned copy for the dispatcher: no unaligned signature compiled.
+        return lambda t, g, c, h, p: calls.append(name) or fn(t, g, c, h.copy(), p)
+
+    ix._store = plan[:5] + (record("dispatcher", plan[5]),) + plan[6:8]
+    ix._store += (record("entry", plan[8]),)
+    assert ix.add(0, np.arange(3, 8, dtype=np.int64).reshape(-1, 1)) == 3
+    unaligned = np.zeros(33, dtype=np.uint8)[1:].view(np.int64).reshape(-1, 1)
+    unaligned[:, 0] = [20, 21, 3, 22]
+    assert unaligned.flags.c_contiguous and not unaligned.flags.aligned
+    assert ix.add(0, unaligned) == 3
+    assert calls == ["entry", "dispatcher"]
+    assert ix.contains(0, np.array([[20], [21], [22], [7], [9]])).tolist() == [
+        True, True, True, True, False,
+    ]  # fmt: skip
