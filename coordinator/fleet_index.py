@@ -506,9 +506,9 @@ class FleetIndex:
         if rows is not None:
             # A family whose keys and engine sets share one table (numba):
             # each live row moved whole, in one pass (131,000 keys 17-19 ->
-            # ~6 ms here; the gathers, insert, find and scatter below touch
+            # 7 ms here; the gathers, insert, find and scatter below touch
             # every key four times).
-            stored = rows(self.table, table, self.W)
+            stored = rows(self.host_table, self.ops.host_table(table), self.W)
         else:
             live = (self.keys[:, 0] >= 0).nonzero().squeeze(1)
             g = self.keys[live, 0].contiguous()

@@ -209,28 +209,23 @@ def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: b
     return got
 
 
-# A router kernel (a family's ``host_kernel``) -> what fleet_full_host calls
-# with lens an int64 array and with lens an array('q'): the family's compiled
-# wrappers (``FleetOps.router_entries``) of that very kernel, or the kernel
-# itself (a family without them, or a kernel a test or bench swapped in).
-_KERNEL_CALLS: dict[Any, tuple[Any, Any]] = {}
+# (router kernel, lens an array('q')) -> what fleet_full_host calls: the
+# kernel's compiled wrapper for the types of the arguments it passes (the
+# family's ``compiled_entry``; kvhit's own arrays, so every later call's are
+# alike), remembered once the kernel has compiled or loaded them.
+_KERNEL_CALLS: dict[tuple[Any, bool], Any] = {}
 
 
-def _kernel_calls(fleet: FleetTables, kernel: Any) -> tuple[Any, Any]:
-    """:data:`_KERNEL_CALLS`' entry for ``kernel``, remembered once the
-    family's wrappers are compiled or loaded (until then the dispatcher)."""
-    entries = getattr(fleet.ops, "router_entries", None)
-    got = (kernel, kernel)
-    if entries is not None:
-        owner, with_array, with_q = entries()
-        if owner is kernel:
-            got = (with_array, with_q)
-            if with_array is kernel or with_q is kernel:
-                return got  # not compiled yet: asked again next call
-    if len(_KERNEL_CALLS) >= 64:
-        _KERNEL_CALLS.clear()
-    _KERNEL_CALLS[kernel] = got
-    return got
+def _kernel_call(fleet: FleetTables, kernel: Any, q: bool, args: tuple) -> Any:
+    """:data:`_KERNEL_CALLS`' entry for ``(kernel, q)`` (the kernel itself
+    until then, or where the family has no compiled wrappers)."""
+    entry = getattr(fleet.ops, "compiled_entry", None)
+    call = kernel if entry is None else entry(kernel, *args)
+    if call is not kernel:
+        if len(_KERNEL_CALLS) >= 64:
+            _KERNEL_CALLS.clear()
+        _KERNEL_CALLS[(kernel, q)] = call
+    return call
 
 
 def fleet_full_host(
@@ -297,9 +292,10 @@ def fleet_full_host(
             except (TypeError, OverflowError):
                 buf = None
             if buf is not None:
-                call = (_KERNEL_CALLS.get(kernel) or _kernel_calls(fleet, kernel))[1]
-                bad, out = call(fleet.host_table, rows, offsets, lengths, buf,
-                                members, fleet.live, params)  # fmt: skip
+                args = (fleet.host_table, rows, offsets, lengths, buf, members,
+                        fleet.live, params)  # fmt: skip
+                call = _KERNEL_CALLS.get((kernel, True))
+                bad, out = (call or _kernel_call(fleet, kernel, True, args))(*args)
                 if bad < 0:
                     return torch.from_numpy(out)
         # A length below 2 (a bool?), a non-int, a wrong count: the general
@@ -330,9 +326,10 @@ def fleet_full_host(
             # to the one form the kernel is compiled for (B ints; never
             # written).
             lens = lens.copy()
-    call = (_KERNEL_CALLS.get(kernel) or _kernel_calls(fleet, kernel))[0]
-    bad, out = call(fleet.host_table, rows, offsets, lengths, lens, members,
-                    fleet.live, params)  # fmt: skip
+    args = (fleet.host_table, rows, offsets, lengths, lens, members, fleet.live,
+            params)  # fmt: skip
+    call = _KERNEL_CALLS.get((kernel, False))
+    bad, out = (call or _kernel_call(fleet, kernel, False, args))(*args)
     return None if bad >= 0 else torch.from_numpy(out)
 
 

@@ -694,8 +694,7 @@ class KeyIndex:
                     and hashes.dtype is _NP_INT64
                     and (flags := hashes.flags).c_contiguous
                 ):
-                    # The compiled entry where the rows are aligned (its
-                    # one signature's loads), else the dispatcher.
+                    # The compiled entry's loads assume aligned rows.
                     insert = rows_at if flags.aligned else insert_arrays
                     added = insert(table, NO_IDS, group_ids, hashes, pad)
             if added is None and self._size + self._tombstones < limit:
@@ -714,26 +713,17 @@ class KeyIndex:
         return self.add_trusted(g, h)
 
     def _store_plan(self) -> tuple[Any, ...]:
-        """What :meth:`add`'s host path reads, in one tuple (the table's
-        numpy view, W, pad, load limit, the numba ``insert_checked_at``,
-        ``insert_checked``, ``REFUSED``, ``hash_bytes``, ``insert_checked``'s
-        compiled entry for aligned numpy rows), or ``()`` for an
-        index with no such path; made at the first add after the table or
-        binding changes."""
+        """What :meth:`add`'s host path reads, in one tuple (the table's numpy
+        view, W, pad, load limit, the numba ``insert_checked_at``,
+        ``insert_checked``, ``REFUSED``, ``hash_bytes``, ``insert_entry()``),
+        or ``()`` for an index with no such path; made at the first add after
+        the table or binding changes."""
         if not (self._host and self._np_table is not None and not self._read_only):
             return ()
         k = self._kernels
-        return (
-            self._np_table,
-            self.W,
-            self._pad,
-            self._cap_limit,
-            k.insert_checked_at,
-            k.insert_checked,
-            k.REFUSED,
-            self.hash_bytes,
-            k.insert_entry(),
-        )
+        return (self._np_table, self.W, self._pad, self._cap_limit,
+                k.insert_checked_at, k.insert_checked, k.REFUSED, self.hash_bytes,
+                k.insert_entry())  # fmt: skip
 
     def host_keys(
         self, group_ids: Any, hashes: Any

@@ -24,7 +24,6 @@ with the numba backend).
 from __future__ import annotations
 
 from array import array
-from typing import Any
 
 import numba
 import numpy as np
@@ -35,6 +34,7 @@ from numba.extending import overload
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_numba import insert_count, rehash_rows
 from kvhit.kernels.numba_cache import lock_cache_saves
+from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
     prefetch_cell,
@@ -57,7 +57,6 @@ __all__ = [
     "full_runs",
     "insert_keys",
     "probe_bits",
-    "router_entries",
     "set_bits",
     "store_entries",
     "warm_up",
@@ -872,53 +871,26 @@ def warm_up() -> None:
     _warm = True
 
 
-def router_entries() -> tuple[Any, Any, Any]:
-    """``(full_hits_checked, call with lens a C int64 array, call with lens
-    an array('q'))``: numba's compiled wrappers of the router call's two
-    signatures (:func:`warm_up`'s), which skip the dispatcher's typing of
-    eight arguments: cold (B = 64 trace requests, E = 8, caches evicted)
-    89 -> 76 us a call. Each is the dispatcher itself until its signature is
-    compiled or loaded. Only for ``fleet_scoring.fleet_full_host``, whose
-    arguments are kvhit's own arrays of exactly those types (C-contiguous
-    int64 table, rows, offsets, lengths, lens and live; read-only members
-    and params): a wrapper reads any other argument as if it were one."""
-    a2 = numba.typeof(np.empty((1, 1), dtype=np.int64))
-    a1 = numba.typeof(np.empty(1, dtype=np.int64))
-    ro = a1.copy(readonly=True)
-    # getattr: a test may have swapped the module's kernel for a wrapper.
-    overloads = getattr(full_hits_checked, "overloads", {})
-    calls = []
-    for lens in (a1, numba.typeof(array("q"))):
-        got = overloads.get((a2, a2, a1, a1, lens, ro, a1, ro))
-        calls.append(getattr(got, "entry_point", None) or full_hits_checked)
-    return full_hits_checked, calls[0], calls[1]
-
-
 # -- the FleetIndex's table operations -----------------------------------------------
 
 
 class FleetOps:
     """A FleetIndex's table operations on this family's kernels (CPU
-    tensors, converted to numpy views here; no validation: the FleetIndex
-    checks every argument first). ``kernels/fleet_torch.FleetOps`` and
-    ``kernels/fleet_triton.FleetOps`` take the same calls
-    (``coordinator/fleet_index.FLEET_KERNEL_MODULES`` picks one per
-    backend). Keys and engine sets share one table (the module docstring);
-    :meth:`host_table` gives it as numpy, which the fleet's host paths
-    (the router's kernel, the entry-index scans) read without a torch call.
-    """
+    tensors as numpy views; no validation: the FleetIndex checks every
+    argument first), the same calls as ``kernels/fleet_torch.FleetOps`` and
+    ``kernels/fleet_triton.FleetOps`` (``fleet_index.FLEET_KERNEL_MODULES``
+    picks one per backend). Keys and engine sets share one table (the
+    module docstring); :meth:`host_table` gives it as numpy, which the
+    fleet's host paths (the router's kernel, the entry-index scans) read
+    without a torch call."""
 
     #: The backend of the fleet's entry index (a KeyIndex of its own).
     entries_backend = "numba"
 
     def __init__(self) -> None:
-        #: The router call's kernel (:func:`full_hits_checked`), which
-        #: ``fleet_scoring.fleet_full_host`` calls with no wrapper between
-        #: (read when the fleet is built, so a test may patch the module's).
+        #: The router call's kernel (:func:`full_hits_checked`; fleet_full_host
+        #: calls its compiled entry), read at build: a test may patch the module's.
         self.host_kernel = full_hits_checked
-        #: ``(host_kernel, its compiled wrapper by lens form)``:
-        #: :func:`router_entries`.
-        self.router_entries = router_entries
 
     @staticmethod
     def new_tables(
@@ -928,33 +900,26 @@ class FleetOps:
         sets: one cache line or two per slot scanned) and its two column
         views ``keys`` and ``bits``."""
         # Allocated by numpy, which asks Linux for transparent huge pages on
-        # large arrays (torch's CPU allocator does not): a scan probes slots
-        # at random in tens of MB, and with 4 KiB pages each probe also
-        # misses the TLB; 2 MiB pages halve a cold batch's scan time here.
+        # large arrays (torch's allocator does not): a scan probes slots at
+        # random in tens of MB; 2 MiB pages halve a cold batch's scan here.
         table = torch.from_numpy(np.zeros((capacity, W + 1 + NW), dtype=np.int64))
         table[:, 0] = EMPTY
         return table, table[:, : W + 1], table[:, W + 1 :]
 
     #: The fused host store (:func:`add_entries`'s kernel, no wrapper:
-    #: ``(keys, bits, entries)`` newly stored or a negative code), which a
-    #: FleetIndex calls on numpy views when the family has one.
+    #: ``(keys, bits, entries)`` newly stored or a negative code), on numpy.
     store_entries = staticmethod(store_entries)
-    #: Load the kernels now (:func:`warm_up`); a FleetIndex calls it when
-    #: built warm.
+    #: Growth: each live row (key and engine set) moved whole, on numpy.
+    rehash_rows = staticmethod(rehash_rows)
+    #: A kernel's compiled wrapper for its arguments' types (the router's).
+    compiled_entry = staticmethod(compiled_entry)
+    #: Load the kernels now (:func:`warm_up`); a warm FleetIndex calls it.
     warm_up = staticmethod(warm_up)
 
     @staticmethod
     def host_table(table: torch.Tensor) -> np.ndarray:
         """``table`` as numpy (a view)."""
         return table.numpy()
-
-    @staticmethod
-    def rehash_rows(old: torch.Tensor, new: torch.Tensor, W: int) -> int:
-        """Every live row of the table ``old`` (its key and engine set)
-        copied whole into ``new``, an empty table of :meth:`new_tables` with
-        room for them: ``hash_index_numba.rehash_rows``. Returns the keys
-        copied. A FleetIndex grows through it when its family has it."""
-        return rehash_rows(old.numpy(), new.numpy(), W)
 
     @staticmethod
     def find(

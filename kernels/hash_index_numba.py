@@ -35,6 +35,7 @@ from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
 from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
+from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.probe_numba import (
     key_slot_hash,
     prefetch_row,
@@ -388,19 +389,13 @@ def rehash(table: torch.Tensor, W: int, new: torch.Tensor) -> int:
 
 
 def insert_entry() -> Callable[..., int]:
-    """:func:`insert_checked` as numba's compiled wrapper of the signature
-    ``KeyIndex.add`` calls it with on its numpy path (C-contiguous, aligned,
-    writable int64 table, group ids and keys; int64 group id and pad), which
-    skips the dispatcher's typing of five arguments: cold (25 new keys, a
-    2**20-slot table, caches evicted) 21.5 -> 16.1 us a call. The
-    dispatcher itself until that signature is compiled or loaded. Only for
-    arguments of exactly those types (a read-only array reads alike; an
-    unaligned one must go through the dispatcher)."""
-    a2 = numba.typeof(np.empty((1, 1), dtype=np.int64))
-    a1 = numba.typeof(np.empty(1, dtype=np.int64))
-    i64 = numba.types.int64
-    got = insert_checked.overloads.get((a2, a1, i64, a2, i64))
-    return getattr(got, "entry_point", None) or insert_checked
+    """:func:`insert_checked`'s compiled wrapper for ``KeyIndex.add``'s
+    numpy path (``numba_entry.compiled_entry``): C-contiguous, aligned int64
+    table, group ids and rows, int64 group id and pad; ``KeyIndex.add``
+    sends unaligned rows to the dispatcher."""
+    one = np.empty(1, dtype=np.int64)
+    rows = np.empty((1, 1), dtype=np.int64)
+    return compiled_entry(insert_checked, rows, one, 0, rows, 0)
 
 
 def warm_up() -> None:

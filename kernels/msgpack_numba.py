@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from kvhit.kernels.numba_cache import lock_cache_saves
+from kvhit.kernels.numba_entry import compiled_entry
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -146,14 +147,8 @@ def loaded() -> bool:
 
 
 def unpack_entry() -> Callable[[bytes, np.ndarray], int]:
-    """:func:`unpack_int_lists` as numba's compiled wrapper of its one
-    signature (``bytes``, a C-contiguous writable int64 array), which skips
-    the dispatcher's typing of the two arguments: cold, as a router meets a
-    step (64 requests' bytes, caches evicted), 34 -> 26 us a call. The
-    dispatcher itself until that signature is compiled or loaded. Only for
-    callers that pass exactly those types (``coordinator/int_lists.py``:
-    msgspec's bytes and an array it made): the wrapper reads any other
-    argument as if it were one."""
-    key = (numba.typeof(b""), numba.typeof(np.empty(1, np.int64)))
-    entry = getattr(unpack_int_lists.overloads.get(key), "entry_point", None)
-    return unpack_int_lists if entry is None else entry
+    """:func:`unpack_int_lists`' compiled wrapper for ``bytes`` and a
+    C-contiguous int64 array (``numba_entry.compiled_entry``), for
+    ``coordinator/int_lists.py``, which hands it only msgspec's bytes and an
+    array it made."""
+    return compiled_entry(unpack_int_lists, b"", np.empty(1, dtype=np.int64))

@@ -123,6 +123,7 @@ from kvhit.kernels.contract import (
 )
 from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
+from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.probe_numba import (
     COUNT_COLS,
 )
@@ -718,13 +719,10 @@ def _one_entry() -> Any:
     callers pass only kvhit's own arrays, of exactly that signature."""
     if _ONE_ENTRY:
         return _ONE_ENTRY[0]
-    a1 = numba.types.Array(numba.types.int64, 1, "C")
-    a2 = numba.types.Array(numba.types.int64, 2, "C")
-    i64 = numba.types.int64
-    overloads = getattr(_batch_one, "overloads", {})
-    entry = getattr(overloads.get((a1, i64, a2, a1, i64)), "entry_point", None)
-    if entry is None:
-        return _batch_one
+    a1, a2 = np.empty(1, np.int64), np.empty((1, 1), np.int64)
+    entry = compiled_entry(_batch_one, a1, 0, a2, a1, 0)
+    if entry is _batch_one:
+        return entry
     _ONE_ENTRY.append(entry)
     return entry
 

@@ -274,13 +274,12 @@ def test_router_path_takes_list_lengths(monkeypatch):
 
 
 def test_router_path_calls_the_compiled_wrappers_of_its_own_kernel():
-    # Once a fleet's warm-up has loaded the router kernel's two signatures
-    # (lens an int64 array, lens an array('q')), fleet_full_host calls
-    # numba's compiled wrappers of that kernel (no dispatcher typing), and
-    # answers as before; a kernel swapped in on a fleet (a bench capturing
-    # its arguments) is what runs there, with each lens form.
+    # Once the router kernel has compiled (or loaded) the signature of the
+    # arguments fleet_full_host passes, it calls numba's compiled wrapper of
+    # that signature (no dispatcher typing), one per lens form, and answers
+    # as before; a kernel swapped in on a fleet (a bench capturing its
+    # arguments) is what runs there, with each lens form.
     from kvhit.coordinator import fleet_scoring
-    from kvhit.kernels import fleet_numba
 
     layout = make_layout("llama")
     engine = LookupEngine(layout)
@@ -288,16 +287,15 @@ def test_router_path_calls_the_compiled_wrappers_of_its_own_kernel():
     stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
     fleet = make_fleet(stores_)
     kernel = fleet.host_kernel
-    owner, with_array, with_q = fleet_numba.router_entries()
-    assert owner is kernel
-    assert len({id(kernel), id(with_array), id(with_q)}) == 3
     ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
     batch = HashBatch.from_ints(ints, 8)
     lens = [144, 80, 16, 33]
     want = expected(layout, reqs, stores_, lens)
-    for value in (lens, np.array(lens), torch.tensor(lens)):
+    for value in (lens, np.array(lens), torch.tensor(lens), lens, np.array(lens)):
         assert engine.fleet_hits(batch, value, fleet).tolist() == want
-    assert fleet_scoring._KERNEL_CALLS[kernel] == (with_array, with_q)
+    calls = [fleet_scoring._KERNEL_CALLS[(kernel, q)] for q in (False, True)]
+    assert all(type(c).__name__ != "CPUDispatcher" for c in calls)
+    assert calls[0] is not calls[1] and kernel not in calls
     seen = []
     fleet.host_kernel = lambda *a: seen.append(type(a[4]).__name__) or kernel(*a)
     for value in (lens, np.array(lens)):
