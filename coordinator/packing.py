@@ -874,16 +874,14 @@ class HashBatch:
 
     def _one_lazy(self) -> tuple[np.ndarray, np.ndarray] | None:
         """A one-request batch of from_ints' short path: ``(words int64
-        [n, 1], offsets int64 [2])``, the offsets made once (None for any
-        other batch)."""
+        [n, 1], offsets int64 [2])``, made once (None for any other batch)."""
         d = self.__dict__
-        values = d.get("one_values")
-        if values is None:
+        if "one_values" not in d:
             return None
         lazy = d.get("_lazy")
         if lazy is None:
-            offsets = np.array((0, values.shape[0]), dtype=np.int64)
-            lazy = d.setdefault("_lazy", (values.reshape(-1, 1), offsets))
+            offsets = np.array((0, d["one_values"].shape[0]), dtype=np.int64)
+            lazy = d.setdefault("_lazy", (self.host_single(), offsets))
         return lazy
 
     def host_single(self) -> np.ndarray | None:
@@ -891,13 +889,15 @@ class HashBatch:
         memory (the request owns every row: ``offsets`` is ``[0, n]``); None
         for a batch of any other size. What the numba backend reads for a
         step of one request; like :meth:`host_arrays`, it assumes the
-        batch's tensors are not modified in place.
-
-        Raises ValueError when the batch is not on the CPU.
-        """
-        lazy = self._one_lazy()
-        if lazy is not None:
-            return lazy[0]
+        batch's tensors are not modified in place. Raises ValueError when
+        the batch is not on the CPU."""
+        d = self.__dict__
+        if "one_values" in d:
+            # The rows alone, made once: no offsets array (cold 41 -> 19 us).
+            rows = d.get("_rows")
+            if rows is None:
+                rows = d.setdefault("_rows", d["one_values"].reshape(-1, 1))
+            return rows
         if len(self) != 1:
             return None
         return self.host_arrays()[0]

@@ -403,7 +403,10 @@ def test_one_values_of_a_one_request_batch() -> None:
     assert values.flags.c_contiguous and values.tolist() == [5, 0, 1, -7]
     rows = one.host_single()
     assert rows.shape == (4, 1) and np.shares_memory(rows, values)
+    # The rows alone: a store of one request's blocks makes no offsets.
+    assert "_lazy" not in one.__dict__ and len(one) == 1
     assert one.host_single() is rows and one.host_arrays()[0] is rows
+    assert one.offsets.tolist() == [0, 4] and one.host_arrays()[2].tolist() == [4]
     assert np.shares_memory(one.hashes.numpy(), values)
     assert HashBatch.from_ints([[]]).one_values.shape == (0,)
     for other in (
