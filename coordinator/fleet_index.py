@@ -502,13 +502,14 @@ class FleetIndex:
         """Rebuild into ``capacity`` slots (tombstones purged); the new tables
         are complete before they replace the old ones."""
         table, keys, bits = self.ops.new_tables(capacity, self.W, self.NW, self.device)
+        host = self.ops.host_table(table)
         rows = getattr(self.ops, "rehash_rows", None)
         if rows is not None:
             # A family whose keys and engine sets share one table (numba):
             # each live row moved whole, in one pass (131,000 keys 17-19 ->
             # 7 ms here; the gathers, insert, find and scatter below touch
             # every key four times).
-            stored = rows(self.host_table, self.ops.host_table(table), self.W)
+            stored = rows(self.host_table, host, self.W)
         else:
             live = (self.keys[:, 0] >= 0).nonzero().squeeze(1)
             g = self.keys[live, 0].contiguous()
@@ -519,7 +520,7 @@ class FleetIndex:
         if stored != self._size:  # pragma: no cover - would be a bug
             raise RuntimeError(f"rehash stored {stored} keys, expected {self._size}")
         self.table, self.keys, self.bits = table, keys, bits
-        self.host_table = self.ops.host_table(table)
+        self.host_table = host
         self._cap_limit = self._limit(capacity)
         self._tombstones = 0
         self._version += 1

@@ -180,21 +180,29 @@ def test_fused_kernel_entry_points_agree():
         assert bad == 1 and got.size == 0
 
 
+def _router_case(numpy_ints: bool = False):
+    """The router-path tests' case: llama, four requests (one empty) against
+    three engines, a from_ints batch of the requests' ints (lists, or numpy
+    arrays), lengths as a list: (layout, engine, reqs, stores, fleet, batch,
+    lens)."""
+    layout = make_layout("llama")
+    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
+    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
+    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
+    if numpy_ints:
+        ints = [np.array(i, dtype=np.int64) for i in ints]
+    batch = HashBatch.from_ints(ints, 8)
+    lens = [144, 80, 16, 33]
+    return layout, LookupEngine(layout), reqs, stores_, make_fleet(stores_), batch, lens
+
+
 def test_router_path_takes_numpy_and_tensor_lengths():
     # A router's call: a from_ints batch and int64 numpy or tensor lengths
     # go straight to the fused kernel (lengths checked inside it), lists
     # too (test_router_path_takes_list_lengths); other forms the general
     # path takes. All answer alike; a negative length is refused
     # naming the argument, whichever path saw it.
-    layout = make_layout("llama")
-    engine = LookupEngine(layout)
-    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
-    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
-    fleet = make_fleet(stores_)
-    ints = [np.array([int.from_bytes(h, "little", signed=True) for h in r],
-                     dtype=np.int64) for r in reqs]  # fmt: skip
-    batch = HashBatch.from_ints(ints, 8)
-    lens = [144, 80, 16, 33]
+    layout, engine, reqs, stores_, fleet, batch, lens = _router_case(numpy_ints=True)
     want = expected(layout, reqs, stores_, lens)
     want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
     strided = np.repeat(np.array(lens, dtype=np.int64), 2)[::2]
@@ -228,14 +236,7 @@ def test_router_path_takes_list_lengths(monkeypatch):
     # Lengths as a router holds them (a list or tuple of ints) take the
     # router path too (the general path is never reached), bad ones refused
     # there naming the argument, by the general path's own check.
-    layout = make_layout("llama")
-    engine = LookupEngine(layout)
-    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
-    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
-    fleet = make_fleet(stores_)
-    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
-    batch = HashBatch.from_ints(ints, 8)
-    lens = [144, 80, 16, 33]
+    layout, engine, reqs, stores_, fleet, batch, lens = _router_case()
     want = expected(layout, reqs, stores_, lens)
     want_lookup = expected(layout, reqs, stores_, lens, lookup=True)
 
@@ -281,15 +282,8 @@ def test_router_path_calls_the_compiled_wrappers_of_its_own_kernel():
     # arguments) is what runs there, with each lens form.
     from kvhit.coordinator import fleet_scoring
 
-    layout = make_layout("llama")
-    engine = LookupEngine(layout)
-    reqs = [chained_hashes(1, 9), chained_hashes(2, 5), [], chained_hashes(1, 3)]
-    stores_ = [{(0, h) for h in reqs[0][:6]}, {(0, h) for h in reqs[1]}, set()]
-    fleet = make_fleet(stores_)
+    layout, engine, reqs, stores_, fleet, batch, lens = _router_case()
     kernel = fleet.host_kernel
-    ints = [[int.from_bytes(h, "little", signed=True) for h in r] for r in reqs]
-    batch = HashBatch.from_ints(ints, 8)
-    lens = [144, 80, 16, 33]
     want = expected(layout, reqs, stores_, lens)
     for value in (lens, np.array(lens), torch.tensor(lens), lens, np.array(lens)):
         assert engine.fleet_hits(batch, value, fleet).tolist() == want
