@@ -51,7 +51,12 @@ import traceback
 from dataclasses import dataclass, field
 from statistics import median
 
-from kvhit.bench.gpu_common import capture_graph, config_changes, run_seconds
+from kvhit.bench.gpu_common import (
+    capture_graph,
+    config_changes,
+    interpret,
+    run_seconds,
+)
 
 __all__ = ["Config", "main", "run"]
 
@@ -967,11 +972,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.dry_run:
             say("SKIP: no CUDA GPU (--dry-run runs every step on the CPU)")
             return 0
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            if "triton" in sys.modules:
-                say("FAIL: triton imported before TRITON_INTERPRET=1 was set")
-                return 1
-            os.environ["TRITON_INTERPRET"] = "1"
+        if (error := interpret()) is not None:
+            say(error)
+            return 1
     report = run(cfg)
     print()
     text = summary(report, cfg)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, replace
 from statistics import median
 
-from kvhit.bench.gpu_common import config_changes, run_seconds
+from kvhit.bench.gpu_common import config_changes, interpret, run_seconds
 
 __all__ = ["Config", "main", "run"]
 
@@ -281,11 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         device = torch.device("cpu")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            if "triton" in sys.modules:
-                say("FAIL: triton imported before TRITON_INTERPRET=1 was set")
-                return 1
-            os.environ["TRITON_INTERPRET"] = "1"
+        if (error := interpret()) is not None:
+            say(error)
+            return 1
     rows, ok = run(cfg, device)
     print()
     print(table(rows, cfg), flush=True)

@@ -11,6 +11,8 @@ torch is imported inside the functions: the checks' ``--help`` and
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,9 +31,80 @@ __all__ = [
     "fit_host",
     "host_python",
     "host_time",
+    "interpret",
+    "patch_lang_once_per_launch",
     "run_seconds",
     "tabulate",
 ]
+
+
+def interpret() -> str | None:
+    """Run Triton kernels under its interpreter from now on (a check's or the
+    cost model's CPU run): set ``TRITON_INTERPRET=1`` and
+    :func:`patch_lang_once_per_launch`. Returns None, or the error to print
+    when triton was imported before the variable was set (its kernels are
+    then compiled ones, which need a GPU)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            return "FAIL: triton imported before TRITON_INTERPRET=1 was set"
+        os.environ["TRITON_INTERPRET"] = "1"
+    patch_lang_once_per_launch()
+    return None
+
+
+def patch_lang_once_per_launch() -> None:
+    """Under the interpreter, skip the re-patching of ``triton.language`` that
+    each device-function call does inside a launch that already patched it
+    (the suite's conftest and :func:`interpret` call it; idempotent).
+
+    Triton 3.6-3.9's ``InterpretedFunction.__call__`` runs ``_patch_lang`` on
+    every call of a ``@triton.jit`` helper, walking the language modules with
+    ``inspect.getmembers`` again, though the launch's own patch stays in
+    force until the launch ends (its scope is restored then; a helper's is
+    never restored). The patches are the same functions, so the answers are
+    too; the walks were a third of the interpreter tests' CPU time (those
+    seven files, two workers: 377 -> 249 s). A helper that sees a language
+    module not patched yet in this launch (the ``tl.sum`` family's module
+    imports ``triton.language.core`` where kvhit's kernels import
+    ``triton.language``) is patched as before, once: that patch is never
+    restored, so it holds for the rest of the launch. Nothing happens where
+    the interpreter lacks ``_patch_lang`` (another Triton) or
+    ``TRITON_INTERPRET`` is unset."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if real is None or scope_type is None or getattr(real, "kvhit_once", False):
+        return
+    launches: list[set[int]] = []  # the modules patched in the launch in progress
+
+    def patch_lang(fn: Any) -> Any:
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if launches:
+            # A helper's call inside a launch.
+            if langs <= launches[-1]:
+                return scope_type()  # patched in this launch, still in force
+            launches[-1] |= langs  # a helper's patch is never restored
+            return real(fn)
+        # A launch's own patch: GridExecutor restores its scope when the
+        # launch ends, and the modules are forgotten then.
+        scope = real(fn)
+        launches.append(langs)
+        restore = scope.restore
+
+        def restore_and_forget() -> None:
+            launches.pop()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    patch_lang.kvhit_once = True  # type: ignore[attr-defined]
+    patch_lang.__wrapped__ = real  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
 
 
 def config_changes(args: argparse.Namespace, **fields: str) -> dict[str, Any]:

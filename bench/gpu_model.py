@@ -62,6 +62,7 @@ from kvhit.bench.gpu_common import (
     fit_host,
     host_python,  # fmt: skip
     host_time,
+    interpret,
     tabulate,
 )
 
@@ -955,11 +956,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fit the constants to this kernel (meaningful on a094dd7's only)",
     )
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:
-            print("gpu_model: triton imported before TRITON_INTERPRET=1", flush=True)
-            return 1
-        os.environ["TRITON_INTERPRET"] = "1"
+    if (error := interpret()) is not None:
+        print(f"gpu_model: {error}", flush=True)
+        return 1
     report(args.quick, args.json, args.sample, args.refit)
     return 0
 

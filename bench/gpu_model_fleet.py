@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import importlib
 import json
-import os
 import random
 import sys
 import time
@@ -61,7 +60,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvhit.bench.gpu_common import HostTimes, best_thread_times
+from kvhit.bench.gpu_common import HostTimes, best_thread_times, interpret
 
 __all__ = [
     "H200_FLEET",
@@ -777,11 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sample", type=int, default=8, help="requests traced")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:
-            print("gpu_model_fleet: triton imported before TRITON_INTERPRET=1")
-            return 1
-        os.environ["TRITON_INTERPRET"] = "1"
+    if (error := interpret()) is not None:
+        print(f"gpu_model_fleet: {error}", flush=True)
+        return 1
     if args.router:
         router_report()
         return 0

@@ -25,6 +25,12 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+    # The interpreter's per-helper re-patching skipped (a third of the
+    # interpreter tests' time; see the function).
+    from kvhit.bench.gpu_common import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
