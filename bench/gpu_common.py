@@ -33,7 +33,9 @@ __all__ = [
     "host_time",
     "interpret",
     "patch_lang_once_per_launch",
+    "reduce_bits_in_numpy",
     "run_seconds",
+    "speed_up_interpreter",
     "tabulate",
 ]
 
@@ -48,8 +50,52 @@ def interpret() -> str | None:
         if "triton" in sys.modules:
             return "FAIL: triton imported before TRITON_INTERPRET=1 was set"
         os.environ["TRITON_INTERPRET"] = "1"
-    patch_lang_once_per_launch()
+    speed_up_interpreter()
     return None
+
+
+def speed_up_interpreter() -> None:
+    """Both interpreter speed-ups, where ``TRITON_INTERPRET=1`` (idempotent;
+    the suite's conftest and :func:`interpret` call it):
+    :func:`patch_lang_once_per_launch` and :func:`reduce_bits_in_numpy`.
+    Neither changes an answer; both are tested under the newest Triton and
+    the floor (``tests/test_interpreter_patch.py``)."""
+    patch_lang_once_per_launch()
+    reduce_bits_in_numpy()
+
+
+def reduce_bits_in_numpy() -> None:
+    """Under the interpreter, a ``tl.reduce`` whose combine function is
+    ``kernels/fleet_probe.bit_and`` or ``bit_or`` runs as one numpy
+    ``bitwise_and.reduce`` / ``bitwise_or.reduce`` instead of the
+    interpreter's generic path, which calls the combine function once per
+    element in Python (the fleet's class kernel: 64 reductions a tile). The
+    two are associative and commutative, so the answer is the same. Any
+    other combine function takes the interpreter's own path."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from kvhit.kernels.fleet_probe import bit_and, bit_or
+
+    ops = getattr(interpreter, "ReduceOps", None)
+    real = getattr(ops, "apply_impl", None)
+    if real is None or getattr(real, "kvhit_numpy", False):
+        return
+    ufuncs = {id(bit_and): np.bitwise_and, id(bit_or): np.bitwise_or}
+
+    def apply_impl(self: Any, input: tuple) -> Any:
+        ufunc = ufuncs.get(id(self.combine_fn))
+        if ufunc is None or len(input) != 1:
+            return real(self, input)
+        (x,) = input
+        out = ufunc.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(out, x.dtype)
+
+    apply_impl.kvhit_numpy = True  # type: ignore[attr-defined]
+    apply_impl.__wrapped__ = real  # type: ignore[attr-defined]
+    ops.apply_impl = apply_impl
 
 
 def patch_lang_once_per_launch() -> None:

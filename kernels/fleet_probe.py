@@ -13,9 +13,21 @@ import triton.language as tl
 from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.hash_index import hash_finish, hash_init, hash_mix
 
-__all__ = ["probe_slots", "visit_slot"]
+__all__ = ["bit_and", "bit_or", "probe_slots", "visit_slot"]
 
 _EMPTY_C: tl.constexpr = tl.constexpr(EMPTY)
+
+
+# The combine functions of the fleet kernels' tl.reduce over engine-set words
+# (the interpreter runs them in numpy: bench/gpu_common.speed_up_interpreter).
+@triton.jit
+def bit_and(a, b):
+    return a & b
+
+
+@triton.jit
+def bit_or(a, b):
+    return a | b
 
 
 @triton.jit

@@ -70,7 +70,7 @@ from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
 from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
-from kvhit.kernels.fleet_probe import probe_slots
+from kvhit.kernels.fleet_probe import bit_and, probe_slots
 from kvhit.kernels.fleet_triton_hybrid import class_kernel, hybrid_kernel
 from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
@@ -149,11 +149,6 @@ _SPAN: tl.constexpr = tl.constexpr(SPAN)
 
 
 @triton.jit
-def _and(a, b):
-    return a & b
-
-
-@triton.jit
 def _block_words(bits_ptr, nw, t, slots, member, n_mem, MP: tl.constexpr,
                  BLOCK: tl.constexpr):  # fmt: skip
     """Word ``t`` of each block's engine set, ANDed over the member groups:
@@ -166,7 +161,7 @@ def _block_words(bits_ptr, nw, t, slots, member, n_mem, MP: tl.constexpr,
         return w
     # Padding members hold every engine (the AND's identity).
     w = tl.where(member < n_mem, w, -1)
-    return tl.reduce(tl.reshape(w, (MP, BLOCK)), 0, _and)
+    return tl.reduce(tl.reshape(w, (MP, BLOCK)), 0, bit_and)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from kvhit.kernels.contract import (
     SG_N_MEMBERS,
     SG_SCALE,
 )
-from kvhit.kernels.fleet_probe import probe_slots
+from kvhit.kernels.fleet_probe import bit_and, bit_or, probe_slots
 from kvhit.kernels.launch import fix_interpreter
 
 __all__ = ["class_kernel", "hybrid_kernel"]
@@ -63,16 +63,6 @@ _SG_N_MEMBERS: tl.constexpr = tl.constexpr(SG_N_MEMBERS)
 _SG_SCALE: tl.constexpr = tl.constexpr(SG_SCALE)
 # Slots a class probe's later steps visit at once (fleet_triton.SPAN).
 _SPAN: tl.constexpr = tl.constexpr(2)
-
-
-@triton.jit
-def _and(a, b):
-    return a & b
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -124,7 +114,7 @@ def _class_of(cls_ptr, runs_ptr, live_ptr, sg_ptr, r, e, n_eng, n_sg, n_units,
     my_win = tl.sum(tl.where(me, win, 0), axis=0)
     my_may = tl.max(tl.where(me, may, 0).to(tl.int32), axis=0)
     same = tl.reduce(tl.where(may & (win == my_win), tl.full([64], 1, tl.int64) << lane, 0),
-                     0, _or)  # fmt: skip
+                     0, bit_or)  # fmt: skip
     return tl.where(my_may == 1, same & tl.load(cls_ptr + r * n_eng + e), 0)
 
 
@@ -207,7 +197,7 @@ def class_kernel(
                         my_win = tl.sum(tl.where(lane64 == j, win, 0), axis=0)
                         agree = tl.where(held, w, ~w)
                         agree = tl.where(probe & (unit < my_win), agree, -1)
-                        acc = tl.where(lane64 == j, tl.reduce(agree, 0, _and), acc)
+                        acc = tl.where(lane64 == j, tl.reduce(agree, 0, bit_and), acc)
                     tl.atomic_and(cls_ptr + r * n_eng + e, acc, mask=may & (acc != -1),
                                   sem="relaxed")  # fmt: skip
                 i0 += split * BLOCK

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvhit.bench.gpu_common import patch_lang_once_per_launch
+from kvhit.kernels.fleet_probe import bit_and, bit_or
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's own patching"
@@ -94,3 +95,61 @@ def test_the_language_is_restored_after_a_launch_and_after_a_failed_one():
     assert tl.load is load
     # A launch after the failed one patches afresh and answers right.
     assert _walks_and_answer(2)[1] == [44, 44]
+
+
+@triton.jit
+def _bits_kernel(
+    x_ptr,
+    out_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    AXIS: tl.constexpr,
+    N: tl.constexpr,
+):
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    x = tl.load(x_ptr + offs)
+    a = tl.reduce(x, AXIS, bit_and)
+    o = tl.reduce(x, AXIS, bit_or)
+    tl.store(out_ptr + tl.arange(0, N), a)  # N: the lanes left (R or C)
+    tl.store(out_ptr + N + tl.arange(0, N), o)
+    # And over every word (a 1-D reduction to a scalar).
+    tl.store(out_ptr + 2 * N, tl.reduce(tl.reshape(x, (R * C,)), 0, bit_and))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_bitwise_reductions_run_in_numpy_with_the_generic_paths_answer(axis):
+    """``bit_and``/``bit_or`` reductions (the fleet kernels') answer as the
+    interpreter's generic per-element path does, on words with the sign bit
+    set, and never call their combine function."""
+    from triton.runtime import interpreter
+
+    from kvhit.bench.gpu_common import speed_up_interpreter
+
+    speed_up_interpreter()  # idempotent: conftest installed it
+    rng = torch.Generator().manual_seed(3)
+    x = torch.randint(-(2**63), 2**63 - 1, (4, 8), dtype=torch.int64, generator=rng)
+    x[0, 0] = -1
+    n = 4 if axis == 1 else 8
+    fast = torch.zeros(2 * n + 1, dtype=torch.int64)
+    generic = torch.zeros_like(fast)
+    own = interpreter.ReduceOps.apply_impl
+    with mock.patch.object(interpreter.ReduceOps, "generic_reduce") as slow:
+        _bits_kernel[(1,)](x, fast, R=4, C=8, AXIS=axis, N=n)
+    assert not slow.called
+    with mock.patch.object(interpreter.ReduceOps, "apply_impl", own.__wrapped__):
+        _bits_kernel[(1,)](x, generic, R=4, C=8, AXIS=axis, N=n)
+    assert fast.tolist() == generic.tolist()
+    rows = x.tolist()
+    cols = [list(c) for c in zip(*rows, strict=True)]
+    lanes = rows if axis == 1 else cols
+    expect_and, expect_or = [], []
+    for lane in lanes:
+        a, o = -1, 0
+        for v in lane:
+            a, o = a & v, o | v
+        expect_and.append(a)
+        expect_or.append(o)
+    total = -1
+    for v in sum(rows, []):
+        total &= v
+    assert fast.tolist() == expect_and + expect_or + [total]
