@@ -2,7 +2,8 @@
 share, and the GPU tests with them: their command-line overrides, timing and
 CUDA-graph capture; and the host model of one eager lookup on CUDA that the
 cost model (``bench/gpu_model.py``) prints (:class:`HostTimes`, issue 31),
-with the H200's eager rows it is fitted to.
+with the H200's eager rows it is fitted to; and the Triton interpreter's
+speed-ups (:func:`speed_up_interpreter`) for every CPU run of the kernels.
 
 torch is imported inside the functions: the checks' ``--help`` and
 ``--env-line`` run before anything heavy is imported.
@@ -43,7 +44,7 @@ __all__ = [
 def interpret() -> str | None:
     """Run Triton kernels under its interpreter from now on (a check's or the
     cost model's CPU run): set ``TRITON_INTERPRET=1`` and
-    :func:`patch_lang_once_per_launch`. Returns None, or the error to print
+    :func:`speed_up_interpreter`. Returns None, or the error to print
     when triton was imported before the variable was set (its kernels are
     then compiled ones, which need a GPU)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
