@@ -33,6 +33,7 @@ from kvhit import (
 )
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.fleet_index import state_checksum
+from kvhit.kernels import contract
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "60"))
 
@@ -467,6 +468,32 @@ def test_growth_keeps_every_key():
     cap = fleet.capacity
     assert fleet.add(engines, 0, words) == 0
     assert fleet.capacity == cap
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_clear_drops_every_key_and_the_fleet_works_after(backend):
+    rng = np.random.default_rng(4)
+    fleet = FleetIndex(70, 16, capacity=64, backend=backend)
+    words = rng.integers(-(2**63), 2**63, size=(500, 2), dtype=np.int64)
+    engines = rng.integers(0, 70, size=500)
+    fleet.add(engines, 0, words)
+    fleet.remove(engines[:50], 0, words[:50])  # tombstones too
+    fleet.remove_engine(5)
+    cap, table = fleet.capacity, fleet.keys.data_ptr()
+    fleet.clear()
+    assert len(fleet) == 0 and fleet.tombstones == 0
+    assert fleet.capacity == cap and fleet.keys.data_ptr() == table  # kept
+    assert not fleet.engine_sizes().any() and not fleet.bits.any()
+    assert bool((fleet.keys[:, 0] == contract.EMPTY).all())
+    assert not fleet.keys[:, 1:].any()
+    assert not fleet.contains(engines, 0, words).any()
+    assert fleet.active.tolist() == [e != 5 for e in range(70)]  # engines stay
+    live = engines != 5
+    pairs = set(
+        zip(engines[live].tolist(), map(tuple, words[live].tolist()), strict=True)
+    )
+    assert fleet.add(engines[live], 0, words[live]) == len(pairs)
+    assert fleet.contains(engines[live], 0, words[live]).all()
 
 
 @pytest.mark.parametrize("E", [3, 70])
