@@ -900,8 +900,8 @@ class FleetOps:
         sets: one cache line or two per slot scanned) and its two column
         views ``keys`` and ``bits``."""
         # numpy: huge pages on large arrays (torch's allocator asks none; a
-        # scan probes tens of MB at random), and a fill on this thread (as
-        # hash_index_torch.new_table's: torch's wakes its pool, 3-4x slower).
+        # scan probes tens of MB at random), and the first touch on this
+        # thread (see hash_index_torch.new_table: torch's is 3-4x slower).
         (rows := np.zeros((capacity, W + 1 + NW), dtype=np.int64))[:, 0] = EMPTY
         table = torch.from_numpy(rows)
         return table, table[:, : W + 1], table[:, W + 1 :]

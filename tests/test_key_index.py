@@ -529,9 +529,10 @@ def test_clear_and_memory(backend: str, device: str) -> None:
 
 @pytest.mark.parametrize("capacity", [1, 8, 1 << 16])
 def test_new_host_tables_are_empty(capacity: int) -> None:
-    """A CPU table and a fleet's joint one, filled by numpy on this thread
-    (torch's fill wakes its pool: 2**21 slots 22 vs 6 ms on 2 cores): int64,
-    contiguous, column 0 EMPTY and every other column zero, at any size."""
+    """A CPU table and a fleet's joint one, first touched by numpy on this
+    thread (torch's fill of a fresh table: 2**21 slots 22 vs 5-6 ms on 2
+    cores): int64, contiguous, column 0 EMPTY and every other column zero,
+    at any size."""
     from kvhit.kernels.fleet_numba import FleetOps
     from kvhit.kernels.hash_index_torch import new_table
 
