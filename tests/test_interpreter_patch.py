@@ -1,9 +1,10 @@
-"""The interpreter speed-up the suite and the CPU runs of the GPU checks use
-(``bench/gpu_common.patch_lang_once_per_launch``): inside a launch, a
+"""The interpreter speed-ups the suite and the CPU runs of the GPU checks use
+(``bench/gpu_common.speed_up_interpreter``): inside a launch, a
 ``@triton.jit`` helper's call no longer walks ``triton.language`` again, and
-nothing else changes: the answers, and the language restored after the
-launch. Run under the newest Triton here and under the floor (3.6.0) by the
-device twin (``.ci/device-twin``)."""
+a ``tl.reduce`` by ``bit_and``/``bit_or`` runs in numpy; nothing else
+changes: the answers, and the language restored after the launch. Run under
+the newest Triton here and under the floor (3.6.0) by the device twin
+(``.ci/device-twin``)."""
 
 from __future__ import annotations
 
