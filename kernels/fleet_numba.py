@@ -33,6 +33,7 @@ from numba.extending import overload
 
 from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.hash_index_numba import insert_count, rehash_rows
+from kvhit.kernels.hash_index_torch import new_table
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.probe_numba import (
@@ -899,11 +900,9 @@ class FleetOps:
         """One table int64 ``[capacity, W + 1 + NW]`` (keys, then engine
         sets: one cache line or two per slot scanned) and its two column
         views ``keys`` and ``bits``."""
-        # numpy: huge pages on large arrays (torch's allocator asks none; a
-        # scan probes tens of MB at random), and the first touch on this
-        # thread (see hash_index_torch.new_table: torch's is 3-4x slower).
-        (rows := np.zeros((capacity, W + 1 + NW), dtype=np.int64))[:, 0] = EMPTY
-        table = torch.from_numpy(rows)
+        # A KeyIndex table whose words are the key's and the engine sets
+        # (new_table: numpy's huge pages and first touch on this thread).
+        table = new_table(capacity, W + NW, device)
         return table, table[:, : W + 1], table[:, W + 1 :]
 
     #: The fused host store (:func:`add_entries`'s kernel, no wrapper:
