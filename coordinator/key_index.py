@@ -82,6 +82,7 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
+from kvhit.coordinator.int_lists import decoder_ready
 from kvhit.coordinator.key_index_keys import (
     NO_IDS,
     cpu_int64_data,
@@ -276,9 +277,11 @@ class KeyIndex:
 
     def warm_up(self) -> None:
         """Load (or compile) the bound kernel family's kernels now where it
-        has a ``warm_up`` (numba); see ``warm`` in the class docstring."""
+        has a ``warm_up`` (numba), and ``from_ints``' list decoder with them;
+        see ``warm`` in the class docstring."""
         if self._host:
             self._kernels.warm_up()
+            decoder_ready()
 
     def _init(
         self,

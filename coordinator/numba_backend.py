@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.backend import check_runs_on
+from kvhit.coordinator.int_lists import decoder_ready
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels.checks import host_lengths_or_int
 
@@ -99,9 +100,11 @@ class NumbaBackend:
 
     def warm_up(self) -> None:
         """``BatchBackend.warm_up``: the plan's rows built and the compiled
-        batch programs loaded (or compiled, on a cold cache) now."""
+        batch programs loaded (or compiled, on a cold cache) now, and
+        ``from_ints``' list decoder with them."""
         sn, prep = self._prep()
         sn.warm_up(prep)
+        decoder_ready()
 
     # -- the host path: the engine's calls, without torch in the loop --------
     #

@@ -93,12 +93,15 @@ def test_cold_construction_defers_the_kernels():
     assert "kvhit.kernels.msgpack_numba" not in cold
     warm = _modules_after(
         """
+        import sys
         from kvhit.coordinator.int_lists import decoder_ready
         from kvhit.coordinator.key_index import KeyIndex
         from kvhit.kernels import hash_index_numba
-        assert not decoder_ready()
+        assert not decoder_ready() and "msgspec" not in sys.modules
         KeyIndex(32)
-        # from_ints' decoder of a batch of lists loaded with the index's kernels.
+        # from_ints' decoder of a batch of lists loaded with the index's
+        # kernels, its encoder's import too (5-8 ms on a first step).
+        assert "msgspec" in sys.modules
         assert hash_index_numba._warm and decoder_ready()
         """
     )
@@ -108,12 +111,13 @@ def test_cold_construction_defers_the_kernels():
 def test_a_warm_numba_engine_loads_the_decoder_of_lists():
     _modules_after(
         """
+        import sys
         from kvhit.coordinator.engine import LookupEngine
         from kvhit.coordinator.int_lists import decoder_ready
         from kvhit import CacheLayout, FullAttention, Group
-        assert not decoder_ready()
+        assert not decoder_ready() and "msgspec" not in sys.modules
         LookupEngine(CacheLayout([Group(FullAttention(16))], 16, 16), backend="numba")
-        assert decoder_ready()
+        assert "msgspec" in sys.modules and decoder_ready()
         """
     )
 
@@ -121,10 +125,13 @@ def test_a_warm_numba_engine_loads_the_decoder_of_lists():
 def test_warm_fleet_loads_its_store_and_router_kernels():
     modules = _modules_after(
         """
+        import sys
         from kvhit.coordinator.fleet_index import FleetIndex
         from kvhit.kernels import fleet_numba, hash_index_numba
+        assert "msgspec" not in sys.modules
         FleetIndex(3, 32)
         assert fleet_numba._warm and hash_index_numba._warm
+        assert "msgspec" in sys.modules
         for f in (fleet_numba._add_entries, fleet_numba.full_hits_checked):
             assert f.signatures, f
         """
