@@ -72,6 +72,7 @@ import torch
 
 from kvhit.coordinator.event_payload import strip_token_ids
 from kvhit.coordinator.event_payload import warm_up as warm_up_scan
+from kvhit.coordinator.fleet_index import EngineView
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
 from kvhit.kernels.checks import check_bool, check_int
@@ -826,13 +827,21 @@ def commit_plan(
     """
     lock = lock if lock is not None else _NO_LOCK
     parts = plan.parts
-    if len(parts) == 1 and type(index) is KeyIndex and not plan.clear:
-        # One event's stores into a host KeyIndex with room (a router's
-        # usual commit): its words and group id as they are, in one call.
-        is_add, gid, words = parts[0]
-        if is_add and index.host_table is not None and words.shape[0] <= index.room():
+    if len(parts) == 1 and not plan.clear and parts[0][0]:
+        # One event's stores (a router's usual commit): its words and group
+        # id as they are, in one call, into a host KeyIndex with room or an
+        # engine of a host fleet (FleetIndex.add's one-kernel form; a fleet
+        # grows under the lock, as on the general path below).
+        _, gid, words = parts[0]
+        kind = type(index)
+        if kind is KeyIndex:
+            if index.host_table is not None and words.shape[0] <= index.room():
+                with lock:
+                    added = index.add_trusted(gid, words)
+                return ApplyStats(plan.events, plan.skipped, added, 0, False)
+        elif kind is EngineView and index.fleet.host_table is not None:
             with lock:
-                added = index.add_trusted(gid, words)
+                added = index.add(gid, words)
             return ApplyStats(plan.events, plan.skipped, added, 0, False)
     device = getattr(index, "device", "cpu")
     device_type = _device_type(device)

@@ -15,6 +15,7 @@ pytest.importorskip("msgspec", exc_type=ImportError)
 
 from kvhit import KeyIndex  # noqa: E402
 from kvhit.bindings import kv_events as kv  # noqa: E402
+from kvhit.coordinator.fleet_index import EngineView, FleetIndex  # noqa: E402
 from kvhit.coordinator.packing import pack_hashes, unpack_hashes  # noqa: E402
 
 
@@ -208,3 +209,47 @@ def test_add_trusted_takes_one_group_id_for_every_key(backend):
     assert len(index) == 45
     assert bool(index.contains(3, h).all()) and bool(index.contains(4, h[:5]).all())
     assert not bool(index.contains(4, h[5:]).any())
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("n", [1, 25])
+def test_one_event_commit_into_an_engine_equals_the_general_path(backend, n):
+    # One BlockStored into one engine of a fleet (a FleetFollower's commit):
+    # the host fast path (FleetIndex.add with the event's group id and
+    # words) against a subclass of EngineView, which takes the general path;
+    # the same counts and holders, across growth (capacity 1) and repeats.
+    class Hooked(EngineView):
+        pass
+
+    rng = np.random.default_rng(n)
+    for capacity in (1, 256):
+        fleets = [FleetIndex(4, 8, capacity=capacity, backend=backend) for _ in "ab"]
+        fast, ref = fleets[0].engine_view(2), Hooked(fleets[1], 2)
+        # The fast path is the numba fleet's (a host table); torch's is general.
+        assert (fleets[0].host_table is not None) == (backend == "numba")
+        for step in range(4):
+            hashes = [int(x) for x in rng.integers(1 << 40, (1 << 40) + 2 * n, n)]
+            payload = kv.encode_batch(kv.KVEventBatch(0.0, [_stored(hashes, step % 2)]))
+            a, b = (
+                kv.commit_plan(
+                    view, kv.plan_events(_keys_of(payload), 8, None, True, 0)
+                )
+                for view in (fast, ref)
+            )
+            assert (a.keys_added, a.keys_removed) == (b.keys_added, b.keys_removed)
+            assert len(fast) == len(ref) and fleets[0].capacity == fleets[1].capacity
+            g, h = fleets[1].engine_keys(2)
+            assert bool(fleets[0].contains(2, g, h).all())
+            assert sorted(fleets[0].engine_sizes().tolist()) == sorted(
+                fleets[1].engine_sizes().tolist()
+            )
+
+
+def test_one_event_into_a_removed_engine_is_refused_and_changes_nothing():
+    fleet = FleetIndex(4, 8, capacity=64)
+    view = fleet.engine_view(1)
+    fleet.remove_engine(1)
+    payload = kv.encode_batch(kv.KVEventBatch(0.0, [_stored([1 << 40, 5 << 40])]))
+    with pytest.raises(ValueError, match="engine_ids"):
+        kv.commit_plan(view, kv.plan_events(_keys_of(payload), 8, None, True, 0))
+    assert len(fleet) == 0 and fleet.engine_sizes().tolist() == [0, 0, 0, 0]
