@@ -24,7 +24,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import case, chained_hashes, saved_keys
 
-from kvhit import HashBatch, KeyIndex, LookupEngine, ReferenceCoordinator
+from kvhit import (
+    CacheLayout,
+    FullAttention,
+    Group,
+    HashBatch,
+    KeyIndex,
+    LookupEngine,
+    ReferenceCoordinator,
+)
 from kvhit.bench.workloads import TrafficConfig, generate, make_layout
 from kvhit.coordinator.numba_backend import NumbaBackend
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
@@ -723,6 +731,38 @@ def test_threads_are_picked_by_work_not_request_count():
     assert scan_numba.threaded(1, 10 * hashes, None) is False
     assert scan_numba.threaded(1, 0, True) is True
     assert scan_numba.threaded(10**6, 10**9, False) is False
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [0, 0],
+        [5, 0, 0, 0, 0, 0, 0, 0, 0],  # more requests than runs, one with work
+        [300] + [1] * 40,  # one long request among short ones
+        [1] * 40 + [300],
+        [7, 300, 2, 300, 0, 90, 1],  # fewer requests than runs
+        list(range(33)),
+        [64] * 17,
+    ],
+)
+def test_threads_answer_every_request_once(lengths):
+    # The threaded batch cuts the requests into runs by where each one's
+    # work is centred; every key is stored, so a request no run took would
+    # answer 0, not its full length.
+    layout = CacheLayout([Group(FullAttention(16))], 16, 16)
+    rng = np.random.default_rng(len(lengths))
+    reqs = [
+        [bytes(rng.integers(0, 256, 8, np.uint8)) for _ in range(n)] for n in lengths
+    ]
+    index = helpers.key_index({(0, h) for r in reqs for h in r})
+    batch = HashBatch.from_bytes(reqs, 8, "cpu")
+    tokens = torch.tensor([16 * n + 1 for n in lengths], dtype=torch.int64)
+    got = {}
+    for parallel in (False, True):
+        backend = NumbaBackend(ScanPlan.from_layout(layout), torch.device("cpu"))
+        backend.parallel = parallel
+        got[parallel] = backend.lookup(batch.view(), tokens, index).tolist()
+    assert got[True] == got[False] == [16 * n for n in lengths]
 
 
 @pytest.mark.parametrize("value", ["-1", "many"])
