@@ -733,6 +733,9 @@ class EventFollower(StopOnExit):
     def _drain_ahead(self, pending: _Pending) -> None:
         """Apply held batches that are now in order."""
         ahead = self._ahead
+        if not ahead:  # the usual case: nothing held
+            self._ahead_since = None
+            return
         while ahead and self.next_seq in ahead:
             self._absorb(pending, ahead.pop(self.next_seq))
             self.reordered += 1

@@ -254,8 +254,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 #: Packed hash words are little-endian int64 (coordinator/packing.py).
 LE_INT64 = np.dtype("<i8")
-#: A msgpack ``uint 64`` as a record: its 0xcf byte, then the key's 8 bytes.
-_UINT64_RECORD = np.dtype([("tag", "u1"), ("word", LE_INT64)])
 
 
 #: Payloads from this many bytes on are decoded from a copy without their
@@ -541,9 +539,6 @@ def raw_hash_words(raw: msgspec.Raw, hash_bytes: int) -> np.ndarray | None:
         skip = 2
     else:
         return None
-    if stride == 9:  # the words as the second field of 9-byte records
-        rec = np.frombuffer(data, _UINT64_RECORD, n, off)["word"]
-        return rec.astype(np.int64).reshape(n, 1)  # contiguous, native order
     view = np.ndarray((n, w), LE_INT64, data, off + skip, (stride, 8))
     return view.astype(np.int64)  # a contiguous, native-order copy
 
