@@ -158,6 +158,7 @@ __all__ = [
     "one_entry",
     "prefetching",
     "prepare_scan",
+    "run_side",
     "warm_up",
     "scan_one",
     "scan_prepared",
@@ -511,6 +512,23 @@ def _batch_one(values, max_len, table, plan, k):  # fmt: skip
 _RUNS = 4 * numba.config.NUMBA_NUM_THREADS
 
 
+@numba.njit(inline="always", cache=True, nogil=True)
+def run_side(before, length, c, k, total):
+    """Where a request lies against run ``c`` of ``k`` of a threaded batch:
+    -1 before it, 0 in it, 1 past it. The request has ``length`` hashes and
+    ``before`` work ahead of it in the batch (each request's work is its
+    hashes plus one), ``total`` work in all; run ``c`` takes the requests
+    whose work is centred in ``[c, c + 1) * total / k`` (doubled to stay in
+    ints). Centres increase with the request, so each request is in exactly
+    one run and, past a run, every later request is past it too."""
+    at = (2 * before + length + 1) * k
+    if at < 2 * c * total:
+        return -1
+    if at >= 2 * (c + 1) * total:
+        return 1
+    return 0
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg, cand,
                     prm, hit, mask_spans, scratch, gscr):  # fmt: skip
@@ -520,28 +538,24 @@ def _batch_parallel(rows, offsets, lengths, token_lengths, token_lens, table, sg
     # without the others waiting for its whole share.
     # A request's work is its hashes plus one (the fixed cost of a request
     # with none); run c takes the requests whose work is centred in its
-    # share (its midpoint, doubled to stay an int). By its start instead,
-    # each run would also take the request across its end whole: at B = 64
-    # long-hit the first thread then got up to 5 % more than half the work
-    # (1.55x one thread; centred, the halves are within 1 %). Midpoints
-    # increase with r, so each request lands in exactly one run. Each run
-    # finds its requests in one pass over the lengths (O(B) adds, nothing
-    # allocated).
+    # share (run_side). By its start instead, each run would also take the
+    # request across its end whole: at B = 64 long-hit the first thread then
+    # got up to 5 % more than half the work (1.55x one thread; centred, the
+    # halves are within 1 %). Each run finds its requests in one pass over
+    # the lengths (O(B) adds, nothing allocated).
     n = offsets.shape[0]
     k = min(n, _RUNS)
     total = 0
     for r in range(n):
         total += lengths[r] + 1
     for c in numba.prange(k):
-        lo = 2 * c * total
-        hi = 2 * (c + 1) * total
         before = 0
         for r in range(n):
-            at = (2 * before + lengths[r] + 1) * k
+            side = run_side(before, lengths[r], c, k, total)
             before += lengths[r] + 1
-            if at < lo:
+            if side < 0:
                 continue
-            if at >= hi:
+            if side > 0:
                 break
             _request(r, rows, offsets, lengths, token_lengths, token_lens, table, sg,
                      cand, prm, hit, mask_spans, scratch, gscr)  # fmt: skip

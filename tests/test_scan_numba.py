@@ -733,6 +733,35 @@ def test_threads_are_picked_by_work_not_request_count():
     assert scan_numba.threaded(10**6, 10**9, False) is False
 
 
+@settings(max_examples=EXAMPLES)
+@given(
+    lengths=st.lists(
+        st.one_of(st.integers(0, 3), st.integers(0, 10**12)), min_size=1, max_size=70
+    ),
+    threads=st.sampled_from([1, 2, 3, 16, 64]),
+)
+def test_threaded_runs_take_every_request_once(lengths, threads):
+    # The cut alone, as _batch_parallel makes it with 4 runs per thread:
+    # each request in exactly one run, and within a run the requests that
+    # belong to it follow those before it and precede those past it (the
+    # kernel's early break).
+    side = scan_numba.run_side.py_func
+    n = len(lengths)
+    k = min(n, 4 * threads)
+    total = sum(lengths) + n
+    runs_of = [[] for _ in range(n)]
+    for c in range(k):
+        before, sides = 0, []
+        for length in lengths:
+            sides.append(side(before, length, c, k, total))
+            before += length + 1
+        assert sides == sorted(sides)
+        for r, s in enumerate(sides):
+            if s == 0:
+                runs_of[r].append(c)
+    assert all(len(runs) == 1 for runs in runs_of), runs_of
+
+
 @pytest.mark.parametrize(
     "lengths",
     [
