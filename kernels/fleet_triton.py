@@ -420,23 +420,11 @@ _DIRECT_FLEET = DirectLauncher()
 _DIRECT_FINISH = DirectLauncher()
 
 
-def _scan(
-    mode: int,
-    keys: torch.Tensor,
-    bits: torch.Tensor,
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    lengths: torch.Tensor,
-    lens: torch.Tensor,
-    members: torch.Tensor | np.ndarray,
-    live: torch.Tensor | np.ndarray,
-    num_engines: int,
-    scale: int,
-    block_size: int,
-    alignment: int,
-    drop: bool,
-    lens_name: str,
-) -> torch.Tensor:
+def _scan(mode: int, keys: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
+          offsets: torch.Tensor, lengths: torch.Tensor, lens: torch.Tensor,
+          members: torch.Tensor | np.ndarray, live: torch.Tensor | np.ndarray,
+          num_engines: int, scale: int, block_size: int, alignment: int, drop: bool,
+          lens_name: str) -> torch.Tensor:  # fmt: skip
     W, NW, dev = _check_tables(keys, bits)
     rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
     if rows.shape[1] != W:
@@ -458,9 +446,24 @@ def _scan(
     if not 0 < num_engines <= NW * 64 or num_engines <= (NW - 1) * 64:
         raise ValueError(f"num_engines must need exactly {NW} words, got {num_engines}")
     # Plain ints for the launch (numpy integers pass the check).
-    scale = check_size("scale", scale)
-    block_size = check_size("block_size", block_size)
-    alignment = check_size("alignment", alignment)
+    return _launch_scan(mode, keys, bits, rows, offsets, lengths, lens, members,
+                        live, num_engines, check_size("scale", scale),
+                        check_size("block_size", block_size),
+                        check_size("alignment", alignment), drop)  # fmt: skip
+
+
+def _launch_scan(mode: int, keys: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
+                 offsets: torch.Tensor, lengths: torch.Tensor, lens: torch.Tensor,
+                 members: torch.Tensor | np.ndarray, live: torch.Tensor | np.ndarray,
+                 num_engines: int, scale: int, block_size: int, alignment: int,
+                 drop: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`_scan`'s launches, its arguments as it checks them, or as a
+    FleetIndex and a batch's view built them: ``FleetOps`` (no validation,
+    as every family's) skips the checks, 15-16 us of a ``fleet_lookup``'s
+    Python (issue 32). The ints are plain ints."""
+    dev, W, NW, B = keys.device, keys.shape[1] - 1, bits.shape[1], offsets.shape[0]
+    members, live = _on_device(members, dev), _on_device(live, dev)
+    M = members.shape[0]
     out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
     if B == 0:
         return out
@@ -972,18 +975,21 @@ class FleetOps(fleet_torch.FleetOps):
                   rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
                   ends: np.ndarray, scale: int, members: np.ndarray, live: np.ndarray,
                   active: torch.Tensor, num_engines: int) -> torch.Tensor:  # fmt: skip
-        """:func:`full_runs`: int64 ``[B, E]`` on the device."""
-        return full_runs(keys, bits, rows, offsets, lengths,
-                         torch.tensor(ends, device=keys.device), scale, members,
-                         live, num_engines)  # fmt: skip
+        """:func:`full_runs` of a FleetIndex's tables and a batch's view
+        (trusted): int64 ``[B, E]`` on the device."""
+        return _launch_scan(0, keys, bits, rows, offsets, lengths,
+                            torch.tensor(ends, device=keys.device), members, live,
+                            num_engines, int(scale), 1, 1, False)  # fmt: skip
 
     def full_hits(self, table: torch.Tensor, keys: torch.Tensor, bits: torch.Tensor,
                   rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
                   lens: torch.Tensor, members: np.ndarray, live: np.ndarray,
                   active: torch.Tensor, params: np.ndarray,
                   num_engines: int) -> torch.Tensor:  # fmt: skip
-        """:func:`full_hits`, one launch (``params`` int64 ``[7]``, as
-        ``fleet_numba.full_hits_checked``'s; the launcher takes E apart):
-        int64 ``[B, E]`` on the device."""
-        return full_hits(keys, bits, rows, offsets, lengths, lens, members, live,
-                         params[:6], num_engines)  # fmt: skip
+        """:func:`full_hits` of a FleetIndex's tables and a batch's view
+        (trusted; ``params`` int64 ``[7]``, as ``fleet_numba.full_hits_checked``'s,
+        the launcher takes E apart): int64 ``[B, E]`` on the device."""
+        _, scale, bs, align, drop, lookup = (int(p) for p in params[:6])
+        return _launch_scan(2 if lookup else 1, keys, bits, rows, offsets, lengths,
+                            lens, members, live, num_engines, scale, bs, align,
+                            bool(drop))  # fmt: skip

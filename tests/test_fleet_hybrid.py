@@ -54,16 +54,16 @@ def on_triton(prune: bool = True):
     ``prune=False``: hybrid_hits without its first stage (``first``), every
     live pair scanned."""
     calls = {"hybrid": 0, "full": 0}
-    real_hybrid, real_full = fleet_triton.hybrid_hits, fleet_triton.full_hits
+    real_hybrid, real_full = fleet_triton.hybrid_hits, fleet_triton.FleetOps.full_hits
 
     def hybrid(*a):
         calls["hybrid"] += 1
         assert len(a) == 13
         return real_hybrid(*a[:12], a[12] if prune else None)
 
-    def full(*a):
+    def full(self, *a):
         calls["full"] += 1
-        return real_full(*a)
+        return real_full(self, *a)
 
     def refuse(*a, **k):
         raise AssertionError("the per-engine path ran on the Triton fleet")
@@ -71,7 +71,7 @@ def on_triton(prune: bool = True):
     with (
         mock.patch.object(fleet_mod, "auto_backend", lambda device: "triton"),
         mock.patch.object(fleet_triton.FleetOps, "hybrid_hits", staticmethod(hybrid)),
-        mock.patch.object(fleet_triton, "full_hits", full),
+        mock.patch.object(fleet_triton.FleetOps, "full_hits", full),
         mock.patch.object(fleet_scoring, "_fleet_generic", refuse),
     ):
         yield calls

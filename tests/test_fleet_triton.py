@@ -56,13 +56,15 @@ W = 1  # 8-byte hashes
 def on_triton():
     """FleetIndexes built inside take the CUDA rule (``auto_backend`` says
     triton): their tables are driven by the Triton kernels, here interpreted;
-    yields the list of full_hits calls, to prove the kernel ran."""
+    yields the list of the family's full_hits calls, to prove the kernel ran."""
     calls = []
-    real = fleet_triton.full_hits
+    real = fleet_triton.FleetOps.full_hits
     with (
         mock.patch.object(fleet_mod, "auto_backend", lambda device: "triton"),
         mock.patch.object(
-            fleet_triton, "full_hits", lambda *a: calls.append(1) or real(*a)
+            fleet_triton.FleetOps,
+            "full_hits",
+            lambda self, *a: calls.append(1) or real(self, *a),
         ),
     ):
         yield calls
