@@ -1,8 +1,9 @@
 """FleetIndex kernels on CUDA, in Triton: the joint full-attention scan of
 :mod:`kvhit.kernels.fleet_numba` (runs and vLLM's hits of every request
 against every engine, one launch), vLLM's whole rule for hybrid layouts
-(every (request, engine) pair, one launch after the joint scan) and the
-engine-set updates.
+(every (request, engine) pair, one launch after the joint scan), and the
+FleetIndex's ``FleetOps`` (the engine-set updates are
+:mod:`kvhit.kernels.fleet_triton_bits`).
 
 The tables are the FleetIndex's on a non-CPU device
 (``coordinator/fleet_index.py``, STORAGE), two contiguous tensors:
@@ -58,7 +59,6 @@ torch families').
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -69,10 +69,17 @@ import triton.language as tl
 from kvhit.kernels import fleet_torch, hash_index
 from kvhit.kernels import scan as scan_rules
 from kvhit.kernels.checks import check_int64, check_size
-from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS, TOMBSTONE
+from kvhit.kernels.contract import CAND_WIDTH, SG_MEMBERS
 from kvhit.kernels.fleet_probe import bit_and, probe_slots
+from kvhit.kernels.fleet_triton_bits import (
+    check_tables,
+    clear_bits,
+    clear_engine,
+    interpreting,
+    probe_bits,
+    set_bits,
+)
 from kvhit.kernels.fleet_triton_hybrid import class_kernel, hybrid_kernel
-from kvhit.kernels.hash_index import find_slots
 from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
 
 __all__ = [
@@ -119,8 +126,6 @@ MAX_SPLIT = 16
 # Programs the launcher aims at per SM when it picks SPLIT (resident 4-warp
 # programs to hide the probe latency with).
 _PROGRAMS_PER_SM = 4
-# Lanes of the engine-set update kernels.
-_UPDATE_BLOCK = 128
 #: Hybrid layouts after the joint scan: from this many engines on, engines
 #: that must answer alike share one program of the rule
 #: (``fleet_triton_hybrid.class_kernel``, a third launch); below it every
@@ -140,7 +145,6 @@ CLASS_REGISTERS = 72
 _MODE_RUNS: tl.constexpr = tl.constexpr(0)
 _MODE_FIND: tl.constexpr = tl.constexpr(1)
 _MODE_LOOKUP: tl.constexpr = tl.constexpr(2)
-_TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
 # Slots a tile's later probe steps visit at once (the first step visits the
 # home slot alone; kernels/fleet_probe.probe_slots), as the scan's table_has
 # (kernels/scan_sg.py).
@@ -320,10 +324,6 @@ def _finish_kernel(
         tl.store(out_row + e, hit, mask=em)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -369,29 +369,6 @@ def _split(batch: int, device: torch.device) -> int:
     return split_for(batch, sms)
 
 
-def _check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:
-    """(W, NW, device) of a FleetIndex's device tables; errors name them."""
-    keys = check_int64(keys, "keys", dim=2)
-    dev = keys.device
-    bits = check_int64(bits, "bits", dim=2, device=dev, device_of="keys")
-    cap, w1 = keys.shape
-    if cap < 1 or cap & (cap - 1) or w1 < 2:
-        raise ValueError(
-            f"keys must have shape [capacity, W + 1], capacity a power of two, "
-            f"W >= 1, got {list(keys.shape)}"
-        )
-    if bits.shape[0] != cap or bits.shape[1] < 1:
-        raise ValueError(
-            f"bits must have shape [{cap}, NW >= 1], got {list(bits.shape)}"
-        )
-    if dev.type == "cpu" and not _interpreting():
-        raise ValueError(
-            "keys is on the CPU: the Triton kernels need a GPU, or "
-            "TRITON_INTERPRET=1 set before triton is imported"
-        )
-    return w1 - 1, bits.shape[1], dev
-
-
 # Device copies of the small constant arrays a launch takes as numpy (a
 # SpecGroup's members, the live engine set), by value: a copy to the device
 # is a synchronous host round trip, and the same few values recur on every
@@ -425,7 +402,7 @@ def _scan(mode: int, keys: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
           members: torch.Tensor | np.ndarray, live: torch.Tensor | np.ndarray,
           num_engines: int, scale: int, block_size: int, alignment: int, drop: bool,
           lens_name: str) -> torch.Tensor:  # fmt: skip
-    W, NW, dev = _check_tables(keys, bits)
+    W, NW, dev = check_tables(keys, bits)
     rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
     if rows.shape[1] != W:
         raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
@@ -651,7 +628,7 @@ def hybrid_hits(
     hbs = check_size("params[0] (hash block size)", params[0])
     align = check_size("params[1] (alignment)", params[1])
     partial, simple, drop, lookup = (bool(int(x)) for x in params[2:])
-    if dev.type == "cpu" and not _interpreting():
+    if dev.type == "cpu" and not interpreting():
         raise ValueError(
             "table is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"
@@ -659,7 +636,7 @@ def hybrid_hits(
     runs, first_scale = None, 1
     if first is not None:
         keys, bits, members, first_scale = first
-        fw, fnw, fdev = _check_tables(keys, bits)
+        fw, fnw, fdev = check_tables(keys, bits)
         if fdev != dev or fw != W or fnw != nw:
             raise ValueError(
                 f"first's tables must be a FleetIndex's on {dev} with W = {W} and "
@@ -731,218 +708,6 @@ DIRECT_KERNELS = ("_fleet_kernel", "_finish_kernel", "class_kernel", "hybrid_ker
 _DIRECT_RUNS = DirectLauncher()
 _DIRECT_CLASS = DirectLauncher()
 _DIRECT_HYBRID = DirectLauncher()
-
-
-# -- engine-set updates -----------------------------------------------------------
-
-
-@triton.jit
-def _set_bits_kernel(bits_ptr, slot_ptr, eng_ptr, new_ptr, n, nw,
-                     BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    s = tl.load(slot_ptr + i, mask=ok, other=0)
-    e = tl.load(eng_ptr + i, mask=ok, other=0)
-    b = tl.full([BLOCK], 1, tl.int64) << (e & 63)
-    # One atomic read-modify-write per lane: of repeats of one (slot, engine)
-    # in the batch exactly one lane sees the bit unset, so it counts once.
-    old = tl.atomic_or(bits_ptr + s * nw + (e >> 6), b, mask=ok, sem="relaxed")
-    tl.store(new_ptr + i, ((old & b) == 0).to(tl.int8), mask=ok)
-
-
-@triton.jit
-def _clear_bits_kernel(bits_ptr, slot_ptr, eng_ptr, gone_ptr, n, nw,
-                       BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    s = tl.load(slot_ptr + i, mask=i < n, other=-1)
-    ok = (i < n) & (s >= 0)
-    e = tl.load(eng_ptr + i, mask=ok, other=0)
-    b = tl.full([BLOCK], 1, tl.int64) << (e & 63)
-    old = tl.atomic_and(bits_ptr + tl.where(ok, s, 0) * nw + (e >> 6), ~b, mask=ok,
-                        sem="relaxed")  # fmt: skip
-    tl.store(gone_ptr + i, (ok & ((old & b) != 0)).to(tl.int8), mask=i < n)
-
-
-@triton.jit
-def _tombstone_kernel(keys_ptr, bits_ptr, slot_ptr, gone_ptr, freed_ptr, n, nw,
-                      W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # After _clear_bits_kernel (a kernel boundary orders its writes before
-    # these reads): a slot left with no engine becomes a TOMBSTONE, as
-    # KeyIndex's erase. Lanes that cleared a bit of one slot all see its final
-    # bits; the exchange returns the group id to exactly one of them.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = tl.load(gone_ptr + i, mask=i < n, other=0) != 0
-    s = tl.load(slot_ptr + i, mask=ok, other=0)
-    empty = ok
-    for k in range(nw):
-        empty = empty & (tl.load(bits_ptr + s * nw + k, mask=empty, other=0) == 0)
-    tomb = tl.full([BLOCK], _TOMBSTONE_C, tl.int64)
-    old = tl.atomic_xchg(keys_ptr + s * (W + 1), tomb, mask=empty, sem="relaxed")
-    tl.store(freed_ptr + i, (empty & (old >= 0)).to(tl.int8), mask=i < n)
-
-
-@triton.jit
-def _clear_engine_kernel(keys_ptr, bits_ptr, count_ptr, cap, nw, w, b,
-                         W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # One lane per slot: engine (w, b)'s bit of a live slot is cleared (one
-    # engine per launch, one lane per slot: plain stores, no race); a slot
-    # left with no engine becomes a TOMBSTONE. count[0] += bits cleared,
-    # count[1] += slots tombstoned (one atomic per program).
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < cap
-    live = tl.load(keys_ptr + i * (W + 1), mask=ok, other=-1) >= 0
-    word = tl.load(bits_ptr + i * nw + w, mask=live, other=0)
-    has = live & (((word >> b) & 1) == 1)
-    word = word & ~(tl.full([BLOCK], 1, tl.int64) << b)
-    tl.store(bits_ptr + i * nw + w, word, mask=has)
-    empty = has & (word == 0)
-    # Word w reads back as stored above (the same lane's store).
-    for k in range(nw):
-        empty = empty & (tl.load(bits_ptr + i * nw + k, mask=empty, other=0) == 0)
-    tl.store(keys_ptr + i * (W + 1), tl.full([BLOCK], _TOMBSTONE_C, tl.int64),
-             mask=empty)  # fmt: skip
-    tl.atomic_add(count_ptr, tl.sum(has.to(tl.int64), axis=0), sem="relaxed")
-    tl.atomic_add(count_ptr + 1, tl.sum(empty.to(tl.int64), axis=0), sem="relaxed")
-
-
-@triton.jit
-def _probe_bits_kernel(keys_ptr, cap_mask, bits_ptr, gid_ptr, rows_ptr, out_ptr,
-                       n_rows, n, nw, W: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
-    # Lane i: key (gids[i // n_rows], rows[i % n_rows]); its engine set goes
-    # to out[i, :] (zeros where absent).
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    g = tl.load(gid_ptr + i // n_rows, mask=ok, other=0)
-    # Plain reads (ACQUIRE=False): stream-ordered after the mutations.
-    slot = find_slots(keys_ptr, cap_mask, g, rows_ptr, i % n_rows, ok, W, False)
-    for k in range(nw):
-        w = tl.load(bits_ptr + tl.where(slot >= 0, slot, 0) * nw + k,
-                    mask=slot >= 0, other=0)  # fmt: skip
-        tl.store(out_ptr + i * nw + k, w, mask=ok)
-
-
-def _check_update(bits: object, slots: object, engines: object,
-                  num_engines: object) -> tuple[int, int]:  # fmt: skip
-    """(N, NW) of an engine-set update; errors name the argument."""
-    bits = check_int64(bits, "bits", dim=2)
-    dev = bits.device
-    n = check_int64(slots, "slots", dim=1, device=dev, device_of="bits").shape[0]
-    check_int64(engines, "engines", dim=1, device=dev, device_of="bits")
-    if engines.shape[0] != n:
-        raise ValueError(f"engines must have shape [{n}], got {list(engines.shape)}")
-    if isinstance(num_engines, bool) or not isinstance(num_engines, int):
-        raise TypeError(f"num_engines must be an int, got {num_engines!r}")
-    if not 0 < num_engines <= bits.shape[1] * 64:
-        raise ValueError(
-            f"num_engines must be in [1, {bits.shape[1] * 64}], got {num_engines}"
-        )
-    if dev.type == "cpu" and not _interpreting():
-        raise ValueError(
-            "bits is on the CPU: the Triton kernels need a GPU, or "
-            "TRITON_INTERPRET=1 set before triton is imported"
-        )
-    return n, bits.shape[1]
-
-
-def set_bits(
-    bits: torch.Tensor, slots: torch.Tensor, engines: torch.Tensor, num_engines: int
-) -> torch.Tensor:
-    """Set engine ``engines[r]``'s bit of slot ``slots[r]`` (``bits`` int64
-    ``[C, NW]``; ``slots``, ``engines`` int64 ``[N]``, every slot a live
-    key's, every engine below ``num_engines``): one launch. Returns int64
-    ``[E]`` (CPU): the bits newly set per engine (a repeat in the batch
-    counts once), as :func:`kvhit.kernels.fleet_torch.set_bits`."""
-    n, nw = _check_update(bits, slots, engines, num_engines)
-    new = torch.zeros(n, dtype=torch.int8, device=bits.device)
-    if n:
-        with device_guard(bits.device):
-            _set_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
-                bits, slots, engines, new, n, nw, BLOCK=_UPDATE_BLOCK
-            )
-    # Counted on the device, one copy back (no boolean indexing: its size
-    # would be a host sync of its own).
-    per_engine = torch.zeros(num_engines, dtype=torch.int64, device=bits.device)
-    return per_engine.index_add_(0, engines, new.to(torch.int64)).cpu()
-
-
-def clear_bits(
-    keys: torch.Tensor,
-    bits: torch.Tensor,
-    slots: torch.Tensor,
-    engines: torch.Tensor,
-    num_engines: int,
-) -> tuple[torch.Tensor, int]:
-    """Clear engine ``engines[r]``'s bit of slot ``slots[r]`` (-1: an absent
-    key, skipped); a slot left with no engine becomes a TOMBSTONE (``keys``
-    int64 ``[C, W + 1]``). Two launches. Returns (int64 ``[E]`` (CPU), the
-    bits cleared per engine; the number of slots tombstoned), as
-    :func:`kvhit.kernels.fleet_torch.clear_bits`."""
-    W, _, _ = _check_tables(keys, bits)
-    n, nw = _check_update(bits, slots, engines, num_engines)
-    gone = torch.zeros(n, dtype=torch.int8, device=bits.device)
-    freed = torch.zeros(n, dtype=torch.int8, device=bits.device)
-    if n:
-        grid = (triton.cdiv(n, _UPDATE_BLOCK),)
-        with device_guard(bits.device):
-            _clear_bits_kernel[grid](bits, slots, engines, gone, n, nw,
-                                     BLOCK=_UPDATE_BLOCK)  # fmt: skip
-            _tombstone_kernel[grid](keys, bits, slots, gone, freed, n, nw, W=W,
-                                    BLOCK=_UPDATE_BLOCK)  # fmt: skip
-    # The counts per engine and the slots freed, one copy back.
-    counts = torch.zeros(num_engines + 1, dtype=torch.int64, device=bits.device)
-    counts[:num_engines].index_add_(0, engines, gone.to(torch.int64))
-    counts[num_engines] = freed.sum()
-    counts = counts.cpu()
-    return counts[:num_engines], int(counts[num_engines])
-
-
-def clear_engine(
-    keys: torch.Tensor, bits: torch.Tensor, engine: int
-) -> tuple[int, int]:
-    """Drop every key of ``engine`` (``keys`` int64 ``[C, W + 1]``, ``bits``
-    int64 ``[C, NW]``, a FleetIndex's tables): its bit of every live slot is
-    cleared, and a slot left with no engine becomes a TOMBSTONE. One launch
-    over the table and one copy of the two counts back: (bits cleared, slots
-    tombstoned), as :func:`kvhit.kernels.fleet_torch.clear_engine`."""
-    W, NW, dev = _check_tables(keys, bits)
-    if isinstance(engine, bool) or not isinstance(engine, int):
-        raise TypeError(f"engine must be an int, got {engine!r}")
-    if not 0 <= engine < NW * 64:
-        raise ValueError(f"engine must be in [0, {NW * 64}), got {engine}")
-    count = torch.zeros(2, dtype=torch.int64, device=dev)
-    cap = keys.shape[0]
-    with device_guard(dev):
-        _clear_engine_kernel[(triton.cdiv(cap, _UPDATE_BLOCK),)](
-            keys, bits, count, cap, NW, engine >> 6, engine & 63, W=W,
-            BLOCK=_UPDATE_BLOCK,
-        )  # fmt: skip
-    cleared, freed = count.tolist()
-    return cleared, freed
-
-
-def probe_bits(
-    keys: torch.Tensor, bits: torch.Tensor, gids: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """The engine set of every key ``(gids[i], rows[t])``: int64 ``[G, T,
-    NW]`` on the tables' device (zero where no engine holds it), one launch
-    (:func:`kvhit.kernels.fleet_torch.probe_bits`). ``gids`` int64 ``[G]``,
-    ``rows`` int64 ``[T, W]``, contiguous, on the tables' device."""
-    W, NW, dev = _check_tables(keys, bits)
-    G = check_int64(gids, "gids", dim=1, device=dev, device_of="keys").shape[0]
-    rows = check_int64(rows, "rows", dim=2, device=dev, device_of="keys")
-    if rows.shape[1] != W:
-        raise ValueError(f"rows must have shape [T, {W}], got {list(rows.shape)}")
-    T = rows.shape[0]
-    out = torch.empty((G, T, NW), dtype=torch.int64, device=dev)
-    n = G * T
-    if n:
-        with device_guard(dev):
-            _probe_bits_kernel[(triton.cdiv(n, _UPDATE_BLOCK),)](
-                keys, keys.shape[0] - 1, bits, gids, rows, out, T, n, NW, W=W,
-                BLOCK=_UPDATE_BLOCK,
-            )  # fmt: skip
-    return out
 
 
 # -- the FleetIndex's table operations -----------------------------------------------

@@ -407,8 +407,8 @@ CHECKS_ELSEWHERE = {
     # pending: kernels/scan.py, kernels/fleet_triton.py (the Triton launchers),
     # and bindings/ are other helpers' files.
     ("kvhit.kernels.scan", "_check_row_values"),
-    ("kvhit.kernels.fleet_triton", "_check_tables"),
-    ("kvhit.kernels.fleet_triton", "_check_update"),
+    ("kvhit.kernels.fleet_triton_bits", "check_tables"),
+    ("kvhit.kernels.fleet_triton_bits", "_check_update"),
     ("kvhit.bindings.torch_ops", "_check_tensor"),
     ("kvhit.bindings.torch_ops", "_check_probe"),
     ("kvhit.bindings.torch_ops", "_check_lookup"),

@@ -132,7 +132,7 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # ptxas must really run
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvhit.kernels import fleet_triton, fleet_triton_hybrid, hash_index, scan
+from kvhit.kernels import fleet_triton, fleet_triton_bits, fleet_triton_hybrid, hash_index, scan
 
 triton.knobs.nvidia.dump_ptxas_log = True
 ARCHS = [int(a) for a in sys.argv[1].split(",")]
@@ -220,10 +220,10 @@ for arch in ARCHS:
         row = compile_one(fleet_triton._fleet_kernel, fsig, cx, arch,
                           {"num_warps": fleet_triton.NUM_WARPS})
         print(json.dumps(dict(kernel="fleet", variant=name, arch=arch, **row)))
-    for name, kernel in (("set bits", fleet_triton._set_bits_kernel),
-                         ("clear bits", fleet_triton._clear_bits_kernel),
-                         ("tombstone", fleet_triton._tombstone_kernel),
-                         ("probe bits", fleet_triton._probe_bits_kernel)):
+    for name, kernel in (("set bits", fleet_triton_bits._set_bits_kernel),
+                         ("clear bits", fleet_triton_bits._clear_bits_kernel),
+                         ("tombstone", fleet_triton_bits._tombstone_kernel),
+                         ("probe bits", fleet_triton_bits._probe_bits_kernel)):
         ksig = {n: ("*i8" if n in ("new_ptr", "gone_ptr", "freed_ptr") else "*i64")
                 for n in kernel.arg_names if n.endswith("_ptr")}
         ksig.update(n="i32", nw="i32", BLOCK="constexpr")
