@@ -625,15 +625,14 @@ def hybrid_hits(
         )
     if len(params) != 6:
         raise ValueError(f"params must hold 6 ints, got {len(params)}")
-    hbs = check_size("params[0] (hash block size)", params[0])
-    align = check_size("params[1] (alignment)", params[1])
-    partial, simple, drop, lookup = (bool(int(x)) for x in params[2:])
+    params = (check_size("params[0] (hash block size)", params[0]),
+              check_size("params[1] (alignment)", params[1]),
+              *(int(x) for x in params[2:]))  # fmt: skip
     if dev.type == "cpu" and not interpreting():
         raise ValueError(
             "table is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"
         )
-    runs, first_scale = None, 1
     if first is not None:
         keys, bits, members, first_scale = first
         fw, fnw, fdev = check_tables(keys, bits)
@@ -647,6 +646,30 @@ def hybrid_hits(
                               device=dev, device_of="table")  # fmt: skip
         if members.shape[0] < 1:
             raise ValueError("first's members must name at least one group")
+        first = (keys, bits, members, first_scale)
+    return _launch_hybrid(table, rows, offsets, lengths, lens, token_lens, sg_rows,
+                          cand_rows, plan_cands, live, num_engines, params, first)  # fmt: skip
+
+
+def _launch_hybrid(table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                   lengths: torch.Tensor, lens: torch.Tensor,
+                   token_lens: torch.Tensor | None, sg_rows: torch.Tensor,
+                   cand_rows: torch.Tensor, plan_cands: torch.Tensor,
+                   live: torch.Tensor | np.ndarray, num_engines: int,
+                   params: Sequence[int], first: tuple | None) -> torch.Tensor:  # fmt: skip
+    """:func:`hybrid_hits`' launches, its arguments as it checks them, or as
+    a FleetIndex, a batch's view and ``coordinator/plan.py`` built them:
+    ``FleetOps`` (no validation, as every family's) skips the checks."""
+    dev, B, W = table.device, offsets.shape[0], table.shape[1] - 1
+    cap, nw = table.shape[0], -(-num_engines // 64)
+    n_sg, sg_w, G = sg_rows.shape[0], sg_rows.shape[1], plan_cands.shape[0]
+    live = _on_device(live, dev)
+    hbs, align = int(params[0]), int(params[1])
+    partial, simple, drop, lookup = (bool(int(x)) for x in params[2:])
+    runs, first_scale = None, 1
+    if first is not None:
+        keys, bits, members, first_scale = first
+        members, first_scale = _on_device(members, dev), int(first_scale)
     out = torch.zeros((B, num_engines), dtype=torch.int64, device=dev)
     if B == 0:
         return out
@@ -726,8 +749,9 @@ class FleetOps(fleet_torch.FleetOps):
     clear_bits_kernel = staticmethod(clear_bits)
     probe_bits_kernel = staticmethod(probe_bits)
     # Every other layout (fleet_scoring.fleet_find): one launch over the
-    # entry index, every (request, engine) pair.
-    hybrid_hits = staticmethod(hybrid_hits)
+    # entry index, every (request, engine) pair (no validation: the
+    # arguments are the FleetIndex's, its plan's and a batch's view).
+    hybrid_hits = staticmethod(_launch_hybrid)
 
     @staticmethod
     def clear_engine(
