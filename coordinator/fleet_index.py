@@ -71,7 +71,6 @@ import torch
 
 from kvhit.coordinator import fleet_scoring
 from kvhit.coordinator.backend import auto_backend, resolve_backend
-from kvhit.coordinator.int_lists import decoder_ready
 from kvhit.coordinator.key_index import (
     MAX_CAPACITY,
     MAX_LOAD_RANGE,
@@ -293,7 +292,6 @@ class FleetIndex:
             # The family's kernels loaded now (where it compiles ahead), so
             # the first store or router call does not pay for it.
             ops.warm_up()
-            decoder_ready()
 
     def _init(self, num_engines, hash_bytes, keys, bits, entries, active, backend,
               ops, max_load, size, tombs, lazy_entries=False) -> None:  # fmt: skip

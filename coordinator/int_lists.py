@@ -70,8 +70,9 @@ def _loaded() -> Callable[[bytes, np.ndarray], int] | None:
 def decoder_ready() -> bool:
     """Whether :func:`int_lists` has its decoder (see :func:`_loaded`). The
     first call after a kernel family loaded it imports msgspec (5-8 ms cold),
-    so the numba warm-ups of ``LookupEngine``, ``KeyIndex`` and
-    ``FleetIndex`` call it too: no step pays that import."""
+    so the numba warm-ups of ``LookupEngine`` and ``KeyIndex`` (a
+    ``FleetIndex``'s entry index among them) call it too: no step pays that
+    import."""
     return (_unpack or _loaded()) is not None
 
 
