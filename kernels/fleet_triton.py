@@ -75,12 +75,17 @@ from kvhit.kernels.fleet_triton_bits import (
     check_tables,
     clear_bits,
     clear_engine,
-    interpreting,
     probe_bits,
     set_bits,
 )
 from kvhit.kernels.fleet_triton_hybrid import class_kernel, hybrid_kernel
-from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter, int_key
+from kvhit.kernels.launch import (
+    DirectLauncher,
+    device_guard,
+    fix_interpreter,
+    int_key,
+    interpreting,
+)
 
 __all__ = [
     "BLOCK",

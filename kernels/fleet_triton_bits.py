@@ -12,8 +12,6 @@ one; the FleetIndex calls them with its own tables.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -21,10 +19,9 @@ import triton.language as tl
 from kvhit.kernels.checks import check_int64
 from kvhit.kernels.contract import TOMBSTONE
 from kvhit.kernels.hash_index import find_slots
-from kvhit.kernels.launch import device_guard, fix_interpreter
+from kvhit.kernels.launch import device_guard, fix_interpreter, interpreting
 
-__all__ = ["check_tables", "clear_bits", "clear_engine", "interpreting",
-           "probe_bits", "set_bits"]  # fmt: skip
+__all__ = ["check_tables", "clear_bits", "clear_engine", "probe_bits", "set_bits"]
 
 # Triton 3.6's interpreter cannot range() over a runtime scalar (launch.py);
 # once at import, as kernels/scan.py.
@@ -33,11 +30,6 @@ fix_interpreter()
 # Lanes of the engine-set update kernels.
 _UPDATE_BLOCK = 128
 _TOMBSTONE_C: tl.constexpr = tl.constexpr(TOMBSTONE)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs under its interpreter (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_tables(keys: object, bits: object) -> tuple[int, int, torch.device]:

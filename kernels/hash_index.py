@@ -34,8 +34,6 @@ shape, dtype, contiguity and device, naming the offending argument.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +41,7 @@ import triton.language as tl
 from kvhit.kernels import contract
 from kvhit.kernels.checks import check_int, check_probe_args
 from kvhit.kernels.contract import BUSY, EMPTY, TOMBSTONE
-from kvhit.kernels.launch import device_guard
+from kvhit.kernels.launch import device_guard, interpreting
 
 __all__ = [
     "BUSY",
@@ -355,14 +353,10 @@ def _insert_kernel(
     tl.store(out_ptr + rows, code.to(tl.int8), mask=valid)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _block() -> int:
     # The interpreter runs each program as numpy code: fewer, wider programs
     # amortise its per-op overhead.
-    return 1024 if _interpreting() else 128
+    return 1024 if interpreting() else 128
 
 
 def _cap_mask(
@@ -377,7 +371,7 @@ def _cap_mask(
     if trusted:
         return table.shape[0] - 1
     cap = check_probe_args(table, W, group_ids, hashes)
-    if table.device.type == "cpu" and not _interpreting():
+    if table.device.type == "cpu" and not interpreting():
         raise ValueError(
             "table is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"

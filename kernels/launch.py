@@ -108,6 +108,12 @@ def _version(v: str) -> tuple[int, int]:
     return major, minor
 
 
+def interpreting() -> bool:
+    """Whether Triton runs under its interpreter (``TRITON_INTERPRET=1``:
+    kernels run on the CPU, CPU tensors allowed)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 _interpreter_fixed = False
 
 
@@ -124,7 +130,7 @@ def fix_interpreter() -> None:
     ``tl.tensor`` is wrapped to convert with ``.item()`` instead. Idempotent.
     """
     global _interpreter_fixed
-    if _interpreter_fixed or os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if _interpreter_fixed or not interpreting():
         return
     import triton
     from triton.runtime import interpreter
@@ -187,8 +193,7 @@ class DirectLauncher:
 
     def __init__(self) -> None:
         self.enabled = (
-            os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and os.environ.get("KVHIT_TRITON_DIRECT", "1") != "0"
+            not interpreting() and os.environ.get("KVHIT_TRITON_DIRECT", "1") != "0"
         )
         self._compiled: dict[tuple, object] = {}
         self.direct_launches = 0

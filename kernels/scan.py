@@ -106,7 +106,6 @@ rows tensor, remembered while the tensor is not written in place.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any
@@ -122,7 +121,12 @@ from kvhit.kernels.checks import (
     check_plan_rows,
     table_capacity,
 )
-from kvhit.kernels.launch import DirectLauncher, device_guard, fix_interpreter
+from kvhit.kernels.launch import (
+    DirectLauncher,
+    device_guard,
+    fix_interpreter,
+    interpreting,
+)
 from kvhit.kernels.scan_sg import (
     C_ALIGN,
     C_CANDS,
@@ -517,10 +521,6 @@ def _scan_kernel(
     tl.store(hit_ptr + r, tl.where(bad, _LENGTH_FLAG, hit))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _check(
     name: str,
     t: object,
@@ -613,7 +613,7 @@ def _validate(
         raise ValueError(f"block must be a power of two >= 2, got {block!r}")
     if block & (block - 1):
         raise ValueError(f"block must be a power of two >= 2, got {block!r}")
-    if device.type == "cpu" and not _interpreting():
+    if device.type == "cpu" and not interpreting():
         raise ValueError(
             "hashes is on the CPU: the Triton kernels need a GPU, or "
             "TRITON_INTERPRET=1 set before triton is imported"
