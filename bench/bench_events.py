@@ -1,8 +1,10 @@
 """What one vLLM KV event costs through the event follower, stage by stage.
 
-One ``BlockStored`` of ``n`` blocks (one request's ~25, and 1000) arrives as
-vLLM's ZMQ frames ``(topic, seq, payload)``; the follower digests it, decodes
-it, reduces it to a plan, packs the keys and adds them to its index (a
+A batch of ``n`` stored blocks (one request's ~25, and 1000) arrives as
+vLLM's ZMQ frames ``(topic, seq, payload)``, as one ``BlockStored`` of them
+all (a block pool's) or one a block (the Mooncake store connector's); the
+follower reads it into a plan (``plan_payload``: a numba scan of stored
+blocks, msgspec for anything else) and adds the keys to its index (a
 KeyIndex, or one engine's column of a FleetIndex). This script times the
 whole path (``EventFollower._handle_live`` on one message, no sockets) and
 each stage alone, in one process, and prints a table::
@@ -35,10 +37,11 @@ from kvhit.coordinator.fleet_index import FleetIndex
 from kvhit.coordinator.key_index import KeyIndex
 
 try:
+    from kvhit.bindings import kv_event_scan as ks
     from kvhit.bindings import kv_events as kv
     from kvhit.bindings.events import EventFollower
 except ImportError as exc:  # the `events` extra (msgspec, pyzmq) is missing
-    kv = EventFollower = None
+    kv = ks = EventFollower = None
     MISSING = str(exc)
 
 TOPIC = b"kv"
@@ -50,11 +53,22 @@ TOPIC = b"kv"
 TOKENS = ("range", "vocab")
 
 
+#: How a batch carries its blocks: ``event`` one BlockStored of them all
+#: (vLLM's block pools), ``block`` one BlockStored a block, with its parent
+#: hash and group (vLLM 0.33.0's Mooncake store connector, ``store/worker.py``).
+SHAPES = ("event", "block")
+
+
 def _payloads(
-    n_blocks: int, reps: int, hash_bytes: int, seed: int, tokens: str = "range"
+    n_blocks: int,
+    reps: int,
+    hash_bytes: int,
+    seed: int,
+    tokens: str = "range",
+    shape: str = "event",
 ) -> list[bytes]:
-    """``reps`` encoded batches of one BlockStored of ``n_blocks`` fresh
-    hashes, 16 token ids a block (see :data:`TOKENS`)."""
+    """``reps`` encoded batches of ``n_blocks`` fresh hashes, 16 token ids a
+    block (see :data:`TOKENS`), in one event or one a block (:data:`SHAPES`)."""
     out = []
     rng = random.Random(seed)
     for r in range(reps):
@@ -72,20 +86,38 @@ def _payloads(
                 hashlib.sha256(f"{seed}:{r}:{i}".encode()).digest()
                 for i in range(n_blocks)
             ]
-        event = kv.BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None,
-            token_ids=(
-                list(range(16 * n_blocks))
-                if tokens == "range"
-                else [rng.randrange(128_256) for _ in range(16 * n_blocks)]
-            ),
-            block_size=16,
-            lora_id=None,
-            medium="cpu",
-            lora_name=None,
+        token_ids = (
+            list(range(16 * n_blocks))
+            if tokens == "range"
+            else [rng.randrange(128_256) for _ in range(16 * n_blocks)]
         )
-        out.append(kv.encode_batch(kv.KVEventBatch(time.time(), [event])))
+        if shape == "event":
+            events = [
+                kv.BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=token_ids,
+                    block_size=16,
+                    lora_id=None,
+                    medium="cpu",
+                    lora_name=None,
+                )
+            ]
+        else:
+            events = [
+                kv.BlockStored(
+                    block_hashes=[h],
+                    parent_block_hash=hashes[i - 1] if i else None,
+                    token_ids=token_ids[16 * i : 16 * i + 16],
+                    block_size=16,
+                    lora_id=None,
+                    medium="cpu",
+                    lora_name=None,
+                    group_idx=0,
+                )
+                for i, h in enumerate(hashes)
+            ]
+        out.append(kv.encode_batch(kv.KVEventBatch(time.time(), events)))
     return out
 
 
@@ -108,11 +140,21 @@ def _per_call_us(fn: Callable[[int], Any], reps: int, warm: int) -> float:
     return statistics.median(times) / 1000.0
 
 
-def measure(kind: str, n_blocks: int, hash_bytes: int, reps: int) -> dict[str, Any]:
-    """Median us per event for every stage and the whole follower path."""
+def measure(
+    kind: str, n_blocks: int, hash_bytes: int, reps: int, shape: str = "event"
+) -> dict[str, Any]:
+    """Median us per batch for every stage and the whole follower path:
+    ``decode`` and ``plan`` the general path (msgspec, then Python per
+    event), ``scan`` what the follower calls (``plan_payload``: the numba
+    scan of stored blocks), ``pack`` and ``add`` the index's side."""
     warm = max(3, reps // 10)
-    row: dict[str, Any] = {"index": kind, "blocks": n_blocks, "hash": hash_bytes}
-    payloads = _payloads(n_blocks, reps, hash_bytes, seed=1)
+    row: dict[str, Any] = {
+        "index": kind,
+        "shape": shape,
+        "blocks": n_blocks,
+        "hash": hash_bytes,
+    }
+    payloads = _payloads(n_blocks, reps, hash_bytes, seed=1, shape=shape)
     media = frozenset(("cpu",))
 
     row["decode"] = _per_call_us(lambda i: kv.decode_keys(payloads[i]), reps, warm)
@@ -122,7 +164,12 @@ def measure(kind: str, n_blocks: int, hash_bytes: int, reps: int) -> dict[str, A
         reps,
         warm,
     )
-    plans = [kv.plan_events(b.events, hash_bytes, media, True, 0) for b in batches]
+    row["scan"] = _per_call_us(
+        lambda i: ks.plan_payload(payloads[i], hash_bytes, media, True, 0),
+        reps,
+        warm,
+    )
+    plans = [ks.plan_payload(p, hash_bytes, media, True, 0) for p in payloads]
     index = _index(kind, hash_bytes, n_blocks * reps)
     keys = [kv.plan_keys(p, hash_bytes, "cpu") for p in plans]
     row["pack"] = _per_call_us(
@@ -143,9 +190,8 @@ def measure(kind: str, n_blocks: int, hash_bytes: int, reps: int) -> dict[str, A
     )
     assert follower.batches_applied == reps and not follower.stale
     assert len(index) == n_blocks * reps, (len(index), n_blocks * reps)
-    row["rest"] = (
-        row["follower"] - row["decode"] - row["plan"] - row["pack"] - row["add"]
-    )
+    # The follower commits one part (a run of one group) without packing.
+    row["rest"] = row["follower"] - row["scan"] - row["add"]
     row["w/o add"] = row["follower"] - row["add"]
     row["ns/block"] = 1000.0 * row["follower"] / n_blocks
     return row
@@ -178,11 +224,11 @@ def load_baseline(rev: str) -> Any:
 
 
 def measure_baseline(
-    old: Any, kind: str, n_blocks: int, hash_bytes: int, reps: int
+    old: Any, kind: str, n_blocks: int, hash_bytes: int, reps: int, shape: str
 ) -> float:
-    """Median us per event through ``rev``'s follower (the whole path only)."""
+    """Median us per batch through ``rev``'s follower (the whole path only)."""
     warm = max(3, reps // 10)
-    payloads = _payloads(n_blocks, reps, hash_bytes, seed=2)
+    payloads = _payloads(n_blocks, reps, hash_bytes, seed=2, shape=shape)
     index = _index(kind, hash_bytes, n_blocks * reps)
     follower = old.EventFollower(
         "tcp://127.0.0.1:1", None, index, topic=TOPIC.decode(), medium="cpu"
@@ -219,14 +265,21 @@ def test_event_apply_stages() -> None:
     if kv is None:
         pytest.skip(MISSING)
     for kind in ("KeyIndex", "FleetIndex"):
-        row = measure(kind, 25, 8, reps=40)
-        assert row["follower"] >= row["add"] > 0 and row["decode"] > 0
+        for shape in SHAPES:
+            row = measure(kind, 25, 8, reps=40, shape=shape)
+            assert row["follower"] >= row["add"] > 0 and row["decode"] > 0
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=400)
     parser.add_argument("--blocks", default="25,1000")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help="event (one BlockStored of every block), block (one a block, as "
+        "the Mooncake store connector publishes)",
+    )
     parser.add_argument(
         "--baseline",
         default=None,
@@ -238,15 +291,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     old = load_baseline(args.baseline) if args.baseline else None
     rows = []
-    for kind in ("KeyIndex", "FleetIndex"):
-        for hash_bytes in (8, 32):
-            for n in (int(x) for x in args.blocks.split(",")):
-                reps = args.reps if n <= 100 else max(20, args.reps // 8)
-                row = measure(kind, n, hash_bytes, reps)
-                if old is not None:
-                    row["baseline"] = measure_baseline(old, kind, n, hash_bytes, reps)
-                    row["speedup"] = row["baseline"] / row["follower"]
-                rows.append(row)
+    shapes = args.shapes.split(",")
+    if not set(shapes) <= set(SHAPES):
+        parser.error(f"--shapes: each one of {SHAPES}, got {args.shapes!r}")
+    for shape in shapes:
+        for kind in ("KeyIndex", "FleetIndex"):
+            for hash_bytes in (8, 32):
+                for n in (int(x) for x in args.blocks.split(",")):
+                    reps = args.reps if n <= 100 else max(20, args.reps // 8)
+                    if shape == "block" and n > 100:
+                        reps = max(10, reps // 4)
+                    row = measure(kind, n, hash_bytes, reps, shape)
+                    if old is not None:
+                        row["baseline"] = measure_baseline(
+                            old, kind, n, hash_bytes, reps, shape
+                        )
+                        row["speedup"] = row["baseline"] / row["follower"]
+                    rows.append(row)
     print(format_rows(rows))
     return rows
 

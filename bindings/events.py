@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kvhit.bindings.kv_event_scan import plan_payload, warm_up_decoder
+
 # The wire schema and apply() are re-exported (kv_events.FOLLOWER_EXPORTS).
 from kvhit.bindings.kv_events import *  # noqa: F403
 from kvhit.bindings.kv_events import (
@@ -34,11 +36,8 @@ from kvhit.bindings.kv_events import (
     EventPlan,
     MalformedPayload,
     commit_plan,
-    decode_keys,
     index_hash_bytes,
     media_set,
-    plan_events,
-    warm_up_decoder,
 )
 from kvhit.kernels.checks import check_bool, check_int, check_seconds
 
@@ -254,16 +253,7 @@ class EventFollower(StopOnExit):
                 f"on_commit must be callable, got {type(on_commit).__name__}"
             )
         check_int(reorder_window, "reorder_window", 0)
-        if isinstance(reorder_wait_s, bool) or not isinstance(
-            reorder_wait_s, int | float
-        ):
-            raise TypeError(
-                f"reorder_wait_s must be a number, got {type(reorder_wait_s).__name__}"
-            )
-        if not (0 <= reorder_wait_s and math.isfinite(reorder_wait_s)):
-            raise ValueError(
-                f"reorder_wait_s must be >= 0 and finite, got {reorder_wait_s}"
-            )
+        check_seconds(reorder_wait_s, "reorder_wait_s", zero=True)
         self._hash_bytes = index_hash_bytes(index)
         warm_up_decoder()  # a large event's first decode: no compile then
 
@@ -337,6 +327,7 @@ class EventFollower(StopOnExit):
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._progress = threading.Condition()
+        self._seq_waiters = 0  # threads in wait_for_seq (under _progress)
 
     # -- lifecycle
 
@@ -420,11 +411,15 @@ class EventFollower(StopOnExit):
             )
         deadline = time.monotonic() + timeout_s
         with self._progress:
-            while self.committed_seq is None or self.committed_seq <= seq:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._progress.wait(left)
+            self._seq_waiters += 1  # counted, then the seq read: see _flush
+            try:
+                while self.committed_seq is None or self.committed_seq <= seq:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._progress.wait(left)
+            finally:
+                self._seq_waiters -= 1
         return True
 
     # -- the thread
@@ -749,8 +744,8 @@ class EventFollower(StopOnExit):
         self.next_seq = msg.seq + 1
         self._remember(msg)
         try:
-            plan = plan_events(
-                decode_keys(msg.payload).events,
+            plan = plan_payload(
+                msg.payload,
                 self._hash_bytes,
                 self._media,
                 self._honor_clears,
@@ -818,9 +813,12 @@ class EventFollower(StopOnExit):
                     self.on_commit(stats)
         if reuse:
             pending.plan, pending.batches = EventPlan(), 0
-        with self._progress:
-            self.committed_seq = self.next_seq
-            self._progress.notify_all()
+        # The seq, then the waiters (wait_for_seq counts itself, then reads
+        # the seq): the lock is taken only when someone waits.
+        self.committed_seq = self.next_seq
+        if self._seq_waiters:
+            with self._progress:
+                self._progress.notify_all()
 
     def _replay(self, start: int, stop: int | None) -> list[_Msg] | None:
         """Ask the ROUTER for batches ``start..stop-1`` (all if ``stop`` is None).

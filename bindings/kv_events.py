@@ -5,11 +5,13 @@ pools, the Mooncake store connector) through ``ZmqEventPublisher``
 (``vllm/distributed/kv_events.py``). This module decodes that stream with its
 own msgspec structs (no vLLM import); :func:`apply` makes a KeyIndex equal to
 the set of ``(group_id, block_hash)`` keys the chosen tier holds. The ZMQ
-follower that reads the stream lives in ``bindings/events.py``; it decodes
-with :func:`decode_keys` (:class:`StoredKeys`/:class:`RemovedKeys`), which
-leaves ``block_hashes`` in msgpack for :func:`raw_hash_words` to read as one
-numpy view and skips the token ids, so no Python object is made per block
-(``bench/bench_events.py`` times each stage).
+follower that reads the stream lives in ``bindings/events.py``; it reads a
+payload of stored blocks with one numba scan (``bindings/kv_event_scan.py``)
+and anything else with :func:`decode_keys` (:class:`StoredKeys`/
+:class:`RemovedKeys`), which leaves ``block_hashes`` in msgpack for
+:func:`raw_hash_words` to read as one numpy view and skips the token ids, so
+no Python object is made per block (``bench/bench_events.py`` times each
+stage).
 
 Wire format (vLLM 0.33.0, read from the source):
 
@@ -71,7 +73,6 @@ import numpy as np
 import torch
 
 from kvhit.coordinator.event_payload import strip_token_ids
-from kvhit.coordinator.event_payload import warm_up as warm_up_scan
 from kvhit.coordinator.fleet_index import EngineView
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import num_words
@@ -112,7 +113,6 @@ __all__ = [
     "commit_plan",
     "decode_keys",
     "decode_keys_whole",
-    "warm_up_decoder",
     "event_words",
     "hash_words",
     "index_hash_bytes",
@@ -279,13 +279,6 @@ def decode_keys(payload: bytes | bytearray | memoryview) -> KeyEventBatch:
         if data is not payload:
             return decode_keys_whole(payload)  # refused as it came
         raise MalformedPayload(f"not a KVEventBatch: {exc}") from None
-
-
-def warm_up_decoder() -> None:
-    """Load (or compile) :func:`decode_keys`' token-id scan now, so that the
-    first large event of a follower does not pay for it (once per
-    process)."""
-    warm_up_scan()
 
 
 def decode_keys_whole(payload: bytes | bytearray | memoryview) -> KeyEventBatch:

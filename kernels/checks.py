@@ -104,17 +104,21 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
-def check_seconds(value: Any, name: str, optional: bool = False) -> float | None:
+def check_seconds(
+    value: Any, name: str, optional: bool = False, zero: bool = False
+) -> float | None:
     """``value`` as a positive finite float of seconds (None passes when
-    ``optional``); TypeError for the type, ValueError for the value."""
+    ``optional``, 0 when ``zero``); TypeError for the type, ValueError for
+    the value."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(
             f"{name} must be a number of seconds, got {type(value).__name__}"
         )
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    if not ((value > 0 or (zero and value == 0)) and math.isfinite(value)):
+        least = ">= 0" if zero else "positive"
+        raise ValueError(f"{name} must be a {least} finite number, got {value}")
     return float(value)
 
 

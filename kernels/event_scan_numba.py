@@ -5,7 +5,7 @@ The follower decodes ``BlockStored`` with ``token_ids`` as ``msgspec.Raw``
 where the field ends: 16 ids a block, the most of a large event's decode.
 :func:`strip_token_ids` finds those ends itself, faster (a msgpack int's
 size is in its first byte, and four walks run side by side: a walk is a
-chain of dependent loads, see :func:`_walk_ints`), and copies the payload
+chain of dependent loads, see :func:`walk_ints`), and copies the payload
 with each event's ``token_ids`` array replaced by an empty one; msgspec then
 decodes the copy, and validates everything else in it as before.
 
@@ -31,7 +31,7 @@ from kvhit.kernels.numba_cache import lock_cache_saves
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
 
-__all__ = ["strip_token_ids", "warm_up"]
+__all__ = ["strip_token_ids", "walk_ints", "warm_up"]
 
 #: A side-by-side walk's step by a byte (see :func:`_chain`): the int's size,
 #: or 1 where the byte starts no int.
@@ -54,7 +54,7 @@ _TWO = np.int64(2)
 def _skip(buf, pos, count):
     """The position after ``count`` msgpack values from ``pos``, or -1 when
     they run past the end or hold a byte that starts no value (0xc1)."""
-    L = buf.shape[0]
+    L = len(buf)
     left = count
     while left > 0:
         if pos >= L:
@@ -108,7 +108,7 @@ def _ints_from(buf, p, n, stop):
     """Walk msgpack ints from ``p``: ``n`` of them at most, until ``p >=
     stop``. ``(p, ints walked)``, or ``(-1, 0)`` on a non-int or past the
     end of ``buf``."""
-    L = buf.shape[0]
+    L = len(buf)
     c = 0
     while c < n and p < stop:
         if p >= L:
@@ -131,7 +131,7 @@ def _chain(buf, q, stop, c, bad):
     an int often lands on such a byte before it falls in step with the true
     walk (a payload byte of a uint 16 is 0x80-0xcb a quarter of the time),
     and stopping there sent the span to the one-by-one walk; the walk's
-    count is used only from a meeting point past ``bad`` (:func:`_walk_ints`)."""
+    count is used only from a meeting point past ``bad`` (:func:`walk_ints`)."""
     if q < stop:
         x = buf[q]
         if INT_SIZE[x] == 0:
@@ -164,7 +164,7 @@ def _meet(buf, a, b, limit):
 
 
 @numba.njit(cache=True, nogil=True)
-def _walk_ints(buf, p, n):
+def walk_ints(buf, p, n):
     """The position after ``n`` msgpack ints from ``p``, or -1 when one is
     not an int or they run past the end.
 
@@ -177,7 +177,7 @@ def _walk_ints(buf, p, n):
     do not meet soon, or meet before such a byte (a non-int of the array,
     or the array's end), the span is walked again from its true start. The
     span where the ``n``-th int ends is walked again exactly."""
-    L = buf.shape[0]
+    L = len(buf)
     done = 0
     while done < n:
         left = n - done
@@ -267,7 +267,7 @@ def _token_ranges(buf, key):
                 pos += 10
                 n_ints, first = container(buf, pos, 0x90, 0xDC)
                 if n_ints >= 0:
-                    end = _walk_ints(buf, first, n_ints)
+                    end = walk_ints(buf, first, n_ints)
                     if end >= 0:
                         spans[found, 0] = pos
                         spans[found, 1] = end

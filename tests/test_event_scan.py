@@ -166,19 +166,19 @@ def test_side_by_side_walk_equals_one_by_one(n, mix):
     tails = [b"", b"\xa3abc" * 300, b"\xcd" * 50]
     for tail in tails:
         buf = np.frombuffer(data + tail, dtype=np.uint8)
-        assert es._walk_ints(buf, first, n) == _walk_reference(buf, first, n)
-        assert es._walk_ints(buf, first, n) == len(data)
+        assert es.walk_ints(buf, first, n) == _walk_reference(buf, first, n)
+        assert es.walk_ints(buf, first, n) == len(data)
         # One more than there are: the walk runs into the tail.
-        got = es._walk_ints(buf, first, n + 1)
+        got = es.walk_ints(buf, first, n + 1)
         assert got == _walk_reference(buf, first, n + 1)
     for at in {0, n // 2, n - 1} if n else ():
         bad = list(toks)
         bad[at] = "s"
         b = msgspec.msgpack.encode(bad)
         buf = np.frombuffer(b + b"\x00" * 600, dtype=np.uint8)
-        assert es._walk_ints(buf, first, n) == -1
+        assert es.walk_ints(buf, first, n) == -1
     buf = np.frombuffer(data[:-1], dtype=np.uint8)
-    assert es._walk_ints(buf, first, n) == (
+    assert es.walk_ints(buf, first, n) == (
         _walk_reference(buf, first, n) if n else first
     )
 
@@ -224,4 +224,4 @@ def test_walk_steps_over_non_ints_only_before_it_meets(widths, seed, damage, ext
         data[first + int(where * (len(data) - first - 1))] = byte
     buf = np.frombuffer(bytes(data) + b"\xa3abc" * 200, dtype=np.uint8)
     n = max(0, len(toks) + extra)
-    assert es._walk_ints(buf, first, n) == _walk_reference(buf, first, n)
+    assert es.walk_ints(buf, first, n) == _walk_reference(buf, first, n)

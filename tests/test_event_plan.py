@@ -1,0 +1,291 @@
+"""The follower's stored-block scan (kernels/event_plan_numba.py) against
+the general path: ``plan_payload`` makes the plan ``plan_events(decode_keys
+(payload))`` makes (the same keys in the same order, events and skips), or
+raises the same error, on vLLM's encodings, on every field's other types,
+on hand-made maps (keys out of order, repeated, unknown, missing), and on
+damaged bytes; and the scan does take vLLM's usual payloads."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("msgspec", exc_type=ImportError)
+
+from kvhit.bindings import kv_event_scan as ks  # noqa: E402
+from kvhit.bindings import kv_events as kv  # noqa: E402
+from kvhit.coordinator import event_payload  # noqa: E402
+
+# KVHIT_PARITY_EXAMPLES=N runs N examples per parity test (a large random run).
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "300"))
+MEDIA = [None, frozenset({"cpu"}), frozenset({"GPU", "cpu"}), frozenset({"é"})]
+
+int_hash = st.one_of(
+    st.integers(2**32, 2**64 - 1),  # uint 64 on the wire: the scan's layout
+    st.integers(0, 2**64 - 1),
+    st.integers(-(2**63), -1),
+)
+text = st.one_of(st.none(), st.sampled_from(["cpu", "GPU", "", "é", "a" * 40]))
+
+
+@st.composite
+def hashes(draw):
+    """A ``block_hashes`` list: ints, bytes of one width, or a mix."""
+    form = draw(st.sampled_from(["int", "int", "bytes", "bytes", "mixed"]))
+    n = draw(st.integers(0, 5))
+    width = draw(st.sampled_from([8, 16, 32, 7]))
+    if form == "int":
+        return [draw(int_hash) for _ in range(n)]
+    if form == "bytes":
+        return [draw(st.binary(min_size=width, max_size=width)) for _ in range(n)]
+    return [draw(st.one_of(int_hash, st.binary(max_size=33))) for _ in range(n)]
+
+
+@st.composite
+def events(draw):
+    kind = draw(st.sampled_from(["stored"] * 5 + ["removed", "cleared"]))
+    if kind == "cleared":
+        return kv.AllBlocksCleared()
+    if kind == "removed":
+        return kv.BlockRemoved(
+            block_hashes=draw(hashes()), medium=draw(text), group_idx=1
+        )
+    return kv.BlockStored(
+        block_hashes=draw(hashes()),
+        parent_block_hash=draw(st.one_of(st.none(), int_hash, st.binary(max_size=40))),
+        token_ids=draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=40)),
+        block_size=draw(st.integers(-(2**63), 2**64 - 1)),
+        lora_id=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+        medium=draw(text),
+        lora_name=draw(text),
+        extra_keys=draw(st.one_of(st.none(), st.just([None]), st.just([(1, "x")]))),
+        group_idx=draw(
+            st.one_of(st.none(), st.integers(0, 2**63 - 1), st.integers(-5, -1))
+        ),
+        kv_cache_spec_kind=draw(text),
+        kv_cache_spec_sliding_window=draw(st.one_of(st.none(), st.integers(0, 9))),
+        locality=draw(text),
+        ownership=draw(text),
+        session_id=draw(text),
+        lookahead_token_ids=draw(st.one_of(st.none(), st.just([[1, 2]]))),
+    )
+
+
+def _keys(plan):
+    """The plan as the index meets it: every key in order, with the counts."""
+    rows = [
+        (is_add, gid, tuple(row))
+        for is_add, gid, words in plan.parts
+        for row in np.asarray(words).tolist()
+    ]
+    return plan.clear, plan.events, plan.skipped, rows
+
+
+def _outcome(fn, payload, hash_bytes, media):
+    try:
+        return "ok", _keys(fn(payload, hash_bytes, media, True, 7))
+    except (TypeError, ValueError) as exc:  # MalformedPayload is a ValueError
+        return type(exc).__name__, str(exc)
+
+
+def _general(payload, hash_bytes, media, honor_clears, default_gid):
+    return kv.plan_events(
+        kv.decode_keys(payload).events, hash_bytes, media, honor_clears, default_gid
+    )
+
+
+def _scanned(payload, hash_bytes, media):
+    """Whether the scan read ``payload`` itself (no fallback)."""
+    spec = ks.stored_spec(media)
+    return event_payload.scan_stored(payload, spec, hash_bytes, 7) is not None
+
+
+def check(payload, hash_bytes=8, media=frozenset({"cpu"})):
+    want = _outcome(_general, payload, hash_bytes, media)
+    assert _outcome(ks.plan_payload, payload, hash_bytes, media) == want
+    if _scanned(payload, hash_bytes, media):
+        assert want[0] == "ok"  # the scan never takes what msgspec refuses
+    return want
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    st.lists(events(), max_size=5),
+    st.one_of(st.none(), st.integers(0, 3)),
+    st.sampled_from([8, 16, 32]),
+    st.sampled_from(MEDIA),
+)
+def test_plan_equals_the_general_path(evs, rank, hash_bytes, media):
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, evs, rank))
+    check(payload, hash_bytes, media)
+
+
+@settings(max_examples=max(EXAMPLES // 3, 20), deadline=None)
+@given(st.lists(events(), min_size=1, max_size=3), st.data())
+def test_damaged_payloads_as_the_general_path(evs, data):
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, evs))
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    damaged = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        damaged[data.draw(st.integers(0, len(payload) - 1))] = data.draw(
+            st.integers(0, 255)
+        )
+    for p in (payload[:cut], bytes(damaged), payload + b"\x00", payload + b"\xc0"):
+        check(p)
+
+
+def _stored(n, gid=0, medium="cpu", width=8, tokens=16, seed=0):
+    """vLLM's Mooncake store connector's events: one block each."""
+    rng = random.Random(seed)
+    return [
+        kv.BlockStored(
+            block_hashes=[
+                rng.getrandbits(64) | 1 << 63 if width == 8 else rng.randbytes(width)
+            ],
+            parent_block_hash=rng.getrandbits(64) if i else None,
+            token_ids=[rng.randrange(128_256) for _ in range(tokens)],
+            block_size=16,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            group_idx=gid,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("width", [8, 16, 32])
+@pytest.mark.parametrize("n", [0, 1, 25, 300])
+def test_the_store_connectors_payloads_are_scanned(width, n):
+    evs = _stored(n, width=width)
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, evs))
+    assert _scanned(payload, width, frozenset({"cpu"}))
+    got = check(payload, width)
+    assert got[0] == "ok" and len(got[1][3]) == n and got[1][1] == n
+    # One group, every event taken: the keys come as one part.
+    plan = ks.plan_payload(payload, width, frozenset({"cpu"}), True, 0)
+    assert len(plan.parts) == (1 if n else 0)
+
+
+def test_runs_of_a_group_and_skipped_media():
+    evs = [
+        *_stored(3, gid=1),
+        *_stored(2, gid=2, seed=1),
+        *_stored(1, gid=2, medium="GPU", seed=2),
+        *_stored(2, gid=2, seed=3),
+        *_stored(1, gid=1, seed=4),
+    ]
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, evs, 0))
+    assert _scanned(payload, 8, frozenset({"cpu"}))
+    got = check(payload)
+    assert got[1][1:3] == (8, 1)
+    plan = ks.plan_payload(payload, 8, frozenset({"cpu"}), True, 0)
+    # The skipped event between two of group 2 leaves them one run.
+    assert [(gid, len(w)) for _, gid, w in plan.parts] == [(1, 3), (2, 4), (1, 1)]
+    check(payload, media=None)
+    assert len(ks.plan_payload(payload, 8, None, True, 0).parts) == 3
+
+
+def _event_map(**over):
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [2**63 + 1, 2**63 + 2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "cpu",
+        "lora_name": None,
+    }
+    for k, v in over.items():
+        if v is KeyError:
+            ev.pop(k)
+        else:
+            ev[k] = v
+    return ev
+
+
+def _batch(*evs, ts=1.5, tail=()):
+    return msgspec.msgpack.encode([ts, list(evs), *tail])
+
+
+@pytest.mark.parametrize(
+    "payload, scanned",
+    [
+        (_batch(_event_map()), True),
+        (_batch(_event_map(), tail=(None,)), True),
+        (_batch(_event_map(), tail=(3,)), True),
+        (_batch(_event_map(group_idx=5, locality="x")), True),
+        # Keys in another order (msgspec takes them): the search wraps.
+        (_batch(dict(reversed(_event_map().items()))), True),
+        # What the scan leaves to msgspec, taken or refused there.
+        (_batch(_event_map(), tail=(3, 4)), False),
+        (_batch(_event_map(), ts=2), False),
+        # A float 32 time stamp (msgspec writes float 64).
+        (b"\x92\xca\x3f\xc0\x00\x00" + _batch(_event_map())[10:], False),
+        (_batch(_event_map(medium="é")), False),
+        (_batch(_event_map(lora_name=b"x")), False),
+        (_batch(_event_map(block_size=1.5)), False),
+        (_batch(_event_map(block_size=True)), False),
+        (_batch(_event_map(block_size=KeyError)), False),
+        (_batch(_event_map(type="BlockRemoved")), False),
+        (_batch(_event_map(type=KeyError)), False),
+        (_batch(_event_map(unknown=1)), False),
+        (_batch(_event_map(extra_keys=[None])), False),
+        (_batch(_event_map(extra_keys=None)), True),
+        (_batch(_event_map(token_ids=[1, "x"])), False),
+        (_batch(_event_map(token_ids=7)), False),
+        (_batch(_event_map(group_idx=-1)), False),
+        (_batch(_event_map(group_idx=2**63)), False),
+        (_batch(_event_map(block_hashes=[1, 2])), False),
+        (_batch(_event_map(block_hashes=[2**63, b"\0" * 8])), False),
+        (_batch(_event_map(block_hashes=[b"\0" * 8, b"\1" * 8])), True),
+        (_batch(_event_map(block_hashes=[])), True),
+        (_batch(_event_map(parent_block_hash=b"\1" * 40)), True),
+        (_batch(_event_map(parent_block_hash="x")), False),
+        (_batch(_event_map(), [1]), False),
+        (_batch(), True),
+    ],
+)
+def test_hand_made_payloads(payload, scanned):
+    check(payload)
+    assert _scanned(payload, 8, frozenset({"cpu"})) == scanned
+
+
+def test_a_repeated_key_is_left_to_msgspec():
+    one = msgspec.msgpack.encode(_event_map())
+    # Append "medium": "GPU" to the map (msgspec keeps the last).
+    head = one[0]
+    assert 0x80 <= head <= 0x8E
+    dup = bytes([head + 1]) + one[1:] + msgspec.msgpack.encode("medium")
+    dup += msgspec.msgpack.encode("GPU")
+    payload = b"\x92\xcb" + msgspec.msgpack.encode(1.5)[1:] + b"\x91" + dup
+    assert not _scanned(payload, 8, frozenset({"cpu"}))
+    assert check(payload)[1][1:3] == (0, 1)  # GPU: skipped
+
+
+def test_follower_payloads_take_the_scan(monkeypatch):
+    # The follower plans every payload with plan_payload, which scans.
+    from kvhit.bindings.events import EventFollower
+    from kvhit.coordinator.key_index import KeyIndex
+
+    calls = []
+    real = event_payload.scan_stored
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ks, "scan_stored", spy)
+    index = KeyIndex(8, capacity=1 << 10)
+    follower = EventFollower("tcp://127.0.0.1:1", None, index, topic="kv", medium="cpu")
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, _stored(25, gid=2)))
+    follower._handle_live([[b"kv", (0).to_bytes(8, "big"), payload]])
+    assert calls == [True] and follower.batches_applied == 1 and len(index) == 25
