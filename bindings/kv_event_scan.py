@@ -24,7 +24,7 @@ from kvhit.bindings.kv_events import (
     decode_keys,
     plan_events,
 )
-from kvhit.coordinator.event_payload import scan_stored
+from kvhit.coordinator.event_payload import field_kinds, scan_stored
 from kvhit.coordinator.event_payload import warm_up as warm_up_scans
 
 __all__ = ["plan_payload", "stored_spec", "warm_up_decoder"]
@@ -53,8 +53,7 @@ def _stored_fields() -> list[tuple[bytes, int, bool]]:
     group."""
     if _SCHEMA:
         return _SCHEMA
-    from kvhit.kernels.event_plan_numba import FIELD_KINDS
-
+    codes = field_kinds()
     kept = {f.name for f in msgspec.structs.fields(StoredKeys)}
     fields = [(BlockStored.__struct_config__.tag_field, "tag", True)]
     for f in msgspec.structs.fields(BlockStored):
@@ -65,7 +64,7 @@ def _stored_fields() -> list[tuple[bytes, int, bool]]:
         else:
             kind = next(k for t, k in _FIELD_KIND_OF_TYPE if f.type == t)
         fields.append((f.name, kind, f.required))
-    _SCHEMA[:] = [(n.encode(), FIELD_KINDS[k], r) for n, k, r in fields]
+    _SCHEMA[:] = [(n.encode(), codes[k], r) for n, k, r in fields]
     return _SCHEMA
 
 

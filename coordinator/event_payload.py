@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["scan_stored", "strip_token_ids", "warm_up"]
+__all__ = ["field_kinds", "scan_stored", "strip_token_ids", "warm_up"]
 
 _strip: Callable[[Any], Any] | None = None
 _stored: Callable[..., int] | None = None
@@ -55,6 +55,14 @@ def _stored_kernel(spec: np.ndarray) -> Callable[..., int]:
         scan, b"", np.zeros((1, 4), dtype=np.int64), 8, 0, np.empty(1, np.int64)
     )
     return _stored
+
+
+def field_kinds() -> dict[str, int]:
+    """The codes of what a spec's field may hold, by name
+    (``kernels/event_plan_numba.FIELD_KINDS``)."""
+    from kvhit.kernels.event_plan_numba import FIELD_KINDS
+
+    return FIELD_KINDS
 
 
 def scan_stored(
