@@ -78,8 +78,11 @@ def stored_spec(media: frozenset[str] | None) -> np.ndarray:
     taken = sorted(m.encode() for m in media) if media is not None else []
     tag = BlockStored.__struct_config__.tag.encode()
     rows = [(tag, 0, 0), *fields, *((m, 0, 0) for m in taken)]
-    width = -(-max(len(name) for name, _, _ in rows) // 8)
-    spec = np.zeros((1 + len(rows), 3 + width), dtype=np.int64)
+    # Names as words (at least four: the scan compares a field's name as
+    # four masked words), then each field's masks.
+    width = max(4, -(-max(len(name) for name, _, _ in rows) // 8))
+    spec = np.zeros((1 + len(rows), 3 + width + 4), dtype=np.int64)
+    spec[0, 4] = width
     spec[0, :4] = (
         len(fields),
         -1 if media is None else len(taken),
@@ -89,7 +92,9 @@ def stored_spec(media: frozenset[str] | None) -> np.ndarray:
     for r, (name, kind, _) in enumerate(rows, 1):
         spec[r, :2] = len(name), kind
         padded = name.ljust(8 * width, b"\0")
-        spec[r, 3:] = np.frombuffer(padded, dtype=LE_INT64)
+        spec[r, 3 : 3 + width] = np.frombuffer(padded, dtype=LE_INT64)
+        mask = (b"\xff" * len(name)).ljust(32, b"\0")[:32]
+        spec[r, 3 + width :] = np.frombuffer(mask, dtype=LE_INT64)
     _SPECS[media] = spec
     return spec
 

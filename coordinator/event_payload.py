@@ -51,9 +51,8 @@ def _stored_kernel(spec: np.ndarray) -> Callable[..., int]:
     # The compiled wrapper, past the dispatcher's typing: this module hands
     # it only bytes (the caller checks), a spec kvhit built, two ints and
     # the array it makes.
-    _stored = compiled_entry(
-        scan, b"", np.zeros((1, 4), dtype=np.int64), 8, 0, np.empty(1, np.int64)
-    )
+    like = np.zeros((1, 4), dtype=np.int64)
+    _stored = compiled_entry(scan, b"", like, 8, 0, like)
     return _stored
 
 
@@ -80,24 +79,21 @@ def scan_stored(
     ``kernels/event_plan_numba.scan_stored``."""
     n = len(payload)
     w = hash_bytes >> 3
-    base = (n // 9 + 1) * w
-    out = np.empty(base + 2 + 3 * (n // _EVENT_BYTES + 1), dtype=np.int64)
-    count = (_stored or _stored_kernel(spec))(
+    rows = n // 9 + 1
+    # Then room for the counts and a run an event (see the kernel).
+    out = np.empty((rows + (3 * (n // _EVENT_BYTES) + 4 + w) // w, w), np.int64)
+    count, taken, skipped, gid, lo, hi = (_stored or _stored_kernel(spec))(
         payload, spec, hash_bytes, default_gid, out
     )
     if count == 1:  # one run: vLLM's usual batch (one request, one group)
-        taken, skipped, gid, lo, hi = out[base : base + 5].tolist()
-        return taken, skipped, [(gid, out[lo * w : hi * w].reshape(-1, w))]
+        return taken, skipped, [(gid, out[lo:hi])]
     if count < 0:
         return None
-    head = out[base : base + 2 + 3 * count].tolist()
+    runs = out[rows:].reshape(-1)[2 : 2 + 3 * count].tolist()
     return (
-        head[0],
-        head[1],
-        [
-            (head[k], out[head[k + 1] * w : head[k + 2] * w].reshape(-1, w))
-            for k in range(2, 2 + 3 * count, 3)
-        ],
+        taken,
+        skipped,
+        [(runs[k], out[runs[k + 1] : runs[k + 2]]) for k in range(0, 3 * count, 3)],
     )
 
 

@@ -62,6 +62,8 @@ _TAG, _HASHES, _HASH_OR_NIL, _INTS, _INT, _INT_OR_NIL, _STR_OR_NIL, _NIL, _GROUP
 )
 # Whether warm_up() ran in this process.
 _warm = False
+#: What :func:`scan_stored` returns where it gives up.
+_GAVE_UP = (-1, 0, 0, 0, 0, 0)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -111,7 +113,7 @@ def _le_word(buf, pos):
     return v
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(inline="always", cache=True, nogil=True)
 def _hashes(buf, pos, hash_bytes, words, row):
     """Read the ``block_hashes`` array at ``pos`` into ``words[row:]``:
     ``(end, rows)``, or ``(-1, 0)`` unless it is one of
@@ -168,6 +170,23 @@ def _bytes_equal(buf, pos, spec, row, n):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
+def _key_equal(buf, pos, spec, row):
+    """Whether the ``spec[row, 0]`` bytes at ``pos`` (in bounds) are the
+    name of field ``row``: four words compared under the row's masks (from
+    column ``3 + spec[0, 4]``) with one branch, where the payload has 32
+    bytes to read (a key, its value and the next key or the end of the
+    batch follow it almost always); byte by byte otherwise."""
+    if pos + 32 > len(buf):
+        return _bytes_equal(buf, pos, spec, row, spec[row, 0])
+    m = 3 + spec[0, 4]
+    d = (_le_word(buf, pos) & spec[row, m]) ^ spec[row, 3]
+    d |= (_le_word(buf, pos + 8) & spec[row, m + 1]) ^ spec[row, 4]
+    d |= (_le_word(buf, pos + 16) & spec[row, m + 2]) ^ spec[row, 5]
+    d |= (_le_word(buf, pos + 24) & spec[row, m + 3]) ^ spec[row, 6]
+    return d == 0
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
 def _value(buf, pos, kind, spec):
     """The position after the value at ``pos`` of a field of ``kind``
     (other than the hashes), or -1 where it is not of that kind; the group
@@ -209,7 +228,21 @@ def _value(buf, pos, kind, spec):
         n, p = container(buf, pos, 0x90, 0xDC)
         if n < 0:
             return -1, -1
-        return walk_ints(buf, p, n), -1
+        if n >= 64:
+            return walk_ints(buf, p, n), -1
+        # A few ints (a block's, from vLLM's store connector): one by one,
+        # each int's size from its first byte by arithmetic, not a table.
+        for _ in range(n):
+            if p >= L:
+                return -1, -1
+            c = np.int64(buf[p])
+            if c <= 0x7F or c >= 0xE0:
+                p += 1
+            elif 0xCC <= c <= 0xD3:
+                p += 1 + (np.int64(1) << (c & 3))
+            else:
+                return -1, -1
+        return (p if p <= L else -1), -1
     if kind == _GROUP:
         if nil:
             return pos + 1, -1
@@ -239,17 +272,20 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
             little-endian int64 words, the last zero-padded.
         hash_bytes: the index's key width (a multiple of 8).
         default_gid: the group id of an event without ``group_idx``.
-        out: int64 ``[R * W + 2 + 3 E]``, ``R = L // 9 + 1`` (no hash takes
-            less than 9 bytes), ``W = hash_bytes // 8``: first the hashes
-            taken, as packed words ``[R, W]``; from ``R * W`` the events
-            taken, the events skipped (their medium not taken), then the
-            runs of stores, each a group id and its rows of the words
-            (``lo, hi``). Consecutive taken events of one group are one
-            run, as adding them in order is adding their keys at once; ``E``
-            runs at most (more events go the general way).
+        out: int64 ``[R + X, W]``, C-contiguous, ``R = L // 9 + 1`` (no
+            hash takes less than 9 bytes), ``W = hash_bytes // 8``: rows
+            ``:R`` get the hashes taken, as packed words; rows ``R:``, read
+            flat, the events taken, the events skipped (their medium not
+            taken), then the runs of stores, each a group id and its rows
+            of the words (``lo, hi``). Consecutive taken events of one group
+            are one run, as adding them in order is adding their keys at
+            once. ``X`` rows hold ``(X W - 2) // 3`` runs (more events go the
+            general way).
 
-    Returns the number of runs, or -1 where the payload is not read in full
-    (the caller takes the general path; ``out`` is partly written then).
+    Returns ``(runs, taken, skipped, gid, lo, hi)``, the last three the
+    first run's (anything when there is none); ``runs`` -1 where the
+    payload is not read in full (the caller takes the general path; ``out``
+    is partly written then).
     """
     L = len(buf)
     F = spec[0, 0]
@@ -257,16 +293,15 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
     medium = spec[0, 2]
     required = spec[0, 3]
     R = L // 9 + 1
-    base = R * (hash_bytes >> 3)
-    words = out[:base].reshape((R, hash_bytes >> 3))
-    runs = out[base:]
+    words = out[:R]
+    runs = out[R:].reshape(-1)
     n_top, pos = container(buf, 0, 0x90, 0xDC)
     if n_top < 2 or n_top > 3 or pos + 9 > L or buf[pos] != 0xCB:
-        return -1
+        return _GAVE_UP
     pos += 9
     n_ev, pos = container(buf, pos, 0x90, 0xDC)
     if n_ev < 0 or 2 + 3 * n_ev > runs.shape[0]:
-        return -1
+        return _GAVE_UP
     row = 0
     n_runs = 0
     taken = 0
@@ -274,7 +309,7 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
     for _ in range(n_ev):
         n_keys, pos = container(buf, pos, 0x80, 0xDE)
         if n_keys < 0 or n_keys > F:
-            return -1
+            return _GAVE_UP
         seen = 0
         last = -1
         gid = default_gid
@@ -284,14 +319,14 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
         for _ in range(n_keys):
             # The key: a fixstr naming a field not seen yet in this event.
             if pos >= L:
-                return -1
+                return _GAVE_UP
             b = np.int64(buf[pos])
             if b < 0xA0 or b > 0xBF:
-                return -1
+                return _GAVE_UP
             n = b - 0xA0
             pos += 1
             if pos + n > L:
-                return -1
+                return _GAVE_UP
             # vLLM writes the fields in the schema's order, leaving out
             # those at their defaults: the search starts after the last one.
             f = -1
@@ -299,12 +334,12 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
                 c = last + 1 + k
                 if c >= F:
                     c -= F
-                if spec[2 + c, 0] == n and _bytes_equal(buf, pos, spec, 2 + c, n):
+                if spec[2 + c, 0] == n and _key_equal(buf, pos, spec, 2 + c):
                     f = c
                     break
             last = f
             if f < 0 or (seen >> f) & 1:
-                return -1
+                return _GAVE_UP
             seen |= 1 << f
             pos += n
             kind = spec[2 + f, 1]
@@ -318,9 +353,9 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
                 if kind == _GROUP and g >= 0:
                     gid = g
             if pos < 0:
-                return -1
+                return _GAVE_UP
         if seen & required != required:
-            return -1
+            return _GAVE_UP
         take = M < 0
         if size >= 0:
             for m in range(M):
@@ -350,10 +385,10 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
         else:
             pos = _int_end(buf, pos)
     if pos != L:
-        return -1
+        return _GAVE_UP
     runs[0] = taken
     runs[1] = skipped
-    return n_runs
+    return n_runs, taken, skipped, runs[2], runs[3], runs[4]
 
 
 def warm_up(spec: np.ndarray) -> None:
@@ -363,6 +398,6 @@ def warm_up(spec: np.ndarray) -> None:
     if _warm:
         return
     payload = b"\x92\xcb" + bytes(8) + b"\x90"
-    if scan_stored(payload, spec, 8, 0, np.empty(8, dtype=np.int64)) != 0:
+    if scan_stored(payload, spec, 8, 0, np.empty((8, 1), dtype=np.int64))[0] != 0:
         raise AssertionError("event_plan_numba.scan_stored failed its warm-up")
     _warm = True
