@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -86,9 +86,10 @@ class _Msg:
 
 @dataclass(slots=True)
 class _Pending:
-    """Batches decoded in order but not yet committed."""
+    """Batches decoded in order but not yet committed (``plan`` None: none,
+    so a message's own plan is taken as it is, none made to merge into)."""
 
-    plan: EventPlan = field(default_factory=EventPlan)
+    plan: EventPlan | None = None
     batches: int = 0
 
 
@@ -762,8 +763,9 @@ class EventFollower(StopOnExit):
             self.stale = True
             self.last_error = f"seq {msg.seq}: {exc}"
             return
-        if pending.batches or not pending.plan.empty or pending.plan.skipped:
-            pending.plan.merge(plan)
+        held = pending.plan
+        if held is not None and (pending.batches or not held.empty or held.skipped):
+            held.merge(plan)
         else:
             pending.plan = plan  # the first batch of a drain: nothing to merge
         pending.batches += 1
@@ -794,7 +796,7 @@ class EventFollower(StopOnExit):
         Also publishes ``next_seq`` as committed, for :meth:`wait_for_seq`.
         """
         plan = pending.plan
-        if pending.batches or not plan.empty or plan.skipped:
+        if plan is not None and (pending.batches or not plan.empty or plan.skipped):
             try:
                 stats = commit_plan(self.index, plan, self.lock, sync=True)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory
@@ -812,7 +814,7 @@ class EventFollower(StopOnExit):
                 if self.on_commit is not None:
                     self.on_commit(stats)
         if reuse:
-            pending.plan, pending.batches = EventPlan(), 0
+            pending.plan, pending.batches = None, 0
         # The seq, then the waiters (wait_for_seq counts itself, then reads
         # the seq): the lock is taken only when someone waits.
         self.committed_seq = self.next_seq
@@ -966,8 +968,7 @@ class EventFollower(StopOnExit):
             self._forget()
             self.next_seq = 0
             self.stale = False
-            pending = _Pending()
-            pending.plan.clear = True
+            pending = _Pending(EventPlan(clear=True))
             for m in msgs:
                 self._absorb(pending, m)
             # Held live batches may be the old publisher's (held for a
