@@ -289,3 +289,18 @@ def test_follower_payloads_take_the_scan(monkeypatch):
     payload = kv.encode_batch(kv.KVEventBatch(1.5, _stored(25, gid=2)))
     follower._handle_live([[b"kv", (0).to_bytes(8, "big"), payload]])
     assert calls == [True] and follower.batches_applied == 1 and len(index) == 25
+
+
+def test_vllms_own_payloads():
+    # The fixtures' bytes are vLLM 0.33.0's (tests/make_event_fixtures.py).
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "kv_events_vllm_0_33_0.live.msgpack"
+    payloads = [frames[2] for frames in msgspec.msgpack.decode(data.read_bytes())]
+    for payload in payloads:
+        for hash_bytes in (8, 32):
+            for media in (None, frozenset({"cpu"})):
+                check(payload, hash_bytes, media)
+    # Two BlockStored of 32-byte digests, as vLLM wrote them: scanned.
+    assert _scanned(payloads[0], 32, None)
+    assert len(ks.plan_payload(payloads[0], 32, None, True, 0).parts) == 2
