@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from kvhit.bindings.kv_events import (
+    INT64_LIMIT,
     LE_INT64,
     BlockStored,
     EventPlan,
@@ -68,12 +69,15 @@ def _stored_fields() -> list[tuple[bytes, int, bool]]:
     return _SCHEMA
 
 
-def stored_spec(media: frozenset[str] | None) -> np.ndarray:
+def stored_spec(media: frozenset[str] | None) -> np.ndarray | None:
     """``kernels/event_plan_numba.scan_stored``'s spec (int64, see there):
-    ``BlockStored``'s schema, its tag, and the media taken (None: all)."""
+    ``BlockStored``'s schema, its tag, and the media taken (None: all);
+    None where a medium is not a str (no event's medium can equal it)."""
     spec = _SPECS.get(media)
     if spec is not None:
         return spec
+    if media is not None and any(type(m) is not str for m in media):
+        return None
     fields = _stored_fields()
     taken = sorted(m.encode() for m in media) if media is not None else []
     tag = BlockStored.__struct_config__.tag.encode()
@@ -118,11 +122,24 @@ def plan_payload(
     on anything it does not read in full, and that payload takes the
     general path, which takes it or refuses it exactly as before.
     """
-    if type(payload) is bytes and not hash_bytes & 7 and hash_bytes < 256:
+    if (
+        type(payload) is bytes
+        and type(hash_bytes) is int
+        and 8 <= hash_bytes < 256
+        and not hash_bytes & 7
+        and type(default_group_id) is int
+        and 0 <= default_group_id < INT64_LIMIT
+        and (media is None or type(media) is frozenset)
+    ):
+        # (Other arguments, refused or not, are the general path's to judge.)
         spec = _SPECS.get(media)
         if spec is None:
             spec = stored_spec(media)
-        got = scan_stored(payload, spec, hash_bytes, default_group_id)
+        got = (
+            None
+            if spec is None
+            else scan_stored(payload, spec, hash_bytes, default_group_id)
+        )
         if got is not None:
             taken, skipped, runs = got
             return EventPlan(

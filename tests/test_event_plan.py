@@ -126,6 +126,101 @@ def test_plan_equals_the_general_path(evs, rank, hash_bytes, media):
     check(payload, hash_bytes, media)
 
 
+ascii_text = st.one_of(st.none(), st.sampled_from(["cpu", "GPU", "", "x" * 40]))
+
+
+@st.composite
+def scannable(draw, hash_bytes):
+    """A ``BlockStored`` in the forms the scan reads (ASCII strings, one hash
+    layout, no extra keys): ``(event, whether it fits hash_bytes)``."""
+    n = draw(st.integers(0, 4))
+    width = draw(st.sampled_from([hash_bytes, hash_bytes, 8, 32, 16]))
+    ints = width == 8 and draw(st.booleans())
+    hashes = [
+        draw(st.integers(2**32, 2**64 - 1))
+        if ints
+        else draw(st.binary(min_size=width, max_size=width))
+        for _ in range(n)
+    ]
+    event = kv.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=draw(st.one_of(st.none(), int_hash, st.binary(max_size=40))),
+        # Past 63 ids the scan walks them four spans at a time.
+        token_ids=draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=100)),
+        block_size=draw(st.integers(-(2**63), 2**64 - 1)),
+        lora_id=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
+        medium=draw(ascii_text),
+        lora_name=draw(ascii_text),
+        group_idx=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
+        kv_cache_spec_kind=draw(ascii_text),
+        kv_cache_spec_sliding_window=draw(st.one_of(st.none(), st.integers(0, 9))),
+        locality=draw(ascii_text),
+        ownership=draw(ascii_text),
+        session_id=draw(ascii_text),
+    )
+    return event, not n or width == hash_bytes
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.sampled_from([8, 16, 32]), st.sampled_from(MEDIA[:3]), st.data())
+def test_the_scan_takes_what_it_reads(hash_bytes, media, data):
+    # Events in the scan's forms: scanned exactly when every hash fits the
+    # index, and then the plan is the general path's.
+    drawn = data.draw(st.lists(scannable(hash_bytes), max_size=5))
+    rank = data.draw(st.one_of(st.none(), st.integers(0, 3)))
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, [e for e, _ in drawn], rank))
+    fits = all(ok for _, ok in drawn)
+    assert _scanned(payload, hash_bytes, media) == fits
+    outcome = check(payload, hash_bytes, media)[0]
+    # (A misfit is refused unless the media filter skips it first.)
+    assert outcome in (("ok",) if fits else ("ok", "ValueError"))
+
+
+@settings(max_examples=max(EXAMPLES // 3, 20), deadline=None)
+@given(st.sampled_from([8, 32]), st.sampled_from(MEDIA[:2]), st.data())
+def test_damaged_scannable_payloads_as_the_general_path(hash_bytes, media, data):
+    drawn = data.draw(st.lists(scannable(hash_bytes), min_size=1, max_size=3))
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, [e for e, _ in drawn]))
+    damaged = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        damaged[data.draw(st.integers(0, len(payload) - 1))] = data.draw(
+            st.integers(0, 255)
+        )
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    for p in (payload[:cut], bytes(damaged), payload + b"\x00"):
+        check(p, hash_bytes, media)
+
+
+def test_arguments_the_scan_leaves_to_the_general_path():
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, _stored(3)))
+    calls = [
+        (0, None, 0),
+        (-8, None, 0),
+        (12, None, 0),
+        (True, None, 0),
+        (8, None, -1),
+        (8, None, 2**63),
+        (8, None, True),
+        (8, None, 1.0),
+        (8, {"cpu"}, 0),
+        (8, frozenset({b"cpu"}), 0),
+        (8, ["cpu"], 0),
+    ]
+    for hash_bytes, media, gid in calls:
+        got, want = (
+            _result(fn, payload, hash_bytes, media, gid)
+            for fn in (ks.plan_payload, _general)
+        )
+        assert got == want, (hash_bytes, media, gid)
+
+
+def _result(fn, payload, hash_bytes, media, gid):
+    try:
+        return "ok", _keys(fn(payload, hash_bytes, media, True, gid))
+    except Exception as exc:  # noqa: BLE001 - the type and text compared
+        return type(exc).__name__, str(exc)
+
+
 @settings(max_examples=max(EXAMPLES // 3, 20), deadline=None)
 @given(st.lists(events(), min_size=1, max_size=3), st.data())
 def test_damaged_payloads_as_the_general_path(evs, data):
