@@ -63,7 +63,9 @@ def _stored_fields() -> list[tuple[bytes, int, bool]]:
         elif f.name not in kept:
             kind = "nil"
         else:
-            kind = next(k for t, k in _FIELD_KIND_OF_TYPE if f.type == t)
+            kind = next((k for t, k in _FIELD_KIND_OF_TYPE if f.type == t), None)
+            if kind is None:  # a schema this scan cannot read: say which
+                raise TypeError(f"BlockStored.{f.name}: no scan for {f.type}")
         fields.append((f.name, kind, f.required))
     _SCHEMA[:] = [(n.encode(), codes[k], r) for n, k, r in fields]
     return _SCHEMA

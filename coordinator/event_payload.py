@@ -16,7 +16,7 @@ import numpy as np
 __all__ = ["field_kinds", "scan_stored", "strip_token_ids", "warm_up"]
 
 _strip: Callable[[Any], Any] | None = None
-_stored: Callable[..., int] | None = None
+_stored: Callable[..., tuple[int, ...]] | None = None
 #: Payload bytes per run :func:`scan_stored` makes room for: an event
 #: holding the schema's required fields takes over 100 bytes, so a payload
 #: of more events than that (refused by msgspec) goes the general way.
@@ -40,7 +40,7 @@ def strip_token_ids(payload: bytes | bytearray | memoryview) -> Any:
     return (_strip or _kernel())(payload)
 
 
-def _stored_kernel(spec: np.ndarray) -> Callable[..., int]:
+def _stored_kernel(spec: np.ndarray) -> Callable[..., tuple[int, ...]]:
     global _stored
     from kvhit.kernels.event_plan_numba import scan_stored as scan
     from kvhit.kernels.event_plan_numba import warm_up as warm

@@ -1,17 +1,19 @@
 """A vLLM KV-event payload of stored blocks read straight into packed keys.
 
 The follower's general path decodes a payload with msgspec
-(``bindings/kv_events.decode_keys``, ``bindings/kv_event_scan.py``), then reads each event's hashes from
+(``bindings/kv_events.decode_keys``), then reads each event's hashes from
 their msgpack (``raw_hash_words``) and checks each field in Python
-(``plan_events``): about 8 us of a 25-block event's 16, mostly the
-interpreter. :func:`scan_stored` reads a payload of ``BlockStored`` events
-in one pass instead: every field's msgpack type is checked against the
-schema the caller describes (``bindings/kv_events.stored_schema``, built
-from vLLM's struct), each event's hashes are written as packed words, and
-each event's group id and ``medium`` are handed back for the caller's plan.
+(``plan_events``): about 4.8 us an event, most of it the interpreter, and
+vLLM's Mooncake store connector sends one event a block.
+:func:`scan_stored` reads a payload of ``BlockStored`` events in one pass
+instead: every field's msgpack type is checked against a spec the caller
+builds from vLLM's struct (``bindings/kv_event_scan.stored_spec``), each
+event's hashes are written as packed words, events of a medium not taken
+are counted and dropped, and consecutive taken events of one group become
+one run of keys.
 
 It is a fast path, never a second judge: it accepts only what it reads in
-full and knows msgspec accepts with the same values, and hands back -1 for
+full and knows msgspec accepts with the same values, and gives up on
 everything else, which then takes the general path and is taken or refused
 there exactly as before. So it gives up, besides on any malformed byte, on:
 an event that is not a map tagged ``BlockStored``; a key that is not a
@@ -20,8 +22,8 @@ that is not ASCII (msgspec checks UTF-8); a float ``ts`` that is not a
 float 64; ``token_ids`` that is not an array of ints; a dropped field
 (``extra_keys``, ``lookahead_token_ids``) that is not nil; hashes in
 neither of vLLM's two uniform layouts (``raw_hash_words``' rule); a
-``group_idx`` outside ``[0, 2**63)``; a batch of more than three items; and
-bytes after the batch.
+``group_idx`` outside ``[0, 2**63)`` or in a signed form; a batch of more
+than three items; and bytes after the batch.
 
 Importing this module imports numba; ``coordinator/event_payload.py`` reaches
 it for the bindings.
@@ -262,14 +264,16 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
 
     Args:
         buf: the payload, bytes or uint8 ``[L]``.
-        spec: int64 ``[2 + F + M, 3 + K]`` (``bindings/kv_event_scan.stored_spec``):
-            row 0 ``F``, ``M`` (-1: every medium taken), the field index of
-            ``medium`` and the bit mask of the fields msgspec requires; row
-            1 the tag (``BlockStored``): its length, 0, 0, the name; rows
-            ``2..F + 1`` a schema field each: its name's length, its
-            :data:`FIELD_KINDS` code, 0, the name; rows after them a medium
+        spec: int64 ``[2 + F + M, 3 + K + 4]``, ``K >= 4``
+            (``bindings/kv_event_scan.stored_spec``): row 0 ``F``, ``M``
+            (-1: every medium taken), the field index of ``medium``, the
+            bit mask of the fields msgspec requires, ``K``; row 1 the tag
+            (``BlockStored``): its length, 0, 0, the name; rows ``2..F +
+            1`` a schema field each: its name's length, its
+            :data:`FIELD_KINDS` code, 0, the name, then four words masking
+            the name's bytes (:func:`_key_equal`); rows after them a medium
             taken each: its length, 0, 0, the name. A name is its bytes as
-            little-endian int64 words, the last zero-padded.
+            ``K`` little-endian int64 words, zero-padded.
         hash_bytes: the index's key width (a multiple of 8).
         default_gid: the group id of an event without ``group_idx``.
         out: int64 ``[R + X, W]``, C-contiguous, ``R = L // 9 + 1`` (no
