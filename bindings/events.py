@@ -256,7 +256,7 @@ class EventFollower(StopOnExit):
         check_int(reorder_window, "reorder_window", 0)
         check_seconds(reorder_wait_s, "reorder_wait_s", zero=True)
         self._hash_bytes = index_hash_bytes(index)
-        warm_up_decoder()  # a large event's first decode: no compile then
+        warm_up_decoder()  # the scans loaded: no event of the stream compiles one
 
         import zmq  # imported here so apply() works without pyzmq
 
