@@ -1220,3 +1220,26 @@ def test_growth_is_built_outside_the_lock(publisher):
     assert True not in index.grew_under_lock
     # The same index object is still the one readers use.
     assert f.index is index and index.contains([0], [keys[-1]]).tolist() == [True]
+
+
+def test_a_commit_wakes_a_waiter_at_once_and_none_is_left_counted():
+    # _flush takes the condition's lock only when wait_for_seq counted a
+    # waiter; a waiter counted must be woken by the commit, not its timeout.
+    index = KeyIndex(8, capacity=64)
+    f = ev.EventFollower("tcp://127.0.0.1:1", None, index, topic=TOPIC, medium="cpu")
+    got: list[tuple[bool, float]] = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        got.append((f.wait_for_seq(0, WAIT_S), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert wait_until(lambda: f._seq_waiters == 1, WAIT_S)
+    payload = _payload(1.0, [block_stored([1 << 63 | 5])])
+    f._handle_live([[TOPIC.encode(), (0).to_bytes(8, "big"), payload]])
+    waiter.join(WAIT_S)
+    assert got and got[0][0] and got[0][1] < WAIT_S / 2
+    assert f._seq_waiters == 0 and len(index) == 1
+    # A wait that times out leaves no waiter counted either.
+    assert not f.wait_for_seq(5, 0.01) and f._seq_waiters == 0
