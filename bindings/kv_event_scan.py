@@ -144,6 +144,9 @@ def plan_payload(
         )
         if got is not None:
             taken, skipped, runs = got
+            if len(runs) == 1:  # the usual batch: no comprehension's frame
+                ((gid, words),) = runs
+                return EventPlan(False, [(True, gid, words)], taken, skipped)
             return EventPlan(
                 False, [(True, gid, words) for gid, words in runs], taken, skipped
             )
