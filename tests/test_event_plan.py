@@ -56,24 +56,37 @@ def events(draw):
         return kv.BlockRemoved(
             block_hashes=draw(hashes()), medium=draw(text), group_idx=1
         )
+    return _stored_event(
+        draw,
+        draw(hashes()),
+        text,
+        tokens=40,
+        groups=st.one_of(st.none(), st.integers(0, 2**63 - 1), st.integers(-5, -1)),
+        extras=st.one_of(st.none(), st.just([None]), st.just([(1, "x")])),
+        lookahead=st.one_of(st.none(), st.just([[1, 2]])),
+    )
+
+
+def _stored_event(draw, block_hashes, text, tokens, groups, extras, lookahead):
+    """A ``BlockStored`` of ``block_hashes``, every other field drawn: its
+    strings from ``text``, up to ``tokens`` token ids, ``group_idx`` from
+    ``groups``, ``extra_keys`` and ``lookahead_token_ids`` from theirs."""
     return kv.BlockStored(
-        block_hashes=draw(hashes()),
+        block_hashes=block_hashes,
         parent_block_hash=draw(st.one_of(st.none(), int_hash, st.binary(max_size=40))),
-        token_ids=draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=40)),
+        token_ids=draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=tokens)),
         block_size=draw(st.integers(-(2**63), 2**64 - 1)),
         lora_id=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
         medium=draw(text),
         lora_name=draw(text),
-        extra_keys=draw(st.one_of(st.none(), st.just([None]), st.just([(1, "x")]))),
-        group_idx=draw(
-            st.one_of(st.none(), st.integers(0, 2**63 - 1), st.integers(-5, -1))
-        ),
+        extra_keys=draw(extras),
+        group_idx=draw(groups),
         kv_cache_spec_kind=draw(text),
         kv_cache_spec_sliding_window=draw(st.one_of(st.none(), st.integers(0, 9))),
         locality=draw(text),
         ownership=draw(text),
         session_id=draw(text),
-        lookahead_token_ids=draw(st.one_of(st.none(), st.just([[1, 2]]))),
+        lookahead_token_ids=draw(lookahead),
     )
 
 
@@ -87,9 +100,9 @@ def _keys(plan):
     return plan.clear, plan.events, plan.skipped, rows
 
 
-def _outcome(fn, payload, hash_bytes, media):
+def _outcome(fn, payload, hash_bytes, media, gid=7):
     try:
-        return "ok", _keys(fn(payload, hash_bytes, media, True, 7))
+        return "ok", _keys(fn(payload, hash_bytes, media, True, gid))
     except (TypeError, ValueError) as exc:  # MalformedPayload is a ValueError
         return type(exc).__name__, str(exc)
 
@@ -142,21 +155,15 @@ def scannable(draw, hash_bytes):
         else draw(st.binary(min_size=width, max_size=width))
         for _ in range(n)
     ]
-    event = kv.BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=draw(st.one_of(st.none(), int_hash, st.binary(max_size=40))),
-        # Past 63 ids the scan walks them four spans at a time.
-        token_ids=draw(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=100)),
-        block_size=draw(st.integers(-(2**63), 2**64 - 1)),
-        lora_id=draw(st.one_of(st.none(), st.integers(0, 2**64 - 1))),
-        medium=draw(ascii_text),
-        lora_name=draw(ascii_text),
-        group_idx=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
-        kv_cache_spec_kind=draw(ascii_text),
-        kv_cache_spec_sliding_window=draw(st.one_of(st.none(), st.integers(0, 9))),
-        locality=draw(ascii_text),
-        ownership=draw(ascii_text),
-        session_id=draw(ascii_text),
+    # Past 63 token ids the scan walks them four spans at a time.
+    event = _stored_event(
+        draw,
+        hashes,
+        ascii_text,
+        tokens=100,
+        groups=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+        extras=st.none(),
+        lookahead=st.none(),
     )
     return event, not n or width == hash_bytes
 
@@ -208,17 +215,10 @@ def test_arguments_the_scan_leaves_to_the_general_path():
     ]
     for hash_bytes, media, gid in calls:
         got, want = (
-            _result(fn, payload, hash_bytes, media, gid)
+            _outcome(fn, payload, hash_bytes, media, gid)
             for fn in (ks.plan_payload, _general)
         )
         assert got == want, (hash_bytes, media, gid)
-
-
-def _result(fn, payload, hash_bytes, media, gid):
-    try:
-        return "ok", _keys(fn(payload, hash_bytes, media, True, gid))
-    except Exception as exc:  # noqa: BLE001 - the type and text compared
-        return type(exc).__name__, str(exc)
 
 
 @settings(max_examples=max(EXAMPLES // 3, 20), deadline=None)
