@@ -10,6 +10,7 @@ takes the general path, which takes it or refuses it as before.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -40,20 +41,18 @@ _FIELD_KIND_OF_TYPE: tuple[tuple[Any, str], ...] = (
     (int | None, "int_or_nil"),
     (str | None, "str_or_nil"),
 )
-_SCHEMA: list[tuple[bytes, int, bool]] = []
 #: :func:`stored_spec` by the media taken (a follower's, a few per process).
 _SPECS: dict[frozenset[str] | None, np.ndarray] = {}
 
 
-def _stored_fields() -> list[tuple[bytes, int, bool]]:
+@functools.cache
+def _stored_fields() -> tuple[tuple[bytes, int, bool], ...]:
     """``BlockStored``'s wire schema: (name, ``FIELD_KINDS`` code, required)
     per field, the tag first, built once from the struct, so the scan reads
     the fields vLLM's struct has and no list of them is written twice.
     Fields the follower drops (:class:`StoredKeys`) are read as nil only
     (anything else in them takes the general path), ``group_idx`` as the
     group."""
-    if _SCHEMA:
-        return _SCHEMA
     codes = field_kinds()
     kept = {f.name for f in msgspec.structs.fields(StoredKeys)}
     fields = [(BlockStored.__struct_config__.tag_field, "tag", True)]
@@ -67,8 +66,7 @@ def _stored_fields() -> list[tuple[bytes, int, bool]]:
             if kind is None:  # a schema this scan cannot read: say which
                 raise TypeError(f"BlockStored.{f.name}: no scan for {f.type}")
         fields.append((f.name, kind, f.required))
-    _SCHEMA[:] = [(n.encode(), codes[k], r) for n, k, r in fields]
-    return _SCHEMA
+    return tuple((n.encode(), codes[k], r) for n, k, r in fields)
 
 
 def stored_spec(media: frozenset[str] | None) -> np.ndarray | None:
@@ -88,12 +86,12 @@ def stored_spec(media: frozenset[str] | None) -> np.ndarray | None:
     # four masked words), then each field's masks.
     width = max(4, -(-max(len(name) for name, _, _ in rows) // 8))
     spec = np.zeros((1 + len(rows), 3 + width + 4), dtype=np.int64)
-    spec[0, 4] = width
-    spec[0, :4] = (
+    spec[0, :5] = (
         len(fields),
         -1 if media is None else len(taken),
         [name for name, _, _ in fields].index(b"medium"),
         sum(1 << f for f, (_, _, required) in enumerate(fields) if required),
+        width,
     )
     for r, (name, kind, _) in enumerate(rows, 1):
         spec[r, :2] = len(name), kind
