@@ -172,8 +172,12 @@ def dynamo_available() -> bool:
 def dynamo_tree(wl: FleetWorkload, full_blocks: Callable[[int], int]) -> Any:
     """A Dynamo RadixTree fed, per served request, one ``stored`` event with
     the chain of its first ``full_blocks(i)`` block hashes (as u64) from the
-    root, from worker ``owner(i)``."""
-    tree = load_dynamo()[0]()
+    root, from worker ``owner(i)``. Raises RuntimeError, with the reason,
+    where ``ai-dynamo-runtime`` does not import (:func:`dynamo_available`)."""
+    tree_cls, why = load_dynamo()
+    if tree_cls is None:
+        raise RuntimeError(f"Dynamo's RadixTree is not available: {why}")
+    tree = tree_cls()
     for i, words in enumerate(wl.served):
         n = full_blocks(i)
         if n <= 0:

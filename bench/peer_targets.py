@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
-from kvhit.bench.peers import DYNAMO
+from kvhit.bench.peers import DYNAMO, load_dynamo
 
 __all__ = ["FORMS", "from_ints_rates", "main", "targets"]
 
@@ -228,6 +228,10 @@ def targets(
         if trace is None and fleet_engines:
             from kvhit.bench import bench_fleet
 
+            tree_cls, why = load_dynamo()
+            if tree_cls is None:
+                out.append(f"Fleet vs Dynamo skipped: {why}\n")
+                continue
             fleet = bench_fleet.versus_dynamo(
                 fleet_engines, fleet_warm, 64, repeats, io.StringIO(), host_load=load
             )

@@ -378,3 +378,19 @@ def test_peer_targets_sections_per_host_and_lengths_form() -> None:
     assert "lengths as a list (Python list)" in text
     assert "lengths as a numpy (numpy int64 array)" in text
     assert text.count("| lookup incl. packing vs Dynamo") == 2
+
+
+def test_peer_targets_without_dynamo_names_why(monkeypatch) -> None:
+    # A host without ai-dynamo-runtime: the lookup and fleet sections say it
+    # was skipped and why; nothing raises (the fleet used to call None).
+    from kvhit.bench import bench_fleet, peer_steps
+    from kvhit.bench import peer_targets as pt
+
+    gone = lambda: (None, "ai-dynamo-runtime is not importable (test)")  # noqa: E731
+    for mod in (peer_steps, pt, bench_fleet):
+        monkeypatch.setattr(mod, "load_dynamo", gone)
+    text = pt.targets(limit=40, batch_sizes=(1,), fleet_engines=(8,), passes=1)
+    assert "Dynamo skipped: ai-dynamo-runtime is not importable (test)" in text
+    assert "Fleet vs Dynamo skipped: ai-dynamo-runtime is not importable (test)" in text
+    with pytest.raises(RuntimeError, match="not importable"):
+        bench_fleet.dynamo_tree(None, lambda i: 0)
