@@ -9,8 +9,10 @@ fleet at B = 64 vs Dynamo at E = 8 and 64 (``bench_fleet.versus_dynamo``, raw
 ids, both orders) and ``HashBatch.from_ints`` ns per int per input form
 (:func:`from_ints_rates`; ``--baseline-packing`` times another copy of
 ``coordinator/packing.py`` beside the current one). ``--host-load 0,2``
-repeats the lookup and fleet runs beside two CPU-bound processes (Dynamo's
-indexer thread wakes slower on a quiet host, so the ratio moves with the
+repeats the lookup and fleet runs beside two CPU-bound processes, and
+``idle2`` beside two idle-class spinners, which take no time from either
+side but keep the cores from halting (Dynamo's indexer thread wakes slower
+on a quiet host, above all on a virtual machine, so the ratio moves with the
 host's state: show both); ``--lengths list,numpy`` repeats the lookup runs
 with the lengths as a numpy int64 array.
 """
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
-from kvhit.bench.peers import DYNAMO, load_dynamo
+from kvhit.bench.peers import DYNAMO, load_dynamo, parse_host_loads
 
 __all__ = ["FORMS", "from_ints_rates", "main", "targets"]
 
@@ -181,7 +183,7 @@ def targets(
     baseline_packing: str | None = None,
     quiet: bool = True,
     passes: int = 3,
-    host_loads: Sequence[int] = (0,),
+    host_loads: Sequence[int | tuple[int, bool]] = (0,),
     lengths: Sequence[str] = ("list",),
 ) -> str:
     """Issue 33's targets table on ``trace`` (default: the shipped
@@ -191,7 +193,8 @@ def targets(
     the shipped trace only) and ``from_ints`` ns per int per input form
     (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
     copy's). ``passes``: replays of each (order, B), each step's best time
-    taken. ``host_loads``: each a run beside that many CPU-bound processes
+    taken. ``host_loads``: each a run beside that many CPU-bound processes,
+    or ``(n, True)`` beside ``n`` idle-class spinners (``peers.busy_host``)
     (0: a quiet host; Dynamo's indexer thread wakes 4-6x slower on a quiet
     host, so a fair table shows both). ``lengths``: each a run with the
     lengths in that form (``peer_steps.PEER_LENGTHS``). Set
@@ -210,15 +213,17 @@ def targets(
         + "; inputs: raw trace ids as Python lists; each step's best of "
         f"{passes} replays; figures as alternate / separate\n"
     ]
-    for load in host_loads:
+    for entry in host_loads:
+        load, idle = entry if isinstance(entry, tuple) else (entry, False)
         host = (
             "no process started beside it" if load == 0
+            else f"beside {load} idle-class spinners (cores kept awake)" if idle
             else f"beside {load} busy processes"
         ) + f" (load average {os.getloadavg()[0]:.1f} before)"  # fmt: skip
         for form in lengths:
             rows, skip = peer_sweep(
                 DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
-                host_load=load, lengths=form,
+                host_load=load, lengths=form, host_idle=idle,
             )  # fmt: skip
             out.append(f"### {host}, lengths as a {form} {_FORM_NOTE[form]}\n")
             if skip is not None:
@@ -233,7 +238,13 @@ def targets(
                 out.append(f"Fleet vs Dynamo skipped: {why}\n")
                 continue
             fleet = bench_fleet.versus_dynamo(
-                fleet_engines, fleet_warm, 64, repeats, io.StringIO(), host_load=load
+                fleet_engines,
+                fleet_warm,
+                64,
+                repeats,
+                io.StringIO(),
+                host_load=load,
+                host_idle=idle,
             )
             out += [
                 f"| fleet_hits at B = 64 vs Dynamo, {host} (target "
@@ -284,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         "--host-load",
         default="0",
         help="CPU-bound processes spinning beside each run, comma-separated "
-        "(default 0; '0,2' adds a busy host)",
+        "(default 0; '0,2' adds a busy host; 'idle2' two idle-class spinners, "
+        "which keep the cores awake and take no time)",
     )
     p.add_argument(
         "--lengths",
@@ -306,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         "beside the current one",
     )
     args = p.parse_args(argv)
+    try:
+        loads = parse_host_loads(args.host_load)
+    except ValueError as exc:
+        p.error(str(exc))
     from kvhit.bench.names import SHIPPED_TRACE, TRACES
 
     for name in args.trace.split(","):
@@ -320,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline_packing=args.baseline_packing,
                 quiet=False,
                 passes=args.passes,
-                host_loads=[int(h) for h in args.host_load.split(",")],
+                host_loads=loads,
                 lengths=args.lengths.split(","),
             )
             + "\n"

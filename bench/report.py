@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from kvhit.bench.names import PEER_BLOCK_SIZE, VLLM
+from kvhit.bench.peers import host_label
 
 if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.bench.harness import SweepResult
@@ -174,7 +175,7 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     body = [
         [
             r.order,
-            "quiet" if r.host_load == 0 else f"busy{r.host_load}",
+            host_label(r.host_load, r.host_idle),
             r.batch_size,
             f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})",
             fmt_time(r.kvhit_pack_s),

@@ -233,6 +233,59 @@ def test_busy_host_spins_and_stops(tmp_path: Path) -> None:
             pass
 
 
+def test_idle_spinners_run_in_the_idle_class() -> None:
+    # The idle host: the spinners exist and the kernel runs them as
+    # SCHED_IDLE (policy 5), so they take no time from the timed sides.
+    import os
+    import time
+
+    from kvhit.bench.peers import busy_host
+
+    if not hasattr(os, "SCHED_IDLE") or not os.path.exists("/proc"):
+        pytest.skip("needs Linux's SCHED_IDLE and /proc")
+    me = os.getpid()
+    path = f"/proc/{me}/task/{me}/children"
+    before = set(map(int, open(path).read().split()))
+    with busy_host(2, idle=True):
+        spinning = set(map(int, open(path).read().split())) - before
+        assert len(spinning) == 2
+        deadline = time.monotonic() + 10
+        policies: list[int] = []
+        while time.monotonic() < deadline:
+            policies = [os.sched_getscheduler(pid) for pid in spinning]
+            if policies == [os.SCHED_IDLE] * 2:
+                break
+            time.sleep(0.05)  # each child sets its class as it starts
+        assert policies == [os.SCHED_IDLE] * 2
+    with pytest.raises(TypeError, match="idle"):
+        with busy_host(1, idle=1):  # type: ignore[arg-type]
+            pass
+
+
+def test_host_loads_parse_and_name_the_bad_entry() -> None:
+    from kvhit.bench.peers import host_label, parse_host_loads
+
+    assert parse_host_loads("0, 2,idle2") == [(0, False), (2, False), (2, True)]
+    for bad in ("", "x", "-1", "idle", "idle-2", "2,,3"):
+        with pytest.raises(ValueError, match="--host-load"):
+            parse_host_loads(bad)
+    assert [host_label(0), host_label(2), host_label(2, True)] == [
+        "quiet",
+        "busy2",
+        "idle2",
+    ]
+
+
+def test_peer_targets_cli_refuses_a_bad_host_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvhit.bench import peer_targets as pt
+
+    with pytest.raises(SystemExit) as exc:
+        pt.main(["--host-load", "idle"])
+    assert exc.value.code == 2 and "--host-load" in capsys.readouterr().err
+
+
 def test_bench_peer_host_load_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "--presets", "llama", "--peer", "dynamo", "--peer-host-load", "-1"]
     with pytest.raises(SystemExit) as exc:
