@@ -201,6 +201,7 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     if any(r.host_load for r in rows):
         lines.append(
             "  host: quiet = nothing else started; busyN = N CPU-bound processes "
-            "spinning beside the run (--peer-host-load)"
+            "spinning beside the run; idleN = N idle-class spinners keeping the "
+            "cores awake (--peer-host-load)"
         )
     return "\n".join(lines) + "\n"

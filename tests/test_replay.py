@@ -182,17 +182,20 @@ def test_bench_peer_column_on_a_trace_slice(
     out = tmp_path / "b.json"
     argv = ["bench", "--presets", "llama", "--batch-sizes", "1,8", "--max-tokens",
             "256", "--repeats", "1", "-q", "--peer", "dynamo", "--peer-limit",
-            "150", "--peer-host-load", "0,1", "--peer-order", "separate,alternate",
+            "150", "--peer-host-load", "0,1,idle1", "--peer-order", "separate,alternate",
             "--json", str(out)]  # fmt: skip
     assert cli.main(argv) == cli.EXIT_OK
     text = capsys.readouterr().out
     assert "kvhit vs dynamo" in text and "busy1" in text and "alternate" in text
+    assert "idle1" in text
     peers = json.loads(out.read_text())["peers"]
-    assert [(p["order"], p["host_load"], p["batch_size"]) for p in peers] == [
-        ("separate", 0, 1), ("separate", 0, 8), ("separate", 1, 1),
-        ("separate", 1, 8), ("alternate", 0, 1), ("alternate", 0, 8),
-        ("alternate", 1, 1), ("alternate", 1, 8),
-    ]  # fmt: skip
+    got = [(p["order"], p["host_load"], p["host_idle"], p["batch_size"]) for p in peers]
+    assert got == [
+        (o, n, idle, b)
+        for o in ("separate", "alternate")
+        for n, idle in ((0, False), (1, False), (1, True))
+        for b in (1, 8)
+    ]
     assert all(p["requests"] == 150 and p["mismatches"] == 0 for p in peers)
     # A step does not see its own stores: bigger steps hit no more.
     assert peers[0]["hit_blocks"] >= peers[1]["hit_blocks"] > 0
@@ -286,8 +289,11 @@ def test_peer_targets_cli_refuses_a_bad_host_load(
     assert exc.value.code == 2 and "--host-load" in capsys.readouterr().err
 
 
-def test_bench_peer_host_load_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "--presets", "llama", "--peer", "dynamo", "--peer-host-load", "-1"]
+@pytest.mark.parametrize("bad", ["-1", "idle", "busy2"])
+def test_bench_peer_host_load_is_checked(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--presets", "llama", "--peer", "dynamo", "--peer-host-load", bad]
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2 and "--peer-host-load" in capsys.readouterr().err
