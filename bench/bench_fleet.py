@@ -48,6 +48,7 @@ from kvhit.bench.peers import (
     host_label,
     load_dynamo,
     parse_host_loads,
+    pinned,
 )
 from kvhit.bench.route import saved_keys, trace_batch
 from kvhit.bench.traces import TRACE_BLOCK_SIZE, load_trace
@@ -316,12 +317,13 @@ def _host_words(load: int, idle: bool) -> str:
 
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
                   out, host_load: int = 0, ids: str = "raw",
-                  host_idle: bool = False) -> list[tuple]:  # fmt: skip
+                  host_idle: bool = False, pin: int | None = None) -> list[tuple]:  # fmt: skip
     """Full attention: per-engine hits in blocks equal Dynamo's scores; time
     per request side by side, in both orders (alternating call by call, and
     each side alone), with ``host_load`` CPU-bound processes spinning beside
     the timed calls (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host;
-    ``host_idle``: idle-class spinners, which keep the cores awake).
+    ``host_idle``: idle-class spinners, which keep the cores awake; ``pin``:
+    every thread on that CPU while timed, :func:`~kvhit.bench.peers.pinned`).
 
     ``ids="raw"`` (default): raw trace ids in Python lists, one
     FullAttention(512) group, lengths as a list, Dynamo given the same lists;
@@ -359,7 +361,7 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
                 HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet)  # fmt: skip
             theirs = lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints)  # noqa: E731
         per_req = []
-        with busy_host(host_load, host_idle):
+        with busy_host(host_load, host_idle), pinned(pin):
             for timed in (_interleaved_us, _separate_us):
                 ta, tb = timed(ours, theirs, repeats)
                 per_req += [statistics.median(t) / batch for t in (ta, tb)]
@@ -378,6 +380,7 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
               f"request (median of {repeats}), caches evicted before each call; "
               "alternate = call by call, separate = each side's repeats alone; "
               f"host: {_host_words(host_load, host_idle)}"
+              + (f", every thread on CPU {pin}" if pin is not None else "") +
               "; 0 mismatches\n\n")  # fmt: skip
     out.write("| E | kvhit (alternate / separate) | Dynamo (alternate / separate) | "
               "speedup (alternate / separate) | (request, engine) pairs with a hit |"

@@ -38,7 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from kvhit.bench.peers import PEERS, DynamoIndex, busy_host, host_label, load_dynamo
+from kvhit.bench.peers import (
+    PEERS,
+    DynamoIndex,
+    busy_host,
+    host_label,
+    load_dynamo,
+    pinned,
+)
 from kvhit.bench.traces import TRACE_BLOCK_SIZE
 
 __all__ = [
@@ -409,6 +416,7 @@ def peer_sweep(
     passes: int = 1,
     lengths: str = "list",
     host_idle: bool = False,
+    pin: int | None = None,
 ) -> tuple[list[PeerRow], PeerSkip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
@@ -419,7 +427,9 @@ def peer_sweep(
     several (default both; the rows come order by order, each over every
     ``B``). ``ids``: :data:`PEER_IDS`. ``host_load`` CPU-bound processes spin
     during the run (:func:`~kvhit.bench.peers.busy_host`; ``host_idle``: in
-    the idle scheduling class, keeping the cores awake). Returns the rows,
+    the idle scheduling class, keeping the cores awake). ``pin``: every
+    thread of the process on that CPU for the run (:func:`~kvhit.bench.peers
+    .pinned`; the spinners are started before, so they are not). Returns the rows,
     or ``([], PeerSkip)`` when the peer cannot be imported; raises
     ``mismatch`` (an exception class taking the message) on any differing
     answer. ``passes``: replays of each (order, ``B``) on fresh stores, each
@@ -461,7 +471,7 @@ def peer_sweep(
         total = passes * len(orders) * len(sizes) * len(inputs.ints)
         bar = tqdm(total=total, desc="  peer", unit="req", leave=False)
     rows = []
-    with _NumbaThreads(1), busy_host(host_load, host_idle):
+    with _NumbaThreads(1), busy_host(host_load, host_idle), pinned(pin):
         engine = LookupEngine(layout, backend="numba", device="cpu")
         for o in orders:
             for b in sizes:

@@ -185,6 +185,7 @@ def targets(
     passes: int = 3,
     host_loads: Sequence[int | tuple[int, bool]] = (0,),
     lengths: Sequence[str] = ("list",),
+    pins: Sequence[int | None] = (None,),
 ) -> str:
     """Issue 33's targets table on ``trace`` (default: the shipped
     conversation trace), as Markdown: lookup incl. packing vs Dynamo and
@@ -213,17 +214,20 @@ def targets(
         + "; inputs: raw trace ids as Python lists; each step's best of "
         f"{passes} replays; figures as alternate / separate\n"
     ]
-    for entry in host_loads:
+    runs = [(pin, entry) for pin in pins for entry in host_loads]
+    for pin, entry in runs:
         load, idle = entry if isinstance(entry, tuple) else (entry, False)
         host = (
-            "no process started beside it" if load == 0
-            else f"beside {load} idle-class spinners (cores kept awake)" if idle
-            else f"beside {load} busy processes"
-        ) + f" (load average {os.getloadavg()[0]:.1f} before)"  # fmt: skip
+            ("no process started beside it" if load == 0
+             else f"beside {load} idle-class spinners (cores kept awake)" if idle
+             else f"beside {load} busy processes")
+            + (f", every thread on CPU {pin}" if pin is not None else "")
+            + f" (load average {os.getloadavg()[0]:.1f} before)"
+        )  # fmt: skip
         for form in lengths:
             rows, skip = peer_sweep(
                 DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
-                host_load=load, lengths=form, host_idle=idle,
+                host_load=load, lengths=form, host_idle=idle, pin=pin,
             )  # fmt: skip
             out.append(f"### {host}, lengths as a {form} {_FORM_NOTE[form]}\n")
             if skip is not None:
@@ -245,6 +249,7 @@ def targets(
                 io.StringIO(),
                 host_load=load,
                 host_idle=idle,
+                pin=pin,
             )
             out += [
                 f"| fleet_hits at B = 64 vs Dynamo, {host} (target "
@@ -304,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the lengths' forms, comma-separated: list, numpy (default list)",
     )
     p.add_argument(
+        "--pin",
+        default="none",
+        metavar="CPU[,CPU...]",
+        help="runs with every thread of the process on that CPU, 'none' for "
+        "a run as the scheduler places them, comma-separated (default none; "
+        "'none,0' shows both: Dynamo's indexer hop is a cross-core wake-up "
+        "unpinned, a switch on one core pinned)",
+    )
+    p.add_argument(
         "--passes",
         type=int,
         default=3,
@@ -322,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         loads = parse_host_loads(args.host_load)
     except ValueError as exc:
         p.error(str(exc))
+    try:
+        pins = [None if x.strip() == "none" else int(x) for x in args.pin.split(",")]
+    except ValueError:
+        p.error(f"--pin takes CPU numbers or 'none', comma-separated; got {args.pin!r}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    bad = [c for c in pins if c is not None and c not in allowed]
+    if bad:
+        p.error(f"--pin: CPU {bad[0]} is not one of this process's {sorted(allowed)}")
     from kvhit.bench.names import SHIPPED_TRACE, TRACES
 
     for name in args.trace.split(","):
@@ -337,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 quiet=False,
                 passes=args.passes,
                 host_loads=loads,
+                pins=pins,
                 lengths=args.lengths.split(","),
             )
             + "\n"

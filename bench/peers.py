@@ -36,6 +36,7 @@ __all__ = [
     "host_label",
     "load_dynamo",
     "parse_host_loads",
+    "pinned",
 ]
 
 DYNAMO = "dynamo"
@@ -143,12 +144,13 @@ def busy_host(processes: int, idle: bool = False) -> Iterator[None]:
 
     ``idle``: the spinners run in the idle scheduling class (Linux
     ``SCHED_IDLE``): any other thread preempts them at once, so they take no
-    time from either index, but the host's cores never halt. On a virtual
-    machine a halted core's wake-up costs tens of microseconds, and a quiet
-    host pays it on every hop to Dynamo's indexer thread (measured on the
-    2-core box: Dynamo 72-78 us a request quiet, 10-13 beside two idle
-    spinners, kvhit's times unchanged within noise). Bare metal, or a host
-    whose cores other work keeps awake, sees the fast figure.
+    time from either index, but the host's cores do not halt. On a virtual
+    machine a halted core's wake-up costs tens of microseconds, which a
+    quiet host pays on hops to Dynamo's indexer thread. Measured on the
+    2-core box: Dynamo 72-78 us a request quiet; beside two idle spinners
+    6-13 us in some processes, still 43-58 in others (:func:`pinned` is
+    the steady way to time its fast case). kvhit's separate times did not
+    move (B = 64: 1.1 us a request either way).
 
     Raises TypeError/ValueError for a bad ``processes`` or ``idle``, and
     ValueError for idle spinners where ``os.SCHED_IDLE`` does not exist.
@@ -178,6 +180,55 @@ def busy_host(processes: int, idle: bool = False) -> Iterator[None]:
             p.kill()
         for p in spinners:
             p.wait()
+
+
+@contextmanager
+def pinned(cpu: int | None) -> Iterator[None]:
+    """Every thread of this process on CPU ``cpu`` while the block runs
+    (``None``: nothing changes), their affinities restored after.
+
+    Dynamo's ``RadixTree`` answers each call on its indexer thread. When that
+    thread runs on another core, every call is a cross-core wake-up, and on
+    a virtual machine whose idle core has halted that costs tens of
+    microseconds. Measured on the 2-core box: Dynamo took 43-78 us a request
+    in some processes and 6-13 in others, idle spinners or not. With both
+    threads on one core each hop is a switch on that core: 5.4-8.5 us a
+    request, run after run. kvhit answers on the caller's thread and is
+    timed the same way.
+
+    Threads started inside the block inherit the pin from their creator and
+    keep it. Raises TypeError for a ``cpu`` that is not an int, ValueError
+    for a CPU this process may not run on or where the platform has no
+    ``os.sched_setaffinity``.
+    """
+    if cpu is None:
+        yield
+        return
+    if isinstance(cpu, bool) or not isinstance(cpu, int):
+        raise TypeError(f"cpu must be an int or None, got {type(cpu).__name__}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("pinning needs os.sched_setaffinity (Linux)")
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ValueError(
+            f"cpu must be one of this process's CPUs {sorted(allowed)}, got {cpu}"
+        )
+    saved = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            saved[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {cpu})
+        except ProcessLookupError:  # the thread ended meanwhile
+            saved.pop(tid, None)
+    try:
+        yield
+    finally:
+        for tid, cpus in saved.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
 
 
 def parse_host_loads(text: str, name: str = "--host-load") -> list[tuple[int, bool]]:

@@ -265,6 +265,46 @@ def test_idle_spinners_run_in_the_idle_class() -> None:
             pass
 
 
+def test_pinned_puts_every_thread_on_one_cpu_and_restores() -> None:
+    import os
+    import threading
+
+    from kvhit.bench.peers import pinned
+
+    if not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc"):
+        pytest.skip("needs Linux's sched_setaffinity and /proc")
+    cpu = min(os.sched_getaffinity(0))
+
+    def tasks() -> dict[int, set[int]]:
+        return {
+            int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")
+        }
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # a thread started before
+    other.start()
+    try:
+        before = tasks()
+        with pinned(cpu):
+            inside = tasks()
+            assert set(before) <= set(inside)
+            assert all(v == {cpu} for v in inside.values())
+        assert tasks() == before
+        with pinned(None):
+            assert tasks() == before
+    finally:
+        stop.set()
+        other.join()
+    with pytest.raises(TypeError, match="cpu"):
+        with pinned(True):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(ValueError, match="cpu"):
+        with pinned(10_000):
+            pass
+    now = tasks()
+    assert now == {t: v for t, v in before.items() if t in now}
+
+
 def test_host_loads_parse_and_name_the_bad_entry() -> None:
     from kvhit.bench.peers import host_label, parse_host_loads
 
@@ -287,6 +327,10 @@ def test_peer_targets_cli_refuses_a_bad_host_load(
     with pytest.raises(SystemExit) as exc:
         pt.main(["--host-load", "idle"])
     assert exc.value.code == 2 and "--host-load" in capsys.readouterr().err
+    for bad in ("x", "10000"):
+        with pytest.raises(SystemExit) as exc:
+            pt.main(["--pin", bad])
+        assert exc.value.code == 2 and "--pin" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["-1", "idle", "busy2"])
@@ -432,11 +476,12 @@ def test_peer_targets_sections_per_host_and_lengths_form() -> None:
 
     text = pt.targets(
         limit=40, batch_sizes=(1, 4), fleet_engines=(), passes=1,
-        host_loads=(0,), lengths=("list", "numpy"),
+        host_loads=(0,), lengths=("list", "numpy"), pins=(None, 0),
     )  # fmt: skip
     assert "lengths as a list (Python list)" in text
     assert "lengths as a numpy (numpy int64 array)" in text
-    assert text.count("| lookup incl. packing vs Dynamo") == 2
+    assert text.count("| lookup incl. packing vs Dynamo") == 4
+    assert text.count("every thread on CPU 0") == 2
 
 
 def test_peer_targets_without_dynamo_names_why(monkeypatch) -> None:
