@@ -42,14 +42,7 @@ import numpy as np
 import torch
 
 from kvhit.bench.harness import MismatchError
-from kvhit.bench.peers import (
-    as_u64,
-    busy_host,
-    host_label,
-    load_dynamo,
-    parse_host_loads,
-    pinned,
-)
+from kvhit.bench.peers import as_u64, busy_host, load_dynamo, pinned
 from kvhit.bench.route import saved_keys, trace_batch
 from kvhit.bench.traces import TRACE_BLOCK_SIZE, load_trace
 from kvhit.bench.workloads import make_layout
@@ -303,27 +296,15 @@ def _separate_us(fa: Callable[[], Any], fb: Callable[[], Any],
     return out[0], out[1]
 
 
-def _host_words(load: int, idle: bool) -> str:
-    """The host of a Dynamo table, in words."""
-    if not load:
-        return "quiet"
-    kind = (
-        "idle-class spinners (cores kept awake)"
-        if idle
-        else "CPU-bound processes spinning"
-    )
-    return f"{load} {kind} ({host_label(load, idle)})"
-
-
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
                   out, host_load: int = 0, ids: str = "raw",
-                  host_idle: bool = False, pin: int | None = None) -> list[tuple]:  # fmt: skip
+                  pin: int | None = None) -> list[tuple]:  # fmt: skip
     """Full attention: per-engine hits in blocks equal Dynamo's scores; time
     per request side by side, in both orders (alternating call by call, and
     each side alone), with ``host_load`` CPU-bound processes spinning beside
-    the timed calls (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host;
-    ``host_idle``: idle-class spinners, which keep the cores awake; ``pin``:
-    every thread on that CPU while timed, :func:`~kvhit.bench.peers.pinned`).
+    the timed calls (:func:`~kvhit.bench.peers.busy_host`; 0: a quiet host)
+    and, with ``pin``, every thread on that CPU while timed
+    (:func:`~kvhit.bench.peers.pinned`).
 
     ``ids="raw"`` (default): raw trace ids in Python lists, one
     FullAttention(512) group, lengths as a list, Dynamo given the same lists;
@@ -361,7 +342,7 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
                 HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet)  # fmt: skip
             theirs = lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints)  # noqa: E731
         per_req = []
-        with busy_host(host_load, host_idle), pinned(pin):
+        with busy_host(host_load), pinned(pin):
             for timed in (_interleaved_us, _separate_us):
                 ta, tb = timed(ours, theirs, repeats)
                 per_req += [statistics.median(t) / batch for t in (ta, tb)]
@@ -379,7 +360,7 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
               "packing included) vs Dynamo RadixTree.find_matches(...).scores, us per "
               f"request (median of {repeats}), caches evicted before each call; "
               "alternate = call by call, separate = each side's repeats alone; "
-              f"host: {_host_words(host_load, host_idle)}"
+              f"host: {'quiet' if not host_load else f'{host_load} CPU-bound processes spinning'}"
               + (f", every thread on CPU {pin}" if pin is not None else "") +
               "; 0 mismatches\n\n")  # fmt: skip
     out.write("| E | kvhit (alternate / separate) | Dynamo (alternate / separate) | "
@@ -411,15 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         "--host-load",
         default="0",
         metavar="N[,N...]",
-        help="the Dynamo table once per entry: N CPU-bound processes "
-        "spinning beside it, or idleN idle-class spinners that keep the "
-        "cores awake and take no time (default 0: a quiet host)",
+        help="the Dynamo table once per N, with N CPU-bound processes "
+        "spinning beside it (default 0: a quiet host)",
     )
     args = p.parse_args(argv)
-    try:
-        loads = parse_host_loads(args.host_load)
-    except ValueError as exc:
-        p.error(str(exc))
     warm, repeats = (256, 5) if args.quick else (args.warm, args.repeats)
     engines = [int(e) for e in args.engines.split(",")]
     out = sys.stdout
@@ -428,10 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         if preset:
             sweep(preset, engines, warm, args.batch, repeats, out)
     if dynamo_available():
-        for load, idle in loads:
+        for load in (int(n) for n in args.host_load.split(",")):
             versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
-                          args.batch, repeats, out, host_load=load, ids=args.ids,
-                          host_idle=idle)  # fmt: skip
+                          args.batch, repeats, out, host_load=load, ids=args.ids)  # fmt: skip
     else:
         out.write("\n(Dynamo not importable: pip install ai-dynamo-runtime)\n")
     return 0

@@ -311,14 +311,6 @@ class ProbeRow:
     hit_fraction: float
 
 
-def _host_load_ok(entry: object) -> bool:
-    """A ``SweepConfig.peer_host_load`` entry: an int >= 0 (busy processes)
-    or ``(n, idle)`` with ``idle`` a bool (``peers.busy_host``)."""
-    if isinstance(entry, tuple) and len(entry) == 2 and type(entry[1]) is bool:
-        entry = entry[0]
-    return type(entry) is int and entry >= 0
-
-
 @dataclass(frozen=True)
 class SweepConfig:
     """What a sweep runs. ``traffic.num_requests`` is replaced by the largest
@@ -336,7 +328,7 @@ class SweepConfig:
     key_index: bool = False
     peer: str | None = None
     peer_limit: int | None = None
-    peer_host_load: tuple[int | tuple[int, bool], ...] = (0,)
+    peer_host_load: tuple[int, ...] = (0,)
     peer_order: tuple[str, ...] = PEER_ORDERS
 
     def __post_init__(self) -> None:
@@ -346,10 +338,9 @@ class SweepConfig:
             raise ValueError(
                 f"peer_order must name some of {PEER_ORDERS}, got {self.peer_order}"
             )
-        if not self.peer_host_load or not all(map(_host_load_ok, self.peer_host_load)):
+        if not self.peer_host_load or min(self.peer_host_load) < 0:
             raise ValueError(
-                "peer_host_load must hold N >= 0 busy processes or (N, idle) "
-                f"pairs, got {self.peer_host_load}"
+                f"peer_host_load must be >= 0 busy processes, got {self.peer_host_load}"
             )
         if not self.presets:
             raise ValueError("presets must not be empty")
@@ -495,8 +486,7 @@ def sweep(
     peers: list[PeerRow] = []
     if config.peer is not None:
         runs = [(o, load) for o in config.peer_order for load in config.peer_host_load]
-        for order, entry in runs:
-            load, idle = entry if isinstance(entry, tuple) else (entry, False)
+        for order, load in runs:
             from kvhit.bench import peer_steps  # raw trace ids, Python lists
 
             rows_at, skip = peer_steps.peer_sweep(
@@ -505,7 +495,6 @@ def sweep(
                 limit=config.peer_limit,
                 quiet=quiet,
                 host_load=load,
-                host_idle=idle,
                 order=order,
                 mismatch=MismatchError,
             )

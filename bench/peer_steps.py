@@ -38,14 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhit.bench.peers import (
-    PEERS,
-    DynamoIndex,
-    busy_host,
-    host_label,
-    load_dynamo,
-    pinned,
-)
+from kvhit.bench.peers import PEERS, DynamoIndex, busy_host, load_dynamo, pinned
 from kvhit.bench.traces import TRACE_BLOCK_SIZE
 
 __all__ = [
@@ -121,7 +114,6 @@ class PeerRow:
         kvhit_mean_s, peer_mean_s: the means (total time / requests).
         mismatches: always 0 (a mismatch raises).
         host_load: CPU-bound processes spinning beside the run.
-        host_idle: whether they were idle-class spinners (``busy_host``).
         order: an entry of :data:`PEER_ORDERS`.
     """
 
@@ -141,7 +133,6 @@ class PeerRow:
     mismatches: int = 0
     host_load: int = 0
     order: str = "separate"
-    host_idle: bool = False
 
 
 def rows_past(starts: np.ndarray, lengths: np.ndarray, skip: np.ndarray) -> np.ndarray:
@@ -415,7 +406,6 @@ def peer_sweep(
     mismatch: type[Exception] = PeerMismatchError,
     passes: int = 1,
     lengths: str = "list",
-    host_idle: bool = False,
     pin: int | None = None,
 ) -> tuple[list[PeerRow], PeerSkip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
@@ -426,10 +416,9 @@ def peer_sweep(
     tokens (one key per trace block). ``order``: one of :data:`PEER_ORDERS` or
     several (default both; the rows come order by order, each over every
     ``B``). ``ids``: :data:`PEER_IDS`. ``host_load`` CPU-bound processes spin
-    during the run (:func:`~kvhit.bench.peers.busy_host`; ``host_idle``: in
-    the idle scheduling class, keeping the cores awake). ``pin``: every
-    thread of the process on that CPU for the run (:func:`~kvhit.bench.peers
-    .pinned`; the spinners are started before, so they are not). Returns the rows,
+    during the run (:func:`~kvhit.bench.peers.busy_host`); ``pin``: every
+    thread of the process on that CPU for the run (:func:`~kvhit.bench
+    .peers.pinned`; the spinners, started before, are not). Returns the rows,
     or ``([], PeerSkip)`` when the peer cannot be imported; raises
     ``mismatch`` (an exception class taking the message) on any differing
     answer. ``passes``: replays of each (order, ``B``) on fresh stores, each
@@ -471,7 +460,7 @@ def peer_sweep(
         total = passes * len(orders) * len(sizes) * len(inputs.ints)
         bar = tqdm(total=total, desc="  peer", unit="req", leave=False)
     rows = []
-    with _NumbaThreads(1), busy_host(host_load, host_idle), pinned(pin):
+    with _NumbaThreads(1), busy_host(host_load), pinned(pin):
         engine = LookupEngine(layout, backend="numba", device="cpu")
         for o in orders:
             for b in sizes:
@@ -482,7 +471,7 @@ def peer_sweep(
                     for _ in range(passes)
                 ]  # fmt: skip
                 row = _row(peer, b, len(inputs.ints), o, runs)
-                rows.append(replace(row, host_load=host_load, host_idle=host_idle))
+                rows.append(replace(row, host_load=host_load))
     if bar is not None:
         bar.close()
     return rows, None
@@ -491,11 +480,11 @@ def peer_sweep(
 def format_orders(rows: Sequence[PeerRow]) -> str:
     """The rows of both orders side by side, one line per batch size and host
     load: ``alternate / separate`` for each figure (Markdown)."""
-    by = {(r.host_load, r.host_idle, r.batch_size, r.order): r for r in rows}
-    keys = sorted({(r.host_load, r.host_idle, r.batch_size) for r in rows})
+    by = {(r.host_load, r.batch_size, r.order): r for r in rows}
+    keys = sorted({(r.host_load, r.batch_size) for r in rows})
     orders = [o for o in ("alternate", "separate") if any(r.order == o for r in rows)]
 
-    def cell(key: tuple[int, bool, int], f: Callable[[PeerRow], str]) -> str:
+    def cell(key: tuple[int, int], f: Callable[[PeerRow], str]) -> str:
         return " / ".join(f(by[(*key, o)]) if (*key, o) in by else "-" for o in orders)
 
     us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
@@ -506,8 +495,9 @@ def format_orders(rows: Sequence[PeerRow]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key in keys:
+        host = "quiet" if key[0] == 0 else f"busy{key[0]}"
         lines.append(
-            f"| {host_label(key[0], key[1])} | {key[2]} | {cell(key, lambda r: us(r.kvhit_lookup_s))} | "
+            f"| {host} | {key[1]} | {cell(key, lambda r: us(r.kvhit_lookup_s))} | "
             f"{cell(key, lambda r: us(r.kvhit_pack_s))} | "
             f"{cell(key, lambda r: us(r.peer_lookup_s))} | "
             f"{cell(key, lambda r: f'{r.lookup_ratio:.1f}x')} | "

@@ -9,11 +9,12 @@ fleet at B = 64 vs Dynamo at E = 8 and 64 (``bench_fleet.versus_dynamo``, raw
 ids, both orders) and ``HashBatch.from_ints`` ns per int per input form
 (:func:`from_ints_rates`; ``--baseline-packing`` times another copy of
 ``coordinator/packing.py`` beside the current one). ``--host-load 0,2``
-repeats the lookup and fleet runs beside two CPU-bound processes, and
-``idle2`` beside two idle-class spinners, which take no time from either
-side but keep the cores from halting (Dynamo's indexer thread wakes slower
-on a quiet host, above all on a virtual machine, so the ratio moves with the
-host's state: show both); ``--lengths list,numpy`` repeats the lookup runs
+repeats the lookup and fleet runs beside two CPU-bound processes (Dynamo's
+indexer thread wakes slower on a quiet host, so the ratio moves with the
+host's state: show both); ``--pin none,0`` repeats them with every thread
+of the process on CPU 0, where Dynamo's hop to its indexer thread is a
+switch on that core rather than a cross-core wake-up (its fast case,
+steady from run to run); ``--lengths list,numpy`` repeats the lookup runs
 with the lengths as a numpy int64 array.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
-from kvhit.bench.peers import DYNAMO, load_dynamo, parse_host_loads
+from kvhit.bench.peers import DYNAMO, load_dynamo
 
 __all__ = ["FORMS", "from_ints_rates", "main", "targets"]
 
@@ -183,7 +184,7 @@ def targets(
     baseline_packing: str | None = None,
     quiet: bool = True,
     passes: int = 3,
-    host_loads: Sequence[int | tuple[int, bool]] = (0,),
+    host_loads: Sequence[int] = (0,),
     lengths: Sequence[str] = ("list",),
     pins: Sequence[int | None] = (None,),
 ) -> str:
@@ -194,11 +195,11 @@ def targets(
     the shipped trace only) and ``from_ints`` ns per int per input form
     (:func:`from_ints_rates`; with ``baseline_packing``, the same beside that
     copy's). ``passes``: replays of each (order, B), each step's best time
-    taken. ``host_loads``: each a run beside that many CPU-bound processes,
-    or ``(n, True)`` beside ``n`` idle-class spinners (``peers.busy_host``)
+    taken. ``host_loads``: each a run beside that many CPU-bound processes
     (0: a quiet host; Dynamo's indexer thread wakes 4-6x slower on a quiet
     host, so a fair table shows both). ``lengths``: each a run with the
-    lengths in that form (``peer_steps.PEER_LENGTHS``). Set
+    lengths in that form (``peer_steps.PEER_LENGTHS``). ``pins``: each a
+    run with every thread on that CPU (``None``: unpinned). Set
     ``NUMBA_NUM_THREADS=1`` before the process starts."""
     import io
 
@@ -214,12 +215,9 @@ def targets(
         + "; inputs: raw trace ids as Python lists; each step's best of "
         f"{passes} replays; figures as alternate / separate\n"
     ]
-    runs = [(pin, entry) for pin in pins for entry in host_loads]
-    for pin, entry in runs:
-        load, idle = entry if isinstance(entry, tuple) else (entry, False)
+    for pin, load in [(pin, load) for pin in pins for load in host_loads]:
         host = (
             ("no process started beside it" if load == 0
-             else f"beside {load} idle-class spinners (cores kept awake)" if idle
              else f"beside {load} busy processes")
             + (f", every thread on CPU {pin}" if pin is not None else "")
             + f" (load average {os.getloadavg()[0]:.1f} before)"
@@ -227,7 +225,7 @@ def targets(
         for form in lengths:
             rows, skip = peer_sweep(
                 DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
-                host_load=load, lengths=form, host_idle=idle, pin=pin,
+                host_load=load, lengths=form, pin=pin,
             )  # fmt: skip
             out.append(f"### {host}, lengths as a {form} {_FORM_NOTE[form]}\n")
             if skip is not None:
@@ -248,7 +246,6 @@ def targets(
                 repeats,
                 io.StringIO(),
                 host_load=load,
-                host_idle=idle,
                 pin=pin,
             )
             out += [
@@ -300,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "--host-load",
         default="0",
         help="CPU-bound processes spinning beside each run, comma-separated "
-        "(default 0; '0,2' adds a busy host; 'idle2' two idle-class spinners, "
-        "which keep the cores awake and take no time)",
+        "(default 0; '0,2' adds a busy host)",
     )
     p.add_argument(
         "--lengths",
@@ -333,9 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        loads = parse_host_loads(args.host_load)
-    except ValueError as exc:
-        p.error(str(exc))
+        loads = [int(h) for h in args.host_load.split(",")]
+    except ValueError:
+        loads = [-1]
+    if min(loads) < 0:
+        p.error(
+            f"--host-load takes counts >= 0, comma-separated; got {args.host_load!r}"
+        )
     try:
         pins = [None if x.strip() == "none" else int(x) for x in args.pin.split(",")]
     except ValueError:
@@ -359,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 quiet=False,
                 passes=args.passes,
                 host_loads=loads,
-                pins=pins,
                 lengths=args.lengths.split(","),
+                pins=pins,
             )
             + "\n"
         )

@@ -28,16 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "DYNAMO",
-    "PEERS",
-    "DynamoIndex",
-    "busy_host",
-    "host_label",
-    "load_dynamo",
-    "parse_host_loads",
-    "pinned",
-]
+__all__ = ["DYNAMO", "PEERS", "DynamoIndex", "busy_host", "load_dynamo", "pinned"]
 
 DYNAMO = "dynamo"
 #: Peer names ``--peer`` accepts.
@@ -121,18 +112,8 @@ class DynamoIndex:
         return [find(c).scores.get((_WORKER, 0), 0) for c in chains]
 
 
-# A spinner in the idle scheduling class: the kernel runs it only when no
-# other thread of the host wants the core, so it takes no time from either
-# index, but the core never halts.
-_IDLE_SPINNER = (
-    "import os\n"
-    "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-    "while True: pass"
-)
-
-
 @contextmanager
-def busy_host(processes: int, idle: bool = False) -> Iterator[None]:
+def busy_host(processes: int) -> Iterator[None]:
     """``processes`` CPU-bound Python processes spinning while the block runs.
 
     A scheduler shares its host with the serving engine's other work (the API
@@ -141,32 +122,14 @@ def busy_host(processes: int, idle: bool = False) -> Iterator[None]:
     Dynamo's ``RadixTree`` hands each call to its own indexer thread and waits
     for the answer, a hop whose wake-up waits for a free core. ``0`` spins
     nothing (a quiet host).
-
-    ``idle``: the spinners run in the idle scheduling class (Linux
-    ``SCHED_IDLE``): any other thread preempts them at once, so they take no
-    time from either index, but the host's cores do not halt. On a virtual
-    machine a halted core's wake-up costs tens of microseconds, which a
-    quiet host pays on hops to Dynamo's indexer thread. Measured on the
-    2-core box: Dynamo 72-78 us a request quiet; beside two idle spinners
-    6-13 us in some processes, still 43-58 in others (:func:`pinned` is
-    the steady way to time its fast case). kvhit's separate times did not
-    move (B = 64: 1.1 us a request either way).
-
-    Raises TypeError/ValueError for a bad ``processes`` or ``idle``, and
-    ValueError for idle spinners where ``os.SCHED_IDLE`` does not exist.
     """
     if isinstance(processes, bool) or not isinstance(processes, int):
         raise TypeError(f"processes must be an int, got {type(processes).__name__}")
     if processes < 0:
         raise ValueError(f"processes must be >= 0, got {processes}")
-    if type(idle) is not bool:
-        raise TypeError(f"idle must be a bool, got {type(idle).__name__}")
-    if idle and processes and not hasattr(os, "SCHED_IDLE"):
-        raise ValueError("idle spinners need os.SCHED_IDLE (Linux)")
-    code = _IDLE_SPINNER if idle else "while True: pass"
     spinners = [
         subprocess.Popen(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", "while True: pass"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -190,10 +153,11 @@ def pinned(cpu: int | None) -> Iterator[None]:
     Dynamo's ``RadixTree`` answers each call on its indexer thread. When that
     thread runs on another core, every call is a cross-core wake-up, and on
     a virtual machine whose idle core has halted that costs tens of
-    microseconds. Measured on the 2-core box: Dynamo took 43-78 us a request
-    in some processes and 6-13 in others, idle spinners or not. With both
-    threads on one core each hop is a switch on that core: 5.4-8.5 us a
-    request, run after run. kvhit answers on the caller's thread and is
+    microseconds. Measured on the 2-core box: Dynamo took 72-78 us a request
+    in a quiet process, and 43-58 or 6-13 beside spinners that only kept
+    the cores awake (idle scheduling class), from one process to the next.
+    With both threads on one core each hop is a switch on that core: 5.4-8.5
+    us a request, run after run. kvhit answers on the caller's thread and is
     timed the same way.
 
     Threads started inside the block inherit the pin from their creator and
@@ -229,29 +193,3 @@ def pinned(cpu: int | None) -> Iterator[None]:
                 os.sched_setaffinity(tid, cpus)
             except ProcessLookupError:
                 pass
-
-
-def parse_host_loads(text: str, name: str = "--host-load") -> list[tuple[int, bool]]:
-    """``"0,2,idle2"`` as ``[(0, False), (2, False), (2, True)]``: each entry
-    ``N`` (N CPU-bound processes beside the run) or ``idleN`` (N idle-class
-    spinners, :func:`busy_host`). A bad entry is a ValueError naming
-    ``name``."""
-    out = []
-    for item in text.split(","):
-        token = item.strip()
-        idle = token.startswith("idle")
-        digits = token[4:] if idle else token
-        if not digits.isdigit():
-            raise ValueError(
-                f"{name} takes N or idleN entries (N >= 0), comma-separated; "
-                f"got {item!r} in {text!r}"
-            )
-        out.append((int(digits), idle))
-    return out
-
-
-def host_label(processes: int, idle: bool = False) -> str:
-    """A run's host in a table: ``quiet``, ``busyN`` or ``idleN``."""
-    if not processes:
-        return "quiet"
-    return f"{'idle' if idle else 'busy'}{processes}"

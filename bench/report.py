@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from kvhit.bench.names import PEER_BLOCK_SIZE, VLLM
-from kvhit.bench.peers import host_label
 
 if TYPE_CHECKING:  # pragma: no cover - only for annotations
     from kvhit.bench.harness import SweepResult
@@ -175,7 +174,7 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     body = [
         [
             r.order,
-            host_label(r.host_load, r.host_idle),
+            "quiet" if r.host_load == 0 else f"busy{r.host_load}",
             r.batch_size,
             f"{fmt_time(r.kvhit_lookup_s)} ({fmt_time(r.kvhit_mean_s)})",
             fmt_time(r.kvhit_pack_s),
@@ -201,7 +200,6 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     if any(r.host_load for r in rows):
         lines.append(
             "  host: quiet = nothing else started; busyN = N CPU-bound processes "
-            "spinning beside the run; idleN = N idle-class spinners keeping the "
-            "cores awake (--peer-host-load)"
+            "spinning beside the run (--peer-host-load)"
         )
     return "\n".join(lines) + "\n"

@@ -141,17 +141,6 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
-def _host_loads(text: str) -> list[int | tuple[int, bool]]:
-    """``--peer-host-load``: ``N`` (busy processes) or ``idleN`` entries."""
-    from kvhit.bench.peers import parse_host_loads
-
-    try:
-        loads = parse_host_loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return [(n, True) if idle else n for n, idle in loads]
-
-
 # ---------------------------------------------------------------------------
 # Checks across values, files and the machine (raise ArgumentError)
 # ---------------------------------------------------------------------------
@@ -467,14 +456,12 @@ def _add_bench(sub: Any, presets_help: str) -> None:
     )
     bench.add_argument(
         "--peer-host-load",
-        type=_host_loads,
+        type=_csv(_int_at_least(0)),
         default=[0],
         metavar="N[,N...]",
         help="run --peer once per N with N CPU-bound processes spinning beside "
         "it (a busy serving host; Dynamo answers on its own thread, kvhit on "
-        "the caller's); idleN: N idle-class spinners, which keep the cores "
-        "awake and take no time (a host whose cores do not halt); 0: a quiet "
-        "host",
+        "the caller's); 0: a quiet host",
     )
     bench.add_argument(
         "--peer-order",
