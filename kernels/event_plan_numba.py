@@ -133,6 +133,26 @@ def _load_int64(typingctx, buf, pos):
     return types.int64(buf, pos), codegen
 
 
+@intrinsic
+def _unowned(typingctx, a):
+    """``a`` (bytes or an array) as a view that holds no reference: the
+    same struct with no meminfo (and no parent object), so the copies
+    numba makes of it (an ``inline="always"`` helper's arguments, views of
+    it) count no references. numba counts them with atomic increments and
+    decrements its pruning pass leaves in :func:`scan_stored`'s loop (a
+    pair per field at least: most of an event's time). The caller's own
+    reference keeps the buffer alive for the call; the view is never
+    returned or stored."""
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ary.meminfo = ir.Constant(ary.meminfo.type, None)
+        ary.parent = ir.Constant(ary.parent.type, None)
+        return ary._getvalue()
+
+    return a(a), codegen
+
+
 @numba.njit(inline="always", cache=True, nogil=True)
 def _le_word(buf, pos):
     """The little-endian int64 of the 8 bytes at ``pos`` (in bounds)."""
@@ -320,6 +340,11 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
     payload is not read in full (the caller takes the general path; ``out``
     is partly written then).
     """
+    # Views counting no references (see _unowned): the arguments stay
+    # alive for the call.
+    buf = _unowned(buf)
+    spec = _unowned(spec)
+    out = _unowned(out)
     L = len(buf)
     F = spec[0, 0]
     M = spec[0, 1]

@@ -399,3 +399,21 @@ def test_vllms_own_payloads():
     # Two BlockStored of 32-byte digests, as vLLM wrote them: scanned.
     assert _scanned(payloads[0], 32, None)
     assert len(ks.plan_payload(payloads[0], 32, None, True, 0).parts) == 2
+
+
+@pytest.mark.parametrize("width", [8, 32])
+def test_the_kernel_reads_a_uint8_array_as_bytes(width):
+    # scan_stored takes bytes or a uint8 array (its docstring); the word
+    # loads and the unowned views are written for either: the same result
+    # and words, on a whole payload and on cut ones (the byte-by-byte ends).
+    from kvhit.kernels.event_plan_numba import scan_stored
+
+    spec = ks.stored_spec(frozenset({"cpu"}))
+    payload = kv.encode_batch(kv.KVEventBatch(1.5, _stored(5, width=width)))
+    for p in (payload, payload[:-3], payload[: len(payload) // 2]):
+        got = []
+        for buf in (p, np.frombuffer(p, np.uint8), np.array(bytearray(p))):
+            out = np.zeros((len(p) // 9 + 40, width // 8), np.int64)
+            got.append((scan_stored(buf, spec, width, 0, out), out.tolist()))
+        assert got[0] == got[1] == got[2]
+        assert (got[0][0][0] >= 0) == (p is payload)
