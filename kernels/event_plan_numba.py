@@ -74,11 +74,22 @@ _GAVE_UP = (-1, 0, 0, 0, 0, 0)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
+def _byte(buf, pos):
+    """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))``: each caller has
+    checked ``pos < len(buf)``, and no position here is negative (a read
+    that fails gives -1, and the scan gives up before reading on). Indexed
+    unsigned, so numba adds no wraparound for a negative index: two
+    instructions less on the chain of positions a payload is read along
+    (the token ids one after another)."""
+    return np.int64(buf[np.uint64(pos)])
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
 def _int_end(buf, pos):
     """The position after the msgpack int at ``pos``, or -1."""
     if pos >= len(buf):
         return -1
-    s = INT_SIZE[buf[pos]]
+    s = INT_SIZE[_byte(buf, pos)]
     if s == 0 or pos + s > len(buf):
         return -1
     return pos + s
@@ -91,7 +102,7 @@ def _str_at(buf, pos):
     L = len(buf)
     if pos >= L:
         return 0, -1, -1
-    b = np.int64(buf[pos])
+    b = _byte(buf, pos)
     if b == 0xC0:
         return 0, -1, pos + 1
     if 0xA0 <= b <= 0xBF:
@@ -182,7 +193,7 @@ def _hashes(buf, pos, hash_bytes, words, row):
             return -1, 0
         for i in range(n):
             q = p + 9 * i
-            if buf[q] != 0xCF:
+            if _byte(buf, q) != 0xCF:
                 return -1, 0
             words[row + i, 0] = _le_word(buf, q + 1)
         return p + 9 * n, n
@@ -245,7 +256,7 @@ def _value(buf, pos, kind, spec):
     L = len(buf)
     if pos >= L:
         return -1, -1
-    b = np.int64(buf[pos])
+    b = _byte(buf, pos)
     nil = b == 0xC0
     if kind == _TAG:
         # Exactly the tag's fixstr (spec row 1): any other event goes the
@@ -286,7 +297,7 @@ def _value(buf, pos, kind, spec):
         for _ in range(n):
             if p >= L:
                 return -1, -1
-            c = np.int64(buf[p])
+            c = _byte(buf, p)
             if c <= 0x7F or c >= 0xE0:
                 p += 1
             elif 0xCC <= c <= 0xD3:
@@ -378,7 +389,7 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
             # The key: a fixstr naming a field not seen yet in this event.
             if pos >= L:
                 return _GAVE_UP
-            b = np.int64(buf[pos])
+            b = _byte(buf, pos)
             if b < 0xA0 or b > 0xBF:
                 return _GAVE_UP
             n = b - 0xA0
