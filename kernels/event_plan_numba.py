@@ -31,17 +31,13 @@ it for the bindings.
 
 from __future__ import annotations
 
-import sys
-
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from kvhit.kernels.event_scan_numba import walk_ints
 from kvhit.kernels.msgpack_numba import INT_SIZE, container, read_be
 from kvhit.kernels.numba_cache import lock_cache_saves
+from kvhit.kernels.numba_views import LITTLE_ENDIAN, load_int64, unowned
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -122,53 +118,11 @@ def _str_at(buf, pos):
     return start, n, start + n
 
 
-#: Whether this machine stores an int64 as its little-endian bytes (x86,
-#: aarch64): then :func:`_le_word` is one load of a native int64.
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-@intrinsic
-def _load_int64(typingctx, buf, pos):
-    """The native int64 of the 8 bytes at ``buf``'s ``pos`` (in bounds),
-    ``buf`` bytes or a uint8 array (both an array's struct in numba, a
-    ``data`` pointer): one unaligned load. LLVM combines the byte loop of
-    :func:`_le_word` into such a load only in part (some stay 8 loads,
-    shifted and or-ed)."""
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at = context.cast(builder, args[1], signature.args[1], types.intp)
-        word = builder.bitcast(builder.gep(data, [at]), ir.IntType(64).as_pointer())
-        return builder.load(word, align=1)
-
-    return types.int64(buf, pos), codegen
-
-
-@intrinsic
-def _unowned(typingctx, a):
-    """``a`` (bytes or an array) as a view that holds no reference: the
-    same struct with no meminfo (and no parent object), so the copies
-    numba makes of it (an ``inline="always"`` helper's arguments, views of
-    it) count no references. numba counts them with atomic increments and
-    decrements its pruning pass leaves in :func:`scan_stored`'s loop (a
-    pair per field at least: most of an event's time). The caller's own
-    reference keeps the buffer alive for the call; the view is never
-    returned or stored."""
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ary.meminfo = ir.Constant(ary.meminfo.type, None)
-        ary.parent = ir.Constant(ary.parent.type, None)
-        return ary._getvalue()
-
-    return a(a), codegen
-
-
 @numba.njit(inline="always", cache=True, nogil=True)
 def _le_word(buf, pos):
     """The little-endian int64 of the 8 bytes at ``pos`` (in bounds)."""
-    if _LITTLE_ENDIAN:
-        return _load_int64(buf, pos)
+    if LITTLE_ENDIAN:
+        return load_int64(buf, pos)
     v = 0
     for j in range(7, -1, -1):
         v = (v << 8) | np.int64(buf[pos + j])
@@ -351,11 +305,11 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
     payload is not read in full (the caller takes the general path; ``out``
     is partly written then).
     """
-    # Views counting no references (see _unowned): the arguments stay
-    # alive for the call.
-    buf = _unowned(buf)
-    spec = _unowned(spec)
-    out = _unowned(out)
+    # Views counting no references (kernels/numba_views.py): the caller
+    # holds the arguments for the call.
+    buf = unowned(buf)
+    spec = unowned(spec)
+    out = unowned(out)
     L = len(buf)
     F = spec[0, 0]
     M = spec[0, 1]
