@@ -18,10 +18,14 @@ the coordinator then finds it loaded.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
@@ -46,6 +50,23 @@ INT_SIZE[:0x80] = 1
 INT_SIZE[0xE0:] = 1
 for _head, _size in ((0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9)):
     INT_SIZE[_head] = INT_SIZE[_head + 4] = _size  # uint N and int N
+#: By a msgpack int's first byte, how far right :func:`unpack_int_lists`
+#: shifts the big-endian word read at its value's bytes (at the int for a
+#: fixint, one byte past it otherwise) to leave the value: 64 less its bits.
+_SHIFT = np.zeros(256, dtype=np.int64)
+#: And the mask that shift's sign extension is cut to: the value's bits for
+#: uint 8-32, all bits for the signed kinds (fixints, int 8-64), whose
+#: arithmetic shift is the sign extension, and for uint 64 (past int64 it
+#: reads negative, and is refused).
+_MASK = np.full(256, -1, dtype=np.int64)
+_SHIFT[:0x80] = _SHIFT[0xE0:] = 56
+for _head, _bits in ((0xCC, 8), (0xCD, 16), (0xCE, 32), (0xCF, 64)):
+    _SHIFT[_head] = _SHIFT[_head + 4] = 64 - _bits
+    if _bits < 64:
+        _MASK[_head] = (1 << _bits) - 1
+#: Whether this machine stores an int64 as its little-endian bytes (x86,
+#: aarch64): then :func:`_load_be64` swaps the bytes it loads.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 # Whether warm_up() ran in this process.
 _warm = False
 
@@ -79,6 +100,57 @@ def container(buf, pos, fix, w16):
     return -1, -1
 
 
+@intrinsic
+def _load_be64(typingctx, buf, pos):
+    """The big-endian int64 of the 8 bytes at ``buf``'s ``pos`` (in
+    bounds), ``buf`` bytes or a C-contiguous uint8 array (both an array's
+    struct in numba, a ``data`` pointer; any other layout is refused, as
+    ``data + pos`` would not be its ``pos``-th byte): one unaligned load
+    and a byte swap (movbe on x86), where :func:`read_be` of a width known
+    only at run time is a loop of loads, shifts and ors."""
+    if getattr(buf, "dtype", None) != types.uint8 or getattr(buf, "layout", "") != "C":
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = context.cast(builder, args[1], signature.args[1], types.intp)
+        word = builder.bitcast(builder.gep(data, [at]), ir.IntType(64).as_pointer())
+        got = builder.load(word, align=1)
+        return builder.bswap(got) if _LITTLE_ENDIAN else got
+
+    return types.int64(buf, pos), codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _byte(buf, pos):
+    """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))`` (checked by the
+    caller, never negative): indexed unsigned, so numba adds no wraparound
+    for a negative index on the chain of positions the ints are read along."""
+    return np.int64(buf[np.uint64(pos)])
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _int_near_end(msg, p, L):
+    """``(value, size)`` of the msgpack int at ``p`` (``p < L``) read byte by
+    byte, for the last ints of ``msg``, where :func:`_load_be64` would read
+    past its end; ``(0, -1)`` for anything but an int in int64 or an int cut
+    short."""
+    c = _byte(msg, p)
+    s = INT_SIZE[c]
+    if s == 1:
+        # Positive fixint 0-127, negative fixint 0xe0-0xff: -32..-1.
+        return (c if c <= 0x7F else c - 256), 1
+    if s == 0 or p + s > L or (c == 0xCF and _byte(msg, p + 1) >= 0x80):
+        # Not an int, cut short, or a uint64 past int64.
+        return 0, -1
+    v = read_be(msg, p + 1, s - 1)
+    if c >= 0xD0:
+        # int 8-32: sign-extend (int 64's 8 bytes already are).
+        sh = 72 - 8 * s
+        v = (v << sh) >> sh
+    return v, s
+
+
 @numba.njit(cache=True, nogil=True)
 def unpack_int_lists(msg, out):
     """Read ``msg`` (bytes: msgpack of an array of ``B`` arrays of ints) into
@@ -102,23 +174,27 @@ def unpack_int_lists(msg, out):
         if m < 0 or k + m > cap:
             return -1
         for _ in range(m):
-            if p >= L:
-                return -1
-            c = np.int64(msg[p])
-            s = INT_SIZE[c]
-            if s == 1:
-                # Positive fixint 0-127, negative fixint 0xe0-0xff: -32..-1.
-                v = c if c <= 0x7F else c - 256
-            elif s == 0 or p + s > L or (c == 0xCF and msg[p + 1] >= 0x80):
-                # Not an int, cut short, or a uint64 past int64.
-                return -1
+            if p + 9 <= L:
+                # Every int's value is one 8-byte big-endian load, shifted
+                # and masked by its first byte's entries: no branch on the
+                # int's width, which varies from int to int (a trace's
+                # block ids, 0 to about a million, are 3 or 5 bytes about
+                # equally often: a branch per width mispredicts).
+                c = _byte(msg, p)
+                s = INT_SIZE[c]
+                if s == 0:
+                    return -1  # not an int
+                v = (_load_be64(msg, p + 1 if s > 1 else p) >> _SHIFT[c]) & _MASK[c]
+                if v < 0 and c == 0xCF:
+                    return -1  # a uint64 past int64
+            elif p < L:
+                v, s = _int_near_end(msg, p, L)
+                if s < 0:
+                    return -1
             else:
-                v = read_be(msg, p + 1, s - 1)
-                if c >= 0xD0:
-                    # int 8-32: sign-extend (int 64's 8 bytes already are).
-                    sh = 72 - 8 * s
-                    v = (v << sh) >> sh
-            out[k] = v
+                return -1
+            # k < cap (checked for the list): no wraparound either.
+            out[np.uint64(k)] = v
             k += 1
             p += s
         out[1 + i] = k - base

@@ -168,3 +168,31 @@ def test_without_msgspec_the_struct_path_packs(monkeypatch) -> None:
 
     got = HashBatch.from_ints([[0, 1], [2], [True - 0, 5]])
     assert got.hashes[:, 0].tolist() == [0, 1, 2, 1, 5]
+
+
+@pytest.mark.parametrize("tail", range(10))
+def test_every_width_reads_the_same_by_word_and_near_the_end(tail) -> None:
+    # An int is read as one 8-byte load where 9 bytes are left from it, and
+    # byte by byte among the last 8: each width, both signs, each distance
+    # from the end (``tail`` fixints after it), reads back the same.
+    for v in EDGES:
+        reqs = [[v, *range(tail)]]
+        got = il.int_lists(reqs)
+        assert got is not None and tuple(a.tolist() for a in got) == _want(reqs), v
+    # A uint64 past int64, and nil (not an int), are refused on both paths.
+    for bad in (2**63, 2**64 - 1, None):
+        assert il.int_lists([[bad, *range(tail)]]) is None
+
+
+def test_a_uint8_array_reads_as_its_bytes() -> None:
+    # The 8-byte load takes a C-contiguous uint8 array (writable or not) as
+    # it takes bytes: the same data pointer.
+    reqs = [[0, 1, -1, 200, -200, 70_000, -(2**40), 2**63 - 1], [], [5, 6]]
+    msg = msgspec.msgpack.encode(reqs)
+    want = np.zeros(64, np.int64)
+    assert mn.unpack_int_lists(msg, want) == 10
+    arr = np.frombuffer(msg, dtype=np.uint8)
+    for buf in (arr, arr.copy()):
+        out = np.zeros(64, np.int64)
+        assert mn.unpack_int_lists(buf, out) == 10
+        assert out.tolist() == want.tolist()
