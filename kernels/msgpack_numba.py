@@ -18,17 +18,14 @@ the coordinator then finds it loaded.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
+from kvhit.kernels.numba_views import load_be64
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -64,9 +61,6 @@ for _head, _bits in ((0xCC, 8), (0xCD, 16), (0xCE, 32), (0xCF, 64)):
     _SHIFT[_head] = _SHIFT[_head + 4] = 64 - _bits
     if _bits < 64:
         _MASK[_head] = (1 << _bits) - 1
-#: Whether this machine stores an int64 as its little-endian bytes (x86,
-#: aarch64): then :func:`_load_be64` swaps the bytes it loads.
-_LITTLE_ENDIAN = sys.byteorder == "little"
 # Whether warm_up() ran in this process.
 _warm = False
 
@@ -100,27 +94,6 @@ def container(buf, pos, fix, w16):
     return -1, -1
 
 
-@intrinsic
-def _load_be64(typingctx, buf, pos):
-    """The big-endian int64 of the 8 bytes at ``buf``'s ``pos`` (in
-    bounds), ``buf`` bytes or a C-contiguous uint8 array (both an array's
-    struct in numba, a ``data`` pointer; any other layout is refused, as
-    ``data + pos`` would not be its ``pos``-th byte): one unaligned load
-    and a byte swap (movbe on x86), where :func:`read_be` of a width known
-    only at run time is a loop of loads, shifts and ors."""
-    if getattr(buf, "dtype", None) != types.uint8 or getattr(buf, "layout", "") != "C":
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at = context.cast(builder, args[1], signature.args[1], types.intp)
-        word = builder.bitcast(builder.gep(data, [at]), ir.IntType(64).as_pointer())
-        got = builder.load(word, align=1)
-        return builder.bswap(got) if _LITTLE_ENDIAN else got
-
-    return types.int64(buf, pos), codegen
-
-
 @numba.njit(inline="always", cache=True, nogil=True)
 def _byte(buf, pos):
     """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))`` (checked by the
@@ -132,7 +105,7 @@ def _byte(buf, pos):
 @numba.njit(inline="always", cache=True, nogil=True)
 def _int_near_end(msg, p, L):
     """``(value, size)`` of the msgpack int at ``p`` (``p < L``) read byte by
-    byte, for the last ints of ``msg``, where :func:`_load_be64` would read
+    byte, for the last ints of ``msg``, where :func:`~kvhit.kernels.numba_views.load_be64` would read
     past its end; ``(0, -1)`` for anything but an int in int64 or an int cut
     short."""
     c = _byte(msg, p)
@@ -184,7 +157,7 @@ def unpack_int_lists(msg, out):
                 s = INT_SIZE[c]
                 if s == 0:
                     return -1  # not an int
-                v = (_load_be64(msg, p + 1 if s > 1 else p) >> _SHIFT[c]) & _MASK[c]
+                v = (load_be64(msg, p + 1 if s > 1 else p) >> _SHIFT[c]) & _MASK[c]
                 if v < 0 and c == 0xCF:
                     return -1  # a uint64 past int64
             elif p < L:

@@ -21,26 +21,52 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["LITTLE_ENDIAN", "load_int64", "unowned"]
+__all__ = ["LITTLE_ENDIAN", "load_be64", "load_int64", "unowned"]
 
 #: Whether this machine stores an int64 as its little-endian bytes (x86,
 #: aarch64): then :func:`load_int64` of 8 bytes is their little-endian word.
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+def _bytes_like(buf: types.Type) -> bool:
+    # bytes or a C-contiguous uint8 array: ``data + pos`` is its pos-th byte.
+    return (
+        getattr(buf, "dtype", None) == types.uint8 and getattr(buf, "layout", "") == "C"
+    )
+
+
+def _load_word(context, builder, signature, args):  # noqa: ANN001, ANN202
+    # The 8 bytes at data + pos as one unaligned int64 load.
+    data = context.make_array(signature.args[0])(context, builder, args[0]).data
+    at = context.cast(builder, args[1], signature.args[1], types.intp)
+    word = builder.bitcast(builder.gep(data, [at]), ir.IntType(64).as_pointer())
+    return builder.load(word, align=1)
+
+
 @intrinsic
 def load_int64(typingctx, buf, pos):
     """The native int64 of the 8 bytes at ``buf``'s ``pos`` (in bounds, the
-    caller's to check), ``buf`` bytes or a uint8 array (both an array's
-    struct in numba, a ``data`` pointer): one unaligned load. LLVM combines
-    a loop of byte loads into such a load only in part (some stay 8 loads,
+    caller's to check), ``buf`` bytes or a C-contiguous uint8 array (any
+    other layout does not compile): one unaligned load. LLVM combines a
+    loop of byte loads into such a load only in part (some stay 8 loads,
     shifted and or-ed)."""
+    if not _bytes_like(buf):
+        return None
+    return types.int64(buf, pos), _load_word
+
+
+@intrinsic
+def load_be64(typingctx, buf, pos):
+    """The big-endian int64 of the 8 bytes at ``buf``'s ``pos`` (as
+    :func:`load_int64`): one unaligned load and a byte swap (movbe on x86),
+    where a loop over a width known only at run time is loads, shifts and
+    ors."""
+    if not _bytes_like(buf):
+        return None
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at = context.cast(builder, args[1], signature.args[1], types.intp)
-        word = builder.bitcast(builder.gep(data, [at]), ir.IntType(64).as_pointer())
-        return builder.load(word, align=1)
+        got = _load_word(context, builder, signature, args)
+        return builder.bswap(got) if LITTLE_ENDIAN else got
 
     return types.int64(buf, pos), codegen
 
