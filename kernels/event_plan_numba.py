@@ -37,7 +37,7 @@ import numpy as np
 from kvhit.kernels.event_scan_numba import walk_ints
 from kvhit.kernels.msgpack_numba import INT_SIZE, container, read_be
 from kvhit.kernels.numba_cache import lock_cache_saves
-from kvhit.kernels.numba_views import LITTLE_ENDIAN, load_int64, unowned
+from kvhit.kernels.numba_views import LITTLE_ENDIAN, byte_at, load_int64, unowned
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -70,22 +70,11 @@ _GAVE_UP = (-1, 0, 0, 0, 0, 0)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _byte(buf, pos):
-    """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))``: each caller has
-    checked ``pos < len(buf)``, and no position here is negative (a read
-    that fails gives -1, and the scan gives up before reading on). Indexed
-    unsigned, so numba adds no wraparound for a negative index: two
-    instructions less on the chain of positions a payload is read along
-    (the token ids one after another)."""
-    return np.int64(buf[np.uint64(pos)])
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
 def _int_end(buf, pos):
     """The position after the msgpack int at ``pos``, or -1."""
     if pos >= len(buf):
         return -1
-    s = INT_SIZE[_byte(buf, pos)]
+    s = INT_SIZE[byte_at(buf, pos)]
     if s == 0 or pos + s > len(buf):
         return -1
     return pos + s
@@ -98,7 +87,7 @@ def _str_at(buf, pos):
     L = len(buf)
     if pos >= L:
         return 0, -1, -1
-    b = _byte(buf, pos)
+    b = byte_at(buf, pos)
     if b == 0xC0:
         return 0, -1, pos + 1
     if 0xA0 <= b <= 0xBF:
@@ -147,7 +136,7 @@ def _hashes(buf, pos, hash_bytes, words, row):
             return -1, 0
         for i in range(n):
             q = p + 9 * i
-            if _byte(buf, q) != 0xCF:
+            if byte_at(buf, q) != 0xCF:
                 return -1, 0
             words[row + i, 0] = _le_word(buf, q + 1)
         return p + 9 * n, n
@@ -210,7 +199,7 @@ def _value(buf, pos, kind, spec):
     L = len(buf)
     if pos >= L:
         return -1, -1
-    b = _byte(buf, pos)
+    b = byte_at(buf, pos)
     nil = b == 0xC0
     if kind == _TAG:
         # Exactly the tag's fixstr (spec row 1): any other event goes the
@@ -251,7 +240,7 @@ def _value(buf, pos, kind, spec):
         for _ in range(n):
             if p >= L:
                 return -1, -1
-            c = _byte(buf, p)
+            c = byte_at(buf, p)
             if c <= 0x7F or c >= 0xE0:
                 p += 1
             elif 0xCC <= c <= 0xD3:
@@ -343,7 +332,7 @@ def scan_stored(buf, spec, hash_bytes, default_gid, out):
             # The key: a fixstr naming a field not seen yet in this event.
             if pos >= L:
                 return _GAVE_UP
-            b = _byte(buf, pos)
+            b = byte_at(buf, pos)
             if b < 0xA0 or b > 0xBF:
                 return _GAVE_UP
             n = b - 0xA0

@@ -591,10 +591,19 @@ def full_runs(table: np.ndarray, num_words: int, rows: np.ndarray, offsets: np.n
     """
     runs = np.zeros((offsets.shape[0], num_engines), dtype=np.int64)
     if offsets.shape[0]:
-        _full_scan(table, np.int64(num_words), np.int64(scale), rows, offsets,
-                   lengths, ends, members, live, runs, None, None,
-                   np.empty(num_words + 2 * TILE, dtype=np.int64))  # fmt: skip
+        _full_runs(table, np.int64(num_words), np.int64(scale), rows, offsets,
+                   lengths, ends, members, live, runs)  # fmt: skip
     return runs
+
+
+@numba.njit(**_JIT)
+def _full_runs(table, nw, scale, rows, offsets, lengths, ends, members, live, runs):
+    # The scratch sized here, in the file whose compile slices it: numba's
+    # cache does not see an edit of TILE in fleet_numba_classes.py, so a
+    # size taken from Python there could disagree with a cached _full_scan.
+    scratch = np.empty(nw + 2 * TILE, dtype=np.int64)
+    _full_scan(table, nw, scale, rows, offsets, lengths, ends, members, live, runs,
+               None, None, scratch)  # fmt: skip
 
 
 def _least_length(lens):  # pragma: no cover - its overload runs

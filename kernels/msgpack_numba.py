@@ -25,7 +25,7 @@ import numpy as np
 
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
-from kvhit.kernels.numba_views import load_be64
+from kvhit.kernels.numba_views import byte_at, load_be64
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -95,25 +95,17 @@ def container(buf, pos, fix, w16):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _byte(buf, pos):
-    """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))`` (checked by the
-    caller, never negative): indexed unsigned, so numba adds no wraparound
-    for a negative index on the chain of positions the ints are read along."""
-    return np.int64(buf[np.uint64(pos)])
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
 def _int_near_end(msg, p, L):
     """``(value, size)`` of the msgpack int at ``p`` (``p < L``) read byte by
-    byte, for the last ints of ``msg``, where :func:`~kvhit.kernels.numba_views.load_be64` would read
-    past its end; ``(0, -1)`` for anything but an int in int64 or an int cut
-    short."""
-    c = _byte(msg, p)
+    byte, for the last ints of ``msg``, where ``numba_views.load_be64``
+    would read past its end; ``(0, -1)`` for anything but an int in int64
+    or an int cut short."""
+    c = byte_at(msg, p)
     s = INT_SIZE[c]
     if s == 1:
         # Positive fixint 0-127, negative fixint 0xe0-0xff: -32..-1.
         return (c if c <= 0x7F else c - 256), 1
-    if s == 0 or p + s > L or (c == 0xCF and _byte(msg, p + 1) >= 0x80):
+    if s == 0 or p + s > L or (c == 0xCF and byte_at(msg, p + 1) >= 0x80):
         # Not an int, cut short, or a uint64 past int64.
         return 0, -1
     v = read_be(msg, p + 1, s - 1)
@@ -153,7 +145,7 @@ def unpack_int_lists(msg, out):
                 # int's width, which varies from int to int (a trace's
                 # block ids, 0 to about a million, are 3 or 5 bytes about
                 # equally often: a branch per width mispredicts).
-                c = _byte(msg, p)
+                c = byte_at(msg, p)
                 s = INT_SIZE[c]
                 if s == 0:
                     return -1  # not an int

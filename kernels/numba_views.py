@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import sys
 
+import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["LITTLE_ENDIAN", "load_be64", "load_int64", "unowned"]
+from kvhit.kernels.numba_cache import lock_cache_saves
+
+# Before anything here compiles: see kernels/numba_cache.py.
+lock_cache_saves()
+
+__all__ = ["LITTLE_ENDIAN", "byte_at", "load_be64", "load_int64", "unowned"]
 
 #: Whether this machine stores an int64 as its little-endian bytes (x86,
 #: aarch64): then :func:`load_int64` of 8 bytes is their little-endian word.
@@ -81,6 +88,8 @@ def unowned(typingctx, a):
     argument, or an array a launcher allocated and holds); the view is never
     returned or stored. An array the kernel allocates itself is freed after
     its last use in numba's IR, which a view does not count as one."""
+    if not isinstance(a, types.Buffer):  # bytes and arrays are buffers
+        return None
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
@@ -89,3 +98,12 @@ def unowned(typingctx, a):
         return ary._getvalue()
 
     return a(a), codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def byte_at(buf, pos):
+    """``buf[pos]`` as int64, ``pos`` in ``[0, len(buf))`` (checked by the
+    caller, never negative): indexed unsigned, so numba adds no wraparound
+    for a negative index, two instructions less on the chain of positions a
+    byte stream is read along (a payload's token ids one after another)."""
+    return np.int64(buf[np.uint64(pos)])
