@@ -36,9 +36,12 @@ LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _bytes_like(buf: types.Type) -> bool:
-    # bytes or a C-contiguous uint8 array: ``data + pos`` is its pos-th byte.
+    # bytes or a 1-D C-contiguous uint8 array: ``data + pos`` is its pos-th
+    # byte.
     return (
-        getattr(buf, "dtype", None) == types.uint8 and getattr(buf, "layout", "") == "C"
+        getattr(buf, "dtype", None) == types.uint8
+        and getattr(buf, "layout", "") == "C"
+        and getattr(buf, "ndim", 0) == 1
     )
 
 
