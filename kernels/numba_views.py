@@ -1,13 +1,13 @@
 """Intrinsics the numba kernels share: array views that count no
-references, and one-load reads of 8 bytes.
+references, one-load reads of 8 bytes, and unsigned byte reads.
 
 numba counts every copy of an array it passes to an ``inline="always"``
 helper (and every view it makes of one) with an atomic ``NRT_incref`` /
 ``NRT_decref`` pair, and its refcount pruning leaves many of those pairs
 inside a kernel's loop. Measured on the shared 2-core box, they took more
 of a KV-event scan's time than the scan itself (370 -> 160 ns an event
-once gone), and two thirds of a fleet call's (B = 64, E = 8: 30 -> 10 us).
-A kernel takes :func:`unowned` views of the arrays its caller holds for
+once gone), and most of a fleet call's (B = 64, E = 8, warm: 42-46 -> 12-19
+us). A kernel takes :func:`unowned` views of the arrays its caller holds for
 the whole call, and of nothing else.
 
 Importing this module imports numba.
