@@ -37,7 +37,7 @@ import numpy as np
 from kvhit.kernels.event_scan_numba import walk_ints
 from kvhit.kernels.msgpack_numba import INT_SIZE, container, read_be
 from kvhit.kernels.numba_cache import lock_cache_saves
-from kvhit.kernels.numba_views import LITTLE_ENDIAN, byte_at, load_int64, unowned
+from kvhit.kernels.numba_views import byte_at, load_le64, unowned
 
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
@@ -108,17 +108,6 @@ def _str_at(buf, pos):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _le_word(buf, pos):
-    """The little-endian int64 of the 8 bytes at ``pos`` (in bounds)."""
-    if LITTLE_ENDIAN:
-        return load_int64(buf, pos)
-    v = 0
-    for j in range(7, -1, -1):
-        v = (v << 8) | np.int64(buf[pos + j])
-    return v
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
 def _hashes(buf, pos, hash_bytes, words, row):
     """Read the ``block_hashes`` array at ``pos`` into ``words[row:]``:
     ``(end, rows)``, or ``(-1, 0)`` unless it is one of
@@ -138,7 +127,7 @@ def _hashes(buf, pos, hash_bytes, words, row):
             q = p + 9 * i
             if byte_at(buf, q) != 0xCF:
                 return -1, 0
-            words[row + i, 0] = _le_word(buf, q + 1)
+            words[row + i, 0] = load_le64(buf, q + 1)
         return p + 9 * n, n
     stride = 2 + hash_bytes
     if p + stride * n > L:
@@ -148,7 +137,7 @@ def _hashes(buf, pos, hash_bytes, words, row):
         if buf[q] != 0xC4 or buf[q + 1] != hash_bytes:
             return -1, 0
         for k in range(w):
-            words[row + i, k] = _le_word(buf, q + 2 + 8 * k)
+            words[row + i, k] = load_le64(buf, q + 2 + 8 * k)
     return p + stride * n, n
 
 
@@ -165,7 +154,7 @@ def _bytes_equal(buf, pos, spec, row, n):
         return True
     k = 0
     while k < n:
-        w = _le_word(buf, pos + k)
+        w = load_le64(buf, pos + k)
         if n - k < 8:
             w &= (np.int64(1) << (8 * (n - k))) - 1
         if w != spec[row, 3 + (k >> 3)]:
@@ -184,10 +173,10 @@ def _key_equal(buf, pos, spec, row):
     if pos + 32 > len(buf):
         return _bytes_equal(buf, pos, spec, row, spec[row, 0])
     m = 3 + spec[0, 4]
-    d = (_le_word(buf, pos) & spec[row, m]) ^ spec[row, 3]
-    d |= (_le_word(buf, pos + 8) & spec[row, m + 1]) ^ spec[row, 4]
-    d |= (_le_word(buf, pos + 16) & spec[row, m + 2]) ^ spec[row, 5]
-    d |= (_le_word(buf, pos + 24) & spec[row, m + 3]) ^ spec[row, 6]
+    d = (load_le64(buf, pos) & spec[row, m]) ^ spec[row, 3]
+    d |= (load_le64(buf, pos + 8) & spec[row, m + 1]) ^ spec[row, 4]
+    d |= (load_le64(buf, pos + 16) & spec[row, m + 2]) ^ spec[row, 5]
+    d |= (load_le64(buf, pos + 24) & spec[row, m + 3]) ^ spec[row, 6]
     return d == 0
 
 

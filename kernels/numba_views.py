@@ -28,11 +28,11 @@ from kvhit.kernels.numba_cache import lock_cache_saves
 # Before anything here compiles: see kernels/numba_cache.py.
 lock_cache_saves()
 
-__all__ = ["LITTLE_ENDIAN", "byte_at", "load_be64", "load_int64", "unowned"]
+__all__ = ["byte_at", "load_be64", "load_le64", "unowned"]
 
-#: Whether this machine stores an int64 as its little-endian bytes (x86,
-#: aarch64): then :func:`load_int64` of 8 bytes is their little-endian word.
-LITTLE_ENDIAN = sys.byteorder == "little"
+# Whether this machine stores an int64 as its little-endian bytes (x86,
+# aarch64): then a load is load_le64's word, and load_be64 swaps it.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _bytes_like(buf: types.Type) -> bool:
@@ -53,32 +53,40 @@ def _load_word(context, builder, signature, args):  # noqa: ANN001, ANN202
     return builder.load(word, align=1)
 
 
+def _loader(big_endian: bool):  # noqa: ANN202
+    # The codegen of one load of 8 bytes, swapped where the machine's order
+    # is not the one asked for.
+    swap = big_endian == _LITTLE_ENDIAN
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        got = _load_word(context, builder, signature, args)
+        return builder.bswap(got) if swap else got
+
+    return codegen
+
+
 @intrinsic
-def load_int64(typingctx, buf, pos):
-    """The native int64 of the 8 bytes at ``buf``'s ``pos`` (in bounds, the
-    caller's to check), ``buf`` bytes or a C-contiguous uint8 array (any
-    other layout does not compile): one unaligned load. LLVM combines a
-    loop of byte loads into such a load only in part (some stay 8 loads,
-    shifted and or-ed)."""
+def load_le64(typingctx, buf, pos):
+    """The little-endian int64 of the 8 bytes at ``buf``'s ``pos`` (in
+    bounds, the caller's to check), ``buf`` bytes or a 1-D C-contiguous
+    uint8 array (any other layout does not compile): one unaligned load
+    (and a byte swap on a big-endian machine). LLVM combines a loop of byte
+    loads into such a load only in part (some stay 8 loads, shifted and
+    or-ed)."""
     if not _bytes_like(buf):
         return None
-    return types.int64(buf, pos), _load_word
+    return types.int64(buf, pos), _loader(False)
 
 
 @intrinsic
 def load_be64(typingctx, buf, pos):
     """The big-endian int64 of the 8 bytes at ``buf``'s ``pos`` (as
-    :func:`load_int64`): one unaligned load and a byte swap (movbe on x86),
+    :func:`load_le64`): one unaligned load and a byte swap (movbe on x86),
     where a loop over a width known only at run time is loads, shifts and
     ors."""
     if not _bytes_like(buf):
         return None
-
-    def codegen(context, builder, signature, args):
-        got = _load_word(context, builder, signature, args)
-        return builder.bswap(got) if LITTLE_ENDIAN else got
-
-    return types.int64(buf, pos), codegen
+    return types.int64(buf, pos), _loader(True)
 
 
 @intrinsic
