@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
-from kvhit.bench.peers import DYNAMO, load_dynamo
+from kvhit.bench.peers import DYNAMO, check_cpu, load_dynamo
 
 __all__ = ["FORMS", "from_ints_rates", "main", "targets"]
 
@@ -340,10 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         pins = [None if x.strip() == "none" else int(x) for x in args.pin.split(",")]
     except ValueError:
         p.error(f"--pin takes CPU numbers or 'none', comma-separated; got {args.pin!r}")
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    bad = [c for c in pins if c is not None and c not in allowed]
-    if bad:
-        p.error(f"--pin: CPU {bad[0]} is not one of this process's {sorted(allowed)}")
+    for cpu in pins:
+        if cpu is not None:
+            try:
+                check_cpu(cpu)  # now, not after the runs before it
+            except ValueError as exc:
+                p.error(f"--pin: {exc}")
     from kvhit.bench.names import SHIPPED_TRACE, TRACES
 
     for name in args.trace.split(","):

@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DYNAMO", "PEERS", "DynamoIndex", "busy_host", "load_dynamo", "pinned"]
+__all__ = [
+    "DYNAMO",
+    "PEERS",
+    "DynamoIndex",
+    "busy_host",
+    "check_cpu",
+    "load_dynamo",
+    "pinned",
+]
 
 DYNAMO = "dynamo"
 #: Peer names ``--peer`` accepts.
@@ -145,6 +153,22 @@ def busy_host(processes: int) -> Iterator[None]:
             p.wait()
 
 
+def check_cpu(cpu: int) -> None:
+    """Raise TypeError for a ``cpu`` that is not an int, ValueError for a CPU
+    this process may not run on or where the platform has no
+    ``os.sched_setaffinity`` (what :func:`pinned` refuses; a CLI calls it
+    before a run's work)."""
+    if isinstance(cpu, bool) or not isinstance(cpu, int):
+        raise TypeError(f"cpu must be an int or None, got {type(cpu).__name__}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("pinning needs os.sched_setaffinity (Linux)")
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ValueError(
+            f"cpu must be one of this process's CPUs {sorted(allowed)}, got {cpu}"
+        )
+
+
 @contextmanager
 def pinned(cpu: int | None) -> Iterator[None]:
     """Every thread of this process on CPU ``cpu`` while the block runs
@@ -168,15 +192,7 @@ def pinned(cpu: int | None) -> Iterator[None]:
     if cpu is None:
         yield
         return
-    if isinstance(cpu, bool) or not isinstance(cpu, int):
-        raise TypeError(f"cpu must be an int or None, got {type(cpu).__name__}")
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError("pinning needs os.sched_setaffinity (Linux)")
-    allowed = os.sched_getaffinity(0)
-    if cpu not in allowed:
-        raise ValueError(
-            f"cpu must be one of this process's CPUs {sorted(allowed)}, got {cpu}"
-        )
+    check_cpu(cpu)
     saved = {}
     for name in os.listdir("/proc/self/task"):
         tid = int(name)
