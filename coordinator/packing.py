@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import accumulate, chain, compress
@@ -34,6 +34,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from kvhit.coordinator.hash_words import (
+    BytesLike,
+    as_list,
+    join_hashes,
+    num_words,
+    pack_hashes,
+    pack_joined,
+    padding_mask,
+    unpack_hashes,
+)
 from kvhit.coordinator.int_lists import decoder_ready, int_lists
 from kvhit.kernels.checks import (
     ARRAY_INT_CODES,
@@ -44,7 +54,6 @@ from kvhit.kernels.checks import (
     check_hash_tensor,
     check_hash_widths,
     check_tensor,
-    why_not_bytes,
 )
 
 __all__ = [
@@ -60,7 +69,6 @@ __all__ = [
     "unpack_hashes",
 ]
 
-_BytesLike = bytes | bytearray | memoryview
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # check_device's answers, by argument: a device argument is parsed (and a
@@ -109,110 +117,6 @@ def _device(device: Any) -> torch.device:
         if isinstance(device, str | torch.device) and len(_CHECKED_DEVICES) < 64:
             _CHECKED_DEVICES[device] = dev
         return dev
-
-
-def num_words(hash_bytes: int) -> int:
-    """Number of int64 words ``W = ceil(hash_bytes / 8)`` holding one hash."""
-    if isinstance(hash_bytes, bool) or not isinstance(hash_bytes, int):
-        raise TypeError(f"hash_bytes must be an int, got {type(hash_bytes).__name__}")
-    if hash_bytes <= 0:
-        raise ValueError(f"hash_bytes must be positive, got {hash_bytes}")
-    return (hash_bytes + 7) // 8
-
-
-def padding_mask(hash_bytes: int) -> int:
-    """Bits of the last word that must be zero, as a signed int64 (0 if none).
-
-    The last word holds ``hash_bytes % 8`` bytes in its low bits (little
-    endian); the rest is padding.
-    """
-    rem = hash_bytes % 8
-    if rem == 0:
-        return 0
-    mask = ((1 << 64) - 1) ^ ((1 << (8 * rem)) - 1)
-    return mask - (1 << 64)  # as a signed int64
-
-
-def _as_list(items: Any, name: str, what: str) -> list[Any]:
-    """``items`` as a list, or TypeError naming ``name`` when it is not a
-    sequence (None, a single bytes object, a str, an int, ...)."""
-    if isinstance(items, bytes | bytearray | memoryview | str) or not (
-        isinstance(items, Iterable) and isinstance(items, Sized)
-    ):
-        raise TypeError(f"{name} must be {what}, got {type(items).__name__}")
-    return list(items)
-
-
-def _join(items: Sequence[_BytesLike], where: Any, hash_bytes: int) -> bytearray:
-    """Concatenate ``items`` (each already ``len() == hash_bytes``); on an
-    item that is not a 1-D byte buffer, raise TypeError naming it (``where(k)``
-    describes flat item ``k``). The scan only runs on error."""
-    try:
-        joined = bytearray().join(items)
-    except TypeError:
-        joined = None
-    if joined is None or len(joined) != len(items) * hash_bytes:
-        for k, h in enumerate(items):
-            why = why_not_bytes(h)
-            if why is not None:
-                raise TypeError(f"{where(k)}: expected bytes, got {why}") from None
-            size = memoryview(h).nbytes
-            if size != hash_bytes:
-                raise TypeError(
-                    f"{where(k)}: len() says {len(h)} bytes but it holds {size}"
-                )
-        raise AssertionError("unreachable: every item holds hash_bytes bytes")
-    return joined
-
-
-def _pack_joined(joined: bytearray, n: int, hash_bytes: int) -> np.ndarray:
-    """Pack ``n`` concatenated hashes into a native int64 array ``[n, W]``.
-
-    ``joined`` is a bytearray so that the common case (``hash_bytes % 8 == 0``
-    on a little-endian host) is a zero-copy, writable view.
-    """
-    w = num_words(hash_bytes)
-    raw = np.frombuffer(joined, dtype=np.uint8)
-    if hash_bytes % 8 == 0:
-        words = raw.view("<i8").reshape(n, w)
-    else:
-        padded = np.zeros((n, w * 8), dtype=np.uint8)
-        padded[:, :hash_bytes] = raw.reshape(n, hash_bytes)
-        words = padded.view("<i8").reshape(n, w)
-    # A no-op on little-endian hosts, the byte swap on big-endian ones.
-    return words.astype(np.int64, copy=False)
-
-
-def pack_hashes(hashes: Sequence[_BytesLike], hash_bytes: int) -> torch.Tensor:
-    """Pack hashes of exactly ``hash_bytes`` bytes each.
-
-    Returns int64 ``[N, W]`` on the CPU, ``W = ceil(hash_bytes / 8)``,
-    little-endian words, last word zero-padded.
-    """
-    w = num_words(hash_bytes)
-    hashes = _as_list(hashes, "hashes", "a sequence of bytes objects")
-    check_hash_widths(hashes, hash_bytes, "hashes")
-    if not hashes:
-        return torch.empty((0, w), dtype=torch.int64)
-    joined = _join(hashes, lambda k: f"hashes, position {k}", hash_bytes)
-    arr = _pack_joined(joined, len(hashes), hash_bytes)
-    return torch.from_numpy(arr)
-
-
-def unpack_hashes(hashes: torch.Tensor, hash_bytes: int) -> list[bytes]:
-    """Inverse of :func:`pack_hashes`: int64 ``[N, W]`` -> ``N`` bytes objects."""
-    w = num_words(hash_bytes)
-    check_tensor(hashes, "hashes", holds_data=False)
-    if hashes.dim() != 2 or hashes.shape[1] != w:
-        raise ValueError(
-            f"hashes must have shape [N, {w}] for hash_bytes={hash_bytes}, "
-            f"got {list(hashes.shape)}"
-        )
-    n = hashes.shape[0]
-    arr = hashes.detach().cpu().contiguous().numpy().astype("<i8", copy=False)
-    raw = np.ascontiguousarray(arr.view(np.uint8).reshape(n, w * 8)[:, :hash_bytes])
-    blob = raw.tobytes()
-    return [blob[i : i + hash_bytes] for i in range(0, n * hash_bytes, hash_bytes)]
 
 
 def _bad_int(v: Any, where: str) -> Exception | None:
@@ -441,7 +345,7 @@ def _ints_of_mixed(requests: list[Any]) -> tuple[list[int], np.ndarray]:
             first = i + 1
             continue
         if not isinstance(req, list | tuple):
-            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
+            req = as_list(req, f"requests[{i}] (request {i})", "a sequence of ints")
         flat.extend(req)
         lengths[i] = len(req)
     if flat or not parts:
@@ -645,7 +549,7 @@ class HashBatch:
     @classmethod
     def from_bytes(
         cls,
-        requests: Sequence[Sequence[_BytesLike]],
+        requests: Sequence[Sequence[BytesLike]],
         hash_bytes: int,
         device: torch.device | str = "cpu",
     ) -> HashBatch:
@@ -656,11 +560,11 @@ class HashBatch:
         """
         w = num_words(hash_bytes)
         device = _device(device)
-        requests = _as_list(requests, "requests", "a sequence of sequences of bytes")
-        flat: list[_BytesLike] = []
+        requests = as_list(requests, "requests", "a sequence of sequences of bytes")
+        flat: list[BytesLike] = []
         lengths = np.zeros(len(requests), dtype=np.int64)
         for i, req in enumerate(requests):
-            req = _as_list(req, f"requests[{i}] (request {i})", "a sequence of bytes")
+            req = as_list(req, f"requests[{i}] (request {i})", "a sequence of bytes")
             check_hash_widths(req, hash_bytes, f"request {i}")
             lengths[i] = len(req)
             # One flat list and one join: join over a chained iterator first
@@ -675,8 +579,8 @@ class HashBatch:
                 i = int(np.searchsorted(offsets, k, side="right")) - 1
                 return f"request {i}, position {k - int(offsets[i])}"
 
-            joined = _join(flat, where, hash_bytes)
-            words = torch.from_numpy(_pack_joined(joined, total, hash_bytes))
+            joined = join_hashes(flat, where, hash_bytes)
+            words = torch.from_numpy(pack_joined(joined, total, hash_bytes))
         else:
             words = torch.empty((0, w), dtype=torch.int64)
         return cls.from_trusted(
@@ -754,7 +658,7 @@ class HashBatch:
         w = 1 if type(hash_bytes) is int and hash_bytes == 8 else num_words(hash_bytes)
         device = _device(device)
         if type(requests) is not list:
-            requests = _as_list(requests, "requests", "a sequence of sequences of ints")
+            requests = as_list(requests, "requests", "a sequence of sequences of ints")
         same = packed = None
         # issuperset builds no set: the common case tested first.
         if _LISTS.issuperset(map(type, requests)):
