@@ -9,80 +9,9 @@ the final full-attention truncation), probing the KeyIndex table from inside
 the program; :func:`lookup_hits` runs the store worker's whole ``lookup`` rule
 (both searches) the same way. One compiled call answers a batch.
 
-Design (why it looks like this):
-
-* **Scalar control flow, one position at a time.** On a CPU a probe is a few
-  dependent loads; probing past a stop costs as much as the probe that
-  stopped, so unlike the Triton kernel (which probes ``BLOCK`` lanes at once)
-  each scan probes exactly the positions the scalar reference visits, in its
-  order, and stops where it stops.
-* **The same inputs as the Triton kernel**: the SpecGroup rows of
-  ``ScanPlan.as_rows()`` and the per-group candidate rows (columns named in
-  :mod:`kvhit.kernels.contract`, never spelled as numbers), the packed hash
-  rows and the KeyIndex table, all read zero-copy from numpy views of the
-  torch tensors. The plan is runtime data, so one compiled specialisation
-  serves every layout (the cold compile happens once per machine: ``cache``).
-* **Requests over threads only when it pays.** Every entry point comes as a
-  serial and a ``prange`` loop over the same per-request function (threads
-  take runs of requests of equal hashes); the launcher picks by the batch's
-  work (:data:`PARALLEL_MIN_HASHES`, or :data:`PARALLEL_MIN_REQUESTS`
-  requests), and callers can force either. ``nogil`` lets a scheduler thread and an event follower run
-  while a batch is answered.
-* **One compiled signature.** Find and the worker's lookup are one
-  per-request function with a mode flag, the call's flags travel as one int64
-  vector, and every primitive has one call site: the cold compile is seconds,
-  not minutes, and a warm process loads one cached entry point per loop.
-* **Per-request state** (each SpecGroup's hit, load-mask span,
-  ``eagle_verified`` bit and last scan) lives in a scratch row per request
-  allocated once per batch, so no program allocates. The convergence loop's
-  confirming rounds rescan a sliding window or Mamba SpecGroup only when its
-  last answer may change under the smaller bound (the rule TorchScanner's
-  rescan cache follows); on dsv4-flash that is 34 instead of 47 table probes
-  per lookup.
-* **Probes dominate.** A probe is two dependent cache misses on a large table
-  (the hash row, then its slot); the position test of the worker's candidate
-  restriction is one division (limits precomputed per request), and the
-  equal-hash-value test only runs for a present key at a position the worker
-  does not ask about. On the long-hit workload (``bench/probe_count.py``) a
-  lookup makes ~52 probes against a floor of ~46 the rule needs, 1.2 slots
-  and 1.6 cache lines each: the probes are few, their misses are what costs.
-* **The probe path is inlined.** ``probe_block`` and the scan primitives that
-  call it (``leading_run``, ``rightmost_run``, ``prefetch_blocks``) are
-  ``inline="always"``: as calls, each passed a dozen arrays (seven words
-  each) per probe, which cost about a third of a warm lookup's time and kept
-  the CPU from running ahead into the next probe's loads (long-hit B = 1024,
-  thread time: warm 2.15 -> 1.47 us per request, cold 6.4 -> 3.8 us without
-  prefetching). Inlining further up (``scan_sg``: no change; ``_find_one``:
-  2.3x slower, numba then keeps reference counting in the loops) does not pay.
-* **Blocks probed as a group are fetched as a group.** A sliding window's
-  ``need`` blocks, and a leading run's next eight, are prefetched (rows, then
-  home slots) before the first of them is probed, so their misses overlap as
-  the Triton kernel's lanes do (from :data:`PREFETCH_MIN_REQUESTS` requests
-  on a table of :data:`PREFETCH_MIN_TABLE_BYTES`, a quarter of the
-  last-level cache; smaller batches and tables stay in cache, where it only
-  costs). The probes then start from the home slots hashed for the prefetch
-  instead of hashing again. Rows are cheap to fetch early (no slot hash): a
-  run's next stretch as a stretch starts and, once full attention has its
-  answer, the window each sliding-window group will search first
-  (``prefetch_windows``), so those slot hashes wait less on their rows
-  (1.03-1.05x).
-* **Memory and compute, about half each.** Measured on the long-hit
-  workload (one thread, thread time per request; ``bench/probe_count.py``'s
-  ``kernel_split``): at B = 4096 (an 80 MB table, 285 MB of hash rows) a
-  cold scan costs ~2.6-3.0 us, the same scan with its lines in cache
-  ~1.25 us (~1.0-1.1 us of it without the prefetching's work), so ~135
-  lines (52 probes of a hash row and 1.6 table lines) add ~11 ns each. At
-  B = 1024 (20 MB table) the split depends on what of the table is still
-  cached: 1.3-1.8 us answering the same batch again, 3-4 us after 64 MB of
-  other traffic. In cache, a probe is a dependent chain (row load, slot
-  hash, slot load, compare) of ~20 ns; hashing blocks ahead that the scan
-  may not reach (a stretch past the run's end) costs more than its
-  parallelism gains (0.76-0.9x), as did a prefetch distance of two
-  stretches (0.7-0.9x).
-  Putting more misses in flight across requests (AMAC-style) did not pay:
-  walking 16 requests' full-attention runs together 1.0x; a pre-pass
-  probing 16 requests' runs and first windows into a memo that their scans
-  read 0.77x (0.5-0.7x while numba's reference counting was on).
+Why it looks like this (one compiled signature, scratch per request, probes
+inlined and prefetched, threads by work): ARCHITECTURE.md, "The numba
+scan's design".
 
 Probes past a request's hashes are misses (the reference raises there). Each
 rule that re-spells a rule of ``coordinator/reference.py`` names the reference
