@@ -225,6 +225,20 @@ def test_a_negative_length_is_named_by_position(form, at) -> None:
         check_lengths(_FORMS[form](values), "num_tokens", 64, CPU)
 
 
+def test_lists_of_every_size_and_numpy_scalars_pack_exactly() -> None:
+    # The list path packs with one struct per batch size, kept for a few
+    # hundred sizes and then dropped: sizes past that bound still pack
+    # exactly, and numpy integer scalars in a list read as their values.
+    for n in range(2, 700, 7):
+        values = list(range(2, 2 + n))
+        assert host_lengths(values, "a", n).tolist() == values
+        assert host_lengths(tuple(values), "a", n).tolist() == values
+    mixed = [np.int32(7), np.uint64(9), 11, np.int64(2**62)]
+    assert host_lengths(mixed, "a", 4).tolist() == [7, 9, 11, 2**62]
+    with pytest.raises(ValueError, match=r"a\[2\] \(9223372036854775808\)"):
+        host_lengths([5, 6, np.uint64(2**63)], "a", 3)
+
+
 @pytest.mark.parametrize(
     "value, error, match",
     [
