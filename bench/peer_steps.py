@@ -102,7 +102,7 @@ class PeerRow:
         kvhit_lookup_s: kvhit's seconds per request, the median over the
             steps of a step's time / its requests: ``HashBatch.from_ints``
             of the step's lists plus ``find_longest_cache_hit`` plus the
-            answer read as Python ints in blocks (``hit_list()``), as the
+            answer read as Python ints in blocks (``hit_list(block_size)``), as the
             peer's time includes its Python ints.
         kvhit_pack_s: the ``from_ints`` part of it (median likewise).
         peer_lookup_s: the peer's seconds per request (median likewise).
@@ -222,7 +222,7 @@ class _KvhitSteps:
         )
         # The answer as the router reads it, in blocks as Python ints (timed:
         # Dynamo's find_matches hands back Python ints too).
-        mine = [h // PEER_BLOCK_SIZE for h in hits.hit_list()]
+        mine = hits.hit_list(PEER_BLOCK_SIZE)
         t2 = perf()
         self.pack.append((t1 - t0) / (hi - lo))
         self.look.append((t2 - t0) / (hi - lo))

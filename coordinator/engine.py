@@ -61,6 +61,9 @@ Lengths = torch.Tensor | Sequence[int]
 
 
 _new = object.__new__
+# The fewest hits LookupResult.hit_list divides into blocks in numpy (below
+# it, a comprehension over the ints is cheaper: 0.5 against 0.75 us at 8).
+_NUMPY_DIVIDE_MIN = 16
 
 
 def _nothing() -> None:
@@ -131,17 +134,34 @@ class LookupResult:
             f"{type(self).__name__!r} object has no attribute {name!r}"
         )
 
-    def hit_list(self) -> list[int]:
+    def hit_list(self, block_size: int = 1) -> list[int]:
         """``hit_lengths`` as a list of ``B`` Python ints (what
-        ``hit_lengths.tolist()`` gives), with no torch op for host hits."""
+        ``hit_lengths.tolist()`` gives), with no torch op for host hits;
+        with ``block_size``, each hit in whole blocks of that many tokens
+        (``hit // block_size``: a router's answer in blocks, divided in
+        numpy where a list comprehension over the ints costs 2.5x that at
+        B = 64 and 3x at 1024).
+
+        Raises TypeError / ValueError naming ``block_size`` unless it is an
+        int >= 1."""
+        if type(block_size) is not int or block_size < 1:
+            block_size = check_int(block_size, "block_size", 1)
         d = self.__dict__
         hits = d.get("_hits")
         if hits is None or "hit_lengths" in d:
             # A tensor (any device), or one made and maybe changed since.
-            return self.hit_lengths.tolist()
+            hits = self.hit_lengths
+            if block_size == 1:
+                return hits.tolist()
+            return torch.div(hits, block_size, rounding_mode="floor").tolist()
         if type(hits) is int:
-            return [hits]
-        return hits.tolist()
+            return [hits // block_size]
+        if block_size == 1:
+            return hits.tolist()
+        if hits.shape[0] < _NUMPY_DIVIDE_MIN:
+            # numpy's division costs ~0.7 us before its first item.
+            return [h // block_size for h in hits.tolist()]
+        return (hits // block_size).tolist()
 
     def hit_array(self) -> np.ndarray:
         """``hit_lengths`` as int64 numpy ``[B]`` on the host: a new array

@@ -509,6 +509,39 @@ def test_host_hits_are_one_answer_in_every_form_and_never_aliased(n_requests):
     assert torch_res.hit_array().tolist() == [8 * 16] * n_requests
 
 
+@pytest.mark.parametrize("n_requests", [1, 3, 40])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_hit_list_in_blocks_is_each_hit_divided(n_requests, backend):
+    # hit_list(block_size): one request's int, a few hits divided one by
+    # one, many in numpy, a tensor: each hit // block_size, rounding down
+    # (a hit of 40 tokens is 2 blocks of 16, 0 of 64).
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=8))],
+        scheduler_block_size=8,
+        hash_block_size=8,
+    )
+    engine = make_engine(layout, backend)
+    reqs = [list(range(10 * b + 2, 10 * b + 9)) for b in range(n_requests)]
+    index = KeyIndex(8)
+    index.add(
+        0, HashBatch.from_ints([r[: 1 + b % 6] for b, r in enumerate(reqs)]).hashes
+    )
+    res = engine.find_longest_cache_hit(
+        HashBatch.from_ints(reqs), [56] * n_requests, index, apply_eagle=False
+    )
+    tokens = res.hit_list()
+    assert tokens == [8 * (1 + b % 6) for b in range(n_requests)]
+    for bs in (1, 8, 16, 3, 64, 2**62):
+        assert res.hit_list(bs) == [h // bs for h in tokens], bs
+        assert res.hit_list(block_size=bs) == res.hit_list(bs)
+    for bad, error in ((0, ValueError), (-8, ValueError), (True, TypeError),
+                       (8.0, TypeError), ("8", TypeError), (None, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="block_size"):
+            res.hit_list(bad)
+        assert res.hit_list() == tokens  # a bad call changed nothing
+    assert res.hit_list(np.int64(16)) == [h // 16 for h in tokens]
+
+
 # -- a step of one request: from_ints' batch answered by the backend's runner
 
 
