@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["decoder_ready", "int_lists"]
+__all__ = ["decoder_ready", "int_list", "int_lists"]
 
 _INT64 = np.dtype(np.int64)
 # msgspec's encoder, imported with the decoder: the GPU machine's bare
@@ -100,3 +100,23 @@ def int_lists(requests: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray] 
     if n < 0:
         return None
     return out[: b + 1], out[b + 1 : base], out[base : base + n]
+
+
+def int_list(values: list[Any]) -> np.ndarray | None:
+    """One request's list of ints as int64 ``[n]`` (a new array), or None
+    as :func:`int_lists` answers None: the batch of that one list, with no
+    offsets or lengths handed back. From ~20 ints on this is cheaper than a
+    type scan and an ``np.array`` (1.44 against 1.61 us at 23 ints, 1.84
+    against 3.27 at 64, 2.40 against 5.79 at 128)."""
+    unpack = _unpack or _loaded()
+    if unpack is None:
+        return None
+    try:
+        msg = _encode((values,))  # type: ignore[misc]  # set with _unpack
+    except Exception:  # noqa: BLE001  # as int_lists
+        return None
+    out = np.empty(3 + len(values), _INT64)
+    n = unpack(msg, out)
+    if n < 0:
+        return None
+    return out[3 : 3 + n]

@@ -84,6 +84,38 @@ def test_anything_but_an_int64_int_is_refused(bad, at) -> None:
     assert il.int_lists(reqs) is None
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(values=st.lists(INT64, max_size=300))
+def test_one_list_reads_back_as_its_values(values) -> None:
+    # int_list: the batch of one list, its values alone, a fresh array.
+    got = il.int_list(values)
+    assert got is not None and got.dtype == np.int64 and got.tolist() == values
+    again = il.int_list(values)
+    assert again is not None and not np.shares_memory(got, again)
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, None, 2**63, np.int64(3)], ids=repr)
+def test_one_list_with_anything_but_an_int64_int_is_none(bad, monkeypatch) -> None:
+    values = list(range(30))
+    values[17] = bad
+    assert il.int_list(values) is None
+    # And from_ints, taking that path for a list this long, names the item.
+    from kvhit.coordinator.packing import HashBatch
+
+    if isinstance(bad, np.integer):
+        assert HashBatch.from_ints([values]).hashes[17, 0].item() == 3
+    else:
+        error = ValueError if type(bad) is int else TypeError
+        with pytest.raises(error, match="request 0, position 17: "):
+            HashBatch.from_ints([values])
+    # Not loaded (the Triton path): None, and from_ints packs without it.
+    monkeypatch.setattr(il, "_unpack", None)
+    monkeypatch.setattr(mn, "_warm", False)
+    assert il.int_list(list(range(30))) is None
+    got = HashBatch.from_ints([list(range(30))])
+    assert got.hashes[:, 0].tolist() == list(range(30))
+
+
 def test_int_subclasses_are_taken_by_value() -> None:
     got = il.int_lists([[1, _Color.RED], [2]])
     assert got is not None and got[2].tolist() == [1, 5, 2]
