@@ -221,6 +221,13 @@ class NumbaBackend:
                 np.zeros(0, dtype=np.int64),
                 torch.zeros(0, self.plan.num_groups, 3, dtype=torch.int64),
             )
+        if not spans:
+            # The hits alone: one compiled call making its own scratch.
+            hit = sn.scan_prepared_hits(
+                prep, rows, starts, lengths, self._length_array(max_lengths),
+                self._host_table(index), mode, self.parallel,
+            )  # fmt: skip
+            return hit, None
         hit, mask_spans = sn.scan_prepared(
             prep, rows, starts, lengths, self._length_array(max_lengths),
             self._host_table(index), mode, self.parallel,
@@ -251,10 +258,10 @@ class NumbaBackend:
         rows, starts, lengths = batch.host_arrays()
         if not starts.shape[0]:
             return torch.zeros(0, dtype=torch.int64)
-        hit = sn.scan_prepared(
+        hit = sn.scan_prepared_hits(
             prep, rows, starts, lengths, self._length_array(num_tokens),
             self._host_table(index), sn.LOOKUP, self.parallel,
-        )[0]  # fmt: skip
+        )  # fmt: skip
         return torch.from_numpy(hit)
 
     # -- the Backend protocol (views) -----------------------------------------

@@ -89,6 +89,7 @@ __all__ = [
     "prepare_scan",
     "run_side",
     "warm_up",
+    "scan_prepared_hits",
     "scan_one",
     "scan_prepared",
     "threaded",
@@ -389,21 +390,15 @@ def _batch_serial(rows, offsets, lengths, token_lengths, token_lens, table, sg, 
                  prm, hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
-# One request, the call a scheduler step of one makes: its arguments are the
-# rows, the table, the plan packed in one array (ScanPrep.one) and the mode
-# (the dispatcher or numba's entry unboxes each array, ~0.1 us apiece: three
-# plan arrays cost two more than one; a launcher's np.empty costs ~0.15 us),
-# its per-request arrays views of one NRT allocation made here, and its hit
-# returned as an int (boxing an array costs ~0.4 us).
-@numba.njit(cache=True, nogil=True)
-def _batch_one(values, max_len, table, plan, k):  # fmt: skip
-    # The rows ``[T, W]`` as a C view of their words ``values`` (a one-request
-    # batch of 8-byte keys hands its int64 [T] values as they are, W = 1),
-    # and the plan's arrays as C views of ``plan`` (unit-step slices of a C
-    # array, reshaped, stay C arrays: _request's one signature); ``k`` picks
-    # the parameter vector (2 * mode + prefetch).
-    w = table.shape[1] - 1
-    rows = values.reshape((values.shape[0] // w, w))
+@numba.njit(inline="always", cache=True, nogil=True)
+def _plan_views(plan, k, n, head):
+    """``(sg, cand, prm, mask_spans, scratch, gscr, front)`` for ``n``
+    requests from ``plan`` (``ScanPrep.one``) and ``k`` (which parameter
+    vector: 2 * mode + prefetch): the plan's arrays as C views of it
+    (unit-step slices of a C array, reshaped, stay C arrays: the one
+    signature of _request and _batch_serial), and the requests' spans and
+    scratch views of one NRT allocation, whose first ``head`` words are
+    ``front``. The spans are written (find mode) but not returned."""
     n_sg, w_sg, n_groups, w_cand = plan[0], plan[1], plan[2], plan[3]
     at = _ONE_HEAD
     sg = plan[at : at + n_sg * w_sg].reshape((n_sg, w_sg))
@@ -413,26 +408,54 @@ def _batch_one(values, max_len, table, plan, k):  # fmt: skip
     prm = plan[at : at + _P_COLS]
     n_gscr = n_groups + plan[4] if prm[_P_PREFETCH] != 0 else n_groups
     n_st = n_sg * _ST_COLS
-    buf = np.empty(4 + 3 * n_groups + n_st + n_gscr, np.int64)
+    buf = np.empty(head + n * (3 * n_groups + n_st + n_gscr), np.int64)
+    at = head + n * 3 * n_groups
+    mask_spans = buf[head:at].reshape((n, n_groups, 3))
+    scratch = buf[at : at + n * n_st].reshape((n, n_sg, _ST_COLS))
+    gscr = buf[at + n * n_st :].reshape((n, n_gscr))
+    return sg, cand, prm, mask_spans, scratch, gscr, buf[:head]
+
+
+# One request, the call a scheduler step of one makes: its arguments are the
+# rows, the table, the plan packed in one array (ScanPrep.one) and the mode
+# (the dispatcher or numba's entry unboxes each array, ~0.1 us apiece: three
+# plan arrays cost two more than one; a launcher's np.empty costs ~0.15 us),
+# its per-request arrays views of one NRT allocation made here, and its hit
+# returned as an int (boxing an array costs ~0.4 us).
+@numba.njit(cache=True, nogil=True)
+def _batch_one(values, max_len, table, plan, k):  # fmt: skip
+    # The rows ``[T, W]`` as a C view of their words ``values`` (a one-request
+    # batch of 8-byte keys hands its int64 [T] values as they are, W = 1).
+    w = table.shape[1] - 1
+    rows = values.reshape((values.shape[0] // w, w))
+    sg, cand, prm, mask_spans, scratch, gscr, front = _plan_views(plan, k, 1, 4)
     # Unit-step slices of a C array stay C arrays: _request's one signature.
-    starts = buf[0:1]
+    starts = front[0:1]
     starts[0] = 0
-    lengths = buf[1:2]
+    lengths = front[1:2]
     lengths[0] = rows.shape[0]
-    token_lengths = buf[2:3]
+    token_lengths = front[2:3]
     token_lengths[0] = max_len
-    hit = buf[3:4]
-    at = 4 + 3 * n_groups
-    # The spans are written (find mode) but not returned: the engine asks
-    # for them through the batch launcher.
-    mask_spans = buf[4:at].reshape((1, n_groups, 3))
-    scratch = buf[at : at + n_st].reshape((1, n_sg, _ST_COLS))
-    gscr = buf[at + n_st :].reshape((1, n_gscr))
+    hit = front[3:4]
     # np.int64(0), not 0: a literal 0 is typed Literal[int](0), and numba would
     # compile _request a second time (~10 s on a fresh machine) for it.
     _request(np.int64(0), rows, starts, lengths, token_lengths, starts, table, sg, cand,
              prm, hit, mask_spans, scratch, gscr)  # fmt: skip
     return hit[0]
+
+
+# A serial batch's hits alone (scan_prepared_hits): _batch_one's packed plan and one
+# NRT allocation for the scratch, then one call of the serial loop (compiled
+# without reference counts), so a call unboxes seven arguments, not
+# thirteen, and Python allocates nothing: a step of two requests 2.75 ->
+# ~1 us before its probes.
+@numba.njit(cache=True, nogil=True)
+def _batch_hits(rows, starts, lengths, token_lengths, table, plan, k, hit):  # fmt: skip
+    n = starts.shape[0]
+    sg, cand, prm, mask_spans, scratch, gscr, _ = _plan_views(plan, k, n, 0)
+    # starts stands in for token_lens, which no mode of a prepared plan reads.
+    _batch_serial(rows, starts, lengths, token_lengths, starts, table, sg, cand, prm,
+                  hit, mask_spans, scratch, gscr)  # fmt: skip
 
 
 # Runs of requests a threaded batch is cut into: four per thread numba
@@ -652,27 +675,38 @@ def scan_prepared(
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
-#: ``_batch_one``'s compiled wrapper for its one signature (C-contiguous
-#: int64 arrays, int64 scalars), held once numba has it (empty until then;
-#: see :func:`_one_entry`).
+#: ``_batch_one``'s and ``_batch_hits``' compiled wrappers for their one
+#: signature (C-contiguous int64 arrays, int64 scalars), each held once numba
+#: has it (empty until then; see :func:`_entry`).
 _ONE_ENTRY: list[Any] = []
+_HITS_ENTRY: list[Any] = []
+
+
+def _entry(held: list[Any], dispatcher: Any, *like: Any) -> Any:
+    """What :func:`scan_one` (``_batch_one``) and :func:`scan_prepared_hits`
+    (``_batch_hits``) call: numba's compiled wrapper for the one signature
+    of the example arguments ``like``, which skips the dispatcher's typing
+    (~0.2 us of a ~2 us step of one request), or the dispatcher itself
+    until that signature is compiled or loaded (or where a numba release
+    keeps its overloads elsewhere); ``held`` keeps the wrapper once found.
+    The skip is safe because the callers pass only kvhit's own arrays, of
+    exactly that signature."""
+    if held:
+        return held[0]
+    entry = compiled_entry(dispatcher, *like)
+    if entry is not dispatcher:
+        held.append(entry)
+    return entry
 
 
 def _one_entry() -> Any:
-    """What :func:`scan_one` calls: numba's compiled wrapper of
-    ``_batch_one`` for its one signature, which skips the dispatcher's typing
-    of five arguments (~0.2 us of a ~2 us step), or the dispatcher itself
-    until that signature is compiled or loaded (or where a numba release
-    keeps its overloads elsewhere). The skip is safe because scan_one's
-    callers pass only kvhit's own arrays, of exactly that signature."""
-    if _ONE_ENTRY:
-        return _ONE_ENTRY[0]
     a1, a2 = np.empty(1, np.int64), np.empty((1, 1), np.int64)
-    entry = compiled_entry(_batch_one, a1, 0, a2, a1, 0)
-    if entry is _batch_one:
-        return entry
-    _ONE_ENTRY.append(entry)
-    return entry
+    return _entry(_ONE_ENTRY, _batch_one, a1, 0, a2, a1, 0)
+
+
+def _hits_entry() -> Any:
+    a1, a2 = np.empty(1, np.int64), np.empty((1, 1), np.int64)
+    return _entry(_HITS_ENTRY, _batch_hits, a2, a1, a1, a1, a2, a1, 0, a1)
 
 
 def one_entry(prep: ScanPrep) -> Any:
@@ -704,6 +738,33 @@ def scan_one(
     pf = PREFETCH_MIN_REQUESTS <= 1 and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
     fn = _ONE_ENTRY[0] if _ONE_ENTRY else _one_entry()
     return fn(rows.reshape(-1), max_len, table, prep.one, 2 * mode + pf)
+
+
+def scan_prepared_hits(
+    prep: ScanPrep,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    token_lengths: np.ndarray,
+    table: np.ndarray,
+    mode: int,
+    parallel: bool | None = None,
+) -> np.ndarray:
+    """:func:`scan_prepared`'s hits alone, int64 ``[R]`` (a fresh array),
+    with its contract (**no checks**: kvhit's own C-contiguous int64 arrays,
+    not even the dispatcher's typing): a serial batch in one compiled call
+    that makes its scratch itself; a threaded one through
+    :func:`scan_prepared`."""
+    n = offsets.shape[0]
+    if threaded(n, rows.shape[0], parallel):
+        return scan_prepared(prep, rows, offsets, lengths, token_lengths, table,
+                             mode, True)[0]  # fmt: skip
+    # prefetching(), spelled out.
+    pf = n >= PREFETCH_MIN_REQUESTS and table.nbytes >= PREFETCH_MIN_TABLE_BYTES
+    fn = _HITS_ENTRY[0] if _HITS_ENTRY else _hits_entry()
+    hit = np.empty(n, np.int64)
+    fn(rows, offsets, lengths, token_lengths, table, prep.one, 2 * mode + pf, hit)
+    return hit
 
 
 def _run(rows, offsets, lengths, token_lengths, token_lens, table, sg_rows, cand_rows,
@@ -885,5 +946,6 @@ def warm_up(prep: ScanPrep) -> None:
             scan_prepared(prep, rows, zero, zero, zero, table, mode, parallel)
     for mode in (FIND, LOOKUP):
         scan_one(prep, rows[:0], 0, table, mode)
+        scan_prepared_hits(prep, rows, zero, zero, zero, table, mode, False)
     # from_ints' decoder of a batch of lists (coordinator/int_lists.py).
     msgpack_warm_up()

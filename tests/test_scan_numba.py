@@ -240,6 +240,39 @@ def test_scan_one_answers_as_the_batch_launcher(prefetch, data):
                 assert entry(one.reshape(-1), n, table, prep.one, k) == want[b]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("parallel", [False, True, None])
+@settings(max_examples=EXAMPLES)
+@given(data=case(min_requests=0, max_requests=9))
+def test_scan_hits_answers_as_the_batch_launcher(prefetch, parallel, data):
+    # The hits-only batch program (called through numba's compiled wrapper,
+    # its scratch made in numba) gives the batch launcher's hits in every
+    # mode, prefetching or not, serial or threaded (through scan_prepared),
+    # for empty and one-request batches too; each call a fresh array.
+    layout, requests, exists, lens = data
+    plan = ScanPlan.from_layout(layout)
+    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
+    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
+    scan_numba.warm_up(prep)
+    table = key_index(exists).table_view
+    batch = HashBatch.from_bytes(requests, 8, "cpu")
+    rows, starts, lengths = batch.host_arrays()
+    tl = np.array(lens, dtype=np.int64)
+    with _prefetching(prefetch):
+        for mode in (scan_numba.FIND, scan_numba.FIND_EAGLE, scan_numba.LOOKUP):
+            want = scan_numba.scan_prepared(
+                prep, rows, starts, lengths, tl, table, mode, parallel
+            )[0]
+            got = scan_numba.scan_prepared_hits(
+                prep, rows, starts, lengths, tl, table, mode, parallel
+            )
+            assert got.dtype == np.int64 and got.tolist() == want.tolist(), mode
+            again = scan_numba.scan_prepared_hits(
+                prep, rows, starts, lengths, tl, table, mode, parallel
+            )
+            assert again is not got and again.tolist() == got.tolist()
+
+
 def test_scan_preps_packed_plan_holds_its_rows_and_parameters():
     plan = ScanPlan.from_layout(merged_swa_eagle_layout())
     sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
