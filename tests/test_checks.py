@@ -225,6 +225,20 @@ def test_a_negative_length_is_named_by_position(form, at) -> None:
         check_lengths(_FORMS[form](values), "num_tokens", 64, CPU)
 
 
+@pytest.mark.parametrize("order", ["<", ">", "="])
+@pytest.mark.parametrize("code", ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"])
+def test_every_integer_dtype_in_either_byte_order_reads_its_values(order, code):
+    # A big-endian uint64 once read byte-swapped (viewed as native int64).
+    values = [3, 7, 0, 100]
+    a = np.array(values, dtype=order + code)
+    assert host_lengths(a, "a", 4).tolist() == values
+    assert host_lengths(a[::2], "a", 2).tolist() == values[::2]  # strided
+    if code == "u8":
+        big = np.array([5, 2**63], dtype=order + code)
+        with pytest.raises(ValueError, match=r"a\[1\]"):
+            host_lengths(big, "a", 2)
+
+
 def test_lists_of_every_size_and_numpy_scalars_pack_exactly() -> None:
     # The list path packs with one struct per batch size, kept for a few
     # hundred sizes and then dropped: sizes past that bound still pack
