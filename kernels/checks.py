@@ -296,18 +296,6 @@ def _int64s(n: int) -> struct.Struct:
     return s
 
 
-# How host_lengths takes a numpy array of each native integer dtype: as
-# itself (int64), converted (a narrower dtype: every value fits), or viewed
-# as int64 (uint64: a value past int64 then reads as negative). A dict
-# lookup where comparing the dtype and reading its kind cost ~0.25 us.
-_AS_IS, _NARROW, _UNSIGNED = 0, 1, 2
-_NUMPY_FORMS = {
-    np.dtype(t): _AS_IS if t is np.int64 else _UNSIGNED if t is np.uint64 else _NARROW
-    for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-              np.uint64)
-}  # fmt: skip
-
-
 def _least(arr: np.ndarray) -> int:
     """The least entry of a non-empty int64 array. ``argmin`` skips the
     ufunc reduction's set-up: ~0.2 us where ``arr.min()`` costs ~1 us."""
@@ -402,7 +390,8 @@ def host_lengths(
             arr = np.empty(len(value), dtype=_INT64)
             try:
                 _int64s(len(value)).pack_into(arr, 0, *value)
-            except struct.error:
+            except (struct.error, TypeError):
+                # TypeError: an item's own __index__ refused (a numpy array).
                 arr = None
             if arr is not None and (not value or _least(arr) >= 2):
                 return (
@@ -411,26 +400,19 @@ def host_lengths(
     elif tv is np.ndarray:
         if value.ndim == 1 and (n is None or value.shape[0] == n):
             dt = value.dtype
-            form = _NUMPY_FORMS.get(dt)
-            if form is None:
-                # Another byte order, or not an integer dtype.
-                form = (
-                    _AS_IS
-                    if dt == _INT64
-                    else _NARROW
-                    if dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8)
-                    else _UNSIGNED
-                    if dt.kind == "u" and dt.itemsize == 8 and dt.isnative
-                    # A uint64 of the other byte order is converted by the
-                    # exact path: viewed as int64 it would read byte-swapped.
-                    else -1
-                )
-            if form == _AS_IS:
+            if dt is _INT64 or dt == _INT64:
                 arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-            elif form == _NARROW:
+            elif dt.kind == "i" or (dt.kind == "u" and dt.itemsize < 8):
                 # Every value of a narrower integer dtype fits in int64.
                 arr = value.astype(_INT64)
-            elif form == _UNSIGNED and value.flags.c_contiguous:
+            elif (
+                dt.kind == "u"
+                and dt.itemsize == 8
+                # The other byte order goes the exact path, which converts
+                # it: viewed as int64 it would read byte-swapped.
+                and dt.isnative
+                and value.flags.c_contiguous
+            ):
                 # uint64 as int64 (a view, as an int64 array is taken as
                 # itself): a value past int64 reads as negative, which the
                 # check below refuses (by the exact path, naming it).
@@ -897,7 +879,7 @@ def check_hash_widths(hashes: Sequence[Any], hash_bytes: int, where: str) -> Non
     """Raise TypeError/ValueError naming the first item of ``hashes`` whose
     ``len()`` is not ``hash_bytes`` (or that has no length). Items whose
     ``len()`` is not their size in bytes are caught after the join
-    (``packing._join``), at no cost when there are none."""
+    (``hash_words.join_hashes``), at no cost when there are none."""
     # map(len) runs in C; the slow scan only happens on an error.
     try:
         lengths = set(map(len, hashes))

@@ -260,6 +260,17 @@ def test_lists_of_every_size_and_numpy_scalars_pack_exactly() -> None:
         ((False, 3), TypeError, r"max_lengths\[0\] must be an int, got bool"),
         ([4, 2.5], TypeError, r"max_lengths\[1\] must be an int, got float"),
         ([4, "5"], TypeError, r"max_lengths\[1\] must be an int, got str"),
+        # Items whose own __index__ refuses (numpy arrays, float tensors).
+        (
+            [np.array([4]), 5],
+            TypeError,
+            r"max_lengths\[0\] must be an int, got ndarray",
+        ),
+        (
+            [5, torch.tensor(4.0)],
+            TypeError,
+            r"max_lengths\[1\] must be an int, got Tensor",
+        ),
         ([2**63, 4], ValueError, r"max_lengths\[0\] \(9223372036854775808\)"),
         ([4, 2**70], ValueError, r"max_lengths\[1\]"),
         (np.array([4, 2**63], dtype=np.uint64), ValueError, r"max_lengths\[1\]"),
