@@ -40,6 +40,7 @@ from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
 from kvhit.coordinator.specs import CacheLayout
 from kvhit.kernels.checks import (
+    INT64_MAX,
     check_device,
     check_int,
     check_lengths,
@@ -143,9 +144,10 @@ class LookupResult:
         B = 64 and 3x at 1024).
 
         Raises TypeError / ValueError naming ``block_size`` unless it is an
-        int >= 1."""
-        if type(block_size) is not int or block_size < 1:
-            block_size = check_int(block_size, "block_size", 1)
+        int in ``[1, 2**63)``."""
+        if type(block_size) is not int or not 1 <= block_size <= INT64_MAX:
+            # In int64: a tensor's or numpy's division would wrap a larger one.
+            block_size = check_int(block_size, "block_size", 1, INT64_MAX + 1)
         d = self.__dict__
         hits = d.get("_hits")
         if hits is None or "hit_lengths" in d:

@@ -506,7 +506,7 @@ class HashBatch:
     offsets: torch.Tensor
     hash_bytes: int
     #: The values of a batch that :meth:`from_ints` built on its path for
-    #: one short list of Python ints (one request, 8-byte keys, on the CPU):
+    #: one list of Python ints (one request, 8-byte keys, on the CPU):
     #: int64 ``[n]`` (``hashes[:, 0]``), C-contiguous, sharing the batch's
     #: memory; None for every other batch (a class default: a plain
     #: attribute read, a third of a method call's cost). A scheduler step's
@@ -780,8 +780,12 @@ class HashBatch:
                 raise ValueError(
                     f"host_arrays: the batch is on {self.hashes.device}, not the CPU"
                 )
-            on = self.offsets.numpy()
-            host = (self.hashes.numpy(), on[:-1], np.diff(on))
+            # C-contiguous int64, whatever a trusted caller built the
+            # tensors as: the numba backend's compiled entries read these
+            # with no type test (a copy only for such a batch).
+            on = np.ascontiguousarray(self.offsets.numpy(), dtype=_INT64)
+            rows = np.ascontiguousarray(self.hashes.numpy(), dtype=_INT64)
+            host = (rows, on[:-1], np.diff(on))
             object.__setattr__(self, "_host", host)
         return host
 

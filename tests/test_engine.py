@@ -534,12 +534,42 @@ def test_hit_list_in_blocks_is_each_hit_divided(n_requests, backend):
     for bs in (1, 8, 16, 3, 64, 2**62):
         assert res.hit_list(bs) == [h // bs for h in tokens], bs
         assert res.hit_list(block_size=bs) == res.hit_list(bs)
+    # Past int64 a tensor's or numpy's division would wrap or overflow.
+    assert res.hit_list(2**63 - 1) == [0] * n_requests
     for bad, error in ((0, ValueError), (-8, ValueError), (True, TypeError),
-                       (8.0, TypeError), ("8", TypeError), (None, TypeError)):  # fmt: skip
+                       (8.0, TypeError), ("8", TypeError), (None, TypeError),
+                       (2**63, ValueError), (2**64, ValueError)):  # fmt: skip
         with pytest.raises(error, match="block_size"):
             res.hit_list(bad)
         assert res.hit_list() == tokens  # a bad call changed nothing
     assert res.hit_list(np.int64(16)) == [h // 16 for h in tokens]
+
+
+@pytest.mark.parametrize("n_requests", [1, 2])
+def test_a_trusted_batch_of_strided_tensors_reads_its_values(n_requests):
+    # The numba backend's compiled entries read host_arrays() with no type
+    # test: a from_trusted batch of a strided hashes tensor (outside its
+    # contract, but no caller should get wrong answers from a view) is read
+    # through a C-contiguous copy.
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=16))],
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    engine = LookupEngine(layout, backend="numba")
+    reqs = [list(range(100, 110)), list(range(200, 205))][:n_requests]
+    plain = HashBatch.from_ints(reqs)
+    index = KeyIndex(8)
+    index.add(0, plain.hashes)
+    wide = torch.full((plain.hashes.shape[0], 2), -7, dtype=torch.int64)
+    wide[:, 0] = plain.hashes[:, 0]
+    strided = HashBatch.from_trusted(wide[:, :1], plain.offsets, 8)
+    assert not strided.hashes.is_contiguous()
+    lens = [1000] * n_requests
+    want = engine.find_longest_cache_hit(plain, lens, index).hit_list()
+    assert want == [160, 80][:n_requests]
+    assert engine.find_longest_cache_hit(strided, lens, index).hit_list() == want
+    assert engine.lookup(strided, lens, index).tolist() == want
 
 
 # -- a step of one request: from_ints' batch answered by the backend's runner
