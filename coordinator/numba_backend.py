@@ -232,7 +232,7 @@ class NumbaBackend:
             prep, rows, starts, lengths, self._length_array(max_lengths),
             self._host_table(index), mode, self.parallel,
         )  # fmt: skip
-        return hit, (torch.from_numpy(mask_spans) if spans else None)
+        return hit, torch.from_numpy(mask_spans)
 
     @staticmethod
     def _length_array(lengths: np.ndarray | int) -> np.ndarray:
