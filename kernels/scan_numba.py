@@ -541,10 +541,11 @@ def threaded(n_req: int, n_hashes: int, parallel: bool | None) -> bool:
 
 
 def _c64(a: np.ndarray) -> np.ndarray:
-    # One compiled specialisation: C-contiguous int64 everywhere.
-    if a.dtype == np.int64 and a.flags.c_contiguous:
+    # One compiled specialisation: C-contiguous, writeable int64 everywhere
+    # (numba types a read-only array apart and would compile again).
+    if a.dtype == np.int64 and a.flags.c_contiguous and a.flags.writeable:
         return a
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return np.array(a, dtype=np.int64, order="C")
 
 
 # The modes of :func:`scan_prepared`.
@@ -657,6 +658,11 @@ def scan_prepared(
     mode; both fresh arrays.
     """
     n = offsets.shape[0]
+    if not token_lengths.flags.writeable:
+        # A caller's read-only lengths (np.frombuffer, setflags): numba types
+        # a read-only array apart and would compile the loops again (seconds,
+        # on the first such call of a process).
+        token_lengths = token_lengths.copy()
     if mode == LOOKUP:
         mask_spans = prep.tri_empty
     elif prep.tri_written:

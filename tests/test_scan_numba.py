@@ -273,6 +273,44 @@ def test_scan_hits_answers_as_the_batch_launcher(prefetch, parallel, data):
             assert again is not got and again.tolist() == got.tolist()
 
 
+def test_read_only_lengths_compile_nothing_new():
+    # numba types a read-only array apart: a caller's read-only lengths
+    # (np.frombuffer, setflags) once compiled the batch loops again on the
+    # first call with masks or on threads (seconds). They are copied now,
+    # and every path answers as with a writeable array.
+    layout = CacheLayout(
+        groups=[Group(FullAttention(block_size=16))],
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    engine = LookupEngine(layout, backend="numba")
+    reqs = [list(range(10 * b + 1, 10 * b + 6)) for b in range(3)]
+    index = KeyIndex(8)
+    index.add(0, HashBatch.from_ints([r[:3] for r in reqs]).hashes)
+    batch = HashBatch.from_ints(reqs)
+    lens = np.array([80, 64, 32])
+    ro = lens.copy()
+    ro.setflags(write=False)
+    want = engine.find_longest_cache_hit(batch, lens, index, with_masks=True)
+    before = {f: len(f.signatures) for f in (scan_numba._batch_serial,
+                                               scan_numba._batch_parallel)}  # fmt: skip
+    got = engine.find_longest_cache_hit(batch, ro, index, with_masks=True)
+    assert got.hit_list() == want.hit_list() == [48, 48, 32]
+    assert got.mask_lists() == want.mask_lists()
+    assert (
+        engine.lookup(batch, ro, index).tolist()
+        == engine.lookup(batch, lens, index).tolist()
+    )
+    prep = engine.impl._prep()[1]
+    rows, starts, lengths = batch.host_arrays()
+    table = index.table_view
+    for parallel in (False, True):
+        hit, _ = scan_numba.scan_prepared(prep, rows, starts, lengths, ro, table,
+                                          scan_numba.FIND, parallel)  # fmt: skip
+        assert hit.tolist() == [48, 48, 32]
+    assert before == {f: len(f.signatures) for f in before}
+
+
 def test_scan_preps_packed_plan_holds_its_rows_and_parameters():
     plan = ScanPlan.from_layout(merged_swa_eagle_layout())
     sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
