@@ -10,7 +10,7 @@ little-endian int64 words, the bytes past the hash in the last word zero
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Mapping, Sequence, Set, Sized
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from kvhit.kernels.checks import check_hash_widths, check_tensor, why_not_bytes
 
 __all__ = [
     "BytesLike",
+    "MAX_HASH_BYTES",
     "as_list",
     "join_hashes",
     "num_words",
@@ -29,6 +30,9 @@ __all__ = [
     "unpack_hashes",
 ]
 
+#: The widest hash kvhit packs (vLLM's are 8 or 32 bytes; sha512's 64): a
+#: width past it is refused by name before any array of it is sized.
+MAX_HASH_BYTES = 4096
 #: What one hash may be given as.
 BytesLike = bytes | bytearray | memoryview
 
@@ -37,8 +41,10 @@ def num_words(hash_bytes: int) -> int:
     """Number of int64 words ``W = ceil(hash_bytes / 8)`` holding one hash."""
     if isinstance(hash_bytes, bool) or not isinstance(hash_bytes, int):
         raise TypeError(f"hash_bytes must be an int, got {type(hash_bytes).__name__}")
-    if hash_bytes <= 0:
-        raise ValueError(f"hash_bytes must be positive, got {hash_bytes}")
+    if not 0 < hash_bytes <= MAX_HASH_BYTES:
+        raise ValueError(
+            f"hash_bytes must be in [1, {MAX_HASH_BYTES}], got {hash_bytes}"
+        )
     return (hash_bytes + 7) // 8
 
 
@@ -57,7 +63,13 @@ def padding_mask(hash_bytes: int) -> int:
 
 def as_list(items: Any, name: str, what: str) -> list[Any]:
     """``items`` as a list, or TypeError naming ``name`` when it is not a
-    sequence (None, a single bytes object, a str, an int, ...)."""
+    sequence (None, a single bytes object, a str, an int, ...) or has no
+    order (a set, a dict: a request's hashes are a chain, in order)."""
+    if isinstance(items, Set | Mapping):
+        raise TypeError(
+            f"{name} must be {what}, got {type(items).__name__} (which has no "
+            "order: a request's hashes are a chain)"
+        )
     if isinstance(items, bytes | bytearray | memoryview | str) or not (
         isinstance(items, Iterable) and isinstance(items, Sized)
     ):
@@ -74,16 +86,23 @@ def join_hashes(items: Sequence[BytesLike], where: Any, hash_bytes: int) -> byte
     except TypeError:
         joined = None
     if joined is None or len(joined) != len(items) * hash_bytes:
+        strided = False
         for k, h in enumerate(items):
             why = why_not_bytes(h)
             if why is not None:
                 raise TypeError(f"{where(k)}: expected bytes, got {why}") from None
-            size = memoryview(h).nbytes
-            if size != hash_bytes:
+            view = memoryview(h)
+            if view.nbytes != hash_bytes:
                 raise TypeError(
-                    f"{where(k)}: len() says {len(h)} bytes but it holds {size}"
+                    f"{where(k)}: len() says {len(h)} bytes but it holds {view.nbytes}"
                 )
-        raise AssertionError("unreachable: every item holds hash_bytes bytes")
+            strided = strided or not view.c_contiguous
+        if not strided:
+            raise AssertionError("unreachable: every item holds hash_bytes bytes")
+        # A 1-D byte buffer whose bytes are not adjacent (a strided
+        # memoryview, a row of a column-major array), which join refuses:
+        # its bytes in order.
+        joined = bytearray().join(memoryview(h).tobytes() for h in items)
     return joined
 
 
