@@ -506,6 +506,16 @@ def _host_lengths_exact(
     return _check_values(arr, name, multiple_of)
 
 
+def _tensor_of(arr: np.ndarray) -> torch.Tensor:
+    """``arr`` (host_lengths') as a CPU tensor sharing its memory, or a copy
+    where torch refuses its negative stride (numpy calls a reversed one-item
+    or empty slice C-contiguous and keeps its stride)."""
+    try:
+        return torch.from_numpy(arr)
+    except ValueError:
+        return torch.from_numpy(arr.copy())
+
+
 def check_lengths(
     value: Any,
     name: str,
@@ -539,12 +549,12 @@ def check_lengths(
         if isinstance(value, torch.Tensor):
             check_tensor(value, name, device=device, device_of="the engine",
                          holds_data=False)  # fmt: skip
-        return torch.from_numpy(host_lengths(value, name, n, multiple_of)).to(device)
+        return _tensor_of(host_lengths(value, name, n, multiple_of)).to(device)
     if type(value) is torch.Tensor:
         # The caller's own tensor, whose values the host path read in place.
         host_lengths(value, name, n, multiple_of)
         return value
-    return torch.from_numpy(host_lengths(value, name, n, multiple_of))
+    return _tensor_of(host_lengths(value, name, n, multiple_of))
 
 
 # -- kernel launchers' tensors ------------------------------------------------
