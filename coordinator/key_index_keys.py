@@ -126,7 +126,13 @@ def normalize_ids(
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}")
-        if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 1 << 63:
+        # Any byte order (a big-endian uint64 is not == np.uint64).
+        if (
+            ids.dtype.kind == "u"
+            and ids.dtype.itemsize == 8
+            and ids.size
+            and int(ids.max()) >= 1 << 63
+        ):
             raise ValueError(f"{name} must fit in int64")
         ids = torch.from_numpy(ids.astype(np.int64)).to(device)
     if isinstance(ids, torch.Tensor):

@@ -945,3 +945,16 @@ def test_one_length_in_other_odd_layouts_is_read(
                 backend,
                 form.strides,
             )
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_a_uint64_group_past_int64_is_named_as_such_in_either_byte_order(
+    order: str,
+) -> None:
+    # A big-endian uint64 id past int64 once read as "must be >= 0": its
+    # dtype is not == np.uint64, so the int64 bound was not tested first.
+    idx = KeyIndex(8, capacity=16)
+    ids = np.array([0, 2**63], dtype=order + "u8")
+    with pytest.raises(ValueError, match="group_ids must fit in int64"):
+        idx.add(ids, np.array([[1], [2]]))
+    assert len(idx) == 0
