@@ -77,7 +77,7 @@ from kvhit.coordinator.key_index import (
     KeyIndex,
     normalize_keys,
 )
-from kvhit.coordinator.key_index_keys import normalize_ids
+from kvhit.coordinator.key_index_keys import host_int64, normalize_ids
 from kvhit.coordinator.key_index_state import next_pow2, verify_reachable, verify_slots
 from kvhit.coordinator.packing import HashBatch, num_words, padding_mask
 from kvhit.kernels.checks import (
@@ -85,7 +85,6 @@ from kvhit.kernels.checks import (
     check_int,
     check_max_load,
     check_tensor,
-    host_int64,
     resolve_device,
 )
 from kvhit.kernels.contract import EMPTY

@@ -19,6 +19,7 @@ from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding
 from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
 __all__ = [
+    "host_int64",
     "NO_IDS",
     "cpu_int64_data",
     "host_ids",
@@ -362,3 +363,25 @@ def host_key_arrays(
     if n and g.item(g.argmin()) < 0:  # argmin: no reduction set-up
         return None
     return g, h
+
+
+def host_int64(value: Any, unsigned_ok: bool = False) -> np.ndarray | None:
+    """``value`` as an int64 numpy array, without a copy, when it already is
+    one in memory: a dense CPU int64 tensor that needs no grad, or an int64
+    numpy array (uint64 too with ``unsigned_ok``, viewed as int64); None for
+    anything else, which the caller sends down its general, checking path.
+    The shape and the values are the caller's to check."""
+    if isinstance(value, torch.Tensor):
+        if (
+            value.dtype != torch.int64
+            or not value.is_cpu  # (device.type costs ten times as much)
+            or value.requires_grad
+            or value.layout is not torch.strided
+        ):
+            return None
+        return value.numpy()
+    if isinstance(value, np.ndarray) and (
+        value.dtype == np.int64 or (unsigned_ok and value.dtype == np.uint64)
+    ):
+        return value.view(np.int64)
+    return None

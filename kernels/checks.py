@@ -66,7 +66,6 @@ __all__ = [
     "check_table",
     "check_table_tensor",
     "check_tensor",
-    "host_int64",
     "host_lengths",
     "host_lengths_or_int",
     "is_int",
@@ -974,25 +973,3 @@ def check_hash_buffer(req: array, i: int) -> np.ndarray:
             f"{req.typecode!r}"
         )
     return check_hash_array(np.frombuffer(req, dtype=req.typecode), i)
-
-
-def host_int64(value: Any, unsigned_ok: bool = False) -> np.ndarray | None:
-    """``value`` as an int64 numpy array, without a copy, when it already is
-    one in memory: a dense CPU int64 tensor that needs no grad, or an int64
-    numpy array (uint64 too with ``unsigned_ok``, viewed as int64); None for
-    anything else, which the caller sends down its general, checking path.
-    The shape and the values are the caller's to check."""
-    if isinstance(value, torch.Tensor):
-        if (
-            value.dtype != torch.int64
-            or not value.is_cpu  # (device.type costs ten times as much)
-            or value.requires_grad
-            or value.layout is not torch.strided
-        ):
-            return None
-        return value.numpy()
-    if isinstance(value, np.ndarray) and (
-        value.dtype == np.int64 or (unsigned_ok and value.dtype == np.uint64)
-    ):
-        return value.view(np.int64)
-    return None
