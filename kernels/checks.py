@@ -264,6 +264,11 @@ def check_tensor(
 
 _INT64 = np.dtype(np.int64)
 _CPU = torch.device("cpu")
+_INTS = frozenset({int})
+# Up to this many lengths in a list or tuple, host_lengths checks them in
+# Python (a type scan and min()) rather than with a struct (side by side:
+# 0.71 against 1.21 us at 2, 1.12 against 1.29 at 8, 1.63 against 1.38 at 16).
+_FEW_LENGTHS = 8
 
 
 def _position_error(name: str, i: int, v: Any) -> ValueError:
@@ -379,6 +384,21 @@ def host_lengths(
             v = value[0]
             if type(v) is int and 0 <= v <= INT64_MAX and not v % multiple_of:
                 return np.array(value, dtype=_INT64)
+        elif (n is None or len(value) == n) and len(value) <= _FEW_LENGTHS:
+            # A few: a type scan (bools refused by type), min() and one
+            # np.array (which refuses a value past int64): 0.7 against 1.2 us
+            # the struct path below costs at 2 lengths.
+            if _INTS.issuperset(map(type, value)) and (not value or min(value) >= 0):
+                try:
+                    arr = np.array(value, dtype=_INT64)
+                except OverflowError:
+                    arr = None
+                if arr is not None:
+                    return (
+                        arr
+                        if multiple_of == 1
+                        else _check_values(arr, name, multiple_of)
+                    )
         elif n is None or len(value) == n:
             # Fast path: a struct of n int64s refuses every non-int and every
             # int past int64, so anything it takes is exact (it packs in half
