@@ -177,6 +177,14 @@ class BatchBackend(Backend, Protocol):
         index or its table changes."""
         ...
 
+    def batch_runner(self, index: Any) -> Callable[[Any, Any, Any, bool], Any] | None:
+        """As :meth:`one_runner`, for a step of any number of requests whose
+        host arrays the batch already holds: ``run(host, max_lengths, table,
+        apply_eagle)``, ``host`` the batch's ``host_arrays()`` triple (8-byte
+        keys), the hits as ``find_batch`` gives them with no spans. None where
+        the backend has none."""
+        ...
+
     def lengths(self, value: Any, name: str, n: int) -> Any:
         """``value`` (``n`` per-request lengths in any form a caller holds
         them) checked once (``kernels/checks.py``) and in the form this
@@ -255,6 +263,10 @@ class ViewBackend:
     def one_runner(self, index: Any) -> None:
         """See :meth:`BatchBackend.one_runner`: none (every step goes
         through :meth:`find_batch`)."""
+        return None
+
+    def batch_runner(self, index: Any) -> None:
+        """See :meth:`BatchBackend.batch_runner`: none."""
         return None
 
     def lengths(self, value: Any, name: str, n: int) -> torch.Tensor:

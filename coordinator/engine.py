@@ -294,8 +294,8 @@ class LookupEngine:
         # alive), set as one tuple, so a thread never reads half of
         # another's update.
         self._checked: tuple[
-            Callable[[], Any], Callable[[], Any], int, Any, Callable[[], Any]
-        ] = (_nothing, _nothing, 0, None, _nothing)
+            Callable[[], Any], Callable[[], Any], int, Any, Callable[[], Any], Any
+        ] = (_nothing, _nothing, 0, None, _nothing, None)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
         if warm:
@@ -306,7 +306,7 @@ class LookupEngine:
     def _check_batch(
         self, batch: Any, index: KeyIndex | None, need_index: bool = True
     ) -> None:
-        checked_index, checked_table, checked_width, _, _ = self._checked
+        checked_index, checked_table, checked_width, _, _, _ = self._checked
         if (
             type(index) is KeyIndex
             and type(batch) is HashBatch
@@ -347,6 +347,7 @@ class LookupEngine:
                 # A host view is made once per table tensor: the same view,
                 # the same table (a runner exists only where there is one).
                 weakref.ref(view) if run is not None else _nothing,
+                self.impl.batch_runner(index) if run is not None else None,
             )
 
     def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
@@ -395,25 +396,36 @@ class LookupEngine:
         Returns:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
-        checked_index, _, _, run, checked_view = self._checked
+        checked_index, _, _, run, checked_view, run_many = self._checked
         if (
             run is not None
             and type(batch) is HashBatch
             and index is checked_index()
             and not with_masks
         ):
-            rows = batch.one_values
             view = index.table_view
-            if rows is not None and view is checked_view() and view is not None:
-                # A scheduler step of one request (from_ints' short path:
-                # 8-byte keys on the CPU), against the index checked last,
-                # with the table it had then (its host view is made once per
-                # table; the runner exists only for 8-byte keys on the
-                # backend's host path): nothing else to test here; the
-                # runner checks max_lengths.
-                result = _new(LookupResult)
-                result.__dict__["_hits"] = run(rows, max_lengths, view, apply_eagle)
-                return result
+            if view is checked_view() and view is not None:
+                # Against the index checked last, with the table it had then
+                # (its host view is made once per table; the runners exist
+                # only for 8-byte keys on the backend's host path): nothing
+                # else to test here; the runners check max_lengths.
+                rows = batch.one_values
+                if rows is not None:
+                    # A scheduler step of one request (from_ints' short
+                    # path: 8-byte keys on the CPU).
+                    result = _new(LookupResult)
+                    result.__dict__["_hits"] = run(rows, max_lengths, view, apply_eagle)
+                    return result
+                d = batch.__dict__
+                host = d.get("_host")
+                if host is not None and d.get("hash_bytes") == 8:
+                    # A CPU batch holding its host arrays (from_ints' batch
+                    # of lists, or one read on the host before).
+                    result = _new(LookupResult)
+                    result.__dict__["_hits"] = run_many(
+                        host, max_lengths, view, apply_eagle
+                    )
+                    return result
         self._check_batch(batch, index)
         impl = self.impl
         max_lengths = impl.lengths(max_lengths, "max_lengths", len(batch))

@@ -22,7 +22,7 @@ import torch
 from kvhit.coordinator.backend import check_runs_on
 from kvhit.coordinator.int_lists import decoder_ready
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
-from kvhit.kernels.checks import host_lengths_or_int
+from kvhit.kernels.checks import host_lengths, host_lengths_or_int
 
 if TYPE_CHECKING:
     from kvhit.coordinator.key_index import KeyIndex
@@ -86,6 +86,9 @@ class NumbaBackend:
         self._cand = _np(cand_rows)
         self._prep_cache = None
         self._run: Callable[[np.ndarray, Any, np.ndarray, bool], int] | None = None
+        self._run_many: Callable[[tuple, Any, np.ndarray, bool], np.ndarray] | None = (
+            None
+        )
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -189,6 +192,37 @@ class NumbaBackend:
             return entry(rows, m, table, plan, (2 if eagle else 0) + pf)
 
         self._run = run
+        return run
+
+    def batch_runner(
+        self, index: KeyIndex
+    ) -> Callable[[tuple, Any, np.ndarray, bool], np.ndarray] | None:
+        """See ``BatchBackend.batch_runner``: where :meth:`one_runner` has a
+        runner, ``run(host, max_lengths, table, apply_eagle)`` answering a
+        batch of 8-byte keys from its ``host_arrays()`` as :meth:`find_batch`
+        does with no spans (int64 numpy ``[B]``), ``max_lengths`` checked
+        here. A step of a few requests then costs its lengths' check and
+        one compiled call: none of find_batch's tests of the batch."""
+        if self.one_runner(index) is None:
+            return None
+        return self._run_many or self._make_batch_runner()
+
+    def _make_batch_runner(
+        self,
+    ) -> Callable[[tuple, Any, np.ndarray, bool], np.ndarray]:
+        sn, prep = self._prep_cache or self._prep()
+        hits = sn.scan_prepared_hits
+        lengths = host_lengths
+        find, eagle_mode = sn.FIND, sn.FIND_EAGLE
+        backend = self  # its parallel setting read at call time
+
+        def run(host: tuple, max_lengths: Any, table: Any, eagle: bool) -> np.ndarray:
+            rows, starts, counts = host
+            m = lengths(max_lengths, "max_lengths", starts.shape[0])
+            return hits(prep, rows, starts, counts, m, table,
+                        eagle_mode if eagle else find, backend.parallel)  # fmt: skip
+
+        self._run_many = run
         return run
 
     def find_batch(

@@ -646,3 +646,89 @@ def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
     other = KeyIndex(8, capacity=16)
     assert engine.find_longest_cache_hit(one, [64], other).hit_list() == [0]
     assert engine.find_longest_cache_hit(one, [64], index).hit_list() == [32]
+
+
+# -- a step of several requests: a batch holding its host arrays, answered by
+# the backend's batch runner
+
+
+@pytest.mark.parametrize(
+    "layout_fn",
+    [full_mamba_eagle_layout, merged_swa_eagle_layout, lambda: make_layout("gemma3")],
+)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_batch_steps_equal_the_general_path(layout_fn, data) -> None:
+    # The same requests as from_ints' batch of lists (host arrays held: the
+    # batch runner's path) and as from_bytes before its host arrays exist
+    # (the general path), lengths in every form, EAGLE on and off, the
+    # index growing in between: the same hits every time.
+    layout = layout_fn()
+    bs = layout.hash_block_size
+    engine = LookupEngine(layout, backend="numba")
+    index = KeyIndex(8, capacity=4)  # grows (a new table) as keys come
+    stored = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=30))
+    for step in range(3):
+        reqs = data.draw(
+            st.lists(st.lists(st.integers(0, 40), max_size=30), min_size=0, max_size=6)
+        )
+        lens = [data.draw(st.integers(0, bs * (len(r) + 2))) for r in reqs]
+        eagle = data.draw(st.booleans())
+        fast = HashBatch.from_ints(reqs)
+        slow = HashBatch.from_bytes(
+            [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
+        )
+        want = engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list()
+        for form in (list, tuple, lambda v: np.array(v, np.int64),
+                     lambda v: np.array(v, np.uint32),
+                     lambda v: torch.tensor(v, dtype=torch.int64)):  # fmt: skip
+            got = engine.find_longest_cache_hit(fast, form(lens), index, eagle)
+            assert got.hit_list() == want
+            assert got.hit_lengths.tolist() == want
+        # The general path's batch, its host arrays now held: the runner too.
+        assert "_host" in slow.__dict__ or len(reqs) < 2
+        assert (
+            engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list() == want
+        )
+        masks = engine.find_longest_cache_hit(fast, lens, index, eagle, True)
+        assert masks.hit_list() == want
+        for g in range(layout.num_groups):
+            index.add(g, HashBatch.from_ints([stored[: 10 * (step + 1)]]))
+
+
+def test_batch_step_refuses_what_the_general_path_refuses() -> None:
+    layout = full_mamba_eagle_layout()
+    engine = LookupEngine(layout, backend="numba")
+    index = KeyIndex(8, capacity=64)
+    index.add(0, HashBatch.from_ints([[1, 2, 3]]))
+    index.add(1, HashBatch.from_ints([[1, 2, 3]]))
+    two = HashBatch.from_ints([[1, 2, 3, 4], [1, 2]])
+    assert "_host" in two.__dict__
+    assert engine.find_longest_cache_hit(two, [64, 64], index).hit_list() == [32, 16]
+    for bad, exc in [
+        ([64, -1], ValueError),
+        ([64, 1 << 63], ValueError),
+        ([64, True], TypeError),
+        ([1.0, 64], TypeError),
+        ([64], ValueError),
+        ([64, 64, 64], ValueError),
+        (np.array([64, -1]), ValueError),
+        (np.array([1.0, 2.0]), TypeError),
+        (torch.tensor([64, -1]), ValueError),
+        (torch.tensor([[64, 64]]), ValueError),
+        (None, TypeError),
+        (64, TypeError),
+    ]:
+        with pytest.raises(exc, match="max_lengths"):
+            engine.find_longest_cache_hit(two, bad, index)
+    # A batch of another width against this index, another index, a
+    # non-index: each checked by the general path.
+    wide = HashBatch.from_ints([[1, 2], [3]], 16)
+    wide.host_arrays()
+    with pytest.raises(ValueError, match="hash width"):
+        engine.find_longest_cache_hit(wide, [64, 64], index)
+    with pytest.raises(TypeError, match="index"):
+        engine.find_longest_cache_hit(two, [64, 64], {1, 2})
+    other = KeyIndex(8, capacity=16)
+    assert engine.find_longest_cache_hit(two, [64, 64], other).hit_list() == [0, 0]
+    assert engine.find_longest_cache_hit(two, [64, 64], index).hit_list() == [32, 16]
