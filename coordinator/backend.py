@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RUNS_ON",
+    "RUN_FIND",
+    "RUN_FIND_EAGLE",
+    "RUN_LOOKUP",
+    "RUN_MODES",
     "Backend",
     "BatchBackend",
     "FindQuery",
@@ -151,6 +155,12 @@ class Backend(Protocol):
         ...
 
 
+#: The runners' modes (:meth:`BatchBackend.one_runner`): the longest hit, the
+#: same with the EAGLE drop, and the store worker's lookup.
+RUN_FIND, RUN_FIND_EAGLE, RUN_LOOKUP = 0, 1, 2
+RUN_MODES = (RUN_FIND, RUN_FIND_EAGLE, RUN_LOOKUP)
+
+
 @runtime_checkable
 class BatchBackend(Backend, Protocol):
     """A :class:`Backend` that also takes a whole :class:`HashBatch` and the
@@ -165,24 +175,25 @@ class BatchBackend(Backend, Protocol):
         calls it at construction unless built with ``warm=False``."""
         ...
 
-    def one_runner(self, index: Any) -> Callable[[Any, Any, Any, bool], Any] | None:
+    def one_runner(self, index: Any) -> Callable[[Any, Any, Any, int], Any] | None:
         """A callable answering a scheduler step of one request against
         ``index`` (a KeyIndex the engine checked, with the table it holds
-        now), or None where the backend has none: ``run(rows, max_lengths,
-        table, apply_eagle)``, ``rows`` a batch's ``HashBatch.one_values``
-        (int64 ``[n]``, 8-byte keys), ``table`` the index's ``table_view``
-        (the same table), ``max_lengths`` as the caller gave it (checked by
-        ``run``, naming ``max_lengths``), returning the hit as
-        ``find_batch`` does with no spans. The engine holds it until the
-        index or its table changes."""
+        now), or None where the backend has none: ``run(rows, lengths,
+        table, mode)``, ``rows`` a batch's ``HashBatch.one_values`` (int64
+        ``[n]``, 8-byte keys), ``table`` the index's ``table_view`` (the
+        same table), ``mode`` one of :data:`RUN_MODES`, ``lengths`` as the
+        caller gave them (checked by ``run``, naming ``max_lengths``, or
+        ``num_tokens`` in lookup mode), returning the hit (or the tokens to
+        load) as ``find_batch`` (``lookup_batch``) reads it, with no spans.
+        The engine holds it until the index or its table changes."""
         ...
 
-    def batch_runner(self, index: Any) -> Callable[[Any, Any, Any, bool], Any] | None:
+    def batch_runner(self, index: Any) -> Callable[[Any, Any, Any, int], Any] | None:
         """As :meth:`one_runner`, for a step of any number of requests whose
-        host arrays the batch already holds: ``run(host, max_lengths, table,
-        apply_eagle)``, ``host`` the batch's ``host_arrays()`` triple (8-byte
-        keys), the hits as ``find_batch`` gives them with no spans. None where
-        the backend has none."""
+        host arrays the batch already holds: ``run(host, lengths, table,
+        mode)``, ``host`` the batch's ``host_arrays()`` triple (8-byte keys),
+        the answers as an int64 array ``[B]`` on the host. None where the
+        backend has none."""
         ...
 
     def lengths(self, value: Any, name: str, n: int) -> Any:

@@ -32,7 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import BatchBackend, resolve_backend
+from kvhit.coordinator.backend import (
+    RUN_FIND,
+    RUN_FIND_EAGLE,
+    RUN_LOOKUP,
+    BatchBackend,
+    resolve_backend,
+)
 from kvhit.coordinator.candidates import worker_candidates
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.kinds import kind_of
@@ -350,6 +356,34 @@ class LookupEngine:
                 self.impl.batch_runner(index) if run is not None else None,
             )
 
+    def _run_checked(
+        self, batch: Any, lengths: Any, index: Any, mode: int
+    ) -> np.ndarray | int | None:
+        """A step answered by the backend's runners (``mode`` of
+        ``backend.RUN_MODES``), or None where they do not take it: a
+        HashBatch against the index checked last, with the table it had
+        then (its host view is made once per table; the runners exist only
+        for 8-byte keys on the backend's host path), either from_ints' batch
+        of one list or one holding its host arrays. Nothing else is tested
+        here; the runners check the lengths."""
+        checked_index, _, _, run, checked_view, run_many = self._checked
+        if run is None or type(batch) is not HashBatch or index is not checked_index():
+            return None
+        view = index.table_view
+        if view is not checked_view() or view is None:
+            return None
+        rows = batch.one_values
+        if rows is not None:
+            # A scheduler step of one request (from_ints' short path).
+            return run(rows, lengths, view, mode)
+        d = batch.__dict__
+        host = d.get("_host")
+        if host is not None and d.get("hash_bytes") == 8:
+            # A CPU batch holding its host arrays (from_ints' batch of
+            # lists, or one read on the host before).
+            return run_many(host, lengths, view, mode)
+        return None
+
     def _lengths(self, value: Any, name: str, n: int | None) -> torch.Tensor:
         """``value`` (per-request lengths, any form ``kernels/checks.py``
         takes) as an int64 ``[n]`` tensor on the engine's device."""
@@ -396,36 +430,14 @@ class LookupEngine:
         Returns:
             :class:`LookupResult` with ``hit_lengths`` int64 ``[B]``.
         """
-        checked_index, _, _, run, checked_view, run_many = self._checked
-        if (
-            run is not None
-            and type(batch) is HashBatch
-            and index is checked_index()
-            and not with_masks
-        ):
-            view = index.table_view
-            if view is checked_view() and view is not None:
-                # Against the index checked last, with the table it had then
-                # (its host view is made once per table; the runners exist
-                # only for 8-byte keys on the backend's host path): nothing
-                # else to test here; the runners check max_lengths.
-                rows = batch.one_values
-                if rows is not None:
-                    # A scheduler step of one request (from_ints' short
-                    # path: 8-byte keys on the CPU).
-                    result = _new(LookupResult)
-                    result.__dict__["_hits"] = run(rows, max_lengths, view, apply_eagle)
-                    return result
-                d = batch.__dict__
-                host = d.get("_host")
-                if host is not None and d.get("hash_bytes") == 8:
-                    # A CPU batch holding its host arrays (from_ints' batch
-                    # of lists, or one read on the host before).
-                    result = _new(LookupResult)
-                    result.__dict__["_hits"] = run_many(
-                        host, max_lengths, view, apply_eagle
-                    )
-                    return result
+        if not with_masks:
+            hits = self._run_checked(
+                batch, max_lengths, index, RUN_FIND_EAGLE if apply_eagle else RUN_FIND
+            )
+            if hits is not None:
+                result = _new(LookupResult)
+                result.__dict__["_hits"] = hits
+                return result
         self._check_batch(batch, index)
         impl = self.impl
         max_lengths = impl.lengths(max_lengths, "max_lengths", len(batch))
@@ -473,6 +485,9 @@ class LookupEngine:
             present; a hit covering the whole prompt is re-derived at
             ``num_tokens - 1`` so the last token is recomputed.
         """
+        hits = self._run_checked(batch, num_tokens, index, RUN_LOOKUP)
+        if hits is not None:
+            return _hit_tensor(hits)
         self._check_batch(batch, index)
         impl = self.impl
         num_tokens = impl.lengths(num_tokens, "num_tokens", len(batch))

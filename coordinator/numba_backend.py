@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import check_runs_on
+from kvhit.coordinator.backend import (
+    RUN_FIND,
+    RUN_FIND_EAGLE,
+    RUN_LOOKUP,
+    check_runs_on,
+)
 from kvhit.coordinator.int_lists import decoder_ready
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels.checks import host_lengths, host_lengths_or_int
@@ -55,6 +60,17 @@ def _table(index: KeyIndex) -> np.ndarray:
     return np.asarray(table)
 
 
+# The lengths' name in a runner's errors, by mode (backend.RUN_MODES).
+_LENGTHS_NAME = ("max_lengths", "max_lengths", "num_tokens")
+
+
+def _same_modes(sn: Any) -> None:
+    """The runners hand a mode of ``backend.RUN_MODES`` to the kernels as
+    theirs: the two numberings must be one."""
+    if (sn.FIND, sn.FIND_EAGLE, sn.LOOKUP) != (RUN_FIND, RUN_FIND_EAGLE, RUN_LOOKUP):
+        raise AssertionError("scan_numba's modes differ from backend.RUN_MODES")
+
+
 class NumbaBackend:
     """Compiled CPU per-request programs (the ``Backend`` protocol of
     ``coordinator/backend.py``).
@@ -85,8 +101,8 @@ class NumbaBackend:
         self._sg = _np(sg_rows)
         self._cand = _np(cand_rows)
         self._prep_cache = None
-        self._run: Callable[[np.ndarray, Any, np.ndarray, bool], int] | None = None
-        self._run_many: Callable[[tuple, Any, np.ndarray, bool], np.ndarray] | None = (
+        self._run: Callable[[np.ndarray, Any, np.ndarray, int], int] | None = None
+        self._run_many: Callable[[tuple, Any, np.ndarray, int], np.ndarray] | None = (
             None
         )
 
@@ -159,13 +175,14 @@ class NumbaBackend:
             return None
         return self._run or self._make_runner()
 
-    def _make_runner(self) -> Callable[[np.ndarray, Any, np.ndarray, bool], int]:
+    def _make_runner(self) -> Callable[[np.ndarray, Any, np.ndarray, int], int]:
         sn, prep = self._prep_cache or self._prep()
+        _same_modes(sn)
         entry = sn.one_entry(prep)
         plan = prep.one
         lengths = host_lengths_or_int
 
-        def run(rows: np.ndarray, max_lengths: Any, table: Any, eagle: bool) -> int:
+        def run(rows: np.ndarray, max_lengths: Any, table: Any, mode: int) -> int:
             one = max_lengths
             if type(one) is np.ndarray and one.dtype is _INT64 and one.size == 1:
                 # A router's int64 slice [1] as its tolist(): [v] for [1]
@@ -181,7 +198,7 @@ class NumbaBackend:
                 and type(m := one[0]) is int
                 and 0 <= m <= _INT64_MAX
             ):
-                m = lengths(max_lengths, "max_lengths", 1)
+                m = lengths(max_lengths, _LENGTHS_NAME[mode], 1)
                 if type(m) is not int:
                     m = m.item(0)
             # prefetching(1, table), spelled out (read at call time).
@@ -189,38 +206,38 @@ class NumbaBackend:
                 sn.PREFETCH_MIN_REQUESTS <= 1
                 and table.nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
             )
-            return entry(rows, m, table, plan, (2 if eagle else 0) + pf)
+            return entry(rows, m, table, plan, 2 * mode + pf)
 
         self._run = run
         return run
 
     def batch_runner(
         self, index: KeyIndex
-    ) -> Callable[[tuple, Any, np.ndarray, bool], np.ndarray] | None:
+    ) -> Callable[[tuple, Any, np.ndarray, int], np.ndarray] | None:
         """See ``BatchBackend.batch_runner``: where :meth:`one_runner` has a
-        runner, ``run(host, max_lengths, table, apply_eagle)`` answering a
-        batch of 8-byte keys from its ``host_arrays()`` as :meth:`find_batch`
-        does with no spans (int64 numpy ``[B]``), ``max_lengths`` checked
-        here. A step of a few requests then costs its lengths' check and
-        one compiled call: none of find_batch's tests of the batch."""
+        runner, ``run(host, lengths, table, mode)`` answering a batch of
+        8-byte keys from its ``host_arrays()`` as :meth:`find_batch` (no
+        spans) or :meth:`lookup_batch` does (int64 numpy ``[B]``), the
+        lengths checked here. A step of a few requests then costs its
+        lengths' check and one compiled call: none of find_batch's tests of
+        the batch."""
         if self.one_runner(index) is None:
             return None
         return self._run_many or self._make_batch_runner()
 
     def _make_batch_runner(
         self,
-    ) -> Callable[[tuple, Any, np.ndarray, bool], np.ndarray]:
+    ) -> Callable[[tuple, Any, np.ndarray, int], np.ndarray]:
         sn, prep = self._prep_cache or self._prep()
+        _same_modes(sn)
         hits = sn.scan_prepared_hits
         lengths = host_lengths
-        find, eagle_mode = sn.FIND, sn.FIND_EAGLE
         backend = self  # its parallel setting read at call time
 
-        def run(host: tuple, max_lengths: Any, table: Any, eagle: bool) -> np.ndarray:
+        def run(host: tuple, max_lengths: Any, table: Any, mode: int) -> np.ndarray:
             rows, starts, counts = host
-            m = lengths(max_lengths, "max_lengths", starts.shape[0])
-            return hits(prep, rows, starts, counts, m, table,
-                        eagle_mode if eagle else find, backend.parallel)  # fmt: skip
+            m = lengths(max_lengths, _LENGTHS_NAME[mode], starts.shape[0])
+            return hits(prep, rows, starts, counts, m, table, mode, backend.parallel)
 
         self._run_many = run
         return run

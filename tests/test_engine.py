@@ -600,11 +600,15 @@ def test_one_request_steps_equal_the_general_path(layout_fn, data) -> None:
             [[v.to_bytes(8, "little", signed=True) for v in ids]], 8
         )
         want = engine.find_longest_cache_hit(slow, [n], index, eagle).hit_list()
+        load = engine.lookup(slow, [n], index).tolist()
         for lens in ([n], (n,), np.array([n]), np.array([n], np.int32),
                      np.array([n], np.uint64), torch.tensor([n])):  # fmt: skip
             got = engine.find_longest_cache_hit(fast, lens, index, eagle)
             assert got.hit_list() == want
             assert got.hit_lengths.tolist() == want
+            # The worker's lookup through the same runner, its own mode.
+            loaded = engine.lookup(fast, lens, index)
+            assert loaded.dtype == torch.int64 and loaded.tolist() == load
         masks = engine.find_longest_cache_hit(fast, [n], index, eagle, True)
         assert masks.hit_list() == want and masks.masks is not None
         for g in range(layout.num_groups):
@@ -637,6 +641,8 @@ def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
     ]:
         with pytest.raises(exc, match="max_lengths"):
             engine.find_longest_cache_hit(one, bad, index)
+        with pytest.raises(exc, match="num_tokens"):
+            engine.lookup(one, bad, index)
     # Another index, a KeyIndex of another width, a non-index: checked.
     wide = KeyIndex(16, capacity=16)
     with pytest.raises(ValueError, match="hash width"):
@@ -679,12 +685,14 @@ def test_batch_steps_equal_the_general_path(layout_fn, data) -> None:
             [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
         )
         want = engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list()
+        load = engine.lookup(slow, lens, index).tolist()
         for form in (list, tuple, lambda v: np.array(v, np.int64),
                      lambda v: np.array(v, np.uint32),
                      lambda v: torch.tensor(v, dtype=torch.int64)):  # fmt: skip
             got = engine.find_longest_cache_hit(fast, form(lens), index, eagle)
             assert got.hit_list() == want
             assert got.hit_lengths.tolist() == want
+            assert engine.lookup(fast, form(lens), index).tolist() == load
         # The general path's batch, its host arrays now held: the runner too.
         assert "_host" in slow.__dict__ or len(reqs) < 2
         assert (
@@ -721,6 +729,8 @@ def test_batch_step_refuses_what_the_general_path_refuses() -> None:
     ]:
         with pytest.raises(exc, match="max_lengths"):
             engine.find_longest_cache_hit(two, bad, index)
+        with pytest.raises(exc, match="num_tokens"):
+            engine.lookup(two, bad, index)
     # A batch of another width against this index, another index, a
     # non-index: each checked by the general path.
     wide = HashBatch.from_ints([[1, 2], [3]], 16)
