@@ -575,44 +575,73 @@ def test_a_trusted_batch_of_strided_tensors_reads_its_values(n_requests):
 # -- a step of one request: from_ints' batch answered by the backend's runner
 
 
-@pytest.mark.parametrize(
-    "layout_fn",
-    [full_mamba_eagle_layout, merged_swa_eagle_layout, lambda: make_layout("gemma3")],
+# Every form a caller may hold lengths in, made from a list of ints.
+_LENGTH_FORMS = (
+    list,
+    tuple,
+    lambda v: np.array(v, np.int64),
+    lambda v: np.array(v, np.int32),
+    lambda v: np.array(v, np.uint32),
+    lambda v: np.array(v, np.uint64),
+    lambda v: torch.tensor(v, dtype=torch.int64),
 )
-@settings(max_examples=25, deadline=None)
-@given(data=st.data())
-def test_one_request_steps_equal_the_general_path(layout_fn, data) -> None:
-    # The same request as from_ints' one-request batch (the runner's path)
-    # and as from_bytes (the general path), lengths in every form, EAGLE on
-    # and off, the index growing in between: the same hit every time.
+_RUNNER_LAYOUTS = [
+    full_mamba_eagle_layout,
+    merged_swa_eagle_layout,
+    lambda: make_layout("gemma3"),
+]
+
+
+def _runner_steps_equal_the_general_path(layout_fn, data, requests) -> None:
+    """The same requests (drawn from ``requests``) as from_ints' batch (a
+    runner's path: one list the one-request runner, more the batch runner)
+    and as from_bytes (the general path), lengths in every form, EAGLE on
+    and off, the index growing in between: the same hits, and the same
+    tokens to load, every time."""
     layout = layout_fn()
     bs = layout.hash_block_size
     engine = LookupEngine(layout, backend="numba")
     index = KeyIndex(8, capacity=4)  # grows (a new table) as keys come
     stored = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=30))
     for step in range(3):
-        ids = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=40))
-        n = data.draw(st.integers(0, bs * (len(ids) + 2)))
+        reqs = data.draw(requests)
+        lens = [data.draw(st.integers(0, bs * (len(r) + 2))) for r in reqs]
         eagle = data.draw(st.booleans())
-        fast = HashBatch.from_ints([ids])
-        assert fast.one_values is not None
+        fast = HashBatch.from_ints(reqs)
+        if len(reqs) == 1:
+            assert fast.one_values is not None
+        else:
+            assert "_host" in fast.__dict__
         slow = HashBatch.from_bytes(
-            [[v.to_bytes(8, "little", signed=True) for v in ids]], 8
+            [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
         )
-        want = engine.find_longest_cache_hit(slow, [n], index, eagle).hit_list()
-        load = engine.lookup(slow, [n], index).tolist()
-        for lens in ([n], (n,), np.array([n]), np.array([n], np.int32),
-                     np.array([n], np.uint64), torch.tensor([n])):  # fmt: skip
-            got = engine.find_longest_cache_hit(fast, lens, index, eagle)
+        want = engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list()
+        load = engine.lookup(slow, lens, index).tolist()
+        for form in _LENGTH_FORMS:
+            got = engine.find_longest_cache_hit(fast, form(lens), index, eagle)
             assert got.hit_list() == want
             assert got.hit_lengths.tolist() == want
             # The worker's lookup through the same runner, its own mode.
-            loaded = engine.lookup(fast, lens, index)
+            loaded = engine.lookup(fast, form(lens), index)
             assert loaded.dtype == torch.int64 and loaded.tolist() == load
-        masks = engine.find_longest_cache_hit(fast, [n], index, eagle, True)
+        if len(reqs) != 1:
+            # The general path's batch, its host arrays now held: the batch
+            # runner too.
+            assert "_host" in slow.__dict__ or len(reqs) < 2
+            hits = engine.find_longest_cache_hit(slow, lens, index, eagle)
+            assert hits.hit_list() == want
+        masks = engine.find_longest_cache_hit(fast, lens, index, eagle, True)
         assert masks.hit_list() == want and masks.masks is not None
         for g in range(layout.num_groups):
             index.add(g, HashBatch.from_ints([stored[: 10 * (step + 1)]]))
+
+
+@pytest.mark.parametrize("layout_fn", _RUNNER_LAYOUTS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_one_request_steps_equal_the_general_path(layout_fn, data) -> None:
+    ids = st.lists(st.integers(0, 40), min_size=0, max_size=40)
+    _runner_steps_equal_the_general_path(layout_fn, data, st.tuples(ids).map(list))
 
 
 def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
@@ -658,50 +687,14 @@ def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
 # the backend's batch runner
 
 
-@pytest.mark.parametrize(
-    "layout_fn",
-    [full_mamba_eagle_layout, merged_swa_eagle_layout, lambda: make_layout("gemma3")],
-)
+@pytest.mark.parametrize("layout_fn", _RUNNER_LAYOUTS)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_batch_steps_equal_the_general_path(layout_fn, data) -> None:
-    # The same requests as from_ints' batch of lists (host arrays held: the
-    # batch runner's path) and as from_bytes before its host arrays exist
-    # (the general path), lengths in every form, EAGLE on and off, the
-    # index growing in between: the same hits every time.
-    layout = layout_fn()
-    bs = layout.hash_block_size
-    engine = LookupEngine(layout, backend="numba")
-    index = KeyIndex(8, capacity=4)  # grows (a new table) as keys come
-    stored = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=30))
-    for step in range(3):
-        reqs = data.draw(
-            st.lists(st.lists(st.integers(0, 40), max_size=30), min_size=0, max_size=6)
-        )
-        lens = [data.draw(st.integers(0, bs * (len(r) + 2))) for r in reqs]
-        eagle = data.draw(st.booleans())
-        fast = HashBatch.from_ints(reqs)
-        slow = HashBatch.from_bytes(
-            [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
-        )
-        want = engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list()
-        load = engine.lookup(slow, lens, index).tolist()
-        for form in (list, tuple, lambda v: np.array(v, np.int64),
-                     lambda v: np.array(v, np.uint32),
-                     lambda v: torch.tensor(v, dtype=torch.int64)):  # fmt: skip
-            got = engine.find_longest_cache_hit(fast, form(lens), index, eagle)
-            assert got.hit_list() == want
-            assert got.hit_lengths.tolist() == want
-            assert engine.lookup(fast, form(lens), index).tolist() == load
-        # The general path's batch, its host arrays now held: the runner too.
-        assert "_host" in slow.__dict__ or len(reqs) < 2
-        assert (
-            engine.find_longest_cache_hit(slow, lens, index, eagle).hit_list() == want
-        )
-        masks = engine.find_longest_cache_hit(fast, lens, index, eagle, True)
-        assert masks.hit_list() == want
-        for g in range(layout.num_groups):
-            index.add(g, HashBatch.from_ints([stored[: 10 * (step + 1)]]))
+    requests = st.lists(
+        st.lists(st.integers(0, 40), max_size=30), min_size=0, max_size=6
+    )
+    _runner_steps_equal_the_general_path(layout_fn, data, requests)
 
 
 def test_batch_step_refuses_what_the_general_path_refuses() -> None:
