@@ -207,6 +207,20 @@ def test_lean_b1_path_answers_fresh_arrays(preset):
     assert any(want)
 
 
+def _prepared_case(data):
+    """``(prep, table, rows, starts, lengths)`` of a ``case``: the layout's
+    prepared plan (its programs loaded), the store's table view and the
+    requests' host arrays."""
+    layout, requests, exists, _ = data
+    plan = ScanPlan.from_layout(layout)
+    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
+    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
+    scan_numba.warm_up(prep)
+    table = key_index(exists).table_view
+    rows, starts, lengths = HashBatch.from_bytes(requests, 8, "cpu").host_arrays()
+    return prep, table, rows, starts, lengths
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @settings(max_examples=EXAMPLES)
 @given(data=case(max_requests=4))
@@ -214,14 +228,8 @@ def test_scan_one_answers_as_the_batch_launcher(prefetch, data):
     # The one-request program (called through numba's compiled wrapper, no
     # dispatcher) gives each request's batch-launcher answer in every mode,
     # prefetching too (forced: one request never reaches it by the rule).
-    layout, requests, exists, lens = data
-    plan = ScanPlan.from_layout(layout)
-    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
-    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
-    scan_numba.warm_up(prep)
-    table = key_index(exists).table_view
-    batch = HashBatch.from_bytes(requests, 8, "cpu")
-    rows, starts, lengths = batch.host_arrays()
+    prep, table, rows, starts, lengths = _prepared_case(data)
+    lens = data[3]
     with _prefetching(prefetch):
         for mode in (scan_numba.FIND, scan_numba.FIND_EAGLE, scan_numba.LOOKUP):
             want = scan_numba.scan_prepared(
@@ -249,14 +257,8 @@ def test_scan_hits_answers_as_the_batch_launcher(prefetch, parallel, data):
     # its scratch made in numba) gives the batch launcher's hits in every
     # mode, prefetching or not, serial or threaded (through scan_prepared),
     # for empty and one-request batches too; each call a fresh array.
-    layout, requests, exists, lens = data
-    plan = ScanPlan.from_layout(layout)
-    sg_rows, cand_rows = plan_tensors(plan, torch.device("cpu"))
-    prep = scan_numba.prepare_scan(sg_rows.numpy(), cand_rows.numpy(), plan.params)
-    scan_numba.warm_up(prep)
-    table = key_index(exists).table_view
-    batch = HashBatch.from_bytes(requests, 8, "cpu")
-    rows, starts, lengths = batch.host_arrays()
+    prep, table, rows, starts, lengths = _prepared_case(data)
+    lens = data[3]
     tl = np.array(lens, dtype=np.int64)
     with _prefetching(prefetch):
         for mode in (scan_numba.FIND, scan_numba.FIND_EAGLE, scan_numba.LOOKUP):
