@@ -81,6 +81,7 @@ __all__ = [
     "PREFETCH_MIN_REQUESTS",
     "PREFETCH_MIN_TABLE_BYTES",
     "ScanPrep",
+    "batch_hits",
     "count_probes",
     "find_hits",
     "lookup_hits",
@@ -450,7 +451,11 @@ def _batch_one(values, max_len, table, plan, k):  # fmt: skip
 # not thirteen, and Python makes only the hits array (boxing a returned one
 # costs more): a step of two requests 2.76 -> 2.11 us, eight 3.78 -> 3.06.
 @numba.njit(cache=True, nogil=True)
-def _batch_hits(rows, starts, lengths, token_lengths, table, plan, k, hit):  # fmt: skip
+def batch_hits(rows, starts, lengths, token_lengths, table, plan, k, hit):  # fmt: skip
+    """The serial batch's hits into ``hit`` (int64 ``[R]``): :func:`scan_prepared`'s
+    contract (no checks), the plan ``ScanPrep.one`` and ``k`` = 2 * mode +
+    prefetch, as :func:`scan_prepared_hits` hands them. Also called from
+    other numba kernels (``scan_numba_lists``)."""
     n = starts.shape[0]
     sg, cand, prm, mask_spans, scratch, gscr, _ = _plan_views(plan, k, n, 0)
     # starts stands in for token_lens, which no mode of a prepared plan reads.
@@ -571,7 +576,7 @@ class ScanPrep:
         self.n_sg, self.n_groups = sg.shape[0], cand.shape[0]
         self.n_homes = _homes_cols(sg)
         # What scan_one hands _batch_one, and scan_prepared_hits
-        # _batch_hits: the header, the rows of sg and
+        # batch_hits: the header, the rows of sg and
         # cand, and the parameter vectors (prm[mode][pf] at 2 * mode + pf),
         # all in one int64 array: one array to unbox per call, not three.
         head = (self.n_sg, sg.shape[1], self.n_groups, cand.shape[1], self.n_homes)
@@ -682,7 +687,7 @@ def scan_prepared(
     return hit, (None if mode == LOOKUP else mask_spans)
 
 
-#: ``_batch_one``'s and ``_batch_hits``' compiled wrappers for their one
+#: ``_batch_one``'s and ``batch_hits``' compiled wrappers for their one
 #: signature (C-contiguous int64 arrays, int64 scalars), each held once numba
 #: has it (empty until then; see :func:`_entry`).
 _ONE_ENTRY: list[Any] = []
@@ -691,7 +696,7 @@ _HITS_ENTRY: list[Any] = []
 
 def _entry(held: list[Any], dispatcher: Any, *like: Any) -> Any:
     """What :func:`scan_one` (``_batch_one``) and :func:`scan_prepared_hits`
-    (``_batch_hits``) call: numba's compiled wrapper for the one signature
+    (``batch_hits``) call: numba's compiled wrapper for the one signature
     of the example arguments ``like``, which skips the dispatcher's typing
     (~0.2 us of a ~2 us step of one request), or the dispatcher itself
     until that signature is compiled or loaded (or where a numba release
@@ -713,7 +718,7 @@ def _one_entry() -> Any:
 
 def _hits_entry() -> Any:
     a1, a2 = np.empty(1, np.int64), np.empty((1, 1), np.int64)
-    return _entry(_HITS_ENTRY, _batch_hits, a2, a1, a1, a1, a2, a1, 0, a1)
+    return _entry(_HITS_ENTRY, batch_hits, a2, a1, a1, a1, a2, a1, 0, a1)
 
 
 def one_entry(prep: ScanPrep) -> Any:
