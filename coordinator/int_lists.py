@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["decoder_ready", "int_list", "int_lists"]
+__all__ = ["decoder_ready", "encode_lists", "int_list", "int_lists"]
 
 _INT64 = np.dtype(np.int64)
 # msgspec's encoder, imported with the decoder: the GPU machine's bare
@@ -124,3 +124,17 @@ def int_list(values: list[Any]) -> np.ndarray | None:
     if n < 0:
         return None
     return out[3 : 3 + n]
+
+
+def encode_lists(lists: list[Any]) -> bytes | None:
+    """``lists`` as msgpack, msgspec writing each item as what it is (the
+    bytes ``kernels/msgpack_numba.unpack_int_lists`` and the kernels built
+    on it read), or None when the decoder is not loaded or msgspec cannot
+    write an item (a numpy integer, a value past 2**64): the caller then
+    takes its general path."""
+    if (_unpack or _loaded()) is None:
+        return None
+    try:
+        return _encode(lists)  # type: ignore[misc]  # set with _unpack
+    except Exception:  # noqa: BLE001  # as int_lists
+        return None
