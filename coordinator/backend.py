@@ -196,6 +196,19 @@ class BatchBackend(Backend, Protocol):
         backend has none."""
         ...
 
+    def lists_runner(
+        self, index: Any
+    ) -> Callable[[list, Any, Any, int, int], list[int] | None] | None:
+        """As :meth:`one_runner`, for a step as a router holds it: ``run(requests,
+        lengths, table, mode, block_size)``, ``requests`` the caller's list of
+        ``B`` requests (8-byte keys as ints), ``lengths`` as the caller gave
+        them, ``block_size`` an int in ``[1, 2**63)``: the answers floor-divided
+        by it as ``B`` Python ints, or None where ``run`` does not take the
+        step (an item it does not read, a form of the lengths it has no way
+        for): the engine then packs the batch and takes the general path,
+        which names what is wrong. None where the backend has none."""
+        ...
+
     def lengths(self, value: Any, name: str, n: int) -> Any:
         """``value`` (``n`` per-request lengths in any form a caller holds
         them) checked once (``kernels/checks.py``) and in the form this
@@ -278,6 +291,10 @@ class ViewBackend:
 
     def batch_runner(self, index: Any) -> None:
         """See :meth:`BatchBackend.batch_runner`: none."""
+        return None
+
+    def lists_runner(self, index: Any) -> None:
+        """See :meth:`BatchBackend.lists_runner`: none."""
         return None
 
     def lengths(self, value: Any, name: str, n: int) -> torch.Tensor:

@@ -297,11 +297,11 @@ class LookupEngine:
         # The last index _check_batch accepted, its table then, its width,
         # the backend's one-request runner for it and the table's host view
         # then (weak references: the engine must not keep a dropped table
-        # alive), set as one tuple, so a thread never reads half of
-        # another's update.
+        # alive), its batch runner and its lists runner, set as one tuple,
+        # so a thread never reads half of another's update.
         self._checked: tuple[
-            Callable[[], Any], Callable[[], Any], int, Any, Callable[[], Any], Any
-        ] = (_nothing, _nothing, 0, None, _nothing, None)
+            Callable[[], Any], Callable[[], Any], int, Any, Callable[[], Any], Any, Any
+        ] = (_nothing, _nothing, 0, None, _nothing, None, None)
         if hasattr(self.impl, "cpu_threads"):
             self.impl.cpu_threads = cpu_threads
         if warm:
@@ -312,7 +312,7 @@ class LookupEngine:
     def _check_batch(
         self, batch: Any, index: KeyIndex | None, need_index: bool = True
     ) -> None:
-        checked_index, checked_table, checked_width, _, _, _ = self._checked
+        checked_index, checked_table, checked_width = self._checked[:3]
         if (
             type(index) is KeyIndex
             and type(batch) is HashBatch
@@ -354,6 +354,7 @@ class LookupEngine:
                 # the same table (a runner exists only where there is one).
                 weakref.ref(view) if run is not None else _nothing,
                 self.impl.batch_runner(index) if run is not None else None,
+                self.impl.lists_runner(index) if run is not None else None,
             )
 
     def _run_checked(
@@ -366,7 +367,7 @@ class LookupEngine:
         for 8-byte keys on the backend's host path), either from_ints' batch
         of one list or one holding its host arrays. Nothing else is tested
         here; the runners check the lengths."""
-        checked_index, _, _, run, checked_view, run_many = self._checked
+        checked_index, _, _, run, checked_view, run_many, _ = self._checked
         if run is None or type(batch) is not HashBatch or index is not checked_index():
             return None
         view = index.table_view
@@ -450,6 +451,62 @@ class LookupEngine:
         if type(hit) is not torch.Tensor:
             hit = _hit_tensor(hit)
         return LookupResult(hit, masks, lengths)
+
+    def find_hit_list(
+        self,
+        requests: HashBatch | Sequence[Sequence[int] | np.ndarray],
+        max_lengths: torch.Tensor | np.ndarray | Sequence[int],
+        index: KeyIndex,
+        apply_eagle: bool = True,
+        block_size: int = 1,
+    ) -> list[int]:
+        """A router's step in one call: every request's longest cache hit as
+        Python ints, in blocks of ``block_size`` tokens. The answer of
+        ``find_longest_cache_hit(HashBatch.from_ints(requests,
+        index.hash_bytes, engine.device), max_lengths, index,
+        apply_eagle).hit_list(block_size)``, its errors too.
+
+        Args:
+            requests: ``B`` requests' block hashes in any form
+                :meth:`HashBatch.from_ints` takes (a list of lists of Python
+                ints is the fast one), or a :class:`HashBatch`.
+            max_lengths: ``B`` lengths, the most tokens each hit may cover
+                (a list of ints, an integer numpy array, a tensor: any form
+                :meth:`find_longest_cache_hit` takes).
+            index: the store's keys.
+            apply_eagle: apply the EAGLE last-block drop.
+            block_size: tokens per block of the answer (``hit //
+                block_size``), an int in ``[1, 2**63)``.
+
+        Returns ``B`` Python ints. Where the backend has a lists runner
+        (numba, 8-byte keys, an index this engine checked before with the
+        table it holds now), a list of lists of ints and lengths as a list
+        of ints or an integer numpy array take it: one encode and one
+        compiled call, none of the batch's, the result's or the lengths'
+        Python objects. Anything it does not take goes the general way.
+
+        Raises TypeError / ValueError naming the argument, as the general
+        way does (``requests`` by request and position, ``block_size``).
+        """
+        if type(block_size) is not int or not 0 < block_size <= INT64_MAX:
+            # Checked before any work (an int from here on: hit_list's own
+            # test then passes at once).
+            block_size = check_int(block_size, "block_size", 1, INT64_MAX + 1)
+        elif type(requests) is list:
+            checked_index, _, _, _, checked_view, _, lists = self._checked
+            if lists is not None and index is checked_index():
+                view = index.table_view
+                if view is checked_view() and view is not None:
+                    mode = RUN_FIND_EAGLE if apply_eagle else RUN_FIND
+                    hits = lists(requests, max_lengths, view, mode, block_size)
+                    if hits is not None:
+                        return hits
+        if not isinstance(requests, HashBatch):
+            width = index.hash_bytes if isinstance(index, KeyIndex) else 8
+            requests = HashBatch.from_ints(requests, width, self.device)
+        return self.find_longest_cache_hit(
+            requests, max_lengths, index, bool(apply_eagle)
+        ).hit_list(block_size)
 
     def load_masks(
         self, batch: HashBatch, token_lens: torch.Tensor | Sequence[int]

@@ -25,7 +25,7 @@ from kvhit.coordinator.backend import (
     RUN_LOOKUP,
     check_runs_on,
 )
-from kvhit.coordinator.int_lists import decoder_ready
+from kvhit.coordinator.int_lists import decoder_ready, encode_lists
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels.checks import host_lengths, host_lengths_or_int
 
@@ -105,6 +105,7 @@ class NumbaBackend:
         self._run_many: Callable[[tuple, Any, np.ndarray, int], np.ndarray] | None = (
             None
         )
+        self._run_lists: Callable[..., list[int] | None] | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -120,10 +121,14 @@ class NumbaBackend:
     def warm_up(self) -> None:
         """``BatchBackend.warm_up``: the plan's rows built and the compiled
         batch programs loaded (or compiled, on a cold cache) now, and
-        ``from_ints``' list decoder with them."""
+        ``from_ints``' list decoder with them, and the lists runner's
+        program (``kernels/scan_numba_lists.py``)."""
         sn, prep = self._prep()
         sn.warm_up(prep)
         decoder_ready()
+        from kvhit.kernels import scan_numba_lists
+
+        scan_numba_lists.warm_up(prep.one)
 
     # -- the host path: the engine's calls, without torch in the loop --------
     #
@@ -240,6 +245,72 @@ class NumbaBackend:
             return hits(prep, rows, starts, counts, m, table, mode, backend.parallel)
 
         self._run_many = run
+        return run
+
+    def lists_runner(
+        self, index: KeyIndex
+    ) -> Callable[[list, Any, np.ndarray, int, int], list[int] | None] | None:
+        """See ``BatchBackend.lists_runner``: where :meth:`one_runner` has a
+        runner, ``run(requests, lengths, table, mode, block_size)`` taking a
+        list of requests msgspec writes as ints and lengths as a list of
+        Python ints (its items exactly ``int``: what ``host_lengths`` takes
+        of them, nothing msgspec would write by value) or a 1-D integer numpy
+        array; the step as msgpack, read and scanned in one compiled call
+        (``kernels/scan_numba_lists.py``). None for anything else, and for a
+        step the launcher could spread over threads (``scan_numba.threaded``
+        of the message's length, a bound on its keys)."""
+        if self.one_runner(index) is None:
+            return None
+        return self._run_lists or self._make_lists_runner()
+
+    def _make_lists_runner(self) -> Callable[..., list[int] | None]:
+        sn, prep = self._prep_cache or self._prep()
+        _same_modes(sn)
+        from kvhit.kernels import scan_numba_lists
+
+        scan_numba_lists.warm_up(prep.one)
+        entry = scan_numba_lists.lists_entry()
+        plan = prep.one
+        encode, threaded, empty = encode_lists, sn.threaded, np.empty
+        ints, lists = frozenset((int,)), frozenset((list,))
+        backend = self  # its parallel setting read at call time
+
+        def run(
+            requests: list, lengths: Any, table: Any, mode: int, block_size: int
+        ) -> list[int] | None:
+            b = len(requests)
+            # Lists alone (one tested inline): msgspec writes a set as an
+            # array too, in set order, which from_ints refuses by name.
+            if not (b == 1 and type(requests[0]) is list) and not (
+                lists.issuperset(map(type, requests))
+            ):
+                return None
+            t = type(lengths)
+            if t is list:
+                # One length tested inline: the type scan costs ~0.15 us.
+                one = len(lengths) == 1 and type(lengths[0]) is int
+                if not one and not ints.issuperset(map(type, lengths)):
+                    return None
+            elif t is np.ndarray and lengths.ndim == 1 and lengths.dtype.kind in "iu":
+                # Python ints: past int64 msgspec writes a uint64, refused.
+                lengths = lengths.tolist()
+            else:
+                return None
+            # The lengths as one more list: the kernel checks its length.
+            msg = encode(requests + [lengths])
+            if msg is None or threaded(b, len(msg), backend.parallel):
+                return None
+            # prefetching(b, table), spelled out (read at call time).
+            pf = (
+                b >= sn.PREFETCH_MIN_REQUESTS
+                and table.nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
+            )
+            hit = empty(b, _INT64)
+            if entry(msg, table, plan, 2 * mode + pf, block_size, hit) < 0:
+                return None
+            return hit.tolist()
+
+        self._run_lists = run
         return run
 
     def find_batch(
