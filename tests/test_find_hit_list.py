@@ -1,0 +1,302 @@
+"""``LookupEngine.find_hit_list``: a router's step from its Python lists.
+
+Its answer is ``find_longest_cache_hit(HashBatch.from_ints(...)).hit_list(
+block_size)``'s, on every backend; on the numba backend a list of lists of
+ints takes the lists runner (``kernels/scan_numba_lists.py``), which must
+give that answer bit for bit and refuse, for the general path to name,
+everything that path refuses.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import full_mamba_eagle_layout, merged_swa_eagle_layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhit import HashBatch, KeyIndex, LookupEngine
+from kvhit.bench.workloads import make_layout
+from kvhit.coordinator.backend import RUN_FIND, RUN_FIND_EAGLE
+from kvhit.kernels import scan_numba_lists
+from kvhit.kernels.scan_numba_lists import REFUSED, lists_hits
+
+EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "40"))
+
+_LAYOUTS = [
+    full_mamba_eagle_layout,
+    merged_swa_eagle_layout,
+    lambda: make_layout("gemma3"),
+    lambda: make_layout("llama"),
+]
+_LENGTH_FORMS = (
+    list,
+    tuple,
+    lambda v: np.array(v, np.int64),
+    lambda v: np.array(v, np.int32),
+    lambda v: np.array(v, np.uint64),
+    lambda v: torch.tensor(v, dtype=torch.int64),
+)
+# Hash ids as a router reads them: raw trace ids (0 and 1 included), and
+# 64-bit hashes of either sign, with collisions between requests.
+_IDS = st.one_of(st.integers(0, 40), st.integers(-(2**63), 2**63 - 1))
+
+
+def _general(engine, reqs, lens, index, eagle, block_size):
+    """The documented equivalent, through the general path (from_bytes)."""
+    batch = HashBatch.from_bytes(
+        [[v.to_bytes(8, "little", signed=True) for v in r] for r in reqs], 8
+    )
+    return engine.find_longest_cache_hit(batch, lens, index, eagle).hit_list(block_size)
+
+
+def _runner(engine):
+    """The lists runner the engine holds for its last checked index."""
+    return engine._checked[6]
+
+
+@pytest.mark.parametrize("layout_fn", _LAYOUTS)
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_steps_equal_the_general_path(layout_fn, data) -> None:
+    layout = layout_fn()
+    bs = layout.hash_block_size
+    engine = LookupEngine(layout, backend="numba")
+    reference = LookupEngine(layout, backend="reference")
+    index = KeyIndex(8, capacity=4)  # grows (a new table) as keys come
+    stored = data.draw(st.lists(_IDS, max_size=40))
+    for step in range(3):
+        reqs = data.draw(st.lists(st.lists(_IDS, max_size=30), max_size=7))
+        lens = [data.draw(st.integers(0, bs * (len(r) + 2))) for r in reqs]
+        eagle = data.draw(st.booleans())
+        block_size = data.draw(st.sampled_from([1, 2, bs, 3 * bs + 1, 2**63 - 1]))
+        want = _general(engine, reqs, lens, index, eagle, block_size)
+        assert reference.find_hit_list(reqs, lens, index, eagle, block_size) == want
+        for form in _LENGTH_FORMS:
+            got = engine.find_hit_list(reqs, form(lens), index, eagle, block_size)
+            assert got == want and all(type(h) is int for h in got)
+        # The runner took the step itself (not the general path after it).
+        mode = RUN_FIND_EAGLE if eagle else RUN_FIND
+        assert _runner(engine)(reqs, lens, index.table_view, mode, block_size) == want
+        for g in range(layout.num_groups):
+            index.add(g, HashBatch.from_ints([stored[: 12 * (step + 1)]]))
+
+
+@pytest.mark.parametrize("threads", [True, False, None])
+def test_threads_setting_and_every_store(threads) -> None:
+    layout = merged_swa_eagle_layout()
+    engine = LookupEngine(layout, backend="numba")
+    engine.impl.parallel = threads
+    reqs = [list(range(k, k + 40)) for k in range(0, 30, 3)] + [[], [7]]
+    lens = [16 * len(r) for r in reqs]
+    empty = KeyIndex(8)
+    full = KeyIndex(8)
+    for g in range(layout.num_groups):
+        full.add(g, HashBatch.from_ints(reqs))
+    for index in (empty, full):
+        want = _general(engine, reqs, lens, index, True, 16)
+        assert engine.find_hit_list(reqs, lens, index, block_size=16) == want
+        assert engine.find_hit_list(reqs, lens, index, block_size=16) == want
+    assert engine.find_hit_list([], [], full) == []
+    assert engine.find_hit_list([[]], [0], full) == [0]
+
+
+def test_other_forms_take_the_general_path() -> None:
+    layout = full_mamba_eagle_layout()
+    engine = LookupEngine(layout, backend="numba")
+    index = KeyIndex(8)
+    for g in range(layout.num_groups):
+        index.add(g, HashBatch.from_ints([[1, 2, 3, 0]]))
+    lens = [64, 64]
+    reqs = [[1, 2, 3, 0, 9], [5]]
+    want = _general(engine, reqs, lens, index, True, 1)
+    assert want[0] > 0
+
+    class Small(enum.IntEnum):
+        ONE = 1
+
+    for form in (
+        reqs,
+        [np.array(r, np.int64) for r in reqs],
+        [np.array(r, np.uint32) for r in reqs],
+        [torch.tensor(r) for r in reqs],
+        [tuple(r) for r in reqs],
+        [[np.int64(v) for v in r] for r in reqs],
+        (reqs[0], reqs[1]),
+        HashBatch.from_ints(reqs),
+    ):
+        assert engine.find_hit_list(form, lens, index) == want, form
+    # Lengths the runner leaves to host_lengths: numpy ints, an IntEnum.
+    assert engine.find_hit_list(reqs, [np.int64(64), 64], index) == want
+    assert engine.find_hit_list(reqs[1:], [Small.ONE], index) == [0]
+    # A 16-byte index: the general path packs with its width.
+    wide = KeyIndex(16)
+    wide.add(0, HashBatch.from_ints([[1, 2, 3, 0]], 16))
+    wide.add(1, HashBatch.from_ints([[1, 2, 3, 0]], 16))
+    got = engine.find_longest_cache_hit(HashBatch.from_ints(reqs, 16), lens, wide)
+    assert engine.find_hit_list(reqs, lens, wide, block_size=16) == got.hit_list(16)
+    assert got.hit_list()[0] > 0
+    # Every other backend: the general path.
+    for backend in ("torch", "reference"):
+        other = LookupEngine(layout, backend=backend)
+        assert other.find_hit_list(reqs, lens, index) == want
+
+
+class _Color(enum.Enum):
+    RED = 3
+
+
+_BAD_REQUESTS = [
+    [[1, True]],
+    [[1, 2.0]],
+    [[1, None]],
+    [[1, "2"]],
+    [[1, [2]]],
+    [[1, 1 << 63]],
+    [[1, -(1 << 63) - 1]],
+    [[1, 1 << 64]],
+    [{1, 2}],
+    [[1], {1, 2}],
+    [[1], frozenset((1, 2))],
+    [5],
+    [None],
+    None,
+    "ab",
+]
+_BAD_LENGTHS = [
+    [-1],
+    [1 << 63],
+    [True],
+    [1.0],
+    [_Color.RED],
+    [1, 2],
+    [],
+    None,
+    5,
+    np.array([-1]),
+    np.array([1.0]),
+    np.array([True]),
+    np.array([1 << 63], np.uint64),
+    np.array([[4]]),
+    torch.tensor([-1]),
+]
+
+
+@pytest.mark.parametrize("block_size", [0, -1, 1 << 63, 2.0, True, None, "4"])
+def test_a_bad_block_size_is_named_before_any_work(block_size) -> None:
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
+    index = KeyIndex(8)
+    with pytest.raises((TypeError, ValueError), match="block_size"):
+        engine.find_hit_list([[1]], [16], index, block_size=block_size)
+    # Even with requests that would be refused: the block size first.
+    with pytest.raises((TypeError, ValueError), match="block_size"):
+        engine.find_hit_list([[True]], [16], index, block_size=block_size)
+    assert engine.find_hit_list([[1]], [16], index, block_size=np.int64(4)) == [0]
+
+
+def _error(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("bad", _BAD_REQUESTS, ids=repr)
+def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
+    index = KeyIndex(8)
+    # A first good step: the engine holds the index's runner from here on.
+    assert engine.find_hit_list([[1, 2]], [32], index) == [0]
+    assert _runner(engine) is not None
+    lens = [32] * (len(bad) if isinstance(bad, list) else 1)
+
+    def general():
+        batch = HashBatch.from_ints(bad)
+        return engine.find_longest_cache_hit(batch, lens, index).hit_list()
+
+    assert _error(lambda: engine.find_hit_list(bad, lens, index)) == _error(general)
+
+
+@pytest.mark.parametrize("bad", _BAD_LENGTHS, ids=repr)
+def test_bad_lengths_raise_what_the_general_path_raises(bad) -> None:
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
+    index = KeyIndex(8)
+    assert engine.find_hit_list([[1, 2]], [32], index) == [0]
+    one = [[1, 2, 3]]
+
+    def general():
+        batch = HashBatch.from_ints(one)
+        return engine.find_longest_cache_hit(batch, bad, index).hit_list()
+
+    got = _error(lambda: engine.find_hit_list(one, bad, index))
+    assert got == _error(general)
+    assert "max_lengths" in got[1]
+
+
+def test_the_index_is_checked() -> None:
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
+    index = KeyIndex(8)
+    assert engine.find_hit_list([[1]], [16], index) == [0]
+    with pytest.raises(TypeError, match="index"):
+        engine.find_hit_list([[1]], [16], {1: 2})
+    with pytest.raises(TypeError, match="index"):
+        engine.find_hit_list([[1]], [16], None)
+    # A new table (the index grew) is checked again, then answered.
+    for g in range(2):
+        index.add(g, HashBatch.from_ints([list(range(1, 200))]))
+    assert engine.find_hit_list([[1, 2, 3]], [48], index) == [32]
+
+
+# -- the kernel itself ---------------------------------------------------------
+
+
+def _plan():
+    engine = LookupEngine(make_layout("llama"), backend="numba")
+    return engine.impl._prep()[1].one
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        b"",  # nothing
+        b"\x91\x90",  # one list: no lengths list
+        b"\x92\x91\x01\x92\x10\x10",  # two lengths for one request
+        b"\x92\x91\x01\x90",  # no length for one request
+        b"\x92\x91\x01\x91\xff",  # a negative length
+        b"\x92\x91\xc3\x91\x10",  # a bool as a key
+        b"\x92\x91\x01\x91\xc2",  # a bool as a length
+        b"\x92\x91\xcf\x80\x00\x00\x00\x00\x00\x00\x00\x91\x10",  # past int64
+        b"\x92\x91\x01\x91\x10\x00",  # a byte past the end
+        b"\x92\x91\x01\x91",  # cut short
+        b"\x93\x91\x01\x91\x10\x91\x10",  # three lists for one request
+    ],
+)
+def test_the_kernel_refuses_what_it_does_not_take(msg) -> None:
+    table = np.full((8, 2), -1, np.int64)
+    hit = np.full(1, 99, np.int64)
+    assert lists_hits(msg, table, _plan(), 0, 1, hit) == REFUSED
+
+
+def test_the_kernel_answers_a_step() -> None:
+    plan = _plan()
+    index = KeyIndex(8)
+    index.add(0, HashBatch.from_ints([[0, 1, 2]]))
+    table = index.table_view
+    # [[0, 1, 2, 3], [1], []] at [64, 16, 0], then the lengths.
+    msg = b"\x94\x94\x00\x01\x02\x03\x91\x01\x90\x93\x40\x10\x00"
+    hit = np.empty(3, np.int64)
+    assert lists_hits(msg, table, plan, 0, 1, hit) == 3
+    assert hit.tolist() == [48, 16, 0]
+    assert lists_hits(msg, table, plan, 0, 16, hit) == 3
+    assert hit.tolist() == [3, 1, 0]
+
+
+def test_warm_up_loads_the_kernel() -> None:
+    scan_numba_lists.warm_up(_plan())
+    assert lists_hits.signatures
+    assert scan_numba_lists.lists_entry() is not lists_hits
