@@ -3,10 +3,13 @@
 A router holds each request's block ids as it read them (a Mooncake trace's
 ``hash_ids``: raw ints from 0, so 0 and 1 in nearly every request) in Python
 lists, and the prompt lengths in a list. :func:`peer_sweep` replays the trace
-in steps of ``B`` requests on exactly those inputs, kvhit (``HashBatch
-.from_ints`` packing, ``find_longest_cache_hit``, one ``KeyIndex.add`` per
-step) and Dynamo's ``RadixTree`` (one ``find_matches`` per request, one stored
-event per request), every answer compared, in both orders:
+in steps of ``B`` requests on exactly those inputs, kvhit (one
+``LookupEngine.find_hit_list`` of the step's lists, then one ``KeyIndex.add``
+of the blocks past each hit, packed by ``HashBatch.from_ints``; ``call=
+"batch"``: ``from_ints`` of the step, ``find_longest_cache_hit`` and
+``hit_list``, the store reusing the packed rows) and Dynamo's ``RadixTree``
+(one ``find_matches`` per request, one stored event per request), every
+answer compared, in both orders:
 
 * ``alternate``: step by step, both sides: what a host running both side by
   side sees (each pays for the cache state the other leaves behind). The side
@@ -43,6 +46,7 @@ from kvhit.bench.traces import TRACE_BLOCK_SIZE
 
 __all__ = [
     "PEER_BLOCK_SIZE",
+    "PEER_CALLS",
     "PEER_IDS",
     "PEER_LENGTHS",
     "PEER_ORDERS",
@@ -70,6 +74,10 @@ PEER_ORDERS = ("separate", "alternate")
 #: of the router's list) or a ``numpy`` int64 array (a slice of the router's
 #: array).
 PEER_LENGTHS = ("list", "numpy")
+#: How kvhit's lookup is called: ``lists`` (``LookupEngine.find_hit_list`` of
+#: the router's lists: one call) or ``batch`` (``HashBatch.from_ints``, then
+#: ``find_longest_cache_hit``, then ``hit_list``).
+PEER_CALLS = ("lists", "batch")
 
 
 class PeerMismatchError(Exception):
@@ -100,11 +108,13 @@ class PeerRow:
         batch_size: requests per step (the last step may be shorter).
         requests: requests replayed (each checked).
         kvhit_lookup_s: kvhit's seconds per request, the median over the
-            steps of a step's time / its requests: ``HashBatch.from_ints``
-            of the step's lists plus ``find_longest_cache_hit`` plus the
-            answer read as Python ints in blocks (``hit_list(block_size)``), as the
-            peer's time includes its Python ints.
-        kvhit_pack_s: the ``from_ints`` part of it (median likewise).
+            steps of a step's time / its requests: the answer in blocks as
+            Python ints from the step's lists (as the peer's time includes
+            its Python ints), by ``find_hit_list``, or by
+            ``HashBatch.from_ints`` plus ``find_longest_cache_hit`` plus
+            ``hit_list(block_size)`` (``call="batch"``).
+        kvhit_pack_s: the ``from_ints`` part of it (median likewise); NaN
+            for ``find_hit_list``, which packs inside its one call.
         peer_lookup_s: the peer's seconds per request (median likewise).
         lookup_ratio: ``peer_lookup_s / kvhit_lookup_s``.
         kvhit_store_bps, peer_store_bps: blocks stored per second (each
@@ -188,17 +198,24 @@ def step_inputs(
 
 
 class _KvhitSteps:
-    """kvhit's side, one step at a time: pack the step's lists, look them up
-    (lengths as a slice of the router's list or numpy array), store each request's blocks past its hit (a
-    worker's new blocks) with one ``KeyIndex.add``. Per step, seconds per
-    request: medians resist the load spikes of a shared machine."""
+    """kvhit's side, one step at a time: look the step's lists up (lengths as
+    a slice of the router's list or numpy array; ``call``, one of
+    :data:`PEER_CALLS`), store each request's blocks past its hit (a worker's
+    new blocks) with one ``KeyIndex.add``. Per step, seconds per request:
+    medians resist the load spikes of a shared machine."""
 
     def __init__(
-        self, engine: Any, index: Any, inputs: StepInputs, lengths: str = "list"
+        self,
+        engine: Any,
+        index: Any,
+        inputs: StepInputs,
+        lengths: str = "list",
+        call: str = "lists",
     ) -> None:
         from kvhit.coordinator.packing import HashBatch
 
         self.engine, self.index, self.inputs = engine, index, inputs
+        self.call = call
         # The lengths as the router holds them: each step passes a slice.
         self.tokens: Any = (
             np.asarray(inputs.tokens, dtype=np.int64)
@@ -212,6 +229,8 @@ class _KvhitSteps:
         self.stored = self.hit_blocks = 0
 
     def step(self, lo: int, hi: int) -> list[int]:
+        if self.call == "lists":
+            return self._lists_step(lo, hi)
         perf = time.perf_counter
         reqs, tokens = self.inputs.ints[lo:hi], self.tokens[lo:hi]
         t0 = perf()
@@ -243,6 +262,32 @@ class _KvhitSteps:
             self.index.add(0, new)
         self.store.append(perf() - t0)
         self.stored += new.shape[0]
+        return mine
+
+    def _lists_step(self, lo: int, hi: int) -> list[int]:
+        """A step as a router holding lists makes it: one ``find_hit_list``
+        (the answer in blocks as Python ints), then the blocks past each hit
+        sliced from the lists, packed by ``from_ints`` and stored (the
+        packing charged to the store)."""
+        perf = time.perf_counter
+        reqs, tokens = self.inputs.ints[lo:hi], self.tokens[lo:hi]
+        t0 = perf()
+        mine = self.engine.find_hit_list(
+            reqs, tokens, self.index, False, PEER_BLOCK_SIZE
+        )
+        self.look.append((perf() - t0) / (hi - lo))
+        self.pack.append(float("nan"))
+        self.hit_blocks += sum(mine)
+        t0 = perf()
+        tails = [r[m:] for r, m in zip(reqs, mine, strict=True) if m < len(r)]
+        n = 0
+        if tails:
+            batch = self.from_ints(tails)
+            new = batch.host_single() if len(tails) == 1 else batch.host_arrays()[0]
+            self.index.add(0, new)
+            n = new.shape[0]
+        self.store.append(perf() - t0)
+        self.stored += n
         return mine
 
 
@@ -294,7 +339,8 @@ class PeerSteps:
 
 def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
             inputs: StepInputs, order: str, bar: Any, mismatch: type[Exception],
-            lengths: str = "list") -> tuple[_KvhitSteps, PeerSteps]:  # fmt: skip
+            lengths: str = "list", call: str = "lists",
+            ) -> tuple[_KvhitSteps, PeerSteps]:  # fmt: skip
     """One batch size, one order, on fresh stores: both replays, their
     per-step times."""
     from kvhit.coordinator.packing import HashBatch
@@ -306,9 +352,10 @@ def _replay(peer: str, b: int, engine: Any, index: Any, tree: DynamoIndex,
     engine.find_longest_cache_hit(
         warm, [inputs.tokens[first]], index, apply_eagle=False
     )
+    engine.find_hit_list([inputs.ints[first]], [inputs.tokens[first]], index, False)
     tree.find([inputs.chains[first]])
     steps = [(lo, min(n, lo + b)) for lo in range(0, n, b)]
-    kv = _KvhitSteps(engine, index, inputs, lengths)
+    kv = _KvhitSteps(engine, index, inputs, lengths, call)
     them = PeerSteps(peer, b, tree, inputs.chains, mismatch)
     if order == "alternate":
         for k, (lo, hi) in enumerate(steps):
@@ -407,6 +454,7 @@ def peer_sweep(
     passes: int = 1,
     lengths: str = "list",
     pin: int | None = None,
+    call: str = "lists",
 ) -> tuple[list[PeerRow], PeerSkip | None]:
     """kvhit against ``peer`` on the conversation trace (or ``trace``).
 
@@ -424,7 +472,8 @@ def peer_sweep(
     answer. ``passes``: replays of each (order, ``B``) on fresh stores, each
     step's best time taken (1: the times of one replay). ``lengths``: how
     kvhit is given each step's lengths (:data:`PEER_LENGTHS`: a slice of a
-    Python list, or of a numpy int64 array).
+    Python list, or of a numpy int64 array). ``call``: how kvhit's lookup is
+    called (:data:`PEER_CALLS`).
     """
     from kvhit.bench.traces import SHIPPED_TRACE, load_trace
     from kvhit.coordinator.engine import LookupEngine
@@ -440,6 +489,8 @@ def peer_sweep(
         raise ValueError(f"ids must be one of {PEER_IDS}, got {ids!r}")
     if lengths not in PEER_LENGTHS:
         raise ValueError(f"lengths must be one of {PEER_LENGTHS}, got {lengths!r}")
+    if call not in PEER_CALLS:
+        raise ValueError(f"call must be one of {PEER_CALLS}, got {call!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be an int >= 1, got {passes!r}")
     tree_cls, why = load_dynamo()
@@ -467,7 +518,7 @@ def peer_sweep(
                 runs = [
                     _replay(peer, b, engine, KeyIndex(8, 1 << 20),
                             DynamoIndex(tree_cls), inputs, o, bar, mismatch,
-                            lengths)
+                            lengths, call)
                     for _ in range(passes)
                 ]  # fmt: skip
                 row = _row(peer, b, len(inputs.ints), o, runs)
@@ -487,7 +538,8 @@ def format_orders(rows: Sequence[PeerRow]) -> str:
     def cell(key: tuple[int, int], f: Callable[[PeerRow], str]) -> str:
         return " / ".join(f(by[(*key, o)]) if (*key, o) in by else "-" for o in orders)
 
-    us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
+    # NaN: find_hit_list packs inside its one call.
+    us = lambda s: "-" if s != s else f"{s * 1e6:.1f}"  # noqa: E731
     lines = [
         f"| host | B | kvhit us/req incl. packing ({' / '.join(orders)}) | of it "
         "packing | peer us/req | lookup vs peer | kvhit stores M blocks/s | peer "

@@ -15,7 +15,9 @@ host's state: show both); ``--pin none,0`` repeats them with every thread
 of the process on CPU 0, where Dynamo's hop to its indexer thread is a
 switch on that core rather than a cross-core wake-up (its fast case,
 steady from run to run); ``--lengths list,numpy`` repeats the lookup runs
-with the lengths as a numpy int64 array.
+with the lengths as a numpy int64 array; ``--call lists,batch`` repeats them
+with kvhit's lookup as ``from_ints``, ``find_longest_cache_hit`` and
+``hit_list`` instead of one ``find_hit_list``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvhit.bench.peer_steps import PeerRow, peer_sweep, step_inputs
+from kvhit.bench.peer_steps import PEER_CALLS, PeerRow, peer_sweep, step_inputs
 from kvhit.bench.peers import DYNAMO, check_cpu, load_dynamo
 
 __all__ = ["FORMS", "from_ints_rates", "main", "targets"]
@@ -131,6 +133,10 @@ def _load_from_ints(path: str) -> Callable[..., Any]:
 
 
 _FORM_NOTE = {"list": "(Python list)", "numpy": "(numpy int64 array)"}
+_CALL_NOTE = {
+    "lists": "kvhit's lookup one find_hit_list",
+    "batch": "kvhit's lookup from_ints + find_longest_cache_hit + hit_list",
+}
 
 
 def _lookup_table(rows: Sequence[PeerRow], batch_sizes: Sequence[int]) -> list[str]:
@@ -197,6 +203,7 @@ def targets(
     host_loads: Sequence[int] = (0,),
     lengths: Sequence[str] = ("list",),
     pins: Sequence[int | None] = (None,),
+    calls: Sequence[str] = ("lists",),
 ) -> str:
     """Issue 33's targets table on ``trace`` (default: the shipped
     conversation trace), as Markdown: lookup incl. packing vs Dynamo and
@@ -209,8 +216,9 @@ def targets(
     (0: a quiet host; Dynamo's indexer thread wakes 4-6x slower on a quiet
     host, so a fair table shows both). ``lengths``: each a run with the
     lengths in that form (``peer_steps.PEER_LENGTHS``). ``pins``: each a
-    run with every thread on that CPU (``None``: unpinned). Set
-    ``NUMBA_NUM_THREADS=1`` before the process starts."""
+    run with every thread on that CPU (``None``: unpinned). ``calls``: each
+    a run with kvhit's lookup called that way (``peer_steps.PEER_CALLS``).
+    Set ``NUMBA_NUM_THREADS=1`` before the process starts."""
     import io
 
     import torch
@@ -232,12 +240,15 @@ def targets(
             + (f", every thread on CPU {pin}" if pin is not None else "")
             + f" (load average {os.getloadavg()[0]:.1f} before)"
         )  # fmt: skip
-        for form in lengths:
+        for form, call in [(f, c) for f in lengths for c in calls]:
             rows, skip = peer_sweep(
                 DYNAMO, batch_sizes, limit, quiet, trace, passes=passes,
-                host_load=load, lengths=form, pin=pin,
+                host_load=load, lengths=form, pin=pin, call=call,
             )  # fmt: skip
-            out.append(f"### {host}, lengths as a {form} {_FORM_NOTE[form]}\n")
+            out.append(
+                f"### {host}, lengths as a {form} {_FORM_NOTE[form]}, "
+                f"{_CALL_NOTE[call]}\n"
+            )
             if skip is not None:
                 out.append(f"Dynamo skipped: {skip.reason}\n")
                 break
@@ -315,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the lengths' forms, comma-separated: list, numpy (default list)",
     )
     p.add_argument(
+        "--call",
+        default="lists",
+        help="how kvhit's lookup is called, comma-separated: lists "
+        "(find_hit_list), batch (from_ints + find_longest_cache_hit + "
+        "hit_list) (default lists)",
+    )
+    p.add_argument(
         "--pin",
         default="none",
         metavar="CPU[,CPU...]",
@@ -356,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_cpu(cpu)  # now, not after the runs before it
             except ValueError as exc:
                 p.error(f"--pin: {exc}")
+    calls = args.call.split(",")
+    if not calls or not set(calls) <= set(PEER_CALLS):
+        p.error(f"--call takes some of {', '.join(PEER_CALLS)}; got {args.call!r}")
     from kvhit.bench.names import SHIPPED_TRACE, TRACES
 
     for name in args.trace.split(","):
@@ -373,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 host_loads=loads,
                 lengths=args.lengths.split(","),
                 pins=pins,
+                calls=calls,
             )
             + "\n"
         )

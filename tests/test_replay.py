@@ -275,7 +275,14 @@ def test_pinned_puts_every_thread_on_one_cpu_and_restores() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--pin", "x"], ["--pin", "10000"], ["--host-load", "-1"], ["--host-load", "a"]],
+    [
+        ["--pin", "x"],
+        ["--pin", "10000"],
+        ["--host-load", "-1"],
+        ["--host-load", "a"],
+        ["--call", "bytes"],
+        ["--call", ""],
+    ],
 )
 def test_peer_targets_cli_names_a_bad_flag(
     argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -349,6 +356,8 @@ def test_peer_steps_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> No
         ps.peer_sweep("dynamo", [1], limit=5, ids="cooked")
     with pytest.raises(ValueError, match="lengths"):
         ps.peer_sweep("dynamo", [1], limit=5, lengths="tuple")
+    with pytest.raises(ValueError, match="call"):
+        ps.peer_sweep("dynamo", [1], limit=5, call="bytes")
     for passes in (0, True, 1.5):
         with pytest.raises(ValueError, match="passes"):
             ps.peer_sweep("dynamo", [1], limit=5, passes=passes)
@@ -373,12 +382,21 @@ def test_peer_steps_replay_raw_ids_in_both_orders() -> None:
             for b in (1, 16)}  # fmt: skip
     assert all(len(v) == 1 for v in by_b.values())
     assert rows[0].hit_blocks >= rows[1].hit_blocks > 0
-    assert all(r.kvhit_pack_s > 0 and r.kvhit_store_bps > 0 for r in rows)
+    # find_hit_list packs inside its call: no packing figure of its own.
+    assert all(r.kvhit_pack_s != r.kvhit_pack_s for r in rows)
+    assert all(r.kvhit_lookup_s > 0 and r.kvhit_store_bps > 0 for r in rows)
     table = ps.format_orders(rows)
     assert "alternate / separate" in table and table.count("\n") == 4
-    # Lengths as a numpy array (a router's slice of one): the same answers.
+    assert "| - / - |" in table
+    # Lengths as a numpy array (a router's slice of one), and the lookup as
+    # from_ints + find_longest_cache_hit + hit_list: the same answers.
     rows_np, _ = ps.peer_sweep("dynamo", [16], limit=300, lengths="numpy")
     assert {(r.hit_blocks, r.blocks_stored) for r in rows_np} == by_b[16]
+    rows_b, _ = ps.peer_sweep("dynamo", [1, 16], limit=300, call="batch")
+    for b in (1, 16):
+        got = {(r.hit_blocks, r.blocks_stored) for r in rows_b if r.batch_size == b}
+        assert got == by_b[b]
+    assert all(r.kvhit_pack_s > 0 for r in rows_b)
 
 
 @pytest.mark.skipif(not HAVE_DYNAMO, reason="ai-dynamo-runtime is not importable")
