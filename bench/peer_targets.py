@@ -144,7 +144,11 @@ def _lookup_table(rows: Sequence[PeerRow], batch_sizes: Sequence[int]) -> list[s
     by = {(r.batch_size, r.order): r for r in rows}
 
     def both(b: int, f: Callable[[PeerRow], float], fmt: str) -> str:
-        return " / ".join(format(f(by[(b, o)]), fmt) for o in ("alternate", "separate"))
+        # NaN (the packing of find_hit_list, inside its one call): "-".
+        return " / ".join(
+            "-" if (v := f(by[(b, o)])) != v else format(v, fmt)
+            for o in ("alternate", "separate")
+        )
 
     return [
         "| target | " + " | ".join(f"B = {b}" for b in batch_sizes) + " |",
@@ -156,7 +160,7 @@ def _lookup_table(rows: Sequence[PeerRow], batch_sizes: Sequence[int]) -> list[s
             both(b, lambda r: r.lookup_ratio, ".1f") + "x" for b in batch_sizes
         )
         + " |",
-        "| kvhit lookup us/request (of it from_ints) | "
+        "| kvhit lookup us/request (of it from_ints; -: inside find_hit_list) | "
         + " | ".join(
             both(b, lambda r: r.kvhit_lookup_s * 1e6, ".1f")
             + " ("
