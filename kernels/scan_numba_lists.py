@@ -9,8 +9,10 @@ int64) and runs the serial batch scan (``scan_numba.batch_hits``) on it,
 the hits divided by the caller's block size. A step of one request then
 costs one encode and one compiled call, where ``HashBatch.from_ints``, the
 engine's checks and ``hit_list`` cost a compiled call each and several
-Python objects (the conversation trace, warm: B = 1 4.70 -> 2.36 us, B = 2
-9.48 -> 2.76, B = 8 12.17 -> 4.37, B = 64 38.3 -> 32.8).
+Python objects (``find_hit_list`` against ``from_ints`` + ``find_longest_
+cache_hit`` + ``hit_list``, the conversation trace, warm, one thread: B = 1
+4.25 -> 2.64 us, B = 2 8.44 -> 3.39, B = 8 12.82 -> 6.89, B = 64 33.0 ->
+25.7, B = 1024 504 -> 488).
 
 Nothing here names a bad item: :func:`lists_hits` answers -1 for anything it
 does not take, and the caller then takes the general path, which names it.
