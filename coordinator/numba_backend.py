@@ -258,7 +258,7 @@ class NumbaBackend:
         array; the step as msgpack, read and scanned in one compiled call
         (``kernels/scan_numba_lists.py``). None for anything else, and for a
         step the launcher could spread over threads (``scan_numba.threaded``
-        of the message's length, a bound on its keys)."""
+        of its keys)."""
         if self.one_runner(index) is None:
             return None
         return self._run_lists or self._make_lists_runner()
@@ -298,7 +298,14 @@ class NumbaBackend:
                 return None
             # The lengths as one more list: the kernel checks its length.
             msg = encode(requests + [lengths])
-            if msg is None or threaded(b, len(msg), backend.parallel):
+            if msg is None:
+                return None
+            parallel = backend.parallel
+            # len(msg) bounds the keys (an int takes a byte at least), and
+            # threads only come with more keys: the count only near them.
+            if threaded(b, len(msg), parallel) and threaded(
+                b, sum(map(len, requests)), parallel
+            ):
                 return None
             # prefetching(b, table), spelled out (read at call time).
             pf = (

@@ -105,6 +105,29 @@ def test_threads_setting_and_every_store(threads) -> None:
     assert engine.find_hit_list([[]], [0], full) == [0]
 
 
+def test_threads_by_keys_not_by_message_bytes() -> None:
+    # 64-bit hashes take 9 bytes each: a message past PARALLEL_MIN_HASHES
+    # bytes with fewer keys is still one serial call (the runner's), and
+    # a step the launcher would thread goes the general way (where numba
+    # has threads).
+    import numba
+
+    from kvhit.kernels import scan_numba
+
+    engine = LookupEngine(make_layout("llama"), backend="numba")
+    index = KeyIndex(8)
+    assert engine.find_hit_list([[1]], [16], index) == [0]
+    runner = _runner(engine)
+    n = scan_numba.PARALLEL_MIN_HASHES // 8
+    big = [[(1 << 62) + k for k in range(n)], [(1 << 61) + k for k in range(n)]]
+    lens = [16 * n, 16 * n]
+    assert runner(big, lens, index.table_view, RUN_FIND, 1) == [0, 0]
+    huge = big * 5
+    got = runner(huge, lens * 5, index.table_view, RUN_FIND, 1)
+    assert (got is None) == (numba.config.NUMBA_NUM_THREADS > 1)
+    assert engine.find_hit_list(huge, lens * 5, index) == [0] * 10
+
+
 def test_other_forms_take_the_general_path() -> None:
     layout = full_mamba_eagle_layout()
     engine = LookupEngine(layout, backend="numba")
