@@ -461,10 +461,11 @@ class LookupEngine:
         block_size: int = 1,
     ) -> list[int]:
         """A router's step in one call: every request's longest cache hit as
-        Python ints, in blocks of ``block_size`` tokens. The answer of
-        ``find_longest_cache_hit(HashBatch.from_ints(requests,
-        index.hash_bytes, engine.device), max_lengths, index,
-        apply_eagle).hit_list(block_size)``, its errors too.
+        Python ints, in blocks of ``block_size`` tokens. For a
+        :class:`KeyIndex`, the answer of ``find_longest_cache_hit(
+        HashBatch.from_ints(requests, index.hash_bytes, engine.device),
+        max_lengths, index, apply_eagle).hit_list(block_size)``, its errors
+        too (``block_size`` checked first, then ``index``).
 
         Args:
             requests: ``B`` requests' block hashes in any form
@@ -480,19 +481,22 @@ class LookupEngine:
 
         Returns ``B`` Python ints. Where the backend has a lists runner
         (numba, 8-byte keys, an index this engine checked before with the
-        table it holds now), a list of lists of ints and lengths as a list
-        of ints or an integer numpy array take it: one encode and one
-        compiled call, none of the batch's, the result's or the lengths'
-        Python objects. Anything it does not take goes the general way.
+        table it holds now), a list of lists of ints, lengths as a list of
+        ints or an integer numpy array and ``apply_eagle`` a bool take it:
+        one encode and one compiled call, none of the batch's, the result's
+        or the lengths' Python objects. Anything it does not take (other
+        forms, a bad item, a step large enough for the scan's threads) goes
+        the general way.
 
         Raises TypeError / ValueError naming the argument, as the general
-        way does (``requests`` by request and position, ``block_size``).
+        way does (``requests`` by request and position, ``block_size``,
+        ``index`` when it is not a KeyIndex).
         """
         if type(block_size) is not int or not 0 < block_size <= INT64_MAX:
             # Checked before any work (an int from here on: hit_list's own
             # test then passes at once).
             block_size = check_int(block_size, "block_size", 1, INT64_MAX + 1)
-        elif type(requests) is list:
+        if type(requests) is list and type(apply_eagle) is bool:
             checked_index, _, _, _, checked_view, _, lists = self._checked
             if lists is not None and index is checked_index():
                 view = index.table_view
@@ -501,9 +505,11 @@ class LookupEngine:
                     hits = lists(requests, max_lengths, view, mode, block_size)
                     if hits is not None:
                         return hits
+        if not isinstance(index, KeyIndex):
+            # Before from_ints, which would read its width.
+            raise TypeError(f"index must be a KeyIndex, got {type(index).__name__}")
         if not isinstance(requests, HashBatch):
-            width = index.hash_bytes if isinstance(index, KeyIndex) else 8
-            requests = HashBatch.from_ints(requests, width, self.device)
+            requests = HashBatch.from_ints(requests, index.hash_bytes, self.device)
         return self.find_longest_cache_hit(
             requests, max_lengths, index, bool(apply_eagle)
         ).hit_list(block_size)

@@ -130,8 +130,8 @@ def encode_lists(lists: list[Any]) -> bytes | None:
     """``lists`` as msgpack, msgspec writing each item as what it is (the
     bytes ``kernels/msgpack_numba.unpack_int_lists`` and the kernels built
     on it read), or None when the decoder is not loaded or msgspec cannot
-    write an item (a numpy integer, a value past 2**64): the caller then
-    takes its general path."""
+    write an item (a numpy integer, a value past 2**64 or below -2**63):
+    the caller then takes its general path."""
     if (_unpack or _loaded()) is None:
         return None
     try:

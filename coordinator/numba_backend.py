@@ -105,7 +105,9 @@ class NumbaBackend:
         self._run_many: Callable[[tuple, Any, np.ndarray, int], np.ndarray] | None = (
             None
         )
-        self._run_lists: Callable[..., list[int] | None] | None = None
+        # The lists runner: None until made (lists_runner hands out
+        # _lazy_lists until then), False where it cannot be (no msgspec).
+        self._run_lists: Callable[..., list[int] | None] | bool | None = None
 
     def _prep(self) -> tuple[Any, Any]:
         """``(scan_numba module, ScanPrep)``: the plan's rows and parameter
@@ -121,14 +123,13 @@ class NumbaBackend:
     def warm_up(self) -> None:
         """``BatchBackend.warm_up``: the plan's rows built and the compiled
         batch programs loaded (or compiled, on a cold cache) now, and
-        ``from_ints``' list decoder with them, and the lists runner's
-        program (``kernels/scan_numba_lists.py``)."""
+        ``from_ints``' list decoder with them, and the lists runner
+        (:meth:`lists_runner`, its program ``kernels/scan_numba_lists.py``)."""
         sn, prep = self._prep()
         sn.warm_up(prep)
         decoder_ready()
-        from kvhit.kernels import scan_numba_lists
-
-        scan_numba_lists.warm_up(prep.one)
+        if self._run_lists is None:
+            self._make_lists_runner()
 
     # -- the host path: the engine's calls, without torch in the loop --------
     #
@@ -258,17 +259,34 @@ class NumbaBackend:
         array; the step as msgpack, read and scanned in one compiled call
         (``kernels/scan_numba_lists.py``). None for anything else, and for a
         step the launcher could spread over threads (``scan_numba.threaded``
-        of its keys)."""
+        of its keys). Until the runner is made (:meth:`warm_up` makes it),
+        a stand-in that makes it on its first call, so that an engine built
+        with ``warm=False`` loads its program only once a step asks for it."""
         if self.one_runner(index) is None:
             return None
-        return self._run_lists or self._make_lists_runner()
+        run = self._run_lists
+        if run is None:
+            return self._lazy_lists
+        return run or None
 
-    def _make_lists_runner(self) -> Callable[..., list[int] | None]:
+    def _lazy_lists(
+        self, requests: list, lengths: Any, table: Any, mode: int, block_size: int
+    ) -> list[int] | None:
+        run = self._run_lists
+        if run is None:
+            run = self._make_lists_runner()
+        return run(requests, lengths, table, mode, block_size) if run else None
+
+    def _make_lists_runner(self) -> Callable[..., list[int] | None] | bool:
         sn, prep = self._prep_cache or self._prep()
         _same_modes(sn)
         from kvhit.kernels import scan_numba_lists
 
+        # The kernel, the msgpack decoder it reads with, and the encoder.
         scan_numba_lists.warm_up(prep.one)
+        if not decoder_ready():
+            self._run_lists = False
+            return False
         entry = scan_numba_lists.lists_entry()
         plan = prep.one
         encode, threaded, empty = encode_lists, sn.threaded, np.empty

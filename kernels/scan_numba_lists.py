@@ -30,6 +30,7 @@ import numpy as np
 
 from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.msgpack_numba import container, unpack_int_lists
+from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.scan_numba import batch_hits
@@ -109,11 +110,14 @@ def lists_entry() -> Callable[
 def warm_up(plan: np.ndarray) -> None:
     """Load (or compile, on a cold numba cache) :func:`lists_hits` for
     ``plan`` (a ``ScanPrep.one``), on a step of one request with no keys
-    and an empty table: a serving process's first step then costs what
-    every later one does. Once per process."""
+    and an empty table, and the msgpack decoder (whose warm-up is what
+    ``coordinator/int_lists.py`` waits for before it encodes): a serving
+    process's first step then costs what every later one does. Once per
+    process."""
     global _warm
     if _warm:
         return
+    msgpack_warm_up()
     table = np.zeros((2, 2), np.int64)
     table[:, 0] = EMPTY
     hit = np.empty(1, np.int64)

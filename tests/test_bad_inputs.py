@@ -419,6 +419,17 @@ def _engine_state() -> tuple[LookupEngine, HashBatch, KeyIndex]:
     return LookupEngine(_layout(), backend="torch"), _batch(), _index()
 
 
+def _lists_state() -> tuple[LookupEngine, None, KeyIndex]:
+    """A numba engine holding the lists runner of an 8-byte index."""
+    engine = LookupEngine(_layout(), backend="numba")
+    index = KeyIndex(hash_bytes=8, capacity=64)
+    index.add([0, 1], HashBatch.from_ints([[1, 1]]))
+    want = engine.find_longest_cache_hit(HashBatch.from_ints([[1, 2]]), [32], index)
+    assert engine.find_hit_list([[1, 2]], [32], index) == want.hit_list()
+    assert engine.impl.lists_runner(index) is not None
+    return engine, None, index
+
+
 ENGINE = [
     Case("LookupEngine-layout", lambda _: LookupEngine("layout"), TypeError, "layout"),
     Case(
@@ -502,6 +513,63 @@ ENGINE = [
         "max_lengths",
         _engine_state,
     ),
+    # find_hit_list: the general path (a 16-byte index, the torch backend)
+    # and the numba backend's lists runner (8-byte keys, primed), which
+    # hands every refusal to the general path.
+    *[
+        Case(f"find_hit_list-{name}-{where}", call, exc, match, state)
+        for where, state in (("general", _engine_state), ("lists", _lists_state))
+        for name, call, exc, match in (
+            (
+                "bool",
+                lambda s: s[0].find_hit_list([[1, True]], [16], s[2]),
+                TypeError,
+                r"request 0, position 1",
+            ),
+            (
+                "past-int64",
+                lambda s: s[0].find_hit_list([[1 << 63]], [16], s[2]),
+                ValueError,
+                r"request 0, position 0",
+            ),
+            (
+                "set",
+                lambda s: s[0].find_hit_list([[1], {1, 2}], [16, 16], s[2]),
+                TypeError,
+                r"requests\[1\]",
+            ),
+            (
+                "negative-length",
+                lambda s: s[0].find_hit_list([[1]], [-1], s[2]),
+                ValueError,
+                r"max_lengths\[0\]",
+            ),
+            (
+                "lengths-count",
+                lambda s: s[0].find_hit_list([[1]], [16, 16], s[2]),
+                ValueError,
+                "max_lengths",
+            ),
+            (
+                "bool-length",
+                lambda s: s[0].find_hit_list([[1]], [True], s[2]),
+                TypeError,
+                r"max_lengths\[0\]",
+            ),
+            (
+                "block_size",
+                lambda s: s[0].find_hit_list([[1]], [16], s[2], True, 0),
+                ValueError,
+                "block_size",
+            ),
+            (
+                "index",
+                lambda s: s[0].find_hit_list([[1, "x"]], [16], None),
+                TypeError,
+                "index",
+            ),
+        )
+    ],
 ]
 
 # --- layouts

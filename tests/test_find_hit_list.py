@@ -54,9 +54,9 @@ def _general(engine, reqs, lens, index, eagle, block_size):
     return engine.find_longest_cache_hit(batch, lens, index, eagle).hit_list(block_size)
 
 
-def _runner(engine):
-    """The lists runner the engine holds for its last checked index."""
-    return engine._checked[6]
+def _runner(engine, index):
+    """The backend's lists runner for ``index`` (the protocol's method)."""
+    return engine.impl.lists_runner(index)
 
 
 @pytest.mark.parametrize("layout_fn", _LAYOUTS)
@@ -81,7 +81,8 @@ def test_steps_equal_the_general_path(layout_fn, data) -> None:
             assert got == want and all(type(h) is int for h in got)
         # The runner took the step itself (not the general path after it).
         mode = RUN_FIND_EAGLE if eagle else RUN_FIND
-        assert _runner(engine)(reqs, lens, index.table_view, mode, block_size) == want
+        run = _runner(engine, index)
+        assert run(reqs, lens, index.table_view, mode, block_size) == want
         for g in range(layout.num_groups):
             index.add(g, HashBatch.from_ints([stored[: 12 * (step + 1)]]))
 
@@ -117,7 +118,7 @@ def test_threads_by_keys_not_by_message_bytes() -> None:
     engine = LookupEngine(make_layout("llama"), backend="numba")
     index = KeyIndex(8)
     assert engine.find_hit_list([[1]], [16], index) == [0]
-    runner = _runner(engine)
+    runner = _runner(engine, index)
     n = scan_numba.PARALLEL_MIN_HASHES // 8
     big = [[(1 << 62) + k for k in range(n)], [(1 << 61) + k for k in range(n)]]
     lens = [16 * n, 16 * n]
@@ -209,6 +210,34 @@ _BAD_LENGTHS = [
 ]
 
 
+def test_apply_eagle_is_read_as_the_general_path_reads_it() -> None:
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
+    index = KeyIndex(8)
+    for g in range(2):
+        index.add(g, HashBatch.from_ints([[1, 2, 3, 4]]))
+    engine.find_hit_list([[1, 2]], [32], index)  # the runner held from here
+    assert _runner(engine, index) is not None
+    reqs, lens = [[1, 2, 3, 4, 5]], [80]
+    for eagle in (1, 0, np.bool_(True), [], [0]):
+        want = _general(engine, reqs, lens, index, bool(eagle), 1)
+        assert engine.find_hit_list(reqs, lens, index, eagle) == want
+    # A value whose truth raises: the bad request is named first, as
+    # from_ints names it before find_longest_cache_hit reads apply_eagle.
+    with pytest.raises(TypeError, match="request 0, position 1"):
+        engine.find_hit_list([[1, "x"]], lens, index, np.array([1, 2]))
+
+
+def test_a_cold_engine_makes_its_runner_on_the_first_step() -> None:
+    engine = LookupEngine(make_layout("llama"), backend="numba", warm=False)
+    index = KeyIndex(8, warm=False)
+    index.add(0, HashBatch.from_ints([[5, 6, 7]]))
+    want = _general(engine, [[5, 6, 9]], [48], index, True, 16)
+    assert engine.find_hit_list([[5, 6, 9]], [48], index, True, 16) == want
+    run = _runner(engine, index)
+    assert run is not None
+    assert run([[5, 6, 9]], [48], index.table_view, RUN_FIND_EAGLE, 16) == want
+
+
 @pytest.mark.parametrize("block_size", [0, -1, 1 << 63, 2.0, True, None, "4"])
 def test_a_bad_block_size_is_named_before_any_work(block_size) -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
@@ -235,7 +264,7 @@ def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
     index = KeyIndex(8)
     # A first good step: the engine holds the index's runner from here on.
     assert engine.find_hit_list([[1, 2]], [32], index) == [0]
-    assert _runner(engine) is not None
+    assert _runner(engine, index) is not None
     lens = [32] * (len(bad) if isinstance(bad, list) else 1)
 
     def general():
@@ -265,10 +294,16 @@ def test_the_index_is_checked() -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
     index = KeyIndex(8)
     assert engine.find_hit_list([[1]], [16], index) == [0]
-    with pytest.raises(TypeError, match="index"):
-        engine.find_hit_list([[1]], [16], {1: 2})
-    with pytest.raises(TypeError, match="index"):
-        engine.find_hit_list([[1]], [16], None)
+
+    class Narrow:
+        hash_bytes = 4
+
+    # The index is named before the requests (from_ints would read its
+    # width), whatever else is wrong.
+    for bad in ({1: 2}, None, Narrow()):
+        for reqs in ([[1]], [[1, "x"]], [[1 << 40]]):
+            with pytest.raises(TypeError, match="index must be a KeyIndex"):
+                engine.find_hit_list(reqs, [16], bad)
     # A new table (the index grew) is checked again, then answered.
     for g in range(2):
         index.add(g, HashBatch.from_ints([list(range(1, 200))]))
@@ -279,8 +314,12 @@ def test_the_index_is_checked() -> None:
 
 
 def _plan():
-    engine = LookupEngine(make_layout("llama"), backend="numba")
-    return engine.impl._prep()[1].one
+    from kvhit.coordinator.plan import ScanPlan, plan_tensors
+    from kvhit.kernels.scan_numba import prepare_scan
+
+    plan = ScanPlan.from_layout(make_layout("llama"))
+    sg, cand = plan_tensors(plan, "cpu")
+    return prepare_scan(sg.numpy(), cand.numpy(), plan.params).one
 
 
 @pytest.mark.parametrize(

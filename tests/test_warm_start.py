@@ -137,3 +137,33 @@ def test_warm_fleet_loads_its_store_and_router_kernels():
         """
     )
     assert "kvhit.kernels.fleet_numba" in modules
+
+
+def test_the_lists_runner_loads_with_a_warm_engine_and_waits_in_a_cold_one():
+    # A warm numba engine loads find_hit_list's program with its own; a
+    # cold one loads it at its first find_hit_list, not at a first lookup.
+    _modules_after(
+        """
+        import sys
+        from kvhit import CacheLayout, FullAttention, Group, HashBatch, KeyIndex
+        from kvhit.coordinator.engine import LookupEngine
+        layout = CacheLayout([Group(FullAttention(16))], 16, 16)
+        index = KeyIndex(8, warm=False)
+        cold = LookupEngine(layout, backend="numba", warm=False)
+        cold.lookup(HashBatch.from_ints([[1, 2]]), [32], index)
+        assert "kvhit.kernels.scan_numba_lists" not in sys.modules
+        assert cold.find_hit_list([[1, 2]], [32], index) == [0]
+        from kvhit.kernels import scan_numba_lists
+        assert scan_numba_lists.lists_hits.signatures
+        """
+    )
+    warm = _modules_after(
+        """
+        from kvhit import CacheLayout, FullAttention, Group
+        from kvhit.coordinator.engine import LookupEngine
+        LookupEngine(CacheLayout([Group(FullAttention(16))], 16, 16), backend="numba")
+        from kvhit.kernels import scan_numba_lists
+        assert scan_numba_lists.lists_hits.signatures
+        """
+    )
+    assert "kvhit.kernels.scan_numba_lists" in warm
