@@ -287,7 +287,7 @@ class NumbaBackend:
         if not decoder_ready():
             self._run_lists = False
             return False
-        entry = scan_numba_lists.lists_entry()
+        entry, one_hit = scan_numba_lists.lists_entry(), scan_numba_lists.ONE
         plan = prep.one
         encode, threaded, empty = encode_lists, sn.threaded, np.empty
         ints, lists = frozenset((int,)), frozenset((list,))
@@ -314,6 +314,9 @@ class NumbaBackend:
                 lengths = lengths.tolist()
             else:
                 return None
+            if b == 0:
+                # No request (the kernel reads a hit of no item as one).
+                return [] if len(lengths) == 0 else None
             # The lengths as one more list: the kernel checks its length.
             msg = encode(requests + [lengths])
             if msg is None:
@@ -321,8 +324,11 @@ class NumbaBackend:
             parallel = backend.parallel
             # len(msg) bounds the keys (an int takes a byte at least), and
             # threads only come with more keys: the count only near them.
-            if threaded(b, len(msg), parallel) and threaded(
-                b, sum(map(len, requests)), parallel
+            # One request is threaded only when forced (threaded()'s rule).
+            if (
+                (b > 1 or parallel)
+                and threaded(b, len(msg), parallel)
+                and threaded(b, sum(map(len, requests)), parallel)
             ):
                 return None
             # prefetching(b, table), spelled out (read at call time).
@@ -330,6 +336,10 @@ class NumbaBackend:
                 b >= sn.PREFETCH_MIN_REQUESTS
                 and table.nbytes >= sn.PREFETCH_MIN_TABLE_BYTES
             )
+            if b == 1:
+                # The hit returned: no array made or read.
+                h = entry(msg, table, plan, 2 * mode + pf, block_size, one_hit)
+                return None if h < 0 else [h]
             hit = empty(b, _INT64)
             if entry(msg, table, plan, 2 * mode + pf, block_size, hit) < 0:
                 return None

@@ -23,7 +23,7 @@ from kvhit import HashBatch, KeyIndex, LookupEngine
 from kvhit.bench.workloads import make_layout
 from kvhit.coordinator.backend import RUN_FIND, RUN_FIND_EAGLE
 from kvhit.kernels import scan_numba_lists
-from kvhit.kernels.scan_numba_lists import REFUSED, lists_hits
+from kvhit.kernels.scan_numba_lists import ONE, REFUSED, lists_hits
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "40"))
 
@@ -103,7 +103,10 @@ def test_threads_setting_and_every_store(threads) -> None:
         assert engine.find_hit_list(reqs, lens, index, block_size=16) == want
         assert engine.find_hit_list(reqs, lens, index, block_size=16) == want
     assert engine.find_hit_list([], [], full) == []
+    assert engine.find_hit_list([], np.zeros(0, np.int64), full) == []
     assert engine.find_hit_list([[]], [0], full) == [0]
+    with pytest.raises(ValueError, match="max_lengths"):
+        engine.find_hit_list([], [16], full)
 
 
 def test_threads_by_keys_not_by_message_bytes() -> None:
@@ -356,6 +359,12 @@ def test_the_kernel_answers_a_step() -> None:
     assert hit.tolist() == [48, 16, 0]
     assert lists_hits(msg, table, plan, 0, 16, hit) == 3
     assert hit.tolist() == [3, 1, 0]
+    # A step of one request, its hit returned ([[0, 1, 2, 3]] at 64).
+    one = b"\x92\x94\x00\x01\x02\x03\x91\x40"
+    assert lists_hits(one, table, plan, 0, 1, ONE) == 48
+    assert lists_hits(one, table, plan, 0, 16, ONE) == 3
+    assert lists_hits(msg, table, plan, 0, 1, ONE) == REFUSED  # three requests
+    assert ONE.shape == (0,)
 
 
 def test_warm_up_loads_the_kernel() -> None:
