@@ -5,7 +5,7 @@ A router holds each request's block ids as it read them (a Mooncake trace's
 lists, and the prompt lengths in a list. :func:`peer_sweep` replays the trace
 in steps of ``B`` requests on exactly those inputs, kvhit (one
 ``LookupEngine.find_hit_list`` of the step's lists, then one ``KeyIndex.add``
-of the blocks past each hit, packed by ``HashBatch.from_ints``; ``call=
+of the blocks past each hit as a list of ints; ``call=
 "batch"``: ``from_ints`` of the step, ``find_longest_cache_hit`` and
 ``hit_list``, the store reusing the packed rows) and Dynamo's ``RadixTree``
 (one ``find_matches`` per request, one stored event per request), every
@@ -37,6 +37,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -267,8 +268,8 @@ class _KvhitSteps:
     def _lists_step(self, lo: int, hi: int) -> list[int]:
         """A step as a router holding lists makes it: one ``find_hit_list``
         (the answer in blocks as Python ints), then the blocks past each hit
-        sliced from the lists, packed by ``from_ints`` and stored (the
-        packing charged to the store)."""
+        sliced from the lists and stored as a list of ints (their
+        conversion charged to the store)."""
         perf = time.perf_counter
         reqs, tokens = self.inputs.ints[lo:hi], self.tokens[lo:hi]
         t0 = perf()
@@ -280,14 +281,13 @@ class _KvhitSteps:
         self.hit_blocks += sum(mine)
         t0 = perf()
         tails = [r[m:] for r, m in zip(reqs, mine, strict=True) if m < len(r)]
-        n = 0
-        if tails:
-            batch = self.from_ints(tails)
-            new = batch.host_single() if len(tails) == 1 else batch.host_arrays()[0]
+        new = tails[0] if len(tails) == 1 else list(chain.from_iterable(tails))
+        if new:
+            # The ints as the router holds them: KeyIndex.add's list of int
+            # hashes (one group id for all).
             self.index.add(0, new)
-            n = new.shape[0]
         self.store.append(perf() - t0)
-        self.stored += n
+        self.stored += len(new)
         return mine
 
 

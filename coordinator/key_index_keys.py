@@ -8,6 +8,7 @@ which re-exports :func:`normalize_keys`.
 
 from __future__ import annotations
 
+import numbers
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.packing import HashBatch, num_words, pack_hashes, padding_mask
+from kvhit.coordinator.packing import (
+    HashBatch,
+    int_rows,
+    num_words,
+    pack_hashes,
+    padding_mask,
+)
 from kvhit.kernels.checks import check_tensor, is_int, resolve_device
 
 __all__ = [
@@ -86,10 +93,15 @@ def _normalize_hashes(
             f"not a single {type(hashes).__name__}"
         )
     if isinstance(hashes, Sequence):
+        if len(hashes) and isinstance(hashes[0], numbers.Integral):
+            # Integer hashes (bools among them, refused by name), as
+            # from_ints reads a request's (a router's lists): the first item
+            # decides; a later bytes item is named.
+            return torch.from_numpy(int_rows(hashes, hash_bytes, "hashes")).to(device)
         return pack_hashes(hashes, hash_bytes).to(device)
     raise TypeError(
         "hashes must be an int64 tensor [N, W], a HashBatch or a sequence of "
-        f"bytes, got {type(hashes).__name__}"
+        f"bytes or of ints, got {type(hashes).__name__}"
     )
 
 
@@ -302,15 +314,31 @@ def insert_host_forms(
     plan: tuple[Any, ...], room: int, group_ids: Any, hashes: Any
 ) -> int | None:
     """One checked numba insert of keys in :func:`host_rows`' and
-    :func:`host_ids`' forms (tensors read where they lie), for the host
-    store path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
+    :func:`host_ids`' forms (tensors read where they lie), or of a list of
+    int hashes (8-byte keys or fewer) for one group id, for the host store
+    path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
     limit, insert_checked_at, insert_checked, REFUSED, hash_bytes, ...)``
     (``KeyIndex._store_plan``); ``room``: the new keys that fit without a
     rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
     value is refused, nothing stored; ``-1 - r`` when row ``r`` found no
     free slot), or None, nothing done, for any other form, no key, or more
     than ``room`` keys."""
-    table, W, pad, _, insert_at, insert_arrays, _, hash_bytes, _ = plan
+    table, W, pad, _, insert_at, insert_arrays, _, hash_bytes, rows_at = plan
+    if (
+        type(hashes) is list
+        and W == 1
+        and type(group_ids) is int
+        and 0 <= group_ids < 1 << 63
+        and hashes
+        and type(hashes[0]) is int
+    ):
+        # A router's int hashes (as from_ints reads them) for one group:
+        # converted once, a bad one named here (the group id is good and
+        # nothing is changed yet: the general path's error).
+        h = int_rows(hashes, hash_bytes, "hashes")
+        if h.shape[0] > room:
+            return None
+        return rows_at(table, NO_IDS, group_ids, h, pad)
     h = host_rows(hashes, hash_bytes, W)
     if h is None:
         return None

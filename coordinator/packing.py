@@ -63,6 +63,7 @@ __all__ = [
     "check_hash_array",
     "check_hash_buffer",
     "check_hash_tensor",
+    "int_rows",
     "num_words",
     "pack_hashes",
     "padding_mask",
@@ -177,6 +178,61 @@ def _long_ints(flat: list[Any], n: int) -> np.ndarray | None:
     if small and not set(map(type, map(flat.__getitem__, small))) <= {int}:
         return None
     return values
+
+
+def _request_position(offsets: np.ndarray, k: int) -> str:
+    """Flat item ``k`` of a batch of CSR ``offsets``, named by request and
+    position."""
+    i = int(np.searchsorted(offsets, k, side="right")) - 1
+    return f"request {i}, position {k - int(offsets[i])}"
+
+
+def _int_words(
+    values: np.ndarray, hash_bytes: int, w: int, offsets: np.ndarray | str
+) -> np.ndarray:
+    """Integer hashes (int64 ``[n]``, each in int64) as key rows int64 ``[n,
+    w]``: the int the key's first little-endian word, later words zero; with
+    ``hash_bytes < 8`` each must fit in that many bytes (ValueError naming
+    the first that does not: by request and position in a batch of CSR
+    ``offsets``, or as ``offsets``' name and position)."""
+    if hash_bytes < 8 and values.size:
+        bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
+        if bad.any():
+            k = int(np.argmax(bad))
+            where = (
+                f"{offsets}, position {k}"
+                if isinstance(offsets, str)
+                else _request_position(offsets, k)
+            )
+            raise ValueError(
+                f"{where}: {int(values[k])} does not fit in hash_bytes="
+                f"{hash_bytes} bytes (need 0 <= v < 2**{8 * hash_bytes})"
+            )
+    if w == 1:
+        return values.reshape(-1, 1)
+    words = np.zeros((values.shape[0], w), dtype=np.int64)
+    words[:, 0] = values
+    return words
+
+
+def int_rows(values: Sequence[Any], hash_bytes: int, name: str) -> np.ndarray:
+    """One sequence of integer hashes, as :meth:`HashBatch.from_ints` takes
+    one request's (integers, bools refused; each in int64 and, with
+    ``hash_bytes < 8``, fitting in that many bytes), as key rows int64 ``[n,
+    ceil(hash_bytes / 8)]`` (a new array). A bad item raises TypeError or
+    ValueError naming ``name`` and its position. ``hash_bytes`` is trusted
+    (the caller's index's)."""
+    flat = values if type(values) is list else list(values)
+    n = len(flat)
+    ints = _short_ints(flat) if n < _STRUCT_MIN else _long_ints(flat, n)
+    if ints is None:
+        # A bad item (named), or integer-likes (numpy scalars) one by one.
+        for pos, v in enumerate(flat):
+            exc = _bad_int(v, f"{name}, position {pos}")
+            if exc is not None:
+                raise exc
+        ints = np.array([index(v) for v in flat], dtype=np.int64)
+    return _int_words(ints, hash_bytes, num_words(hash_bytes), name)
 
 
 def _list_batch(
@@ -581,8 +637,7 @@ class HashBatch:
         if total:
 
             def where(k: int) -> str:
-                i = int(np.searchsorted(offsets, k, side="right")) - 1
-                return f"request {i}, position {k - int(offsets[i])}"
+                return _request_position(offsets, k)
 
             joined = join_hashes(flat, where, hash_bytes)
             words = torch.from_numpy(pack_joined(joined, total, hash_bytes))
@@ -692,21 +747,7 @@ class HashBatch:
             # request, naming the first bad one.
             lengths, values = same if same is not None else _ints_of_mixed(requests)
             offsets, host_lengths = _offsets(lengths)
-        if hash_bytes < 8 and values.size:
-            bad = (values < 0) | (values >= (1 << (8 * hash_bytes)))
-            if bad.any():
-                k = int(np.argmax(bad))
-                i = int(np.searchsorted(offsets, k, side="right")) - 1
-                raise ValueError(
-                    f"request {i}, position {k - int(offsets[i])}: {int(values[k])} "
-                    f"does not fit in hash_bytes={hash_bytes} bytes (need 0 <= v "
-                    f"< 2**{8 * hash_bytes})"
-                )
-        if w == 1:
-            words = values.reshape(-1, 1)
-        else:
-            words = np.zeros((values.shape[0], w), dtype=np.int64)
-            words[:, 0] = values
+        words = _int_words(values, hash_bytes, w, offsets)
         if device is not _CPU and device.type != "cpu":
             return cls.from_trusted(
                 torch.from_numpy(words).to(device),

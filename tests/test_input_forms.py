@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvhit import (
     CacheLayout,
@@ -40,6 +42,7 @@ from kvhit import (
     LookupResult,
 )
 from kvhit.coordinator import packing
+from kvhit.coordinator.key_index import CapacityError
 from kvhit.kernels.checks import check_lengths, host_lengths, host_lengths_or_int
 
 # check_lengths hands torch.from_numpy a read-only array as it is (kvhit
@@ -726,7 +729,12 @@ def _bad_keys(hash_bytes: int) -> list[tuple[str, Any, Any]]:
         ("a hash a byte too long", 0, [b"x" * hash_bytes, b"y" * (hash_bytes + 1)]),
         ("one bytes object", 0, b"x" * hash_bytes),
         ("a set of bytes", 0, {b"x" * hash_bytes}),
-        ("a list of ints", 0, [1, 2, 3]),
+        # A list of ints is one group's int hashes (from_ints' reading);
+        # a bad item in one is named.
+        ("a bool among int hashes", 0, [1, True, 3]),
+        ("a float among int hashes", 0, [1, 2.0]),
+        ("bytes among int hashes", 0, [1, b"x" * hash_bytes]),
+        ("an int hash past int64", 0, [1, 1 << 63]),
         ("a HashBatch of another width", 0, HashBatch.from_ints([[1]], hash_bytes + 8)),
     ]
     if hash_bytes % 8:
@@ -958,3 +966,56 @@ def test_a_uint64_group_past_int64_is_named_as_such_in_either_byte_order(
     with pytest.raises(ValueError, match="group_ids must fit in int64"):
         idx.add(ids, np.array([[1], [2]]))
     assert len(idx) == 0
+
+
+# A list of ints is one group's int hashes, read as HashBatch.from_ints reads
+# a request's (a router stores from the lists it looked up with): the same
+# keys as the rows from_ints packs, on the host path (numba, one group id)
+# and the general one (torch, per-key ids), for every width.
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("hash_bytes", [4, 8, 16])
+@settings(max_examples=30, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300),
+    probe=st.lists(st.integers(0, 2**31 - 1), max_size=20),
+)
+def test_key_index_takes_int_hashes_as_from_ints_reads_them(
+    backend: str, hash_bytes: int, ids: list[int], probe: list[int]
+) -> None:
+    by_list = KeyIndex(hash_bytes, capacity=4, backend=backend)
+    by_rows = KeyIndex(hash_bytes, capacity=4, backend=backend)
+    rows = HashBatch.from_ints([ids], hash_bytes).hashes
+    assert by_list.add(0, ids) == by_rows.add(0, rows)
+    assert by_list.add([1] * len(ids), ids) == by_rows.add([1] * len(ids), rows)
+    assert by_list.add(0, ids) == 0  # idempotent, from the list too
+    both = ids[: len(ids) // 2] + probe
+    want = by_rows.contains(0, HashBatch.from_ints([both], hash_bytes).hashes)
+    assert by_list.contains(0, both).tolist() == want.tolist()
+    assert torch.equal(by_list.table, by_rows.table)
+    assert by_list.remove(1, ids[:3]) == by_rows.remove(1, rows[:3])
+    assert len(by_list) == len(by_rows)
+
+
+def test_int_hashes_past_a_fixed_capacity_change_nothing() -> None:
+    idx = KeyIndex(8, capacity=8, growable=False)
+    idx.add(0, [1, 2])
+    before = idx.table.clone()
+    with pytest.raises(CapacityError):
+        idx.add(0, list(range(100, 200)))
+    assert torch.equal(idx.table, before) and len(idx) == 2
+    with pytest.raises(TypeError, match=r"hashes, position 2: expected an int hash"):
+        idx.add(0, [7, 8, np.float64(3.0)])
+    assert torch.equal(idx.table, before)
+
+
+def test_fleet_takes_int_hashes_too() -> None:
+    fleet = FleetIndex(2, 8)
+    assert fleet.add(0, 0, [1, 2, 3]) == 3
+    assert fleet.add(1, 0, [3, 4]) == 2
+    rows = HashBatch.from_ints([[1, 2, 3, 4]]).hashes
+    other = FleetIndex(2, 8)
+    other.add(0, 0, rows[:3])
+    other.add(1, 0, rows[2:])
+    assert len(fleet) == len(other)
+    with pytest.raises(TypeError, match=r"hashes, position 1"):
+        fleet.add(0, 0, [5, True])
