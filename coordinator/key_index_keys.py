@@ -338,7 +338,9 @@ def insert_host_forms(
         h = int_rows(hashes, hash_bytes, "hashes")
         if h.shape[0] > room:
             return None
-        return rows_at(table, NO_IDS, group_ids, h, pad)
+        # The compiled entry's loads assume aligned rows (struct's buffer).
+        insert = rows_at if h.flags.aligned else insert_arrays
+        return insert(table, NO_IDS, group_ids, h, pad)
     h = host_rows(hashes, hash_bytes, W)
     if h is None:
         return None
