@@ -663,7 +663,9 @@ class KeyIndex:
             # step evicted, where each frame, attribute or tensor call is a
             # cache miss. Other host forms: insert_host_forms; the rest, a
             # refused value or a rehash: the general path (it names them).
-            table, W, pad, limit, insert_at, insert_arrays, refused, _, rows_at = plan
+            table, W, pad, limit, insert_at, insert_arrays, refused, _, rows_at = plan[
+                :9
+            ]
             th, tg = type(hashes), type(group_ids)
             added = None
             if th is torch.Tensor:
@@ -718,15 +720,15 @@ class KeyIndex:
     def _store_plan(self) -> tuple[Any, ...]:
         """What :meth:`add`'s host path reads, in one tuple (the table's numpy
         view, W, pad, load limit, the numba ``insert_checked_at``,
-        ``insert_checked``, ``REFUSED``, ``hash_bytes``, ``insert_entry()``),
-        or ``()`` for an index with no such path; made at the first add after
-        the table or binding changes."""
+        ``insert_checked``, ``REFUSED``, ``hash_bytes``, ``insert_entry()``,
+        ``int_list_entry()``, ``NOT_READ``), or ``()`` for an index with no
+        such path; made at the first add after the table or binding changes."""
         if not (self._host and self._np_table is not None and not self._read_only):
             return ()
         k = self._kernels
         return (self._np_table, self.W, self._pad, self._cap_limit,
                 k.insert_checked_at, k.insert_checked, k.REFUSED, self.hash_bytes,
-                k.insert_entry())  # fmt: skip
+                k.insert_entry(), k.int_list_entry(), k.NOT_READ)  # fmt: skip
 
     def host_keys(
         self, group_ids: Any, hashes: Any

@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 
 from kvhit.kernels.checks import check_probe_args
 from kvhit.kernels.contract import EMPTY, TOMBSTONE, key_op
+from kvhit.kernels.msgpack_numba import container, unpack_int_lists
 from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
@@ -55,6 +56,9 @@ __all__ = [
     "insert_checked_at",
     "insert_count",
     "insert_entry",
+    "insert_int_list",
+    "int_list_entry",
+    "NOT_READ",
     "probe",
     "rehash",
     "rehash_rows",
@@ -79,6 +83,8 @@ _warm = False
 #: ``-1 - r`` a batch can return).
 REFUSED = -(1 << 62)
 _REFUSED = np.int64(REFUSED)
+#: What :func:`insert_int_list` returns for a message it does not read.
+NOT_READ = REFUSED - 1
 
 
 @intrinsic
@@ -210,6 +216,29 @@ def insert_checked(table, gids, gconst, keys, pad):
     names the argument); ``-1 - r`` when row ``r`` found no free slot (the
     rows before it are stored)."""
     return _insert_checked_rows(table, gids, gconst, keys, pad)
+
+
+@numba.njit(cache=True, nogil=True)
+def insert_int_list(table, gconst, msg, pad, room):
+    """:func:`insert_checked` of the keys ``msg`` holds, for group ``gconst``
+    (>= 0): ``msg`` the msgpack of a list of one list of ints (msgspec's
+    bytes of a router's ``[hashes]``), each key's one word (``table``'s W is
+    1), read and inserted in one call. Returns as :func:`insert_checked`, or
+    :data:`NOT_READ` (nothing stored) when ``msg`` is anything else (an item
+    that is not an int in int64) or holds more than ``room`` keys: the
+    caller then converts the list itself, naming a bad item."""
+    nb, _ = container(msg, 0, 0x90, 0xDC)
+    if nb != 1:
+        return NOT_READ
+    # unpack_int_lists' layout for one list: offsets [2], length [1], then
+    # the values; every msgpack int takes a byte at least.
+    out = np.empty(3 + len(msg), np.int64)
+    n = unpack_int_lists(msg, out)
+    if n < 0 or n > room:
+        return NOT_READ
+    # Unit-step slices of one C array: insert_checked's layout.
+    return _insert_checked_rows(table, out[:0], gconst, out[3 : 3 + n].reshape((n, 1)),
+                                pad)  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True)
@@ -398,6 +427,15 @@ def insert_entry() -> Callable[..., int]:
     return compiled_entry(insert_checked, rows, one, 0, rows, 0)
 
 
+def int_list_entry() -> Callable[..., int]:
+    """:func:`insert_int_list`'s compiled wrapper (``numba_entry
+    .compiled_entry``): a C-contiguous int64 table, int64 group id, bytes,
+    int64 pad and room; ``KeyIndex.add`` hands it only its own table and
+    msgspec's bytes."""
+    rows = np.empty((1, 2), dtype=np.int64)
+    return compiled_entry(insert_int_list, rows, 0, b"", 0, 0)
+
+
 def warm_up() -> None:
     """Load (or compile, on a cold cache) the kernels a KeyIndex calls on
     its host path, on a scratch table, so that the first store or probe of a
@@ -416,6 +454,8 @@ def warm_up() -> None:
     insert_checked(table, gids, np.int64(0), keys, np.int64(0))
     t = torch.from_numpy(keys)
     insert_checked_at(table, t.data_ptr(), np.int64(0), t.data_ptr(), 1, np.int64(0))
+    # A router's list of int hashes ([[1]]).
+    insert_int_list(table, np.int64(0), b"\x91\x91\x01", np.int64(0), np.int64(1))
     for kernel, dtype in (
         (_find_kernel, np.int64),
         (_probe_kernel, np.bool_),

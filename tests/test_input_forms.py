@@ -1019,3 +1019,36 @@ def test_fleet_takes_int_hashes_too() -> None:
     assert len(fleet) == len(other)
     with pytest.raises(TypeError, match=r"hashes, position 1"):
         fleet.add(0, 0, [5, True])
+
+
+def test_int_hashes_that_do_not_fit_a_narrow_index_change_nothing() -> None:
+    idx = KeyIndex(4, capacity=16)
+    idx.add(0, [5, 6])
+    before = idx.table.clone()
+    for bad in ([7, 1 << 40], [7, -1]):
+        with pytest.raises(ValueError, match=r"hashes, position 1: .* does not fit"):
+            idx.add(0, bad)
+        assert torch.equal(idx.table, before)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        b"",
+        b"\x90",  # no list
+        b"\x92\x91\x01\x91\x02",  # two lists
+        b"\x91\x92\x01\xc3",  # a bool
+        b"\x91\x92\x01\xcb\x00\x00\x00\x00\x00\x00\x00\x00",  # a float
+        b"\x91\x91\xcf\x80\x00\x00\x00\x00\x00\x00\x00",  # past int64
+        b"\x91\x93\x01\x02\x03",  # more keys than room (2)
+    ],
+)
+def test_the_int_list_insert_reads_only_what_it_takes(msg: bytes) -> None:
+    from kvhit.kernels import hash_index_numba as hn
+
+    table = np.full((8, 2), -1, dtype=np.int64)
+    before = table.copy()
+    assert hn.insert_int_list(table, 0, msg, 0, 2) == hn.NOT_READ
+    assert np.array_equal(table, before)
+    assert hn.insert_int_list(table, 0, b"\x91\x92\x01\x02", 0, 2) == 2
+    assert hn.insert_int_list(table, 0, b"\x91\x92\x01\x02", 0, 2) == 0
