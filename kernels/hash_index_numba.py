@@ -236,9 +236,12 @@ def insert_int_list(table, gconst, msg, pad, room):
     n = unpack_int_lists(msg, out)
     if n < 0 or n > room:
         return NOT_READ
-    # Unit-step slices of one C array: insert_checked's layout.
-    return _insert_checked_rows(table, out[:0], gconst, out[3 : 3 + n].reshape((n, 1)),
-                                pad)  # fmt: skip
+    # The keys copied to an array of their own: the insert inlined on views
+    # of one allocation ran 3x slower (900 keys: 46.8 against 13.5 us for
+    # insert_checked; the copy costs ~1 ns a key).
+    keys = np.empty((n, 1), np.int64)
+    keys[:, 0] = out[3 : 3 + n]
+    return _insert_checked_rows(table, out[:0], gconst, keys, pad)
 
 
 @numba.njit(cache=True, nogil=True)
