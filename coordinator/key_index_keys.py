@@ -318,13 +318,14 @@ def insert_host_forms(
     :func:`host_ids`' forms (tensors read where they lie), or of a list of
     int hashes (8-byte keys or fewer) for one group id, for the host store
     path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
-    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes, ...)``
-    (``KeyIndex._store_plan``); ``room``: the new keys that fit without a
-    rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
+    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes,
+    insert_entry(), int_list_entry(), NOT_READ)`` (``KeyIndex._store_plan``);
+    ``room``: the new keys that fit without a rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
     value is refused, nothing stored; ``-1 - r`` when row ``r`` found no
     free slot), or None, nothing done, for any other form, no key, or more
     than ``room`` keys."""
-    table, W, pad, _, insert_at, insert_arrays, refused, hash_bytes, rows_at = plan[:9]
+    (table, W, pad, _, insert_at, insert_arrays, refused, hash_bytes, rows_at,
+     int_list_at, not_read) = plan  # fmt: skip
     if (
         type(hashes) is list
         and W == 1
@@ -341,8 +342,8 @@ def insert_host_forms(
         # path's error).
         msg = encode_lists([hashes])
         if msg is not None:
-            got = plan[9](table, group_ids, msg, pad, room)
-            if got != plan[10] and got != refused:
+            got = int_list_at(table, group_ids, msg, pad, room)
+            if got != not_read and got != refused:
                 return got
         h = int_rows(hashes, hash_bytes, "hashes")
         if h.shape[0] > room:

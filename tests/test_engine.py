@@ -644,12 +644,18 @@ def test_one_request_steps_equal_the_general_path(layout_fn, data) -> None:
     _runner_steps_equal_the_general_path(layout_fn, data, st.tuples(ids).map(list))
 
 
-def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
-    layout = full_mamba_eagle_layout()
-    engine = LookupEngine(layout, backend="numba")
+def _refusal_engine_and_index() -> tuple[LookupEngine, KeyIndex]:
+    """The runner refusal tests' engine (a full + Mamba EAGLE layout, numba)
+    and an index holding keys 1, 2, 3 in both groups."""
+    engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
     index = KeyIndex(8, capacity=64)
     index.add(0, HashBatch.from_ints([[1, 2, 3]]))
     index.add(1, HashBatch.from_ints([[1, 2, 3]]))
+    return engine, index
+
+
+def test_one_request_step_refuses_what_the_general_path_refuses() -> None:
+    engine, index = _refusal_engine_and_index()
     one = HashBatch.from_ints([[1, 2, 3, 4]])
     assert engine.find_longest_cache_hit(one, [64], index).hit_list() == [32]
     for bad, exc in [
@@ -698,11 +704,7 @@ def test_batch_steps_equal_the_general_path(layout_fn, data) -> None:
 
 
 def test_batch_step_refuses_what_the_general_path_refuses() -> None:
-    layout = full_mamba_eagle_layout()
-    engine = LookupEngine(layout, backend="numba")
-    index = KeyIndex(8, capacity=64)
-    index.add(0, HashBatch.from_ints([[1, 2, 3]]))
-    index.add(1, HashBatch.from_ints([[1, 2, 3]]))
+    engine, index = _refusal_engine_and_index()
     two = HashBatch.from_ints([[1, 2, 3, 4], [1, 2]])
     assert "_host" in two.__dict__
     assert engine.find_longest_cache_hit(two, [64, 64], index).hit_list() == [32, 16]
