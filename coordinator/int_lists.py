@@ -38,9 +38,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["decoder_ready", "encode_lists", "int_list", "int_lists"]
+__all__ = ["decoder_ready", "encode_lists", "encode_step", "int_list", "int_lists"]
 
 _INT64 = np.dtype(np.int64)
+# The item types encode_step takes (a frozenset's issuperset over map(type)
+# is one C pass).
+_LISTS = frozenset((list,))
+_INTS = frozenset((int,))
 # msgspec's encoder, imported with the decoder: the GPU machine's bare
 # checkout has neither msgspec nor numba, and packs through struct.
 _encode: Callable[[Any], bytes] | None = None
@@ -138,3 +142,35 @@ def encode_lists(lists: list[Any]) -> bytes | None:
         return _encode(lists)  # type: ignore[misc]  # set with _unpack
     except Exception:  # noqa: BLE001  # as int_lists
         return None
+
+
+def encode_step(requests: list[Any], lengths: Any) -> bytes | None:
+    """A router's step as one msgpack message, the lists its compiled calls
+    read (``kernels/scan_numba_lists.lists_hits``,
+    ``kernels/fleet_numba.full_lists_hits``): ``requests`` (``B`` lists),
+    then ``lengths`` as one more list. None, nothing encoded, unless
+    ``requests`` and every request in it is a ``list`` (msgspec writes a set or a generator's items too,
+    which ``from_ints`` refuses by name) and ``lengths`` is a list of
+    exactly ``int`` items (a bool is refused by its type, as the general
+    path's check does) or a 1-D integer numpy array; and as
+    :func:`encode_lists` answers None. What is encoded is still checked by
+    the kernel that reads it (ints in int64, ``B`` lengths, none negative)."""
+    if type(requests) is not list or (
+        not (len(requests) == 1 and type(requests[0]) is list)
+        and not _LISTS.issuperset(map(type, requests))
+    ):
+        # One request tested inline: the type scan costs ~0.15 us.
+        return None
+    t = type(lengths)
+    if t is list:
+        if not (len(lengths) == 1 and type(lengths[0]) is int) and not (
+            _INTS.issuperset(map(type, lengths))
+        ):
+            return None
+    elif t is np.ndarray and lengths.ndim == 1 and lengths.dtype.kind in "iu":
+        # Python ints: past int64 msgspec writes a uint64, which the kernel
+        # refuses.
+        lengths = lengths.tolist()
+    else:
+        return None
+    return encode_lists(requests + [lengths])

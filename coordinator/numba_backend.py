@@ -25,7 +25,7 @@ from kvhit.coordinator.backend import (
     RUN_LOOKUP,
     check_runs_on,
 )
-from kvhit.coordinator.int_lists import decoder_ready, encode_lists
+from kvhit.coordinator.int_lists import decoder_ready, encode_step
 from kvhit.coordinator.plan import ScanPlan, plan_tensors
 from kvhit.kernels.checks import host_lengths, host_lengths_or_int
 
@@ -289,38 +289,22 @@ class NumbaBackend:
             return False
         entry, one_hit = scan_numba_lists.lists_entry(), scan_numba_lists.ONE
         plan = prep.one
-        encode, threaded, empty = encode_lists, sn.threaded, np.empty
-        ints, lists = frozenset((int,)), frozenset((list,))
+        threaded, empty = sn.threaded, np.empty
         backend = self  # its parallel setting read at call time
 
         def run(
             requests: list, lengths: Any, table: Any, mode: int, block_size: int
         ) -> list[int] | None:
-            b = len(requests)
-            # Lists alone (one tested inline): msgspec writes a set as an
-            # array too, in set order, which from_ints refuses by name.
-            if not (b == 1 and type(requests[0]) is list) and not (
-                lists.issuperset(map(type, requests))
-            ):
-                return None
-            t = type(lengths)
-            if t is list:
-                # One length tested inline: the type scan costs ~0.15 us.
-                one = len(lengths) == 1 and type(lengths[0]) is int
-                if not one and not ints.issuperset(map(type, lengths)):
-                    return None
-            elif t is np.ndarray and lengths.ndim == 1 and lengths.dtype.kind in "iu":
-                # Python ints: past int64 msgspec writes a uint64, refused.
-                lengths = lengths.tolist()
-            else:
-                return None
-            if b == 0:
-                # No request (the kernel reads a hit of no item as one).
-                return [] if len(lengths) == 0 else None
-            # The lengths as one more list: the kernel checks its length.
-            msg = encode(requests + [lengths])
+            # Lists of ints and lengths as one message, or None for any
+            # other form (encode_step's rules).
+            msg = encode_step(requests, lengths)
             if msg is None:
                 return None
+            b = len(requests)
+            if b == 0:
+                # No request (the kernel reads a hit of no item as one): the
+                # message of [[]] alone is a step of none with no lengths.
+                return [] if msg == b"\x91\x90" else None
             parallel = backend.parallel
             # len(msg) bounds the keys (an int takes a byte at least), and
             # threads only come with more keys: the count only near them.
