@@ -35,6 +35,8 @@ from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.fleet_numba_classes import TILE, engine_classes, low_engine
 from kvhit.kernels.hash_index_numba import insert_count, rehash_rows
 from kvhit.kernels.hash_index_torch import new_table
+from kvhit.kernels.msgpack_numba import container, unpack_int_lists
+from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
 from kvhit.kernels.numba_views import unowned
@@ -49,6 +51,7 @@ from kvhit.kernels.probe_numba import (
 lock_cache_saves()
 
 __all__ = [
+    "LISTS_REFUSED",
     "FleetOps",
     "add_entries",
     "clear_bits",
@@ -57,6 +60,7 @@ __all__ = [
     "find_keys",
     "full_hits",
     "full_hits_checked",
+    "full_lists_hits",
     "full_runs",
     "insert_keys",
     "probe_bits",
@@ -637,6 +641,56 @@ def full_hits_checked(table, rows, offsets, lengths, lens, members, live, params
     return -1, out
 
 
+#: What :func:`full_lists_hits` answers (first) for a message it does not take.
+LISTS_REFUSED = -1
+
+
+@numba.njit(**_JIT)
+def full_lists_hits(msg, table, members, live, params, div):
+    """:func:`full_hits_checked` of a router's step from its Python lists, the
+    hits floor-divided by ``div`` (>= 1): the fleet's counterpart of
+    ``kernels/scan_numba_lists.lists_hits``, whose message it reads.
+
+    ``msg`` is the msgpack of a list of ``B + 1`` lists of ints: ``B``
+    requests' 8-byte keys (one int each), then their ``B`` max lengths.
+    ``table``, ``members``, ``live`` and ``params`` (int64 ``[7]``) are
+    :func:`full_hits_checked`'s, trusted. Returns ``(B, hits int64 [B,
+    E])``, or ``(LISTS_REFUSED, int64 [0, 0])`` when ``msg`` is anything
+    else: not ``B + 1`` lists, an item that is not an int in int64 (a bool,
+    a float, nil, a uint64 past int64), a last list of another length than
+    ``B``, or a negative length. Nothing is scanned then; the caller takes
+    the general path, which names the bad item."""
+    nb, _ = container(msg, 0, 0x90, 0xDC)
+    if nb < 1:
+        return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
+    b = nb - 1
+    base = 2 * nb + 1
+    # unpack_int_lists' layout: the lists' CSR offsets [nb + 1], their
+    # lengths [nb], then the values (every msgpack int takes a byte at
+    # least, so len(msg) values always fit).
+    out = np.empty(base + len(msg), dtype=np.int64)
+    if unpack_int_lists(msg, out) < 0:
+        return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
+    t = out[b]  # the requests' keys; the lengths list follows them
+    if out[nb] - t != b:
+        return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
+    lens = out[base + t : base + t + b]
+    for r in range(b):
+        if lens[r] < 0:
+            return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
+    hits = np.zeros((b, params[6]), dtype=np.int64)
+    if b:
+        # Unit-step slices of one C array, as from_ints' host arrays are.
+        _full_hits(table, out[base : base + t].reshape((t, 1)), out[:b],
+                   out[nb + 1 : nb + 1 + b], lens, members, live, params,
+                   hits)  # fmt: skip
+        if div != 1:
+            flat = hits.reshape(-1)
+            for i in range(flat.shape[0]):
+                flat[i] //= div
+    return b, hits
+
+
 def full_hits(table: np.ndarray, rows: np.ndarray, offsets: np.ndarray,
               lengths: np.ndarray, lens: np.ndarray, members: np.ndarray,
               live: np.ndarray, params: np.ndarray,
@@ -695,6 +749,11 @@ def warm_up() -> None:
     full_hits_checked(table, h, none, none, none, members, one, params)
     # A router's list of lengths, as fleet_full_host hands it over.
     full_hits_checked(table, h, none, none, array("q"), members, one, params)
+    # A router's lists (a step of no request: [[]]), and the decoder that
+    # coordinator/int_lists.py waits for before it encodes.
+    msgpack_warm_up()
+    if full_lists_hits(b"\x91\x90", table, members, one, params, 1)[0] != 0:
+        raise AssertionError("fleet_numba.full_lists_hits failed its warm-up")
     _warm = True
 
 
@@ -718,6 +777,9 @@ class FleetOps:
         #: The router call's kernel (:func:`full_hits_checked`; fleet_full_host
         #: calls its compiled entry), read at build: a test may patch the module's.
         self.host_kernel = full_hits_checked
+        #: The router's call from its lists (:func:`full_lists_hits`;
+        #: fleet_scoring.fleet_lists_host), read at build as host_kernel is.
+        self.lists_kernel = full_lists_hits
 
     @staticmethod
     def new_tables(
