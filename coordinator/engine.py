@@ -699,6 +699,61 @@ class LookupEngine:
         int64 ``[B, E]``; ``num_tokens`` int64 ``[B]``."""
         return self._fleet_hits(batch, num_tokens, "num_tokens", fleet, True, True)
 
+    def fleet_hit_array(
+        self,
+        requests: HashBatch | Sequence[Sequence[int] | np.ndarray],
+        max_lengths: torch.Tensor | np.ndarray | Sequence[int],
+        fleet: Any,
+        apply_eagle: bool = True,
+        block_size: int = 1,
+    ) -> np.ndarray:
+        """A router's fleet step in one call: every request's hit against
+        every engine of ``fleet``, in blocks of ``block_size`` tokens, as
+        numpy. The answer of ``fleet_hits(HashBatch.from_ints(requests,
+        fleet.hash_bytes, engine.device), max_lengths, fleet,
+        apply_eagle).cpu().numpy() // block_size``, its errors too
+        (``block_size`` checked first, then ``fleet``).
+
+        Args:
+            requests: ``B`` requests' block hashes in any form
+                :meth:`HashBatch.from_ints` takes (a list of lists of Python
+                ints is the fast one), or a :class:`HashBatch`.
+            max_lengths: ``B`` lengths, the most tokens each hit may cover
+                (a list of ints, an integer numpy array, a tensor: any form
+                :meth:`fleet_hits` takes).
+            fleet: a :class:`~kvhit.coordinator.fleet_index.FleetIndex`.
+            apply_eagle: apply the EAGLE last-block drop.
+            block_size: tokens per block of the answer, an int in ``[1,
+                2**63)``.
+
+        Returns int64 numpy ``[B, E]`` (a new array; 0 for an engine
+        removed from the fleet). Where the fleet's family has a lists kernel
+        (numba, 8-byte keys, a full-attention layout, a CPU engine), a list
+        of lists of ints with lengths as a list of ints or an integer numpy
+        array and ``apply_eagle`` a bool take it: one encode and one
+        compiled call, none of the batch's, the tensor's or the lengths'
+        Python objects (``FleetIndex.router_lists``). Anything it does not
+        take goes the general way.
+
+        Raises TypeError / ValueError naming the argument, as the general
+        way does.
+        """
+        if type(block_size) is not int or not 0 < block_size <= INT64_MAX:
+            block_size = check_int(block_size, "block_size", 1, INT64_MAX + 1)
+        router = getattr(fleet, "router_lists", None)
+        if router is not None and type(requests) is list and type(apply_eagle) is bool:
+            hits = router(self, requests, max_lengths, apply_eagle, block_size)
+            if hits is not None:
+                return hits
+        if router is None:
+            # Before from_ints, which would read its width.
+            raise TypeError(f"fleet must be a FleetIndex, got {type(fleet).__name__}")
+        if not isinstance(requests, HashBatch):
+            requests = HashBatch.from_ints(requests, fleet.hash_bytes, self.device)
+        out = self.fleet_hits(requests, max_lengths, fleet, bool(apply_eagle))
+        out = out.cpu().numpy()
+        return out // block_size if block_size != 1 else out
+
     def _fleet_hits(
         self, batch: Any, lens: Any, name: str, fleet: Any, apply_eagle: bool,
         lookup: bool,

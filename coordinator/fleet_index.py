@@ -760,6 +760,10 @@ class FleetIndex:
     #: wrapper: a router's batch is cold, and each Python frame costs
     #: microseconds there.
     router_hits = fleet_scoring.fleet_full_host
+    #: ``LookupEngine.fleet_hit_array``'s call on a router's lists, as
+    #: :attr:`router_hits` (:func:`~kvhit.coordinator.fleet_scoring.
+    #: fleet_lists_host`): int64 numpy ``[B, E]`` in blocks, or None.
+    router_lists = fleet_scoring.fleet_lists_host
 
     def check_batch(self, batch: HashBatch, device: torch.device) -> None:
         """Raise naming ``fleet`` unless this fleet is on ``device`` with

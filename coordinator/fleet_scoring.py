@@ -16,7 +16,9 @@ COST OF A LOOKUP
   blocks scanned, not with E x blocks (E only adds ``ceil(E / 64)`` words per
   block and the ``[B, E]`` output). A router's call (a ``from_ints`` batch;
   lengths as a list, a tuple, numpy or a CPU tensor) is checked and answered
-  by :func:`fleet_full_host` at the cost of one kernel dispatch.
+  by :func:`fleet_full_host` at the cost of one kernel dispatch; a
+  router's Python lists (``LookupEngine.fleet_hit_array``) by
+  :func:`fleet_lists_host`, one encode and one kernel call, no batch made.
 * Every other layout (sliding window, Mamba, chunked local, several
   SpecGroups, fine-grained hits; numba): the single-engine numba scan of
   ``kernels/scan_numba.py`` (vLLM's whole rule) per (request, engine) pair
@@ -72,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from kvhit.coordinator.int_lists import encode_step
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
@@ -88,6 +91,7 @@ __all__ = [
     "FleetTables",
     "fleet_find",
     "fleet_full_host",
+    "fleet_lists_host",
 ]
 
 
@@ -209,14 +213,15 @@ def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: b
     return got
 
 
-# (router kernel, lens an array('q')) -> what fleet_full_host calls: the
+# (router kernel, lens an array('q'); None for the lists kernel) -> what
+# fleet_full_host and fleet_lists_host call: the
 # kernel's compiled wrapper for the types of the arguments it passes (the
 # family's ``compiled_entry``; kvhit's own arrays, so every later call's are
 # alike), remembered once the kernel has compiled or loaded them.
-_KERNEL_CALLS: dict[tuple[Any, bool], Any] = {}
+_KERNEL_CALLS: dict[tuple[Any, bool | None], Any] = {}
 
 
-def _kernel_call(fleet: FleetTables, kernel: Any, q: bool, args: tuple) -> Any:
+def _kernel_call(fleet: FleetTables, kernel: Any, q: bool | None, args: tuple) -> Any:
     """:data:`_KERNEL_CALLS`' entry for ``(kernel, q)`` (the kernel itself
     until then, or where the family has no compiled wrappers)."""
     entry = getattr(fleet.ops, "compiled_entry", None)
@@ -331,6 +336,54 @@ def fleet_full_host(
     call = _KERNEL_CALLS.get((kernel, False))
     bad, out = (call or _kernel_call(fleet, kernel, False, args))(*args)
     return None if bad >= 0 else torch.from_numpy(out)
+
+
+def fleet_lists_host(
+    fleet: FleetTables,
+    engine: LookupEngine,
+    requests: list[Any],
+    lens: Any,
+    apply_eagle: bool,
+    block_size: int,
+) -> np.ndarray | None:
+    """``LookupEngine.fleet_hit_array`` on the router's lists, in one encode
+    and one kernel call (``FleetIndex.router_lists`` is this function):
+    where :func:`fleet_full_host` would answer the batch ``from_ints`` makes
+    of ``requests`` (a family with a lists kernel, numba's
+    ``full_lists_hits``; 8-byte keys; a full-attention layout; a CPU
+    engine), ``requests`` a list of lists and ``lens`` a list of ints or an
+    integer numpy array (``int_lists.encode_step``), the step is written as
+    msgpack and read, scanned and divided by ``block_size`` (an int >= 1)
+    by the kernel, no HashBatch, tensor or lengths array made. Returns
+    int64 ``[B, E]`` hits in blocks, or None when any of that does not hold
+    or the kernel refuses an item (not an int in int64, a negative length,
+    a wrong count): the caller then takes the general path, which names the
+    bad argument. Nothing is modified either way.
+
+    Cold, as a router meets a step (caches evicted; B = 64 raw trace ids,
+    one thread, both calls in one process), the call costs about half of
+    ``fleet_hits(HashBatch.from_ints(...))``: the batch's packing (~170 us)
+    and the answer's ``torch.from_numpy`` (~80 us) replaced by one encode
+    (~65 us) of the lists the kernel reads."""
+    kernel = getattr(fleet.ops, "lists_kernel", None)
+    if kernel is None or fleet.hash_bytes != 8:
+        # One int a key: from_ints' other widths check or widen each value.
+        return None
+    nw, num_engines = fleet.NW, fleet.num_engines
+    plan = engine.plan
+    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, False))
+    if got is None or got[0] is not plan or got[1] is not engine.device:
+        got = _router_args(engine, nw, num_engines, apply_eagle, False)
+    members, params = got[2], got[3]
+    if members is None:
+        return None
+    msg = encode_step(requests, lens)
+    if msg is None:
+        return None
+    args = (msg, fleet.host_table, members, fleet.live, params, block_size)
+    call = _KERNEL_CALLS.get((kernel, None))
+    b, out = (call or _kernel_call(fleet, kernel, None, args))(*args)
+    return None if b < 0 else out
 
 
 def _engine_table(fleet: FleetTables, g: torch.Tensor, h: torch.Tensor) -> KeyIndex:
