@@ -6,12 +6,14 @@ Imported as ``helpers`` (pytest puts ``tests/`` on the path, as for
 
 from __future__ import annotations
 
+import enum
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,3 +220,47 @@ def run_python(
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+class _Color(enum.Enum):
+    RED = 3
+
+
+#: Requests a router's lists call must refuse, named as ``from_ints`` names
+#: them (find_hit_list, fleet_hit_array).
+BAD_INT_REQUESTS = [
+    [[1, True]],
+    [[1, 2.0]],
+    [[1, None]],
+    [[1, "2"]],
+    [[1, [2]]],
+    [[1, 1 << 63]],
+    [[1, -(1 << 63) - 1]],
+    [[1, 1 << 64]],
+    [{1, 2}],
+    [[1], {1, 2}],
+    [[1], frozenset((1, 2))],
+    [5],
+    [None],
+    None,
+    "ab",
+]
+#: Lengths (for one request) those calls must refuse, named as the general
+#: path names them.
+BAD_INT_LENGTHS = [
+    [-1],
+    [1 << 63],
+    [True],
+    [1.0],
+    [_Color.RED],
+    [1, 2],
+    [],
+    None,
+    5,
+    np.array([-1]),
+    np.array([1.0]),
+    np.array([True]),
+    np.array([1 << 63], np.uint64),
+    np.array([[4]]),
+    torch.tensor([-1]),
+]

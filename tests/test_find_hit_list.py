@@ -15,7 +15,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import full_mamba_eagle_layout, merged_swa_eagle_layout
+from helpers import (
+    BAD_INT_LENGTHS,
+    BAD_INT_REQUESTS,
+    full_mamba_eagle_layout,
+    merged_swa_eagle_layout,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -173,46 +178,6 @@ def test_other_forms_take_the_general_path() -> None:
         assert other.find_hit_list(reqs, lens, index) == want
 
 
-class _Color(enum.Enum):
-    RED = 3
-
-
-_BAD_REQUESTS = [
-    [[1, True]],
-    [[1, 2.0]],
-    [[1, None]],
-    [[1, "2"]],
-    [[1, [2]]],
-    [[1, 1 << 63]],
-    [[1, -(1 << 63) - 1]],
-    [[1, 1 << 64]],
-    [{1, 2}],
-    [[1], {1, 2}],
-    [[1], frozenset((1, 2))],
-    [5],
-    [None],
-    None,
-    "ab",
-]
-_BAD_LENGTHS = [
-    [-1],
-    [1 << 63],
-    [True],
-    [1.0],
-    [_Color.RED],
-    [1, 2],
-    [],
-    None,
-    5,
-    np.array([-1]),
-    np.array([1.0]),
-    np.array([True]),
-    np.array([1 << 63], np.uint64),
-    np.array([[4]]),
-    torch.tensor([-1]),
-]
-
-
 def test_apply_eagle_is_read_as_the_general_path_reads_it() -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
     index = KeyIndex(8)
@@ -261,7 +226,7 @@ def _error(fn):
     raise AssertionError("no error")
 
 
-@pytest.mark.parametrize("bad", _BAD_REQUESTS, ids=repr)
+@pytest.mark.parametrize("bad", BAD_INT_REQUESTS, ids=repr)
 def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
     index = KeyIndex(8)
@@ -277,7 +242,7 @@ def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
     assert _error(lambda: engine.find_hit_list(bad, lens, index)) == _error(general)
 
 
-@pytest.mark.parametrize("bad", _BAD_LENGTHS, ids=repr)
+@pytest.mark.parametrize("bad", BAD_INT_LENGTHS, ids=repr)
 def test_bad_lengths_raise_what_the_general_path_raises(bad) -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
     index = KeyIndex(8)

@@ -132,7 +132,11 @@ def test_warm_fleet_loads_its_store_and_router_kernels():
         FleetIndex(3, 32)
         assert fleet_numba._warm and hash_index_numba._warm
         assert "msgspec" in sys.modules
-        for f in (fleet_numba._add_entries, fleet_numba.full_hits_checked):
+        for f in (
+            fleet_numba._add_entries,
+            fleet_numba.full_hits_checked,
+            fleet_numba.full_lists_hits,
+        ):
             assert f.signatures, f
         """
     )
