@@ -52,6 +52,7 @@ from kvhit.coordinator.packing import HashBatch, num_words
 from kvhit.coordinator.specs import CacheLayout, FullAttention, Group
 
 __all__ = [
+    "FLEET_CALLS",
     "FLEET_IDS",
     "FleetWorkload",
     "build_workload",
@@ -66,6 +67,11 @@ __all__ = [
 #: The Dynamo table's inputs: ``raw`` trace ids as Python lists (the
 #: default) or ``hashed`` (the llama layout on expanded 64-bit hashes).
 FLEET_IDS = ("raw", "hashed")
+#: How the Dynamo table calls kvhit: ``lists``, one
+#: ``LookupEngine.fleet_hit_array`` (the router's lists in, numpy hits in
+#: blocks out; the default), or ``batch``, ``fleet_hits`` of
+#: ``HashBatch.from_ints`` (a tensor of hits in tokens).
+FLEET_CALLS = ("lists", "batch")
 
 
 class FleetWorkload:
@@ -298,7 +304,7 @@ def _separate_us(fa: Callable[[], Any], fb: Callable[[], Any],
 
 def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
                   out, host_load: int = 0, ids: str = "raw",
-                  pin: int | None = None) -> list[tuple]:  # fmt: skip
+                  pin: int | None = None, call: str = "lists") -> list[tuple]:  # fmt: skip
     """Full attention: per-engine hits in blocks equal Dynamo's scores; time
     per request side by side, in both orders (alternating call by call, and
     each side alone), with ``host_load`` CPU-bound processes spinning beside
@@ -310,10 +316,15 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
     FullAttention(512) group, lengths as a list, Dynamo given the same lists;
     ``ids="hashed"``: llama (Full 16, hash 16, no EAGLE) on expanded hashes,
     both sides given numpy arrays (Dynamo's u64 list conversion timed).
+    ``call`` (:data:`FLEET_CALLS`): kvhit's call, ``lists``
+    (``fleet_hit_array``, hits in blocks) or ``batch`` (``from_ints`` and
+    ``fleet_hits``); its answers are checked against Dynamo's before timing.
 
     Writes the table to ``out`` and returns its rows: ``(E, kvhit us/request
     alternate, Dynamo alternate, kvhit separate, Dynamo separate, (request,
     engine) pairs with a hit)``."""
+    if call not in FLEET_CALLS:
+        raise ValueError(f"call must be one of {FLEET_CALLS}, got {call!r}")
     rows = []
     for E in engines:
         wl = build_workload("llama", E, warm, batch, ids=ids)
@@ -332,14 +343,19 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
             raise MismatchError(
                 f"E={E}: {bad} (request, engine) pairs differ from Dynamo"
             )
+        reqs, lens = (wl.lists, wl.token_list) if ids == "raw" else (wl.ints, wl.tokens)
+        if call == "lists":
+            ours = lambda r=reqs, n=lens, f=fleet, e=engine, bs=bs: e.fleet_hit_array(  # noqa: E731
+                r, n, f, True, bs)  # fmt: skip
+            if not np.array_equal(ours(), dyn):
+                raise MismatchError(f"E={E}: fleet_hit_array differs from Dynamo")
+        else:
+            ours = lambda r=reqs, n=lens, f=fleet, e=engine: e.fleet_hits(  # noqa: E731
+                HashBatch.from_ints(r, 8), n, f)  # fmt: skip
         if ids == "raw":
-            ours = lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(  # noqa: E731
-                HashBatch.from_ints(wl.lists), wl.token_list, fleet)  # fmt: skip
             find = tree.find_matches
             theirs = lambda find=find, wl=wl: [find(c).scores for c in wl.lists]  # noqa: E731
         else:
-            ours = lambda wl=wl, fleet=fleet, engine=engine: engine.fleet_hits(  # noqa: E731
-                HashBatch.from_ints(wl.ints, 8), wl.tokens, fleet)  # fmt: skip
             theirs = lambda tree=tree, wl=wl: dynamo_find(tree, wl.ints)  # noqa: E731
         per_req = []
         with busy_host(host_load), pinned(pin):
@@ -356,8 +372,10 @@ def versus_dynamo(engines: Sequence[int], warm: int, batch: int, repeats: int,
         else "llama (full attention) on expanded hashes, numpy inputs; Dynamo's "
         "u64 list conversion included"
     )
-    out.write(f"\nFleet vs Dynamo, B = {batch}, {what}: kvhit fleet_hits (from_ints "
-              "packing included) vs Dynamo RadixTree.find_matches(...).scores, us per "
+    kv_call = ("fleet_hit_array (one call, hits in blocks)" if call == "lists"
+               else "fleet_hits (from_ints packing included)")  # fmt: skip
+    out.write(f"\nFleet vs Dynamo, B = {batch}, {what}: kvhit {kv_call} vs Dynamo "
+              "RadixTree.find_matches(...).scores, us per "
               f"request (median of {repeats}), caches evicted before each call; "
               "alternate = call by call, separate = each side's repeats alone; "
               f"host: {'quiet' if not host_load else f'{host_load} CPU-bound processes spinning'}"
@@ -389,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default) or hashed (llama layout, expanded hashes, numpy inputs)",
     )
     p.add_argument(
+        "--call",
+        choices=FLEET_CALLS,
+        default="lists",
+        help="the Dynamo table's kvhit call: lists (fleet_hit_array, default) "
+        "or batch (from_ints + fleet_hits)",
+    )
+    p.add_argument(
         "--host-load",
         default="0",
         metavar="N[,N...]",
@@ -406,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if dynamo_available():
         for load in (int(n) for n in args.host_load.split(",")):
             versus_dynamo([e for e in engines if e in (8, 64)] or engines, warm,
-                          args.batch, repeats, out, host_load=load, ids=args.ids)  # fmt: skip
+                          args.batch, repeats, out, host_load=load, ids=args.ids,
+                          call=args.call)  # fmt: skip
     else:
         out.write("\n(Dynamo not importable: pip install ai-dynamo-runtime)\n")
     return 0

@@ -17,7 +17,8 @@ switch on that core rather than a cross-core wake-up (its fast case,
 steady from run to run); ``--lengths list,numpy`` repeats the lookup runs
 with the lengths as a numpy int64 array; ``--call lists,batch`` repeats them
 with kvhit's lookup as ``from_ints``, ``find_longest_cache_hit`` and
-``hit_list`` instead of one ``find_hit_list``.
+``hit_list`` instead of one ``find_hit_list`` (and the fleet as ``from_ints``
+and ``fleet_hits`` instead of one ``fleet_hit_array``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ _CALL_NOTE = {
     "lists": "kvhit's lookup one find_hit_list",
     "batch": "kvhit's lookup from_ints + find_longest_cache_hit + hit_list",
 }
+# The fleet row's kvhit call (bench_fleet.FLEET_CALLS, named as PEER_CALLS).
+_FLEET_CALL_NOTE = {"lists": "fleet_hit_array", "batch": "from_ints + fleet_hits"}
 
 
 def _lookup_table(rows: Sequence[PeerRow], batch_sizes: Sequence[int]) -> list[str]:
@@ -264,26 +267,28 @@ def targets(
             if tree_cls is None:
                 out.append(f"Fleet vs Dynamo skipped: {why}\n")
                 continue
-            fleet = bench_fleet.versus_dynamo(
-                fleet_engines,
-                fleet_warm,
-                64,
-                repeats,
-                io.StringIO(),
-                host_load=load,
-                pin=pin,
-            )
-            out += [
-                f"| fleet_hits at B = 64 vs Dynamo, {host} (target "
-                f"{FLEET_TARGET:g}x) | kvhit us/request | Dynamo us/request | ratio |",
-                "|---|---:|---:|---:|",
-            ]
-            for e, aa, ba, asep, bsep, _n in fleet:
-                out.append(
-                    f"| E = {e} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
-                    f"{ba / aa:.1f}x / {bsep / asep:.1f}x |"
+            for call in calls:
+                fleet = bench_fleet.versus_dynamo(
+                    fleet_engines,
+                    fleet_warm,
+                    64,
+                    repeats,
+                    io.StringIO(),
+                    host_load=load,
+                    pin=pin,
+                    call=call,
                 )
-            out.append("")
+                out += [
+                    f"| {_FLEET_CALL_NOTE[call]} at B = 64 vs Dynamo, {host} (target "
+                    f"{FLEET_TARGET:g}x) | kvhit us/request | Dynamo us/request | ratio |",
+                    "|---|---:|---:|---:|",
+                ]
+                for e, aa, ba, asep, bsep, _n in fleet:
+                    out.append(
+                        f"| E = {e} | {aa:.2f} / {asep:.2f} | {ba:.2f} / {bsep:.2f} | "
+                        f"{ba / aa:.1f}x / {bsep / asep:.1f}x |"
+                    )
+                out.append("")
     requests = load_trace(trace or SHIPPED_TRACE, limit)
     impls = {"after": None}
     if baseline_packing is not None:
@@ -332,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--call",
         default="lists",
-        help="how kvhit's lookup is called, comma-separated: lists "
-        "(find_hit_list), batch (from_ints + find_longest_cache_hit + "
-        "hit_list) (default lists)",
+        help="how kvhit's lookup and fleet are called, comma-separated: lists "
+        "(find_hit_list, fleet_hit_array), batch (from_ints + "
+        "find_longest_cache_hit + hit_list, from_ints + fleet_hits) "
+        "(default lists)",
     )
     p.add_argument(
         "--pin",
