@@ -762,7 +762,7 @@ class FleetIndex:
     router_hits = fleet_scoring.fleet_full_host
     #: ``LookupEngine.fleet_hit_array``'s call on a router's lists, as
     #: :attr:`router_hits` (:func:`~kvhit.coordinator.fleet_scoring.
-    #: fleet_lists_host`): int64 numpy ``[B, E]`` in blocks, or None.
+    #: fleet_lists_host`; block_size trusted): int64 ``[B, E]`` or None.
     router_lists = fleet_scoring.fleet_lists_host
 
     def check_batch(self, batch: HashBatch, device: torch.device) -> None:

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from kvhit.coordinator.int_lists import encode_step
+from kvhit.coordinator.int_lists import decoder_ready, encode_step
 from kvhit.coordinator.key_index import KeyIndex
 from kvhit.coordinator.packing import HashBatch
 from kvhit.coordinator.plan import ScanPlan
@@ -350,11 +350,12 @@ def fleet_lists_host(
     and one kernel call (``FleetIndex.router_lists`` is this function):
     where :func:`fleet_full_host` would answer the batch ``from_ints`` makes
     of ``requests`` (a family with a lists kernel, numba's
-    ``full_lists_hits``; 8-byte keys; a full-attention layout; a CPU
-    engine), ``requests`` a list of lists and ``lens`` a list of ints or an
+    ``full_lists_hits``; 8-byte keys; a layout whose one SpecGroup is full
+    attention, not fine-grained; a CPU engine), ``requests`` a list of lists and ``lens`` a list of ints or an
     integer numpy array (``int_lists.encode_step``), the step is written as
     msgpack and read, scanned and divided by ``block_size`` (an int >= 1)
-    by the kernel, no HashBatch, tensor or lengths array made. Returns
+    by the kernel, no HashBatch, tensor or lengths array made.
+    ``block_size`` is trusted (``fleet_hit_array`` checked it). Returns
     int64 ``[B, E]`` hits in blocks, or None when any of that does not hold
     or the kernel refuses an item (not an int in int64, a negative length,
     a wrong count): the caller then takes the general path, which names the
@@ -379,7 +380,16 @@ def fleet_lists_host(
         return None
     msg = encode_step(requests, lens)
     if msg is None:
-        return None
+        # A fleet built with warm=False beside an engine that loaded no
+        # decoder: its kernels and the decoder loaded now (once), as a warm
+        # fleet's construction loads them.
+        warm_up = getattr(fleet.ops, "warm_up", None)
+        if decoder_ready() or warm_up is None:
+            return None
+        warm_up()
+        msg = encode_step(requests, lens)
+        if msg is None:
+            return None
     args = (msg, fleet.host_table, members, fleet.live, params, block_size)
     call = _KERNEL_CALLS.get((kernel, None))
     b, out = (call or _kernel_call(fleet, kernel, None, args))(*args)

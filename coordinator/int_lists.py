@@ -149,10 +149,11 @@ def encode_step(requests: list[Any], lengths: Any) -> bytes | None:
     read (``kernels/scan_numba_lists.lists_hits``,
     ``kernels/fleet_numba.full_lists_hits``): ``requests`` (``B`` lists),
     then ``lengths`` as one more list. None, nothing encoded, unless
-    ``requests`` and every request in it is a ``list`` (msgspec writes a set or a generator's items too,
-    which ``from_ints`` refuses by name) and ``lengths`` is a list of
-    exactly ``int`` items (a bool is refused by its type, as the general
-    path's check does) or a 1-D integer numpy array; and as
+    ``requests`` and every request in it is a ``list`` (msgspec writes a
+    set too, in set order, which ``from_ints`` refuses by name) and
+    ``lengths`` is a list of exactly ``int`` items (a bool is refused by its
+    type, as the general path's check does) or a 1-D integer numpy array;
+    and as
     :func:`encode_lists` answers None. What is encoded is still checked by
     the kernel that reads it (ints in int64, ``B`` lengths, none negative)."""
     if type(requests) is not list or (

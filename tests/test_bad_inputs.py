@@ -27,6 +27,7 @@ from helpers import block_stored
 from kvhit import (
     CacheLayout,
     ChunkedLocal,
+    FleetIndex,
     FullAttention,
     Group,
     HashBatch,
@@ -35,6 +36,7 @@ from kvhit import (
     Mamba,
     SlidingWindow,
 )
+from kvhit.coordinator.fleet_index import state_checksum
 from kvhit.coordinator.packing import pack_hashes
 
 H16 = [bytes([i]) * 16 for i in range(8)]
@@ -77,6 +79,8 @@ def _snap(obj: Any) -> Any:
         )
     if isinstance(obj, KeyIndex):
         return ("KeyIndex", len(obj), obj.capacity, obj.tombstones, _snap(obj.table))
+    if isinstance(obj, FleetIndex):
+        return ("FleetIndex", state_checksum(obj.state_dict()), obj.version)
     if isinstance(obj, HashBatch):
         return ("HashBatch", obj.hash_bytes, _snap(obj.hashes), _snap(obj.offsets))
     if isinstance(obj, CacheLayout):
@@ -430,6 +434,19 @@ def _lists_state() -> tuple[LookupEngine, None, KeyIndex]:
     return engine, None, index
 
 
+def _fleet_state(backend: str) -> tuple[LookupEngine, None, FleetIndex]:
+    """An engine and an 8-byte fleet of two engines (numba: primed, the
+    lists kernel answering; torch: the general path)."""
+    layout = CacheLayout([Group(FullAttention(16))], 16, 16)
+    engine = LookupEngine(layout, backend=backend)
+    fleet = FleetIndex(2, 8, capacity=64, backend=backend)
+    fleet.add(1, [0, 1], [(1).to_bytes(8, "little")] * 2)
+    assert engine.fleet_hit_array([[1, 2]], [32], fleet).tolist() == [[0, 16]]
+    if backend == "numba":
+        assert fleet.router_lists(engine, [[1, 2]], [32], True, 1) is not None
+    return engine, None, fleet
+
+
 ENGINE = [
     Case("LookupEngine-layout", lambda _: LookupEngine("layout"), TypeError, "layout"),
     Case(
@@ -567,6 +584,53 @@ ENGINE = [
                 lambda s: s[0].find_hit_list([[1, "x"]], [16], None),
                 TypeError,
                 "index",
+            ),
+        )
+    ],
+    # fleet_hit_array: the general path (a torch fleet) and numba's lists
+    # kernel, which hands every refusal to the general path.
+    *[
+        Case(f"fleet_hit_array-{name}-{backend}", call, exc, match, state)
+        for backend, state in (
+            ("torch", lambda: _fleet_state("torch")),
+            ("numba", lambda: _fleet_state("numba")),
+        )
+        for name, call, exc, match in (
+            (
+                "bool",
+                lambda s: s[0].fleet_hit_array([[1, True]], [16], s[2]),
+                TypeError,
+                r"request 0, position 1",
+            ),
+            (
+                "past-int64",
+                lambda s: s[0].fleet_hit_array([[1 << 64]], [16], s[2]),
+                ValueError,
+                r"request 0, position 0",
+            ),
+            (
+                "negative-length",
+                lambda s: s[0].fleet_hit_array([[1]], [-1], s[2]),
+                ValueError,
+                r"max_lengths\[0\]",
+            ),
+            (
+                "lengths-count",
+                lambda s: s[0].fleet_hit_array([[1]], [16, 16], s[2]),
+                ValueError,
+                "max_lengths",
+            ),
+            (
+                "block_size",
+                lambda s: s[0].fleet_hit_array([[1]], [16], s[2], True, 0),
+                ValueError,
+                "block_size",
+            ),
+            (
+                "fleet",
+                lambda s: s[0].fleet_hit_array([[1, "x"]], [16], KeyIndex(8)),
+                TypeError,
+                "fleet",
             ),
         )
     ],

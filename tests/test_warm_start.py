@@ -171,3 +171,25 @@ def test_the_lists_runner_loads_with_a_warm_engine_and_waits_in_a_cold_one():
         """
     )
     assert "kvhit.kernels.scan_numba_lists" in warm
+
+
+def test_a_cold_fleet_loads_its_lists_kernel_at_its_first_lists_step():
+    # Nothing warm in the process: the first fleet_hit_array loads the
+    # fleet's kernels and the decoder, and the kernel answers from then on.
+    _modules_after(
+        """
+        import sys
+        from kvhit import CacheLayout, FullAttention, Group, FleetIndex
+        from kvhit.coordinator.engine import LookupEngine
+        layout = CacheLayout([Group(FullAttention(16))], 16, 16)
+        engine = LookupEngine(layout, backend="numba", warm=False)
+        fleet = FleetIndex(2, 8, warm=False)
+        fleet.add(1, [0, 0], [(5).to_bytes(8, "little"), (6).to_bytes(8, "little")])
+        assert "kvhit.kernels.msgpack_numba" not in sys.modules or not (
+            sys.modules["kvhit.kernels.msgpack_numba"].loaded())
+        assert engine.fleet_hit_array([[5, 6, 9]], [48], fleet, True, 16).tolist() == [[0, 2]]
+        from kvhit.kernels import fleet_numba
+        assert fleet_numba.full_lists_hits.signatures
+        assert fleet.router_lists(engine, [[5, 6]], [48], True, 16).tolist() == [[0, 2]]
+        """
+    )
