@@ -71,7 +71,6 @@ so ``(W + 1) * 8 / load`` bytes per key.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -81,8 +80,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.backend import resolve_backend as resolve_any_backend
 from kvhit.coordinator.int_lists import decoder_ready
+from kvhit.coordinator.key_index_backends import (
+    BACKENDS,
+    KERNEL_MODULES,
+    hash_kernels,
+    resolve_backend,
+)
 from kvhit.coordinator.key_index_keys import (
     NO_IDS,
     cpu_int64_data,
@@ -127,16 +131,6 @@ __all__ = [
 ]
 
 
-#: Backend -> its hash-index kernel module (the same launchers in each:
-#: ``find``, ``probe``, ``insert``, ``erase``, ``rehash``), imported when an
-#: index first binds it: coordinator/ never imports triton or numba before.
-KERNEL_MODULES: Mapping[str, str] = {
-    "numba": "kvhit.kernels.hash_index_numba",
-    "torch": "kvhit.kernels.hash_index_torch",
-    "triton": "kvhit.kernels.hash_index",
-}
-#: Backends a KeyIndex accepts.
-BACKENDS = ("auto", *sorted(KERNEL_MODULES))
 #: Bounds of ``max_load``: below 0.05 a table is mostly air (1e-9 would ask
 #: for 43 GB on the first add); above 0.95 linear probing chains explode and
 #: an EMPTY slot must always remain.
@@ -161,23 +155,6 @@ class ReadOnlyIndexError(TypeError):
 # --------------------------------------------------------------------------
 # Arguments: devices and keys
 # --------------------------------------------------------------------------
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The KeyIndex backend that runs on ``device`` for ``backend`` (one of
-    :data:`BACKENDS`), by the one rule of ``coordinator/backend.py``: "auto"
-    is :func:`~kvhit.coordinator.backend.auto_backend` (numba on the CPU,
-    triton on CUDA, torch elsewhere: MPS, XPU, where no kernel family of ours
-    runs and triton must never be picked). An explicit backend is returned as
-    is, or ValueError where it cannot run (numba off the CPU, triton off CUDA
-    and the CPU interpreter)."""
-    return resolve_any_backend(backend, device, BACKENDS, cpu_interpreter=True)
-
-
-def hash_kernels(backend: str) -> ModuleType:
-    """The hash-index kernel module of a resolved ``backend`` ("numba",
-    "torch" or "triton"; see :data:`KERNEL_MODULES`), imported now."""
-    return importlib.import_module(KERNEL_MODULES[backend])
 
 
 # --------------------------------------------------------------------------
