@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhit.coordinator.int_lists import encode_lists
 from kvhit.coordinator.packing import (
     HashBatch,
     int_rows,
@@ -316,16 +315,18 @@ def insert_host_forms(
 ) -> int | None:
     """One checked numba insert of keys in :func:`host_rows`' and
     :func:`host_ids`' forms (tensors read where they lie), or of a list of
-    int hashes (8-byte keys or fewer) for one group id, for the host store
-    path of ``KeyIndex.add``. ``plan``: the index's ``(table, W, pad,
-    limit, insert_checked_at, insert_checked, REFUSED, hash_bytes,
+    int hashes (8-byte keys or fewer) for one group id converted by
+    :func:`~kvhit.coordinator.packing.int_rows` (``KeyIndex.add`` first
+    hands such a list to the index's ``int_list_entry()`` itself), for the
+    host store path of ``KeyIndex.add``. ``plan``: the index's ``(table, W,
+    pad, limit, insert_checked_at, insert_checked, REFUSED, hash_bytes,
     insert_entry(), int_list_entry(), NOT_READ)`` (``KeyIndex._store_plan``);
     ``room``: the new keys that fit without a rehash. The kernel's return (keys newly stored; ``REFUSED`` when a
     value is refused, nothing stored; ``-1 - r`` when row ``r`` found no
     free slot), or None, nothing done, for any other form, no key, or more
     than ``room`` keys."""
-    (table, W, pad, _, insert_at, insert_arrays, refused, hash_bytes, rows_at,
-     int_list_at, not_read) = plan  # fmt: skip
+    (table, W, pad, _, insert_at, insert_arrays, _, hash_bytes, rows_at, _,
+     _) = plan  # fmt: skip
     if (
         type(hashes) is list
         and W == 1
@@ -334,17 +335,11 @@ def insert_host_forms(
         and hashes
         and type(hashes[0]) is int
     ):
-        # A router's int hashes (as from_ints reads them) for one group:
-        # msgspec's bytes read and inserted in one call (~1.7x a type scan,
-        # np.array and the insert, warm); anything it does not take (a bad
-        # item, too many keys, a padding bit) converted here, a bad one named
-        # (the group id is good and nothing is changed yet: the general
-        # path's error).
-        msg = encode_lists([hashes])
-        if msg is not None:
-            got = int_list_at(table, group_ids, msg, pad, room)
-            if got != not_read and got != refused:
-                return got
+        # A router's int hashes (as from_ints reads them) for one group that
+        # KeyIndex.add's one compiled call did not take (a bad item, too
+        # many keys, a padding bit, no decoder): converted here, a bad one
+        # named (the group id is good and nothing is changed yet: the
+        # general path's error).
         h = int_rows(hashes, hash_bytes, "hashes")
         if h.shape[0] > room:
             return None

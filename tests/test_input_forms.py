@@ -1008,6 +1008,32 @@ def test_int_hashes_past_a_fixed_capacity_change_nothing() -> None:
     assert torch.equal(idx.table, before)
 
 
+def test_add_inserts_a_list_of_int_hashes_itself(monkeypatch) -> None:
+    # KeyIndex.add hands a list of ints for one group to the compiled insert
+    # itself; only what that refuses reaches insert_host_forms, which names
+    # a bad item (or converts a list the insert cannot take).
+    import kvhit.coordinator.key_index as key_index
+
+    reached = []
+    host_forms = key_index.insert_host_forms
+
+    def record(*args):
+        reached.append(args[3])
+        return host_forms(*args)
+
+    monkeypatch.setattr(key_index, "insert_host_forms", record)
+    idx = KeyIndex(8, capacity=64)
+    assert idx.add(0, [1, 2, 3]) == 3 and idx.add(2, [3, 4]) == 2
+    assert reached == []
+    with pytest.raises(TypeError, match=r"hashes, position 1"):
+        idx.add(0, [5, True])
+    assert reached == [[5, True]] and len(idx) == 5
+    # A numpy int msgspec cannot write: converted by insert_host_forms.
+    assert idx.add(0, [6, np.int64(7)]) == 2
+    assert reached[-1] == [6, 7] and len(idx) == 7
+    assert idx.contains(2, [3, 4, 1]).tolist() == [True, True, False]
+
+
 def test_fleet_takes_int_hashes_too() -> None:
     fleet = FleetIndex(2, 8)
     assert fleet.add(0, 0, [1, 2, 3]) == 3

@@ -1497,7 +1497,7 @@ def test_add_of_aligned_numpy_rows_calls_the_compiled_entry() -> None:
         return lambda t, g, c, h, p: calls.append(name) or fn(t, g, c, h.copy(), p)
 
     ix._store = plan[:5] + (record("dispatcher", plan[5]),) + plan[6:8]
-    ix._store += (record("entry", plan[8]),)
+    ix._store += (record("entry", plan[8]), *plan[9:])
     assert ix.add(0, np.arange(3, 8, dtype=np.int64).reshape(-1, 1)) == 3
     unaligned = np.zeros(33, dtype=np.uint8)[1:].view(np.int64).reshape(-1, 1)
     unaligned[:, 0] = [20, 21, 3, 22]
