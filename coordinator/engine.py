@@ -729,12 +729,12 @@ class LookupEngine:
         Returns int64 numpy ``[B, E]`` (a new array; 0 for an engine
         removed from the fleet). Where the fleet's family has a lists kernel
         (numba, 8-byte keys, a layout whose one SpecGroup is full attention,
-        not fine-grained, a CPU engine), a list
-        of lists of ints with lengths as a list of ints or an integer numpy
-        array and ``apply_eagle`` a bool take it: one encode and one
-        compiled call, none of the batch's, the tensor's or the lengths'
-        Python objects (``FleetIndex.router_lists``). Anything it does not
-        take goes the general way.
+        not fine-grained, a CPU engine), a list of lists of ints with
+        lengths as a list of ints or an integer numpy array and
+        ``apply_eagle`` a bool take it: one encode and one compiled call,
+        none of the batch's, the tensor's or the lengths' Python objects
+        (``FleetIndex.router_lists``). Anything it does not take goes the
+        general way.
 
         Raises TypeError / ValueError naming the argument, as the general
         way does.

@@ -351,10 +351,11 @@ def fleet_lists_host(
     where :func:`fleet_full_host` would answer the batch ``from_ints`` makes
     of ``requests`` (a family with a lists kernel, numba's
     ``full_lists_hits``; 8-byte keys; a layout whose one SpecGroup is full
-    attention, not fine-grained; a CPU engine), ``requests`` a list of lists and ``lens`` a list of ints or an
-    integer numpy array (``int_lists.encode_step``), the step is written as
-    msgpack and read, scanned and divided by ``block_size`` (an int >= 1)
-    by the kernel, no HashBatch, tensor or lengths array made.
+    attention, not fine-grained; a CPU engine), ``requests`` a list of
+    lists and ``lens`` a list of ints or an integer numpy array
+    (``int_lists.encode_step``), the step is written as msgpack and read,
+    scanned and divided by ``block_size`` (an int >= 1) by the kernel, no
+    HashBatch, tensor or lengths array made.
     ``block_size`` is trusted (``fleet_hit_array`` checked it). Returns
     int64 ``[B, E]`` hits in blocks, or None when any of that does not hold
     or the kernel refuses an item (not an int in int64, a negative length,

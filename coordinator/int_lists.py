@@ -153,9 +153,9 @@ def encode_step(requests: list[Any], lengths: Any) -> bytes | None:
     set too, in set order, which ``from_ints`` refuses by name) and
     ``lengths`` is a list of exactly ``int`` items (a bool is refused by its
     type, as the general path's check does) or a 1-D integer numpy array;
-    and as
-    :func:`encode_lists` answers None. What is encoded is still checked by
-    the kernel that reads it (ints in int64, ``B`` lengths, none negative)."""
+    and as :func:`encode_lists` answers None. What is encoded is still
+    checked by the kernel that reads it (ints in int64, ``B`` lengths, none
+    negative)."""
     if type(requests) is not list or (
         not (len(requests) == 1 and type(requests[0]) is list)
         and not _LISTS.issuperset(map(type, requests))
