@@ -264,3 +264,26 @@ BAD_INT_LENGTHS = [
     np.array([[4]]),
     torch.tensor([-1]),
 ]
+
+
+#: The forms a router's lengths come in, each made from a list of ints
+#: (find_hit_list, fleet_hit_array: their lists fast path takes a list and
+#: the integer numpy arrays; every form goes the general way too).
+LENGTH_FORMS = (
+    list,
+    tuple,
+    lambda v: np.array(v, np.int64),
+    lambda v: np.array(v, np.int32),
+    lambda v: np.array(v, np.uint64),
+    lambda v: torch.tensor(v, dtype=torch.int64),
+)
+
+
+def raised(fn: Callable[[], Any]) -> tuple[type, str]:
+    """``(type, message)`` of the TypeError or ValueError ``fn()`` raises;
+    AssertionError when it raises none."""
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    raise AssertionError("no error")

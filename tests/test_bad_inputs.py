@@ -447,6 +447,25 @@ def _fleet_state(backend: str) -> tuple[LookupEngine, None, FleetIndex]:
     return engine, None, fleet
 
 
+# Refusals of a router's one-call step (find_hit_list, fleet_hit_array):
+# (name, requests, lengths, arguments after the index, error, match).
+_STEP_REFUSALS = (
+    ("bool", [[1, True]], [16], (), TypeError, r"request 0, position 1"),
+    ("past-int64", [[1 << 63]], [16], (), ValueError, r"request 0, position 0"),
+    ("past-uint64", [[1 << 64]], [16], (), ValueError, r"request 0, position 0"),
+    ("set", [[1], {1, 2}], [16, 16], (), TypeError, r"requests\[1\]"),
+    ("negative-length", [[1]], [-1], (), ValueError, r"max_lengths\[0\]"),
+    ("lengths-count", [[1]], [16, 16], (), ValueError, "max_lengths"),
+    ("bool-length", [[1]], [True], (), TypeError, r"max_lengths\[0\]"),
+    ("block_size", [[1]], [16], (True, 0), ValueError, "block_size"),
+)
+
+
+def _step_call(method: str, reqs: Any, lens: Any, extra: tuple) -> Callable[[Any], Any]:
+    """``state[0].<method>(reqs, lens, state[2], *extra)``."""
+    return lambda s: getattr(s[0], method)(reqs, lens, s[2], *extra)
+
+
 ENGINE = [
     Case("LookupEngine-layout", lambda _: LookupEngine("layout"), TypeError, "layout"),
     Case(
@@ -530,109 +549,50 @@ ENGINE = [
         "max_lengths",
         _engine_state,
     ),
-    # find_hit_list: the general path (a 16-byte index, the torch backend)
-    # and the numba backend's lists runner (8-byte keys, primed), which
-    # hands every refusal to the general path.
+    # A router's one-call steps, each on its general path (find_hit_list: a
+    # 16-byte index, the torch backend; fleet_hit_array: a torch fleet) and
+    # on numba's lists fast path (primed), which hands every refusal to the
+    # general path.
     *[
-        Case(f"find_hit_list-{name}-{where}", call, exc, match, state)
-        for where, state in (("general", _engine_state), ("lists", _lists_state))
-        for name, call, exc, match in (
+        Case(
+            f"{method}-{name}-{where}",
+            _step_call(method, reqs, lens, extra),
+            exc,
+            match,
+            state,
+        )
+        for method, states in (
+            ("find_hit_list", (("general", _engine_state), ("lists", _lists_state))),
             (
-                "bool",
-                lambda s: s[0].find_hit_list([[1, True]], [16], s[2]),
-                TypeError,
-                r"request 0, position 1",
-            ),
-            (
-                "past-int64",
-                lambda s: s[0].find_hit_list([[1 << 63]], [16], s[2]),
-                ValueError,
-                r"request 0, position 0",
-            ),
-            (
-                "set",
-                lambda s: s[0].find_hit_list([[1], {1, 2}], [16, 16], s[2]),
-                TypeError,
-                r"requests\[1\]",
-            ),
-            (
-                "negative-length",
-                lambda s: s[0].find_hit_list([[1]], [-1], s[2]),
-                ValueError,
-                r"max_lengths\[0\]",
-            ),
-            (
-                "lengths-count",
-                lambda s: s[0].find_hit_list([[1]], [16, 16], s[2]),
-                ValueError,
-                "max_lengths",
-            ),
-            (
-                "bool-length",
-                lambda s: s[0].find_hit_list([[1]], [True], s[2]),
-                TypeError,
-                r"max_lengths\[0\]",
-            ),
-            (
-                "block_size",
-                lambda s: s[0].find_hit_list([[1]], [16], s[2], True, 0),
-                ValueError,
-                "block_size",
-            ),
-            (
-                "index",
-                lambda s: s[0].find_hit_list([[1, "x"]], [16], None),
-                TypeError,
-                "index",
+                "fleet_hit_array",
+                (
+                    ("torch", lambda: _fleet_state("torch")),
+                    ("numba", lambda: _fleet_state("numba")),
+                ),
             ),
         )
+        for where, state in states
+        for name, reqs, lens, extra, exc, match in _STEP_REFUSALS
     ],
-    # fleet_hit_array: the general path (a torch fleet) and numba's lists
-    # kernel, which hands every refusal to the general path.
     *[
-        Case(f"fleet_hit_array-{name}-{backend}", call, exc, match, state)
-        for backend, state in (
-            ("torch", lambda: _fleet_state("torch")),
-            ("numba", lambda: _fleet_state("numba")),
+        Case(
+            f"find_hit_list-index-{where}",
+            lambda s: s[0].find_hit_list([[1, "x"]], [16], None),
+            TypeError,
+            "index",
+            state,
         )
-        for name, call, exc, match in (
-            (
-                "bool",
-                lambda s: s[0].fleet_hit_array([[1, True]], [16], s[2]),
-                TypeError,
-                r"request 0, position 1",
-            ),
-            (
-                "past-int64",
-                lambda s: s[0].fleet_hit_array([[1 << 64]], [16], s[2]),
-                ValueError,
-                r"request 0, position 0",
-            ),
-            (
-                "negative-length",
-                lambda s: s[0].fleet_hit_array([[1]], [-1], s[2]),
-                ValueError,
-                r"max_lengths\[0\]",
-            ),
-            (
-                "lengths-count",
-                lambda s: s[0].fleet_hit_array([[1]], [16, 16], s[2]),
-                ValueError,
-                "max_lengths",
-            ),
-            (
-                "block_size",
-                lambda s: s[0].fleet_hit_array([[1]], [16], s[2], True, 0),
-                ValueError,
-                "block_size",
-            ),
-            (
-                "fleet",
-                lambda s: s[0].fleet_hit_array([[1, "x"]], [16], KeyIndex(8)),
-                TypeError,
-                "fleet",
-            ),
+        for where, state in (("general", _engine_state), ("lists", _lists_state))
+    ],
+    *[
+        Case(
+            f"fleet_hit_array-fleet-{backend}",
+            lambda s: s[0].fleet_hit_array([[1, "x"]], [16], KeyIndex(8)),
+            TypeError,
+            "fleet",
+            lambda b=backend: _fleet_state(b),
         )
+        for backend in ("torch", "numba")
     ],
 ]
 

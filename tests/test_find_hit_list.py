@@ -18,8 +18,10 @@ import torch
 from helpers import (
     BAD_INT_LENGTHS,
     BAD_INT_REQUESTS,
+    LENGTH_FORMS,
     full_mamba_eagle_layout,
     merged_swa_eagle_layout,
+    raised,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,14 +40,6 @@ _LAYOUTS = [
     lambda: make_layout("gemma3"),
     lambda: make_layout("llama"),
 ]
-_LENGTH_FORMS = (
-    list,
-    tuple,
-    lambda v: np.array(v, np.int64),
-    lambda v: np.array(v, np.int32),
-    lambda v: np.array(v, np.uint64),
-    lambda v: torch.tensor(v, dtype=torch.int64),
-)
 # Hash ids as a router reads them: raw trace ids (0 and 1 included), and
 # 64-bit hashes of either sign, with collisions between requests.
 _IDS = st.one_of(st.integers(0, 40), st.integers(-(2**63), 2**63 - 1))
@@ -81,7 +75,7 @@ def test_steps_equal_the_general_path(layout_fn, data) -> None:
         block_size = data.draw(st.sampled_from([1, 2, bs, 3 * bs + 1, 2**63 - 1]))
         want = _general(engine, reqs, lens, index, eagle, block_size)
         assert reference.find_hit_list(reqs, lens, index, eagle, block_size) == want
-        for form in _LENGTH_FORMS:
+        for form in LENGTH_FORMS:
             got = engine.find_hit_list(reqs, form(lens), index, eagle, block_size)
             assert got == want and all(type(h) is int for h in got)
         # The runner took the step itself (not the general path after it).
@@ -218,14 +212,6 @@ def test_a_bad_block_size_is_named_before_any_work(block_size) -> None:
     assert engine.find_hit_list([[1]], [16], index, block_size=np.int64(4)) == [0]
 
 
-def _error(fn):
-    try:
-        fn()
-    except (TypeError, ValueError) as e:
-        return type(e), str(e)
-    raise AssertionError("no error")
-
-
 @pytest.mark.parametrize("bad", BAD_INT_REQUESTS, ids=repr)
 def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
     engine = LookupEngine(full_mamba_eagle_layout(), backend="numba")
@@ -239,7 +225,7 @@ def test_bad_requests_raise_what_the_general_path_raises(bad) -> None:
         batch = HashBatch.from_ints(bad)
         return engine.find_longest_cache_hit(batch, lens, index).hit_list()
 
-    assert _error(lambda: engine.find_hit_list(bad, lens, index)) == _error(general)
+    assert raised(lambda: engine.find_hit_list(bad, lens, index)) == raised(general)
 
 
 @pytest.mark.parametrize("bad", BAD_INT_LENGTHS, ids=repr)
@@ -253,8 +239,8 @@ def test_bad_lengths_raise_what_the_general_path_raises(bad) -> None:
         batch = HashBatch.from_ints(one)
         return engine.find_longest_cache_hit(batch, bad, index).hit_list()
 
-    got = _error(lambda: engine.find_hit_list(one, bad, index))
-    assert got == _error(general)
+    got = raised(lambda: engine.find_hit_list(one, bad, index))
+    assert got == raised(general)
     assert "max_lengths" in got[1]
 
 

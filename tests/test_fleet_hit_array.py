@@ -14,7 +14,14 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import BAD_INT_LENGTHS, BAD_INT_REQUESTS, make_fleet, merged_full_layout
+from helpers import (
+    BAD_INT_LENGTHS,
+    BAD_INT_REQUESTS,
+    LENGTH_FORMS,
+    make_fleet,
+    merged_full_layout,
+    raised,
+)
 from helpers import fleet_expected as expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,15 +34,6 @@ from kvhit.kernels.contract import EMPTY
 from kvhit.kernels.fleet_numba import LISTS_REFUSED, full_lists_hits
 
 EXAMPLES = int(os.environ.get("KVHIT_PARITY_EXAMPLES", "40"))
-
-_LENGTH_FORMS = (
-    list,
-    tuple,
-    lambda v: np.array(v, np.int64),
-    lambda v: np.array(v, np.int32),
-    lambda v: np.array(v, np.uint64),
-    lambda v: torch.tensor(v, dtype=torch.int64),
-)
 
 
 def _ints(requests):
@@ -52,7 +50,7 @@ def _check(data, block_size, apply_eagle, fast):
     ).reshape(len(requests), len(stores_))
     want //= block_size
     reqs = _ints(requests)
-    for form in _LENGTH_FORMS:
+    for form in LENGTH_FORMS:
         got = engine.fleet_hit_array(reqs, form(lens), fleet, apply_eagle, block_size)
         assert got.dtype == np.int64 and np.array_equal(got, want)
     direct = fleet.router_lists(engine, reqs, lens, apply_eagle, block_size)
@@ -150,14 +148,6 @@ def test_other_forms_and_fleets_take_the_general_path():
         assert not other.fleet_hit_array(reqs, lens, fleet).any()
 
 
-def _error(fn):
-    try:
-        fn()
-    except (TypeError, ValueError) as e:
-        return type(e), str(e)
-    raise AssertionError("no error")
-
-
 def _fleet_and_engine():
     engine = LookupEngine(make_layout("llama"), backend="numba")
     fleet = make_fleet([{(0, (1).to_bytes(8, "little"))}, set()])
@@ -175,7 +165,7 @@ def test_bad_requests_raise_what_the_general_path_raises(bad):
     def general():
         return engine.fleet_hits(HashBatch.from_ints(bad), lens, fleet)
 
-    assert _error(lambda: engine.fleet_hit_array(bad, lens, fleet)) == _error(general)
+    assert raised(lambda: engine.fleet_hit_array(bad, lens, fleet)) == raised(general)
     assert state_checksum(fleet.state_dict()) == before
 
 
@@ -187,8 +177,8 @@ def test_bad_lengths_raise_what_the_general_path_raises(bad):
     def general():
         return engine.fleet_hits(HashBatch.from_ints(one), bad, fleet)
 
-    got = _error(lambda: engine.fleet_hit_array(one, bad, fleet))
-    assert got == _error(general)
+    got = raised(lambda: engine.fleet_hit_array(one, bad, fleet))
+    assert got == raised(general)
     assert "max_lengths" in got[1]
 
 
