@@ -195,11 +195,17 @@ _ROUTER_ARGS: dict[tuple, tuple] = {}
 
 def _router_args(engine: LookupEngine, nw: int, num_engines: int, apply_eagle: bool,
                  lookup: bool) -> tuple:  # fmt: skip
-    """:data:`_ROUTER_ARGS`' entry for this call, built and remembered:
-    ``(plan, engine device, members, params)``: the numba kernel's members
-    (int64 numpy ``[M]``) and params (int64 numpy ``[7]``), or both None
-    where the joint scan does not answer the layout or the engine is off the
-    CPU (the host kernel must refuse the call: the general path takes it)."""
+    """:data:`_ROUTER_ARGS`' entry for this call, looked up (one dict
+    lookup and two identity tests on the router's path) or built and
+    remembered: ``(plan, engine device, members, params)``: the numba
+    kernel's members (int64 numpy ``[M]``) and params (int64 numpy ``[7]``),
+    or both None where the joint scan does not answer the layout or the
+    engine is off the CPU (the host kernel must refuse the call: the general
+    path takes it)."""
+    plan = engine.plan
+    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, lookup))
+    if got is not None and got[0] is plan and got[1] is engine.device:
+        return got
     host = _host_plan(engine)
     members = params = None
     if engine.device.type == "cpu" and (host.full_lookup if lookup else host.full):
@@ -272,11 +278,7 @@ def fleet_full_host(
         or batch.hash_bytes != fleet.hash_bytes
     ):
         return None
-    nw, num_engines = fleet.NW, fleet.num_engines
-    plan = engine.plan
-    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, lookup))
-    if got is None or got[0] is not plan or got[1] is not engine.device:
-        got = _router_args(engine, nw, num_engines, apply_eagle, lookup)
+    got = _router_args(engine, fleet.NW, fleet.num_engines, apply_eagle, lookup)
     members, params = got[2], got[3]
     if members is None:
         return None
@@ -371,11 +373,7 @@ def fleet_lists_host(
     if kernel is None or fleet.hash_bytes != 8:
         # One int a key: from_ints' other widths check or widen each value.
         return None
-    nw, num_engines = fleet.NW, fleet.num_engines
-    plan = engine.plan
-    got = _ROUTER_ARGS.get((id(plan), nw, num_engines, apply_eagle, False))
-    if got is None or got[0] is not plan or got[1] is not engine.device:
-        got = _router_args(engine, nw, num_engines, apply_eagle, False)
+    got = _router_args(engine, fleet.NW, fleet.num_engines, apply_eagle, False)
     members, params = got[2], got[3]
     if members is None:
         return None
