@@ -35,7 +35,7 @@ from kvhit.kernels.contract import EMPTY, TOMBSTONE
 from kvhit.kernels.fleet_numba_classes import TILE, engine_classes, low_engine
 from kvhit.kernels.hash_index_numba import insert_count, rehash_rows
 from kvhit.kernels.hash_index_torch import new_table
-from kvhit.kernels.msgpack_numba import container, unpack_int_lists
+from kvhit.kernels.msgpack_numba import unpack_step
 from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
@@ -660,24 +660,13 @@ def full_lists_hits(msg, table, members, live, params, div):
     a float, nil, a uint64 past int64), a last list of another length than
     ``B``, or a negative length. Nothing is scanned then; the caller takes
     the general path, which names the bad item."""
-    nb, _ = container(msg, 0, 0x90, 0xDC)
-    if nb < 1:
+    b, out = unpack_step(msg, 0)
+    if b < 0:
         return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
-    b = nb - 1
+    nb = b + 1
     base = 2 * nb + 1
-    # unpack_int_lists' layout: the lists' CSR offsets [nb + 1], their
-    # lengths [nb], then the values (every msgpack int takes a byte at
-    # least, so len(msg) values always fit).
-    out = np.empty(base + len(msg), dtype=np.int64)
-    if unpack_int_lists(msg, out) < 0:
-        return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
     t = out[b]  # the requests' keys; the lengths list follows them
-    if out[nb] - t != b:
-        return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
     lens = out[base + t : base + t + b]
-    for r in range(b):
-        if lens[r] < 0:
-            return LISTS_REFUSED, np.zeros((0, 0), dtype=np.int64)
     hits = np.zeros((b, params[6]), dtype=np.int64)
     if b:
         # Unit-step slices of one C array, as from_ints' host arrays are.

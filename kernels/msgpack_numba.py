@@ -37,6 +37,7 @@ __all__ = [
     "read_be",
     "unpack_entry",
     "unpack_int_lists",
+    "unpack_step",
     "warm_up",
 ]
 
@@ -167,6 +168,40 @@ def unpack_int_lists(msg, out):
     if p != L:
         return -1
     return k - base
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def unpack_step(msg, extra):
+    """A router's step read back: ``msg`` the msgpack of ``B + 1`` lists of
+    ints, ``B`` requests' keys then their ``B`` lengths (what
+    ``coordinator/int_lists.encode_step`` writes), into one new int64 array
+    ``out`` of ``2 (B + 1) + 1 + len(msg) + extra`` items in
+    :func:`unpack_int_lists`' layout for ``B + 1`` lists (``extra`` spare
+    items at its end): the requests' offsets ``out[:B]`` and lengths
+    ``out[B + 2 : 2 B + 2]``, their ``t = out[B]`` keys from ``out[2 B +
+    3]`` on, then the ``B`` lengths. Returns ``(B, out)``, or ``(-1, out)``
+    (nothing in ``out`` to read) for any other message: not a list of lists
+    of ints in int64, a last list of another length than ``B``, or a
+    negative length. The one reading of the message for
+    ``kernels/scan_numba_lists.lists_hits`` and
+    ``kernels/fleet_numba.full_lists_hits``."""
+    nb, _ = container(msg, 0, 0x90, 0xDC)
+    if nb < 1:
+        return -1, np.empty(extra, dtype=np.int64)
+    base = 2 * nb + 1
+    # Every msgpack int takes a byte at least: len(msg) values always fit.
+    end = base + len(msg)
+    out = np.empty(end + extra, dtype=np.int64)
+    if unpack_int_lists(msg, out[:end]) < 0:
+        return -1, out
+    b = nb - 1
+    t = out[b]
+    if out[nb] - t != b:
+        return -1, out
+    for i in range(base + t, base + t + b):
+        if out[i] < 0:
+            return -1, out
+    return b, out
 
 
 def warm_up() -> None:

@@ -4,8 +4,8 @@ its requests' block ids and their lengths read back and scanned.
 ``LookupEngine.find_hit_list`` on the numba backend: msgspec writes the
 step (``B`` lists of ints, then the list of their ``B`` lengths) as msgpack
 in one C pass, and :func:`lists_hits` reads it back
-(``msgpack_numba.unpack_int_lists``, which refuses anything but ints in
-int64) and runs the serial batch scan (``scan_numba.batch_hits``) on it,
+(``msgpack_numba.unpack_step``, which refuses anything but ints in int64
+and a negative or missing length) and runs the serial batch scan (``scan_numba.batch_hits``) on it,
 the hits divided by the caller's block size. A step of one request then
 costs one encode and one compiled call, where ``HashBatch.from_ints``, the
 engine's checks and ``hit_list`` cost a compiled call each and several
@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from kvhit.kernels.contract import EMPTY
-from kvhit.kernels.msgpack_numba import container, unpack_int_lists
+from kvhit.kernels.msgpack_numba import unpack_step
 from kvhit.kernels.msgpack_numba import warm_up as msgpack_warm_up
 from kvhit.kernels.numba_cache import lock_cache_saves
 from kvhit.kernels.numba_entry import compiled_entry
@@ -73,27 +73,17 @@ def lists_hits(msg, table, plan, k, div, hit):  # fmt: skip
     ~3 us step)."""
     one = hit.shape[0] == 0
     b = 1 if one else hit.shape[0]
-    nb, _ = container(msg, 0, 0x90, 0xDC)
-    if nb != b + 1:
+    # One more word past the message's values holds the hit of a step of one
+    # request.
+    got, out = unpack_step(msg, 1)
+    if got != b:
         return REFUSED
+    nb = b + 1
     base = 2 * nb + 1
-    # unpack_int_lists' layout: the lists' CSR offsets [nb + 1], their
-    # lengths [nb], then the values. Every msgpack int takes at least one
-    # byte, so len(msg) values always fit; one more word holds the hit of
-    # a step of one request.
-    end = base + len(msg)
-    out = np.empty(end + 1, np.int64)
     if one:
-        hit = out[end:]
-    if unpack_int_lists(msg, out[:end]) < 0:
-        return REFUSED
+        hit = out[out.shape[0] - 1 :]
     t = out[b]  # the requests' keys; the lengths list follows them
-    if out[nb] - t != b:
-        return REFUSED
     token_lengths = out[base + t : base + t + b]
-    for i in range(b):
-        if token_lengths[i] < 0:
-            return REFUSED
     # Unit-step slices of one C array: batch_hits' one signature.
     rows = out[base : base + t].reshape((t, 1))
     batch_hits(rows, out[:b], out[nb + 1 : nb + 1 + b], token_lengths, table, plan,
