@@ -18,12 +18,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
 
+from kvhit.bindings.event_stream import (
+    PendingCommit,
+    PublisherRestart,
+    StopOnExit,
+    StreamMsg,
+)
 from kvhit.bindings.kv_event_scan import plan_payload, warm_up_decoder
 
 # The wire schema and apply() are re-exported (kv_events.FOLLOWER_EXPORTS).
@@ -76,41 +80,6 @@ _SETTLE_S = 0.2
 #: subscription late by more than the last one still loses a batch sent
 #: in between until the next live batch (or ``idle_probe_s``).
 _SETTLE_PROBES = 4
-
-
-@dataclass(slots=True)
-class _Msg:
-    seq: int
-    payload: bytes
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Batches decoded in order but not yet committed (``plan`` None: none,
-    so a message's own plan is taken as it is, none made to merge into)."""
-
-    plan: EventPlan | None = None
-    batches: int = 0
-
-
-class _Restart(Exception):
-    """Raised inside the follower when the stream belongs to a new publisher."""
-
-
-class StopOnExit:
-    """Leaving a ``with`` block calls ``self.stop()`` (which the class
-    defines), whatever the block raised; the exception is not swallowed."""
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class EventFollower(StopOnExit):
@@ -284,7 +253,7 @@ class EventFollower(StopOnExit):
         self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> payload
         self._recent_bytes = 0
         self._verified_until = -math.inf  # see _CHECK_INTERVAL_S
-        self._ahead: dict[int, _Msg] = {}  # the reorder buffer
+        self._ahead: dict[int, StreamMsg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
         self._disconnected = False
         #: After a rebuild: live batches may still be the old publisher's
@@ -627,7 +596,7 @@ class EventFollower(StopOnExit):
             self.stale = True
             self.last_error = repr(exc)
 
-    def _parse(self, frames: list[bytes], live: bool) -> _Msg | None:
+    def _parse(self, frames: list[bytes], live: bool) -> StreamMsg | None:
         """Frames -> message; None (counted) for anything not a batch."""
         if live:
             if len(frames) != 3:
@@ -646,17 +615,19 @@ class EventFollower(StopOnExit):
         if self._topic_bytes and topic != self._topic_bytes:
             self.ignored_topic += 1
             return None
-        return _Msg(int.from_bytes(seq_b, "big"), payload)
+        return StreamMsg(int.from_bytes(seq_b, "big"), payload)
 
     def _handle_live(self, frames_list: list[list[bytes]]) -> None:
-        pending = _Pending()
+        pending = PendingCommit()
         for frames in frames_list:
             msg = self._parse(frames, live=True)
             if msg is not None:
                 pending = self._accept(msg, pending)
         self._flush(pending, reuse=False)
 
-    def _accept(self, msg: _Msg, pending: _Pending, retry: bool = True) -> _Pending:
+    def _accept(
+        self, msg: StreamMsg, pending: PendingCommit, retry: bool = True
+    ) -> PendingCommit:
         """Place one live message: apply, hold, drop, or detect a restart.
 
         Returns the pending commit (a new one after a restart flushed it).
@@ -677,7 +648,7 @@ class EventFollower(StopOnExit):
                     if self._ahead:
                         self._flush(pending)
                         self._catch_up("check (held across a rebuild)")
-                        return _Pending()
+                        return PendingCommit()
                 return pending
             reason = f"seq {seq} differs from the batch applied at that seq"
         elif seq > self.next_seq:
@@ -724,9 +695,9 @@ class EventFollower(StopOnExit):
             self._verified_until = time.monotonic() + _CHECK_INTERVAL_S
         elif self.publisher_restarts == restarts_before:
             self._restart(reason)
-        return self._accept(msg, _Pending(), retry=False)
+        return self._accept(msg, PendingCommit(), retry=False)
 
-    def _drain_ahead(self, pending: _Pending) -> None:
+    def _drain_ahead(self, pending: PendingCommit) -> None:
         """Apply held batches that are now in order."""
         ahead = self._ahead
         if not ahead:  # the usual case: nothing held
@@ -740,7 +711,7 @@ class EventFollower(StopOnExit):
         if not ahead:
             self._ahead_since = None
 
-    def _absorb(self, pending: _Pending, msg: _Msg) -> None:
+    def _absorb(self, pending: PendingCommit, msg: StreamMsg) -> None:
         """Decode one in-order batch into ``pending``."""
         self.next_seq = msg.seq + 1
         self._remember(msg)
@@ -770,7 +741,7 @@ class EventFollower(StopOnExit):
             pending.plan = plan  # the first batch of a drain: nothing to merge
         pending.batches += 1
 
-    def _remember(self, msg: _Msg) -> None:
+    def _remember(self, msg: StreamMsg) -> None:
         """Keep ``msg``'s bytes under its seq, within the count and byte bounds."""
         recent = self._recent
         old = recent.pop(msg.seq, None)
@@ -788,7 +759,7 @@ class EventFollower(StopOnExit):
         self._recent.clear()
         self._recent_bytes = 0
 
-    def _flush(self, pending: _Pending, reuse: bool = True) -> None:
+    def _flush(self, pending: PendingCommit, reuse: bool = True) -> None:
         """Commit ``pending`` (O(1) under the lock, see ``commit_plan``),
         emptied for more batches unless ``reuse`` is False (the caller drops
         it).
@@ -822,7 +793,7 @@ class EventFollower(StopOnExit):
             with self._progress:
                 self._progress.notify_all()
 
-    def _replay(self, start: int, stop: int | None) -> list[_Msg] | None:
+    def _replay(self, start: int, stop: int | None) -> list[StreamMsg] | None:
         """Ask the ROUTER for batches ``start..stop-1`` (all if ``stop`` is None).
 
         Returns the in-range messages received, sorted by seq, or None if the
@@ -837,7 +808,7 @@ class EventFollower(StopOnExit):
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out: list[_Msg] = []
+            out: list[StreamMsg] = []
             deadline = time.monotonic() + self.replay_timeout_s
             while not self._stop.is_set():
                 left_ms = int((deadline - time.monotonic()) * 1000)
@@ -860,12 +831,12 @@ class EventFollower(StopOnExit):
         finally:
             dealer.close(linger=0)
 
-    def _verified_replay(self, stop: int | None) -> list[_Msg] | None:
+    def _verified_replay(self, stop: int | None) -> list[StreamMsg] | None:
         """Replay from ``next_seq`` (to ``stop``), proving continuity.
 
         The request starts one batch early, at the last batch applied: the
         publisher must answer it with the same bytes, or it is not the
-        publisher whose batches are in the index (raises :class:`_Restart`).
+        publisher whose batches are in the index (raises :class:`PublisherRestart`).
         Returns the batches from ``next_seq`` on, or None on no answer.
         """
         assert self.next_seq is not None
@@ -876,7 +847,7 @@ class EventFollower(StopOnExit):
         if msgs is None or anchor is None:
             return msgs
         if not msgs or msgs[0].seq != anchor_seq or msgs[0].payload != anchor:
-            raise _Restart(
+            raise PublisherRestart(
                 f"the replay does not continue the stream at seq {anchor_seq}"
             )
         return msgs[1:]
@@ -912,7 +883,7 @@ class EventFollower(StopOnExit):
         if self.replay_endpoint is not None:
             try:
                 msgs = self._verified_replay(stop)
-            except _Restart as exc:
+            except PublisherRestart as exc:
                 self._restart(f"{why}: {exc}")
                 return "restart"
         if msgs is None and not held:
@@ -935,7 +906,7 @@ class EventFollower(StopOnExit):
                 self._suspect = False  # a live batch of this publisher
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
-        pending = _Pending()
+        pending = PendingCommit()
         start = self.next_seq
         self._drain_ahead(pending)
         if self._ahead:
@@ -968,7 +939,7 @@ class EventFollower(StopOnExit):
             self._forget()
             self.next_seq = 0
             self.stale = False
-            pending = _Pending(EventPlan(clear=True))
+            pending = PendingCommit(EventPlan(clear=True))
             for m in msgs:
                 self._absorb(pending, m)
             # Held live batches may be the old publisher's (held for a
@@ -991,7 +962,7 @@ class EventFollower(StopOnExit):
         # Go on, stale, with the new stream: held live batches first, else
         # adopt whatever comes next.
         self.next_seq = min(self._ahead) if self._ahead else None
-        pending = _Pending()
+        pending = PendingCommit()
         if self._ahead:
             self._drain_ahead(pending)
             self._ahead.clear()
