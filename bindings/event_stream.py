@@ -1,16 +1,27 @@
 """The pieces of a KV-event stream that a follower handles, apart from its
 logic (``bindings/events.py``): a batch as received, the commit being built
 from batches in order, the signal that the stream belongs to a new
-publisher, and the ``with``-block behaviour every follower shares."""
+publisher, the client side of vLLM's replay protocol, and the
+``with``-block behaviour every follower shares."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
-from kvhit.bindings.kv_events import EventPlan
+from kvhit.bindings.kv_events import END_SEQ, EventPlan
 
-__all__ = ["PendingCommit", "PublisherRestart", "StopOnExit", "StreamMsg"]
+__all__ = [
+    "PendingCommit",
+    "PublisherRestart",
+    "StopOnExit",
+    "StreamMsg",
+    "request_replay",
+]
 
 
 @dataclass(slots=True)
@@ -33,6 +44,56 @@ class PendingCommit:
 
 class PublisherRestart(Exception):
     """Raised inside a follower when the stream belongs to a new publisher."""
+
+
+def request_replay(
+    ctx: Any,
+    endpoint: str,
+    start: int,
+    stop: int | None,
+    timeout_s: float,
+    stopping: threading.Event,
+    parse: Callable[[list[bytes]], StreamMsg | None],
+) -> list[StreamMsg] | None:
+    """Ask the ROUTER at ``endpoint`` (vLLM's ``ZmqEventPublisher`` replay)
+    for batches ``start..stop-1`` (all if ``stop`` is None), over a new
+    DEALER of the pyzmq context ``ctx``; ``parse`` reads a replay frame list
+    (None: not a batch).
+
+    Returns the in-range messages received, sorted by seq, or None if the
+    end marker did not arrive within ``timeout_s`` or ``stopping`` was set.
+    A fresh DEALER per request keeps a late answer to an abandoned request
+    from being read as the answer to this one.
+    """
+    import zmq  # here, so apply() and the types work without pyzmq
+
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        out: list[StreamMsg] = []
+        deadline = time.monotonic() + timeout_s
+        while not stopping.is_set():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not dealer.poll(min(left_ms, 100)):
+                if left_ms <= 0:
+                    return None
+                continue
+            frames = dealer.recv_multipart()
+            if len(frames) == 4 and frames[2] == END_SEQ:
+                break
+            msg = parse(frames)
+            if msg is None or msg.seq < start:
+                continue
+            if stop is not None and msg.seq >= stop:
+                break  # the rest will come (or came) live
+            out.append(msg)
+        else:
+            return None
+        return sorted(out, key=lambda m: m.seq)
+    finally:
+        dealer.close(linger=0)
 
 
 class StopOnExit:

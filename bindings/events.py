@@ -12,6 +12,7 @@ and ``events.apply`` keep working.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -27,13 +28,13 @@ from kvhit.bindings.event_stream import (
     PublisherRestart,
     StopOnExit,
     StreamMsg,
+    request_replay,
 )
 from kvhit.bindings.kv_event_scan import plan_payload, warm_up_decoder
 
 # The wire schema and apply() are re-exported (kv_events.FOLLOWER_EXPORTS).
 from kvhit.bindings.kv_events import *  # noqa: F403
 from kvhit.bindings.kv_events import (
-    END_SEQ,
     FOLLOWER_EXPORTS,
     INT64_LIMIT,
     ApplyStats,
@@ -794,42 +795,18 @@ class EventFollower(StopOnExit):
                 self._progress.notify_all()
 
     def _replay(self, start: int, stop: int | None) -> list[StreamMsg] | None:
-        """Ask the ROUTER for batches ``start..stop-1`` (all if ``stop`` is None).
-
-        Returns the in-range messages received, sorted by seq, or None if the
-        end marker did not arrive in time. A fresh DEALER per request keeps a
-        late answer to an abandoned request from being read as the answer to
-        this one.
-        """
-        zmq = self._zmq
+        """Batches ``start..stop-1`` from the replay endpoint (see
+        :func:`~kvhit.bindings.event_stream.request_replay`), counted."""
         self.replays_requested += 1
-        dealer = self._ctx.socket(zmq.DEALER)
-        try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.replay_endpoint)
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out: list[StreamMsg] = []
-            deadline = time.monotonic() + self.replay_timeout_s
-            while not self._stop.is_set():
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not dealer.poll(min(left_ms, 100)):
-                    if left_ms <= 0:
-                        return None
-                    continue
-                frames = dealer.recv_multipart()
-                if len(frames) == 4 and frames[2] == END_SEQ:
-                    break
-                msg = self._parse(frames, live=False)
-                if msg is None or msg.seq < start:
-                    continue
-                if stop is not None and msg.seq >= stop:
-                    break  # the rest will come (or came) live
-                out.append(msg)
-            else:
-                return None
-            return sorted(out, key=lambda m: m.seq)
-        finally:
-            dealer.close(linger=0)
+        return request_replay(
+            self._ctx,
+            self.replay_endpoint,
+            start,
+            stop,
+            self.replay_timeout_s,
+            self._stop,
+            functools.partial(self._parse, live=False),
+        )
 
     def _verified_replay(self, stop: int | None) -> list[StreamMsg] | None:
         """Replay from ``next_seq`` (to ``stop``), proving continuity.
