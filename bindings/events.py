@@ -81,6 +81,10 @@ _SETTLE_S = 0.2
 #: subscription late by more than the last one still loses a batch sent
 #: in between until the next live batch (or ``idle_probe_s``).
 _SETTLE_PROBES = 4
+#: A replay whose answer has a hole (lost on the way, see ``_catch_up``) is
+#: asked again from the hole at most this many times before the gap counts
+#: as unrecovered (stale).
+_REPLAY_RETRIES = 3
 
 
 class EventFollower(StopOnExit):
@@ -147,8 +151,10 @@ class EventFollower(StopOnExit):
     three per conflict or restart (the check, the rebuild, and one for what
     was held across it), never one per batch; and at most four settle
     probes a connection (the first, and each reconnection), none after its
-    first live batch. ``tests/test_event_storm.py`` holds 64 publishers to
-    that.
+    first live batch; a replay whose answer came back with a hole (its
+    ROUTER dropped batches past its send high-water mark) is asked again
+    from the hole, ``_REPLAY_RETRIES`` times at most (``replay_retries``).
+    ``tests/test_event_storm.py`` holds 64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),
@@ -285,6 +291,7 @@ class EventFollower(StopOnExit):
         self.gaps_recovered = 0
         self.gaps_unrecovered = 0
         self.replays_requested = 0
+        self.replay_retries = 0
         self.settle_probes = 0
         self.publisher_restarts = 0
         self.rebuilds = 0
@@ -365,11 +372,12 @@ class EventFollower(StopOnExit):
     def counters(self) -> dict[str, Any]:
         """A snapshot of the counters, for metrics."""
         names = (
-            "stale next_seq committed_seq batches_applied events_applied events_skipped "
-            "keys_added keys_removed commits malformed duplicates reordered foreign "
-            "ignored_topic gaps_detected gaps_recovered gaps_unrecovered "
-            "replays_requested settle_probes publisher_restarts rebuilds disconnects reconnects "
-            "apply_errors last_error"
+            "stale next_seq committed_seq batches_applied events_applied "
+            "events_skipped keys_added keys_removed commits malformed duplicates "
+            "reordered foreign ignored_topic gaps_detected gaps_recovered "
+            "gaps_unrecovered replays_requested replay_retries settle_probes "
+            "publisher_restarts rebuilds disconnects reconnects apply_errors "
+            "last_error"
         ).split()
         return {n: getattr(self, n) for n in names}
 
@@ -869,23 +877,31 @@ class EventFollower(StopOnExit):
                 self.last_error = f"{why}: the replay endpoint did not answer"
             return "silent"  # a probe without an answer: nothing learned
         if msgs is not None:
-            # The publisher's buffer is contiguous: nothing after its last
-            # batch (or after our anchor, when it has nothing newer) exists.
-            last = msgs[-1].seq if msgs else self.next_seq - 1
-            for seq in [s for s in self._ahead if s > last]:
-                del self._ahead[seq]
-                self.foreign += 1
-        for m in msgs or ():
-            live = self._ahead.get(m.seq)
-            if live is not None and live.payload != m.payload:
-                self.foreign += 1  # the replay's batch replaces it below
-            elif live is not None:
-                self._suspect = False  # a live batch of this publisher
-            if m.seq >= self.next_seq:
-                self._ahead[m.seq] = m
+            self._take_replay(msgs)
         pending = PendingCommit()
         start = self.next_seq
         self._drain_ahead(pending)
+        # The publisher's buffer has no holes, so one inside the answer (a
+        # batch missing where the replay brought others before and after
+        # it) is the transport's: a ROUTER past its send high-water mark
+        # drops silently (a long replay to a slow follower). Ask again from
+        # the hole, a bounded number of times.
+        first = msgs[0].seq if msgs else None
+        for _ in range(_REPLAY_RETRIES):
+            if not (msgs and self._ahead and self.next_seq < msgs[-1].seq):
+                break
+            if not anchored and self.next_seq <= first:
+                break  # a wrapped buffer starts past next_seq: not a loss
+            self._flush(pending)
+            self.replay_retries += 1
+            try:
+                msgs = self._verified_replay(stop)
+            except PublisherRestart as exc:
+                self._restart(f"{why}: {exc}")
+                return "restart"
+            if msgs is not None:
+                self._take_replay(msgs)
+                self._drain_ahead(pending)
         if self._ahead:
             # A hole the replay could not fill: go on, stale, from what we have.
             if not held:
@@ -904,6 +920,25 @@ class EventFollower(StopOnExit):
             self.gaps_recovered += 1
         self._flush(pending)
         return "verified" if msgs is not None and anchored else "silent"
+
+    def _take_replay(self, msgs: list[StreamMsg]) -> None:
+        """Put a replay's batches (in seq order) in the reorder buffer: the
+        replay's batch wins over a live one that differs (``foreign``), and a
+        held batch past the publisher's last is a straggler (``foreign``)."""
+        # The publisher's buffer is contiguous: nothing after its last batch
+        # (or after our anchor, when it has nothing newer) exists.
+        last = msgs[-1].seq if msgs else self.next_seq - 1
+        for seq in [s for s in self._ahead if s > last]:
+            del self._ahead[seq]
+            self.foreign += 1
+        for m in msgs:
+            live = self._ahead.get(m.seq)
+            if live is not None and live.payload != m.payload:
+                self.foreign += 1  # the replay's batch replaces it below
+            elif live is not None:
+                self._suspect = False  # a live batch of this publisher
+            if m.seq >= self.next_seq:
+                self._ahead[m.seq] = m
 
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""
