@@ -70,6 +70,13 @@ def request_replay(
     dealer = ctx.socket(zmq.DEALER)
     try:
         dealer.setsockopt(zmq.LINGER, 0)
+        # No receive limit: the answer is at most the publisher's buffer,
+        # all of it kept in ``out`` anyway. With ZMQ's default (1000) a
+        # reader slower than the ROUTER fills both pipes, and the ROUTER
+        # then drops the rest of the answer and its end marker silently (a
+        # 20,000-batch answer of 2 KB batches read after it was sent
+        # arrived as 3,000 batches and no end marker; with no limit, whole).
+        dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(endpoint)
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out: list[StreamMsg] = []

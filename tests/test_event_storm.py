@@ -842,3 +842,44 @@ def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks():
         want = _replay_set(batches[:3] + batches[4:])  # all but the lost one
         with f.lock:
             assert _key_set(index) == want, f.counters()
+
+
+def test_long_replay_read_late_arrives_whole():
+    """A replay answer of 20,000 batches of 2 KB that the follower reads only
+    after the ROUTER sent all of it (a slow follower; vLLM buffers 10,000
+    batches) arrives whole, end marker included: the DEALER takes it all.
+    With ZMQ's default receive limit the ROUTER dropped all but ~3,000 and
+    the end marker, and the follower went stale on the timeout."""
+    from kvhit.bindings.event_stream import StreamMsg, request_replay
+
+    n = 20_000
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    sent = threading.Event()
+
+    def serve() -> None:
+        assert router.poll(int(WAIT_S * 1000))
+        client, _, start_b = router.recv_multipart()
+        for seq in range(int.from_bytes(start_b, "big"), n):
+            frames = [client, b"", b"kv", seq.to_bytes(8, "big"), b"p" * 2000]
+            router.send_multipart(frames)
+        router.send_multipart([client, b"", b"", kv.END_SEQ, b""])
+        sent.set()
+
+    def parse(frames: list[bytes]) -> StreamMsg:
+        sent.wait(WAIT_S)  # the first frame waits until all was sent
+        return StreamMsg(int.from_bytes(frames[2], "big"), frames[3])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        msgs = request_replay(ctx, endpoint, 0, None, WAIT_S, threading.Event(), parse)
+        assert sent.is_set()
+        assert msgs is not None, "no end marker"
+        assert [m.seq for m in msgs] == list(range(n))
+    finally:
+        server.join(WAIT_S)
+        router.close(linger=0)
+        ctx.term()
