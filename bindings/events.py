@@ -17,7 +17,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 from kvhit.bindings.event_stream import (
     PendingCommit,
     PublisherRestart,
+    RecentBatches,
     StopOnExit,
     StreamMsg,
     request_replay,
@@ -257,8 +257,7 @@ class EventFollower(StopOnExit):
         self.next_seq: int | None = start_seq
         #: Sequence after the last batch whose effects are in the index.
         self.committed_seq: int | None = None
-        self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> payload
-        self._recent_bytes = 0
+        self._recent = RecentBatches(_RECENT, _RECENT_BYTES)
         self._verified_until = -math.inf  # see _CHECK_INTERVAL_S
         self._ahead: dict[int, StreamMsg] = {}  # the reorder buffer
         self._ahead_since: float | None = None
@@ -723,7 +722,7 @@ class EventFollower(StopOnExit):
     def _absorb(self, pending: PendingCommit, msg: StreamMsg) -> None:
         """Decode one in-order batch into ``pending``."""
         self.next_seq = msg.seq + 1
-        self._remember(msg)
+        self._recent.remember(msg)
         try:
             plan = plan_payload(
                 msg.payload,
@@ -749,24 +748,6 @@ class EventFollower(StopOnExit):
         else:
             pending.plan = plan  # the first batch of a drain: nothing to merge
         pending.batches += 1
-
-    def _remember(self, msg: StreamMsg) -> None:
-        """Keep ``msg``'s bytes under its seq, within the count and byte bounds."""
-        recent = self._recent
-        old = recent.pop(msg.seq, None)
-        if old is not None:
-            self._recent_bytes -= len(old)
-        recent[msg.seq] = msg.payload
-        self._recent_bytes += len(msg.payload)
-        # The newest batch stays whatever its size: it anchors replays.
-        while len(recent) > 1 and (
-            len(recent) > _RECENT or self._recent_bytes > _RECENT_BYTES
-        ):
-            self._recent_bytes -= len(recent.popitem(last=False)[1])
-
-    def _forget(self) -> None:
-        self._recent.clear()
-        self._recent_bytes = 0
 
     def _flush(self, pending: PendingCommit, reuse: bool = True) -> None:
         """Commit ``pending`` (O(1) under the lock, see ``commit_plan``),
@@ -948,7 +929,7 @@ class EventFollower(StopOnExit):
         if msgs is not None and [m.seq for m in msgs] == list(range(len(msgs))):
             # Its whole life is in the buffer: the index becomes its state,
             # cleared and refilled in one commit.
-            self._forget()
+            self._recent.forget()
             self.next_seq = 0
             self.stale = False
             pending = PendingCommit(EventPlan(clear=True))
@@ -965,7 +946,7 @@ class EventFollower(StopOnExit):
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"
             return
-        self._forget()
+        self._recent.forget()
         self.stale = True
         self.last_error = (
             f"publisher restarted ({reason}); its replay buffer does not reach "
