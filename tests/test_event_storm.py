@@ -670,10 +670,11 @@ def test_old_copies_cost_one_replay_and_remembered_conflicts_are_checked(monkeyp
     """Live copies older than what the follower remembers cost one replay per
     _CHECK_INTERVAL_S, not one each; a batch that differs from one it
     remembers is checked every time (a restart shows there)."""
+    from kvhit.bindings import event_order
     from kvhit.bindings import events as events_mod
 
     monkeypatch.setattr(events_mod, "_RECENT", 4)
-    monkeypatch.setattr(events_mod, "_CHECK_INTERVAL_S", 5.0)
+    monkeypatch.setattr(event_order, "_CHECK_INTERVAL_S", 5.0)
     batches = [stores(1, i, 1.0 + i) for i in range(10)]
     with _one_follower() as (pub, index, f):
         for payload in batches:
@@ -819,8 +820,9 @@ def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks():
     """The same hole, lost from every answer: the follower asks
     ``_REPLAY_RETRIES`` more times, then goes stale naming the gap and goes
     on with what it has (never a loop of replays)."""
-    from kvhit.bindings import events as events_mod
+    from kvhit.bindings import event_order
 
+    retries = event_order._REPLAY_RETRIES
     batches = [stores(1, i, 1.0 + i) for i in range(6)]
     with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
         pub.publish(batches[0])
@@ -834,9 +836,9 @@ def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks():
         assert f.wait_for_seq(4, WAIT_S)
         pub.publish(batches[5])
         assert f.wait_for_seq(5, WAIT_S)
-        asks = 1 + events_mod._REPLAY_RETRIES
+        asks = 1 + retries
         assert f.replays_requested - replays == asks, f.counters()
-        assert f.replay_retries == events_mod._REPLAY_RETRIES
+        assert f.replay_retries == retries
         assert f.stale and f.gaps_unrecovered == 1, f.counters()
         assert f.last_error == "gap 3..3 not covered by replay"
         want = _replay_set(batches[:3] + batches[4:])  # all but the lost one
