@@ -39,10 +39,93 @@ _CHECK_INTERVAL_S = 0.1
 #: asked again from the hole at most this many times before the gap counts
 #: as unrecovered (stale).
 _REPLAY_RETRIES = 3
+#: A gap no replay filled is asked for again (see ``_repair``) this many
+#: seconds after, then after twice each previous wait, up to the second.
+_REPAIR_S = 0.5
+_REPAIR_MAX_S = 30.0
 
 
 class StreamOrder:
     """Places each batch of the stream (see the module docstring)."""
+
+    @property
+    def stale(self) -> bool:
+        """True while the index may differ from the publisher's state (see
+        the follower's **Staleness**); a stale index serves no hits."""
+        return self._stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        # Set or cleared for any cause, it ends a gap's repair: only
+        # _mark_hole (a gap, and nothing else wrong) starts one.
+        self._stale = value
+        self._hole = None
+
+    def _mark_hole(self) -> None:
+        """Stale from a gap no replay filled (``next_seq`` on is missing):
+        keep the last batch applied before it, so :meth:`_repair` can fill
+        the gap once the publisher answers."""
+        hole, was_stale = self._hole, self.stale
+        anchor = self._recent.get(self.next_seq - 1)
+        self.stale = True
+        if was_stale:
+            self._hole = hole  # an earlier gap's repair covers this one
+        elif anchor is not None and self.replay_endpoint is not None:
+            self._hole = (self.next_seq - 1, anchor)
+            self._repair_wait = _REPAIR_S
+            self._repair_at = time.monotonic() + _REPAIR_S
+
+    def _repair(self) -> None:
+        """Fill the gap that left the index stale (see :meth:`_mark_hole`).
+
+        Replays from the last batch applied before the gap. When the
+        publisher still holds every batch from there (the same bytes there,
+        no hole on the way), all of them are applied again on top of the
+        index, and :attr:`stale` clears (``gaps_repaired``). That is exact:
+        a batch sets each key it names (stored, removed or cleared), so
+        after the run every key is as its last batch left it, whatever the
+        index held before, and a key no batch of the run names was right
+        already. No answer, or one with a hole: asked again later (twice
+        the wait, to ``_REPAIR_MAX_S``). Another publisher's bytes there: a
+        restart. A buffer that no longer reaches back: stale for good.
+        """
+        assert self._hole is not None and self.next_seq is not None
+        anchor_seq, anchor = self._hole
+        msgs = self._replay(anchor_seq, None)
+        if msgs and msgs[0].seq == anchor_seq and msgs[0].payload != anchor:
+            self._restart(f"repair: the replay differs at seq {anchor_seq}")
+            return
+        if msgs is not None and (not msgs or msgs[0].seq > anchor_seq):
+            self._hole = None
+            self.last_error = (
+                f"the gap after seq {anchor_seq} cannot be repaired: the "
+                "publisher's replay buffer no longer holds that seq"
+            )
+            return
+        span = self.next_seq - anchor_seq  # the anchor to the last applied
+        whole = msgs is not None and all(
+            m.seq == anchor_seq + i for i, m in enumerate(msgs)
+        )
+        if not whole or len(msgs) < span:
+            # No answer, a hole on the way, or not yet what we applied.
+            self._repair_wait = min(2 * self._repair_wait, _REPAIR_MAX_S)
+            self._repair_at = time.monotonic() + self._repair_wait
+            return
+        mine = self._recent.get(self.next_seq - 1)
+        if mine is not None and msgs[span - 1].payload != mine:
+            self._restart(f"repair: the replay differs at seq {self.next_seq - 1}")
+            return
+        hole, pending = self._hole, PendingCommit()
+        self.next_seq = anchor_seq + 1
+        for m in msgs[1:span]:
+            self._absorb(pending, m)
+        self._take_replay(msgs[span:])
+        self._drain_ahead(pending)
+        self._flush(pending)
+        if self._hole is hole and not self._ahead:  # nothing failed meanwhile
+            self.stale = False
+            self.gaps_repaired += 1
+            self.last_error = f"the gap after seq {anchor_seq} was repaired"
 
     def _parse(self, frames: list[bytes], live: bool) -> StreamMsg | None:
         """Frames -> message; None (counted) for anything not a batch."""
@@ -294,7 +377,7 @@ class StreamOrder:
                 return "restart"
         if msgs is None and not held:
             if must_verify:
-                self.stale = True
+                self._mark_hole()
                 self.last_error = f"{why}: the replay endpoint did not answer"
             return "silent"  # a probe without an answer: nothing learned
         if msgs is not None:
@@ -328,7 +411,7 @@ class StreamOrder:
             if not held:
                 self.gaps_detected += 1
             self.gaps_unrecovered += 1
-            self.stale = True
+            self._mark_hole()
             self.last_error = (
                 f"gap {self.next_seq}..{min(self._ahead) - 1} not covered by replay"
                 if msgs is not None

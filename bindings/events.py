@@ -142,7 +142,13 @@ class EventFollower(StreamOrder, StopOnExit):
     applied (``apply_errors``), or a restart that could not be rebuilt. The
     flag stays set until :meth:`clear_stale` (or a successful rebuild); a
     stale index must not serve hits (:meth:`lookup` enforces it). Errors
-    never stop the thread.
+    never stop the thread. A gap is repaired, though: when the only cause
+    is a gap no replay filled (or a reconnection the replay endpoint did not
+    answer), the follower asks for it again 0.5 s later, then after twice
+    each wait (to 30 s); once the publisher answers with every batch from
+    the last one applied before the gap, they are all applied again (a
+    batch sets each key it names, so the index becomes the publisher's
+    state) and the flag clears (``gaps_repaired``).
 
     ``start_seq``: the first sequence expected (0: everything since the
     publisher started, replayed at start-up if a replay endpoint is given);
@@ -253,6 +259,11 @@ class EventFollower(StreamOrder, StopOnExit):
         #: is active (see _SETTLE_S).
         self._confirmed = False
 
+        #: Stale from a gap: (seq, payload) of the last batch applied before
+        #: it, and when to ask for it again (see StreamOrder._repair).
+        self._hole: tuple[int, bytes] | None = None
+        self._repair_at = self._repair_wait = 0.0
+
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
         self.batches_applied = 0
@@ -269,6 +280,7 @@ class EventFollower(StreamOrder, StopOnExit):
         self.gaps_detected = 0
         self.gaps_recovered = 0
         self.gaps_unrecovered = 0
+        self.gaps_repaired = 0
         self.replays_requested = 0
         self.replay_retries = 0
         self.settle_probes = 0
@@ -354,9 +366,9 @@ class EventFollower(StreamOrder, StopOnExit):
             "stale next_seq committed_seq batches_applied events_applied "
             "events_skipped keys_added keys_removed commits malformed duplicates "
             "reordered foreign ignored_topic gaps_detected gaps_recovered "
-            "gaps_unrecovered replays_requested replay_retries settle_probes "
-            "publisher_restarts rebuilds disconnects reconnects apply_errors "
-            "last_error"
+            "gaps_unrecovered gaps_repaired replays_requested replay_retries "
+            "settle_probes publisher_restarts rebuilds disconnects reconnects "
+            "apply_errors last_error"
         ).split()
         return {n: getattr(self, n) for n in names}
 
@@ -417,6 +429,7 @@ class EventFollower(StreamOrder, StopOnExit):
                     if self._ahead_since is None
                     else self._ahead_since + self.reorder_wait_s,
                     self._settle_at,
+                    None if self._hole is None else self._repair_at,
                 ):
                     if due is not None:
                         left = math.ceil((due - time.monotonic()) * 1000)
@@ -462,6 +475,8 @@ class EventFollower(StreamOrder, StopOnExit):
                         # The repair failed (counted, stale): never spin on it.
                         self._ahead.clear()
                         self._ahead_since = None
+                if self._hole is not None and time.monotonic() >= self._repair_at:
+                    self._safely(self._repair)
                 if not ready:
                     idle = self.idle_probe_s
                     if (

@@ -82,6 +82,9 @@ class StormPublisher:
         #: seq -> how many more replays leave it out: the loss of a ROUTER
         #: past its send high-water mark (it drops, silently, as vLLM's does).
         self.lose_in_replay: dict[int, int] = {}
+        #: Replay requests are read and counted, never answered (a sick
+        #: publisher's replay thread).
+        self.mute_replays = False
 
     def _pub_socket(self) -> Any:
         sock = self.ctx.socket(zmq.XPUB)
@@ -157,6 +160,8 @@ class StormPublisher:
             if len(frame) != 3:
                 continue
             client, _, start_b = frame
+            if self.mute_replays:
+                continue
             start = int.from_bytes(start_b, "big")
             with self.lock:
                 buffered = [(s, p) for s, p in self.buffer if s >= start]
@@ -816,34 +821,112 @@ def test_batch_lost_from_a_replay_is_asked_again():
         assert pub.lose_in_replay == {3: 0}
 
 
-def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks():
+def _gap_replays_lose_seq_3(
+    pub: StormPublisher, f: Any, batches: list[bytes], times: int
+) -> int:
+    """Seqs 0 and 1 applied, 2 and 3 lost live, 4 and 5 live; the replays
+    leave seq 3 out ``times`` times. Returns the replays asked before."""
+    pub.publish(batches[0])
+    pub.publish(batches[1])
+    assert f.wait_for_seq(1, WAIT_S)
+    replays = f.replays_requested
+    pub.lose_in_replay = {3: times}
+    pub.publish(batches[2], "drop")
+    pub.publish(batches[3], "drop")
+    pub.publish(batches[4])  # held: 2 and 3 are missing
+    assert f.wait_for_seq(4, WAIT_S)
+    pub.publish(batches[5])
+    assert f.wait_for_seq(5, WAIT_S)
+    return replays
+
+
+def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks(monkeypatch):
     """The same hole, lost from every answer: the follower asks
     ``_REPLAY_RETRIES`` more times, then goes stale naming the gap and goes
-    on with what it has (never a loop of replays)."""
+    on with what it has (never a loop of replays; the repair, which would
+    ask again later, is put off past the test)."""
     from kvhit.bindings import event_order
 
+    monkeypatch.setattr(event_order, "_REPAIR_S", 60.0)
     retries = event_order._REPLAY_RETRIES
     batches = [stores(1, i, 1.0 + i) for i in range(6)]
     with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
-        pub.publish(batches[0])
-        pub.publish(batches[1])
-        assert f.wait_for_seq(1, WAIT_S)
-        replays = f.replays_requested
-        pub.lose_in_replay = {3: 1000}
-        pub.publish(batches[2], "drop")
-        pub.publish(batches[3], "drop")
-        pub.publish(batches[4])
-        assert f.wait_for_seq(4, WAIT_S)
-        pub.publish(batches[5])
-        assert f.wait_for_seq(5, WAIT_S)
-        asks = 1 + retries
-        assert f.replays_requested - replays == asks, f.counters()
+        replays = _gap_replays_lose_seq_3(pub, f, batches, 1000)
+        assert f.replays_requested - replays == 1 + retries, f.counters()
         assert f.replay_retries == retries
         assert f.stale and f.gaps_unrecovered == 1, f.counters()
         assert f.last_error == "gap 3..3 not covered by replay"
         want = _replay_set(batches[:3] + batches[4:])  # all but the lost one
         with f.lock:
             assert _key_set(index) == want, f.counters()
+        assert f.gaps_repaired == 0
+
+
+def test_gap_left_stale_is_repaired_once_the_replay_brings_it():
+    """A gap no ask filled (lost from all four answers) leaves the index
+    stale, with a batch missing and later ones applied. Half a second on,
+    the follower asks again from the last batch applied before the gap;
+    the publisher still holds them all, so they are applied again on top
+    and the index equals the publisher's state: the flag clears by itself
+    (it used to stay set until someone called clear_stale)."""
+    batches = [stores(1, i, 1.0 + i) for i in range(6)]
+    with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
+        replays = _gap_replays_lose_seq_3(pub, f, batches, 4)
+        assert f.gaps_unrecovered == 1, f.counters()
+        assert wait_until(lambda: f.gaps_repaired == 1, WAIT_S), f.counters()
+        with f.lock:
+            assert _key_set(index) == _replay_set(batches), f.counters()
+        assert not f.stale, f.counters()
+        assert f.replays_requested - replays == 5  # 4 asks, then the repair
+        assert f.last_error == "the gap after seq 2 was repaired"
+        pub.publish(stores(1, 6, 7.0))  # and the stream goes on
+        assert f.wait_for_seq(6, WAIT_S) and not f.stale
+
+
+def test_silent_replay_endpoint_then_back_repairs_the_gap():
+    """The replay endpoint stops answering (a sick publisher) during a gap:
+    the follower goes on stale (the replay timed out). Once it answers
+    again, the repair fills the gap and clears the flag."""
+    batches = [stores(1, i, 1.0 + i) for i in range(4)]
+    with _one_follower(reorder_wait_s=0.05, replay_timeout_s=0.2) as (pub, index, f):
+        pub.publish(batches[0])
+        pub.publish(batches[1])
+        assert f.wait_for_seq(1, WAIT_S)
+        pub.mute_replays = True
+        pub.publish(batches[2], "drop")
+        pub.publish(batches[3])
+        assert f.wait_for_seq(3, WAIT_S)
+        assert f.stale and f.gaps_unrecovered == 1, f.counters()
+        assert f.last_error == "replay for 2.. timed out or unavailable"
+        time.sleep(1.0)  # repairs asked meanwhile go unanswered too
+        assert f.stale and f.gaps_repaired == 0, f.counters()
+        pub.mute_replays = False
+        assert wait_until(lambda: f.gaps_repaired == 1, WAIT_S), f.counters()
+        with f.lock:
+            assert _key_set(index) == _replay_set(batches), f.counters()
+        assert not f.stale, f.counters()
+
+
+def test_repair_that_meets_a_new_publisher_rebuilds(monkeypatch):
+    """While stale from a gap the publisher restarts, and everything the new
+    one sends is lost live: the repair's replay differs at its anchor, so
+    it is a restart, and the index is rebuilt from the new publisher's
+    buffer (not stale, its state exactly)."""
+    from kvhit.bindings import event_order
+
+    monkeypatch.setattr(event_order, "_REPAIR_S", 0.3)
+    old = [stores(1, i, 1.0 + i) for i in range(6)]
+    new = [stores(2, i, 20.0 + i) for i in range(3)]
+    with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
+        _gap_replays_lose_seq_3(pub, f, old, 4)
+        assert f.stale and f.gaps_repaired == 0, f.counters()
+        pub.reset()
+        for payload in new:
+            pub.publish(payload, "drop")  # only the repair's replay sees them
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+        with f.lock:
+            assert _key_set(index) == _replay_set(new), f.counters()
+        assert not f.stale and f.publisher_restarts == 1, f.counters()
 
 
 def test_long_replay_read_late_arrives_whole():
