@@ -590,7 +590,10 @@ class EventFollower(StreamOrder, StopOnExit):
             self._settle_at = time.monotonic() + _SETTLE_S
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run one step; an unexpected error is counted, never fatal."""
+        """Run one step; an unexpected error is counted, never fatal. A step
+        that makes the index stale, or serve again, is logged (WARNING,
+        INFO) with its cause: every step of the thread comes through here."""
+        was_stale = self.stale
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - the thread must survive
@@ -598,3 +601,11 @@ class EventFollower(StreamOrder, StopOnExit):
             self.apply_errors += 1
             self.stale = True
             self.last_error = repr(exc)
+        if self.stale != was_stale:
+            logger.log(
+                logging.WARNING if self.stale else logging.INFO,
+                "KV-event follower of %s %s: %s",
+                self.endpoint,
+                "is stale (serves no hits)" if self.stale else "serves again",
+                self.last_error,
+            )

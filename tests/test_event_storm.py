@@ -21,6 +21,7 @@ and checks that threads, file descriptors and RSS stay flat.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import threading
@@ -862,13 +863,14 @@ def test_batch_a_replay_never_brings_goes_stale_after_bounded_asks(monkeypatch):
         assert f.gaps_repaired == 0
 
 
-def test_gap_left_stale_is_repaired_once_the_replay_brings_it():
+def test_gap_left_stale_is_repaired_once_the_replay_brings_it(caplog):
     """A gap no ask filled (lost from all four answers) leaves the index
     stale, with a batch missing and later ones applied. Half a second on,
     the follower asks again from the last batch applied before the gap;
     the publisher still holds them all, so they are applied again on top
     and the index equals the publisher's state: the flag clears by itself
     (it used to stay set until someone called clear_stale)."""
+    caplog.set_level(logging.INFO, logger="kvhit.bindings.events")
     batches = [stores(1, i, 1.0 + i) for i in range(6)]
     with _one_follower(reorder_wait_s=0.05) as (pub, index, f):
         replays = _gap_replays_lose_seq_3(pub, f, batches, 4)
@@ -879,6 +881,18 @@ def test_gap_left_stale_is_repaired_once_the_replay_brings_it():
         assert not f.stale, f.counters()
         assert f.replays_requested - replays == 5  # 4 asks, then the repair
         assert f.last_error == "the gap after seq 2 was repaired"
+        # Both changes logged once, with their cause (an operator's view).
+        said = [
+            (r.levelname, r.getMessage())
+            for r in caplog.records
+            if r.name == "kvhit.bindings.events"
+        ]
+        assert said == [
+            ("WARNING", f"KV-event follower of {pub.endpoint} is stale (serves no "
+                        "hits): gap 3..3 not covered by replay"),
+            ("INFO", f"KV-event follower of {pub.endpoint} serves again: the gap "
+                     "after seq 2 was repaired"),
+        ]  # fmt: skip
         pub.publish(stores(1, 6, 7.0))  # and the stream goes on
         assert f.wait_for_seq(6, WAIT_S) and not f.stale
 
