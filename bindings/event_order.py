@@ -74,47 +74,60 @@ class StreamOrder:
             self._hole = (self.next_seq - 1, anchor)
             self._repair_wait = _REPAIR_S
             self._repair_at = time.monotonic() + _REPAIR_S
+            self._repair_wrapped = 0
 
     def _repair(self) -> None:
         """Fill the gap that left the index stale (see :meth:`_mark_hole`).
 
         Replays from the last batch applied before the gap. When the
-        publisher still holds every batch from there (the same bytes there,
-        no hole on the way), all of them are applied again on top of the
-        index, and :attr:`stale` clears (``gaps_repaired``). That is exact:
-        a batch sets each key it names (stored, removed or cleared), so
-        after the run every key is as its last batch left it, whatever the
-        index held before, and a key no batch of the run names was right
-        already. No answer, or one with a hole: asked again later (twice
-        the wait, to ``_REPAIR_MAX_S``). Another publisher's bytes there: a
-        restart. A buffer that no longer reaches back: stale for good.
+        publisher still holds every batch from there (no hole on the way)
+        and each batch applied since is the publisher's, byte for byte, all
+        of them are applied again on top of the index, and :attr:`stale`
+        clears (``gaps_repaired``). That is exact: a batch sets each key it
+        names (stored, removed or cleared), so after the run every key is as
+        its last batch left it, whatever the index held before, and a key no
+        batch of the run names was right already. Every batch applied since
+        must be checked, not just the ends: a straggler of another
+        publisher applied meanwhile holds keys the run does not name.
+
+        No answer, or one with a hole: asked again later (twice the wait, to
+        ``_REPAIR_MAX_S``). A batch applied that is not the publisher's: a
+        restart (rebuilt from its seq 0, or stale). An answer that starts
+        past the anchor three times (the buffer wrapped), or more batches
+        applied since than are remembered to check: stale for good (until
+        a rebuild or :meth:`clear_stale`).
         """
         assert self._hole is not None and self.next_seq is not None
         anchor_seq, anchor = self._hole
+        self.repair_replays += 1
         msgs = self._replay(anchor_seq, None)
         if msgs and msgs[0].seq == anchor_seq and msgs[0].payload != anchor:
             self._restart(f"repair: the replay differs at seq {anchor_seq}")
             return
         if msgs is not None and (not msgs or msgs[0].seq > anchor_seq):
-            self._hole = None
-            self.last_error = (
-                f"the gap after seq {anchor_seq} cannot be repaired: the "
-                "publisher's replay buffer no longer holds that seq"
-            )
+            self._repair_wrapped += 1  # or the anchor was lost on the way
+            if self._repair_wrapped >= 3:
+                self._give_up(anchor_seq, "the publisher's buffer no longer holds it")
+                return
+            msgs = None
+        if self._recent.last_evicted > anchor_seq:
+            self._give_up(anchor_seq, "more batches were applied since than are kept")
             return
         span = self.next_seq - anchor_seq  # the anchor to the last applied
-        whole = msgs is not None and all(
-            m.seq == anchor_seq + i for i, m in enumerate(msgs)
-        )
-        if not whole or len(msgs) < span:
+        if (
+            msgs is None
+            or len(msgs) < span
+            or not all(m.seq == anchor_seq + i for i, m in enumerate(msgs))
+        ):
             # No answer, a hole on the way, or not yet what we applied.
             self._repair_wait = min(2 * self._repair_wait, _REPAIR_MAX_S)
             self._repair_at = time.monotonic() + self._repair_wait
             return
-        mine = self._recent.get(self.next_seq - 1)
-        if mine is not None and msgs[span - 1].payload != mine:
-            self._restart(f"repair: the replay differs at seq {self.next_seq - 1}")
-            return
+        for m in msgs[1:span]:
+            mine = self._recent.get(m.seq)
+            if mine is not None and mine != m.payload:
+                self._restart(f"repair: the batch applied at seq {m.seq} differs")
+                return
         hole, pending = self._hole, PendingCommit()
         self.next_seq = anchor_seq + 1
         for m in msgs[1:span]:
@@ -126,6 +139,12 @@ class StreamOrder:
             self.stale = False
             self.gaps_repaired += 1
             self.last_error = f"the gap after seq {anchor_seq} was repaired"
+
+    def _give_up(self, anchor_seq: int, why: str) -> None:
+        """No repair of the gap after ``anchor_seq``: stale until a rebuild
+        or :meth:`clear_stale`."""
+        self._hole = None
+        self.last_error = f"the gap after seq {anchor_seq} cannot be repaired: {why}"
 
     def _parse(self, frames: list[bytes], live: bool) -> StreamMsg | None:
         """Frames -> message; None (counted) for anything not a batch."""
@@ -375,10 +394,15 @@ class StreamOrder:
             except PublisherRestart as exc:
                 self._restart(f"{why}: {exc}")
                 return "restart"
+        # No answer, where one was needed: after a reconnection, or for
+        # batches held across a rebuild (maybe the old publisher's: applied
+        # below, unchecked). Stale from the last batch applied before them,
+        # so the repair checks them.
+        unverified = msgs is None and (must_verify or (held and self._suspect))
+        if unverified:
+            self._mark_hole()
+            self.last_error = f"{why}: the replay endpoint did not answer"
         if msgs is None and not held:
-            if must_verify:
-                self._mark_hole()
-                self.last_error = f"{why}: the replay endpoint did not answer"
             return "silent"  # a probe without an answer: nothing learned
         if msgs is not None:
             self._take_replay(msgs)
@@ -420,7 +444,7 @@ class StreamOrder:
             while self._ahead:
                 self.next_seq = min(self._ahead)
                 self._drain_ahead(pending)
-        elif held:
+        elif held and not unverified:
             self.gaps_recovered += 1
         self._flush(pending)
         return "verified" if msgs is not None and anchored else "silent"
@@ -444,17 +468,33 @@ class StreamOrder:
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
 
+    def _whole_life(self) -> list[StreamMsg] | None:
+        """The publisher's replay from seq 0 when it holds every batch since,
+        else None (no endpoint, no answer, or a buffer that wrapped). An
+        answer with a hole inside (lost on the way) is asked again,
+        ``_REPLAY_RETRIES`` times at most."""
+        for ask in range(1 + _REPLAY_RETRIES if self.replay_endpoint else 0):
+            if ask:
+                self.replay_retries += 1
+            msgs = self._replay(0, None)
+            if msgs is None or (msgs and msgs[0].seq != 0):
+                return None
+            if all(m.seq == i for i, m in enumerate(msgs)):
+                return msgs
+        return None
+
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""
         self.publisher_restarts += 1
         self._verified_until = -math.inf  # what was proved was the old stream
-        msgs = self._replay(0, None) if self.replay_endpoint is not None else None
-        if msgs is not None and [m.seq for m in msgs] == list(range(len(msgs))):
+        msgs = self._whole_life()
+        if msgs is not None:
             # Its whole life is in the buffer: the index becomes its state,
-            # cleared and refilled in one commit.
+            # cleared and refilled in one commit. A stale index stays so
+            # until that commit: readers see the old state as stale.
             self._recent.forget()
             self.next_seq = 0
-            self.stale = False
+            errors = self.malformed + self.apply_errors
             pending = PendingCommit(EventPlan(clear=True))
             for m in msgs:
                 self._absorb(pending, m)
@@ -466,14 +506,17 @@ class StreamOrder:
             self._ahead_since = None
             self._suspect = True
             self._flush(pending)
+            if self.malformed + self.apply_errors == errors:
+                self.stale = False
             self.rebuilds += 1
             self.last_error = f"publisher restarted ({reason}); index rebuilt"
             return
         self._recent.forget()
         self.stale = True
         self.last_error = (
-            f"publisher restarted ({reason}); its replay buffer does not reach "
-            "back to seq 0, so the index cannot be rebuilt"
+            f"publisher restarted ({reason}); its replay did not bring every "
+            "batch from seq 0 (its buffer wrapped, or no answer), so the index "
+            "cannot be rebuilt"
         )
         # Go on, stale, with the new stream: held live batches first, else
         # adopt whatever comes next.

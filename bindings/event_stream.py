@@ -51,12 +51,16 @@ class RecentBatches:
     (oldest first): ``remember`` runs once a batch on the in-order path,
     where a subclass of the dict cost ~140 ns more a call."""
 
-    __slots__ = ("batches", "max_count", "max_bytes", "nbytes")
+    __slots__ = ("batches", "max_count", "max_bytes", "nbytes", "last_evicted")
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.batches: OrderedDict[int, bytes] = OrderedDict()
         self.max_count, self.max_bytes = max_count, max_bytes
         self.nbytes = 0
+        #: The seq of the last batch let go for the bounds (-1: none since
+        #: forget): batches go oldest first, so every batch applied after it
+        #: is still here to compare with.
+        self.last_evicted = -1
 
     def remember(self, msg: StreamMsg) -> None:
         """Keep ``msg``'s bytes under its seq (newest), within the bounds."""
@@ -69,7 +73,8 @@ class RecentBatches:
         while len(batches) > 1 and (
             len(batches) > self.max_count or self.nbytes > self.max_bytes
         ):
-            self.nbytes -= len(batches.popitem(last=False)[1])
+            self.last_evicted, gone = batches.popitem(last=False)
+            self.nbytes -= len(gone)
 
     def get(self, seq: int) -> bytes | None:
         """The payload applied at ``seq``, or None if not remembered."""
@@ -85,6 +90,7 @@ class RecentBatches:
         """Remember nothing (the stream is a new publisher's)."""
         self.batches.clear()
         self.nbytes = 0
+        self.last_evicted = -1
 
 
 class PublisherRestart(Exception):

@@ -146,9 +146,13 @@ class EventFollower(StreamOrder, StopOnExit):
     is a gap no replay filled (or a reconnection the replay endpoint did not
     answer), the follower asks for it again 0.5 s later, then after twice
     each wait (to 30 s); once the publisher answers with every batch from
-    the last one applied before the gap, they are all applied again (a
-    batch sets each key it names, so the index becomes the publisher's
-    state) and the flag clears (``gaps_repaired``).
+    the last one applied before the gap, and each batch applied since is
+    its own byte for byte (else: a restart, rebuilt), they are all applied
+    again (a batch sets each key it names, so the index becomes the
+    publisher's state) and the flag clears (``gaps_repaired``). Batches
+    applied again count again in ``batches_applied`` and the like, and
+    ``on_commit`` sees their commit. A rebuild clears the flag only once it
+    is committed.
 
     ``start_seq``: the first sequence expected (0: everything since the
     publisher started, replayed at start-up if a replay endpoint is given);
@@ -263,6 +267,7 @@ class EventFollower(StreamOrder, StopOnExit):
         #: it, and when to ask for it again (see StreamOrder._repair).
         self._hole: tuple[int, bytes] | None = None
         self._repair_at = self._repair_wait = 0.0
+        self._repair_wrapped = 0  # answers that started past the anchor
 
         # Counters, read by anyone (plain ints: atomic enough under the GIL).
         self.stale = False
@@ -281,6 +286,7 @@ class EventFollower(StreamOrder, StopOnExit):
         self.gaps_recovered = 0
         self.gaps_unrecovered = 0
         self.gaps_repaired = 0
+        self.repair_replays = 0
         self.replays_requested = 0
         self.replay_retries = 0
         self.settle_probes = 0
@@ -366,9 +372,9 @@ class EventFollower(StreamOrder, StopOnExit):
             "stale next_seq committed_seq batches_applied events_applied "
             "events_skipped keys_added keys_removed commits malformed duplicates "
             "reordered foreign ignored_topic gaps_detected gaps_recovered "
-            "gaps_unrecovered gaps_repaired replays_requested replay_retries "
-            "settle_probes publisher_restarts rebuilds disconnects reconnects "
-            "apply_errors last_error"
+            "gaps_unrecovered gaps_repaired repair_replays replays_requested "
+            "replay_retries settle_probes publisher_restarts rebuilds "
+            "disconnects reconnects apply_errors last_error"
         ).split()
         return {n: getattr(self, n) for n in names}
 

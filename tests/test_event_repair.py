@@ -239,3 +239,125 @@ def test_long_replay_read_late_arrives_whole():
         server.join(WAIT_S)
         router.close(linger=0)
         ctx.term()
+
+
+def test_straggler_applied_while_the_endpoint_is_silent_is_caught_by_the_repair():
+    """Found by review (seq 13: at 19f37e4 too; seq 14: by the first repair):
+    after a rebuild, a live batch of the old publisher (queued behind the
+    socket) arrives while the replay endpoint is silent. At exactly the seq
+    expected it was applied as the new stream's, unchecked and not stale;
+    past a gap, the first repair compared only the anchor and the last batch
+    applied and cleared the flag with the straggler's keys still in. Now it
+    is stale until checked, and the repair compares every batch applied
+    since its anchor: the straggler differs, so it is a restart, rebuilt
+    from the new publisher's buffer."""
+    old = [stores(1, i, 1.0 + i) for i in range(16)]
+    new = [stores(2, i, 20.0 + i) for i in range(16)]
+    for seq in (13, 14):
+        opts = {"reorder_wait_s": 0.05, "replay_timeout_s": 0.2}
+        with one_follower(**opts) as (pub, index, f):
+            for payload in old[:10]:
+                pub.publish(payload)
+            assert f.wait_for_seq(9, WAIT_S)
+            pub.reset()  # a new publisher: 0..11 lost live, 12 live
+            for payload in new[:12]:
+                pub.publish(payload, "drop")
+            pub.publish(new[12])
+            assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+            assert not f.stale and f.next_seq == 13
+            pub.mute_replays = True
+            pub._send([pub.topic, seq.to_bytes(8, "big"), old[seq]])  # straggler
+            assert f.wait_for_seq(seq, WAIT_S), f.counters()
+            for payload in new[13 : seq + 1]:
+                pub.publish(payload, "drop")
+            pub.publish(new[seq + 1])
+            assert f.wait_for_seq(seq + 1, WAIT_S), f.counters()
+            assert f.stale, (seq, f.counters())
+            pub.mute_replays = False
+            assert wait_until(lambda: f.rebuilds == 2, WAIT_S), (seq, f.counters())
+            with f.lock:
+                assert key_set(index) == pub.truth, (seq, f.counters())
+            assert not f.stale, (seq, f.counters())
+            assert "differs" in f.last_error and f.gaps_repaired == 0
+
+
+def test_rebuild_answer_that_loses_a_batch_is_asked_again():
+    """Found by review: a publisher restart's rebuild replay (from seq 0)
+    that lost one batch on the way was taken for a buffer that no longer
+    reaches seq 0, and the follower stayed stale for good. It is asked again,
+    like a gap's replay."""
+    old = [stores(1, i, 1.0 + i) for i in range(5)]
+    new = [stores(2, i, 20.0 + i) for i in range(6)]
+    with one_follower(reorder_wait_s=0.05, replay_timeout_s=0.2) as (pub, index, f):
+        for payload in old:
+            pub.publish(payload)
+        assert f.wait_for_seq(4, WAIT_S)
+        pub.reset()
+        pub.lose_in_replay = {2: 1}  # lost once, from the rebuild's answer
+        for payload in new[:3]:
+            pub.publish(payload, "drop")
+        pub.publish(new[3])  # differs from the batch applied at seq 3
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+        for payload in new[4:]:
+            pub.publish(payload)
+        assert f.wait_for_seq(5, WAIT_S), f.counters()
+        with f.lock:
+            assert key_set(index) == replay_set(new), f.counters()
+        assert not f.stale and f.replay_retries >= 1, f.counters()
+        assert pub.lose_in_replay == {2: 0}
+
+
+def test_rebuild_keeps_a_stale_index_stale_until_it_is_committed(monkeypatch):
+    """Found by review (at 19f37e4 too): a rebuild cleared the stale flag
+    before it decoded the new publisher's buffer, so while it did (a 10,000-
+    batch buffer takes a while), readers were served the old, gap-ridden
+    index as good. Each batch's read is slowed to 20 ms here, and a reader
+    checks, under the follower's lock, that whenever the flag is clear the
+    index is the new publisher's."""
+    from kvhit.bindings import event_order
+
+    slow = threading.Event()
+    plan = event_order.plan_payload
+
+    def slow_plan(*args: Any, **kwargs: Any) -> Any:
+        if slow.is_set():
+            time.sleep(0.02)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(event_order, "plan_payload", slow_plan)
+    old = [stores(1, i, 1.0 + i) for i in range(7)]
+    new = [stores(2, i, 20.0 + i) for i in range(30)]
+    with one_follower(reorder_wait_s=0.05, replay_timeout_s=0.2) as (pub, index, f):
+        for payload in old[:5]:
+            pub.publish(payload)
+        assert f.wait_for_seq(4, WAIT_S)
+        pub.mute_replays = True
+        pub.publish(old[5], "drop")
+        pub.publish(old[6])
+        assert f.wait_for_seq(6, WAIT_S) and f.stale, f.counters()
+        pub.reset()
+        for payload in new:
+            pub.publish(payload, "drop")
+        wrong: list[int] = []
+        done = threading.Event()
+
+        def reader() -> None:
+            while not done.is_set():
+                with f.lock:
+                    if not f.stale and key_set(index) != pub.truth:
+                        wrong.append(len(key_set(index) ^ pub.truth))
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        slow.set()
+        pub.mute_replays = False
+        try:
+            assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+            assert wait_until(lambda: not f.stale, WAIT_S), f.counters()
+        finally:
+            done.set()
+            thread.join(WAIT_S)
+        assert not wrong, wrong[:5]
+        with f.lock:
+            assert key_set(index) == pub.truth
