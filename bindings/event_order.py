@@ -43,6 +43,11 @@ _REPLAY_RETRIES = 3
 #: seconds after, then after twice each previous wait, up to the second.
 _REPAIR_S = 0.5
 _REPAIR_MAX_S = 30.0
+#: A repair's anchor seq when no batch applied is remembered (the gap came
+#: before any, e.g. at start-up): every batch from seq 0 is applied again...
+_FROM_START = -1
+#: ... and when a restart could not be rebuilt: rebuilt once it can be.
+_REBUILD = -2
 
 
 class StreamOrder:
@@ -63,74 +68,92 @@ class StreamOrder:
 
     def _mark_hole(self) -> None:
         """Stale from a gap no replay filled (``next_seq`` on is missing):
-        keep the last batch applied before it, so :meth:`_repair` can fill
-        the gap once the publisher answers."""
+        keep the last batch applied before it (none remembered: from seq
+        0), so :meth:`_repair` can fill the gap once the publisher answers."""
         hole, was_stale = self._hole, self.stale
         anchor = self._recent.get(self.next_seq - 1)
         self.stale = True
         if was_stale:
             self._hole = hole  # an earlier gap's repair covers this one
-        elif anchor is not None and self.replay_endpoint is not None:
-            self._hole = (self.next_seq - 1, anchor)
+        elif anchor is not None:
+            self._schedule_repair((self.next_seq - 1, anchor))
+        else:
+            self._schedule_repair((_FROM_START, b""))
+
+    def _schedule_repair(self, hole: tuple[int, bytes]) -> None:
+        """Stale, with ``hole`` to repair first ``_REPAIR_S`` from now (with
+        a replay endpoint; without one, stale until cleared)."""
+        if self.replay_endpoint is not None:
+            self._hole = hole
             self._repair_wait = _REPAIR_S
             self._repair_at = time.monotonic() + _REPAIR_S
             self._repair_wrapped = 0
 
     def _repair(self) -> None:
-        """Fill the gap that left the index stale (see :meth:`_mark_hole`).
+        """Fill the gap that left the index stale (see :meth:`_mark_hole`),
+        or rebuild a restart that could not be rebuilt (``_REBUILD``).
 
-        Replays from the last batch applied before the gap. When the
-        publisher still holds every batch from there (no hole on the way)
-        and each batch applied since is the publisher's, byte for byte, all
-        of them are applied again on top of the index, and :attr:`stale`
-        clears (``gaps_repaired``). That is exact: a batch sets each key it
-        names (stored, removed or cleared), so after the run every key is as
-        its last batch left it, whatever the index held before, and a key no
-        batch of the run names was right already. Every batch applied since
-        must be checked, not just the ends: a straggler of another
-        publisher applied meanwhile holds keys the run does not name.
+        Replays from the last batch applied before the gap (from seq 0 for
+        ``_FROM_START``). When the publisher still holds every batch from
+        there (no hole on the way) and each batch applied since is the
+        publisher's, byte for byte, all of them are applied again on top of
+        the index, and :attr:`stale` clears (``gaps_repaired``). That is
+        exact: a batch sets each key it names (stored, removed or cleared),
+        so after the run every key is as its last batch left it, whatever
+        the index held before, and a key no batch of the run names was right
+        already. Every batch applied since must be checked, not just the
+        ends: a straggler of another publisher applied meanwhile holds keys
+        the run does not name.
 
         No answer, or one with a hole: asked again later (twice the wait, to
-        ``_REPAIR_MAX_S``). A batch applied that is not the publisher's: a
-        restart (rebuilt from its seq 0, or stale). An answer that starts
-        past the anchor three times (the buffer wrapped), or more batches
-        applied since than are remembered to check: stale for good (until
-        a rebuild or :meth:`clear_stale`).
+        ``_REPAIR_MAX_S``). A batch applied that is not the publisher's (its
+        bytes differ, or it holds none at that seq): a restart (rebuilt from
+        its seq 0, or stale and a rebuild asked for later). An answer that starts past
+        the anchor three times (the buffer wrapped), or more batches applied
+        since than are remembered to check: stale for good (until a rebuild
+        or :meth:`clear_stale`).
         """
-        assert self._hole is not None and self.next_seq is not None
+        assert self._hole is not None
         anchor_seq, anchor = self._hole
         self.repair_replays += 1
-        msgs = self._replay(anchor_seq, None)
-        if msgs and msgs[0].seq == anchor_seq and msgs[0].payload != anchor:
-            self._restart(f"repair: the replay differs at seq {anchor_seq}")
+        if anchor_seq == _REBUILD:
+            msgs, wrapped = self._whole_life()
+            if msgs is not None:
+                self._rebuild(msgs, "a restart rebuilt on repair")
+            else:
+                self._repair_later(_REBUILD, wrapped, "its buffer wrapped")
             return
-        if msgs is not None and (not msgs or msgs[0].seq > anchor_seq):
-            self._repair_wrapped += 1  # or the anchor was lost on the way
-            if self._repair_wrapped >= 3:
-                self._give_up(anchor_seq, "the publisher's buffer no longer holds it")
-                return
-            msgs = None
+        assert self.next_seq is not None
+        start = max(anchor_seq, 0)
+        msgs = self._replay(start, None)
+        if msgs == [] or (
+            msgs and msgs[0].seq == anchor_seq and msgs[0].payload != anchor
+        ):
+            self._restart(f"repair: the replay does not continue at seq {start}")
+            return
         if self._recent.last_evicted > anchor_seq:
             self._give_up(anchor_seq, "more batches were applied since than are kept")
             return
-        span = self.next_seq - anchor_seq  # the anchor to the last applied
-        if (
-            msgs is None
-            or len(msgs) < span
-            or not all(m.seq == anchor_seq + i for i, m in enumerate(msgs))
-        ):
-            # No answer, a hole on the way, or not yet what we applied.
-            self._repair_wait = min(2 * self._repair_wait, _REPAIR_MAX_S)
-            self._repair_at = time.monotonic() + self._repair_wait
+        span = self.next_seq - start  # msgs[:span]: start to the last applied
+        if msgs is None or not all(m.seq == start + i for i, m in enumerate(msgs)):
+            # No answer, a wrapped buffer, or a hole on the way.
+            wrapped = bool(msgs) and msgs[0].seq > start
+            self._repair_later(anchor_seq, wrapped, "the buffer no longer holds it")
             return
-        for m in msgs[1:span]:
+        if len(msgs) < span:
+            # Its buffer ends before the last batch applied, which is then
+            # not its own (a straggler of another publisher).
+            self._restart(f"repair: no batch at seq {start + len(msgs)}, applied")
+            return
+        again = msgs[anchor_seq + 1 - start : span]  # what is applied again
+        for m in again:
             mine = self._recent.get(m.seq)
             if mine is not None and mine != m.payload:
                 self._restart(f"repair: the batch applied at seq {m.seq} differs")
                 return
         hole, pending = self._hole, PendingCommit()
         self.next_seq = anchor_seq + 1
-        for m in msgs[1:span]:
+        for m in again:
             self._absorb(pending, m)
         self._take_replay(msgs[span:])
         self._drain_ahead(pending)
@@ -140,11 +163,27 @@ class StreamOrder:
             self.gaps_repaired += 1
             self.last_error = f"the gap after seq {anchor_seq} was repaired"
 
+    def _repair_later(self, anchor_seq: int, wrapped: bool, why: str) -> None:
+        """Ask again after twice the last wait; after the third answer that
+        starts past where it should, give up."""
+        if wrapped:
+            self._repair_wrapped += 1
+            if self._repair_wrapped >= 3:
+                self._give_up(anchor_seq, why)
+                return
+        self._repair_wait = min(2 * self._repair_wait, _REPAIR_MAX_S)
+        self._repair_at = time.monotonic() + self._repair_wait
+
     def _give_up(self, anchor_seq: int, why: str) -> None:
-        """No repair of the gap after ``anchor_seq``: stale until a rebuild
-        or :meth:`clear_stale`."""
+        """No repair of the gap after ``anchor_seq`` (or rebuild): stale
+        until a rebuild or :meth:`clear_stale`."""
         self._hole = None
-        self.last_error = f"the gap after seq {anchor_seq} cannot be repaired: {why}"
+        what = (
+            "the index cannot be rebuilt"
+            if anchor_seq == _REBUILD
+            else f"the gap after seq {anchor_seq} cannot be repaired"
+        )
+        self.last_error = f"{what}: {why}"
 
     def _parse(self, frames: list[bytes], live: bool) -> StreamMsg | None:
         """Frames -> message; None (counted) for anything not a batch."""
@@ -193,11 +232,13 @@ class StreamOrder:
                     # The new publisher's own live copy of a rebuilt batch:
                     # the stream (one connection, in order) is its from here.
                     # What was held before it may be the old one's: the
-                    # replay decides, before anything after it is applied.
+                    # replay decides, before anything after it is applied;
+                    # without an answer they are applied stale, for the
+                    # repair to check.
                     self._suspect = False
                     if self._ahead:
                         self._flush(pending)
-                        self._catch_up("check (held across a rebuild)")
+                        self._catch_up("check (held across a rebuild)", True)
                         return PendingCommit()
                 return pending
             reason = f"seq {seq} differs from the batch applied at that seq"
@@ -372,7 +413,8 @@ class StreamOrder:
         dropped (``foreign``), never applied.
 
         ``must_verify``: no answer marks the index stale (after a
-        reconnection, silence cannot tell a restart from a blip).
+        reconnection, silence cannot tell a restart from a blip; batches
+        held across a rebuild may be the old publisher's).
 
         Returns ``"verified"`` (the replay answered and continues the
         stream), ``"restart"`` (it did not: handled by :meth:`_restart`) or
@@ -468,55 +510,61 @@ class StreamOrder:
             if m.seq >= self.next_seq:
                 self._ahead[m.seq] = m
 
-    def _whole_life(self) -> list[StreamMsg] | None:
-        """The publisher's replay from seq 0 when it holds every batch since,
-        else None (no endpoint, no answer, or a buffer that wrapped). An
-        answer with a hole inside (lost on the way) is asked again,
-        ``_REPLAY_RETRIES`` times at most."""
+    def _whole_life(self) -> tuple[list[StreamMsg] | None, bool]:
+        """``(msgs, wrapped)``: the publisher's replay from seq 0 when it
+        holds every batch since, else None (no endpoint, no answer, or an
+        answer starting past seq 0: ``wrapped``). An answer with a hole
+        inside (lost on the way) is asked again, ``_REPLAY_RETRIES`` times
+        at most."""
         for ask in range(1 + _REPLAY_RETRIES if self.replay_endpoint else 0):
             if ask:
                 self.replay_retries += 1
             msgs = self._replay(0, None)
             if msgs is None or (msgs and msgs[0].seq != 0):
-                return None
+                return None, msgs is not None
             if all(m.seq == i for i, m in enumerate(msgs)):
-                return msgs
-        return None
+                return msgs, False
+        return None, False
+
+    def _rebuild(self, msgs: list[StreamMsg], reason: str) -> None:
+        """The index becomes the state of the publisher whose whole life is
+        ``msgs`` (its replay from seq 0): cleared and refilled in one
+        commit. A stale index stays so until that commit: readers see the
+        old state as stale."""
+        self._recent.forget()
+        self.next_seq = 0
+        errors = self.malformed + self.apply_errors
+        pending = PendingCommit(EventPlan(clear=True))
+        for m in msgs:
+            self._absorb(pending, m)
+        # Held live batches may be the old publisher's (held for a reorder
+        # when it was replaced): drop them all. The new publisher's come back
+        # through the next gap's replay.
+        self.foreign += len(self._ahead)
+        self._ahead.clear()
+        self._ahead_since = None
+        self._suspect = True
+        self._flush(pending)
+        if self.malformed + self.apply_errors == errors:
+            self.stale = False
+        self.rebuilds += 1
+        self.last_error = f"{reason}; index rebuilt"
 
     def _restart(self, reason: str) -> None:
         """The stream now comes from a new publisher: rebuild or go stale."""
         self.publisher_restarts += 1
         self._verified_until = -math.inf  # what was proved was the old stream
-        msgs = self._whole_life()
+        msgs, _ = self._whole_life()
         if msgs is not None:
-            # Its whole life is in the buffer: the index becomes its state,
-            # cleared and refilled in one commit. A stale index stays so
-            # until that commit: readers see the old state as stale.
-            self._recent.forget()
-            self.next_seq = 0
-            errors = self.malformed + self.apply_errors
-            pending = PendingCommit(EventPlan(clear=True))
-            for m in msgs:
-                self._absorb(pending, m)
-            # Held live batches may be the old publisher's (held for a
-            # reorder when it was replaced): drop them all. The new
-            # publisher's come back through the next gap's replay.
-            self.foreign += len(self._ahead)
-            self._ahead.clear()
-            self._ahead_since = None
-            self._suspect = True
-            self._flush(pending)
-            if self.malformed + self.apply_errors == errors:
-                self.stale = False
-            self.rebuilds += 1
-            self.last_error = f"publisher restarted ({reason}); index rebuilt"
+            self._rebuild(msgs, f"publisher restarted ({reason})")
             return
         self._recent.forget()
         self.stale = True
+        self._schedule_repair((_REBUILD, b""))  # it may answer later
         self.last_error = (
             f"publisher restarted ({reason}); its replay did not bring every "
             "batch from seq 0 (its buffer wrapped, or no answer), so the index "
-            "cannot be rebuilt"
+            "cannot be rebuilt yet"
         )
         # Go on, stale, with the new stream: held live batches first, else
         # adopt whatever comes next.

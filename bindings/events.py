@@ -143,16 +143,18 @@ class EventFollower(StreamOrder, StopOnExit):
     flag stays set until :meth:`clear_stale` (or a successful rebuild); a
     stale index must not serve hits (:meth:`lookup` enforces it). Errors
     never stop the thread. A gap is repaired, though: when the only cause
-    is a gap no replay filled (or a reconnection the replay endpoint did not
-    answer), the follower asks for it again 0.5 s later, then after twice
-    each wait (to 30 s); once the publisher answers with every batch from
-    the last one applied before the gap, and each batch applied since is
-    its own byte for byte (else: a restart, rebuilt), they are all applied
-    again (a batch sets each key it names, so the index becomes the
+    is a gap no replay filled (or a check the replay endpoint did not
+    answer: a reconnection's, or one of batches held across a rebuild), the
+    follower asks for it again 0.5 s later, then after twice each wait (to
+    30 s); once the publisher answers with every batch from the last one
+    applied before the gap (from seq 0 if none is remembered), and each
+    batch applied since is its own byte for byte (else: a restart,
+    rebuilt), they are all applied again (a batch sets each key it names, so the index becomes the
     publisher's state) and the flag clears (``gaps_repaired``). Batches
     applied again count again in ``batches_applied`` and the like, and
     ``on_commit`` sees their commit. A rebuild clears the flag only once it
-    is committed.
+    is committed; a restart that could not be rebuilt (no answer) is
+    rebuilt the same way once the endpoint answers.
 
     ``start_seq``: the first sequence expected (0: everything since the
     publisher started, replayed at start-up if a replay endpoint is given);

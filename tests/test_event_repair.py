@@ -361,3 +361,79 @@ def test_rebuild_keeps_a_stale_index_stale_until_it_is_committed(monkeypatch):
         assert not wrong, wrong[:5]
         with f.lock:
             assert key_set(index) == pub.truth
+
+
+def test_copy_of_a_rebuilt_batch_does_not_wave_a_held_straggler_through():
+    """Found by the second review: after a rebuild, the new publisher's live
+    copy of a rebuilt batch ended the suspicion before the check it asked
+    for, so with the replay endpoint silent a straggler of the old
+    publisher held at exactly the seq expected was applied, counted
+    recovered and not stale. Now that check must be answered: stale, and
+    once the endpoint answers, the repair finds the straggler (a restart,
+    rebuilt) and the index is the new publisher's."""
+    old = [stores(1, i, 1.0 + i) for i in range(16)]
+    new = [stores(2, i, 20.0 + i) for i in range(16)]
+    with one_follower(reorder_wait_s=1.0, replay_timeout_s=0.3) as (pub, index, f):
+        for payload in old[:10]:
+            pub.publish(payload)
+        assert f.wait_for_seq(9, WAIT_S)
+        pub.reset()
+        for payload in new[:12]:
+            pub.publish(payload, "drop")
+        pub.publish(new[12])  # a gap, a replay that differs at 9: rebuilt
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+        pub.mute_replays = True
+        pub._send([pub.topic, (13).to_bytes(8, "big"), old[13]])  # held
+        pub._send([pub.topic, (12).to_bytes(8, "big"), new[12]])  # a copy
+        assert f.wait_for_seq(13, WAIT_S), f.counters()
+        assert f.stale and f.gaps_recovered == 0, f.counters()
+        pub.mute_replays = False
+        assert wait_until(lambda: not f.stale, WAIT_S), f.counters()
+        with f.lock:
+            assert key_set(index) == pub.truth, f.counters()
+        assert f.rebuilds == 2, f.counters()
+
+
+def test_restart_met_while_the_endpoint_is_silent_is_rebuilt_once_it_answers():
+    """Found by the second review: a restart seen while the replay endpoint
+    did not answer left the follower stale for good (nothing asked for the
+    new publisher's buffer again). Now the rebuild is asked for like a
+    repair, and done once the endpoint answers."""
+    old = [stores(1, i, 1.0 + i) for i in range(5)]
+    new = [stores(2, i, 20.0 + i) for i in range(4)]
+    with one_follower(reorder_wait_s=0.05, replay_timeout_s=0.2) as (pub, index, f):
+        for payload in old:
+            pub.publish(payload)
+        assert f.wait_for_seq(4, WAIT_S)
+        pub.mute_replays = True
+        pub.reset()
+        for payload in new:
+            pub.publish(payload)  # seq 0 differs from the batch applied at 0
+        assert wait_until(lambda: f.publisher_restarts == 1, WAIT_S), f.counters()
+        assert wait_until(lambda: f.stale, WAIT_S), f.counters()
+        assert "cannot be rebuilt yet" in f.last_error, f.counters()
+        pub.mute_replays = False
+        assert wait_until(lambda: f.rebuilds == 1, WAIT_S), f.counters()
+        with f.lock:
+            assert key_set(index) == replay_set(new), f.counters()
+        assert not f.stale, f.counters()
+
+
+def test_gap_before_any_batch_applied_is_repaired_from_seq_0():
+    """A gap with no batch applied before it (the first batch lost live
+    while the replay endpoint is silent) has no anchor: its repair applies
+    every batch from seq 0 again, once the endpoint answers."""
+    batches = [stores(1, i, 1.0 + i) for i in range(3)]
+    with one_follower(reorder_wait_s=0.05, replay_timeout_s=0.2) as (pub, index, f):
+        pub.mute_replays = True
+        pub.publish(batches[0], "drop")
+        pub.publish(batches[1])
+        assert f.wait_for_seq(1, WAIT_S)
+        assert f.stale and f.gaps_unrecovered == 1, f.counters()
+        pub.mute_replays = False
+        assert wait_until(lambda: f.gaps_repaired == 1, WAIT_S), f.counters()
+        with f.lock:
+            assert key_set(index) == replay_set(batches[:2]), f.counters()
+        assert not f.stale and f.last_error == "the gap after seq -1 was repaired"
+        pub.publish(batches[2])
+        assert f.wait_for_seq(2, WAIT_S) and not f.stale
