@@ -155,7 +155,7 @@ class StreamOrder:
         self.next_seq = anchor_seq + 1
         for m in again:
             self._absorb(pending, m)
-        self._take_replay(msgs[span:])
+        self._take_replay(msgs[span:], self.next_seq)
         self._drain_ahead(pending)
         self._flush(pending)
         if self._hole is hole and not self._ahead:  # nothing failed meanwhile
@@ -446,8 +446,11 @@ class StreamOrder:
             self.last_error = f"{why}: the replay endpoint did not answer"
         if msgs is None and not held:
             return "silent"  # a probe without an answer: nothing learned
+        # The answer covers the seqs from its anchor's next on (from its
+        # first batch without an anchor: a wrapped buffer starts later).
+        lo = self.next_seq if anchored or not msgs else msgs[0].seq
         if msgs is not None:
-            self._take_replay(msgs)
+            self._take_replay(msgs, lo)
         pending = PendingCommit()
         start = self.next_seq
         self._drain_ahead(pending)
@@ -470,7 +473,7 @@ class StreamOrder:
                 self._restart(f"{why}: {exc}")
                 return "restart"
             if msgs is not None:
-                self._take_replay(msgs)
+                self._take_replay(msgs, self.next_seq)  # anchored: see above
                 self._drain_ahead(pending)
         if self._ahead:
             # A hole the replay could not fill: go on, stale, from what we have.
@@ -491,16 +494,25 @@ class StreamOrder:
         self._flush(pending)
         return "verified" if msgs is not None and anchored else "silent"
 
-    def _take_replay(self, msgs: list[StreamMsg]) -> None:
+    def _take_replay(self, msgs: list[StreamMsg], lo: int) -> None:
         """Put a replay's batches (in seq order) in the reorder buffer: the
         replay's batch wins over a live one that differs (``foreign``), and a
-        held batch past the publisher's last is a straggler (``foreign``)."""
+        held batch past the publisher's last is a straggler (``foreign``).
+        The answer covers ``lo`` (its anchor's next, or its first batch) to
+        its last batch."""
         # The publisher's buffer is contiguous: nothing after its last batch
         # (or after our anchor, when it has nothing newer) exists.
         last = msgs[-1].seq if msgs else self.next_seq - 1
         for seq in [s for s in self._ahead if s > last]:
             del self._ahead[seq]
             self.foreign += 1
+        # A held batch inside the answer's range that the answer lacks (lost
+        # on the way) is unchecked, and may be a straggler (found by review:
+        # one was applied as the new publisher's): dropped, so the hole is
+        # asked for again.
+        answered = {m.seq for m in msgs}
+        for seq in [s for s in self._ahead if lo <= s and s not in answered]:
+            del self._ahead[seq]
         for m in msgs:
             live = self._ahead.get(m.seq)
             if live is not None and live.payload != m.payload:
