@@ -1,8 +1,9 @@
 """The pieces of a KV-event stream that a follower handles, apart from its
-logic (``bindings/events.py``): a batch as received, the commit being built
-from batches in order, the signal that the stream belongs to a new
-publisher, the client side of vLLM's replay protocol, and the
-``with``-block behaviour every follower shares."""
+logic (``bindings/event_order.py``) and its thread (``bindings/events.py``):
+a batch as received, the commit being built from batches in order, the
+batches applied last (remembered byte for byte), the signal that the stream
+belongs to a new publisher, the client side of vLLM's replay protocol, and
+the ``with``-block behaviour every follower shares."""
 
 from __future__ import annotations
 

@@ -133,8 +133,10 @@ class EventFollower(StreamOrder, StopOnExit):
     probes a connection (the first, and each reconnection), none after its
     first live batch; a replay whose answer came back with a hole (its
     ROUTER dropped batches past its send high-water mark) is asked again
-    from the hole, ``_REPLAY_RETRIES`` times at most (``replay_retries``).
-    ``tests/test_event_storm.py`` holds 64 publishers to that.
+    from the hole, ``_REPLAY_RETRIES`` times at most (``replay_retries``),
+    and a stale index's repair asks at most once per wait, the waits
+    doubling to 30 s (``repair_replays``). ``tests/test_event_storm.py``
+    holds 64 publishers to that.
 
     **Staleness.** :attr:`stale` becomes True when the index may differ from
     the publisher's state: a gap replay could not cover (``gaps_unrecovered``),
@@ -149,12 +151,14 @@ class EventFollower(StreamOrder, StopOnExit):
     30 s); once the publisher answers with every batch from the last one
     applied before the gap (from seq 0 if none is remembered), and each
     batch applied since is its own byte for byte (else: a restart,
-    rebuilt), they are all applied again (a batch sets each key it names, so the index becomes the
-    publisher's state) and the flag clears (``gaps_repaired``). Batches
-    applied again count again in ``batches_applied`` and the like, and
-    ``on_commit`` sees their commit. A rebuild clears the flag only once it
-    is committed; a restart that could not be rebuilt (no answer) is
-    rebuilt the same way once the endpoint answers.
+    rebuilt), they are all applied again (a batch sets each key it names,
+    so the index becomes the publisher's state) and the flag clears
+    (``gaps_repaired``). Batches applied again count again in
+    ``batches_applied`` and the like, and ``on_commit`` sees their commit.
+    A rebuild clears the flag only once it is committed; a restart that
+    could not be rebuilt (no answer) is rebuilt the same way once the
+    endpoint answers. While the flag is clear, the index is the publisher's
+    state up to :attr:`committed_seq` (``tests/test_event_repair.py``).
 
     ``start_seq``: the first sequence expected (0: everything since the
     publisher started, replayed at start-up if a replay endpoint is given);
@@ -266,7 +270,8 @@ class EventFollower(StreamOrder, StopOnExit):
         self._confirmed = False
 
         #: Stale from a gap: (seq, payload) of the last batch applied before
-        #: it, and when to ask for it again (see StreamOrder._repair).
+        #: it (or event_order's _FROM_START / _REBUILD), and when to ask for
+        #: it again (see StreamOrder._repair).
         self._hole: tuple[int, bytes] | None = None
         self._repair_at = self._repair_wait = 0.0
         self._repair_wrapped = 0  # answers that started past the anchor
