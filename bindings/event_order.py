@@ -19,6 +19,7 @@ from kvhit.bindings.event_stream import (
     PublisherRestart,
     StreamMsg,
     request_replay,
+    unbroken,
 )
 from kvhit.bindings.kv_event_scan import plan_payload
 from kvhit.bindings.kv_events import (
@@ -135,7 +136,7 @@ class StreamOrder:
             self._give_up(anchor_seq, "more batches were applied since than are kept")
             return
         span = self.next_seq - start  # msgs[:span]: start to the last applied
-        if msgs is None or not all(m.seq == start + i for i, m in enumerate(msgs)):
+        if msgs is None or not unbroken(msgs, start):
             # No answer, a wrapped buffer, or a hole on the way.
             wrapped = bool(msgs) and msgs[0].seq > start
             self._repair_later(anchor_seq, wrapped, "the buffer no longer holds it")
@@ -534,7 +535,7 @@ class StreamOrder:
             msgs = self._replay(0, None)
             if msgs is None or (msgs and msgs[0].seq != 0):
                 return None, msgs is not None
-            if all(m.seq == i for i, m in enumerate(msgs)):
+            if unbroken(msgs, 0):
                 return msgs, False
         return None, False
 

@@ -24,6 +24,7 @@ __all__ = [
     "StopOnExit",
     "StreamMsg",
     "request_replay",
+    "unbroken",
 ]
 
 
@@ -96,6 +97,13 @@ class RecentBatches:
 
 class PublisherRestart(Exception):
     """Raised inside a follower when the stream belongs to a new publisher."""
+
+
+def unbroken(msgs: list[StreamMsg], start: int) -> bool:
+    """Whether a replay's answer (sorted by seq) holds every seq from
+    ``start`` to its last batch: no batch lost on the way, none missing at
+    its front."""
+    return all(m.seq == start + i for i, m in enumerate(msgs))
 
 
 def request_replay(
