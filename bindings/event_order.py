@@ -109,10 +109,10 @@ class StreamOrder:
         No answer, or one with a hole: asked again later (twice the wait, to
         ``_REPAIR_MAX_S``). A batch applied that is not the publisher's (its
         bytes differ, or it holds none at that seq): a restart (rebuilt from
-        its seq 0, or stale and a rebuild asked for later). An answer that starts past
-        the anchor three times (the buffer wrapped), or more batches applied
-        since than are remembered to check: stale for good (until a rebuild
-        or :meth:`clear_stale`).
+        its seq 0, or stale and a rebuild asked for later). An answer that
+        starts past the anchor three times (the buffer wrapped), or more
+        batches applied since than are remembered to check: stale for good
+        (until a rebuild or :meth:`clear_stale`).
         """
         assert self._hole is not None
         anchor_seq, anchor = self._hole

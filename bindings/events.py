@@ -485,7 +485,8 @@ class EventFollower(StreamOrder, StopOnExit):
                     since = self._ahead_since
                     self._safely(self._catch_up, "gap")
                     if self._ahead and self._ahead_since == since:
-                        # The repair failed (counted, stale): never spin on it.
+                        # The gap's catch-up failed (counted, stale): never
+                        # spin on it (the repair asks again on its schedule).
                         self._ahead.clear()
                         self._ahead_since = None
                 if self._hole is not None and time.monotonic() >= self._repair_at:

@@ -5,8 +5,9 @@ its requests' block ids and their lengths read back and scanned.
 step (``B`` lists of ints, then the list of their ``B`` lengths) as msgpack
 in one C pass, and :func:`lists_hits` reads it back
 (``msgpack_numba.unpack_step``, which refuses anything but ints in int64
-and a negative or missing length) and runs the serial batch scan (``scan_numba.batch_hits``) on it,
-the hits divided by the caller's block size. A step of one request then
+and a negative or missing length) and runs the serial batch scan
+(``scan_numba.batch_hits``) on it, the hits divided by the caller's block
+size. A step of one request then
 costs one encode and one compiled call, where ``HashBatch.from_ints``, the
 engine's checks and ``hit_list`` cost a compiled call each and several
 Python objects (``find_hit_list`` against ``from_ints`` + ``find_longest_
